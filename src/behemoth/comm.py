@@ -1,0 +1,303 @@
+"""The only home of collectives in behemoth.
+
+Every collective goes through an :class:`Axis` (one mesh axis's process group, seen
+from this rank) and is recorded in that axis's :class:`Ledger`: calls, payload bytes,
+wire bytes (what a ring algorithm sends per rank) and blocking time. ``engine.comm_stats()``
+reports the ledger, and tests compare it with the traffic formulas of DESIGN.md.
+
+Two kinds of API:
+* plain functions (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
+  ``all_to_all``, ``barrier``) for engine-level work such as gradient buckets;
+* named autograd Functions for model-level communication, each docstring stating the
+  forward and the backward operation (Megatron's f/g mappings and their relatives).
+
+An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+# --------------------------------------------------------------------------- ledger
+@dataclass
+class AxisTraffic:
+    calls: int = 0
+    bytes: int = 0
+    """Payload bytes: the size of the tensor each call reduces, gathers or sends."""
+    wire_bytes: float = 0.0
+    """Bytes this rank puts on the wire for a bandwidth-optimal (ring) algorithm."""
+    seconds: float = 0.0
+    """Time spent blocked in (or waiting on) the call on this rank."""
+    by_op: dict = field(default_factory=lambda: defaultdict(int))
+
+
+class Ledger:
+    """Per-axis traffic counters for one rank."""
+
+    def __init__(self) -> None:
+        self.axes: dict[str, AxisTraffic] = defaultdict(AxisTraffic)
+
+    def record(self, axis: str, op: str, nbytes: int, wire: float, seconds: float = 0.0) -> None:
+        t = self.axes[axis]
+        t.calls += 1
+        t.bytes += int(nbytes)
+        t.wire_bytes += wire
+        t.seconds += seconds
+        t.by_op[op] += 1
+
+    def add_time(self, axis: str, seconds: float) -> None:
+        self.axes[axis].seconds += seconds
+
+    def reset(self) -> None:
+        self.axes.clear()
+
+    def stats(self) -> dict[str, dict]:
+        return {
+            name: {
+                "calls": t.calls,
+                "bytes": t.bytes,
+                "wire_bytes": int(t.wire_bytes),
+                "seconds": round(t.seconds, 6),
+                "ops": dict(t.by_op),
+            }
+            for name, t in sorted(self.axes.items())
+        }
+
+
+# --------------------------------------------------------------------------- axis
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as seen from this rank: its group, size, this rank's index in it."""
+
+    name: str
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    """Global ranks of this rank's group, in axis order."""
+    group: object | None
+    ledger: Ledger
+
+    @property
+    def trivial(self) -> bool:
+        return self.size == 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Pending:
+    """An in-flight asynchronous collective; ``wait()`` books the blocked time."""
+
+    def __init__(self, work, axis: Axis, after=None) -> None:
+        self._work, self._axis, self._after = work, axis, after
+
+    def wait(self) -> None:
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            self._axis.ledger.add_time(self._axis.name, time.perf_counter() - t0)
+            self._work = None
+        if self._after is not None:
+            self._after()
+            self._after = None
+
+
+_DONE = _Pending(None, None)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- functional
+def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async."""
+    if axis.trivial:
+        return _DONE if async_op else t
+    n = axis.size
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
+    axis.ledger.record(axis.name, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t),
+                       0.0 if async_op else time.perf_counter() - t0)
+    return _Pending(work, axis) if async_op else t
+
+
+def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes must match)."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    t = t.contiguous()
+    out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) if dim == 0 else None
+    t0 = time.perf_counter()
+    if dim == 0:
+        dist.all_gather_into_tensor(out, t, group=axis.group)
+    else:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t, group=axis.group)
+        out = torch.cat(parts, dim=dim)
+    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(t), time.perf_counter() - t0)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Sum ``t`` over the axis and return this rank's ``1/size`` slice along ``dim``."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+                         f"is not divisible by the axis size {n}.")
+    t0 = time.perf_counter()
+    inp = t.movedim(dim, 0).contiguous()
+    out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
+    if dist.get_backend(axis.group) == "gloo":
+        # gloo has no reduce-scatter: all-reduce then keep our slice (same result, more bytes moved).
+        dist.all_reduce(inp, group=axis.group)
+        out.copy_(inp.chunk(n, 0)[axis.rank])
+    else:
+        dist.reduce_scatter_tensor(out, inp, group=axis.group)
+    axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t), time.perf_counter() - t0)
+    return out.movedim(0, dim)
+
+
+def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0) -> torch.Tensor:
+    """In-place broadcast of ``t`` from the axis member ``src_index``."""
+    if axis.trivial:
+        return t
+    t0 = time.perf_counter()
+    dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
+    axis.ledger.record(axis.name, "broadcast", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
+    return t
+
+
+def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``t`` along ``scatter_dim`` into ``size`` parts, send part i to member i, and
+    concatenate what arrives along ``gather_dim``."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    parts = [p.contiguous() for p in t.chunk(n, dim=scatter_dim)]
+    outs = [torch.empty_like(parts[0]) for _ in range(n)]
+    t0 = time.perf_counter()
+    dist.all_to_all(outs, parts, group=axis.group)
+    axis.ledger.record(axis.name, "all_to_all", _nbytes(t), (n - 1) / n * _nbytes(t), time.perf_counter() - t0)
+    return torch.cat(outs, dim=gather_dim)
+
+
+def barrier(axis: Axis) -> None:
+    if not axis.trivial:
+        dist.barrier(group=axis.group)
+
+
+def all_reduce_scalars(values: list[float], axis: Axis, device=None) -> list[float]:
+    """Sum a few Python numbers over the axis in one collective (float64)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    all_reduce(t, axis)
+    return t.tolist()
+
+
+def all_agree(flag: bool, axis: Axis) -> bool:
+    """True on every rank iff ``flag`` is true on every rank (one tiny all-reduce)."""
+    t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
+    all_reduce(t, axis)
+    return t.item() == 0.0
+
+
+# --------------------------------------------------------------------------- autograd
+class CopyToAxis(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient backward. Megatron's ``f``."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.axis), None
+
+
+class ReduceFromAxis(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward. Megatron's ``g``."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis):
+        return all_reduce(x.contiguous().clone(), axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class GatherFromAxis(torch.autograd.Function):
+    """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, dim: int):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.rank].contiguous(), None, None
+
+
+class ScatterToAxis(torch.autograd.Function):
+    """Keep this rank's slice along ``dim`` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, dim: int):
+        ctx.axis, ctx.dim = axis, dim
+        if x.shape[dim] % axis.size:
+            raise ValueError(f"ScatterToAxis over {axis.name!r}: dim {dim} of size {x.shape[dim]} "
+                             f"is not divisible by {axis.size}.")
+        return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.axis, ctx.dim), None, None
+
+
+class AllGatherToAxis(torch.autograd.Function):
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward
+    (the input is a shard of an activation every rank then uses in full)."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, dim: int):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.axis, ctx.dim), None, None
+
+
+class ReduceScatterToAxis(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, dim: int):
+        ctx.axis, ctx.dim = axis, dim
+        return reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None
+
+
+class AllToAllAxis(torch.autograd.Function):
+    """All-to-all (scatter ``scatter_dim``, gather ``gather_dim``) forward; the inverse
+    all-to-all (scatter ``gather_dim``, gather ``scatter_dim``) backward. Ulysses' exchange."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, scatter_dim: int, gather_dim: int):
+        ctx.axis, ctx.dims = axis, (scatter_dim, gather_dim)
+        return all_to_all(x, axis, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        s, gd = ctx.dims
+        return all_to_all(g, ctx.axis, gd, s), None, None, None

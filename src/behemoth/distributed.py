@@ -1,0 +1,110 @@
+"""Process start-up: ``bh.init()`` (torchrun's environment, or a lone process) and
+``bh.spawn(fn, world_size, *args)`` (N local processes with the default group ready).
+
+Backend: NCCL when CUDA is available, gloo otherwise. Every group gets a bounded
+timeout (``BEHEMOTH_TIMEOUT`` seconds, default 300) so a dead peer turns into an error,
+never a hang; ``spawn`` additionally kills the survivors as soon as one child fails.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("BEHEMOTH_TIMEOUT", "300")))
+
+
+def device_for_rank() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` when GPUs exist, else CPU."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init(backend: str | None = None) -> None:
+    """Initialise the default process group once (idempotent).
+
+    Reads torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; with none of
+    them set, a lone process becomes a world of one, so the same code runs everywhere.
+    """
+    if dist.is_initialized():
+        return
+    dev = device_for_rank()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend, timeout=default_timeout(), **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=default_timeout())
+
+
+def _child(index: int, fn, world_size: int, store_path: str, args) -> None:
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dev = device_for_rank()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=index,
+                            world_size=world_size, timeout=default_timeout())
+    try:
+        fn(index, world_size, *args)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a failed peer can leave the group unusable; nothing left to free
+            pass
+
+
+def spawn(fn, world_size: int, *args, timeout: float | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes, each with the
+    default process group initialised (gloo on CPU, NCCL on GPUs), like
+    ``torch.multiprocessing.spawn``.
+
+    A child that raises or dies makes this call raise (with the child's traceback) after
+    the other children are killed; ``timeout`` seconds (default ``BEHEMOTH_SPAWN_TIMEOUT``
+    or 900) bound the whole run, so it never hangs.
+    """
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size={world_size} must be >= 1")
+    timeout = float(timeout if timeout is not None else os.environ.get("BEHEMOTH_SPAWN_TIMEOUT", "900"))
+    with tempfile.TemporaryDirectory(prefix="behemoth-spawn-") as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_child, args=(fn, world_size, store, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"spawn: {world_size} processes running {getattr(fn, '__name__', fn)} "
+                                       f"did not finish within {timeout:.0f} s; killed them.")
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(f"spawn: process {e.error_index} died with exit code {e.exit_code} "
+                               f"(signal {e.signal_name})" if e.signal_name else
+                               f"spawn: process {e.error_index} exited with code {e.exit_code}") from None
+        except mp.ProcessRaisedException as e:
+            raise RuntimeError(f"spawn: process {e.error_index} raised:\n{e.msg}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+
+
+def format_exception(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))

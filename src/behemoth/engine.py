@@ -1,0 +1,249 @@
+"""boost() and the Engine: one training step over whatever the Plan asks for.
+
+Contract (DESIGN.md): ``engine.step(batch)`` takes this data-parallel rank's share of
+the global batch, runs forward, backward and the optimizer step, and returns the mean
+loss over every token of the *global* batch, the same float on every rank.
+
+How the loss is made exact under any split: every micro-batch's loss is the *sum* of
+its token losses divided by the global token count (one tiny all-reduce at the start of
+the step), so summing gradients over micro-batches and data-parallel ranks gives exactly
+the serial model's mean-loss gradient.
+
+Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
+rebuilt over the engine's parameters with the user's class and hyper-parameters.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import comm
+from .distributed import device_for_rank, init
+from .mesh import ParallelMesh
+from .parallel.data import GradBuckets
+from .plan import Plan
+from .precision import LossScaler, autocast_context
+from .styles import apply_activation_checkpointing, prepare_model
+
+IGNORE_INDEX = -100
+
+
+def logits_of(outputs) -> torch.Tensor:
+    """The logits tensor of a model's output (a tensor, or a transformers ModelOutput)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned {type(outputs).__name__}, which has no logits; pass "
+                        f"loss_fn=... to bh.boost to compute the loss from it.")
+    return logits
+
+
+def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the batch's labelled positions (fp32)."""
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | None = None, *,
+          loss_fn: Callable | None = None, max_grad_norm: float | None = None) -> "Engine":
+    """Shard and wrap ``model`` for ``plan``, rebuild ``optimizer`` over its shards, and
+    return the :class:`Engine` that trains it.
+
+    ``loss_fn(outputs, batch) -> scalar`` replaces the default token-level cross-entropy;
+    it must return the *mean* over its (micro-)batch, and micro-batches must be the same
+    size on every rank for the global mean to be exact.
+    """
+    init()
+    plan = plan or Plan()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = plan.resolve(world)          # ValueError on every rank, before any collective
+    plan.check_supported()
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0, or None to disable clipping.")
+    mesh = ParallelMesh(plan, rank, world)
+    return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, params_of: Callable) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and hyper-parameters, whose param groups hold
+    ``params_of(group_params)``; existing optimizer state is carried over."""
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": params_of(g["params"])})
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    new = cls(groups, **defaults)
+    if optimizer.state:
+        new.load_state_dict(optimizer.state_dict())
+    return new
+
+
+class Engine:
+    """Trains one model under one plan. Build it with :func:`boost`."""
+
+    def __init__(self, model, optimizer, plan: Plan, mesh: ParallelMesh, *, loss_fn=None,
+                 max_grad_norm=None) -> None:
+        self.plan, self.mesh = plan, mesh
+        self.device = device_for_rank()
+        self.loss_fn = loss_fn
+        self.max_grad_norm = max_grad_norm
+        model_params = {id(p) for p in model.parameters()}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in model_params:
+                    raise ValueError("the optimizer holds a parameter that is not in the model; build it over "
+                                     "model.parameters() (or groups of them) before bh.boost.")
+        self.model = prepare_model(model, self.device)
+        if plan.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self._sync_initial_params()
+        self.buckets = GradBuckets(list(self.model.parameters()), mesh.axis("dp"), plan.bucket_mb)
+        self.optimizer = rebuild_optimizer(optimizer, list)
+        self.scaler = LossScaler() if plan.precision == "fp16" else None
+        self.step_count = 0
+        self.last_grad_norm = float("nan")
+        self.last_tokens = 0
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    def comm_stats(self) -> dict[str, dict]:
+        """Collective traffic per mesh axis since the engine was built (or ``reset_comm_stats``)."""
+        return self.mesh.ledger.stats()
+
+    def reset_comm_stats(self) -> None:
+        self.mesh.ledger.reset()
+
+    # ---------------------------------------------------------------- set-up
+    def _sync_initial_params(self) -> None:
+        """Make every data-parallel replica start from rank 0's weights (users who seed
+        differently per rank still train one model)."""
+        dp = self.mesh.axis("dp")
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                comm.broadcast(t.data, dp, 0)
+
+    # ---------------------------------------------------------------- step
+    def _check_batch(self, batch) -> None:
+        if self.loss_fn is not None:
+            return
+        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+            raise ValueError("engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
+                             "for other inputs pass loss_fn=... to bh.boost.")
+        x, y = batch["input_ids"], batch["labels"]
+        if x.dim() != 2 or x.shape != y.shape:
+            raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
+        m = self.plan.microbatches
+        if x.shape[0] % m:
+            raise ValueError(f"this rank's batch of {x.shape[0]} rows is not divisible by Plan.microbatches={m}; "
+                             f"use a per-rank batch that is a multiple of {m}.")
+
+    def _split(self, batch) -> list:
+        m = self.plan.microbatches
+        if m == 1:
+            return [batch]
+        if isinstance(batch, dict):
+            parts = {k: (v.chunk(m, 0) if isinstance(v, torch.Tensor) else [v] * m) for k, v in batch.items()}
+            return [{k: parts[k][i] for k in batch} for i in range(m)]
+        if isinstance(batch, (tuple, list)):
+            cols = [v.chunk(m, 0) for v in batch]
+            return [type(batch)(c[i] for c in cols) for i in range(m)]
+        return list(batch.chunk(m, 0))
+
+    def _to_device(self, batch):
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(self._to_device(v) for v in batch)
+        return batch
+
+    def _model_inputs(self, micro):
+        if isinstance(micro, dict) and "input_ids" in micro:
+            return (micro["input_ids"],)
+        return micro if isinstance(micro, (tuple, list)) else (micro,)
+
+    def forward_backward(self, batch) -> float:
+        """Forward and backward of this rank's batch; gradients left reduced in ``.grad``.
+        Returns the global mean loss."""
+        self._check_batch(batch)
+        batch = self._to_device(batch)
+        dp = self.mesh.axis("dp")
+        micro = self._split(batch)
+        if self.loss_fn is None:
+            n_local = float((batch["labels"] != IGNORE_INDEX).sum())
+            (n_global,) = comm.all_reduce_scalars([n_local], dp)
+            if n_global == 0:
+                raise ValueError("the global batch has no labelled token (every label is -100).")
+            scale = 1.0 / n_global
+        else:
+            n_global = 0.0
+            scale = 1.0 / (len(micro) * dp.size)
+        loss_scale = self.scaler.scale if self.scaler else 1.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro):
+            self.buckets.begin(sync=i == len(micro) - 1)
+            with autocast_context(self.plan.precision, self.device):
+                out = self.model(*self._model_inputs(mb))
+            loss = self.loss_fn(out, mb) if self.loss_fn else token_loss_sum(out, mb)
+            total += loss.detach().double()
+            (loss.float() * (scale * loss_scale)).backward()
+        self.buckets.finish()
+        (loss_sum,) = comm.all_reduce_scalars([total.item()], dp)
+        self.last_tokens = int(n_global)
+        return loss_sum * scale
+
+    def step(self, batch) -> float:
+        """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
+        self.buckets.zero()
+        loss = self.forward_backward(batch)
+        params = self.buckets.params
+        if self.scaler is not None:
+            finite = self.scaler.unscale_and_check(params)   # grads are identical on every dp rank
+            if not finite:
+                self.last_grad_norm = float("inf")
+                self.step_count += 1
+                return loss
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.last_grad_norm = float(norm)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
+        self.optimizer.step()
+        self.step_count += 1
+        return loss
+
+    # ---------------------------------------------------------------- state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The serial model's state dict (same keys, shapes and values), on CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, path: str, extra: dict | None = None) -> None:
+        """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
+        from .train.checkpoint import save_checkpoint
+        save_checkpoint(self, path, extra or {})
+
+    def load(self, path: str) -> dict:
+        """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
+        from .train.checkpoint import load_checkpoint
+        return load_checkpoint(self, path)
+
+    def grad_norm_is_finite(self) -> bool:
+        return math.isfinite(self.last_grad_norm)

@@ -1,0 +1,212 @@
+"""The Plan: every parallel degree and mode of a training job, in one frozen dataclass.
+
+Validation here is pure (no torch.distributed), so every rank raises the same
+``ValueError`` before any process group or collective exists, and the planner can
+enumerate and check plans for a cluster it is not running on.
+
+A field whose implementation has not landed yet is accepted by ``Plan`` (the
+planner may reason about it) but refused by :func:`Plan.check_supported`, which
+``bh.boost`` calls, with a ``NotImplementedError`` naming the missing capability.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SP_MODES = ("ulysses", "ring")
+OFFLOADS = (None, "cpu", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# Capabilities that are specified but not built yet: field -> (issue, capability).
+_PENDING = {
+    "tp": "tensor parallelism (1D/2D/2.5D/3D), the tensor-parallelism issue",
+    "pp": "pipeline parallelism, the pipeline issue",
+    "sp": "sequence parallelism (Ulysses / ring attention), the sequence-parallelism issue",
+    "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
+    "zero": "ZeRO sharding (stages 1-3), the ZeRO / heterogeneous-memory issue",
+    "offload": "CPU offload and the placement search, the ZeRO / heterogeneous-memory issue",
+}
+
+
+def _is_square(n: int) -> bool:
+    r = math.isqrt(n)
+    return r * r == n
+
+
+def _icbrt(n: int) -> int:
+    r = round(n ** (1 / 3))
+    for c in (r - 1, r, r + 1):
+        if c >= 0 and c**3 == n:
+            return c
+    return -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How one training job is parallelised. Degrees multiply to the world size:
+    ``dp * pp * tp * sp == world_size`` (``ep`` subdivides ``dp``).
+
+    All fields are keyword-only; ``dp=None`` means "whatever the world size leaves".
+    """
+
+    dp: int | None = None
+    """Data-parallel degree: replicas that each see a different share of the batch."""
+    tp: int = 1
+    """Tensor-parallel degree: devices that split every layer's weights."""
+    tp_mode: str = "1d"
+    """'1d' (Megatron), '2d' (Optimus, tp=q*q), '2.5d' (Tesseract, tp=tp_depth*q*q), '3d' (tp=q**3)."""
+    tp_depth: int = 1
+    """Depth d of 2.5D tensor parallelism; tp_depth=1 is exactly 2D."""
+    tp_overlap: int = 1
+    """Tensor3D over-decomposition: split the local batch into this many pieces to overlap communication."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside 1D tp (norms and dropout sharded on the sequence)."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of stages."""
+    microbatches: int = 1
+    """Micro-batches per step: pipeline micro-batches, or gradient-accumulation steps when pp == 1."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved', 'zero-bubble'."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank for the interleaved schedule."""
+    sp: int = 1
+    """Sequence-parallel degree (context parallelism)."""
+    sp_mode: str = "ulysses"
+    """'ulysses' (all-to-all over heads) or 'ring' (ring attention)."""
+    ep: int = 1
+    """Expert-parallel degree, a subdivision of the data-parallel axis."""
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters."""
+    offload: str | None = None
+    """None, 'cpu' or 'auto' (heterogeneous GPU+CPU memory)."""
+    precision: str = "fp32"
+    """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of saving them."""
+    bucket_mb: float = 25.0
+    """Size of the data-parallel gradient buckets, in MiB."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "sp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Plan.{name}={v!r}: must be an integer >= 1; set {name}=1 to disable it.")
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
+            raise ValueError(f"Plan.dp={self.dp!r}: must be an integer >= 1, or None to fill the world size.")
+        _choice("tp_mode", self.tp_mode, TP_MODES)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("sp_mode", self.sp_mode, SP_MODES)
+        _choice("offload", self.offload, OFFLOADS)
+        _choice("precision", self.precision, PRECISIONS)
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"Plan.zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3.")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"Plan.bucket_mb={self.bucket_mb!r}: must be > 0 (25 is a good default).")
+        self._check_tp_shape()
+        if self.sequence_parallel and (self.tp_mode != "1d" or self.tp == 1):
+            raise ValueError(
+                f"Plan.sequence_parallel=True needs 1D tensor parallelism with tp > 1; got tp={self.tp}, "
+                f"tp_mode={self.tp_mode!r}. Use tp_mode='1d' with tp >= 2, or sp=... for sequence parallelism."
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                f"Plan.virtual_stages={self.virtual_stages} only applies to schedule='interleaved'; "
+                f"got schedule={self.schedule!r}. Set schedule='interleaved' or virtual_stages=1."
+            )
+        if self.offload is not None and self.zero == 0:
+            raise ValueError(
+                f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."
+            )
+        if self.dp is not None and self.dp % self.ep:
+            raise ValueError(
+                f"Plan.ep={self.ep} must divide dp={self.dp} (experts are sharded inside the data-parallel axis)."
+            )
+
+    def _check_tp_shape(self) -> None:
+        tp, mode = self.tp, self.tp_mode
+        if self.tp_depth > 1 and mode != "2.5d":
+            raise ValueError(f"Plan.tp_depth={self.tp_depth} only applies to tp_mode='2.5d'; got {mode!r}.")
+        if mode == "2d" and not _is_square(tp):
+            q = math.isqrt(tp)
+            raise ValueError(
+                f"tp_mode='2d' needs a square tp degree (q*q); got tp={tp}. Use tp={q * q} or tp={(q + 1) ** 2}."
+            )
+        if mode == "3d" and _icbrt(tp) < 0:
+            raise ValueError(f"tp_mode='3d' needs a cubic tp degree (q**3: 1, 8, 27, 64); got tp={tp}.")
+        if mode == "2.5d":
+            d = self.tp_depth
+            if tp % d or not _is_square(tp // d):
+                raise ValueError(
+                    f"tp_mode='2.5d' needs tp = tp_depth * q*q; got tp={tp}, tp_depth={d} "
+                    f"(tp/tp_depth={tp / d:g} is not a square integer). For example tp=8 with tp_depth=2."
+                )
+        if self.tp_overlap > 1 and mode != "3d":
+            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} is Tensor3D over-decomposition; it needs tp_mode='3d'.")
+
+    # -- degrees -----------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: pp * tp * sp."""
+        return self.pp * self.tp * self.sp
+
+    def resolve(self, world_size: int) -> "Plan":
+        """Return this plan with ``dp`` filled in for ``world_size``; check the degrees multiply to it."""
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1.")
+        mp = self.model_parallel_size
+        if self.dp is None:
+            if world_size % mp:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by pp*tp*sp = {self.pp}*{self.tp}*{self.sp} = {mp}; "
+                    f"launch a multiple of {mp} processes or lower those degrees."
+                )
+            return dataclasses.replace(self, dp=world_size // mp)
+        if self.dp * mp != world_size:
+            raise ValueError(
+                f"Plan degrees dp*pp*tp*sp = {self.dp}*{self.pp}*{self.tp}*{self.sp} = {self.dp * mp} "
+                f"must equal the world size {world_size}; set dp={world_size // mp if world_size % mp == 0 else 'None'} "
+                f"or launch {self.dp * mp} processes."
+            )
+        return self
+
+    def check_supported(self) -> None:
+        """Raise NotImplementedError for a field whose capability has not been built yet."""
+        pending = []
+        if self.tp > 1 or self.sequence_parallel or self.tp_overlap > 1:
+            pending.append(("tp", self.tp))
+        if self.pp > 1:
+            pending.append(("pp", self.pp))
+        if self.sp > 1:
+            pending.append(("sp", self.sp))
+        if self.ep > 1:
+            pending.append(("ep", self.ep))
+        if self.zero > 0:
+            pending.append(("zero", self.zero))
+        if self.offload is not None:
+            pending.append(("offload", self.offload))
+        if pending:
+            name, value = pending[0]
+            raise NotImplementedError(
+                f"Plan.{name}={value!r} needs {_PENDING[name]}, which is not built yet in this version of behemoth. "
+                f"Supported today: dp, microbatches (gradient accumulation), precision, activation_checkpointing."
+            )
+
+    def describe(self) -> str:
+        """One line naming every non-default degree, for logs."""
+        parts = [f"dp={self.dp}"]
+        defaults = Plan()
+        for f in dataclasses.fields(self):
+            if f.name == "dp":
+                continue
+            v = getattr(self, f.name)
+            if v != getattr(defaults, f.name):
+                parts.append(f"{f.name}={v!r}")
+        return "Plan(" + ", ".join(parts) + ")"
+
+
+def _choice(name: str, value, options) -> None:
+    if value not in options:
+        raise ValueError(f"Plan.{name}={value!r} is not one of {list(options)}.")

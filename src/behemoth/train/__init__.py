@@ -1,0 +1,1 @@
+"""Training utilities: tokenizers, datasets and the data-parallel batch sampler."""
