@@ -1,0 +1,356 @@
+"""Llama style decoder-only transformer, plain serial PyTorch.
+
+Implements the architecture of "LLaMA: Open and Efficient Foundation Language
+Models" (Touvron et al., 2023) with grouped-query attention from "GQA"
+(Ainslie et al., 2023): pre-RMSNorm blocks, rotary position embeddings (RoPE,
+Su et al., 2021) in the rotate-half convention used by Hugging Face Llama,
+SwiGLU MLP (Shazeer, 2020) and no biases.
+
+This file holds no collectives and takes no process group; parallel policies
+match on the module names used here (``embed``, ``layers.N.attn.q/k/v/o``,
+``layers.N.mlp.gate/up/down``, ``lm_head``...). Attention reads its head counts
+from its ``num_heads`` / ``num_kv_heads`` attributes so that a tensor-parallel
+policy can shrink them to the local counts. RoPE tables are computed on the
+fly from position ids, so they are never in the state_dict and an offset
+slice of a sequence only needs its position ids.
+
+Tested in tests/unit/test_models.py against ``transformers.LlamaForCausalLM``
+with the weights copied over (which pins the RoPE convention) and against
+itself with key/value heads repeated (which pins the GQA grouping).
+
+Shape legend:
+    B  batch
+    S  sequence (tokens)
+    H  hidden (model width)
+    F  MLP inner width (ffn_hidden)
+    V  vocabulary
+    N  query heads
+    K  key/value heads (N % K == 0; query head n uses kv head n // (N // K))
+    D  head dim (H // N)
+    R  rotary frequencies (D // 2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LLAMA_PRESETS",
+    "Llama",
+    "LlamaAttention",
+    "LlamaBlock",
+    "LlamaConfig",
+    "LlamaMLP",
+    "RMSNorm",
+    "apply_rope",
+    "rope_cos_sin",
+]
+
+# Shapes only; callers choose vocab_size and seq_len.
+LLAMA_PRESETS: dict[str, dict] = {
+    "llama-tiny": dict(num_layers=2, num_heads=4, num_kv_heads=2, hidden=64),
+    "llama-mini": dict(num_layers=4, num_heads=4, num_kv_heads=2, hidden=128),
+    "llama-1b": dict(num_layers=16, num_heads=32, num_kv_heads=8, hidden=2048, ffn_hidden=8192),
+}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of a Llama style model."""
+
+    vocab_size: int
+    """Number of token ids (rows of ``embed``, columns of the logits)."""
+    seq_len: int
+    """Maximum sequence length the model is meant for (RoPE has no table)."""
+    num_layers: int
+    """Number of transformer blocks."""
+    num_heads: int
+    """Query heads N per block; must divide ``hidden``."""
+    num_kv_heads: int
+    """Key/value heads K per block; must divide ``num_heads`` (K == N is MHA)."""
+    hidden: int
+    """Model width H."""
+    ffn_hidden: int | None = None
+    """SwiGLU inner width F; None means int(8 * hidden / 3) rounded up to a
+    multiple of 64 (see ``resolved_ffn_hidden``)."""
+    rope_theta: float = 10000.0
+    """RoPE base: frequency i is rope_theta ** (-2i / D)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share one tensor between ``embed.weight`` and ``lm_head.weight``."""
+    seed: int = 0
+    """Seed of the private generator that initialises the weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads", "hidden"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and value > 0,
+                f"LlamaConfig.{name}={value!r}: must be a positive int; pass e.g. {name}=1 or larger.",
+            )
+        _require(
+            self.hidden % self.num_heads == 0,
+            f"LlamaConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
+            f"hidden % num_heads must be 0; choose a hidden that is a multiple of {self.num_heads} "
+            f"or a num_heads that divides {self.hidden}.",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"LlamaConfig.num_heads={self.num_heads} is not divisible by "
+            f"num_kv_heads={self.num_kv_heads}: each kv head must serve a whole group of query "
+            f"heads; choose num_kv_heads among the divisors of {self.num_heads}.",
+        )
+        _require(
+            (self.hidden // self.num_heads) % 2 == 0,
+            f"LlamaConfig head_dim = hidden // num_heads = {self.hidden // self.num_heads} is odd: "
+            f"RoPE rotates pairs of channels, so head_dim must be even; change hidden or num_heads.",
+        )
+        _require(
+            self.ffn_hidden is None or (isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0),
+            f"LlamaConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive int or None; "
+            f"pass None for the default {self._default_ffn_hidden()}.",
+        )
+        _require(
+            self.rope_theta > 0.0,
+            f"LlamaConfig.rope_theta={self.rope_theta!r}: must be > 0; pass e.g. 10000.0.",
+        )
+        _require(
+            self.norm_eps > 0.0,
+            f"LlamaConfig.norm_eps={self.norm_eps!r}: must be > 0; pass e.g. 1e-5.",
+        )
+
+    def _default_ffn_hidden(self) -> int:
+        return -(-int(8 * self.hidden / 3) // 64) * 64
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width D = hidden // num_heads."""
+        return self.hidden // self.num_heads
+
+    @property
+    def resolved_ffn_hidden(self) -> int:
+        """SwiGLU inner width F actually used."""
+        return self._default_ffn_hidden() if self.ffn_hidden is None else self.ffn_hidden
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: x / sqrt(mean(x^2) + eps) * weight.
+
+    Computed in float32 and cast back to the input dtype.
+    """
+
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x32_BSH = x_BSH.float()
+        x32_BSH = x32_BSH * torch.rsqrt(x32_BSH.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32_BSH * self.weight.float()).to(x_BSH.dtype)
+
+
+def rope_cos_sin(
+    position_ids_BS: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables cos_BSD, sin_BSD for the given positions (float32 math).
+
+    Frequencies are duplicated as [f_0..f_{R-1}, f_0..f_{R-1}], the layout that
+    pairs channel i with channel i + R (rotate-half convention).
+    """
+    device = position_ids_BS.device
+    inv_freq_R = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    freqs_BSR = position_ids_BS.float()[..., None] * inv_freq_R
+    emb_BSD = torch.cat((freqs_BSR, freqs_BSR), dim=-1)
+    return emb_BSD.cos().to(dtype), emb_BSD.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's channel pairs (i, i + D/2) by position * frequency."""
+    cos_B1SD, sin_B1SD = cos_BSD.unsqueeze(1), sin_BSD.unsqueeze(1)
+    return x_BNSD * cos_B1SD + _rotate_half(x_BNSD) * sin_B1SD
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query attention with RoPE. x_BSH -> x_BSH, no communication."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        h, d = config.hidden, config.head_dim
+        self.q = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(config.num_heads * d, h, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q_BNSD = self.q(x_BSH).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BKSD = self.k(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BKSD = self.v(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos_BSD, sin_BSD = rope_cos_sin(position_ids_BS, self.head_dim, self.rope_theta, x_BSH.dtype)
+        q_BNSD = apply_rope(q_BNSD, cos_BSD, sin_BSD)
+        k_BKSD = apply_rope(k_BKSD, cos_BSD, sin_BSD)
+        # enable_gqa: query head n reads kv head n // (N // K), as HF's repeat_kv,
+        # without materialising the repeated keys and values.
+        y_BNSD = F.scaled_dot_product_attention(
+            q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o(y_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``. x_BSH -> x_BSH, no communication."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        f = config.resolved_ffn_hidden
+        self.gate = nn.Linear(config.hidden, f, bias=False)
+        self.up = nn.Linear(config.hidden, f, bias=False)
+        self.down = nn.Linear(f, config.hidden, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x_BSH)) * self.up(x_BSH))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.attn = LlamaAttention(config)
+        self.mlp_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), position_ids_BS)
+        return x_BSH + self.mlp(self.mlp_norm(x_BSH))
+
+
+class Llama(nn.Module):
+    """Llama style language model: ``forward(input_ids_BS) -> logits_BSV``.
+
+    Built on the meta device and then materialised on ``device`` (default: the
+    current default device), so each weight is written once, by the seeded
+    init; ``device="meta"`` skips the init (call ``init_weights()`` after
+    ``to_empty``). Equal configs give bit-identical weights whatever the global
+    torch seed, device or dtype.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.embed = nn.Embedding(config.vocab_size, config.hidden)
+            self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
+            self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if dtype is not None:
+            self.to(dtype)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        self.to_empty(device=device)
+        self.tie_weights()
+        if device.type != "meta":
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the same Parameter as ``embed.weight`` when
+        ``config.tie_embeddings``. Call again after ``to_empty``, which unties."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Init from ``config.seed`` with a private CPU generator.
+
+        Parameters are visited in ``named_parameters`` order (a tied weight
+        once): normal(0, 0.02) for Linear and Embedding weights,
+        normal(0, 0.02 / sqrt(2 * num_layers)) for the residual outputs
+        ``attn.o`` and ``mlp.down``, ones for RMSNorm weights. Values are drawn
+        on CPU in float32, so they do not depend on device or dtype.
+        """
+        generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        for module_name, module in self.named_modules():
+            for _, param in module.named_parameters(recurse=False):
+                if self.config.tie_embeddings and module is self.lm_head:
+                    continue  # same tensor as embed.weight, drawn there
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                    continue
+                std = residual_std if module_name.endswith(("attn.o", "mlp.down")) else 0.02
+                if param.device.type == "cpu" and param.dtype == torch.float32:
+                    param.normal_(0.0, std, generator=generator)  # same draws, no temporary
+                else:
+                    values = torch.empty(param.shape, dtype=torch.float32)
+                    param.copy_(values.normal_(0.0, std, generator=generator))
+
+    def forward(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits for every position.
+
+        Args:
+            input_ids_BS: int64 token ids, S <= ``config.seq_len``.
+            position_ids_BS: RoPE positions (B or 1 rows); default ``arange(S)``.
+                Pass offsets when this rank holds a slice of a longer sequence.
+        Returns:
+            logits_BSV in the model's dtype.
+        """
+        S = input_ids_BS.shape[1]
+        if S > self.config.seq_len:
+            raise ValueError(
+                f"Llama.forward: sequence length {S} exceeds config.seq_len={self.config.seq_len}; "
+                f"truncate the input or build the model with seq_len >= {S}."
+            )
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(S, device=input_ids_BS.device).unsqueeze(0)
+        x_BSH = self.embed(input_ids_BS)
+        for layer in self.layers:
+            x_BSH = layer(x_BSH, position_ids_BS)
+        return self.lm_head(self.norm(x_BSH))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, a tied weight counted once.
+
+        ``exclude_embeddings`` drops the lookup table ``embed`` (and so a head
+        tied to it; an untied ``lm_head`` still counts).
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, PaLM convention: 6 * N + 12 * L * H * S,
+        with N = ``num_params()``."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.num_layers * c.hidden * seq_len

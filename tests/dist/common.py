@@ -1,0 +1,100 @@
+"""Shared pieces of the multi-process parity tests: tiny models of every supported family,
+deterministic global batches, and the serial reference that every plan must match.
+
+Each spawned world runs many scenarios in one go (process start-up costs seconds on two
+cores). A scenario failure raises AssertionError inside the child; bh.spawn turns it
+into a test failure with the child's traceback.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ = 96, 16
+
+
+def build(family: str, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+    """A tiny model of ``family``, identical for the same seed in every process."""
+    if family == "gpt":
+        from behemoth.models import GPT, GPTConfig
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, hidden=32,
+                             dropout=dropout, seed=seed))
+    if family == "llama":
+        from behemoth.models import Llama, LlamaConfig
+        return Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 hidden=32, seed=seed))
+    torch.manual_seed(seed)
+    if family == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+    if family == "hf-llama":
+        from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+        cfg = HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(family)
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW's eps is 1e-6 (not 1e-8) so that float rounding of near-zero gradients, which
+    differs with the order of summation, is not amplified into lr-sized parameter steps."""
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    raise ValueError(name)
+
+
+def global_batches(num_steps: int, batch: int, seed: int = 1234) -> list[dict]:
+    """Deterministic global batches; some labels are -100 (ignored), unevenly per row so
+    the global-token mean differs from a mean of per-rank means."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_steps):
+        x = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        labels = x[:, 1:].clone()
+        mask = torch.rand(batch, SEQ, generator=g) < torch.linspace(0.0, 0.5, batch)[:, None]
+        labels[mask] = -100
+        out.append({"input_ids": x[:, :-1].contiguous(), "labels": labels})
+    return out
+
+
+def shard(batch: dict, rank: int, size: int) -> dict:
+    return {k: v.chunk(size, 0)[rank].contiguous() for k, v in batch.items()}
+
+
+def serial_train(family: str, opt_name: str, batches: list[dict], *, max_grad_norm=None,
+                 precision: str = "fp32", seed: int = 0):
+    """Plain single-process PyTorch: the reference every plan must reproduce."""
+    model = build(family, seed)
+    opt = make_optimizer(opt_name, model)
+    losses = []
+    for b in batches:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+        with ctx:
+            out = model(b["input_ids"])
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_state_close(got: dict, want: dict, rtol=1e-4, atol=1e-5, what: str = "") -> None:
+    assert got.keys() == want.keys(), f"{what}: keys differ: {set(got) ^ set(want)}"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+
+
+def assert_losses_close(got, want, rtol=1e-4, atol=1e-6, what: str = "") -> None:
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= atol + rtol * abs(b), f"{what}: step {i} loss {a} != serial {b}"

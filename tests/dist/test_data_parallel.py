@@ -1,0 +1,152 @@
+"""Data parallelism matches serial training (DESIGN.md's parity law), for behemoth's
+models and transformers' models, with accumulation, clipping, AdamW and SGD; the
+bucketed all-reduce really overlaps backward; bad plans fail on every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import behemoth as bh
+from common import (assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
+                    serial_train, shard)
+
+STEPS, BATCH = 3, 16
+
+# (family, optimizer, microbatches, max_grad_norm, precision, activation checkpointing)
+SCENARIOS = [
+    ("gpt", "adamw", 2, 1.0, "fp32", False),
+    ("gpt", "sgd", 1, None, "fp32", True),
+    ("llama", "adamw", 2, 0.05, "fp32", False),
+    ("llama", "sgd", 4, None, "fp32", False),
+    ("hf-gpt2", "adamw", 2, 0.5, "fp32", False),
+    ("hf-llama", "sgd", 1, 1.0, "fp32", True),
+    # Low precision: SGD, whose update is linear in the gradient, so bf16/fp16 rounding is
+    # compared as rounding (Adam would blow it up to lr-sized steps on near-zero gradients).
+    ("gpt", "sgd", 2, 1.0, "bf16", False),
+    ("llama", "sgd", 1, None, "fp16", False),
+]
+
+
+def _parity_world(rank: int, world: int, scenarios) -> None:
+    torch.manual_seed(rank)  # per-rank global RNG differs: the engine must not depend on it
+    batches = global_batches(STEPS, BATCH)
+    for family, opt_name, micro, clip, precision, ckpt in scenarios:
+        what = f"dp={world} {family}/{opt_name}/micro={micro}/clip={clip}/{precision}/ckpt={ckpt}"
+        model = build(family)
+        engine = bh.boost(model, make_optimizer(opt_name, model),
+                          bh.Plan(dp=world, microbatches=micro, precision=precision,
+                                  activation_checkpointing=ckpt, bucket_mb=0.01),
+                          max_grad_norm=clip)
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        want_losses, want_state = serial_train(family, opt_name, batches, max_grad_norm=clip, precision=precision)
+        if precision != "fp32":  # low-precision matmuls on differently split batches round differently
+            assert_losses_close(losses, want_losses, rtol=2e-2, what=what)
+            assert_state_close(engine.full_state_dict(), want_state, rtol=2e-2, atol=2e-3, what=what)
+        else:
+            assert_losses_close(losses, want_losses, what=what)
+            assert_state_close(engine.full_state_dict(), want_state, what=what)
+        # The loss is the same float on every rank.
+        t = torch.tensor(losses, dtype=torch.float64)
+        ref = t.clone()
+        torch.distributed.broadcast(ref, 0)
+        assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
+        # Ledger: one all-reduce per bucket per step, plus two scalar all-reduces.
+        if world > 1:
+            dp = engine.comm_stats()["dp"]
+            nb = len(engine.buckets.buckets)
+            assert dp["ops"]["all_reduce"] == STEPS * (nb + 2), (what, dp, nb)
+            grad_bytes = 4 * sum(p.numel() for p in engine.buckets.params)
+            assert dp["bytes"] >= STEPS * grad_bytes
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dp_matches_serial(world):
+    bh.spawn(_parity_world, world, SCENARIOS, timeout=600)
+
+
+def _overlap_world(rank: int, world: int) -> None:
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=world, bucket_mb=0.005))
+    nparams = len(engine.buckets.params)
+    assert len(engine.buckets.buckets) > 2
+    engine.step(shard(global_batches(1, 4)[0], engine.dp_rank, engine.dp_size))
+    log = engine.buckets.launch_log
+    assert [b for b, _ in log] == list(range(len(engine.buckets.buckets))), log
+    first_bucket, hooks_when_launched = log[0]
+    # The first bucket's collective started while backward still had gradients to produce.
+    assert hooks_when_launched < nparams, (log, nparams)
+    # Gradients live inside the reduced buffers (no copies): .grad is a view of a bucket.
+    ptrs = {p.grad.data_ptr() for p in engine.buckets.params}
+    inside = [any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() * 4 for buf in engine.buckets.buffers)
+              for ptr in ptrs]
+    assert all(inside)
+
+
+def test_bucketed_reduction_overlaps_backward():
+    bh.spawn(_overlap_world, 2, timeout=300)
+
+
+def _bad_plan_world(rank: int, world: int, out_dir: str) -> None:
+    model = build("gpt")
+    opt = make_optimizer("sgd", model)
+    errors = []
+    for plan in (bh.Plan(dp=3), bh.Plan(dp=1)):
+        try:
+            bh.boost(model, opt, plan)
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        bh.boost(model, opt, bh.Plan(tp=2, dp=1))
+    except NotImplementedError as e:
+        errors.append(str(e))
+    assert len(errors) == 3, errors
+    assert "must equal the world size 2" in errors[0] and "dp*pp*tp*sp = 3*1*1*1 = 3" in errors[0]
+    assert "tensor parallelism" in errors[2]
+    # Every rank got here without a collective hanging; prove both are alive.
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    assert t.item() == world
+
+
+def test_bad_plan_fails_on_every_rank(tmp_path):
+    bh.spawn(_bad_plan_world, 2, str(tmp_path), timeout=300)
+
+
+def _dead_rank_world(rank: int, world: int, out_path: str) -> None:
+    import time
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("sgd", model), bh.Plan(dp=world))
+    batch = shard(global_batches(1, 4)[0], engine.dp_rank, engine.dp_size)
+    engine.step(batch)
+    if rank == 1:
+        import os
+        os._exit(0)  # vanish without a word (exit 0, so spawn does not kill the survivor)
+    t0 = time.monotonic()
+    try:
+        engine.step(batch)
+        engine.step(batch)
+        outcome = "no error"
+    except Exception as e:  # the survivor must get an error, not hang
+        outcome = type(e).__name__
+    with open(out_path, "w") as f:
+        f.write(f"{outcome} {time.monotonic() - t0:.1f}")
+
+
+def test_dead_rank_makes_survivor_fail_within_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("BEHEMOTH_TIMEOUT", "20")
+    out = tmp_path / "outcome"
+    bh.spawn(_dead_rank_world, 2, str(out), timeout=120)
+    outcome, seconds = out.read_text().split()
+    assert outcome != "no error"
+    assert float(seconds) < 30
+
+
+def _failing_child(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom from rank 1")
+    torch.distributed.barrier()  # would hang forever without spawn's failure handling
+
+
+def test_spawn_propagates_child_failure_without_hanging():
+    with pytest.raises(RuntimeError, match="boom from rank 1"):
+        bh.spawn(_failing_child, 2, timeout=120)
