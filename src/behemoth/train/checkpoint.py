@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 META = "meta.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
 FORMAT_VERSION = 1
 
 
@@ -81,15 +81,18 @@ def is_complete(path: str) -> bool:
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete ``step-N`` checkpoint under ``directory``, or None."""
+    """The newest complete ``step-N`` checkpoint under ``directory``, or None.
+
+    A save that replaces an existing ``step-N`` moves it to ``step-N.old`` for the instant
+    between two renames; if that is where a crash struck, the ``.old`` copy is used."""
     if not os.path.isdir(directory):
         return None
     found = []
     for name in os.listdir(directory):
         m = _STEP_RE.match(name)
         if m and is_complete(os.path.join(directory, name)):
-            found.append((int(m.group(1)), name))
-    return os.path.join(directory, max(found)[1]) if found else None
+            found.append((int(m.group(1)), m.group(2) is None, name))  # prefer step-N over step-N.old
+    return os.path.join(directory, max(found)[2]) if found else None
 
 
 # ------------------------------------------------------------------ state <-> flat tensors

@@ -1,0 +1,141 @@
+"""The ``behemoth`` command.
+
+    behemoth config CONFIG [--section.key=value ...]     print the fully resolved config
+    behemoth train  CONFIG [--section.key=value ...]     train (one process, or one rank under torchrun)
+    behemoth run --nproc N [--] train CONFIG [...]       launch N local ranks through torchrun
+
+``train`` reads its rank and world from torchrun's environment (``bh.init()``), so the
+same command scales to several nodes through torchrun's c10d rendezvous::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m behemoth train CONFIG
+
+Errors in the configuration or the job (``ValueError``, missing files or packages,
+unsupported plan fields) print one line and exit with status 2; set ``BEHEMOTH_TRACEBACK=1``
+for the full traceback. Any other failure keeps its traceback and exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError, NotImplementedError, FloatingPointError)
+EXIT_USER_ERROR = 2
+
+_EPILOG = """overrides: --section.key=value, the value read as a TOML literal (else a string), e.g.
+  --train.steps=100 --optim.lr=1e-3 --model.name=gpt-tiny --optim.betas=[0.9,0.99] --optim.max_grad_norm=none
+sections: model, data, optim, plan, train (see `behemoth config CONFIG` for every key)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="behemoth", description="Train large models with one Plan.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config}")
+    for name, text in (("train", "train (one process, or one rank under torchrun)"),
+                       ("config", "print the fully resolved config and exit")):
+        s = sub.add_parser(name, help=text, description=text, epilog=_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        s.add_argument("config", help="path of a .toml job file (e.g. src/behemoth/configs/demo.toml)")
+    r = sub.add_parser("run", help="launch N local processes with torchrun, each running a behemoth command",
+                       description="launch N local processes (torchrun --standalone) running `behemoth ARGS...`")
+    r.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...]")
+    return p
+
+
+def _load(path: str, overrides: list[str], world_size: int | None):
+    from behemoth.train.config import load_config
+
+    return load_config(path, overrides).resolved(world_size=world_size)
+
+
+def _env_world_size() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def cmd_config(path: str, overrides: list[str]) -> int:
+    from behemoth.train.config import format_config
+
+    print(format_config(_load(path, overrides, _env_world_size())), end="")
+    return 0
+
+
+def cmd_train(path: str, overrides: list[str]) -> int:
+    import torch.distributed as dist
+
+    import behemoth as bh
+    from behemoth.train.config import format_config
+    from behemoth.train.trainer import train
+
+    config = _load(path, overrides, _env_world_size())   # fails before any process group exists
+    bh.init()
+    config = config.resolved(world_size=dist.get_world_size())
+    if dist.get_rank() == 0:
+        print(f"# behemoth train {path} {' '.join(overrides)}".rstrip() + "\n# fully resolved config:", flush=True)
+        print(format_config(config), flush=True)
+    try:
+        train(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def cmd_run(nproc: int, args: list[str]) -> int:
+    if args and args[0] == "--":
+        args = args[1:]
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be >= 1.")
+    if len(args) < 2 or args[0] not in ("train", "config"):
+        raise ValueError(f"behemoth run needs a command to launch, e.g. `behemoth run --nproc {nproc} train "
+                         f"CONFIG`; got {' '.join(args) or 'nothing'!r}.")
+    # Check the job here, before starting N processes that would all fail the same way.
+    _load(args[1], _split_overrides(args[2:]), nproc)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # N ranks share this machine's cores; torchrun would otherwise set 1 thread (with a warning).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    torchrun_args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "behemoth", *args])
+    try:
+        run(torchrun_args)
+    except ChildFailedError as e:
+        first = min(e.failures.items())
+        rank, failure = first
+        print(f"behemoth run: {len(e.failures)} of {nproc} processes failed; first: rank {rank} "
+              f"exited with code {failure.exitcode} (its error is printed above).", file=sys.stderr)
+        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+    return 0
+
+
+def _split_overrides(rest: list[str]) -> list[str]:
+    bad = [a for a in rest if not a.startswith("--")]
+    if bad:
+        raise ValueError(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value "
+                         f"(for example --train.steps=100).")
+    return rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "run":
+            if rest:
+                raise ValueError(f"unexpected argument(s) {' '.join(rest)} before the launched command; "
+                                 f"write `behemoth run --nproc N train CONFIG ...`.")
+            return cmd_run(args.nproc, args.args)
+        overrides = _split_overrides(rest)
+        return cmd_config(args.config, overrides) if args.command == "config" else cmd_train(args.config, overrides)
+    except USER_ERRORS as e:
+        if os.environ.get("BEHEMOTH_TRACEBACK"):
+            raise
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"behemoth: error{where}: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("behemoth: interrupted", file=sys.stderr)
+        return 130

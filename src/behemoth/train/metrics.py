@@ -1,0 +1,168 @@
+"""Metrics of a training run: log lines, ``metrics.jsonl``, TensorBoard and a loss-curve PNG.
+
+Only rank 0 writes (a :class:`MetricsLogger` built with ``enabled=False`` does nothing),
+so nothing here communicates. Everything lands under the run's ``out_dir``::
+
+    metrics.jsonl      one JSON object per logged step (always; appended across resumes)
+    tensorboard/       scalars under train/* (if torch.utils.tensorboard can be imported)
+    loss.png           the loss curve with the unigram-entropy bar (if matplotlib can be imported)
+
+Also the helpers that turn a step's timing into throughput, TFLOP/s, MFU and memory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import warnings
+
+import torch
+
+__all__ = ["MetricsLogger", "peak_flops", "memory_mib", "format_step", "log"]
+
+# Dense bf16 peak per card (no sparsity), for MFU in the PaLM convention.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def log(message: str) -> None:
+    """One line to stdout, flushed (so it interleaves sanely with the other ranks' output)."""
+    print(message, flush=True)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The card's dense bf16 peak in FLOP/s: ``BEHEMOTH_PEAK_FLOPS`` if set, else a table
+    (H100/H200 989e12, A100 312e12) by CUDA device name; None when unknown or on CPU."""
+    env = os.environ.get("BEHEMOTH_PEAK_FLOPS")
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise ValueError(f"BEHEMOTH_PEAK_FLOPS={env!r} is not a number; set it to the card's peak "
+                             f"FLOP/s, e.g. 989e12.") from None
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def memory_mib(device: torch.device) -> float:
+    """Peak memory of this process in MiB: ``torch.cuda.max_memory_allocated`` on a GPU,
+    the peak resident set size (``getrusage``) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10   # bytes on macOS, KiB on Linux
+
+
+def format_step(m: dict, total_steps: int) -> str:
+    """The per-step log line."""
+    parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {m['loss']:.4f}",
+             f"grad {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:,.0f} tok/s"]
+    if "tflops_per_device" in m:
+        parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev")
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    parts.append(f"mem {m['memory_mib']:,.0f} MiB")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes a run's scalars on rank 0; a no-op elsewhere.
+
+    ``start_step`` > 0 (a resumed run) drops TensorBoard events past it, so the curve
+    of a resumed run has no stale tail; metrics.jsonl is appended and de-duplicated
+    by step (latest wins) when the PNG is drawn.
+    """
+
+    def __init__(self, out_dir: str, *, enabled: bool = True, start_step: int = 0) -> None:
+        self.enabled = enabled
+        self.out_dir = out_dir
+        self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+        self.png_path = os.path.join(out_dir, "loss.png")
+        self.tb_dir = os.path.join(out_dir, "tensorboard")
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self._jsonl = open(self.jsonl_path, "a")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            log(f"warning: TensorBoard logging is off ({e}); install it with pip install 'behemoth[logging]'.")
+        else:
+            self._tb = SummaryWriter(self.tb_dir, purge_step=start_step if start_step > 0 else None)
+
+    def log_step(self, metrics: dict) -> None:
+        """Record one step's scalars (``metrics['step']`` is the x axis)."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(metrics) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, metrics["step"])
+
+    def log_text(self, tag: str, text: str) -> None:
+        """A text entry in TensorBoard (the resolved config, for instance)."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, "```\n" + text + "\n```", 0)
+
+    def history(self) -> list[dict]:
+        """Every logged step in metrics.jsonl, one per step (the latest record wins), in order."""
+        by_step = {}
+        if os.path.isfile(self.jsonl_path):
+            with open(self.jsonl_path) as f:
+                for line in f:
+                    if line.strip():
+                        rec = json.loads(line)
+                        by_step[rec["step"]] = rec
+        return [by_step[s] for s in sorted(by_step)]
+
+    def close(self, *, unigram_entropy: float | None = None, title: str = "") -> str | None:
+        """Flush everything and draw the loss curve; returns the PNG path (None if not drawn)."""
+        if not self.enabled:
+            return None
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        return plot_loss(self.history(), self.png_path, unigram_entropy=unigram_entropy, title=title)
+
+
+def plot_loss(history: list[dict], path: str, *, unigram_entropy: float | None, title: str = "") -> str | None:
+    """Loss against step, with the unigram entropy drawn as the bar a model must beat."""
+    if not history:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        log(f"warning: no loss plot ({e}); install matplotlib with pip install 'behemoth[logging]'.")
+        return None
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] for h in history]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(steps, losses, lw=1.4, label="training loss (global batch mean)")
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, color="tab:red", ls="--", lw=1.2,
+                   label=f"unigram entropy of the data = {unigram_entropy:.3f} nats")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title or "behemoth training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

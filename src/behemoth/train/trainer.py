@@ -1,0 +1,261 @@
+"""The training loop: ``train(config)`` -> ``train_step()`` -> ``engine.step()``.
+
+``train`` builds everything from a :class:`~behemoth.train.config.Config` (tokenizer,
+model, optimizer, engine, data, sampler), resumes from the newest complete checkpoint
+under ``out_dir/checkpoints``, runs ``train_step`` until ``train.steps`` and saves at
+``save_every`` and at the end. It runs the same on every rank (launched by torchrun or
+``behemoth run``); only rank 0 prints and writes metrics.
+
+Distributed contract: every rank builds the same model (the engine broadcasts rank 0's
+weights anyway); each dp rank's :class:`BatchSampler` yields its rows of the same global
+batch; the loss each step returns is the global batch mean, identical on every rank, so
+every rank takes the same branch (log, save, stop) without extra communication. Data
+files that must be tokenized are tokenized by rank 0 first (it writes the cache), then
+read by the others.
+
+Tested end to end by ``tests/e2e/test_cli.py`` (2 processes, gloo, resume).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import time
+
+import torch
+
+import behemoth as bh
+from behemoth import comm
+from behemoth.models import build_model
+from behemoth.train.checkpoint import is_complete, latest_checkpoint
+from behemoth.train.config import Config, DataSection, OptimSection, format_config
+from behemoth.train.data import (BatchSampler, TokenDataset, check_vocab, default_corpus_text,
+                                 unigram_entropy)
+from behemoth.train.metrics import MetricsLogger, format_step, log, memory_mib, peak_flops
+from behemoth.train.tokenizer import Tokenizer, get_tokenizer
+
+__all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset", "prune_checkpoints"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+ENTROPY_SAMPLE_TOKENS = 10_000_000   # unigram entropy is measured on at most this many tokens
+
+
+# ------------------------------------------------------------------ pure pieces
+def lr_at(step: int, optim: OptimSection, total_steps: int) -> float:
+    """Learning rate of 0-based step ``step``: linear warm-up to ``optim.lr`` over
+    ``warmup_steps``, then constant or cosine decay reaching ``lr * min_lr_ratio`` at the last step."""
+    warmup = optim.warmup_steps
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup - 1))
+    low = optim.lr * optim.min_lr_ratio
+    return low + 0.5 * (optim.lr - low) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimSection) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``model``; weight decay only on matrices (dim >= 2), as in GPT-2/nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": optim.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if optim.name == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
+
+
+def build_dataset(data: DataSection, tokenizer: Tokenizer) -> TokenDataset:
+    """The token stream ``data`` names: the default corpus, a .bin file, or text files (cached)."""
+    if data.source == "default":
+        return TokenDataset.from_texts([default_corpus_text(data.default_corpus_bytes)], tokenizer)
+    if data.paths[0].endswith(".bin"):
+        return TokenDataset.from_bin(data.paths[0], data.bin_dtype, vocab_size=tokenizer.vocab_size)
+    return TokenDataset.from_files(list(data.paths), tokenizer, cache_dir=data.cache_dir)
+
+
+def prune_checkpoints(ckpt_dir: str, keep_last: int) -> list[str]:
+    """Delete complete ``step-N`` checkpoints beyond the newest ``keep_last`` (0 keeps all).
+    Incomplete directories are left to the checkpoint module. Returns the deleted paths."""
+    if keep_last <= 0 or not os.path.isdir(ckpt_dir):
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir)
+                   if (m := _STEP_DIR.match(name)) and is_complete(os.path.join(ckpt_dir, name)))
+    doomed = [os.path.join(ckpt_dir, name) for _, name in found[:-keep_last]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _rank0_first(fn, world: comm.Axis):
+    """``fn()`` on rank 0, then on the others (so rank 0 fills caches alone). A failure on rank 0
+    is reported to every rank instead of leaving them waiting at a barrier."""
+    result, error = None, None
+    if world.rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, after the others have been told
+            error = e
+    ok = comm.all_agree(error is None, world)
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError("rank 0 failed to prepare the training data; its error is printed above.")
+    return fn() if world.rank != 0 else result
+
+
+# ------------------------------------------------------------------ the step
+def train_step(engine: bh.Engine, sampler: BatchSampler, lr: float) -> dict:
+    """One optimizer step at learning rate ``lr`` on the sampler's next batch.
+
+    Returns ``loss`` (global batch mean), ``grad_norm`` (before clipping), ``tokens``
+    (labelled tokens of the global batch) and ``seconds`` (this rank's wall time)."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    batch = sampler.next_batch()
+    loss = engine.step(batch)   # returns a Python float: the device has finished the step
+    return {"loss": loss, "grad_norm": engine.last_grad_norm, "tokens": engine.last_tokens,
+            "seconds": time.perf_counter() - t0}
+
+
+def _step_metrics(step: int, lr: float, out: dict, *, flops_per_token: int, world_size: int,
+                  peak: float | None, device: torch.device) -> dict:
+    tokens_per_s = out["tokens"] / max(out["seconds"], 1e-9)
+    m = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr,
+         "tokens_per_s": tokens_per_s, "step_seconds": out["seconds"]}
+    if device.type == "cuda" or peak is not None:
+        flops = flops_per_token * tokens_per_s / world_size
+        m["tflops_per_device"] = flops / 1e12
+        if peak:
+            m["mfu"] = flops / peak
+    m["memory_mib"] = memory_mib(device)
+    return m
+
+
+# ------------------------------------------------------------------ the run
+def train(config: Config) -> dict:
+    """Train the job ``config`` describes, on every rank of the (torchrun) world.
+
+    Returns the run's summary on every rank: ``first_loss``, ``final_loss``,
+    ``unigram_entropy`` (rank 0 only; None elsewhere), ``start_step``, ``steps``,
+    ``tokens_per_s``, ``wall_seconds``, ``checkpoint`` and ``num_params``.
+    """
+    t_start = time.perf_counter()
+    bh.init()
+    world_size = torch.distributed.get_world_size()
+    config = config.resolved(world_size=world_size)
+    mc, tc = config.model, config.train
+    ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
+
+    tokenizer = get_tokenizer(config.data.tokenizer)
+    model = build_model(mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed,
+                        dropout=mc.dropout, **mc.shape_overrides())
+    engine = bh.boost(model, build_optimizer(model, config.optim), config.plan,
+                      max_grad_norm=config.optim.max_grad_norm)
+    rank0 = engine.mesh.rank == 0
+    torch.manual_seed(tc.seed + engine.dp_rank)   # dropout masks differ per dp rank
+
+    world = engine.mesh.axis("world")
+    if config.data.source == "default" or config.data.paths[0].endswith(".bin"):
+        dataset = build_dataset(config.data, tokenizer)
+    else:
+        dataset = _rank0_first(lambda: build_dataset(config.data, tokenizer), world)
+    check_vocab(dataset, mc.vocab_size)
+    sampler = BatchSampler(dataset, seq_len=mc.seq_len, global_batch_size=tc.global_batch_size,
+                           dp_rank=engine.dp_rank, dp_size=engine.dp_size, seed=tc.seed)
+    entropy = unigram_entropy(dataset.tokens[:ENTROPY_SAMPLE_TOKENS]) if rank0 else None
+
+    resumed_from = latest_checkpoint(ckpt_dir) if tc.resume else None
+    if resumed_from:
+        extra = engine.load(resumed_from)
+        sampler.load_state_dict(extra["sampler"])
+    start = engine.step_count
+    if rank0:
+        n = model.num_params()
+        log(f"model {mc.name}: {n / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
+            f"seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
+            f"{engine.device.type} | data: {len(dataset):,} {tokenizer.name} tokens, "
+            f"{sampler.steps_per_epoch} steps/epoch")
+        log(f"unigram entropy of the training tokens: {entropy:.4f} nats (the loss must fall below this "
+            f"to show the model learned more than token frequencies)")
+        if resumed_from:
+            log(f"resumed from {resumed_from} at step {start}")
+
+    logger = MetricsLogger(tc.out_dir, enabled=rank0, start_step=start)
+    logger.log_text("config", format_config(config))
+    flops_per_token = model.flops_per_token(mc.seq_len)
+    peak = peak_flops(engine.device)
+    engine.reset_comm_stats()
+
+    losses, seconds, tokens = [], 0.0, 0
+    last_saved = start if resumed_from else None
+    for step in range(start + 1, tc.steps + 1):
+        lr = lr_at(step - 1, config.optim, tc.steps)
+        out = train_step(engine, sampler, lr)
+        if not math.isfinite(out["loss"]):
+            raise FloatingPointError(f"the loss is {out['loss']} at step {step} (lr {lr:.2e}): training "
+                                     f"diverged; lower optim.lr, raise optim.warmup_steps or set "
+                                     f"optim.max_grad_norm.")
+        losses.append(out["loss"])
+        if step > start + 1:   # the first step pays one-off costs (allocator, thread pools)
+            seconds, tokens = seconds + out["seconds"], tokens + out["tokens"]
+        metrics = _step_metrics(step, lr, out, flops_per_token=flops_per_token, world_size=world_size,
+                                peak=peak, device=engine.device)
+        logger.log_step(metrics)
+        if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps):
+            log(format_step(metrics, tc.steps))
+        if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+            _save(engine, sampler, config, ckpt_dir, step, rank0)
+            last_saved = step
+
+    final_ckpt = os.path.join(ckpt_dir, f"step-{last_saved}") if last_saved is not None else None
+    png = logger.close(unigram_entropy=entropy, title=f"behemoth {mc.name} on {world_size} process(es)")
+    summary = {
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_mean10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "unigram_entropy": entropy,
+        "start_step": start,
+        "steps": tc.steps,
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "wall_seconds": time.perf_counter() - t_start,
+        "checkpoint": final_ckpt,
+        "loss_png": png,
+        "num_params": model.num_params(),
+        "world_size": world_size,
+        "dp_bytes_per_step": engine.comm_stats().get("dp", {}).get("bytes", 0) / max(1, len(losses)),
+    }
+    if rank0:
+        _report(summary, tc.out_dir)
+    return summary
+
+
+def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool) -> None:
+    path = os.path.join(ckpt_dir, f"step-{step}")
+    t0 = time.perf_counter()
+    engine.save(path, extra={"sampler": sampler.state_dict(), "config": config.to_dict()})
+    if rank0:
+        pruned = prune_checkpoints(ckpt_dir, config.train.keep_last)
+        note = f" (removed {len(pruned)} older)" if pruned else ""
+        log(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f} s{note}")
+
+
+def _report(summary: dict, out_dir: str) -> None:
+    import json
+
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if summary["final_loss"] is None:
+        log(f"nothing to do: the checkpoint is at step {summary['start_step']} >= train.steps="
+            f"{summary['steps']}; raise --train.steps to train further.")
+        return
+    tps = f"{summary['tokens_per_s']:,.0f} tok/s" if summary["tokens_per_s"] else "n/a tok/s"
+    verdict = "below" if summary["final_loss_mean10"] < summary["unigram_entropy"] else "NOT below"
+    log(f"done: steps {summary['start_step'] + 1}-{summary['steps']} | loss {summary['first_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} the "
+        f"unigram entropy {summary['unigram_entropy']:.4f}) | {tps} | {summary['wall_seconds']:.1f} s")
+    log(f"outputs: {summary['checkpoint']} | {os.path.join(out_dir, 'metrics.jsonl')} | "
+        f"{summary['loss_png'] or 'no loss.png'} | {os.path.join(out_dir, 'tensorboard')}")
