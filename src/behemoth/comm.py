@@ -192,16 +192,23 @@ def barrier(axis: Axis) -> None:
         dist.barrier(group=axis.group)
 
 
-def all_reduce_scalars(values: list[float], axis: Axis, device=None) -> list[float]:
+def _scalar_device(axis: Axis) -> torch.device:
+    """Where a small tensor must live to travel over ``axis`` (NCCL moves only GPU memory)."""
+    if not axis.trivial and dist.get_backend(axis.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_scalars(values: list[float], axis: Axis) -> list[float]:
     """Sum a few Python numbers over the axis in one collective (float64)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=_scalar_device(axis))
     all_reduce(t, axis)
     return t.tolist()
 
 
 def all_agree(flag: bool, axis: Axis) -> bool:
     """True on every rank iff ``flag`` is true on every rank (one tiny all-reduce)."""
-    t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
+    t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64, device=_scalar_device(axis))
     all_reduce(t, axis)
     return t.item() == 0.0
 

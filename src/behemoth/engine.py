@@ -15,7 +15,6 @@ rebuilt over the engine's parameters with the user's class and hyper-parameters.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable
 
 import torch
@@ -112,7 +111,7 @@ class Engine:
         self.optimizer = rebuild_optimizer(optimizer, list)
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_count = 0
-        self.last_grad_norm = float("nan")
+        self._grad_norm: torch.Tensor | float = float("nan")
         self.last_tokens = 0
 
     # ---------------------------------------------------------------- identity
@@ -189,27 +188,29 @@ class Engine:
         dp = self.mesh.axis("dp")
         micro = self._split(batch)
         if self.loss_fn is None:
-            n_local = float((batch["labels"] != IGNORE_INDEX).sum())
-            (n_global,) = comm.all_reduce_scalars([n_local], dp)
-            if n_global == 0:
-                raise ValueError("the global batch has no labelled token (every label is -100).")
+            # Global token count, kept on the device: no host sync before backward.
+            n_global = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+            comm.all_reduce(n_global, dp)
             scale = 1.0 / n_global
         else:
-            n_global = 0.0
-            scale = 1.0 / (len(micro) * dp.size)
+            n_global = None
+            scale = torch.tensor(1.0 / (len(micro) * dp.size), dtype=torch.float64, device=self.device)
         loss_scale = self.scaler.scale if self.scaler else 1.0
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.buckets.begin(sync=i == len(micro) - 1)
             with autocast_context(self.plan.precision, self.device):
                 out = self.model(*self._model_inputs(mb))
             loss = self.loss_fn(out, mb) if self.loss_fn else token_loss_sum(out, mb)
             total += loss.detach().double()
-            (loss.float() * (scale * loss_scale)).backward()
+            (loss.float() * (scale * loss_scale).float()).backward()
         self.buckets.finish()
-        (loss_sum,) = comm.all_reduce_scalars([total.item()], dp)
-        self.last_tokens = int(n_global)
-        return loss_sum * scale
+        comm.all_reduce(total, dp)
+        loss_val, n = torch.cat([total * scale, n_global if n_global is not None else total.new_zeros(1)]).tolist()
+        if self.loss_fn is None and n == 0:
+            raise ValueError("the global batch has no labelled token (every label is -100).")
+        self.last_tokens = int(n)
+        return loss_val
 
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
@@ -219,11 +220,11 @@ class Engine:
         if self.scaler is not None:
             finite = self.scaler.unscale_and_check(params)   # grads are identical on every dp rank
             if not finite:
-                self.last_grad_norm = float("inf")
+                self._grad_norm = float("inf")
                 self.step_count += 1
                 return loss
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self.last_grad_norm = float(norm)
+        self._grad_norm = norm  # read lazily: no host sync on the hot path
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
         self.optimizer.step()
@@ -245,5 +246,7 @@ class Engine:
         from .train.checkpoint import load_checkpoint
         return load_checkpoint(self, path)
 
-    def grad_norm_is_finite(self) -> bool:
-        return math.isfinite(self.last_grad_norm)
+    @property
+    def last_grad_norm(self) -> float:
+        """Global gradient norm of the last step, before clipping (inf for a skipped fp16 step)."""
+        return float(self._grad_norm)
