@@ -69,6 +69,7 @@ def cmd_train(path: str, overrides: list[str]) -> int:
     from behemoth.train.trainer import train
 
     config = _load(path, overrides, _env_world_size())   # fails before any process group exists
+    config.plan.check_supported()
     bh.init()
     config = config.resolved(world_size=dist.get_world_size())
     if dist.get_rank() == 0:
@@ -91,7 +92,9 @@ def cmd_run(nproc: int, args: list[str]) -> int:
         raise ValueError(f"behemoth run needs a command to launch, e.g. `behemoth run --nproc {nproc} train "
                          f"CONFIG`; got {' '.join(args) or 'nothing'!r}.")
     # Check the job here, before starting N processes that would all fail the same way.
-    _load(args[1], _split_overrides(args[2:]), nproc)
+    config = _load(args[1], _split_overrides(args[2:]), nproc)
+    if args[0] == "train":
+        config.plan.check_supported()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -118,7 +121,22 @@ def _split_overrides(rest: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command ``argv`` (default: ``sys.argv[1:]``) and return its exit status.
+
+    Called as a program (``argv`` None: the ``behemoth`` script, ``python -m behemoth``), it
+    leaves through ``os._exit`` once everything is flushed and closed: at interpreter exit
+    torch 2.13's CPU runtime intermittently aborts ("terminate called without an active
+    exception") after all work is done, which would turn a finished run into a failed one.
+    """
+    status = _main(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     try:

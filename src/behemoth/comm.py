@@ -308,3 +308,49 @@ class AllToAllAxis(torch.autograd.Function):
     def backward(ctx, g):
         s, gd = ctx.dims
         return all_to_all(g, ctx.axis, gd, s), None, None, None
+
+
+# --------------------------------------------------------------------------- 2D / 2.5D additions
+def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
+    the result only there (other members' ``t`` is left unspecified). SUMMA's backward
+    step. Ledger: payload = ``t``'s bytes on every member, wire = the same (each sends once)."""
+    if axis.trivial:
+        return t
+    t0 = time.perf_counter()
+    dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group)
+    axis.ledger.record(axis.name, "reduce", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
+    return t
+
+
+def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
+    """Send ``t`` to the axis member ``peer_index`` and return the same-shaped tensor it sends
+    back (point-to-point). The pairing must be symmetric: ``peer_index``'s peer is this rank.
+    A rank paired with itself returns ``t`` and moves nothing."""
+    if axis.trivial or peer_index == axis.rank:
+        return t
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    peer = axis.ranks[peer_index]
+    t0 = time.perf_counter()
+    ops = [dist.P2POp(dist.isend, t, peer, group=axis.group), dist.P2POp(dist.irecv, out, peer, group=axis.group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    axis.ledger.record(axis.name, "exchange", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
+    return out
+
+
+class ExchangeWithPeer(torch.autograd.Function):
+    """Point-to-point swap with the axis member ``peer_index`` forward; the same swap of the
+    gradient backward (the pairing is symmetric, so the swap is its own inverse). 2D's
+    grid transpose: member (i, j) of a q x q grid swaps with (j, i)."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, peer_index: int):
+        ctx.axis, ctx.peer = axis, peer_index
+        return exchange(x, axis, peer_index)
+
+    @staticmethod
+    def backward(ctx, g):
+        return exchange(g, ctx.axis, ctx.peer), None, None
+

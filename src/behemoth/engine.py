@@ -25,9 +25,10 @@ from . import comm
 from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.data import GradBuckets
+from .parallel.tensor import full_state_dict, global_grad_norm
 from .plan import Plan
 from .precision import LossScaler, autocast_context
-from .styles import apply_activation_checkpointing, prepare_model
+from .styles import apply_activation_checkpointing, apply_tensor_parallel, prepare_model
 
 IGNORE_INDEX = -100
 
@@ -53,13 +54,18 @@ def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
 
 
 def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | None = None, *,
-          loss_fn: Callable | None = None, max_grad_norm: float | None = None) -> "Engine":
+          loss_fn: Callable | None = None, max_grad_norm: float | None = None,
+          tp_policy: dict[str, str] | None = None) -> "Engine":
     """Shard and wrap ``model`` for ``plan``, rebuild ``optimizer`` over its shards, and
     return the :class:`Engine` that trains it.
 
     ``loss_fn(outputs, batch) -> scalar`` replaces the default token-level cross-entropy;
     it must return the *mean* over its (micro-)batch, and micro-batches must be the same
-    size on every rank for the global mean to be exact.
+    size on every rank for the global mean to be exact. Under tensor parallelism it gets
+    the full logits (gathered over tp); the default loss never builds them.
+
+    ``tp_policy`` (``{module-name pattern: role}``, see :mod:`behemoth.policies`) says how
+    to shard a model class that behemoth has no table for.
     """
     init()
     plan = plan or Plan()
@@ -69,7 +75,7 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0, or None to disable clipping.")
     mesh = ParallelMesh(plan, rank, world)
-    return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
+    return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy)
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, params_of: Callable) -> torch.optim.Optimizer:
@@ -92,7 +98,7 @@ class Engine:
     """Trains one model under one plan. Build it with :func:`boost`."""
 
     def __init__(self, model, optimizer, plan: Plan, mesh: ParallelMesh, *, loss_fn=None,
-                 max_grad_norm=None) -> None:
+                 max_grad_norm=None, tp_policy=None) -> None:
         self.plan, self.mesh = plan, mesh
         self.device = device_for_rank()
         self.loss_fn = loss_fn
@@ -103,12 +109,20 @@ class Engine:
                 if id(p) not in model_params:
                     raise ValueError("the optimizer holds a parameter that is not in the model; build it over "
                                      "model.parameters() (or groups of them) before bh.boost.")
+        if plan.tp > 1 and optimizer.state:
+            raise ValueError("the optimizer already has state; under tensor parallelism build the engine before "
+                             "the first optimizer step (its state would not match the parameter shards).")
         self.model = prepare_model(model, self.device)
+        self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
+        self.vocab_head = self.tensor_parallel.head   # vocab-sharded logits: the loss goes through it
+        if self.vocab_head is not None and loss_fn is not None:
+            self.vocab_head.gather_output = True
         if plan.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self._sync_initial_params()
         self.buckets = GradBuckets(list(self.model.parameters()), mesh.axis("dp"), plan.bucket_mb)
-        self.optimizer = rebuild_optimizer(optimizer, list)
+        replaced = self.tensor_parallel.replaced
+        self.optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_count = 0
         self._grad_norm: torch.Tensor | float = float("nan")
@@ -201,7 +215,12 @@ class Engine:
             self.buckets.begin(sync=i == len(micro) - 1)
             with autocast_context(self.plan.precision, self.device):
                 out = self.model(*self._model_inputs(mb))
-            loss = self.loss_fn(out, mb) if self.loss_fn else token_loss_sum(out, mb)
+            if self.loss_fn is not None:
+                loss = self.loss_fn(out, mb)
+            elif self.vocab_head is not None:
+                loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), mb["labels"])
+            else:
+                loss = token_loss_sum(out, mb)
             total += loss.detach().double()
             (loss.float() * (scale * loss_scale).float()).backward()
         self.buckets.finish()
@@ -214,27 +233,35 @@ class Engine:
 
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
-        self.buckets.zero()
+        self.buckets.start_step()
         loss = self.forward_backward(batch)
         params = self.buckets.params
         if self.scaler is not None:
+            tp = self.mesh.axis("tp")
+            if not tp.trivial and not comm.all_agree(all(bool(torch.isfinite(p.grad).all()) for p in params), tp):
+                params[0].grad.fill_(float("inf"))   # one overflow skips the step on every tp rank
             finite = self.scaler.unscale_and_check(params)   # grads are identical on every dp rank
             if not finite:
                 self._grad_norm = float("inf")
                 self.step_count += 1
                 return loss
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self._grad_norm = norm  # read lazily: no host sync on the hot path
         if self.max_grad_norm is not None:
+            norm = self._global_grad_norm()
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
+            self._grad_norm = norm  # a tensor, read lazily: no host sync on the hot path
+        elif not self.mesh.axis("tp").trivial:
+            self._grad_norm = self._global_grad_norm()  # a collective over tp: every rank, now
+        else:
+            self._grad_norm = None  # computed on first read, from the gradients still held
         self.optimizer.step()
         self.step_count += 1
         return loss
 
     # ---------------------------------------------------------------- state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The serial model's state dict (same keys, shapes and values), on CPU."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The serial model's state dict (same keys, shapes and values), on CPU; tensor-parallel
+        shards are all-gathered over tp (a collective: call it on every rank)."""
+        return full_state_dict(self.model, self.mesh)
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
@@ -246,7 +273,14 @@ class Engine:
         from .train.checkpoint import load_checkpoint
         return load_checkpoint(self, path)
 
+    def _global_grad_norm(self) -> torch.Tensor:
+        # The serial model's norm: replicated params once, tp shards summed over tp (a collective
+        # when tp > 1, so every rank must read it: step() does when clipping).
+        return global_grad_norm(self.buckets.params, self.mesh)
+
     @property
     def last_grad_norm(self) -> float:
         """Global gradient norm of the last step, before clipping (inf for a skipped fp16 step)."""
+        if self._grad_norm is None:
+            self._grad_norm = self._global_grad_norm()
         return float(self._grad_norm)

@@ -22,7 +22,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
-    "tp": "tensor parallelism (1D/2D/2.5D/3D), the tensor-parallelism issue",
+    "tp_mode=2d": "2D tensor parallelism (Optimus: SUMMA on a q x q grid), the tensor-parallelism issue",
+    "tp_mode=2.5d": "2.5D tensor parallelism (Tesseract), the tensor-parallelism issue",
+    "tp_mode=3d": "3D tensor parallelism, the tensor-parallelism issue",
+    "tp_overlap": "Tensor3D over-decomposition (communication overlapped with compute) in 3D tensor "
+                  "parallelism, the tensor-parallelism issue",
     "pp": "pipeline parallelism, the pipeline issue",
     "sp": "sequence parallelism (Ulysses / ring attention), the sequence-parallelism issue",
     "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
@@ -175,8 +179,10 @@ class Plan:
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         pending = []
-        if self.tp > 1 or self.sequence_parallel or self.tp_overlap > 1:
-            pending.append(("tp", self.tp))
+        if self.tp > 1 and self.tp_mode != "1d":
+            pending.append(("tp_mode", self.tp_mode))
+        if self.tp_overlap > 1:
+            pending.append(("tp_overlap", self.tp_overlap))
         if self.pp > 1:
             pending.append(("pp", self.pp))
         if self.sp > 1:
@@ -189,11 +195,12 @@ class Plan:
             pending.append(("offload", self.offload))
         if pending:
             name, value = pending[0]
+            need = _PENDING[f"tp_mode={value}" if name == "tp_mode" else name]
             raise NotImplementedError(
-                f"Plan.{name}={value!r} needs {_PENDING[name]}, which is not built yet in this version of behemoth. "
-                f"Supported today: dp, microbatches (gradient accumulation), precision, activation_checkpointing."
+                f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
+                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), microbatches (gradient "
+                f"accumulation), precision, activation_checkpointing."
             )
-
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""
         parts = [f"dp={self.dp}"]

@@ -54,6 +54,7 @@ class GradBuckets:
         self.attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._sync = False
+        self._fresh: set[int] = set()
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._pending: list = []
@@ -77,10 +78,14 @@ class GradBuckets:
                                      f"dtype {p.dtype}. Keep parameters in fp32 and use Plan(precision='bf16').")
                 p.grad = view
 
-    def zero(self) -> None:
-        for buf in self.buffers:
-            buf.zero_()
-        self.attach_grads()
+    def start_step(self) -> None:
+        """Begin a step: gradients start empty. The first gradient of each parameter is
+        produced by autograd into a fresh tensor and *copied* into its bucket slice by the
+        hook (one copy instead of a memset of the bucket plus an in-place add); later
+        micro-batches accumulate in place into the slice."""
+        for p in self.params:
+            p.grad = None
+        self._fresh = {id(p) for p in self.params}
 
     # ---------------------------------------------------------------- reduction
     def begin(self, sync: bool) -> None:
@@ -94,6 +99,11 @@ class GradBuckets:
             self.launch_log = []
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if id(p) in self._fresh:
+            view = self.grad_view(p)
+            view.copy_(p.grad)
+            p.grad = view
+            self._fresh.discard(id(p))
         if not self._sync:
             return
         self.hooks_fired += 1
@@ -111,6 +121,11 @@ class GradBuckets:
         """Launch any bucket still waiting (unused parameters) and wait for all of them."""
         if not self._sync:
             return
+        for p in self.params:  # parameters that got no gradient this step: zero, not stale
+            if id(p) in self._fresh:
+                self.grad_view(p).zero_()
+                p.grad = self.grad_view(p)
+        self._fresh.clear()
         self._launch_ready(force=True)
         for h in self._pending:
             h.wait()

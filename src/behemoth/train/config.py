@@ -134,8 +134,9 @@ class DataSection:
                      f"concatenate the token files into one .bin, or list only .txt/.jsonl files.")
         else:
             bad = [p for p in paths if not p.lower().endswith(TEXT_SUFFIXES)]
-            _require(not bad, f"data.source file {bad[0]!r} has an unsupported type; use .bin (tokens), "
-                              f".txt (one document) or .jsonl (one {{\"text\": ...}} per line).")
+            if bad:
+                raise ConfigError(f"data.source file {bad[0]!r} has an unsupported type; use .bin (tokens), "
+                                  f".txt (one document) or .jsonl (one {{\"text\": ...}} per line).")
 
     @property
     def paths(self) -> tuple[str, ...]:

@@ -64,10 +64,11 @@ class ShardSpec:
     def local_shape(self) -> tuple[int, ...]:
         if self.view_shape is None:
             return self.local_view_shape()
-        shrink = math.prod(self.view_shape) // math.prod(self.local_view_shape())
-        shape = list(self.full_shape)
-        shape[self.fused_dim] //= shrink
-        return tuple(shape)
+        # The view splits serial dim ``fused_dim`` into ``extra + 1`` view dims and keeps the
+        # others; merge those back. (2D also blocks a non-fused dim, e.g. h_in of QKV.)
+        f, extra = self.fused_dim, len(self.view_shape) - len(self.full_shape)
+        local = self.local_view_shape()
+        return local[:f] + (math.prod(local[f:f + extra + 1]),) + local[f + extra + 1:]
 
 
 def check_divisible(what: str, size: int, parts: int, mode: str) -> None:

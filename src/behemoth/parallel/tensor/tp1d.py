@@ -1,0 +1,531 @@
+"""1D (Megatron) tensor parallelism, with Megatron sequence parallelism.
+
+Implements Shoeybi et al., "Megatron-LM" (2019): each transformer block is two pairs of a
+column-parallel then a row-parallel Linear (attention: q/k/v then out; MLP: fc/gate/up then
+down), heads split over the ``tp`` axis so attention is local, one all-reduce forward
+(``g``) and one backward (``f``) per pair; vocabulary-parallel embedding and cross-entropy.
+With ``Plan(sequence_parallel=True)``, Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models" (2022): activations between blocks are sharded on the sequence,
+norms and dropout run on the shard, and ``f``/``g`` become all-gather / reduce-scatter.
+
+Layouts (p = tp degree, r = this rank's tp index; activations are ``[B, S, ...]``, the
+sequence is ``SEQ_DIM = 1``):
+
+=======================  ==========================  ========================================
+layer                    this rank's weight          input -> output
+=======================  ==========================  ========================================
+ColumnParallelLinear     output rows, block r of p   X [.., in] (full) -> Y [.., out/p]
+  colwise_fused3         q, k and v rows, block r    X [.., in] (full) -> [q|k|v] [.., 3h/p]
+RowParallelLinear        input cols, block r of p    X [.., in/p] -> Y [.., out] (full;
+                                                     SP: sequence shard [B, S/p, out])
+VocabParallelEmbedding   vocab rows, block r of p    ids [B, S] -> [B, S, H] (full)
+VocabParallelHead        vocab rows, block r of p    X [B, S, H] -> logits [B, S, V/p]
+norms, pos. embedding    replicated                  full (SP, inside the blocks: a norm
+                                                     takes [B, S/p, H], returns [B, S, H])
+=======================  ==========================  ========================================
+
+Communication per column/row pair (one forward + backward): without SP, ``f`` = CopyToAxis
+on the column input (all-reduce of dX backward), *one* per input tensor however many column
+layers read it (q, k and v share it through :class:`ParallelRegion`), and ``g`` =
+ReduceFromAxis on the row output (all-reduce forward). With SP, the norm's output is
+all-gathered on the sequence (AllGatherToAxis, reduce-scatter backward) and the row output
+reduce-scattered (ReduceScatterToAxis, all-gather backward); norm weights and row biases,
+which then see only this rank's tokens, go through CopyToAxis so their gradients are summed
+over tp. The sequence is scattered at the first block's input and gathered at the last
+block's output, so model code outside the blocks sees full sequences. The bytes each of
+these moves: :mod:`behemoth.planner.traffic`.
+
+Grouped-query attention with fewer kv heads K than p (and p % K == 0): each rank keeps the
+whole k/v projection (replicated, routed through CopyToAxis) and uses the rows of kv head
+``r // (p // K)``, the one its query heads read.
+
+Dropout: non-SP replicated regions need the same RNG state on every tp rank (the trainer
+seeds by dp rank); parity tests run without dropout.
+
+Test: tests/dist/test_tp1d.py (each layer and whole models against serial training).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ... import comm
+from ...comm import Axis
+from ...policies import transformer_blocks, transformer_blocks_name
+from . import Parallelized
+from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
+
+MODE = "1d"
+SEQ_DIM = 1
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- f, shared
+class ParallelRegion:
+    """Where activations enter the tensor-parallel region (Megatron's ``f``), shared by all
+    the 1D layers of one model: column layers that read the *same* tensor (q, k, v; gate,
+    up) share one CopyToAxis, so backward all-reduces dX once. A sequence-parallel norm
+    registers its gathered output as already inside. Row layers and the head close it."""
+
+    def __init__(self, axis: Axis) -> None:
+        self.axis = axis
+        self._x = self._y = None
+
+    def enter(self, x: torch.Tensor, name: str, expect_gathered: bool) -> torch.Tensor:
+        if self._x is x:
+            return self._y
+        if expect_gathered:
+            raise ValueError(
+                f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
+                f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "
+                f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model.")
+        y = comm.CopyToAxis.apply(x, self.axis)
+        self._x, self._y = x, y
+        return y
+
+    def gathered(self, y: torch.Tensor) -> None:
+        self._x = self._y = y
+
+    def clear(self) -> None:
+        self._x = self._y = None
+
+
+# --------------------------------------------------------------------------- layers
+class ColumnParallelLinear(nn.Module):
+    """``Y_local = X W_local^T + b_local``: output features split over tp.
+
+    Input: X complete on every tp rank (or a sequence-parallel norm's gathered output);
+    output: this rank's output features. Communication: ``f`` on X (identity forward,
+    all-reduce of dX backward), shared through the region. ``transposed``: the weight is
+    stored ``[in, out]`` (transformers' Conv1D). ``rows``: replicated kv heads -- the weight
+    is the whole serial one (its gradient all-reduced over tp) and this rank uses rows
+    ``rows[0]:rows[1]`` of its ``[out, in]`` form."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
+                 transposed: bool = False, expect_gathered: bool = False, rows: tuple[int, int] | None = None,
+                 name: str = "") -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.axis, self.region, self.transposed = axis, region, transposed
+        self.expect_gathered, self.rows, self.name = expect_gathered, rows, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.region.enter(x, self.name, self.expect_gathered)
+        w, b = self.weight, self.bias
+        if self.rows is not None:
+            w = comm.CopyToAxis.apply(w, self.axis)
+            b = comm.CopyToAxis.apply(b, self.axis) if b is not None else None
+        if self.transposed:
+            w = w.t()
+        if self.rows is not None:
+            lo, hi = self.rows
+            w, b = w[lo:hi], (b[lo:hi] if b is not None else None)
+        return F.linear(x, w, b)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = sum_r X_r W_r^T + b``: input features split over tp.
+
+    Input: this rank's input features; output: complete on every tp rank (``g``:
+    all-reduce forward, identity backward), or with sequence parallelism this rank's
+    sequence shard (reduce-scatter forward, all-gather backward; the bias then goes through
+    CopyToAxis because it sees only this rank's tokens)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
+                 transposed: bool = False, sequence_parallel: bool = False, name: str = "") -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.axis, self.region, self.transposed = axis, region, transposed
+        self.sequence_parallel, self.name = sequence_parallel, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        self.region.clear()
+        b = self.bias
+        if self.sequence_parallel:
+            y = comm.ReduceScatterToAxis.apply(y, self.axis, SEQ_DIM)
+            b = comm.CopyToAxis.apply(b, self.axis) if b is not None else None
+        else:
+            y = comm.ReduceFromAxis.apply(y, self.axis)
+        return y if b is None else y + b.to(y.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over tp: ids outside this rank's rows
+    ``[vocab_start, vocab_start + V/p)`` look up zeros, then ``g`` (all-reduce forward,
+    identity backward) sums the ranks' partial embeddings. ids [B, S] -> [B, S, H] complete."""
+
+    def __init__(self, weight: nn.Parameter, *, axis: Axis, vocab_start: int, vocab_size: int,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.axis, self.vocab_start = axis, vocab_start
+        self.num_embeddings, self.embedding_dim = vocab_size, weight.shape[1]
+        local = None if padding_idx is None else padding_idx - vocab_start
+        self.local_padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.masked_fill(~inside, 0), self.weight, padding_idx=self.local_padding_idx)
+        out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
+        return comm.ReduceFromAxis.apply(out, self.axis)
+
+
+class VocabParallelHead(nn.Module):
+    """Output projection with the vocabulary split over tp: X [B, S, H] (complete) ->
+    logits [B, S, V/p] for this rank's vocabulary rows; ``f`` on X (all-reduce of dX
+    backward). The loss comes from :meth:`vocab_parallel_loss_sum`, so no rank builds the
+    full logits; ``gather_output=True`` (set by the engine for a user ``loss_fn``) all-gathers
+    them on the vocabulary instead (GatherFromAxis: slice backward)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
+                 vocab_start: int, vocab_size: int, name: str = "") -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.axis, self.region, self.name = axis, region, name
+        self.vocab_start, self.vocab_size = vocab_start, vocab_size
+        self.in_features, self.out_features = weight.shape[1], vocab_size
+        self.gather_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.region.enter(x, self.name, False), self.weight, self.bias)
+        self.region.clear()
+        if self.gather_output:
+            logits = comm.GatherFromAxis.apply(logits, self.axis, -1)
+        return logits
+
+    def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of next-token cross-entropy over the labelled positions (fp32), the same on
+        every tp rank; ``logits`` are this head's output, ``labels`` the serial ``[B, S]``."""
+        if self.gather_output:
+            return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return vocab_parallel_cross_entropy(logits.float().flatten(0, -2), labels.flatten(), self.axis,
+                                            self.vocab_start).sum()
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocabulary-sharded logits ``[N, V/p]`` (fp32), complete on
+    every tp rank. Forward: all-reduce (max) of the row maxima ``[N]``, then one all-reduce
+    (sum) of ``[target logit, sum of exp]`` ``[2, N]``. Backward: no communication --
+    ``(softmax - one_hot) * grad`` on this rank's vocabulary slice."""
+
+    @staticmethod
+    def forward(ctx, logits, target, axis: Axis, vocab_start: int, ignore_index: int):
+        row_max = logits.max(dim=-1).values
+        comm.all_reduce(row_max, axis, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(-1)
+        local = target - vocab_start
+        hit = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~hit, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~hit, 0.0)
+        exp = shifted.exp_()
+        sums = torch.stack([target_logit, exp.sum(-1)])
+        comm.all_reduce(sums, axis)
+        valid = target != ignore_index
+        loss = (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
+        softmax = exp.div_(sums[1].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, hit & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, hit, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: Axis, vocab_start: int,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token losses ``[N]`` (0 where ``target == ignore_index``) of logits ``[N, V/p]``
+    holding vocabulary rows ``[vocab_start, vocab_start + V/p)``; see VocabParallelCrossEntropy."""
+    return VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)
+
+
+def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelRegion) -> nn.Module:
+    """Make a norm (any class) run on this rank's sequence shard and hand the column layers
+    after it the whole sequence: its parameters go through CopyToAxis (their gradients are
+    summed over tp), and its output through AllGatherToAxis on SEQ_DIM (reduce-scatter
+    backward). The module's own forward does the math, so LayerNorm, behemoth's RMSNorm and
+    transformers' LlamaRMSNorm need no copies; state-dict keys do not change."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        saved = {n: p for n, p in module._parameters.items() if p is not None}
+        try:  # swap each Parameter for its CopyToAxis view for the duration of the call
+            for n, p in saved.items():
+                module._parameters[n] = comm.CopyToAxis.apply(p, axis)
+            y = inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+        y = comm.AllGatherToAxis.apply(y, axis, SEQ_DIM)
+        region.gathered(y)
+        return y
+
+    module.forward = forward
+    module._behemoth_sequence_parallel = True
+    return module
+
+
+# --------------------------------------------------------------------------- attention heads
+_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEADS = ("num_kv_heads", "num_key_value_heads", "n_kv_heads")
+_WIDTHS = ("split_size", "embed_dim", "all_head_size", "inner_dim")
+
+
+def _first_int(obj, names) -> int | None:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def attention_heads(module: nn.Module, name: str) -> tuple[int, int, int | None]:
+    """(query heads N, kv heads K, head dim D or None) of an attention module: behemoth's
+    ``num_heads``/``num_kv_heads``, GPT-2's ``num_heads``, HF Llama's config and
+    ``num_key_value_groups``."""
+    cfg = getattr(module, "config", None)
+    n = _first_int(module, _HEADS) or (_first_int(cfg, ("num_attention_heads", "n_head")) if cfg else None)
+    if n is None:
+        raise ValueError(f"tensor parallelism: attention module {name} ({type(module).__name__}) has none of the "
+                         f"head-count attributes {', '.join(_HEADS)}; it cannot be given local heads.")
+    k = _first_int(module, _KV_HEADS)
+    groups = getattr(module, "num_key_value_groups", None)
+    if k is None and isinstance(groups, int) and groups > 0:
+        k = n // groups
+    return n, k or n, _first_int(module, ("head_dim",))
+
+
+def _check_heads(name: str, n: int, k: int, p: int) -> None:
+    check_divisible(f"attention heads (num_heads of {name})", n, p, MODE)
+    if k >= p:
+        check_divisible(f"key/value heads (num_kv_heads of {name})", k, p, MODE)
+    elif p % k:
+        raise ValueError(
+            f"tensor parallelism ({MODE}): key/value heads (num_kv_heads of {name}) = {k} is smaller than tp = {p} "
+            f"and does not divide it; kv heads are replicated only when tp is a multiple of num_kv_heads. "
+            f"Use a tp degree that is a multiple or a divisor of {k}.")
+
+
+def localize_heads(module: nn.Module, n: int, k: int, d: int | None, p: int) -> None:
+    """Set the head-count attributes a module reshapes with to this rank's counts."""
+    n_loc, k_loc = n // p, (k // p if k >= p else 1)
+    for attr in _HEADS:
+        if _first_int(module, (attr,)) is not None:
+            setattr(module, attr, n_loc)
+    for attr in _KV_HEADS:
+        if _first_int(module, (attr,)) is not None:
+            setattr(module, attr, k_loc)
+    if _first_int(module, ("num_key_value_groups",)) is not None:
+        module.num_key_value_groups = n_loc // k_loc
+    for attr in _WIDTHS:
+        if d is not None and _first_int(module, (attr,)) == n * d:
+            setattr(module, attr, n_loc * d)
+
+
+# --------------------------------------------------------------------------- apply
+def _linear_layout(module: nn.Module, name: str, role: str) -> tuple[bool, int, int]:
+    """(transposed, in_features, out_features) of a Linear or transformers Conv1D."""
+    if isinstance(module, nn.Linear):
+        return False, module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return True, module.weight.shape[0], module.weight.shape[1]
+    raise ValueError(f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
+                     f"{name} is a {type(module).__name__}.")
+
+
+def _spec(shape, dim: int, p: int, r: int, view=None, fused_dim: int = 0) -> ShardSpec:
+    return ShardSpec(tuple(shape), (DimShard(dim, p, r, ("tp",)),), view_shape=view, fused_dim=fused_dim)
+
+
+def _replicated(param: nn.Parameter | None) -> None:
+    if param is not None and get_spec(param) is None:
+        set_spec(param, ShardSpec(tuple(param.shape), (), replicated_on=("tp",)))
+
+
+def _owner(name: str, attention: dict) -> str | None:
+    return next((a for a in attention if name.startswith(a + ".")), None)
+
+
+def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallelized:
+    """Rewrite ``model`` in place for 1D tensor parallelism over ``mesh.axis('tp')``.
+
+    ``roles`` is ``{module name: role}`` (see :mod:`behemoth.policies`). Every shape is
+    checked first, identically on every rank and before any collective; then the serial
+    weights are broadcast from tp rank 0 (one model, however each rank was seeded) and
+    each role's module is replaced by its parallel layer holding this rank's shards."""
+    axis = mesh.axis("tp")
+    p, r = axis.size, axis.rank
+    sp = plan.sequence_parallel
+    modules = dict(model.named_modules())
+    blocks_name = transformer_blocks_name(model) if sp else None
+
+    def in_blocks(name: str) -> bool:
+        return sp and name.startswith(blocks_name + ".")
+
+    # ---- 1. validate (pure)
+    attention = {}
+    for name, role in roles.items():
+        if role == "attention":
+            n, k, d = attention_heads(modules[name], name)
+            _check_heads(name, n, k, p)
+            attention[name] = (n, k, d)
+    jobs = []
+    for name, role in roles.items():
+        m = modules[name]
+        owner = _owner(name, attention)
+        width = "attention width" if owner else "ffn hidden"
+        if role in ("colwise", "colwise_fused3", "rowwise"):
+            transposed, fin, fout = _linear_layout(m, name, role)
+            rows = None
+            if role == "colwise":
+                n, k, d = attention.get(owner, (0, 0, None))
+                if owner and k < p and k != n and d is not None and fout == k * d:
+                    j = r // (p // k)
+                    rows = (j * d, (j + 1) * d)
+                else:
+                    check_divisible(f"{width} (out features of {name})", fout, p, MODE)
+            elif role == "colwise_fused3":
+                if fout % 3:
+                    raise ValueError(f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
+                                     f"features, not three equal q/k/v parts.")
+                check_divisible(f"hidden (each of q, k, v in {name})", fout // 3, p, MODE)
+            else:
+                check_divisible(f"{width} (in features of {name})", fin, p, MODE)
+            jobs.append((name, role, transposed, fin, fout, rows))
+        elif role in ("embedding", "head"):
+            if role == "embedding" and not isinstance(m, nn.Embedding):
+                raise ValueError(f"tensor-parallel role 'embedding' needs an nn.Embedding; {name} is a "
+                                 f"{type(m).__name__}.")
+            if role == "embedding" and (m.max_norm is not None or m.sparse):
+                raise ValueError(f"vocab-parallel embedding {name}: max_norm and sparse are not supported.")
+            if role == "head" and not isinstance(m, nn.Linear):
+                raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(m).__name__}.")
+            vocab = m.num_embeddings if role == "embedding" else m.out_features
+            check_divisible(f"vocab_size (rows of {name})", vocab, p, MODE)
+            jobs.append((name, role, False, 0, vocab, None))
+        elif role in ("norm", "pos_embedding"):
+            jobs.append((name, role, False, 0, 0, None))
+    if sp:
+        owned = {n for n, role in roles.items() if role != "attention"}
+        for pname, _ in model.named_parameters():
+            if in_blocks(pname) and pname.rsplit(".", 1)[0] not in owned:
+                raise ValueError(
+                    f"sequence parallelism: parameter {pname} has no tensor-parallel role; inside the blocks every "
+                    f"parameter must belong to a colwise/rowwise/norm module (otherwise its gradient would see "
+                    f"only this rank's tokens). Add it to tp_policy or use Plan(sequence_parallel=False).")
+
+    # ---- 2. one model on every tp rank (rank 0's weights)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, axis, 0)
+
+    # ---- 3. rewrite
+    region = ParallelRegion(axis)
+    new: dict[int, nn.Parameter] = {}
+
+    def shard(old, spec):
+        if old is None:
+            return None
+        if id(old) in new:
+            if get_spec(new[id(old)]) != spec:
+                raise ValueError(f"a tied weight is used by two layers with different tensor-parallel layouts "
+                                 f"({get_spec(new[id(old)])} and {spec}); untie it or give both the same role.")
+            return new[id(old)]
+        t = nn.Parameter(shard_tensor(old.detach(), spec), requires_grad=old.requires_grad)
+        new[id(old)] = set_spec(t, spec)
+        return t
+
+    head = None
+    for name, role, transposed, fin, fout, rows in jobs:
+        m = modules[name]
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        if role in ("colwise", "colwise_fused3"):
+            if rows is not None:
+                _replicated(w)
+                _replicated(b)
+            elif role == "colwise":
+                w = shard(w, _spec(w.shape, 1 if transposed else 0, p, r))
+                b = shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+            else:
+                h = fout // 3
+                view = (fin, 3, h) if transposed else (3, h, fin)
+                w = shard(w, _spec(w.shape, 2 if transposed else 1, p, r, view, 1 if transposed else 0))
+                b = shard(b, _spec(b.shape, 1, p, r, (3, h), 0)) if b is not None else None
+            new_m = ColumnParallelLinear(w, b, axis=axis, region=region, transposed=transposed,
+                                         expect_gathered=in_blocks(name), rows=rows, name=name)
+        elif role == "rowwise":
+            w = shard(w, _spec(w.shape, 0 if transposed else 1, p, r))
+            _replicated(b)
+            new_m = RowParallelLinear(w, b, axis=axis, region=region, transposed=transposed,
+                                      sequence_parallel=in_blocks(name), name=name)
+        elif role == "embedding":
+            w = shard(w, _spec(w.shape, 0, p, r))
+            new_m = VocabParallelEmbedding(w, axis=axis, vocab_start=r * (fout // p), vocab_size=fout,
+                                           padding_idx=m.padding_idx)
+        elif role == "head":
+            w = shard(w, _spec(w.shape, 0, p, r))
+            b = shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+            new_m = head = VocabParallelHead(w, b, axis=axis, region=region, vocab_start=r * (fout // p),
+                                             vocab_size=fout, name=name)
+        else:  # norm, pos_embedding: replicated; a norm inside sequence-parallel blocks runs on the shard
+            for prm in m.parameters(recurse=False):
+                _replicated(prm)
+            if role == "norm" and in_blocks(name):
+                make_sequence_parallel_norm(m, axis, region)
+            continue
+        new_m.train(m.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new_m)
+    for name, (n, k, d) in attention.items():
+        localize_heads(modules[name], n, k, d, p)
+    for pname, prm in model.named_parameters(remove_duplicate=False):
+        if id(prm) in new:
+            raise ValueError(f"{pname} still holds the serial weight that another layer sharded (a tied weight "
+                             f"whose other user has no tensor-parallel role); give it a role in tp_policy.")
+    _install_hooks(model, axis, region, sp)
+    return Parallelized(replaced=new, head=head)
+
+
+def _install_hooks(model: nn.Module, axis: Axis, region: ParallelRegion, sp: bool) -> None:
+    """Model entry: reset the region and (SP) check the sequence length before the first
+    collective. SP: scatter the sequence at the first block's input (ScatterToAxis:
+    all-gather backward), gather it at the last block's output (GatherFromAxis: slice
+    backward)."""
+    p = axis.size
+
+    def begin(module, args, kwargs):
+        region.clear()
+        if sp:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+                check_divisible("sequence length (dim 1 of the input)", ids.shape[SEQ_DIM], p,
+                                f"{MODE} with sequence_parallel")
+        return None
+
+    model.register_forward_pre_hook(begin, with_kwargs=True)
+    if not sp:
+        return
+    blocks = transformer_blocks(model)
+
+    def scatter(module, args, kwargs):
+        if args:
+            return (comm.ScatterToAxis.apply(args[0], axis, SEQ_DIM),) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs, hidden_states=comm.ScatterToAxis.apply(kwargs["hidden_states"], axis, SEQ_DIM))
+        return args, kwargs
+
+    def gather(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return comm.GatherFromAxis.apply(output, axis, SEQ_DIM)
+        return (comm.GatherFromAxis.apply(output[0], axis, SEQ_DIM),) + tuple(output[1:])
+
+    blocks[0].register_forward_pre_hook(scatter, with_kwargs=True)
+    blocks[-1].register_forward_hook(gather)
