@@ -28,7 +28,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (Plan.compile)")
+    p.add_argument("--bucket-mb", type=float, default=100.0)
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tied", action="store_true",
                    help="tie input/output embeddings (off by default: peer_baseline.py's model is untied)")
@@ -39,7 +40,8 @@ def main() -> None:
     dev = bh.distributed.device_for_rank()
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device=dev, tie_embeddings=a.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    plan = bh.Plan(dp=world, precision="bf16", activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb)
+    plan = bh.Plan(dp=world, precision="bf16", activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb,
+                   compile=a.compile)
     engine = bh.boost(model, opt, plan)
     g = torch.Generator(device=dev).manual_seed(rank)
     x = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
@@ -61,7 +63,7 @@ def main() -> None:
     flops_per_tok = model.flops_per_token(a.seq)
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     if rank == 0:
-        r = dict(size=a.size, mode="behemoth-dp", gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, bucket_mb=a.bucket_mb,
+        r = dict(size=a.size, mode="behemoth-dp", gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile, bucket_mb=a.bucket_mb,
                  params_b=round(model.num_params() / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
                  tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
                  mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4), peak_mem_gib=round(mem, 1),

@@ -28,7 +28,7 @@ from .parallel.data import GradBuckets
 from .parallel.tensor import full_state_dict, global_grad_norm
 from .plan import Plan
 from .precision import LossScaler, autocast_context
-from .styles import apply_activation_checkpointing, apply_tensor_parallel, prepare_model
+from .styles import apply_activation_checkpointing, apply_compile, apply_tensor_parallel, prepare_model
 
 IGNORE_INDEX = -100
 
@@ -119,6 +119,8 @@ class Engine:
             self.vocab_head.gather_output = True
         if plan.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if plan.compile:
+            apply_compile(self.model)
         self._sync_initial_params()
         self.buckets = GradBuckets(list(self.model.parameters()), mesh.axis("dp"), plan.bucket_mb)
         replaced = self.tensor_parallel.replaced

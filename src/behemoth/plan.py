@@ -90,8 +90,10 @@ class Plan:
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of saving them."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = 100.0
     """Size of the data-parallel gradient buckets, in MiB."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (after activation checkpointing)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "sp", "ep"):
@@ -108,7 +110,7 @@ class Plan:
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"Plan.zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3.")
         if not self.bucket_mb > 0:
-            raise ValueError(f"Plan.bucket_mb={self.bucket_mb!r}: must be > 0 (25 is a good default).")
+            raise ValueError(f"Plan.bucket_mb={self.bucket_mb!r}: must be > 0 (100 is a good default).")
         self._check_tp_shape()
         if self.sequence_parallel and (self.tp_mode != "1d" or self.tp == 1):
             raise ValueError(

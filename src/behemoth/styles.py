@@ -70,3 +70,13 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
         block.forward = forward
         block._behemoth_checkpointed = True
     return len(blocks)
+
+
+def apply_compile(model: nn.Module) -> int:
+    """torch.compile each transformer block in place (``nn.Module.compile``: state-dict keys
+    and parameters are unchanged, so gradient hooks and checkpoints see the same tensors).
+    Returns the number of blocks compiled."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.compile()
+    return len(blocks)

@@ -96,12 +96,12 @@ def _bad_plan_world(rank: int, world: int, out_dir: str) -> None:
         except ValueError as e:
             errors.append(str(e))
     try:
-        bh.boost(model, opt, bh.Plan(tp=2, dp=1))
+        bh.boost(model, opt, bh.Plan(pp=2, dp=1))
     except NotImplementedError as e:
         errors.append(str(e))
     assert len(errors) == 3, errors
     assert "must equal the world size 2" in errors[0] and "dp*pp*tp*sp = 3*1*1*1 = 3" in errors[0]
-    assert "tensor parallelism" in errors[2]
+    assert "pipeline parallelism" in errors[2]
     # Every rank got here without a collective hanging; prove both are alive.
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -150,3 +150,18 @@ def _failing_child(rank: int, world: int) -> None:
 def test_spawn_propagates_child_failure_without_hanging():
     with pytest.raises(RuntimeError, match="boom from rank 1"):
         bh.spawn(_failing_child, 2, timeout=120)
+
+
+def _compile_world(rank: int, world: int) -> None:
+    batches = global_batches(2, BATCH)
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=world, compile=True, bucket_mb=0.01),
+                      max_grad_norm=1.0)
+    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+    want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
+    assert_losses_close(losses, want_losses, what="compile")
+    assert_state_close(engine.full_state_dict(), want_state, what="compile")
+
+
+def test_compiled_blocks_match_serial():
+    bh.spawn(_compile_world, 2, timeout=600)
