@@ -55,7 +55,7 @@ def test_resolve_world_size():
 
 def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, microbatches=4, precision="bf16", activation_checkpointing=True).check_supported()
-    for kwargs, name in [(dict(tp=2), "tensor parallelism"), (dict(pp=2), "pipeline"), (dict(sp=2), "sequence"),
+    for kwargs, name in [(dict(pp=2), "pipeline"), (dict(sp=2), "sequence"),
                          (dict(dp=2, ep=2), "expert"), (dict(zero=1), "ZeRO")]:
         with pytest.raises(NotImplementedError, match=name):
             Plan(**kwargs).check_supported()
