@@ -333,9 +333,14 @@ def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
     out = torch.empty_like(t)
     peer = axis.ranks[peer_index]
     t0 = time.perf_counter()
-    ops = [dist.P2POp(dist.isend, t, peer, group=axis.group), dist.P2POp(dist.irecv, out, peer, group=axis.group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    # Plain send/recv, lower member first: no batched-P2P rule that every member of the group
+    # must join the first call (members paired with themselves do not), and no deadlock.
+    if axis.rank < peer_index:
+        dist.send(t, peer, group=axis.group)
+        dist.recv(out, peer, group=axis.group)
+    else:
+        dist.recv(out, peer, group=axis.group)
+        dist.send(t, peer, group=axis.group)
     axis.ledger.record(axis.name, "exchange", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
     return out
 
@@ -354,3 +359,63 @@ class ExchangeWithPeer(torch.autograd.Function):
     def backward(ctx, g):
         return exchange(g, ctx.axis, ctx.peer), None, None
 
+
+
+# --------------------------------------------------------------------------- 3D additions: asynchronous collectives
+class AsyncCollective:
+    """An in-flight collective whose result is a tensor (Tensor3D over-decomposition: issue,
+    compute something else, then ``wait()``). ``wait()`` blocks, books the blocked time in
+    the ledger (the bytes were booked when the call was issued) and returns the result;
+    later calls return it again. The handle keeps its buffers alive until then."""
+
+    def __init__(self, work, axis: Axis | None, finish, *keep) -> None:
+        self._work, self._axis, self._finish, self._keep = work, axis, finish, keep
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            if self._work is not None:
+                t0 = time.perf_counter()
+                self._work.wait()
+                self._axis.ledger.add_time(self._axis.name, time.perf_counter() - t0)
+            self._result, self._work, self._finish, self._keep = self._finish(), None, None, ()
+        return self._result
+
+
+def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
+    """Start :func:`all_gather` (concatenate every member's ``t`` along ``dim``); the handle's
+    ``wait()`` returns the result. Ledger as :func:`all_gather`: payload = the gathered
+    tensor, wire = ``(size-1)`` local shards."""
+    if axis.trivial:
+        return AsyncCollective(None, axis, lambda: t)
+    n = axis.size
+    src = t.movedim(dim, 0).contiguous()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    work = dist.all_gather_into_tensor(out, src, group=axis.group, async_op=True)
+    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(src))
+    return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
+
+
+def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
+    """Start :func:`reduce_scatter` (sum over the axis, keep this member's ``1/size`` slice
+    along ``dim``); the handle's ``wait()`` returns the slice. ``t`` is never modified.
+    Ledger as :func:`reduce_scatter`: payload = ``t``, wire = ``(size-1)/size`` of it."""
+    if axis.trivial:
+        return AsyncCollective(None, axis, lambda: t)
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+                         f"is not divisible by the axis size {n}.")
+    inp = t.movedim(dim, 0).contiguous()
+    if dist.get_backend(axis.group) == "gloo":
+        # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.
+        inp = inp.clone() if inp.data_ptr() == t.data_ptr() else inp
+        work = dist.all_reduce(inp, group=axis.group, async_op=True)
+        finish = lambda: inp.chunk(n, 0)[axis.rank].movedim(0, dim)  # noqa: E731
+        out = inp
+    else:
+        out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
+        work = dist.reduce_scatter_tensor(out, inp, group=axis.group, async_op=True)
+        finish = lambda: out.movedim(0, dim)  # noqa: E731
+    axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
+    return AsyncCollective(work, axis, finish, inp, out)

@@ -9,7 +9,6 @@ non-divisible dims, and 2.5D at depth 1 bit-identical to 2D.
 """
 from __future__ import annotations
 
-import math
 import types
 
 import pytest
@@ -106,6 +105,22 @@ def fused_spec(shape, parts, mesh, L):
                      base.replicated_on, view, fused_dim=len(shape) - 1)
 
 
+def saved_activation_bytes(fn, module) -> int:
+    """Bytes of the distinct non-parameter storages that ``fn``'s autograd graph saves."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
 def rand(*shape, seed=0, dtype=F64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
@@ -177,16 +192,22 @@ def check_lm(mesh, L, tied):
     loss.backward()
     logits = lm(ids)
     assert logits.shape == (B // L.spec((B, 1), mesh, hidden=False).dims[0].parts, S, V // mesh.axis("tp_col").size)
-    local = L.cross_entropy(logits, L.split_batch(labels, mesh), mesh)
-    local.backward()
-    close(torch.tensor(tp_sum(local.item(), mesh), dtype=F64), loss.detach(), f"lm tied={tied} loss")
+    if tied:  # the engine's protocol: the tp group's total, the same on every rank
+        total = lm.head.vocab_parallel_loss_sum(logits, labels)
+        total.backward()
+    else:     # this rank's block; the total is the sum over grid rows (and depth)
+        local = L.cross_entropy(logits, L.split_batch(labels, mesh), mesh)
+        local.backward()
+        total = torch.tensor(tp_sum(local.item(), mesh), dtype=F64)
+    close(total.detach(), loss.detach(), f"lm tied={tied} loss")
     per_token = L.cross_entropy(logits.detach(), L.split_batch(labels, mesh), mesh, reduction="none")
     want = F.cross_entropy(serial(ids).flatten(0, 1), labels.flatten(), reduction="none").view(B, S)
     close(gather_full(per_token, L.spec((B, S), mesh, hidden=False), mesh), want.detach(), "per-token loss")
     check_params(lm, serial, mesh, f"lm tied={tied}")
     if tied:
         assert lm.head.weight is lm.wte.weight
-    return local
+        lm.head.gather_output = True  # for a user's loss_fn: full logits on every rank
+        close(lm(ids), serial(ids).detach(), "gathered logits")
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -205,9 +226,8 @@ def layer_scenarios(mesh, L):
     layer = L.Linear.from_serial(qkv, mesh, fused=3)
     assert get_spec(layer.weight).view_shape == (3, H, H) and layer.weight.shape == (3 * H // q, H // q)
     yl = check_layer(mesh, L, qkv, layer, x, "fused qkv", out_spec=fused_spec((B, S, 3 * H), 3, mesh, L))
-    ql, kl, vl = yl.split(H // q, dim=-1)  # the local heads' q, k, v, as the serial model splits them
-    want_q = L.split(qkv(x)[..., :H].detach(), mesh)
-    close(ql, want_q, "fused qkv: local q rows")
+    q_local = yl.split(H // q, dim=-1)[0]  # the local heads' q, as the serial model splits [q | k | v]
+    close(q_local, L.split(qkv(x)[..., :H].detach(), mesh), "fused qkv: local q rows")
     from transformers.pytorch_utils import Conv1D
     conv = Conv1D(3 * H, H).double()
     nn.init.normal_(conv.bias)
@@ -227,9 +247,13 @@ def layer_scenarios(mesh, L):
     nn.init.normal_(rms.weight)
     check_layer(mesh, L, rms, L.RMSNorm.from_serial(rms, mesh), x.float(), "llama rmsnorm", rtol=1e-5, atol=1e-6)
 
-    # Chained block, no redistribution between layers.
+    # Chained block, no redistribution between layers; it saves only shards for backward.
     block = MLPBlock(H).double()
-    check_layer(mesh, L, block, shard_block(mesh, L, block), x, "mlp block")
+    par = shard_block(mesh, L, block)
+    check_layer(mesh, L, block, par, x, "mlp block")
+    serial_saved = saved_activation_bytes(lambda: block(x.clone().requires_grad_()), block)
+    par_saved = saved_activation_bytes(lambda: par(L.split(x, mesh).requires_grad_()), par)
+    assert par_saved <= 1.25 * serial_saved / mesh.axis("tp").size, (par_saved, serial_saved)
 
     check_lm(mesh, L, tied=False)
     check_lm(mesh, L, tied=True)
@@ -281,7 +305,7 @@ def depth_one_is_2d(mesh2, mesh25):
         grads = [p.grad for p in list(par.parameters()) + list(lm.parameters())]
         stats = mesh.ledger.stats()
         specs = [get_spec(p) for p in list(par.parameters()) + list(lm.parameters())]
-        outs.append((y, x.grad, loss, grads, specs, {a: stats.get(a, {}).get("bytes", 0) for a in TP_AXES}))
+        outs.append((y, x.grad, loss, grads, specs, {a: stats.get(a, {}).get("bytes", 0) for a in TP_AXES + ("tp",)}))
     for a, b in zip(*outs):
         if isinstance(a, list) and isinstance(a[0], torch.Tensor):
             assert all(torch.equal(u, v) for u, v in zip(a, b))

@@ -37,7 +37,6 @@ rank's block (b = B/(d*q), h = H/q, v = V/q).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -103,8 +102,9 @@ def grid_of(mesh, mode: str, who: str) -> Grid:
     """The :class:`Grid` of ``mesh``; ``who`` (a class name) is named in the error when the
     mesh's tp_mode is not ``mode``."""
     if mesh.plan.tp_mode != mode:
+        other = {"1d": "tp1d", "2d": "tp2d", "2.5d": "tp2p5d", "3d": "tp3d"}.get(mesh.plan.tp_mode, "?")
         raise ValueError(f"{who} needs a mesh with tp_mode={mode!r}; got tp_mode={mesh.plan.tp_mode!r}. "
-                         f"Use the layers of behemoth.parallel.tensor for that mode.")
+                         f"Use the layers of behemoth.parallel.tensor.{other} for that mesh.")
     row, col, depth = mesh.axis("tp_row"), mesh.axis("tp_col"), mesh.axis("tp_depth")
     return Grid(mode, row.size, depth.size, row.rank, col.rank, depth.rank, row, col, depth, mesh.axis("tp"))
 
@@ -501,7 +501,7 @@ class Embedding2D(nn.Module):
         e = F.embedding(local, _replicate_on(self.weight, g, rows=False), padding_idx=pad)
         e = e.masked_fill(outside[..., None], 0.0)
         e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)     # batch block c, hidden block k
-        return e
+        return comm.ExchangeWithPeer.apply(e, g.tp_axis, g.transpose_peer)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, q={self.grid.q}, depth={self.grid.depth_size}"
@@ -539,7 +539,31 @@ class PositionEmbedding2D(nn.Module):
 class VocabParallelHead2D(Linear2D):
     """LM head: ``[b, s, h] -> logits [b, s, v]`` (batch block i, vocab block j), a SUMMA
     Linear whose weight ``[V, H]`` has the :class:`Embedding2D` table layout. Pair it with
-    :func:`vocab_parallel_cross_entropy_2d`; full logits never exist on any rank."""
+    :func:`vocab_parallel_cross_entropy_2d`; full logits never exist on any rank.
+
+    Engine protocol (as tp1d's head): :meth:`vocab_parallel_loss_sum`, and ``gather_output``
+    which, when set (for a user's loss_fn), makes ``forward`` all-gather the full logits
+    ``[B, S, V]`` on every rank (GatherFromAxis: slice backward)."""
+
+    def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
+        super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
+        self.gather_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return _gather_activation(logits, self.grid) if self.gather_output else logits
+
+    def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``,
+        the same on every tp rank: this rank's block's sum, all-reduced over ``tp_row`` and
+        ``tp_depth`` (``ReduceFromAxis``: identity backward, so each rank's logits get the
+        gradient of the total)."""
+        g = self.grid
+        if self.gather_output:
+            return F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(), reduction="sum")
+        local = _vocab_parallel_ce(logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)),
+                                   g, self.out_features)
+        return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
 
     @classmethod
     def from_serial(cls, module: nn.Linear, mesh, *, tied: Embedding2D | None = None):
