@@ -23,12 +23,14 @@ from behemoth.models import build_model
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="gpt-1.3b")
-    p.add_argument("--mbs", type=int, default=8, help="sequences per GPU per step")
+    p.add_argument("--mbs", type=int, default=8, help="sequences per data-parallel rank per step")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (Plan.compile)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1D); dp = world / tp")
+    p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
     p.add_argument("--bucket-mb", type=float, default=100.0)
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tied", action="store_true",
@@ -40,10 +42,11 @@ def main() -> None:
     dev = bh.distributed.device_for_rank()
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device=dev, tie_embeddings=a.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    plan = bh.Plan(dp=world, precision="bf16", activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb,
-                   compile=a.compile)
+    nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
+    plan = bh.Plan(dp=world // a.tp, tp=a.tp, sequence_parallel=a.sp, precision="bf16",
+                   activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile)
     engine = bh.boost(model, opt, plan)
-    g = torch.Generator(device=dev).manual_seed(rank)
+    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # tp ranks share their dp rank's batch
     x = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
     times = []
@@ -59,15 +62,15 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     warm = times[3:] or times
     dt = sorted(warm)[len(warm) // 2]
-    tok_per_gpu = a.mbs * a.seq / dt
-    flops_per_tok = model.flops_per_token(a.seq)
+    tok_per_gpu = a.mbs * a.seq / dt / a.tp  # mbs sequences per dp rank, shared by its tp ranks
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     if rank == 0:
-        r = dict(size=a.size, mode="behemoth-dp", gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile, bucket_mb=a.bucket_mb,
-                 params_b=round(model.num_params() / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
+        mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+        r = dict(size=a.size, mode=mode, gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile, bucket_mb=a.bucket_mb,
+                 params_b=round(nparam / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
                  tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
                  mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4), peak_mem_gib=round(mem, 1),
-                 loss=round(loss, 3), comm=engine.comm_stats().get("dp", {}).get("seconds"))
+                 loss=round(loss, 3), comm={k: v["seconds"] for k, v in engine.comm_stats().items()})
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
 

@@ -66,6 +66,12 @@ def _child(index: int, fn, world_size: int, store_path: str, args) -> None:
                             world_size=world_size, timeout=default_timeout())
     try:
         fn(index, world_size, *args)
+    except BaseException as e:
+        # Record when and what, so spawn can name the rank that failed *first* (the cause)
+        # rather than whichever peer's broken collective it happened to notice first.
+        with open(os.path.join(os.path.dirname(store_path), f"error-{index}.txt"), "w") as f:
+            f.write(f"{time.time():.6f}\n{format_exception(e)}")
+        raise
     finally:
         try:
             dist.destroy_process_group()
@@ -102,17 +108,29 @@ def spawn(fn, world_size: int, *args, timeout: float | None = None) -> None:
                     raise TimeoutError(f"spawn: {world_size} processes running {getattr(fn, '__name__', fn)} "
                                        f"did not finish within {timeout:.0f} s; killed them.")
         except mp.ProcessExitedException as e:
-            raise RuntimeError(f"spawn: process {e.error_index} died with exit code {e.exit_code} "
-                               f"(signal {e.signal_name})" if e.signal_name else
-                               f"spawn: process {e.error_index} exited with code {e.exit_code}") from None
+            how = f"died with exit code {e.exit_code}" + (f" (signal {e.signal_name})" if e.signal_name else "")
+            raise RuntimeError(f"spawn: process {e.error_index} {how}" + _child_errors(tmp)) from None
         except mp.ProcessRaisedException as e:
-            raise RuntimeError(f"spawn: process {e.error_index} raised:\n{e.msg}") from None
+            errors = _child_errors(tmp)
+            raise RuntimeError(f"spawn: process {e.error_index} raised" + (errors or f":\n{e.msg}")) from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
             for p in ctx.processes:
                 p.join(5)
+
+
+def _child_errors(tmp: str) -> str:
+    """Every child's recorded exception, earliest first (the first is usually the cause)."""
+    found = []
+    for name in os.listdir(tmp):
+        if name.startswith("error-") and name.endswith(".txt"):
+            with open(os.path.join(tmp, name)) as f:
+                stamp, _, text = f.read().partition("\n")
+            found.append((float(stamp or 0), int(name[6:-4]), text))
+    return "".join(f"\n--- rank {rank} raised{' first' if i == 0 else ''}:\n{text}"
+                   for i, (_, rank, text) in enumerate(sorted(found)))
 
 
 def format_exception(e: BaseException) -> str:

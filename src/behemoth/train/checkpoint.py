@@ -16,6 +16,14 @@ directory, which :func:`latest_checkpoint` ignores and the next save replaces.
 Safety: DCP's own loader unpickles its metadata file and non-tensor items; behemoth stores
 only tensors in DCP and reads the metadata with a restricted unpickler that admits only
 DCP's metadata classes, so a crafted checkpoint cannot run code.
+
+Tensor-parallel shards: a parameter with a ShardSpec (and its optimizer state) goes to DCP
+as a :class:`ShardChunks` view: the serial tensor's name and shape, and this rank's shard as
+one or more rectangles with their real offsets in the serial tensor (a fused QKV shard is
+three). Replicas (dp ranks, replicated tp ranks) write identical chunks, which DCP keeps
+once. A plain tensor and a chunked one of the same name are the same serial tensor to DCP,
+so a checkpoint saved under dp=2 loads under tp=2 and vice versa, each rank reading only
+its rectangles.
 """
 from __future__ import annotations
 
@@ -32,6 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..parallel.tensor import is_sharded, shard_rectangles
+from ..parallel.tensor.layout import ShardSpec, get_spec
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
@@ -75,6 +88,58 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+# ------------------------------------------------------------------ tensor-parallel shards
+class ShardChunks(torch.Tensor):
+    """A local shard as DCP sees it: a tensor of the *serial* shape whose data is this rank's
+    rectangles of it (from the ShardSpec), views into ``local`` -- so a load writes straight
+    into the parameter or optimizer state. It implements DCP's chunk protocol (the
+    ``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__`` methods
+    DTensor uses) and nothing else: any tensor operation on it raises."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: ShardSpec):
+        self = torch.Tensor._make_wrapper_subclass(cls, spec.full_shape, dtype=local.dtype, device=local.device)
+        view = local.reshape(spec.local_view_shape())
+        if view.data_ptr() != local.data_ptr():
+            raise AssertionError("a shard must be contiguous to be checkpointed in place")
+        self._chunks = [(torch.Size(off), torch.Size(size), view[index])
+                        for index, off, size in shard_rectangles(spec)]
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"ShardChunks is a checkpoint view of a tensor-parallel shard; {func} on it is "
+                                  f"not supported.")
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=size),
+                                                      properties=TensorProperties.create_from_tensor(data),
+                                                      size=self.size()))
+                for off, size, data in self._chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=off, sizes=size) for off, size, _ in self._chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, _, data in self._chunks:
+            if off == index.offset:
+                return data
+        raise ValueError(f"no shard of {index.fqn} at offset {tuple(index.offset or ())} on this rank")
+
+
+def _for_dcp(t: torch.Tensor, spec: ShardSpec | None):
+    """``t`` as DCP should see it: chunked for a tensor-parallel shard, plain otherwise."""
+    return ShardChunks(t.detach(), spec) if is_sharded(spec) else t.detach()
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    spec = get_spec(t)
+    return spec.full_shape if is_sharded(spec) else tuple(t.shape)
+
+
 # ------------------------------------------------------------------ discovery
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META))
@@ -104,12 +169,15 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
-    """Optimizer state as flat ``optim/<param name>/<key>`` tensors (scalars become 0-d tensors)."""
+    """Optimizer state as flat ``optim/<param name>/<key>`` tensors (scalars become 0-d tensors);
+    state shaped like a tensor-parallel shard is chunked like its parameter."""
     names = _param_names(engine.model)
     out = {}
     for p, state in engine.optimizer.state.items():
+        spec = get_spec(p)
         for k, v in state.items():
-            out[f"optim/{names[id(p)]}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim/{names[id(p)]}/{k}"] = _for_dcp(v, spec if v.shape == p.shape else None)
     return out
 
 
@@ -199,7 +267,7 @@ def save_checkpoint(engine, path: str, extra: dict) -> None:
             shutil.rmtree(partial)
         os.makedirs(partial)
     dist.barrier()
-    state = {f"model/{k}": v for k, v in engine.model.state_dict().items()}
+    state = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
     state.update(optimizer_tensors(engine))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
     torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
@@ -240,30 +308,36 @@ def load_checkpoint(engine, path: str) -> dict:
     meta = read_meta(path)
     reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata
-    model_sd = engine.model.state_dict()
-    want = {f"model/{k}": v for k, v in model_sd.items()}
+    model_sd = engine.model.state_dict(keep_vars=True)
+    want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in model_sd.items()}
     missing = [k for k in want if k not in stored]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks model tensors {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model.")
-    for k, v in want.items():
-        shape = tuple(stored[k].size)
-        if shape != tuple(v.shape):
-            raise ValueError(f"checkpoint tensor {k} has shape {shape}, the model's is {tuple(v.shape)}.")
+    for k, v in model_sd.items():
+        shape = tuple(stored[f"model/{k}"].size)
+        if shape != _full_shape(v):
+            raise ValueError(f"checkpoint tensor model/{k} has shape {shape}, the model's is {_full_shape(v)}.")
     if meta["optimizer"] != type(engine.optimizer).__name__:
         raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state; the engine's optimizer is "
                          f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume.")
     # Optimizer state: allocate what the checkpoint holds, for the parameters we hold.
     names = _param_names(engine.model)
     params = {names[id(p)]: p for g in engine.optimizer.param_groups for p in g["params"]}
-    optim = {}
+    optim, reads = {}, {}
     for k, md in stored.items():
         if not k.startswith("optim/"):
             continue
         pname, key = k[len("optim/"):].rsplit("/", 1)
         if pname in params:
-            optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load({**want, **optim}, storage_reader=reader)
+            spec = get_spec(params[pname])
+            if is_sharded(spec) and tuple(md.size) == spec.full_shape:   # state shaped like the shard
+                optim[k] = torch.empty(spec.local_shape(), dtype=md.properties.dtype, device=params[pname].device)
+            else:
+                optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                spec = None
+            reads[k] = _for_dcp(optim[k], spec)
+    dcp.load({**want, **reads}, storage_reader=reader)
     engine.optimizer.state.clear()
     for k, v in optim.items():
         pname, key = k[len("optim/"):].rsplit("/", 1)

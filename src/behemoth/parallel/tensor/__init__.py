@@ -6,7 +6,9 @@ mode-agnostic machinery here, which reads only each parameter's
   tensor (pure; the rectangles are what checkpoints write, with real offsets);
 * :func:`full_state_dict`: the serial model's state dict, all-gathered over ``tp``;
 * :func:`global_grad_norm`: the serial model's gradient norm (replicated parameters once,
-  sharded ones summed over ``tp``, each shard counted once however often it is replicated).
+  sharded ones summed over ``tp``, each shard counted once however often it is replicated);
+* :func:`attention_heads` / :func:`localize_heads`: read an attention module's head counts
+  (behemoth's, GPT-2's, HF Llama's attribute names) and set them to this rank's counts.
 
 A mode's ``parallelize(model, mesh, plan, roles)`` returns a :class:`Parallelized`. A module
 whose logits are vocabulary-sharded exposes ``vocab_parallel_loss_sum(logits, labels)`` and
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ... import comm
 from .layout import DimShard, ShardSpec, get_spec
@@ -102,6 +105,54 @@ def _with_indices(spec: ShardSpec, indices: list[int]) -> ShardSpec:
 def _copies(spec: ShardSpec, tp_size: int) -> int:
     """How many tp ranks hold this same shard (tp_size / number of distinct shards)."""
     return max(1, tp_size // math.prod(d.parts for d in spec.dims))
+
+
+# ----------------------------------------------------------------------------- attention heads (every mode)
+_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEADS = ("num_kv_heads", "num_key_value_heads", "n_kv_heads")
+_WIDTHS = ("split_size", "embed_dim", "all_head_size", "inner_dim")
+
+
+def _first_int(obj, names) -> int | None:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def attention_heads(module: nn.Module, name: str) -> tuple[int, int, int | None]:
+    """(query heads N, kv heads K, head dim D or None) of an attention module: behemoth's
+    ``num_heads``/``num_kv_heads``, GPT-2's ``num_heads``, HF Llama's config and
+    ``num_key_value_groups``."""
+    cfg = getattr(module, "config", None)
+    n = _first_int(module, _HEADS) or (_first_int(cfg, ("num_attention_heads", "n_head")) if cfg else None)
+    if n is None:
+        raise ValueError(f"tensor parallelism: attention module {name} ({type(module).__name__}) has none of the "
+                         f"head-count attributes {', '.join(_HEADS)}; it cannot be given local heads.")
+    k = _first_int(module, _KV_HEADS)
+    groups = getattr(module, "num_key_value_groups", None)
+    if k is None and isinstance(groups, int) and groups > 0:
+        k = n // groups
+    return n, k or n, _first_int(module, ("head_dim",))
+
+
+def localize_heads(module: nn.Module, n: int, k: int, d: int | None, p: int) -> None:
+    """Set the head-count attributes a module reshapes with to this rank's counts, for heads
+    split into ``p`` parts (1D: tp; 2D: q). Fewer kv heads than ``p`` become one local kv
+    head (replicated: the caller gives each rank the right one)."""
+    n_loc, k_loc = n // p, (k // p if k >= p else 1)
+    for attr in _HEADS:
+        if _first_int(module, (attr,)) is not None:
+            setattr(module, attr, n_loc)
+    for attr in _KV_HEADS:
+        if _first_int(module, (attr,)) is not None:
+            setattr(module, attr, k_loc)
+    if _first_int(module, ("num_key_value_groups",)) is not None:
+        module.num_key_value_groups = n_loc // k_loc
+    for attr in _WIDTHS:
+        if d is not None and _first_int(module, (attr,)) == n * d:
+            setattr(module, attr, n_loc * d)
 
 
 # ----------------------------------------------------------------------------- collective views

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from ... import comm
 from ...comm import Axis
 from ...policies import transformer_blocks, transformer_blocks_name
-from . import Parallelized
+from . import Parallelized, attention_heads, localize_heads
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 
 MODE = "1d"
@@ -274,36 +274,7 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
     return module
 
 
-# --------------------------------------------------------------------------- attention heads
-_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_HEADS = ("num_kv_heads", "num_key_value_heads", "n_kv_heads")
-_WIDTHS = ("split_size", "embed_dim", "all_head_size", "inner_dim")
-
-
-def _first_int(obj, names) -> int | None:
-    for n in names:
-        v = getattr(obj, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
-def attention_heads(module: nn.Module, name: str) -> tuple[int, int, int | None]:
-    """(query heads N, kv heads K, head dim D or None) of an attention module: behemoth's
-    ``num_heads``/``num_kv_heads``, GPT-2's ``num_heads``, HF Llama's config and
-    ``num_key_value_groups``."""
-    cfg = getattr(module, "config", None)
-    n = _first_int(module, _HEADS) or (_first_int(cfg, ("num_attention_heads", "n_head")) if cfg else None)
-    if n is None:
-        raise ValueError(f"tensor parallelism: attention module {name} ({type(module).__name__}) has none of the "
-                         f"head-count attributes {', '.join(_HEADS)}; it cannot be given local heads.")
-    k = _first_int(module, _KV_HEADS)
-    groups = getattr(module, "num_key_value_groups", None)
-    if k is None and isinstance(groups, int) and groups > 0:
-        k = n // groups
-    return n, k or n, _first_int(module, ("head_dim",))
-
-
+# --------------------------------------------------------------------------- apply
 def _check_heads(name: str, n: int, k: int, p: int) -> None:
     check_divisible(f"attention heads (num_heads of {name})", n, p, MODE)
     if k >= p:
@@ -315,23 +286,6 @@ def _check_heads(name: str, n: int, k: int, p: int) -> None:
             f"Use a tp degree that is a multiple or a divisor of {k}.")
 
 
-def localize_heads(module: nn.Module, n: int, k: int, d: int | None, p: int) -> None:
-    """Set the head-count attributes a module reshapes with to this rank's counts."""
-    n_loc, k_loc = n // p, (k // p if k >= p else 1)
-    for attr in _HEADS:
-        if _first_int(module, (attr,)) is not None:
-            setattr(module, attr, n_loc)
-    for attr in _KV_HEADS:
-        if _first_int(module, (attr,)) is not None:
-            setattr(module, attr, k_loc)
-    if _first_int(module, ("num_key_value_groups",)) is not None:
-        module.num_key_value_groups = n_loc // k_loc
-    for attr in _WIDTHS:
-        if d is not None and _first_int(module, (attr,)) == n * d:
-            setattr(module, attr, n_loc * d)
-
-
-# --------------------------------------------------------------------------- apply
 def _linear_layout(module: nn.Module, name: str, role: str) -> tuple[bool, int, int]:
     """(transposed, in_features, out_features) of a Linear or transformers Conv1D."""
     if isinstance(module, nn.Linear):

@@ -1,0 +1,232 @@
+"""Per-rank communication volume of tensor parallelism, for a model and a batch.
+
+Pure functions of shapes (no torch, no process group): the formulas ``tests/dist`` checks
+the comm ledger against and the planner's cost model uses. Units: bytes *this rank puts on
+the wire* for a bandwidth-optimal (ring) algorithm -- the ledger's ``wire_bytes``:
+
+* all-reduce of n bytes over p ranks: ``2 (p-1)/p n``;
+* all-gather to, or reduce-scatter from, a full tensor of n bytes: ``(p-1)/p n``.
+
+Notation: T tokens on this rank's tensor-parallel group (batch x sequence of one dp rank),
+h hidden, f FFN hidden, V vocabulary, N / K query / key-value heads, p = tp degree.
+
+1D (Megatron; behemoth.parallel.tensor.tp1d). Per column/row pair, forward + backward:
+``f`` = all-reduce of dX [T, h] backward and ``g`` = all-reduce of Y [T, h] forward, i.e.
+``4 (p-1)/p T h`` elements; with sequence parallelism the same volume as all-gather +
+reduce-scatter, plus the all-reduce of the gradients of the norm weights and row biases
+(which see only this rank's tokens). Two pairs per block (attention, MLP); q/k/v (and
+gate/up) share one ``f``. GQA with K < p replicates the k/v projections and all-reduces
+their weight gradients. Model level: vocab-parallel embedding (all-reduce of [T, h] forward),
+head (``f``), vocab-parallel cross-entropy (all-reduce of [T] maxima and of [2, T] sums,
+fp32), and with sequence parallelism the scatter/gather of the sequence around the blocks.
+
+Dtypes: ``dtype_bytes`` is the element size of the Linears' outputs (2 under bf16
+autocast), ``stream_bytes`` that of the residual stream and norm outputs (where ``f`` acts;
+4 under autocast, which keeps norms in fp32), ``param_bytes`` that of parameters and their
+gradients (and of the embedding output).
+
+2D / 2.5D / 3D: the functions exist by name and raise NotImplementedError until their
+formulas land with those modes (DESIGN.md: 2D ~ 3 (bsh + h h_o)/q per Linear per device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """What the traffic of a decoder-only transformer depends on."""
+
+    hidden: int
+    """Model width h."""
+    ffn_hidden: int
+    """MLP inner width f."""
+    num_layers: int
+    """Transformer blocks L."""
+    num_heads: int
+    """Query heads N."""
+    num_kv_heads: int
+    """Key/value heads K (K == N without grouped-query attention)."""
+    vocab_size: int
+    """Vocabulary V."""
+    norm_params: int
+    """Parameters of one norm: 2h for LayerNorm with bias, h for RMSNorm."""
+    linear_bias: bool
+    """Whether the block's Linears have biases (GPT-2: yes; Llama: no)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @classmethod
+    def from_config(cls, c) -> "TransformerShape":
+        """From behemoth's GPTConfig / LlamaConfig or transformers' GPT2Config / LlamaConfig."""
+        if hasattr(c, "n_embd"):  # transformers GPT2Config
+            return cls(hidden=c.n_embd, ffn_hidden=c.n_inner or 4 * c.n_embd, num_layers=c.n_layer,
+                       num_heads=c.n_head, num_kv_heads=c.n_head, vocab_size=c.vocab_size,
+                       norm_params=2 * c.n_embd, linear_bias=True)
+        if hasattr(c, "intermediate_size"):  # transformers LlamaConfig
+            return cls(hidden=c.hidden_size, ffn_hidden=c.intermediate_size, num_layers=c.num_hidden_layers,
+                       num_heads=c.num_attention_heads,
+                       num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                       vocab_size=c.vocab_size, norm_params=c.hidden_size,
+                       linear_bias=bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)))
+        if hasattr(c, "num_kv_heads"):  # behemoth LlamaConfig
+            return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,
+                       num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, vocab_size=c.vocab_size,
+                       norm_params=c.hidden, linear_bias=False)
+        return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,  # behemoth GPTConfig
+                   num_heads=c.num_heads, num_kv_heads=c.num_heads, vocab_size=c.vocab_size,
+                   norm_params=(2 if c.bias else 1) * c.hidden, linear_bias=bool(c.bias))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends in the forward and in the backward pass."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.forward + other.forward, self.backward + other.backward)
+
+    def __mul__(self, k: float) -> "Traffic":
+        return Traffic(self.forward * k, self.backward * k)
+
+    __rmul__ = __mul__
+
+
+def all_reduce_bytes(nbytes: float, p: int) -> float:
+    return 2 * (p - 1) / p * nbytes
+
+
+def all_gather_bytes(full_nbytes: float, p: int) -> float:
+    """All-gather into (or reduce-scatter from) a full tensor of ``full_nbytes``."""
+    return (p - 1) / p * full_nbytes
+
+
+reduce_scatter_bytes = all_gather_bytes
+
+
+# ----------------------------------------------------------------------------- 1D
+def tp1d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp: int, orientation: str,
+                        sequence_parallel: bool = False, bias: bool = False, dtype_bytes: int = 2,
+                        stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+    """One 1D Linear, forward + backward. ``orientation='column'`` counts its ``f`` (which
+    Linears reading the same input share: count it once per input); ``'row'`` its ``g``."""
+    p = tp
+    stream = dtype_bytes if stream_bytes is None else stream_bytes
+    if p == 1:
+        return Traffic()
+    if orientation == "column":
+        x = tokens * in_features * stream
+        if sequence_parallel:
+            return Traffic(all_gather_bytes(x, p), reduce_scatter_bytes(x, p))
+        return Traffic(0.0, all_reduce_bytes(x, p))
+    if orientation == "row":
+        y = tokens * out_features * dtype_bytes
+        if sequence_parallel:
+            b = all_reduce_bytes(out_features * param_bytes, p) if bias else 0.0
+            return Traffic(reduce_scatter_bytes(y, p), all_gather_bytes(y, p) + b)
+        return Traffic(all_reduce_bytes(y, p), 0.0)
+    raise ValueError(f"orientation={orientation!r}: 'column' or 'row'.")
+
+
+def tp1d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
+                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+    """One transformer block (attention pair + MLP pair), forward + backward, per rank."""
+    p, h, t = tp, shape.hidden, batch * seq
+    if p == 1:
+        return Traffic()
+    kw = dict(tokens=t, tp=p, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+              stream_bytes=stream_bytes, param_bytes=param_bytes, bias=shape.linear_bias)
+    attn_width = shape.num_heads * shape.head_dim
+    out = (tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
+           + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
+           + tp1d_linear_traffic(in_features=h, out_features=shape.ffn_hidden, orientation="column", **kw)
+           + tp1d_linear_traffic(in_features=shape.ffn_hidden, out_features=h, orientation="row", **kw))
+    k = shape.num_kv_heads
+    if k < p and k < shape.num_heads:  # replicated k and v projections: their weight gradients are summed
+        kv = k * shape.head_dim * (h + (1 if shape.linear_bias else 0))
+        out += Traffic(0.0, 2 * all_reduce_bytes(kv * param_bytes, p))
+    if sequence_parallel:  # the two norms' parameters see only this rank's tokens
+        out += Traffic(0.0, 2 * all_reduce_bytes(shape.norm_params * param_bytes, p))
+    return out
+
+
+def tp1d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
+                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+    """A whole forward + backward: embedding, every block, head and vocab-parallel loss."""
+    p, h, t = tp, shape.hidden, batch * seq
+    if p == 1:
+        return Traffic()
+    stream = dtype_bytes if stream_bytes is None else stream_bytes
+    out = shape.num_layers * tp1d_block_traffic(shape, batch=batch, seq=seq, tp=tp,
+                                                sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+                                                stream_bytes=stream_bytes, param_bytes=param_bytes)
+    out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)                  # vocab-parallel embedding
+    out += Traffic(0.0, all_reduce_bytes(t * h * stream, p))                        # head's f
+    out += Traffic(all_reduce_bytes(t * 4, p) + all_reduce_bytes(2 * t * 4, p), 0.0)  # loss: max, [target, sumexp]
+    if sequence_parallel:  # scatter at the first block (all-gather backward), gather after the last
+        out += Traffic(all_gather_bytes(t * h * stream, p), all_gather_bytes(t * h * stream, p))
+    return out
+
+
+# ----------------------------------------------------------------------------- 2D, 2.5D, 3D
+def _pending(mode: str):
+    raise NotImplementedError(f"the {mode} tensor-parallel traffic formula is not in behemoth.planner.traffic yet; "
+                              f"it lands with the {mode} layers (see DESIGN.md for the formula to implement).")
+
+
+def tp2d_linear_traffic(**kwargs) -> Traffic:
+    """2D (Optimus, SUMMA on q x q): ~ 3 (bsh + h h_o) / q per Linear per device."""
+    _pending("2D")
+
+
+def tp2d_block_traffic(shape: TransformerShape, **kwargs) -> Traffic:
+    _pending("2D")
+
+
+def tp2p5d_linear_traffic(**kwargs) -> Traffic:
+    """2.5D (Tesseract, d x q x q): 2D on d batch slabs plus the depth all-reduce of dW."""
+    _pending("2.5D")
+
+
+def tp2p5d_block_traffic(shape: TransformerShape, **kwargs) -> Traffic:
+    _pending("2.5D")
+
+
+def tp3d_linear_traffic(**kwargs) -> Traffic:
+    """3D (q x q x q): all-gather X and W, reduce-scatter Y, per Linear."""
+    _pending("3D")
+
+
+def tp3d_block_traffic(shape: TransformerShape, **kwargs) -> Traffic:
+    _pending("3D")
+
+
+_LINEAR = {"1d": tp1d_linear_traffic, "2d": tp2d_linear_traffic, "2.5d": tp2p5d_linear_traffic,
+           "3d": tp3d_linear_traffic}
+_BLOCK = {"1d": tp1d_block_traffic, "2d": tp2d_block_traffic, "2.5d": tp2p5d_block_traffic,
+          "3d": tp3d_block_traffic}
+
+
+def linear_traffic(mode: str, **kwargs) -> Traffic:
+    """Per-rank bytes of one Linear, forward + backward, for ``tp_mode`` ``mode``."""
+    return _LINEAR[mode](**kwargs)
+
+
+def block_traffic(mode: str, shape: TransformerShape, **kwargs) -> Traffic:
+    """Per-rank bytes of one transformer block, forward + backward, for ``tp_mode`` ``mode``."""
+    return _BLOCK[mode](shape, **kwargs)
+
+
+def model_traffic(mode: str, shape: TransformerShape, **kwargs) -> Traffic:
+    """Per-rank bytes of a whole model's forward + backward, for ``tp_mode`` ``mode``."""
+    if mode == "1d":
+        return tp1d_model_traffic(shape, **kwargs)
+    _pending({"2d": "2D", "2.5d": "2.5D", "3d": "3D"}.get(mode, mode))

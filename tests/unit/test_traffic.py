@@ -1,0 +1,89 @@
+"""behemoth.planner.traffic: the per-rank tensor-parallel traffic formulas (pure, no processes).
+tests/dist/test_tp1d.py checks the same formulas against the comm ledger of real runs."""
+from __future__ import annotations
+
+import pytest
+
+from behemoth.planner import traffic as tr
+from behemoth.planner.traffic import Traffic, TransformerShape
+
+GPT = TransformerShape(hidden=32, ffn_hidden=128, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=96,
+                       norm_params=64, linear_bias=True)
+GQA = TransformerShape(hidden=32, ffn_hidden=96, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=96,
+                       norm_params=32, linear_bias=False)
+
+
+def test_collective_costs():
+    assert tr.all_reduce_bytes(100, 2) == 100
+    assert tr.all_reduce_bytes(100, 4) == 150
+    assert tr.all_gather_bytes(100, 4) == 75 == tr.reduce_scatter_bytes(100, 4)
+
+
+def test_linear_pair_moves_the_same_with_and_without_sequence_parallel():
+    kw = dict(tokens=64, in_features=32, out_features=32, tp=4, dtype_bytes=4)
+    plain = tr.tp1d_linear_traffic(orientation="column", **kw) + tr.tp1d_linear_traffic(orientation="row", **kw)
+    sp = (tr.tp1d_linear_traffic(orientation="column", sequence_parallel=True, **kw)
+          + tr.tp1d_linear_traffic(orientation="row", sequence_parallel=True, **kw))
+    # Megatron: one all-reduce forward (g) and one backward (f): 2 x 2(p-1)/p T h e.
+    assert plain == Traffic(1.5 * 64 * 32 * 4, 1.5 * 64 * 32 * 4)
+    assert sp.total == plain.total and sp.forward == sp.backward
+    assert tr.tp1d_linear_traffic(orientation="column", **kw).forward == 0   # f is free forward
+    with pytest.raises(ValueError, match="orientation"):
+        tr.tp1d_linear_traffic(orientation="diagonal", **kw)
+
+
+def test_model_traffic_by_hand():
+    # p = 2: an all-reduce of n bytes puts n bytes on the wire, an all-gather n/2.
+    t, h, e = 8 * 16, 32, 4
+    blocks = 2 * 4 * (t * h * e)                 # 2 blocks x (f + g) x (attention, MLP)
+    edges = t * h * 4 + t * h * e + 3 * t * 4    # embedding g, head f, loss: [T] max + [2, T] sums
+    got = tr.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e)
+    assert got.total == blocks + edges == 165376
+    sp = tr.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e, sequence_parallel=True)
+    norms_and_biases = 2 * (2 * 64 * 4 + 2 * 32 * 4)   # per block: 2 norms (w, b) and 2 row biases
+    scatter_gather = 2 * (t * h * e / 2)
+    assert sp.total == got.total + norms_and_biases + scatter_gather == 183296
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_all_reduces_the_kv_weight_grads():
+    kw = dict(batch=4, seq=16, dtype_bytes=4)
+    at2 = tr.tp1d_block_traffic(GQA, tp=2, **kw)    # K = 2 = p: kv heads split, nothing extra
+    at4 = tr.tp1d_block_traffic(GQA, tp=4, **kw)    # K = 2 < p = 4: k, v replicated
+    pair = 4 * 1.5 * 4 * 16 * 32 * 4
+    assert at4.total == pair + 2 * tr.all_reduce_bytes(2 * 8 * 32 * 4, 4)
+    assert at2.total == 4 * 1.0 * 4 * 16 * 32 * 4
+
+
+def test_bf16_autocast_dtypes_and_trivial_degree():
+    mixed = tr.tp1d_block_traffic(GPT, batch=1, seq=8, tp=2, dtype_bytes=2, stream_bytes=4)
+    assert mixed.forward == 2 * 8 * 32 * 2        # g on bf16 Linear outputs
+    assert mixed.backward == 2 * 8 * 32 * 4       # f on the fp32 residual stream
+    assert tr.tp1d_model_traffic(GPT, batch=4, seq=16, tp=1) == Traffic()
+
+
+def test_shape_from_configs():
+    from transformers import GPT2Config, LlamaConfig as HFLlamaConfig
+
+    from behemoth.models import GPTConfig, LlamaConfig
+    g = TransformerShape.from_config(GPTConfig(vocab_size=96, seq_len=16, num_layers=2, num_heads=4, hidden=32))
+    assert g == GPT
+    ll = TransformerShape.from_config(LlamaConfig(vocab_size=96, seq_len=16, num_layers=2, num_heads=4,
+                                                  num_kv_heads=2, hidden=32, ffn_hidden=96))
+    assert ll == GQA
+    hg = TransformerShape.from_config(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4))
+    assert hg == GPT
+    hl = TransformerShape.from_config(HFLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2))
+    assert hl == GQA and hl.head_dim == 8
+
+
+@pytest.mark.parametrize("mode, name", [("2d", "2D"), ("2.5d", "2.5D"), ("3d", "3D")])
+def test_other_modes_are_named_and_pending(mode, name):
+    with pytest.raises(NotImplementedError, match=name):
+        tr.block_traffic(mode, GPT, batch=1, seq=8, tp=4)
+    with pytest.raises(NotImplementedError, match=name):
+        tr.linear_traffic(mode, tokens=8, in_features=32, out_features=32, tp=4)
+    with pytest.raises(NotImplementedError, match=name):
+        tr.model_traffic(mode, GPT, batch=1, seq=8, tp=4)
+    assert tr.model_traffic("1d", GPT, batch=8, seq=16, tp=2, dtype_bytes=4).total == 165376
