@@ -153,6 +153,8 @@ def train(config: Config) -> dict:
     tokenizer = get_tokenizer(config.data.tokenizer)
     model = build_model(mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed,
                         dropout=mc.dropout, **mc.shape_overrides())
+    # Serial counts, taken before boost shards the model in place (tensor parallelism).
+    num_params, flops_per_token = model.num_params(), model.flops_per_token(mc.seq_len)
     engine = bh.boost(model, build_optimizer(model, config.optim), config.plan,
                       max_grad_norm=config.optim.max_grad_norm)
     rank0 = engine.mesh.rank == 0
@@ -174,8 +176,7 @@ def train(config: Config) -> dict:
         sampler.load_state_dict(extra["sampler"])
     start = engine.step_count
     if rank0:
-        n = model.num_params()
-        log(f"model {mc.name}: {n / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
+        log(f"model {mc.name}: {num_params / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
             f"seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
             f"{engine.device.type} | data: {len(dataset):,} {tokenizer.name} tokens, "
             f"{sampler.steps_per_epoch} steps/epoch")
@@ -186,7 +187,6 @@ def train(config: Config) -> dict:
 
     logger = MetricsLogger(tc.out_dir, enabled=rank0, start_step=start)
     logger.log_text("config", format_config(config))
-    flops_per_token = model.flops_per_token(mc.seq_len)
     peak = peak_flops(engine.device)
     engine.reset_comm_stats()
 
@@ -224,7 +224,7 @@ def train(config: Config) -> dict:
         "wall_seconds": time.perf_counter() - t_start,
         "checkpoint": final_ckpt,
         "loss_png": png,
-        "num_params": model.num_params(),
+        "num_params": num_params,
         "world_size": world_size,
         "dp_bytes_per_step": engine.comm_stats().get("dp", {}).get("bytes", 0) / max(1, len(losses)),
     }
