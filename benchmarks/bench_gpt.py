@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each block (Plan.compile)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1D); dp = world / tp")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
+    p.add_argument("--probe-max-mbs", action="store_true",
+                   help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps")
     p.add_argument("--bucket-mb", type=float, default=100.0)
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tied", action="store_true",
@@ -46,6 +49,8 @@ def main() -> None:
     plan = bh.Plan(dp=world // a.tp, tp=a.tp, sequence_parallel=a.sp, precision="bf16",
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile)
     engine = bh.boost(model, opt, plan)
+    if a.probe_max_mbs:
+        return probe_max_mbs(engine, a, dev, rank)
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # tp ranks share their dp rank's batch
     x = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
@@ -75,5 +80,34 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
+def probe_max_mbs(engine, a, dev, rank) -> None:
+    """Try mbs = a.mbs, then larger, 2 steps each; the largest that fits on every rank wins.
+    (Tensor-parallel ranks hold equal shapes, so they run out of memory at the same op.)"""
+    best, mbs = 0, a.mbs
+    while mbs <= 256:
+        ok = 1.0
+        try:
+            x = torch.randint(0, a.vocab, (mbs, a.seq + 1), device=dev)
+            for _ in range(2):
+                engine.step({"input_ids": x[:, :-1], "labels": x[:, 1:]})
+            del x
+        except torch.cuda.OutOfMemoryError:
+            ok = 0.0
+        torch.cuda.empty_cache()
+        flag = torch.tensor([ok], device=dev)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        if flag.item() == 0:
+            break
+        best = mbs
+        mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 27, ...
+    if rank == 0:
+        mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+        print("RESULT " + json.dumps(dict(size=a.size, mode=mode, seq=a.seq, max_mbs_per_dp_rank=best,
+                                          first_failure=mbs if best < mbs else None)), flush=True)
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (torch's CPU runtime can abort there; see distributed.py)

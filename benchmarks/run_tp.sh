@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: behemoth 1D tensor parallelism (tp=2, with and without sequence
+# parallelism) vs stock DTensor TP and FSDP2 on the same 2 GPUs, and the largest batch
+# each behemoth variant fits at seq 2048.   Usage: bash benchmarks/run_tp.sh [size] [mbs]
+set -u
+size=${1:-1.3b}; mbs=${2:-8}
+out=${OUT:-/tmp}
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/tp.log"
+run() { echo "## $*" | tee -a "$out/tp.log"; timeout 300 "$@" 2>&1 | grep -E "RESULT|Error|error" | tail -3 | tee -a "$out/tp.log"; }
+tr="torchrun --standalone --nproc-per-node 2"
+run $tr benchmarks/peer_baseline.py --size "$size" --mode tp --mbs "$mbs"
+run $tr benchmarks/peer_baseline.py --size "$size" --mode fsdp --mbs "$mbs"
+run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2
+run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --sp
+if [ -n "${PROBE:-}" ]; then
+  run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --probe-max-mbs
+  run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --sp --probe-max-mbs
+fi
