@@ -154,7 +154,9 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
     if dist.get_backend(axis.group) == "gloo":
-        # gloo has no reduce-scatter: all-reduce then keep our slice (same result, more bytes moved).
+        # gloo has no reduce-scatter: all-reduce a copy (never the caller's tensor), then keep
+        # our slice (same result, more bytes moved).
+        inp = inp.clone()
         dist.all_reduce(inp, group=axis.group)
         out.copy_(inp.chunk(n, 0)[axis.rank])
     else:
@@ -362,6 +364,11 @@ class ExchangeWithPeer(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- 3D additions: asynchronous collectives
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class AsyncCollective:
     """An in-flight collective whose result is a tensor (Tensor3D over-decomposition: issue,
     compute something else, then ``wait()``). ``wait()`` blocks, books the blocked time in
@@ -391,7 +398,7 @@ def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollecti
     n = axis.size
     src = t.movedim(dim, 0).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    work = dist.all_gather_into_tensor(out, src, group=axis.group, async_op=True)
+    work = _all_gather_single(out, src, group=axis.group, async_op=True)
     axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(src))
     return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
 
@@ -415,7 +422,7 @@ def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncColl
         out = inp
     else:
         out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
-        work = dist.reduce_scatter_tensor(out, inp, group=axis.group, async_op=True)
+        work = _reduce_scatter_single(out, inp, group=axis.group, async_op=True)
         finish = lambda: out.movedim(0, dim)  # noqa: E731
     axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
     return AsyncCollective(work, axis, finish, inp, out)

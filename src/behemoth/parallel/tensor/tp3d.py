@@ -1,0 +1,585 @@
+"""3D tensor parallelism (Bian et al., "Maximizing Parallelism in Distributed Training for
+Huge Neural Networks", arXiv 2105.14450, Colossal-AI's 3D) with Tensor3D / AxoNN's
+over-decomposition (Singh et al., arXiv 2305.13525): p = q**3 ranks on a q x q x q cube.
+
+Cube. Rank (d, r, c) has ``d = mesh.coord("tp_depth")``, ``r = mesh.coord("tp_row")``, ``c =
+mesh.coord("tp_col")``; tp rank ``(d*q + r)*q + c``. Every collective runs over one of the
+three axes (q members each).
+
+Activation layouts (``[B, S, H]`` of the tp group -> ``[B/q**2, S, H/q]`` per rank):
+
+==========  ===============================  =================  ==========================
+layout      batch block (of q**2)            hidden block (q)   where
+==========  ===============================  =================  ==========================
+canonical   ``d*q + r`` (tp_depth, tp_row)   ``c`` (tp_col)     residual stream, norms,
+                                                                embedding output
+swapped     ``d*q + c`` (tp_depth, tp_col)   ``r`` (tp_row)     between the Linears of a
+                                                                pair (attention heads, MLP)
+==========  ===============================  =================  ==========================
+
+Linear. ``Y = X W`` (W = ``weight.T``) over three roles: the *input* axis I (the inner batch
+axis of the input layout), the *output* axis O (the hidden axis of the input layout) and the
+*weight* axis W = tp_depth. Rank (i, w, o) holds X block ``[M(w, i), K(o)]`` and W block
+``[K(o), N(i, w)]`` (``in/q x out/q**2``; no two ranks hold the same weight block). Forward:
+all-gather X over I (-> ``[M(w), K(o)]``), all-gather W over W (-> ``[K(o), N(i)]``), GEMM,
+reduce-scatter the partial sums over O (-> ``[M(w, o), N(i)]``), which is the other layout:
+``Linear3D(swapped=False)`` reads canonical and writes swapped, ``swapped=True`` the reverse,
+so a pair (QKV -> attention -> out, fc1 -> act -> fc2) returns to canonical with no
+redistribution. Backward: all-gather dY over O, re-gather W and X (only the shards are
+saved, so saved activations are ``B S H / p``), reduce-scatter dX over I and dW over W.
+Biases: block N(i), replicated over (W, O); their gradients are all-reduced there.
+
+Per rank, one Linear forward + backward moves ``(3 T K + 3 K N + 2 T N) / q**2`` elements
+(T = B*S of the tp group; :func:`linear3d_bytes`).
+
+Over-decomposition (``overlap=k``): the rank's tokens are cut into k pieces; piece p+1's
+gathers are in flight while piece p's GEMM runs, and piece p's reduce-scatter while piece
+p+1 computes (asynchronous collectives, ``comm.all_gather_async`` / ``reduce_scatter_async``).
+Any equal split of the local rows is consistent with the layouts, so the result equals k = 1
+(up to the summation order of dW) and the bytes are the same.
+
+Norms all-reduce their statistics over the hidden axis of their layout. The token embedding
+and LM head share one table layout (vocab block ``r*q + d`` of q**2, hidden block c) so they
+can be tied; the embedding reduce-scatters its partial lookups over tp_depth then tp_row, the
+cross-entropy all-reduces max, target logit and sum-exp over the vocab axis (tp_row for the
+head's swapped logits); no rank ever holds full logits.
+
+Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64.
+
+Shape legend: B, S, H, V of the tp group; lower case is this rank's block (b = B/q**2,
+h = H/q, v = V/q); M tokens, K in-features, N out-features.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm
+from ...comm import Axis
+from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
+from .tp2d import _autocast_dtype, _copy_shards, _LayerNorm2DFn, _VocabParallelCE, grid_of
+
+__all__ = [
+    "Cube", "Layout", "cube_of", "linear3d_bytes", "activation_spec_3d", "split_batch_3d",
+    "split_activation_3d", "gather_batch_3d", "gather_activation_3d", "Linear3D", "LayerNorm3D",
+    "RMSNorm3D", "Embedding3D", "PositionEmbedding3D", "VocabParallelHead3D", "vocab_parallel_cross_entropy_3d",
+]
+
+MODE = "3d"
+
+
+# --------------------------------------------------------------------------- cube (pure)
+@dataclass(frozen=True)
+class Layout:
+    """Where a tp-group activation ``[B, S, H]`` sits: batch block ``depth*q + inner``, hidden
+    block ``hidden``; each axis carries its coordinate (``.rank``) and name."""
+
+    depth: Axis
+    inner: Axis
+    hidden: Axis
+
+    @property
+    def q(self) -> int:
+        return self.hidden.size
+
+    @property
+    def batch_index(self) -> int:
+        return self.depth.rank * self.q + self.inner.rank
+
+
+@dataclass(frozen=True)
+class Cube:
+    """This rank's axes of the q x q x q cube."""
+
+    q: int
+    depth: Axis
+    row: Axis
+    col: Axis
+
+    def layout(self, swapped: bool) -> Layout:
+        """Canonical: batch over (tp_depth, tp_row), hidden over tp_col; swapped: row <-> col."""
+        return Layout(self.depth, self.col, self.row) if swapped else Layout(self.depth, self.row, self.col)
+
+
+def cube_of(mesh, who: str) -> Cube:
+    """The :class:`Cube` of a tp_mode='3d' mesh (``who`` is named in the error otherwise)."""
+    g = grid_of(mesh, MODE, who)
+    return Cube(g.q, g.depth_axis, g.row_axis, g.col_axis)
+
+
+def _weight_spec(lay: Layout, out_f: int, in_f: int, fused: int, in_out: bool) -> ShardSpec:
+    """Weight of a Linear reading layout ``lay``: out block ``i*q + w`` of q**2 over (I, W) =
+    (lay.inner, tp_depth), in block ``o`` of q over O = lay.hidden. ``fused`` views the out
+    dim as ``(fused, out/fused)`` and blocks the per-part dim; ``in_out`` is Conv1D's [in, out]."""
+    q = lay.q
+    if in_out:
+        full, view = (in_f, out_f), ((in_f, fused, out_f // fused) if fused > 1 else None)
+        o_dim, i_dim = (2 if fused > 1 else 1), 0
+    else:
+        full, view = (out_f, in_f), ((fused, out_f // fused, in_f) if fused > 1 else None)
+        o_dim, i_dim = (1, 2) if fused > 1 else (0, 1)
+    dims = (DimShard(o_dim, q * q, lay.inner.rank * q + lay.depth.rank, (lay.inner.name, lay.depth.name)),
+            DimShard(i_dim, q, lay.hidden.rank, (lay.hidden.name,)))
+    return ShardSpec(full, dims, (), view, fused_dim=1 if in_out else 0)
+
+
+def linear3d_bytes(tokens: int, in_features: int, out_features: int, q: int, *, bias: bool = False,
+                   input_grad: bool = True, element_size: int = 4, wire: bool = False) -> float:
+    """Bytes one rank moves for one :class:`Linear3D`, forward + backward; pure.
+
+    ``tokens`` = B*S of the whole tp group (T), K = in, N = out. Payload, as the ledger's
+    ``bytes`` counts it (every all-gather books the gathered tensor, every reduce-scatter
+    its full input), in elements:
+
+    * forward: all-gather X over I ``T K/q^2``, all-gather W over W ``K N/q^2``,
+      reduce-scatter Y over O ``T N/q^2``;
+    * backward: all-gather dY over O ``T N/q^2``, re-gather X ``T K/q^2``, reduce-scatter dW
+      over W ``K N/q^2``; with ``input_grad`` also re-gather W ``K N/q^2`` and reduce-scatter
+      dX over I ``T K/q^2``;
+
+    i.e. ``(3 T K + 3 K N + 2 T N) / q^2``; a bias adds the all-reduce of its gradient over O
+    and over tp_depth, ``N/q`` each. ``overlap`` does not change it. ``wire=True`` gives the
+    ledger's ``wire_bytes`` instead (ring algorithms): ``(q-1)/q`` of each gather or
+    reduce-scatter payload, ``2 (q-1)/q`` of each all-reduce's. q = 1 moves nothing.
+    """
+    if q == 1:
+        return 0
+    T, K, N = tokens, in_features, out_features
+    gathers = (2 * T * K + 2 * K * N + 2 * T * N + (T * K + K * N if input_grad else 0)) // q**2
+    reduces = 2 * N // q if bias else 0
+    if wire:
+        return element_size * (gathers * (q - 1) / q + reduces * 2 * (q - 1) / q)
+    return element_size * (gathers + reduces)
+
+
+# --------------------------------------------------------------------------- activation layout
+def _act_spec(full_shape, lay: Layout, hidden: bool) -> ShardSpec:
+    full_shape, q = tuple(full_shape), lay.q
+    check_divisible("batch size", full_shape[0], q * q, MODE)
+    dims = [DimShard(0, q * q, lay.batch_index, (lay.depth.name, lay.inner.name))]
+    if hidden:
+        check_divisible("hidden size", full_shape[-1], q, MODE)
+        dims.append(DimShard(len(full_shape) - 1, q, lay.hidden.rank, (lay.hidden.name,)))
+    return ShardSpec(full_shape, tuple(dims), (lay.hidden.name,) if not hidden and q > 1 else ())
+
+
+def activation_spec_3d(full_shape, mesh, *, hidden: bool = True, swapped: bool = False) -> ShardSpec:
+    """ShardSpec of a tp-group activation ``[B, ..., H]``: batch block ``d*q + r`` over
+    (tp_depth, tp_row) and hidden block c over tp_col; ``swapped`` exchanges tp_row and tp_col.
+    Without ``hidden`` (ids, labels, per-token losses) the block is replicated over the hidden axis."""
+    return _act_spec(full_shape, cube_of(mesh, "activation_spec_3d").layout(swapped), hidden)
+
+
+def split_batch_3d(x_B: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
+    """This rank's batch block ``[B/q**2, ...]`` of a tp-group tensor. No communication."""
+    return shard_tensor(x_B, activation_spec_3d(x_B.shape, mesh, hidden=False, swapped=swapped))
+
+
+def split_activation_3d(x_BSH: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
+    """``[B, S, H] -> [B/q**2, S, H/q]`` in the canonical (or swapped) layout. No communication."""
+    return shard_tensor(x_BSH, activation_spec_3d(x_BSH.shape, mesh, swapped=swapped))
+
+
+def _gather_batch(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return comm.GatherFromAxis.apply(comm.GatherFromAxis.apply(x, lay.inner, 0), lay.depth, 0)
+
+
+def _gather_activation(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return _gather_batch(comm.GatherFromAxis.apply(x, lay.hidden, x.dim() - 1), lay)
+
+
+def gather_batch_3d(x_b: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
+    """Inverse of :func:`split_batch_3d`: all-gather over the inner batch axis, then tp_depth;
+    backward keeps this rank's slice of the gradient."""
+    return _gather_batch(x_b, cube_of(mesh, "gather_batch_3d").layout(swapped))
+
+
+def gather_activation_3d(x_bSh: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
+    """Inverse of :func:`split_activation_3d`: ``[B/q**2, S, H/q] -> [B, S, H]`` on every rank
+    (all-gather over the hidden axis, the inner batch axis, tp_depth); slice backward."""
+    return _gather_activation(x_bSh, cube_of(mesh, "gather_activation_3d").layout(swapped))
+
+
+# --------------------------------------------------------------------------- the 3D matmul
+def _gather_weight(w: torch.Tensor, axis: Axis, fused: int) -> comm.AsyncCollective:
+    """Start the all-gather of ``w [N/q**2, K/q]`` over the weight axis along the out dim,
+    fused parts kept apart (``[f, n/q**2, K/q] -> [f, n/q, K/q]``)."""
+    return comm.all_gather_async(w.reshape(fused, -1, w.shape[-1]), axis, 1)
+
+
+class _Linear3DFn(torch.autograd.Function):
+    """``y = x @ w.T`` on the cube. ``x [m, K/q]``: this rank's tokens (batch block (w, i));
+    ``w [N/q**2, K/q]``; ``y [m, N/q]`` (batch block (w, o)). ``axes`` = (I, W, O).
+
+    Forward: all-gather w over W; for each of the ``k`` pieces of x: all-gather over I (piece
+    p+1's issued before piece p's GEMM), GEMM, reduce-scatter over O (in flight while the next
+    piece computes). Backward: all-gather w over W (for dX); for each piece: all-gather dy
+    over O and x over I, reduce-scatter ``dy @ w`` over I, accumulate ``dy.T @ x``; finally
+    reduce-scatter dW over W. Only the shards x and w are saved (``save_for_backward``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, axes, fused: int, k: int):
+        I, W, O = axes
+        ctx.axes, ctx.fused, ctx.k = axes, fused, k
+        ctx.save_for_backward(x, w)
+        w_h = _gather_weight(w, W, fused)
+        xs = x.chunk(k, 0)
+        nxt = comm.all_gather_async(xs[0], I, 0)
+        wg = w_h.wait().reshape(-1, w.shape[-1])
+        ys = []
+        for p in range(k):
+            xg = nxt.wait()
+            if p + 1 < k:
+                nxt = comm.all_gather_async(xs[p + 1], I, 0)
+            ys.append(comm.reduce_scatter_async(xg @ wg.t(), O, 0))
+        return torch.cat([h.wait() for h in ys], 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        (I, W, O), k = ctx.axes, ctx.k
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        w_h = _gather_weight(w, W, ctx.fused) if need_dx else None
+        dys, xs = dy.contiguous().chunk(k, 0), x.chunk(k, 0)
+
+        def start(p):
+            return comm.all_gather_async(dys[p], O, 0), (comm.all_gather_async(xs[p], I, 0) if need_dw else None)
+
+        nxt = start(0)
+        wg = w_h.wait().reshape(-1, w.shape[-1]) if need_dx else None
+        dxs, dw = [], None
+        for p in range(k):
+            dyg, xg = nxt[0].wait(), (nxt[1].wait() if need_dw else None)
+            if p + 1 < k:
+                nxt = start(p + 1)
+            if need_dx:
+                dxs.append(comm.reduce_scatter_async(dyg @ wg, I, 0))
+            if need_dw:
+                part = dyg.t() @ xg
+                dw = part if dw is None else dw.add_(part)
+        dw_h = comm.reduce_scatter_async(dw.view(ctx.fused, -1, dw.shape[-1]), W, 1) if need_dw else None
+        dx = torch.cat([h.wait() for h in dxs], 0) if need_dx else None
+        dw = dw_h.wait().reshape(w.shape) if need_dw else None
+        return dx, dw, None, None, None
+
+
+def _replicated(p: torch.Tensor, *axes: Axis) -> torch.Tensor:
+    """Route a parameter replicated over ``axes`` through CopyToAxis, so its gradient is summed there."""
+    for a in axes:
+        p = comm.CopyToAxis.apply(p, a)
+    return p
+
+
+def _layout_name(swapped: bool) -> str:
+    return "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]" if swapped else \
+        "canonical [B/q^2 over (tp_depth, tp_row), S, H/q over tp_col]"
+
+
+class Linear3D(nn.Module):
+    """``y = x W^T + b`` on the q x q x q cube.
+
+    ``swapped=False``: input in the canonical layout, output in the swapped one (I = tp_row,
+    O = tp_col); ``swapped=True`` the reverse (I = tp_col, O = tp_row); W = tp_depth always.
+    Chain them alternately (QKV / fc1 with ``False``, out-proj / fc2 with ``True``).
+    Weight ``[out, in]``: out block ``i*q + w`` of q**2 (over I, tp_depth), in block o of q
+    (over O). ``fused=3``: a fused QKV (``[q|k|v]`` rows) viewed as ``[3, out/3, in]`` and
+    blocked on the middle dim, so the local output is ``[q_i | k_i | v_i]`` of heads block i.
+    ``weight_layout="in_out"``: a transformers Conv1D weight ``[in, out]`` in its own orientation.
+    ``overlap=k``: Tensor3D over-decomposition of the rank's tokens into k pieces.
+    Build with :meth:`from_serial`; ``__init__`` zero-fills the shards.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True, swapped: bool = False,
+                 fused: int = 1, overlap: int = 1, weight_layout: str = "out_in", device=None, dtype=None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        cube = self.cube = cube_of(mesh, name)
+        if weight_layout not in ("out_in", "in_out"):
+            raise ValueError(f"{name}: weight_layout={weight_layout!r} must be 'out_in' (nn.Linear) or "
+                             f"'in_out' (transformers Conv1D).")
+        if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
+            raise ValueError(f"{name}: overlap={overlap!r} must be an integer >= 1 (1 = no over-decomposition).")
+        q = cube.q
+        check_divisible(f"{name} in_features", in_features, q, MODE)
+        check_divisible(f"{name} out_features", out_features, fused, MODE)
+        part = f"{name} out_features/{fused} (per fused part)" if fused > 1 else f"{name} out_features"
+        check_divisible(part, out_features // fused, q * q, MODE)
+        self.in_features, self.out_features, self.fused, self.overlap = in_features, out_features, fused, overlap
+        self.swapped, self.weight_layout = swapped, weight_layout
+        lay = self.in_layout = cube.layout(swapped)
+        self.out_layout = cube.layout(not swapped)
+        kw = dict(device=device, dtype=dtype)
+        wspec = _weight_spec(lay, out_features, in_features, fused, weight_layout == "in_out")
+        self.weight = set_spec(nn.Parameter(torch.zeros(wspec.local_shape(), **kw)), wspec)
+        if bias:
+            bspec = ShardSpec((out_features,), (DimShard(int(fused > 1), q, lay.inner.rank, (lay.inner.name,)),),
+                              (lay.depth.name, lay.hidden.name) if q > 1 else (),
+                              (fused, out_features // fused) if fused > 1 else None)
+            self.bias = set_spec(nn.Parameter(torch.zeros(bspec.local_shape(), **kw)), bspec)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_serial(cls, module: nn.Module, mesh, *, swapped: bool = False, fused: int = 1, overlap: int = 1):
+        """Shard an ``nn.Linear`` (or a transformers ``Conv1D``, weight ``[in, out]``)."""
+        if isinstance(module, nn.Linear):
+            out_f, in_f, layout = module.out_features, module.in_features, "out_in"
+        elif hasattr(module, "nf") and module.weight.dim() == 2 and module.weight.shape[1] == module.nf:
+            in_f, out_f, layout = module.weight.shape[0], module.nf, "in_out"
+        else:
+            raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
+        w = module.weight
+        layer = cls(in_f, out_f, mesh, bias=module.bias is not None, swapped=swapped, fused=fused, overlap=overlap,
+                    weight_layout=layout, device=w.device, dtype=w.dtype)
+        _copy_shards(layer, module)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay, name, n_in = self.in_layout, type(self).__name__, self.in_features // self.cube.q
+        if x.shape[-1] != n_in:
+            raise ValueError(f"{name}: input's last dim is {x.shape[-1]}; expected the hidden block in_features/q "
+                             f"= {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)}).")
+        rows = x.numel() // n_in
+        if rows % self.overlap:
+            raise ValueError(f"{name}: tokens per rank (local batch x sequence) = {rows} is not divisible by "
+                             f"overlap = {self.overlap}; choose an overlap that divides it.")
+        w = self.weight.t() if self.weight_layout == "in_out" else self.weight
+        dt = _autocast_dtype(x)
+        if dt is not None:  # cast the shards before they travel: half the bytes
+            x, w = x.to(dt), w.to(dt)
+        y = _Linear3DFn.apply(x.reshape(-1, n_in), w, (lay.inner, lay.depth, lay.hidden), self.fused, self.overlap)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if self.bias is not None:
+            y = y + _replicated(self.bias, lay.hidden, lay.depth).to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, q={self.cube.q}, swapped={self.swapped}, "
+                f"fused={self.fused}, overlap={self.overlap}, bias={self.bias is not None}")
+
+
+# --------------------------------------------------------------------------- norms
+class _Norm3D(nn.Module):
+    RMS = False
+
+    def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, weight: bool = True, bias: bool = True,
+                 swapped: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        cube = self.cube = cube_of(mesh, name)
+        check_divisible(f"{name} hidden size", hidden, cube.q, MODE)
+        lay = self.layout = cube.layout(swapped)
+        self.hidden, self.eps, self.swapped = hidden, eps, swapped
+        spec = ShardSpec((hidden,), (DimShard(0, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
+                         (lay.depth.name, lay.inner.name) if cube.q > 1 else ())
+        kw = dict(device=device, dtype=dtype)
+        self.weight = set_spec(nn.Parameter(torch.ones(hidden // cube.q, **kw)), spec) if weight else None
+        self.bias = set_spec(nn.Parameter(torch.zeros(hidden // cube.q, **kw)), spec) if bias else None
+
+    def forward(self, x_bSh: torch.Tensor) -> torch.Tensor:
+        lay, n = self.layout, self.hidden // self.cube.q
+        if x_bSh.shape[-1] != n:
+            raise ValueError(f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected hidden/q = "
+                             f"{self.hidden}/{self.cube.q} = {n} (layout {_layout_name(self.swapped)}).")
+        w = None if self.weight is None else _replicated(self.weight, lay.inner, lay.depth)
+        b = None if self.bias is None else _replicated(self.bias, lay.inner, lay.depth)
+        eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
+        y = _LayerNorm2DFn.apply(x_bSh, w, b, eps, lay.hidden, self.hidden, self.RMS)
+        keep_fp32 = not self.RMS and _autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
+        return y if keep_fp32 else y.to(x_bSh.dtype)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, q={self.cube.q}, eps={self.eps}, swapped={self.swapped}"
+
+
+class LayerNorm3D(_Norm3D):
+    """LayerNorm of ``[b, s, h]`` over the full hidden dim: statistics all-gathered over the
+    layout's hidden axis (tp_col; tp_row when ``swapped``), backward sums all-reduced there.
+    Weight and bias: the hidden block, replicated over the other two axes (gradients summed)."""
+
+    @classmethod
+    def from_serial(cls, module: nn.LayerNorm, mesh, *, swapped: bool = False):
+        if len(module.normalized_shape) != 1:
+            raise ValueError(f"{cls.__name__}: only a 1-D normalized_shape is supported; "
+                             f"got {module.normalized_shape}.")
+        p = next(module.parameters(), None)
+        kw = dict(device=p.device, dtype=p.dtype) if p is not None else {}
+        layer = cls(module.normalized_shape[0], mesh, eps=module.eps, weight=module.weight is not None,
+                    bias=module.bias is not None, swapped=swapped, **kw)
+        _copy_shards(layer, module)
+        return layer
+
+
+class RMSNorm3D(_Norm3D):
+    """RMSNorm of ``[b, s, h]``: ``x / sqrt(mean(x^2) + eps) * weight``, the mean over the full
+    hidden dim (one all-reduce over the layout's hidden axis), computed in at least float32."""
+
+    RMS = True
+
+    def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, swapped: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__(hidden, mesh, eps=eps, weight=True, bias=False, swapped=swapped, device=device, dtype=dtype)
+
+    @classmethod
+    def from_serial(cls, module: nn.Module, mesh, *, swapped: bool = False):
+        """``nn.RMSNorm``, behemoth's Llama ``RMSNorm`` or transformers' ``LlamaRMSNorm``."""
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        w = module.weight
+        layer = cls(w.shape[0], mesh, eps=eps, swapped=swapped, device=w.device, dtype=w.dtype)
+        _copy_shards(layer, module)
+        return layer
+
+
+# --------------------------------------------------------------------------- embeddings
+class Embedding3D(nn.Module):
+    """Vocab-parallel token embedding: ids ``[B, S]`` of the whole tp group (the same on every
+    tp rank) -> ``[b, s, h]`` in the canonical layout.
+
+    Table ``[V, H]`` with the LM head's layout (vocab block ``r*q + d`` of q**2, hidden block
+    c), so a tied head shares the Parameter; no two ranks hold the same block. Rank (d, r, c)
+    looks up its vocab rows for every token, reduce-scatters the partial sums over tp_depth
+    and then tp_row along the batch (-> batch block ``d*q + r``). Backward: the two
+    all-gathers, a local scatter-add."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        cube = self.cube = cube_of(mesh, name)
+        check_divisible(f"{name} vocabulary size", num_embeddings, cube.q ** 2, MODE)
+        check_divisible(f"{name} embedding dim", embedding_dim, cube.q, MODE)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.layout = cube.layout(False)
+        spec = _weight_spec(self.layout, num_embeddings, embedding_dim, 1, False)
+        self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q ** 2)
+        self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
+
+    @classmethod
+    def from_serial(cls, module: nn.Embedding, mesh):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
+        w = module.weight
+        layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
+                    device=w.device, dtype=w.dtype)
+        _copy_shards(layer, module)
+        return layer
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        lay, q, v = self.layout, self.cube.q, self.weight.shape[0]
+        check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], q * q, MODE)
+        local = ids_BS - self.vocab_start
+        outside = (local < 0) | (local >= v)
+        local = local.masked_fill(outside, 0)
+        pad = self.padding_idx
+        pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
+        e = F.embedding(local, self.weight, padding_idx=pad).masked_fill(outside[..., None], 0.0)
+        e = comm.ReduceScatterToAxis.apply(e, lay.depth, 0)
+        return comm.ReduceScatterToAxis.apply(e, lay.inner, 0)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, q={self.cube.q}"
+
+
+class PositionEmbedding3D(nn.Module):
+    """Learned position table ``[P, H]``: the layout's hidden block, replicated over the other
+    two axes (small, and every batch block uses every row). ``forward(pos)`` -> ``pos.shape +
+    [h]``, which broadcasts onto ``[b, s, h]``; no forward communication, the gradient is
+    summed over the replicas."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, swapped: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        cube = self.cube = cube_of(mesh, type(self).__name__)
+        check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, cube.q, MODE)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        lay = self.layout = cube.layout(swapped)
+        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(1, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
+                         (lay.depth.name, lay.inner.name) if cube.q > 1 else ())
+        self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
+
+    @classmethod
+    def from_serial(cls, module: nn.Embedding, mesh, *, swapped: bool = False):
+        w = module.weight
+        layer = cls(module.num_embeddings, module.embedding_dim, mesh, swapped=swapped, device=w.device, dtype=w.dtype)
+        _copy_shards(layer, module)
+        return layer
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return F.embedding(pos, _replicated(self.weight, self.layout.inner, self.layout.depth))
+
+
+# --------------------------------------------------------------------------- LM head + loss
+class VocabParallelHead3D(Linear3D):
+    """LM head: canonical ``[b, s, h]`` -> logits ``[b, s, V/q]`` in the swapped layout (batch
+    block ``d*q + c``, vocab block r), a :class:`Linear3D` whose weight ``[V, H]`` has the
+    :class:`Embedding3D` table layout. Pair it with :func:`vocab_parallel_cross_entropy_3d`
+    (vocab reductions over tp_row); full logits never exist on any rank.
+
+    Engine protocol (as tp1d's and tp2d's heads): :meth:`vocab_parallel_loss_sum`, and
+    ``gather_output`` which, when set (for a user's loss_fn), makes ``forward`` all-gather the
+    full logits ``[B, S, V]`` on every rank (GatherFromAxis: slice backward)."""
+
+    def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
+        super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
+        self.gather_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return _gather_activation(logits, self.out_layout) if self.gather_output else logits
+
+    def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``
+        ``[B, S]``, the same on every tp rank: this rank's batch block's sum, all-reduced over
+        the two batch axes (``ReduceFromAxis``: identity backward)."""
+        if self.gather_output:
+            z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            return F.cross_entropy(z.flatten(0, -2), labels_BS.flatten(), reduction="sum")
+        lay = self.out_layout
+        labels = shard_tensor(labels_BS, _act_spec(labels_BS.shape, lay, False))
+        local = _vocab_parallel_ce(logits, labels, lay, self.out_features)
+        return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, lay.inner), lay.depth)
+
+    @classmethod
+    def from_serial(cls, module: nn.Linear, mesh, *, tied: Embedding3D | None = None, **kw):
+        """``tied``: the sharded token embedding whose Parameter this head shares."""
+        layer = super().from_serial(module, mesh, **kw)
+        if tied is not None:
+            if tied.weight._bh_shard != layer.weight._bh_shard:
+                raise ValueError(f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
+                                 f"the head's {layer.weight._bh_shard} (a tied head must have swapped=False).")
+            layer.weight = tied.weight
+        return layer
+
+    def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
+        return _vocab_parallel_ce(logits_bSv, labels_bS, self.out_layout, self.out_features, **kw)
+
+
+def _vocab_parallel_ce(logits, labels, lay: Layout, vocab: int, *, ignore_index: int = -100,
+                       reduction: str = "sum") -> torch.Tensor:
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"vocab-parallel cross-entropy (3d): labels {tuple(labels.shape)} must be this rank's batch "
+                         f"block, matching logits {tuple(logits.shape[:-1])}; use split_batch_3d(..., swapped=True).")
+    if logits.shape[-1] * lay.q != vocab:
+        raise ValueError(f"vocab-parallel cross-entropy (3d): logits' last dim {logits.shape[-1]} is not "
+                         f"vocab/q = {vocab}/{lay.q}.")
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"reduction={reduction!r}: must be 'sum' or 'none'.")
+    loss = _VocabParallelCE.apply(logits, labels, lay.hidden, lay.hidden.rank * (vocab // lay.q), ignore_index)
+    return loss.sum() if reduction == "sum" else loss
+
+
+def vocab_parallel_cross_entropy_3d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
+                                    swapped: bool = True, ignore_index: int = -100,
+                                    reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of logits ``[b, s, V/q]`` against this rank's labels ``[b, s]``, both in
+    the swapped layout by default (what :class:`VocabParallelHead3D` produces: vocab over
+    tp_row; labels from ``split_batch_3d(labels, mesh, swapped=True)``); ``ignore_index``
+    tokens count 0. ``reduction="sum"``: this rank's batch block's sum, the same on every rank
+    of the vocab axis; the tp group's total is its sum over the two batch axes. ``"none"``:
+    per-token losses ``[b, s]``."""
+    lay = cube_of(mesh, "vocab_parallel_cross_entropy_3d").layout(swapped)
+    return _vocab_parallel_ce(logits_bSv, labels_bS, lay, logits_bSv.shape[-1] * lay.q,
+                              ignore_index=ignore_index, reduction=reduction)
