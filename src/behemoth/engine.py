@@ -9,6 +9,12 @@ its token losses divided by the global token count (one tiny all-reduce at the s
 the step), so summing gradients over micro-batches and data-parallel ranks gives exactly
 the serial model's mean-loss gradient.
 
+Tensor-parallel modes that split the batch inside the tp group (2D, 2.5D, 3D) name the
+axes in ``Parallelized.batch_axes``: each micro-batch is then cut into ``prod(sizes)``
+row blocks and this rank runs the model on block ``ravel(coords)``; the loss sums are added
+over dp *and* those axes (the token count needs no extra collective: every tp rank holds
+its dp rank's whole batch). 1D and pure data parallelism split nothing here.
+
 Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
 rebuilt over the engine's parameters with the user's class and hyper-parameters.
 """
@@ -44,6 +50,21 @@ def logits_of(outputs) -> torch.Tensor:
         raise TypeError(f"the model returned {type(outputs).__name__}, which has no logits; pass "
                         f"loss_fn=... to bh.boost to compute the loss from it.")
     return logits
+
+
+def _rows(batch) -> int | None:
+    """Rows of a batch: those of ``input_ids``, else of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, dict):
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return batch["input_ids"].shape[0]
+        values = list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        values = list(batch)
+    else:
+        return None
+    return next((r for r in map(_rows, values) if r is not None), None)
 
 
 def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
@@ -115,6 +136,10 @@ class Engine:
         self.model = prepare_model(model, self.device)
         self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
         self.vocab_head = self.tensor_parallel.head   # vocab-sharded logits: the loss goes through it
+        self.batch_axes = [mesh.axis(a) for a in self.tensor_parallel.batch_axes]
+        self.batch_parts, self.batch_index = 1, 0      # this rank's row block of every micro-batch
+        for ax in self.batch_axes:
+            self.batch_parts, self.batch_index = self.batch_parts * ax.size, self.batch_index * ax.size + ax.rank
         if self.vocab_head is not None and loss_fn is not None:
             self.vocab_head.gather_output = True
         if plan.activation_checkpointing:
@@ -157,18 +182,27 @@ class Engine:
 
     # ---------------------------------------------------------------- step
     def _check_batch(self, batch) -> None:
-        if self.loss_fn is not None:
+        if self.loss_fn is None:
+            if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+                raise ValueError("engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
+                                 "for other inputs pass loss_fn=... to bh.boost.")
+            x, y = batch["input_ids"], batch["labels"]
+            if x.dim() != 2 or x.shape != y.shape:
+                raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
+        rows = _rows(batch)
+        if rows is None or (self.loss_fn is not None and self.batch_parts == 1):
             return
-        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-            raise ValueError("engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
-                             "for other inputs pass loss_fn=... to bh.boost.")
-        x, y = batch["input_ids"], batch["labels"]
-        if x.dim() != 2 or x.shape != y.shape:
-            raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
         m = self.plan.microbatches
-        if x.shape[0] % m:
-            raise ValueError(f"this rank's batch of {x.shape[0]} rows is not divisible by Plan.microbatches={m}; "
+        if rows % m:
+            raise ValueError(f"this rank's batch of {rows} rows is not divisible by Plan.microbatches={m}; "
                              f"use a per-rank batch that is a multiple of {m}.")
+        if (rows // m) % self.batch_parts:
+            axes = " x ".join(f"{a.name}={a.size}" for a in self.batch_axes)
+            raise ValueError(
+                f"tensor parallelism ({self.plan.tp_mode}): batch size = {rows} rows per data-parallel rank "
+                f"({m} micro-batch(es) of {rows // m}) is not divisible by {self.batch_parts}: tp_mode="
+                f"{self.plan.tp_mode!r} splits every micro-batch into {self.batch_parts} row blocks ({axes}). Use "
+                f"a per-rank batch that is a multiple of microbatches * {self.batch_parts} = {m * self.batch_parts}.")
 
     def _split(self, batch) -> list:
         m = self.plan.microbatches
@@ -181,6 +215,24 @@ class Engine:
             cols = [v.chunk(m, 0) for v in batch]
             return [type(batch)(c[i] for c in cols) for i in range(m)]
         return list(batch.chunk(m, 0))
+
+    def _batch_block(self, micro):
+        """This rank's row block of every tensor of the micro-batch whose first dim is its
+        rows (ids, labels, masks, position ids...): a view, no communication."""
+        if self.batch_parts == 1:
+            return micro
+        rows = _rows(micro)
+        n = rows // self.batch_parts
+
+        def take(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
+                return v.narrow(0, self.batch_index * n, n)
+            if isinstance(v, dict):
+                return {k: take(x) for k, x in v.items()}
+            if isinstance(v, (tuple, list)):
+                return type(v)(take(x) for x in v)
+            return v
+        return take(micro)
 
     def _to_device(self, batch):
         if isinstance(batch, torch.Tensor):
@@ -215,18 +267,22 @@ class Engine:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.buckets.begin(sync=i == len(micro) - 1)
+            local = self._batch_block(mb)
             with autocast_context(self.plan.precision, self.device):
-                out = self.model(*self._model_inputs(mb))
-            if self.loss_fn is not None:
+                out = self.model(*self._model_inputs(local))
+            if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch
                 loss = self.loss_fn(out, mb)
             elif self.vocab_head is not None:
-                loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), mb["labels"])
+                loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), local["labels"])
             else:
-                loss = token_loss_sum(out, mb)
+                loss = token_loss_sum(out, local)
             total += loss.detach().double()
             (loss.float() * (scale * loss_scale).float()).backward()
         self.buckets.finish()
         comm.all_reduce(total, dp)
+        if self.loss_fn is None:   # sums over this rank's row block: add the other blocks
+            for ax in self.batch_axes:
+                comm.all_reduce(total, ax)
         loss_val, n = torch.cat([total * scale, n_global if n_global is not None else total.new_zeros(1)]).tolist()
         if self.loss_fn is None and n == 0:
             raise ValueError("the global batch has no labelled token (every label is -100).")

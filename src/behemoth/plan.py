@@ -22,8 +22,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
-    "tp_mode=2d": "2D tensor parallelism (Optimus: SUMMA on a q x q grid), the tensor-parallelism issue",
-    "tp_mode=2.5d": "2.5D tensor parallelism (Tesseract), the tensor-parallelism issue",
     "tp_mode=3d": "3D tensor parallelism, the tensor-parallelism issue",
     "tp_overlap": "Tensor3D over-decomposition (communication overlapped with compute) in 3D tensor "
                   "parallelism, the tensor-parallelism issue",
@@ -181,7 +179,7 @@ class Plan:
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         pending = []
-        if self.tp > 1 and self.tp_mode != "1d":
+        if self.tp > 1 and self.tp_mode == "3d":
             pending.append(("tp_mode", self.tp_mode))
         if self.tp_overlap > 1:
             pending.append(("tp_overlap", self.tp_overlap))
@@ -200,8 +198,8 @@ class Plan:
             need = _PENDING[f"tp_mode={value}" if name == "tp_mode" else name]
             raise NotImplementedError(
                 f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
-                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), microbatches (gradient "
-                f"accumulation), precision, activation_checkpointing."
+                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d' and '2.5d', microbatches "
+                f"(gradient accumulation), precision, activation_checkpointing."
             )
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""

@@ -2,15 +2,17 @@
 tests/dist/test_tp1d.py checks the same formulas against the comm ledger of real runs."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from behemoth.planner import traffic as tr
 from behemoth.planner.traffic import Traffic, TransformerShape
 
 GPT = TransformerShape(hidden=32, ffn_hidden=128, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=96,
-                       norm_params=64, linear_bias=True)
+                       norm_params=64, linear_bias=True, fused_qkv=True, max_positions=16)
 GQA = TransformerShape(hidden=32, ffn_hidden=96, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=96,
-                       norm_params=32, linear_bias=False)
+                       norm_params=32, linear_bias=False, gated_mlp=True, rms_norm=True)
 
 
 def test_collective_costs():
@@ -71,14 +73,49 @@ def test_shape_from_configs():
                                                   num_kv_heads=2, hidden=32, ffn_hidden=96))
     assert ll == GQA
     hg = TransformerShape.from_config(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4))
-    assert hg == GPT
+    assert hg == dataclasses.replace(GPT, max_positions=1024)
     hl = TransformerShape.from_config(HFLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=96,
                                                     num_hidden_layers=2, num_attention_heads=4,
                                                     num_key_value_heads=2))
     assert hl == GQA and hl.head_dim == 8
 
 
-@pytest.mark.parametrize("mode, name", [("2d", "2D"), ("2.5d", "2.5D"), ("3d", "3D")])
+def test_2d_linear_is_summa_and_matches_the_layer_formula():
+    from behemoth.parallel.tensor.tp2d import summa_linear_bytes
+    for depth in (1, 2):
+        for bias in (False, True):
+            got = tr.tp2d_linear_traffic(tokens=64, in_features=16, out_features=32, tp=4 * depth, depth=depth,
+                                         bias=bias, dtype_bytes=4, param_bytes=4)
+            # q = d = 2: an all-reduce moves its payload, so wire bytes = the layer's payload bytes.
+            assert got.total == summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
+            assert got.backward >= 2 * got.forward
+    # DESIGN.md: 3 (bsh + h h_o) / q per Linear per device.
+    assert tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total == \
+        3 * (64 * 16 + 16 * 32) / 3
+    with pytest.raises(ValueError, match="tp_depth"):
+        tr.tp2d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=6)
+
+
+def test_2d_model_traffic_by_hand():
+    # q = 2, fp32: GPT's blocks are 4 SUMMA Linears + 2 LayerNorms each; the model adds the
+    # embedding (ids, reduce-scatter, swap), positions, final norm, head and loss.
+    t, h, f, v, q, e = 4 * 16, 32, 128, 96, 2, 4
+    lin = lambda i, o, b=True: 3 * (t * i + i * o) / q * e + (o / q * e if b else 0)  # noqa: E731
+    norm = (2 * t / q * e) + (2 * t / q * e) + 2 * (h / q * e)       # stats fwd, sums bwd, weight + bias
+    block = lin(h, 3 * h) + lin(h, h) + lin(h, f) + lin(f, h) + 2 * norm
+    emb = (t / q * 8) + (t * h / q * e / 2) + 2 * (t / q * h / q * e) + (t * h / q * e / 2)
+    edges = emb + 16 * h / q * e + norm + lin(h, v, False) + 3 * t / q * 4
+    got = tr.model_traffic("2d", GPT, batch=4, seq=16, tp=4, dtype_bytes=e, param_bytes=e)
+    assert got.total == 2 * block + edges
+    diag = tr.tp2d_model_traffic(GPT, batch=4, seq=16, tp=4, dtype_bytes=e, param_bytes=e, diagonal=True)
+    assert got.total - diag.total == 2 * t / q * h / q * e        # no transpose swap on the diagonal
+    assert tr.tp2p5d_block_traffic(GQA, batch=4, seq=16, tp=4, depth=1) == tr.block_traffic("2d", GQA, batch=4,
+                                                                                              seq=16, tp=4)
+    deep = tr.model_traffic("2.5d", GQA, batch=8, seq=16, tp=8, depth=2)
+    assert deep.total > tr.model_traffic("2d", GQA, batch=4, seq=16, tp=4).total   # + the depth all-reduces
+
+
+@pytest.mark.parametrize("mode, name", [("3d", "3D")])
 def test_other_modes_are_named_and_pending(mode, name):
     with pytest.raises(NotImplementedError, match=name):
         tr.block_traffic(mode, GPT, batch=1, seq=8, tp=4)

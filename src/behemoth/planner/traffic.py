@@ -25,11 +25,28 @@ autocast), ``stream_bytes`` that of the residual stream and norm outputs (where 
 4 under autocast, which keeps norms in fp32), ``param_bytes`` that of parameters and their
 gradients (and of the embedding output).
 
-2D / 2.5D / 3D: the functions exist by name and raise NotImplementedError until their
-formulas land with those modes (DESIGN.md: 2D ~ 3 (bsh + h h_o)/q per Linear per device).
+2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.tp2d, tp2p5d, apply2d. p = d q**2
+on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. A broadcast or a reduce
+books the block's bytes on every member (as the ledger does: a pipelined broadcast/reduce
+moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
+X block and of a W block, ``(T h_in / d + h_in h_out) / q`` elements; backward twice that
+(re-broadcasts plus reduces of the dX and dW partials): DESIGN.md's ``3 (bsh + h h_o)/q``
+(the same expression as ``tp2d.summa_linear_bytes``). 2.5D adds the all-reduce of dW over
+depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
+``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
+over ``tp_col`` and all-reduce their weight gradients over it; norms all-gather (LayerNorm:
+mean, M2) or all-reduce (RMS) their
+statistics over ``tp_col`` forward and all-reduce one or two sums backward. Model level: the
+embedding all-gathers the int64 ids over ``tp_row``, reduce-scatters its partial lookups over
+``tp_col`` and swaps with the transposed grid rank (none on the grid's diagonal) -- the same
+backward --; a learned position table all-reduces its gradient over ``tp_row``; the
+vocab-parallel loss all-reduces ``[T/(d q)]`` maxima and ``[2, T/(d q)]`` sums over ``tp_col``.
+
+3D: the functions exist by name and raise NotImplementedError until its formulas land.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -53,6 +70,14 @@ class TransformerShape:
     """Parameters of one norm: 2h for LayerNorm with bias, h for RMSNorm."""
     linear_bias: bool
     """Whether the block's Linears have biases (GPT-2: yes; Llama: no)."""
+    fused_qkv: bool = False
+    """q, k and v computed by one Linear (GPT-2) rather than three (Llama): 2D broadcasts X once."""
+    gated_mlp: bool = False
+    """SwiGLU MLP (Llama): gate and up Linears both read X."""
+    rms_norm: bool = False
+    """RMSNorm (one statistic per token) rather than LayerNorm (two)."""
+    max_positions: int = 0
+    """Rows of a learned position table (GPT-2); 0 for none (RoPE)."""
 
     @property
     def head_dim(self) -> int:
@@ -64,20 +89,22 @@ class TransformerShape:
         if hasattr(c, "n_embd"):  # transformers GPT2Config
             return cls(hidden=c.n_embd, ffn_hidden=c.n_inner or 4 * c.n_embd, num_layers=c.n_layer,
                        num_heads=c.n_head, num_kv_heads=c.n_head, vocab_size=c.vocab_size,
-                       norm_params=2 * c.n_embd, linear_bias=True)
+                       norm_params=2 * c.n_embd, linear_bias=True, fused_qkv=True, max_positions=c.n_positions)
         if hasattr(c, "intermediate_size"):  # transformers LlamaConfig
             return cls(hidden=c.hidden_size, ffn_hidden=c.intermediate_size, num_layers=c.num_hidden_layers,
                        num_heads=c.num_attention_heads,
                        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                        vocab_size=c.vocab_size, norm_params=c.hidden_size,
-                       linear_bias=bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)))
+                       linear_bias=bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)),
+                       gated_mlp=True, rms_norm=True)
         if hasattr(c, "num_kv_heads"):  # behemoth LlamaConfig
             return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,
                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, vocab_size=c.vocab_size,
-                       norm_params=c.hidden, linear_bias=False)
+                       norm_params=c.hidden, linear_bias=False, gated_mlp=True, rms_norm=True)
         return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,  # behemoth GPTConfig
                    num_heads=c.num_heads, num_kv_heads=c.num_heads, vocab_size=c.vocab_size,
-                   norm_params=(2 if c.bias else 1) * c.hidden, linear_bias=bool(c.bias))
+                   norm_params=(2 if c.bias else 1) * c.hidden, linear_bias=bool(c.bias), fused_qkv=True,
+                   max_positions=c.seq_len)
 
 
 @dataclass(frozen=True)
@@ -176,28 +203,125 @@ def tp1d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     return out
 
 
-# ----------------------------------------------------------------------------- 2D, 2.5D, 3D
+# ----------------------------------------------------------------------------- 2D, 2.5D
+def grid_side(tp: int, depth: int = 1) -> int:
+    """q of a d x q x q grid with ``tp = depth * q**2``."""
+    q = math.isqrt(tp // depth) if tp % depth == 0 else 0
+    if q * q * depth != tp:
+        raise ValueError(f"tp={tp} is not tp_depth * q*q with tp_depth={depth}.")
+    return q
+
+
+def tp2d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp: int, depth: int = 1,
+                        bias: bool = False, dtype_bytes: int = 2, param_bytes: int = 4) -> Traffic:
+    """One SUMMA Linear (2D; 2.5D with ``depth`` > 1), forward + backward, per rank.
+    ``tokens``: B*S of the tp group. Blocks travel in ``dtype_bytes`` (the autocast dtype);
+    the depth all-reduce of dW and the bias gradient's all-reduces in ``param_bytes``."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    fwd = (tokens * in_features / depth + in_features * out_features) / q * dtype_bytes
+    bwd = 2 * fwd + all_reduce_bytes(in_features * out_features / q**2 * param_bytes, depth)
+    if bias:
+        b = out_features / q * param_bytes
+        bwd += all_reduce_bytes(b, q) + all_reduce_bytes(b, depth)
+    return Traffic(fwd, bwd)
+
+
+def _kv_replicated2d(tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int,
+                     param_bytes: int) -> Traffic:
+    """A k or v projection with K < q kv heads (apply2d.KVReplicatedLinear2D): SUMMA with a
+    ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
+    ``tp_col`` and depth (and of a bias over the whole grid)."""
+    q, k, d = grid_side(tp, depth), shape.num_kv_heads, shape.head_dim
+    fwd = (tokens * hidden / (depth * q) + d * hidden) * dtype_bytes
+    grad = k * d * hidden / q * param_bytes
+    bwd = 2 * fwd + all_reduce_bytes(grad, q) + all_reduce_bytes(grad, depth)
+    if shape.linear_bias:
+        bwd += all_reduce_bytes(k * d * param_bytes, tp)
+    return Traffic(fwd, bwd)
+
+
+def _norm2d(shape: TransformerShape, tokens_local: float, q: int, depth: int, param_bytes: int) -> Traffic:
+    stat = 4   # statistics in (at least) float32
+    if shape.rms_norm:
+        fwd, bwd = all_reduce_bytes(tokens_local * stat, q), all_reduce_bytes(tokens_local * stat, q)
+    else:
+        fwd, bwd = all_gather_bytes(q * 2 * tokens_local * stat, q), all_reduce_bytes(2 * tokens_local * stat, q)
+    vec = shape.norm_params / q * param_bytes      # weight (and bias) blocks, replicated over tp_row
+    return Traffic(fwd, bwd + all_reduce_bytes(vec, q) + all_reduce_bytes(vec, depth))
+
+
+def tp2d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, depth: int = 1,
+                       dtype_bytes: int = 2, param_bytes: int = 4) -> Traffic:
+    """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
+    down), forward + backward, per rank; attention itself is local."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
+
+    def lin(fin, fout):
+        return tp2d_linear_traffic(tokens=t, in_features=fin, out_features=fout, tp=tp, depth=depth,
+                                   bias=shape.linear_bias, dtype_bytes=dtype_bytes, param_bytes=param_bytes)
+    attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if shape.fused_qkv:
+        out = lin(h, attn + 2 * kv)
+    elif shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:   # replicated kv heads
+        out = lin(h, attn) + 2 * _kv_replicated2d(t, h, shape, tp, depth, dtype_bytes, param_bytes)
+    else:
+        out = lin(h, attn) + 2 * lin(h, kv)
+    out += lin(attn, h) + (2 if shape.gated_mlp else 1) * lin(h, f) + lin(f, h)
+    return out + 2 * _norm2d(shape, t / (depth * q), q, depth, param_bytes)
+
+
+def tp2d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, depth: int = 1,
+                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4,
+                       diagonal: bool = False) -> Traffic:
+    """A whole forward + backward: embedding, every block, final norm, head and loss, for a
+    rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
+    embedding's transpose swap). ``stream_bytes``: the residual stream's element size (the
+    embedding output's gradient)."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    stream = param_bytes if stream_bytes is None else stream_bytes
+    h, v, t = shape.hidden, shape.vocab_size, batch * seq
+    local = t / (depth * q)
+    out = shape.num_layers * tp2d_block_traffic(shape, batch=batch, seq=seq, tp=tp, depth=depth,
+                                                dtype_bytes=dtype_bytes, param_bytes=param_bytes)
+    swap = 0.0 if diagonal else local * h / q
+    out += Traffic(all_gather_bytes(q * local * 8, q)                                  # ids (int64)
+                   + reduce_scatter_bytes(t / depth * h / q * param_bytes, q) + swap * param_bytes,
+                   swap * stream + all_gather_bytes(t / depth * h / q * stream, q)
+                   + all_reduce_bytes(v / q * h / q * param_bytes, depth))             # table grad over depth
+    if shape.max_positions:
+        pos = shape.max_positions * h / q * param_bytes
+        out += Traffic(0.0, all_reduce_bytes(pos, q) + all_reduce_bytes(pos, depth))
+    out += _norm2d(shape, local, q, depth, param_bytes)                                # final norm
+    out += tp2d_linear_traffic(tokens=t, in_features=h, out_features=v, tp=tp, depth=depth,
+                               dtype_bytes=dtype_bytes, param_bytes=param_bytes)       # head
+    out += Traffic(all_reduce_bytes(local * 4, q) + all_reduce_bytes(2 * local * 4, q), 0.0)  # loss
+    return out
+
+
+def tp2p5d_linear_traffic(*, depth: int, **kwargs) -> Traffic:
+    """2.5D (Tesseract, d x q x q): 2D on d batch slabs plus the depth all-reduce of dW."""
+    return tp2d_linear_traffic(depth=depth, **kwargs)
+
+
+def tp2p5d_block_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Traffic:
+    return tp2d_block_traffic(shape, depth=depth, **kwargs)
+
+
+def tp2p5d_model_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Traffic:
+    return tp2d_model_traffic(shape, depth=depth, **kwargs)
+
+
+# ----------------------------------------------------------------------------- 3D
 def _pending(mode: str):
     raise NotImplementedError(f"the {mode} tensor-parallel traffic formula is not in behemoth.planner.traffic yet; "
                               f"it lands with the {mode} layers (see DESIGN.md for the formula to implement).")
-
-
-def tp2d_linear_traffic(**kwargs) -> Traffic:
-    """2D (Optimus, SUMMA on q x q): ~ 3 (bsh + h h_o) / q per Linear per device."""
-    _pending("2D")
-
-
-def tp2d_block_traffic(shape: TransformerShape, **kwargs) -> Traffic:
-    _pending("2D")
-
-
-def tp2p5d_linear_traffic(**kwargs) -> Traffic:
-    """2.5D (Tesseract, d x q x q): 2D on d batch slabs plus the depth all-reduce of dW."""
-    _pending("2.5D")
-
-
-def tp2p5d_block_traffic(shape: TransformerShape, **kwargs) -> Traffic:
-    _pending("2.5D")
 
 
 def tp3d_linear_traffic(**kwargs) -> Traffic:
@@ -229,4 +353,6 @@ def model_traffic(mode: str, shape: TransformerShape, **kwargs) -> Traffic:
     """Per-rank bytes of a whole model's forward + backward, for ``tp_mode`` ``mode``."""
     if mode == "1d":
         return tp1d_model_traffic(shape, **kwargs)
+    if mode in ("2d", "2.5d"):
+        return tp2d_model_traffic(shape, **kwargs)
     _pending({"2d": "2D", "2.5d": "2.5D", "3d": "3D"}.get(mode, mode))

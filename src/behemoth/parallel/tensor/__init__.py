@@ -11,9 +11,11 @@ mode-agnostic machinery here, which reads only each parameter's
   (behemoth's, GPT-2's, HF Llama's attribute names) and set them to this rank's counts.
 
 A mode's ``parallelize(model, mesh, plan, roles)`` returns a :class:`Parallelized`. A module
-whose logits are vocabulary-sharded exposes ``vocab_parallel_loss_sum(logits, labels)`` and
-a ``gather_output`` flag; the engine computes the loss through it (no rank materialises the
-full logits) unless the user brings a ``loss_fn``, in which case ``gather_output`` is set.
+whose logits are vocabulary-sharded exposes ``vocab_parallel_loss_sum(logits, labels)`` (the
+loss sum over the labels of the rows the model was given) and a ``gather_output`` flag; the
+engine computes the loss through it (no rank materialises the full logits) unless the user
+brings a ``loss_fn``, in which case ``gather_output`` is set. A mode that splits the batch
+inside the tp group (2D, 2.5D, 3D) names the axes in ``Parallelized.batch_axes``.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ class Parallelized:
     """``id(serial parameter) -> its tensor-parallel replacement`` (to re-target the optimizer)."""
     head: torch.nn.Module | None = None
     """The vocabulary-parallel output head, if any (has ``vocab_parallel_loss_sum``)."""
+    batch_axes: tuple[str, ...] = ()
+    """Mesh axes that split the batch inside the tp group, outermost first (2D: ``("tp_row",)``;
+    2.5D: ``("tp_depth", "tp_row")``; 1D: none). The engine then gives each rank block
+    ``ravel(coords on these axes)`` of every micro-batch tensor, the head's loss sums over
+    that block, and the engine sums the loss over dp *and* these axes."""
 
 
 def is_sharded(spec: ShardSpec | None) -> bool:

@@ -51,7 +51,7 @@ __all__ = [
     "Grid", "grid_of", "summa_linear_bytes", "activation_spec_2d", "split_batch_2d",
     "split_activation_2d", "gather_batch_2d", "gather_activation_2d", "Linear2D", "LayerNorm2D",
     "RMSNorm2D", "Embedding2D", "PositionEmbedding2D", "VocabParallelHead2D",
-    "vocab_parallel_cross_entropy_2d",
+    "vocab_parallel_cross_entropy_2d", "parallelize",
 ]
 
 
@@ -187,7 +187,9 @@ def _bcast(t: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
 
 
 class _Summa(torch.autograd.Function):
-    """``y = x @ w.T`` with x block (i, k) and w block (k, j) on rank (i, k) / (k, j).
+    """``y = x @ w.T`` (``in_out``: ``y = x @ w``, a Conv1D weight kept in its own
+    orientation, so no transposed copy is made or saved) with x block (i, k) and w block
+    (k, j) on rank (i, k) / (k, j).
 
     Forward: for k in 0..q-1, broadcast X(i, k) along the grid row (tp_col) and W(k, j) down
     the grid column (tp_row); accumulate the product. Backward: for each k, re-broadcast
@@ -196,29 +198,32 @@ class _Summa(torch.autograd.Function):
     column onto (k, j) (that is dW(k, j)). Only the local shards are saved."""
 
     @staticmethod
-    def forward(ctx, x, w, g: Grid):
+    def forward(ctx, x, w, g: Grid, in_out: bool):
         x, w = x.contiguous(), w.contiguous()
-        ctx.g = g
+        ctx.g, ctx.in_out = g, in_out
         ctx.save_for_backward(x, w)
         y = None
         for k in range(g.q):
-            part = _bcast(x, g.col_axis, k) @ _bcast(w, g.row_axis, k).t()
+            wk = _bcast(w, g.row_axis, k)
+            part = _bcast(x, g.col_axis, k) @ (wk if in_out else wk.t())
             y = part if y is None else y.add_(part)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        g, dy = ctx.g, dy.contiguous()
+        g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
         dx = dw = None
         for k in range(g.q):
             if ctx.needs_input_grad[0]:
-                part = comm.reduce(dy @ _bcast(w, g.row_axis, k), g.col_axis, k)
+                wk = _bcast(w, g.row_axis, k)
+                part = comm.reduce(dy @ (wk.t() if in_out else wk), g.col_axis, k)
                 dx = part if g.col == k else dx
             if ctx.needs_input_grad[1]:
-                part = comm.reduce(dy.t() @ _bcast(x, g.col_axis, k), g.row_axis, k)
+                xk = _bcast(x, g.col_axis, k)
+                part = comm.reduce((xk.t() @ dy) if in_out else (dy.t() @ xk), g.row_axis, k)
                 dw = part if g.row == k else dw
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -304,12 +309,10 @@ class Linear2D(nn.Module):
             raise ValueError(f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
                              f"block in_features/q = {self.in_features}/{g.q} = {n_in} (layout [b/q, s, h/q]).")
         w = _replicate_on(self.weight, g, rows=False)
-        if self.weight_layout == "in_out":
-            w = w.t()
         dt = _autocast_dtype(x)
         if dt is not None:  # cast the shards before they travel: half the bytes
             x, w = x.to(dt), w.to(dt)
-        y = _Summa.apply(x.reshape(-1, n_in), w, g)
+        y = _Summa.apply(x.reshape(-1, n_in), w, g, self.weight_layout == "in_out")
         y = y.view(*x.shape[:-1], y.shape[-1])
         if self.bias is not None:
             y = y + _replicate_on(self.bias, g, rows=True).to(y.dtype)
@@ -462,17 +465,23 @@ class Embedding2D(nn.Module):
     for the tokens of its depth slab (hidden block k), reduce-scatters the partial sums over
     ``tp_col`` along the batch (now batch block c, hidden k) and swaps with the transposed rank
     (c, k). Backward: the swap, an all-gather over ``tp_col``, a local scatter-add.
+
+    ``local_ids=True`` (what model-level ``parallelize`` sets, the engine having split the
+    batch): ids are this rank's batch block ``[b, S]`` instead; they are all-gathered (int64,
+    no gradient) over ``tp_row`` into the depth slab first -- ``2q/h`` of the bytes the
+    lookup's reduce-scatter then moves (fp32).
     """
 
     MODE = "2d"
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
-                 device=None, dtype=None) -> None:
+                 local_ids: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
         check_divisible(f"{type(self).__name__} vocabulary size", num_embeddings, g.q, g.mode)
         check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, g.q, g.mode)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.local_ids = local_ids
         self.vocab_start = g.col * (num_embeddings // g.q)
         spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(0, g.q, g.col, ("tp_col",)),
                          DimShard(1, g.q, g.row, ("tp_row",))), g.weight_replicas)
@@ -490,9 +499,12 @@ class Embedding2D(nn.Module):
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         g, v = self.grid, self.num_embeddings // self.grid.q
-        check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0],
-                        g.batch_parts, g.mode)
-        ids = ids_BS.chunk(g.depth_size, 0)[g.depth]
+        if self.local_ids:   # this rank's batch block -> the depth slab's ids
+            ids = comm.all_gather(ids_BS.contiguous(), g.row_axis, 0)
+        else:
+            check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0],
+                            g.batch_parts, g.mode)
+            ids = ids_BS.chunk(g.depth_size, 0)[g.depth]
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= v)
         local = local.masked_fill(outside, 0)
@@ -543,11 +555,14 @@ class VocabParallelHead2D(Linear2D):
 
     Engine protocol (as tp1d's head): :meth:`vocab_parallel_loss_sum`, and ``gather_output``
     which, when set (for a user's loss_fn), makes ``forward`` all-gather the full logits
-    ``[B, S, V]`` on every rank (GatherFromAxis: slice backward)."""
+    ``[B, S, V]`` on every rank (GatherFromAxis: slice backward). ``local_labels`` (set by
+    model-level ``parallelize``, whose engine splits the batch): the loss takes this rank's
+    labels block and sums over it alone; the engine sums over the batch axes."""
 
     def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
         super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
         self.gather_output = False
+        self.local_labels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
@@ -557,10 +572,13 @@ class VocabParallelHead2D(Linear2D):
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``,
         the same on every tp rank: this rank's block's sum, all-reduced over ``tp_row`` and
         ``tp_depth`` (``ReduceFromAxis``: identity backward, so each rank's logits get the
-        gradient of the total)."""
+        gradient of the total). With ``local_labels``, ``labels_BS`` is this rank's block
+        ``[b, S]`` and the sum is over it alone (the same on every rank of a grid row)."""
         g = self.grid
         if self.gather_output:
             return F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(), reduction="sum")
+        if self.local_labels:
+            return _vocab_parallel_ce(logits, labels_BS, g, self.out_features)
         local = _vocab_parallel_ce(logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)),
                                    g, self.out_features)
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
@@ -639,3 +657,9 @@ def vocab_parallel_cross_entropy_2d(logits_bSv: torch.Tensor, labels_bS: torch.T
     g = grid_of(mesh, "2d", "vocab_parallel_cross_entropy_2d")
     return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
                               ignore_index=ignore_index, reduction=reduction)
+
+
+def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):
+    """Rewrite ``model`` in place for 2D tensor parallelism; see :mod:`.apply2d`."""
+    from .apply2d import parallelize_grid
+    return parallelize_grid(model, mesh, plan, roles)

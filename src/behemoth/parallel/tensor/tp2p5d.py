@@ -35,7 +35,7 @@ from .layout import ShardSpec, shard_tensor
 __all__ = [
     "tesseract_linear_bytes", "activation_spec_25d", "split_batch_25d", "split_activation_25d",
     "gather_batch_25d", "gather_activation_25d", "Linear25D", "LayerNorm25D", "RMSNorm25D", "Embedding25D",
-    "PositionEmbedding25D", "VocabParallelHead25D", "vocab_parallel_cross_entropy_25d",
+    "PositionEmbedding25D", "VocabParallelHead25D", "vocab_parallel_cross_entropy_25d", "parallelize",
 ]
 
 MODE = "2.5d"
@@ -120,3 +120,10 @@ def vocab_parallel_cross_entropy_25d(logits_bSv: torch.Tensor, labels_bS: torch.
     g = grid_of(mesh, MODE, "vocab_parallel_cross_entropy_25d")
     return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
                               ignore_index=ignore_index, reduction=reduction)
+
+
+def parallelize(model, mesh, plan, roles: dict[str, str]):
+    """Rewrite ``model`` in place for 2.5D tensor parallelism; see :mod:`.apply2d` (the same
+    rewrite as 2D, with these layers and the batch split over ``tp_depth`` and ``tp_row``)."""
+    from .apply2d import parallelize_grid
+    return parallelize_grid(model, mesh, plan, roles)
