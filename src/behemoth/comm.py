@@ -426,3 +426,39 @@ def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncColl
         finish = lambda: out.movedim(0, dim)  # noqa: E731
     axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
     return AsyncCollective(work, axis, finish, inp, out)
+
+
+# --------------------------------------------------------------------------- sequence-parallel additions: ring exchange
+class _Works:
+    """Several in-flight point-to-point requests waited as one."""
+
+    def __init__(self, works) -> None:
+        self._works = list(works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+
+
+def ring_shift_async(t: torch.Tensor, axis: Axis, shift: int = 1) -> AsyncCollective:
+    """Start a ring rotation over ``axis``: send ``t`` to member ``(rank + shift) % size`` and
+    receive the same-shaped tensor that member ``(rank - shift) % size`` sends; the handle's
+    ``wait()`` returns what arrived. Ring attention's K/V (and dK/dV) rotation: issue the
+    next block's shift, compute on the current one, then wait.
+
+    Every member must call it with the same shape and dtype, in the same order (one batched
+    isend/irecv pair per member, so NCCL coalesces it and no member waits on another's send;
+    on gloo the two requests are independent). ``t`` must not be modified until ``wait()``;
+    the handle keeps it alive. A trivial axis (or a shift that is a multiple of the size)
+    returns ``t`` itself and moves nothing. Not differentiable (callers own the backward).
+    Ledger: op ``ring_shift``, payload = wire = ``t``'s bytes (each member sends one copy)."""
+    n = axis.size
+    if axis.trivial or shift % n == 0:
+        return AsyncCollective(None, axis, lambda: t)
+    src = t.contiguous()
+    out = torch.empty_like(src)
+    ops = [dist.P2POp(dist.isend, src, axis.ranks[(axis.rank + shift) % n], axis.group),
+           dist.P2POp(dist.irecv, out, axis.ranks[(axis.rank - shift) % n], axis.group)]
+    works = dist.batch_isend_irecv(ops)
+    axis.ledger.record(axis.name, "ring_shift", _nbytes(src), _nbytes(src))
+    return AsyncCollective(_Works(works), axis, lambda: out, src, out)
