@@ -22,9 +22,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
-    "tp_mode=3d": "3D tensor parallelism, the tensor-parallelism issue",
-    "tp_overlap": "Tensor3D over-decomposition (communication overlapped with compute) in 3D tensor "
-                  "parallelism, the tensor-parallelism issue",
     "pp": "pipeline parallelism, the pipeline issue",
     "sp": "sequence parallelism (Ulysses / ring attention), the sequence-parallelism issue",
     "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
@@ -179,10 +176,6 @@ class Plan:
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         pending = []
-        if self.tp > 1 and self.tp_mode == "3d":
-            pending.append(("tp_mode", self.tp_mode))
-        if self.tp_overlap > 1:
-            pending.append(("tp_overlap", self.tp_overlap))
         if self.pp > 1:
             pending.append(("pp", self.pp))
         if self.sp > 1:
@@ -195,11 +188,11 @@ class Plan:
             pending.append(("offload", self.offload))
         if pending:
             name, value = pending[0]
-            need = _PENDING[f"tp_mode={value}" if name == "tp_mode" else name]
+            need = _PENDING[name]
             raise NotImplementedError(
                 f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
-                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d' and '2.5d', microbatches "
-                f"(gradient accumulation), precision, activation_checkpointing."
+                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d', '2.5d' and '3d' (and "
+                f"tp_overlap), microbatches (gradient accumulation), precision, activation_checkpointing."
             )
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""

@@ -214,13 +214,9 @@ def _errors(world):
     assert t.item() == world
 
 
-def test_plan_accepts_2d_and_25d_and_still_refuses_3d():
+def test_plan_accepts_2d_and_25d():   # 3D: tests/dist/test_tp3d.py
     bh.Plan(tp=4, tp_mode="2d").check_supported()
     bh.Plan(dp=2, tp=8, tp_mode="2.5d", tp_depth=2).check_supported()
-    with pytest.raises(NotImplementedError, match="3D tensor parallelism"):
-        bh.Plan(tp=8, tp_mode="3d").check_supported()
-    with pytest.raises(NotImplementedError, match="3D tensor parallelism"):   # tp_overlap needs 3d first
-        bh.Plan(tp=8, tp_mode="3d", tp_overlap=2).check_supported()
 
 
 # ----------------------------------------------------------------------------- checkpoints

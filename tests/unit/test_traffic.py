@@ -115,12 +115,44 @@ def test_2d_model_traffic_by_hand():
     assert deep.total > tr.model_traffic("2d", GQA, batch=4, seq=16, tp=4).total   # + the depth all-reduces
 
 
-@pytest.mark.parametrize("mode, name", [("3d", "3D")])
-def test_other_modes_are_named_and_pending(mode, name):
-    with pytest.raises(NotImplementedError, match=name):
-        tr.block_traffic(mode, GPT, batch=1, seq=8, tp=4)
-    with pytest.raises(NotImplementedError, match=name):
-        tr.linear_traffic(mode, tokens=8, in_features=32, out_features=32, tp=4)
-    with pytest.raises(NotImplementedError, match=name):
-        tr.model_traffic(mode, GPT, batch=1, seq=8, tp=4)
+def test_3d_linear_matches_the_layer_formula():
+    from behemoth.parallel.tensor.tp3d import linear3d_bytes
+    for q in (2, 3):
+        for bias in (False, True):
+            for input_grad in (False, True):
+                kw = dict(bias=bias, input_grad=input_grad)
+                got = tr.tp3d_linear_traffic(tokens=36 * 16, in_features=18, out_features=36, tp=q**3,
+                                             dtype_bytes=4, param_bytes=4, **kw)
+                assert got.total == pytest.approx(linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
+                assert got.backward >= got.forward
+    # Payload (3 T K + 3 K N + 2 T N) / q^2; q = 2 puts half of each gather/reduce-scatter on the wire.
+    assert tr.linear_traffic("3d", tokens=64, in_features=16, out_features=32, tp=8, dtype_bytes=1).total == \
+        (3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) / 4 / 2
+    assert tr.tp3d_linear_traffic(tokens=64, in_features=16, out_features=32, tp=1) == Traffic()
+    with pytest.raises(ValueError, match="not a cube"):
+        tr.tp3d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=4)
+
+
+def test_3d_model_traffic_by_hand():
+    # q = 2, fp32, T = 64: every Linear moves (3 T i + 3 i o + 2 T o)/q^2 elements, half on the
+    # wire, plus its bias's two all-reduces; GPT's blocks are 4 Linears + 2 LayerNorms each.
+    t, h, f, v, e = 4 * 16, 32, 128, 96, 4
+    lin = lambda i, o, b=True: (3 * t * i + 3 * i * o + 2 * t * o) / 8 * e + (o * e if b else 0)  # noqa: E731
+    norm = 2 * 16 * e + 2 * 16 * e + 2 * (h / 2 * 2 * e)    # stats fwd, sums bwd, weight + bias over row, depth
+    block = lin(h, 3 * h) + lin(h, h) + lin(h, f) + lin(f, h) + 2 * norm
+    emb = (16 * 8 + 2 * 16 * 8) / 2 * 2 + 2 * (t * h / 2 + t * h / 4) / 2 * e   # ids; lookups fwd + bwd
+    pos = 2 * 16 * 8 / 2 + 2 * (16 * h / 2 * e)                                  # position ids; table grad
+    edges = emb + pos + norm + lin(h, v, False) + 3 * 16 * 4
+    got = tr.model_traffic("3d", GPT, batch=4, seq=16, tp=8, dtype_bytes=e, param_bytes=e)
+    assert got.total == 2 * block + edges
+    gqa = tr.block_traffic("3d", GQA, batch=4, seq=16, tp=8, dtype_bytes=e, param_bytes=e)
+    kv = 2 * 8   # K D: q, k, v each gather X
+    assert gqa == (tr.linear_traffic("3d", tokens=t, in_features=h, out_features=h, tp=8, dtype_bytes=e)
+                   + 2 * tr.linear_traffic("3d", tokens=t, in_features=h, out_features=kv, tp=8, dtype_bytes=e)
+                   + tr.linear_traffic("3d", tokens=t, in_features=h, out_features=h, tp=8, dtype_bytes=e)
+                   + 2 * tr.linear_traffic("3d", tokens=t, in_features=h, out_features=96, tp=8, dtype_bytes=e)
+                   + tr.linear_traffic("3d", tokens=t, in_features=96, out_features=h, tp=8, dtype_bytes=e)
+                   + 2 * Traffic(16 * e, 16 * e + 2 * (h / 2 * e)))    # RMS: all-reduce one statistic
+    with pytest.raises(ValueError, match="tp_mode='4d'"):
+        tr.model_traffic("4d", GPT, batch=1, seq=8, tp=8)
     assert tr.model_traffic("1d", GPT, batch=8, seq=16, tp=2, dtype_bytes=4).total == 165376

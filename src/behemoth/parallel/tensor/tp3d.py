@@ -44,7 +44,16 @@ can be tied; the embedding reduce-scatters its partial lookups over tp_depth the
 cross-entropy all-reduces max, target logit and sum-exp over the vocab axis (tp_row for the
 head's swapped logits); no rank ever holds full logits.
 
-Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64.
+Model level (:mod:`.apply3d`, ``parallelize`` below): the engine gives each rank the rows of
+its *swapped*-layout batch block, ``d*q + c`` (:data:`INPUT_BATCH_AXES` = tp_depth, tp_col), of
+every input tensor -- the rows its attention and its logits hold, so model-derived masks,
+position ids and RoPE tables line up with the heads, and the labels with the logits, with no
+communication. ``local_ids`` (Embedding3D) all-gathers those int64 ids into the tp group's;
+``local_positions`` (PositionEmbedding3D) re-indexes per-row positions onto the canonical rows
+of the residual stream; ``local_labels`` (the head) takes the labels block as it is.
+
+Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64,
+and whole models in tests/dist/test_tp3d.py.
 
 Shape legend: B, S, H, V of the tp group; lower case is this rank's block (b = B/q**2,
 h = H/q, v = V/q); M tokens, K in-features, N out-features.
@@ -66,9 +75,13 @@ __all__ = [
     "Cube", "Layout", "cube_of", "linear3d_bytes", "activation_spec_3d", "split_batch_3d",
     "split_activation_3d", "gather_batch_3d", "gather_activation_3d", "Linear3D", "LayerNorm3D",
     "RMSNorm3D", "Embedding3D", "PositionEmbedding3D", "VocabParallelHead3D", "vocab_parallel_cross_entropy_3d",
+    "INPUT_BATCH_AXES", "parallelize",
 ]
 
 MODE = "3d"
+INPUT_BATCH_AXES = ("tp_depth", "tp_col")
+"""The mesh axes (outermost first) whose coordinates give the batch block of a model's inputs
+on this rank (``d*q + c``: the swapped layout, that of attention and of the logits)."""
 
 
 # --------------------------------------------------------------------------- cube (pure)
@@ -442,16 +455,22 @@ class Embedding3D(nn.Module):
     c), so a tied head shares the Parameter; no two ranks hold the same block. Rank (d, r, c)
     looks up its vocab rows for every token, reduce-scatters the partial sums over tp_depth
     and then tp_row along the batch (-> batch block ``d*q + r``). Backward: the two
-    all-gathers, a local scatter-add."""
+    all-gathers, a local scatter-add.
+
+    ``local_ids=True`` (set by model-level ``parallelize``; the engine has split the batch):
+    ids are this rank's input block ``[B/q**2, S]`` (batch block ``d*q + c``); they are
+    all-gathered (int64, no gradient) over tp_col, then tp_depth, into the tp group's ids first
+    -- ``8 B S (1/q + 1)`` payload bytes, a small fraction of the activations the lookup moves."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
-                 device=None, dtype=None) -> None:
+                 local_ids: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         name = type(self).__name__
         cube = self.cube = cube_of(mesh, name)
         check_divisible(f"{name} vocabulary size", num_embeddings, cube.q ** 2, MODE)
         check_divisible(f"{name} embedding dim", embedding_dim, cube.q, MODE)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.local_ids = local_ids
         self.layout = cube.layout(False)
         spec = _weight_spec(self.layout, num_embeddings, embedding_dim, 1, False)
         self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q ** 2)
@@ -469,6 +488,8 @@ class Embedding3D(nn.Module):
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         lay, q, v = self.layout, self.cube.q, self.weight.shape[0]
+        if self.local_ids:   # this rank's input block -> the tp group's ids (block order d*q + c)
+            ids_BS = comm.all_gather(comm.all_gather(ids_BS.contiguous(), self.cube.col, 0), self.cube.depth, 0)
         check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], q * q, MODE)
         local = ids_BS - self.vocab_start
         outside = (local < 0) | (local >= v)
@@ -487,14 +508,24 @@ class PositionEmbedding3D(nn.Module):
     """Learned position table ``[P, H]``: the layout's hidden block, replicated over the other
     two axes (small, and every batch block uses every row). ``forward(pos)`` -> ``pos.shape +
     [h]``, which broadcasts onto ``[b, s, h]``; no forward communication, the gradient is
-    summed over the replicas."""
+    summed over the replicas.
+
+    ``local_positions=True`` (model-level ``parallelize``; canonical layout only): ``pos`` with
+    a batch dim (``[b, S]`` or ``[1, S]``) holds the rows of this rank's *input* block
+    ``d*q + c``, but the output joins the residual stream's canonical block ``d*q + r``: the
+    positions are all-gathered over tp_col (int64, ``8 q b S`` bytes) and block r kept. This is
+    right for per-row positions and for a broadcast ``[1, S]`` alike (the ranks of tp_col then
+    hold the same row); 1-D positions need nothing."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, swapped: bool = False,
-                 device=None, dtype=None) -> None:
+                 local_positions: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         cube = self.cube = cube_of(mesh, type(self).__name__)
         check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, cube.q, MODE)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        if local_positions and swapped:
+            raise ValueError(f"{type(self).__name__}: local_positions re-indexes input rows onto the canonical "
+                             f"layout; a swapped table already sees the input rows (use local_positions=False).")
+        self.num_embeddings, self.embedding_dim, self.local_positions = num_embeddings, embedding_dim, local_positions
         lay = self.layout = cube.layout(swapped)
         spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(1, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
                          (lay.depth.name, lay.inner.name) if cube.q > 1 else ())
@@ -508,6 +539,9 @@ class PositionEmbedding3D(nn.Module):
         return layer
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.local_positions and pos.dim() >= 2:   # input rows (d*q + c) -> residual rows (d*q + r)
+            cube = self.cube
+            pos = comm.all_gather(pos.contiguous(), cube.col, 0).chunk(cube.q, 0)[cube.row.rank]
         return F.embedding(pos, _replicated(self.weight, self.layout.inner, self.layout.depth))
 
 
@@ -520,11 +554,15 @@ class VocabParallelHead3D(Linear3D):
 
     Engine protocol (as tp1d's and tp2d's heads): :meth:`vocab_parallel_loss_sum`, and
     ``gather_output`` which, when set (for a user's loss_fn), makes ``forward`` all-gather the
-    full logits ``[B, S, V]`` on every rank (GatherFromAxis: slice backward)."""
+    full logits ``[B, S, V]`` on every rank (GatherFromAxis: slice backward). ``local_labels``
+    (set by model-level ``parallelize``, whose engine splits the batch): the loss takes this
+    rank's labels block ``[b, S]`` -- block ``d*q + c``, the logits' own -- and sums over it
+    alone; the engine sums over :data:`INPUT_BATCH_AXES`."""
 
     def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
         super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
         self.gather_output = False
+        self.local_labels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
@@ -533,11 +571,15 @@ class VocabParallelHead3D(Linear3D):
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``
         ``[B, S]``, the same on every tp rank: this rank's batch block's sum, all-reduced over
-        the two batch axes (``ReduceFromAxis``: identity backward)."""
+        the two batch axes (``ReduceFromAxis``: identity backward). With ``local_labels``,
+        ``labels_BS`` is this rank's block ``[b, S]`` and the sum is over it alone (the same on
+        every rank of tp_row, the logits' vocab axis)."""
         if self.gather_output:
             z = logits.to(torch.promote_types(logits.dtype, torch.float32))
             return F.cross_entropy(z.flatten(0, -2), labels_BS.flatten(), reduction="sum")
         lay = self.out_layout
+        if self.local_labels:
+            return _vocab_parallel_ce(logits, labels_BS, lay, self.out_features)
         labels = shard_tensor(labels_BS, _act_spec(labels_BS.shape, lay, False))
         local = _vocab_parallel_ce(logits, labels, lay, self.out_features)
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, lay.inner), lay.depth)
@@ -583,3 +625,9 @@ def vocab_parallel_cross_entropy_3d(logits_bSv: torch.Tensor, labels_bS: torch.T
     lay = cube_of(mesh, "vocab_parallel_cross_entropy_3d").layout(swapped)
     return _vocab_parallel_ce(logits_bSv, labels_bS, lay, logits_bSv.shape[-1] * lay.q,
                               ignore_index=ignore_index, reduction=reduction)
+
+
+def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):
+    """Rewrite ``model`` in place for 3D tensor parallelism; see :mod:`.apply3d`."""
+    from .apply3d import parallelize_cube
+    return parallelize_cube(model, mesh, plan, roles)

@@ -1,0 +1,208 @@
+"""Model-level 3D tensor parallelism (Bian et al., arXiv 2105.14450, with Tensor3D's
+over-decomposition, arXiv 2305.13525): rewrite a serial model, module by role, into the cube
+layers of :mod:`.tp3d`. ``tp3d.parallelize`` lands here.
+
+What the rewritten model computes on rank (d, r, c) of the q x q x q cube (tp = q**3):
+
+* **Inputs.** The engine gives the model this rank's batch block ``[b, S]`` of every batch
+  tensor, ``b = B / q**2``, block ``d*q + c`` (``Parallelized.batch_axes`` =
+  :data:`.tp3d.INPUT_BATCH_AXES` = (tp_depth, tp_col)). That is the block the attention heads
+  and the logits hold (the *swapped* layout), so everything the model's own code derives from
+  its inputs and uses inside attention -- causal masks, position ids, RoPE tables, ``view(batch,
+  ...)`` -- sees the right rows and needs no change, and the labels block is the logits' block.
+  The token embedding all-gathers the int64 ids over tp_col and tp_depth (a small fraction of
+  the activation bytes) and looks up its vocab x hidden block.
+* **Residual stream**, norms and embedding outputs: the canonical layout ``[b, S, h/q]``, batch
+  block ``d*q + r``, hidden block c. A learned position table re-indexes per-row positions
+  from the input rows to these (an int64 all-gather over tp_col; exact for a broadcast
+  ``[1, S]`` too).
+* **Linears.** ``colwise`` / ``colwise_fused3`` (q, k, v or fused qkv, fc, gate, up) read the
+  canonical layout and write the swapped one (``Linear3D(swapped=False)``); ``rowwise``
+  (attention out, MLP down) go back (``swapped=True``), so each pair returns to the residual
+  layout with no redistribution. ``Plan.tp_overlap = k`` gives every Linear (and the head)
+  Tensor3D over-decomposition into k pieces of this rank's tokens.
+* **Attention** is local: heads are split by q over tp_row (the swapped layout's hidden
+  axis), each attention module's head counts become N/q and K/q (:func:`..localize_heads`).
+  Grouped-query attention needs q | K (local query heads block r then read exactly kv heads
+  block r); fewer kv heads are refused with the numbers.
+* **Head and loss.** :class:`.tp3d.VocabParallelHead3D` writes logits ``[b, S, V/q]`` in the
+  swapped layout (vocab over tp_row); its loss sums over this rank's labels block and the
+  engine sums over dp and the batch axes. A tied head shares the embedding's Parameter (both
+  have the ``[V, H]`` table layout: vocab block ``r*q + d`` of q**2, hidden block c).
+
+Every parameter must belong to a module with a role: a serial parameter left in the model
+would see a hidden block of a batch block and silently train wrong. Every shape is checked
+first, identically on every rank and before any collective; the token count against
+``tp_overlap`` at the start of every forward, before the first collective.
+
+Tested in tests/dist/test_tp3d.py (whole models against serial training).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ... import comm
+from . import Parallelized, attention_heads, localize_heads
+from .apply2d import _is_rms, _linear_shape
+from .layout import check_divisible, get_spec
+from .tp3d import (INPUT_BATCH_AXES, MODE, Embedding3D, LayerNorm3D, Linear3D, PositionEmbedding3D, RMSNorm3D,
+                   VocabParallelHead3D, cube_of)
+
+_LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
+
+
+def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) -> dict:
+    """Every check, pure and identical on every rank. Returns ``{attention name: (N, K, D)}``."""
+    def need(what: str, size: int, parts: int = q) -> None:
+        check_divisible(what, size, parts, MODE)
+
+    qq = f"q**2 = {q * q} (tp_row x tp_depth)"
+    present = set(roles.values())
+    if "embedding" not in present or "head" not in present:
+        raise ValueError(
+            f"tensor parallelism ({MODE}) splits the batch and the hidden dim of every activation, so the model "
+            f"must enter the cube through an 'embedding' role and leave it through a 'head' role; the tp_policy "
+            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'.")
+    attention = {}
+    for name, role in roles.items():
+        if role != "attention":
+            continue
+        n, k, d = attention_heads(modules[name], name)
+        need(f"attention heads (num_heads of {name})", n)
+        if k % q:
+            raise ValueError(
+                f"tensor parallelism ({MODE}): key/value heads (num_kv_heads of {name}) = {k} is not divisible by "
+                f"q = {q}; 3d splits the kv heads with the query heads over the q members of tp_row (cube side q "
+                f"= tp**(1/3)). Use a model whose num_kv_heads is a multiple of {q}, or tp_mode='2d' / '1d', "
+                f"which also replicate fewer kv heads.")
+        attention[name] = (n, k, d)
+    for name, role in roles.items():
+        m = modules[name]
+        if role in _LINEAR_ROLES:
+            fin, fout = _linear_shape(m, name, role)
+            need(f"in features of {name}", fin)
+            if role == "colwise_fused3":
+                if fout % 3:
+                    raise ValueError(f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
+                                     f"features, not three equal q/k/v parts.")
+                need(f"hidden (each of q, k, v in {name}; its weight rows are split over {qq})", fout // 3, q * q)
+            else:
+                need(f"out features of {name} (its weight rows are split over {qq})", fout, q * q)
+        elif role in ("embedding", "pos_embedding"):
+            if not isinstance(m, nn.Embedding):
+                raise ValueError(f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a "
+                                 f"{type(m).__name__}.")
+            if role == "embedding":
+                if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+                    raise ValueError(f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse "
+                                     f"are not supported.")
+                need(f"vocab_size (rows of {name}, split over {qq})", m.num_embeddings, q * q)
+            need(f"hidden (embedding dim of {name})", m.embedding_dim)
+        elif role == "head":
+            if not isinstance(m, nn.Linear):
+                raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(m).__name__}.")
+            need(f"vocab_size (out features of {name}, split over {qq})", m.out_features, q * q)
+            need(f"hidden (in features of {name})", m.in_features)
+        elif role == "norm":
+            if not (isinstance(m, nn.LayerNorm) or _is_rms(m)):
+                raise ValueError(f"tensor parallelism ({MODE}): norm {name} is a {type(m).__name__}; the norm role "
+                                 f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute).")
+            if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
+                raise ValueError(f"tensor parallelism ({MODE}): norm {name} normalizes over {m.normalized_shape}; "
+                                 f"only the last (hidden) dim is supported.")
+            need(f"hidden (normalized size of {name})", m.weight.shape[0] if m.weight is not None
+                 else m.normalized_shape[0])
+    owned = {n for n, r in roles.items() if r != "attention"}
+    for pname, _ in model.named_parameters(remove_duplicate=False):
+        if pname.rpartition(".")[0] not in owned:
+            raise ValueError(
+                f"tensor parallelism ({MODE}): parameter {pname} has no tensor-parallel role. In {MODE} every "
+                f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
+                f"the data; give its module a role in tp_policy (see behemoth.policies).")
+    return attention
+
+
+def _build(m: nn.Module, role: str, mesh, overlap: int) -> nn.Module:
+    if role in ("colwise", "colwise_fused3"):
+        return Linear3D.from_serial(m, mesh, swapped=False, fused=3 if role == "colwise_fused3" else 1,
+                                    overlap=overlap)
+    if role == "rowwise":
+        return Linear3D.from_serial(m, mesh, swapped=True, overlap=overlap)
+    if role == "norm":
+        return (LayerNorm3D if isinstance(m, nn.LayerNorm) else RMSNorm3D).from_serial(m, mesh)
+    if role == "embedding":
+        layer = Embedding3D.from_serial(m, mesh)
+        layer.local_ids = True
+        return layer
+    if role == "pos_embedding":
+        layer = PositionEmbedding3D.from_serial(m, mesh)
+        layer.local_positions = True
+        return layer
+    layer = VocabParallelHead3D.from_serial(m, mesh, overlap=overlap)
+    layer.local_labels = True
+    return layer
+
+
+def _check_tokens_hook(overlap: int):
+    """A forward pre-hook: the rank's tokens (``b x S`` of the input ids) must split into
+    ``overlap`` pieces. Raised identically on every rank before the first collective."""
+    def check(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            b, s = ids.shape[0], ids.shape[1]
+            if (b * s) % overlap:
+                raise ValueError(
+                    f"tensor parallelism ({MODE}): Plan.tp_overlap={overlap} splits each rank's tokens into "
+                    f"{overlap} pieces, but a rank holds {b} rows x {s} positions = {b * s} tokens (its block of "
+                    f"1/q**2 of the micro-batch); use a tp_overlap that divides {b * s}, or a larger batch.")
+        return None
+    return check
+
+
+def parallelize_cube(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallelized:
+    """Rewrite ``model`` in place for ``plan.tp_mode == '3d'`` (module docstring).
+
+    ``roles`` is ``{module name: role}`` (:mod:`behemoth.policies`). Order: validate every
+    shape (pure); broadcast the serial weights from tp rank 0 (one model, however each rank
+    was seeded); replace each role's module by its cube layer holding this rank's shards (a
+    weight two modules share stays one Parameter); give attention modules their local head
+    counts. Returns the replaced parameters, the head and the input batch axes."""
+    cube = cube_of(mesh, f"tensor parallelism ({MODE})")
+    overlap = plan.tp_overlap
+    modules = dict(model.named_modules())
+    attention = _validate(model, modules, roles, cube.q)
+
+    tp = mesh.axis("tp")
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, tp, 0)
+
+    new: dict[int, nn.Parameter] = {}
+    head = None
+    # Embeddings first, so a head tied to one finds its Parameter already sharded.
+    jobs = sorted((r != "embedding", name, r) for name, r in roles.items() if r != "attention")
+    for _, name, role in jobs:
+        m = modules[name]
+        layer = _build(m, role, mesh, overlap)
+        for pname, p in list(layer.named_parameters(recurse=False)):
+            old = getattr(m, pname)
+            if id(old) in new:   # a tied weight: one Parameter, the same layout in both places
+                if get_spec(new[id(old)]) != get_spec(p):
+                    raise ValueError(f"tensor parallelism ({MODE}): {name}.{pname} is tied to a weight another "
+                                     f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
+                                     f"untie it or give both the same role.")
+                setattr(layer, pname, new[id(old)])
+            else:
+                p.requires_grad_(old.requires_grad)
+                new[id(old)] = p
+        layer.train(m.training)
+        if role == "head":
+            head = layer
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    for name, (n, k, d) in attention.items():
+        localize_heads(modules[name], n, k, d, cube.q)
+    if overlap > 1:
+        model.register_forward_pre_hook(_check_tokens_hook(overlap), with_kwargs=True)
+    return Parallelized(replaced=new, head=head, batch_axes=INPUT_BATCH_AXES)
