@@ -112,6 +112,12 @@ _DONE = _Pending(None, None)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- functional
+# Collectives run eagerly even inside torch.compile'd blocks: the ledger's clock readings
+# would otherwise become graph guards and force a recompile on every call.
+_eager = torch.compiler.disable
+
+
+@_eager
 def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async."""
     if axis.trivial:
@@ -124,6 +130,7 @@ def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool
     return _Pending(work, axis) if async_op else t
 
 
+@_eager
 def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes must match)."""
     if axis.trivial:
@@ -142,6 +149,7 @@ def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     return out
 
 
+@_eager
 def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Sum ``t`` over the axis and return this rank's ``1/size`` slice along ``dim``."""
     if axis.trivial:
@@ -165,6 +173,7 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+@_eager
 def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0) -> torch.Tensor:
     """In-place broadcast of ``t`` from the axis member ``src_index``."""
     if axis.trivial:
@@ -175,6 +184,7 @@ def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0) -> torch.Tensor:
     return t
 
 
+@_eager
 def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``t`` along ``scatter_dim`` into ``size`` parts, send part i to member i, and
     concatenate what arrives along ``gather_dim``."""
@@ -313,6 +323,7 @@ class AllToAllAxis(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- 2D / 2.5D additions
+@_eager
 def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
     the result only there (other members' ``t`` is left unspecified). SUMMA's backward
@@ -325,6 +336,7 @@ def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM) ->
     return t
 
 
+@_eager
 def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
     """Send ``t`` to the axis member ``peer_index`` and return the same-shaped tensor it sends
     back (point-to-point). The pairing must be symmetric: ``peer_index``'s peer is this rank.
@@ -389,6 +401,7 @@ class AsyncCollective:
         return self._result
 
 
+@_eager
 def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
     """Start :func:`all_gather` (concatenate every member's ``t`` along ``dim``); the handle's
     ``wait()`` returns the result. Ledger as :func:`all_gather`: payload = the gathered
@@ -403,6 +416,7 @@ def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollecti
     return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
 
 
+@_eager
 def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
     """Start :func:`reduce_scatter` (sum over the axis, keep this member's ``1/size`` slice
     along ``dim``); the handle's ``wait()`` returns the slice. ``t`` is never modified.
@@ -440,6 +454,7 @@ class _Works:
             w.wait()
 
 
+@_eager
 def ring_shift_async(t: torch.Tensor, axis: Axis, shift: int = 1) -> AsyncCollective:
     """Start a ring rotation over ``axis``: send ``t`` to member ``(rank + shift) % size`` and
     receive the same-shaped tensor that member ``(rank - shift) % size`` sends; the handle's

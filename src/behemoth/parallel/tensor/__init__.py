@@ -40,7 +40,8 @@ class Parallelized:
     """The vocabulary-parallel output head, if any (has ``vocab_parallel_loss_sum``)."""
     batch_axes: tuple[str, ...] = ()
     """Mesh axes that split the batch inside the tp group, outermost first (2D: ``("tp_row",)``;
-    2.5D: ``("tp_depth", "tp_row")``; 1D: none). The engine then gives each rank block
+    2.5D: ``("tp_depth", "tp_row")``; 3D: ``("tp_depth", "tp_col")``, the batch block of the
+    head's logits, which sit in the swapped layout; 1D: none). The engine then gives each rank block
     ``ravel(coords on these axes)`` of every micro-batch tensor, the head's loss sums over
     that block, and the engine sums the loss over dp *and* these axes."""
 
