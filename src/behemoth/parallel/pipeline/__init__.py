@@ -1,0 +1,30 @@
+"""Pipeline parallelism: the pure foundation (no process group here yet).
+
+* ``schedules.py`` -- GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1) as per-rank
+  action lists, chosen by the Plan's ``schedule`` name; the communication each action
+  implies; a simulator that checks a schedule for dependency violations and deadlocks and
+  reports its makespan, bubble and peak in-flight micro-batches.
+* ``partition.py`` -- cost estimates per block, balanced (or user-given) contiguous stage
+  partitions, the virtual-stage partition for interleaving, and which modules of known
+  architectures go to the first, every and the last stage (tied embeddings reported).
+
+Both are unit-tested with no processes: tests/unit/test_pipeline_schedules.py and
+tests/unit/test_pipeline_partition.py.
+"""
+from .partition import (
+    PIPELINE_LAYOUTS, ModelCosts, PipelineLayout, balance_stages, estimate_block_costs, find_tied_parameters,
+    stage_costs, stage_modules, tied_parameter_ranks, validate_stages, virtual_partition,
+)
+from .schedules import (
+    B, BI, BW, F, KINDS, SCHEDULES, Action, SimResult, Transfer, check_schedule, get_schedule, gpipe,
+    interleaved, make_schedule, one_f_one_b, rank_chunk_of, render, simulate, stage_of, transfers, zero_bubble,
+)
+
+__all__ = [
+    "PIPELINE_LAYOUTS", "ModelCosts", "PipelineLayout", "balance_stages", "estimate_block_costs",
+    "find_tied_parameters", "stage_costs", "stage_modules", "tied_parameter_ranks", "validate_stages",
+    "virtual_partition",
+    "B", "BI", "BW", "F", "KINDS", "SCHEDULES", "Action", "SimResult", "Transfer", "check_schedule",
+    "get_schedule", "gpipe", "interleaved", "make_schedule", "one_f_one_b", "rank_chunk_of", "render",
+    "simulate", "stage_of", "transfers", "zero_bubble",
+]
