@@ -221,3 +221,44 @@ def global_grad_norm(params: list[torch.nn.Parameter], mesh) -> torch.Tensor:
     shard_sq = sq[1:].clone()
     comm.all_reduce(shard_sq, tp)
     return (sq[0] + shard_sq[0]).sqrt()
+
+
+def replace_modules(model: torch.nn.Module, roles: dict[str, str], build, mode: str, *,
+                    tp_axis) -> tuple[dict[int, torch.nn.Parameter], torch.nn.Module | None]:
+    """The module swap every grid mode (2D, 2.5D, 3D) performs after validating shapes.
+
+    Broadcasts the serial weights from tp rank 0 (one model, however each rank was seeded),
+    then replaces each role's module by ``build(name, module, role)`` -- embeddings first,
+    so a head tied to one finds its Parameter already sharded and keeps it as one Parameter
+    (a tie whose two sides would be sharded differently is an error). Attention modules are
+    left to the caller. Returns ``{id(serial param): new param}`` and the head layer."""
+    from ... import comm
+    from .layout import get_spec
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, tp_axis, 0)
+    modules = dict(model.named_modules())
+    new: dict[int, torch.nn.Parameter] = {}
+    head = None
+    jobs = sorted((r != "embedding", name, r) for name, r in roles.items() if r != "attention")
+    for _, name, role in jobs:
+        m = modules[name]
+        layer = build(name, m, role)
+        for pname, p in list(layer.named_parameters(recurse=False)):
+            old = getattr(m, pname)
+            if id(old) in new:
+                if get_spec(new[id(old)]) != get_spec(p):
+                    raise ValueError(f"tensor parallelism ({mode}): {name}.{pname} is tied to a weight another "
+                                     f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
+                                     f"untie it or give both the same role.")
+                setattr(layer, pname, new[id(old)])
+            else:
+                p.requires_grad_(old.requires_grad)
+                new[id(old)] = p
+        layer.train(m.training)
+        if role == "head":
+            head = layer
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return new, head

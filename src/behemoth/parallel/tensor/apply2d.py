@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ... import comm
-from . import Parallelized, attention_heads, localize_heads
-from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
+from . import Parallelized, attention_heads, localize_heads, replace_modules
+from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .tp2d import _autocast_dtype, _replicate_on, _Summa, grid_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
@@ -226,34 +226,9 @@ def parallelize_grid(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Par
     modules = dict(model.named_modules())
     attention = _validate(model, modules, roles, g.q, mode)
 
-    tp = mesh.axis("tp")
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, tp, 0)
-
-    new: dict[int, nn.Parameter] = {}
-    head = None
-    # Embeddings first, so a head tied to one finds its Parameter already sharded.
-    jobs = sorted((r != "embedding", name, r) for name, r in roles.items() if r != "attention")
-    for _, name, role in jobs:
-        m = modules[name]
-        layer = _build(m, role, mesh, L, _replicated_kv(name, m, role, attention, g.q))
-        for pname, p in list(layer.named_parameters(recurse=False)):
-            old = getattr(m, pname)
-            if id(old) in new:   # a tied weight: one Parameter, the same layout in both places
-                if get_spec(new[id(old)]) != get_spec(p):
-                    raise ValueError(f"tensor parallelism ({mode}): {name}.{pname} is tied to a weight another "
-                                     f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
-                                     f"untie it or give both the same role.")
-                setattr(layer, pname, new[id(old)])
-            else:
-                p.requires_grad_(old.requires_grad)
-                new[id(old)] = p
-        layer.train(m.training)
-        if role == "head":
-            head = layer
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    new, head = replace_modules(
+        model, roles, lambda name, m, role: _build(m, role, mesh, L, _replicated_kv(name, m, role, attention, g.q)),
+        mode, tp_axis=mesh.axis("tp"))
     for name, (n, k, d) in attention.items():
         localize_heads(modules[name], n, k, d, g.q)
     return Parallelized(replaced=new, head=head, batch_axes=g.batch_axes)

@@ -42,10 +42,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import comm
-from . import Parallelized, attention_heads, localize_heads
+from . import Parallelized, attention_heads, localize_heads, replace_modules
 from .apply2d import _is_rms, _linear_shape
-from .layout import check_divisible, get_spec
+from .layout import check_divisible
 from .tp3d import (INPUT_BATCH_AXES, MODE, Embedding3D, LayerNorm3D, Linear3D, PositionEmbedding3D, RMSNorm3D,
                    VocabParallelHead3D, cube_of)
 
@@ -173,34 +172,8 @@ def parallelize_cube(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Par
     modules = dict(model.named_modules())
     attention = _validate(model, modules, roles, cube.q)
 
-    tp = mesh.axis("tp")
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, tp, 0)
-
-    new: dict[int, nn.Parameter] = {}
-    head = None
-    # Embeddings first, so a head tied to one finds its Parameter already sharded.
-    jobs = sorted((r != "embedding", name, r) for name, r in roles.items() if r != "attention")
-    for _, name, role in jobs:
-        m = modules[name]
-        layer = _build(m, role, mesh, overlap)
-        for pname, p in list(layer.named_parameters(recurse=False)):
-            old = getattr(m, pname)
-            if id(old) in new:   # a tied weight: one Parameter, the same layout in both places
-                if get_spec(new[id(old)]) != get_spec(p):
-                    raise ValueError(f"tensor parallelism ({MODE}): {name}.{pname} is tied to a weight another "
-                                     f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
-                                     f"untie it or give both the same role.")
-                setattr(layer, pname, new[id(old)])
-            else:
-                p.requires_grad_(old.requires_grad)
-                new[id(old)] = p
-        layer.train(m.training)
-        if role == "head":
-            head = layer
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    new, head = replace_modules(model, roles, lambda name, m, role: _build(m, role, mesh, overlap), MODE,
+                                tp_axis=mesh.axis("tp"))
     for name, (n, k, d) in attention.items():
         localize_heads(modules[name], n, k, d, cube.q)
     if overlap > 1:
