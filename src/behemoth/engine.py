@@ -15,6 +15,11 @@ row blocks and this rank runs the model on block ``ravel(coords)``; the loss sum
 over dp *and* those axes (the token count needs no extra collective: every tp rank holds
 its dp rank's whole batch). 1D and pure data parallelism split nothing here.
 
+Sequence parallelism (``Plan.sp``) cuts every micro-batch along the sequence instead
+(``self.sequence``, from :mod:`behemoth.parallel.sequence.apply`): each sp rank runs the
+model on its share of the tokens with their global position ids, so loss sums and parameter
+gradients are partial over ``sp`` as well and are summed over ``dp_sp`` (``data_axis``).
+
 Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
 rebuilt over the engine's parameters with the user's class and hyper-parameters.
 """
@@ -34,7 +39,8 @@ from .parallel.data import GradBuckets
 from .parallel.tensor import full_state_dict, global_grad_norm
 from .plan import Plan
 from .precision import LossScaler, autocast_context
-from .styles import apply_activation_checkpointing, apply_compile, apply_tensor_parallel, prepare_model
+from .styles import (apply_activation_checkpointing, apply_compile, apply_sequence_parallel, apply_tensor_parallel,
+                     prepare_model)
 
 IGNORE_INDEX = -100
 
@@ -83,7 +89,9 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     ``loss_fn(outputs, batch) -> scalar`` replaces the default token-level cross-entropy;
     it must return the *mean* over its (micro-)batch, and micro-batches must be the same
     size on every rank for the global mean to be exact. Under tensor parallelism it gets
-    the full logits (gathered over tp); the default loss never builds them.
+    the full logits (gathered over tp); the default loss never builds them. Under sequence
+    parallelism it gets this rank's share of the sequence (outputs, and the batch split
+    alike), and its mean is averaged over the sp shares.
 
     ``tp_policy`` (``{module-name pattern: role}``, see :mod:`behemoth.policies`) says how
     to shard a model class that behemoth has no table for.
@@ -142,12 +150,17 @@ class Engine:
             self.batch_parts, self.batch_index = self.batch_parts * ax.size, self.batch_index * ax.size + ax.rank
         if self.vocab_head is not None and loss_fn is not None:
             self.vocab_head.gather_output = True
+        self.sequence = apply_sequence_parallel(self.model, mesh, plan)   # None unless sp > 1
+        # The axis the global batch's tokens are spread over (dp; with sp, dp x sp: each sp rank
+        # holds part of every sequence): loss sums, token counts and the gradients of the
+        # parameters (replicated over it) are summed over it.
+        self.data_axis = mesh.axis("dp_sp" if plan.sp > 1 else "dp")
         if plan.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.compile:
             apply_compile(self.model)
         self._sync_initial_params()
-        self.buckets = GradBuckets(list(self.model.parameters()), mesh.axis("dp"), plan.bucket_mb)
+        self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
         replaced = self.tensor_parallel.replaced
         self.optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
         self.scaler = LossScaler() if plan.precision == "fp16" else None
@@ -173,15 +186,17 @@ class Engine:
 
     # ---------------------------------------------------------------- set-up
     def _sync_initial_params(self) -> None:
-        """Make every data-parallel replica start from rank 0's weights (users who seed
-        differently per rank still train one model)."""
-        dp = self.mesh.axis("dp")
+        """Make every data-parallel (and sequence-parallel) replica start from rank 0's weights
+        (users who seed differently per rank still train one model)."""
+        dp = self.data_axis
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 comm.broadcast(t.data, dp, 0)
 
     # ---------------------------------------------------------------- step
     def _check_batch(self, batch) -> None:
+        if self.sequence is not None:   # sequence length vs sp: every rank, before any collective
+            self.sequence.check_batch(batch)
         if self.loss_fn is None:
             if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
                 raise ValueError("engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
@@ -253,12 +268,13 @@ class Engine:
         Returns the global mean loss."""
         self._check_batch(batch)
         batch = self._to_device(batch)
-        dp = self.mesh.axis("dp")
+        dp = self.data_axis
         micro = self._split(batch)
         if self.loss_fn is None:
             # Global token count, kept on the device: no host sync before backward.
+            # Every sp rank holds its dp rank's whole batch here: count over dp only.
             n_global = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-            comm.all_reduce(n_global, dp)
+            comm.all_reduce(n_global, self.mesh.axis("dp"))
             scale = 1.0 / n_global
         else:
             n_global = None
@@ -267,11 +283,13 @@ class Engine:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.buckets.begin(sync=i == len(micro) - 1)
-            local = self._batch_block(mb)
+            local, kwargs = self._batch_block(mb), {}
+            if self.sequence is not None:   # this rank's share of the sequence, and its positions
+                local, kwargs = self.sequence.split(local)
             with autocast_context(self.plan.precision, self.device):
-                out = self.model(*self._model_inputs(local))
-            if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch
-                loss = self.loss_fn(out, mb)
+                out = self.model(*self._model_inputs(local), **kwargs)
+            if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch (sp: its share)
+                loss = self.loss_fn(out, mb if self.sequence is None else local)
             elif self.vocab_head is not None:
                 loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), local["labels"])
             else:

@@ -23,7 +23,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
     "pp": "pipeline parallelism, the pipeline issue",
-    "sp": "sequence parallelism (Ulysses / ring attention), the sequence-parallelism issue",
     "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
     "zero": "ZeRO sharding (stages 1-3), the ZeRO / heterogeneous-memory issue",
     "offload": "CPU offload and the placement search, the ZeRO / heterogeneous-memory issue",
@@ -175,11 +174,10 @@ class Plan:
 
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
+        self._check_sequence_composes()
         pending = []
         if self.pp > 1:
             pending.append(("pp", self.pp))
-        if self.sp > 1:
-            pending.append(("sp", self.sp))
         if self.ep > 1:
             pending.append(("ep", self.ep))
         if self.zero > 0:
@@ -192,8 +190,24 @@ class Plan:
             raise NotImplementedError(
                 f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
                 f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d', '2.5d' and '3d' (and "
-                f"tp_overlap), microbatches (gradient accumulation), precision, activation_checkpointing."
+                f"tp_overlap), sp (sp_mode 'ulysses' or 'ring', with dp and 1D tp), microbatches (gradient accumulation), "
+                f"precision, activation_checkpointing."
             )
+
+    def _check_sequence_composes(self) -> None:
+        """Sequence parallelism composes with dp and 1D tp only (sp x tp x dp on one mesh)."""
+        if self.sp == 1:
+            return
+        if self.tp > 1 and self.tp_mode != "1d":
+            raise NotImplementedError(
+                f"Plan.sp={self.sp} with tp={self.tp}, tp_mode={self.tp_mode!r}: sequence parallelism composes with "
+                f"1D tensor parallelism only (2D/2.5D/3D tensor parallelism split the batch and hidden dims inside "
+                f"attention's operands, which sequence parallelism does not handle yet). Use tp_mode='1d', or sp=1.")
+        if self.pp > 1:
+            raise NotImplementedError(
+                f"Plan.sp={self.sp} with pp={self.pp}: sequence parallelism does not compose with pipeline "
+                f"parallelism yet. Use pp=1, or sp=1.")
+
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""
         parts = [f"dp={self.dp}"]

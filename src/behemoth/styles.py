@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .parallel.sequence import apply as sequence_apply
 from .parallel.tensor import Parallelized
 from .policies import resolve_tp_policy, transformer_blocks
 
@@ -49,6 +50,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] |
         raise NotImplementedError(f"tp_mode={plan.tp_mode!r}: behemoth.parallel.tensor.{_TP_MODULES[plan.tp_mode]} "
                                   f"has no parallelize(model, mesh, plan, roles) yet.")
     return parallelize(model, mesh, plan, roles)
+
+
+def apply_sequence_parallel(model: nn.Module, mesh, plan):
+    """Step 1 (after tensor parallelism, whose local head counts it sees): plug sequence-
+    parallel attention (``plan.sp_mode``) over ``mesh.axis('sp')`` into ``model``'s attention
+    modules and return the :class:`~behemoth.parallel.sequence.apply.SequenceParallelized`
+    record the engine splits batches with; ``None`` when ``plan.sp == 1`` (nothing changes).
+    Checks run on every rank before anything changes; no collective is issued."""
+    if plan.sp == 1:
+        return None
+    return sequence_apply.parallelize(model, mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

@@ -134,7 +134,14 @@ class CausalSelfAttention(nn.Module):
 
     ``qkv`` maps H to 3 * N * D laid out as [q | k | v], each block ordered by
     head. Input and output are x_BSH; no communication.
+
+    The core attention is ``self.attention_fn``, called like
+    ``F.scaled_dot_product_attention`` (its default). It is the one seam a parallel plan
+    may override on an instance (sequence parallelism plugs its attention in there), so
+    the model code itself never changes and never communicates.
     """
+
+    attention_fn = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -152,9 +159,7 @@ class CausalSelfAttention(nn.Module):
         k_BNSD = k_BSX.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         v_BNSD = v_BSX.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         dropout_p = self.dropout if self.training else 0.0
-        y_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, dropout_p=dropout_p, is_causal=True
-        )
+        y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, dropout_p=dropout_p, is_causal=True)
         y_BSX = y_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y_BSX), self.dropout, self.training)
 

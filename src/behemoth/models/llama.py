@@ -190,7 +190,14 @@ def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
 
 
 class LlamaAttention(nn.Module):
-    """Causal grouped-query attention with RoPE. x_BSH -> x_BSH, no communication."""
+    """Causal grouped-query attention with RoPE. x_BSH -> x_BSH, no communication.
+
+    The core attention is ``self.attention_fn``, called like
+    ``F.scaled_dot_product_attention`` (its default): the seam a parallel plan may
+    override on an instance (sequence parallelism), so this code never changes.
+    """
+
+    attention_fn = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -214,7 +221,7 @@ class LlamaAttention(nn.Module):
         k_BKSD = apply_rope(k_BKSD, cos_BSD, sin_BSD)
         # enable_gqa: query head n reads kv head n // (N // K), as HF's repeat_kv,
         # without materialising the repeated keys and values.
-        y_BNSD = F.scaled_dot_product_attention(
+        y_BNSD = self.attention_fn(
             q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o(y_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

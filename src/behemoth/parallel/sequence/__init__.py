@@ -22,8 +22,8 @@ Everything in this file is pure (ints and tensor shapes; no process group) and
 unit-tested in ``tests/unit/test_sequence_layout.py``; the attention cores are tested
 against full causal attention in ``tests/dist/test_sequence_attention.py``.
 
-Integration (the engine's job, not done here): split each batch with
-:func:`split_sequence` (``dim=1`` for ``[B, S]``), feed :func:`position_ids_for` to RoPE or
+Integration (``apply.py`` plugs the cores into a model; the engine does the rest): split
+each batch with :func:`split_sequence` (``dim=1`` for ``[B, S]``), feed :func:`position_ids_for` to RoPE or
 learned position embeddings, call :func:`sequence_attention` (or the mode's function) in
 place of the model's causal SDPA with the mesh's ``sp`` axis, and sum the loss over the
 ``sp`` axis as over ``dp`` (every token lives on exactly one sp rank). Parameter gradients

@@ -24,10 +24,27 @@ arrives home after ``sp`` shifts; dQ accumulates locally. Memory per rank: the s
 ``q, k, v, out, lse`` of its share (O(S/sp)), one visiting K/V block plus the next one in
 flight, and one ``2C x 2C`` score block at a time; never ``S x S`` or the full K/V.
 
-The block math is plain PyTorch (matmul + masked softmax), fp32 accumulation for 16-bit
-inputs; it materialises one block's scores, ``B*N*(S/sp)^2/2`` floats. ``_block_forward``
-and ``_block_backward`` are the seam for a fused kernel that returns the log-sum-exp
-(flash attention's forward, and its backward fed the merged ``out`` and ``lse``). Tested in ``tests/dist/test_sequence_attention.py`` against full causal attention.
+Block kernels (:data:`BLOCK_KERNEL`). Each block is computed either by
+
+* **a fused kernel that returns the log-sum-exp** -- by default (``"auto"``) for fp16/bf16
+  CUDA inputs, whichever of flash attention and cuDNN attention
+  ``F.scaled_dot_product_attention`` itself would pick (cuDNN's on Hopper, where it is the
+  faster one): the forward is ``aten._scaled_dot_product_flash_attention`` (or
+  ``_cudnn_attention``), the backward its ``_backward`` fed the *merged* ``out`` and ``lse``
+  of the whole attention (so its recomputed probabilities are the global ones and the
+  blocks' dQ/dK/dV add up exactly) -- as PyTorch's own context parallelism does
+  (``torch/distributed/tensor/experimental/_context_parallel``). Block outputs and
+  gradients come back in the input dtype and are merged/accumulated in fp32; no score
+  block is materialised. On CPU, ``"flash"`` runs the same seam with
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward), which the tests
+  use to check the fused path's bookkeeping without a GPU;
+* **plain PyTorch** (matmul + masked softmax, fp32 accumulation for 16-bit inputs) --
+  everything else, CPU and float64 included, so the CPU parity tests check the math
+  itself. It materialises one block's scores, ``B*N*(S/sp)^2/2`` floats.
+
+Tested in ``tests/dist/test_sequence_attention.py`` against full causal attention; the GPU
+paths by ``benchmarks/bench_sp.py --check`` (ring with each kernel vs one GPU's full SDPA,
+bf16, outputs and gradients, and timings).
 """
 from __future__ import annotations
 
@@ -35,6 +52,13 @@ import torch
 
 from ... import comm
 from . import check_sequence, zigzag_chunks
+
+BLOCK_KERNEL = "auto"
+"""How ring attention computes each block (read at each call): ``"auto"`` (the fused kernel
+SDPA itself would pick for fp16/bf16 CUDA inputs -- flash, or cuDNN's -- plain PyTorch
+otherwise; see :func:`block_kernel`), ``"plain"``, ``"flash"`` (the device's flash op: CUDA's,
+or the CPU one -- tests use it to check the fused bookkeeping on CPU) or ``"cudnn"``."""
+KERNELS = ("auto", "plain", "flash", "cudnn")
 
 # Shape legend: B batch, N query heads, K kv heads, G = N/K, L = 2C local sequence, D head
 # dim; ``kv_2BKLD`` is k and v stacked (one message per shift).
@@ -97,6 +121,62 @@ def _scores(q, k, scale: float, causal: bool, acc: torch.dtype) -> torch.Tensor:
     return s
 
 
+_SDPA_KERNELS = {1: "flash", 3: "cudnn"}   # torch.nn.attention.SDPBackend values
+
+
+def block_kernel(q: torch.Tensor) -> str:
+    """The kernel ring attention computes its blocks of ``q`` with: ``"plain"``, ``"flash"`` or
+    ``"cudnn"`` (see :data:`BLOCK_KERNEL`). ``"auto"`` asks PyTorch which fused kernel
+    ``F.scaled_dot_product_attention`` would run on CUDA for a causal block of these inputs
+    (``torch._fused_sdp_choice``: flash, or cuDNN's on Hopper, honouring ``sdpa_kernel``
+    contexts) and uses it when it is one of those two; plain PyTorch otherwise and on CPU."""
+    if BLOCK_KERNEL not in KERNELS:
+        raise ValueError(f"ring.BLOCK_KERNEL={BLOCK_KERNEL!r} is not one of {list(KERNELS)}.")
+    if BLOCK_KERNEL != "auto":
+        return BLOCK_KERNEL
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return "plain"
+    try:   # blocks see k, v expanded to q's heads: ask with q's metadata (no data is read)
+        choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+    except (RuntimeError, TypeError):
+        return "plain"
+    return _SDPA_KERNELS.get(int(choice), "plain")
+
+
+def _fused_block_forward(q, k, v, scale: float, causal: bool, kernel: str):
+    """One block by a fused kernel that returns the log-sum-exp: (out [.., Lq, D] in q's dtype,
+    lse [.., Lq] fp32, extras the matching backward needs (the forward's dense-mode
+    placeholders: cumulative lengths, RNG seed/offset; None on CPU))."""
+    if kernel == "cudnn":   # cuDNN keeps a trailing dim of 1 on the lse; wants dense operands
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.reshape(out.shape[:-1]), (cum_q, cum_k, seed, offset)
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _fused_block_backward(q, k, v, dout, out, lse, scale: float, causal: bool, kernel: str, extras):
+    """Gradients of one block by the fused kernel's backward, given the *merged* out and lse of
+    the rows (so the recomputed probabilities are the global ones). (dq, dk, dv) in q's dtype."""
+    lse = lse.contiguous()  # a strided lse slice gives wrong gradients (as noted in torch's CP)
+    cum_q, cum_k, seed, offset = extras if extras is not None else (None, None, None, None)
+    if kernel == "cudnn":
+        q, k, v, dout, out = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous(), out.contiguous()
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, q.shape[-2], k.shape[-2],
+            0.0, causal, scale=scale)
+    if q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
 def _block_forward(q, k, v, scale: float, causal: bool, acc: torch.dtype):
     """Attention of q over one K/V block: (out [.., Lq, D] in ``acc``, lse [.., Lq] in ``acc``)."""
     s = _scores(q, k, scale, causal, acc)
@@ -142,6 +222,9 @@ class RingAttentionFunction(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         out = torch.empty(B, N, L, D, dtype=acc, device=q.device)
         lse = torch.empty(B, N, L, dtype=acc, device=q.device)
+        kernel = block_kernel(q)
+        fused = kernel != "plain"
+        extras = None
         kv_2BKLD = torch.stack([k, v])
         pending = None
         for step in range(P):
@@ -151,8 +234,13 @@ class RingAttentionFunction(torch.autograd.Function):
                 pending = comm.ring_shift_async(kv_2BKLD, axis)
             src = (r - step) % P
             rows, cols, causal = ring_step_block(P, r, src, L)
-            o_b, lse_b = _block_forward(q[..., rows, :], _expand(kv_2BKLD[0][..., cols, :], G),
-                                        _expand(kv_2BKLD[1][..., cols, :], G), scale, causal, acc)
+            q_b = q[..., rows, :]
+            k_b, v_b = _expand(kv_2BKLD[0][..., cols, :], G), _expand(kv_2BKLD[1][..., cols, :], G)
+            if fused:   # block output in q's dtype, merged in fp32 (type promotion in _merge)
+                o_b, lse_b, extras = _fused_block_forward(q_b, k_b, v_b, scale, causal, kernel)
+                lse_b = lse_b.to(acc)
+            else:
+                o_b, lse_b = _block_forward(q_b, k_b, v_b, scale, causal, acc)
             if step == 0:  # the own block covers every row (the causal diagonal)
                 out.copy_(o_b)
                 lse.copy_(lse_b)
@@ -160,7 +248,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 _merge(out, lse, rows, o_b, lse_b)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.scale = axis, scale
+        ctx.axis, ctx.scale, ctx.kernel, ctx.extras = axis, scale, kernel, extras
         return out
 
     @staticmethod
@@ -171,7 +259,9 @@ class RingAttentionFunction(torch.autograd.Function):
         G, P, r = N // k.shape[1], axis.size, axis.rank
         acc = _acc_dtype(q.dtype)
         dout = dout.contiguous()
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO * O), FlashAttention-2's D
+        fused = ctx.kernel != "plain"
+        # rowsum(dO * O), FlashAttention-2's D (the fused backward computes it itself)
+        delta = None if fused else (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(B, N, L, D, dtype=acc, device=q.device)
         kv_2BKLD = torch.stack([k, v])
         kv_pending = dkv_pending = None
@@ -182,9 +272,15 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv_pending = comm.ring_shift_async(kv_2BKLD, axis)
             src = (r - step) % P
             rows, cols, causal = ring_step_block(P, r, src, L)
-            dq_b, dk_b, dv_b = _block_backward(
-                q[..., rows, :], _expand(kv_2BKLD[0][..., cols, :], G), _expand(kv_2BKLD[1][..., cols, :], G),
-                dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal, acc)
+            q_b = q[..., rows, :]
+            k_b, v_b = _expand(kv_2BKLD[0][..., cols, :], G), _expand(kv_2BKLD[1][..., cols, :], G)
+            if fused:   # block gradients in q's dtype, accumulated in fp32
+                dq_b, dk_b, dv_b = _fused_block_backward(q_b, k_b, v_b, dout[..., rows, :], out[..., rows, :],
+                                                         lse[..., rows], scale, causal, ctx.kernel, ctx.extras)
+                dk_b, dv_b = dk_b.to(acc), dv_b.to(acc)
+            else:
+                dq_b, dk_b, dv_b = _block_backward(q_b, k_b, v_b, dout[..., rows, :], lse[..., rows],
+                                                   delta[..., rows], scale, causal, acc)
             dq[..., rows, :] += dq_b
             dkv = torch.zeros(2, B, k.shape[1], L, D, dtype=acc, device=q.device)
             dkv[0][..., cols, :] = _fold(dk_b, G)
