@@ -477,3 +477,40 @@ def ring_shift_async(t: torch.Tensor, axis: Axis, shift: int = 1) -> AsyncCollec
     works = dist.batch_isend_irecv(ops)
     axis.ledger.record(axis.name, "ring_shift", _nbytes(src), _nbytes(src))
     return AsyncCollective(_Works(works), axis, lambda: out, src, out)
+
+
+# --------------------------------------------------------------------------- pipeline additions: point-to-point
+@_eager
+def send_async(t: torch.Tensor, axis: Axis, peer_index: int, tag: int = 0) -> AsyncCollective:
+    """Start sending ``t`` to the axis member ``peer_index`` (``isend``); never blocks.
+
+    The handle keeps ``t`` alive; ``wait()`` (at the end of a pipeline step, never mid-step:
+    a sender that waits can deadlock against a receiver that has not posted yet) returns
+    ``t``. The receiver must post a :func:`recv_async` of the same shape, dtype and ``tag``.
+    Messages between one pair of members with one tag arrive in send order (NCCL ignores
+    tags, so a runtime must not rely on them to reorder). ``t`` must not be modified until
+    ``wait()``. Not differentiable (the pipeline runtime owns the backward).
+    Ledger: op ``send``, payload = wire = ``t``'s bytes."""
+    if axis.trivial or peer_index == axis.rank:
+        raise ValueError(f"send_async over axis {axis.name!r}: peer_index={peer_index} is this member "
+                         f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead.")
+    src = t.detach().contiguous()
+    work = dist.isend(src, axis.ranks[peer_index], group=axis.group, tag=tag)
+    axis.ledger.record(axis.name, "send", _nbytes(src), _nbytes(src))
+    return AsyncCollective(work, axis, lambda: src, src)
+
+
+@_eager
+def recv_async(shape, dtype: torch.dtype, axis: Axis, peer_index: int, tag: int = 0,
+               device: torch.device | str | None = None) -> AsyncCollective:
+    """Post a receive of a ``shape``/``dtype`` tensor from the axis member ``peer_index``
+    (``irecv``); the handle's ``wait()`` returns it. Shapes are agreed in advance (no
+    handshake): both sides derive them from the micro-batch shape.
+    Ledger: op ``recv``, payload = the tensor's bytes, wire = 0 (the sender books them)."""
+    if axis.trivial or peer_index == axis.rank:
+        raise ValueError(f"recv_async over axis {axis.name!r}: peer_index={peer_index} is this member "
+                         f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead.")
+    out = torch.empty(tuple(shape), dtype=dtype, device=device if device is not None else _scalar_device(axis))
+    work = dist.irecv(out, axis.ranks[peer_index], group=axis.group, tag=tag)
+    axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
+    return AsyncCollective(work, axis, lambda: out, out)
