@@ -125,7 +125,7 @@ def check(a) -> None:
                              ok=ok, fwd_bwd_ms=round(ms, 3))
         if mode == "ring":
             results[name]["block_kernel"] = ring.block_kernel(ql)
-        del ql, kl, vl, out, got
+        ql = kl = vl = out = got = None  # free before the next case (step() has run)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     ring.BLOCK_KERNEL = "auto"
