@@ -8,7 +8,10 @@ into a test failure with the child's traceback.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+import behemoth as bh
 
 VOCAB, SEQ = 96, 16
 
@@ -98,3 +101,41 @@ def assert_losses_close(got, want, rtol=1e-4, atol=1e-6, what: str = "") -> None
     assert len(got) == len(want), what
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= atol + rtol * abs(b), f"{what}: step {i} loss {a} != serial {b}"
+
+
+def expect_error(fn, *needles, kind=ValueError) -> None:
+    """``fn()`` must raise ``kind`` whose message contains every needle."""
+    try:
+        fn()
+    except kind as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in {e}"
+        return
+    raise AssertionError(f"no {kind.__name__} mentioning {needles}")
+
+
+class TinyLM(nn.Module):
+    """A user model with an odd hidden size, sharded through the dict form of tp_policy."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.tok, self.norm = nn.Embedding(VOCAB, hidden), nn.LayerNorm(hidden)
+        self.up, self.down, self.out = nn.Linear(hidden, 32), nn.Linear(32, hidden), nn.Linear(hidden, VOCAB)
+        self.gate = nn.Parameter(torch.ones(()))
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        return self.out(self.norm(x + self.gate * self.down(F.relu(self.up(x)))))
+
+
+TINY_POLICY = {"tok": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise", "out": "head"}
+
+
+def train_and_save(family, plan, path, batch: int) -> None:
+    """Two AdamW steps (clipping 1.0) of ``family`` under ``plan`` on the first two of four
+    global batches, then a checkpoint at ``path``: the first half of a resharding round trip."""
+    model = build(family)
+    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+    for b in global_batches(4, batch)[:2]:
+        engine.step(shard(b, engine.dp_rank, engine.dp_size))
+    engine.save(path)

@@ -25,6 +25,7 @@ from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import tp1d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, set_spec, shard_tensor
 from behemoth.planner.traffic import TransformerShape, tp1d_model_traffic
+from common import expect_error, train_and_save
 from common import (SEQ, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     serial_train, shard)
 
@@ -254,16 +255,6 @@ def _check_traffic(family, plan):
 
 
 # ----------------------------------------------------------------------------- errors
-def _expect_error(fn, *needles):
-    try:
-        fn()
-    except ValueError as e:
-        for n in needles:
-            assert n in str(e), f"{n!r} not in {e}"
-        return
-    raise AssertionError(f"no ValueError mentioning {needles}")
-
-
 def _boost_gpt(plan, **cfg):
     from behemoth.models import GPT, GPTConfig
     base = dict(vocab_size=96, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
@@ -273,17 +264,17 @@ def _boost_gpt(plan, **cfg):
 
 def _errors(world):
     plan = bh.Plan(tp=world)
-    _expect_error(lambda: _boost_gpt(plan, num_heads=3, hidden=24), "attention heads", "= 3", f"by {world}")
-    _expect_error(lambda: _boost_gpt(plan, vocab_size=95), "vocab_size (rows of wte) = 95", f"by {world}")
-    _expect_error(lambda: _boost_gpt(plan, ffn_hidden=33), "ffn hidden", "= 33", f"by {world}")
+    expect_error(lambda: _boost_gpt(plan, num_heads=3, hidden=24), "attention heads", "= 3", f"by {world}")
+    expect_error(lambda: _boost_gpt(plan, vocab_size=95), "vocab_size (rows of wte) = 95", f"by {world}")
+    expect_error(lambda: _boost_gpt(plan, ffn_hidden=33), "ffn hidden", "= 33", f"by {world}")
     engine = _boost_gpt(bh.Plan(tp=world, sequence_parallel=True))
     odd = {k: v[:, :SEQ - 1] for k, v in global_batches(1, 2)[0].items()}
-    _expect_error(lambda: engine.step(odd), "sequence length", f"= {SEQ - 1}", f"by {world}")
+    expect_error(lambda: engine.step(odd), "sequence length", f"= {SEQ - 1}", f"by {world}")
     model = build("gpt")
     opt = make_optimizer("sgd", model)
-    _expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkvv": "colwise"}),
+    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkvv": "colwise"}),
                   "'blocks.*.attn.qkvv'", "matches no module")
-    _expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkv": "columnwise"}),
+    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkv": "columnwise"}),
                   "not a tensor-parallel role")
     # Every rank got here without a collective hanging; prove all are alive.
     t = torch.ones(1)
@@ -346,14 +337,6 @@ def _check_user_model(world, sp):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _train_and_save(family, plan, path):
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    for b in global_batches(4, BATCH)[:2]:
-        engine.step(shard(b, engine.dp_rank, engine.dp_size))
-    engine.save(path)
-
-
 def _load_and_continue(family, plan, path):
     batches = global_batches(4, BATCH)
     model = build(family)
@@ -390,8 +373,8 @@ def _world_tp2(rank, world, root):
     _errors(world)
     # Checkpoints: tp=2 -> dp=2 and dp=2 -> tp=2 (+SP), in the same processes.
     for family in ("hf-gpt2", "llama"):
-        _train_and_save(family, bh.Plan(tp=2), os.path.join(root, family, "tp2", "step-2"))
-        _train_and_save(family, bh.Plan(dp=2), os.path.join(root, family, "dp2", "step-2"))
+        train_and_save(family, bh.Plan(tp=2), os.path.join(root, family, "tp2", "step-2"), BATCH)
+        train_and_save(family, bh.Plan(dp=2), os.path.join(root, family, "dp2", "step-2"), BATCH)
         _load_and_continue(family, bh.Plan(dp=2), os.path.join(root, family, "tp2", "step-2"))
         _load_and_continue(family, bh.Plan(tp=2, sequence_parallel=True), os.path.join(root, family, "dp2", "step-2"))
 
@@ -407,7 +390,7 @@ def _world_tp4(rank, world, root):
     # tp=4 with 3 kv heads: neither a multiple nor a divisor of 4.
     from behemoth.models import Llama, LlamaConfig
     model = Llama(LlamaConfig(vocab_size=96, seq_len=SEQ, num_layers=1, num_heads=12, num_kv_heads=3, hidden=48))
-    _expect_error(lambda: bh.boost(model, make_optimizer("sgd", model), bh.Plan(tp=4)),
+    expect_error(lambda: bh.boost(model, make_optimizer("sgd", model), bh.Plan(tp=4)),
                   "key/value heads (num_kv_heads of layers.0.attn) = 3", "tp = 4")
     for family in ("hf-gpt2", "llama"):  # the tp=2 checkpoint under dp=2 x tp=2
         _load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "tp2", "step-2"))
@@ -430,4 +413,4 @@ def test_tp4_and_dp2_tp2(ckpt_root):
 
 def _save_tp2_world(rank, world, root):
     for family in ("hf-gpt2", "llama"):
-        _train_and_save(family, bh.Plan(tp=2), os.path.join(root, family, "tp2", "step-2"))
+        train_and_save(family, bh.Plan(tp=2), os.path.join(root, family, "tp2", "step-2"), BATCH)

@@ -20,12 +20,12 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp2d, tp2p5d
 from behemoth.planner.traffic import TransformerShape, tp2d_model_traffic
+from common import TINY_POLICY, TinyLM, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     shard)
 
@@ -155,59 +155,32 @@ def _check_memory(family, plan):
 
 
 # ----------------------------------------------------------------------------- errors
-def _expect_error(fn, *needles, kind=ValueError):
-    try:
-        fn()
-    except kind as e:
-        for n in needles:
-            assert n in str(e), f"{n!r} not in {e}"
-        return
-    raise AssertionError(f"no {kind.__name__} mentioning {needles}")
-
-
 def _boost(model, plan, **kw):
     return bh.boost(model, make_optimizer("sgd", model), plan, **kw)
-
-
-class TinyLM(nn.Module):
-    """A user model with an odd hidden size, sharded through the dict form."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.tok, self.norm = nn.Embedding(VOCAB, hidden), nn.LayerNorm(hidden)
-        self.up, self.down, self.out = nn.Linear(hidden, 32), nn.Linear(32, hidden), nn.Linear(hidden, VOCAB)
-        self.gate = nn.Parameter(torch.ones(()))
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        return self.out(self.norm(x + self.gate * self.down(F.relu(self.up(x)))))
-
-
-TINY_POLICY = {"tok": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise", "out": "head"}
 
 
 def _errors(world):
     from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
     plan = bh.Plan(tp=4, tp_mode="2d")
     gpt = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
-    _expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24})), plan),
+    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24})), plan),
                   "attention heads (num_heads of blocks.0.attn) = 3", "by 2")
-    _expect_error(lambda: _boost(Llama(LlamaConfig(**{**gpt, "num_heads": 6, "hidden": 48}, num_kv_heads=3)), plan),
+    expect_error(lambda: _boost(Llama(LlamaConfig(**{**gpt, "num_heads": 6, "hidden": 48}, num_kv_heads=3)), plan),
                   "key/value heads (num_kv_heads of layers.0.attn) = 3", "neither a multiple nor a divisor of q = 2")
-    _expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 95})), plan), "vocab_size (rows of wte) = 95",
+    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 95})), plan), "vocab_size (rows of wte) = 95",
                   "by 2")
-    _expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=33)), plan),
+    expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=33)), plan),
                   "out features of blocks.0.mlp.fc", "= 33")
-    _expect_error(lambda: _boost(TinyLM(15), plan, tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
-    _expect_error(lambda: _boost(TinyLM(16), plan, tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
-    _expect_error(lambda: _boost(TinyLM(16), plan, tp_policy={"up": "colwise", "down": "rowwise"}),
+    expect_error(lambda: _boost(TinyLM(15), plan, tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
+    expect_error(lambda: _boost(TinyLM(16), plan, tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
+    expect_error(lambda: _boost(TinyLM(16), plan, tp_policy={"up": "colwise", "down": "rowwise"}),
                   "'embedding' role", "'head' role")
     engine = _boost(build("gpt"), plan)
     odd = {k: v[:5] for k, v in global_batches(1, BATCH)[0].items()}
-    _expect_error(lambda: engine.step(odd), "batch size = 5", "not divisible by 2", "tp_row=2")
+    expect_error(lambda: engine.step(odd), "batch size = 5", "not divisible by 2", "tp_row=2")
     engine = _boost(build("gpt"), bh.Plan(tp=4, tp_mode="2d", microbatches=2))
     six = {k: v[:6] for k, v in global_batches(1, BATCH)[0].items()}
-    _expect_error(lambda: engine.step(six), "2 micro-batch(es) of 3", "multiple of microbatches * 2 = 4")
+    expect_error(lambda: engine.step(six), "2 micro-batch(es) of 3", "multiple of microbatches * 2 = 4")
     # Every rank got here without a collective hanging; prove all are alive.
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -220,14 +193,6 @@ def test_plan_accepts_2d_and_25d():   # 3D: tests/dist/test_tp3d.py
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _train_and_save(family, plan, path):
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    for b in global_batches(4, BATCH)[:2]:
-        engine.step(shard(b, engine.dp_rank, engine.dp_size))
-    engine.save(path)
-
-
 def _load_and_continue(family, plan, path):
     batches = global_batches(4, BATCH)
     model = build(family)
@@ -246,7 +211,7 @@ PLAN_2D = bh.Plan(tp=4, tp_mode="2d")
 
 def _save_2d(root):
     for family in CKPT_FAMILIES:
-        _train_and_save(family, PLAN_2D, os.path.join(root, family, "2d-tp4", "step-2"))
+        train_and_save(family, PLAN_2D, os.path.join(root, family, "2d-tp4", "step-2"), BATCH)
 
 
 # ----------------------------------------------------------------------------- worlds
@@ -265,7 +230,7 @@ def _world_4(rank, world, root):
     _errors(world)
     _save_2d(root)
     for family in CKPT_FAMILIES:
-        _train_and_save(family, bh.Plan(dp=4), os.path.join(root, family, "dp4", "step-2"))
+        train_and_save(family, bh.Plan(dp=4), os.path.join(root, family, "dp4", "step-2"), BATCH)
         _load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "2d-tp4", "step-2"))
         _load_and_continue(family, bh.Plan(dp=4), os.path.join(root, family, "2d-tp4", "step-2"))
         _load_and_continue(family, PLAN_2D, os.path.join(root, family, "dp4", "step-2"))

@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp3d
 from behemoth.planner.traffic import TransformerShape, tp3d_model_traffic
+from common import TINY_POLICY, TinyLM, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     shard)
 
@@ -193,57 +193,30 @@ def _check_memory(family, plan):
 
 
 # ----------------------------------------------------------------------------- errors
-def _expect_error(fn, *needles, kind=ValueError):
-    try:
-        fn()
-    except kind as e:
-        for n in needles:
-            assert n in str(e), f"{n!r} not in {e}"
-        return
-    raise AssertionError(f"no {kind.__name__} mentioning {needles}")
-
-
 def _boost(model, plan=PLAN_3D, **kw):
     return bh.boost(model, make_optimizer("sgd", model), plan, **kw)
-
-
-class TinyLM(nn.Module):
-    """A user model with an odd hidden size, sharded through the dict form."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.tok, self.norm = nn.Embedding(VOCAB, hidden), nn.LayerNorm(hidden)
-        self.up, self.down, self.out = nn.Linear(hidden, 32), nn.Linear(32, hidden), nn.Linear(hidden, VOCAB)
-        self.gate = nn.Parameter(torch.ones(()))
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        return self.out(self.norm(x + self.gate * self.down(F.relu(self.up(x)))))
-
-
-TINY_POLICY = {"tok": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise", "out": "head"}
 
 
 def _errors(world):
     from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
     gpt = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
-    _expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24}))),
+    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24}))),
                   "attention heads (num_heads of blocks.0.attn) = 3", "by 2")
-    _expect_error(lambda: _boost(Llama(LlamaConfig(**gpt, num_kv_heads=1))),
+    expect_error(lambda: _boost(Llama(LlamaConfig(**gpt, num_kv_heads=1))),
                   "key/value heads (num_kv_heads of layers.0.attn) = 1", "not divisible by q = 2")
-    _expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 98}))), "vocab_size (rows of wte", "= 98",
+    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 98}))), "vocab_size (rows of wte", "= 98",
                   "by 4")
-    _expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=34))), "out features of blocks.0.mlp.fc", "= 34",
+    expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=34))), "out features of blocks.0.mlp.fc", "= 34",
                   "by 4")
-    _expect_error(lambda: _boost(TinyLM(15), tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
-    _expect_error(lambda: _boost(TinyLM(16), tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
-    _expect_error(lambda: _boost(TinyLM(16), tp_policy={"up": "colwise", "down": "rowwise"}),
+    expect_error(lambda: _boost(TinyLM(15), tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
+    expect_error(lambda: _boost(TinyLM(16), tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
+    expect_error(lambda: _boost(TinyLM(16), tp_policy={"up": "colwise", "down": "rowwise"}),
                   "'embedding' role", "'head' role")
     six = {k: v[:6] for k, v in global_batches(1, BATCH)[0].items()}
     engine = _boost(build("gpt"))
-    _expect_error(lambda: engine.step(six), "batch size = 6", "not divisible by 4", "tp_depth=2 x tp_col=2")
+    expect_error(lambda: engine.step(six), "batch size = 6", "not divisible by 4", "tp_depth=2 x tp_col=2")
     engine = _boost(build("gpt"), bh.Plan(tp=8, tp_mode="3d", tp_overlap=3))
-    _expect_error(lambda: engine.step(global_batches(1, BATCH)[0]), "tp_overlap=3", "= 32 tokens")
+    expect_error(lambda: engine.step(global_batches(1, BATCH)[0]), "tp_overlap=3", "= 32 tokens")
     # Every rank got here without a collective hanging; prove all are alive.
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -251,14 +224,6 @@ def _errors(world):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _train_and_save(family, plan, path):
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    for b in global_batches(4, BATCH)[:2]:
-        engine.step(shard(b, engine.dp_rank, engine.dp_size))
-    engine.save(path)
-
-
 def _load_and_continue(family, plan, path):
     batches = global_batches(4, BATCH)
     model = build(family)
@@ -273,10 +238,10 @@ def _load_and_continue(family, plan, path):
 
 def _checkpoints(root):
     for family in ("hf-gpt2", "llama"):    # tied + fused Conv1D; GQA without ties
-        _train_and_save(family, PLAN_3D, os.path.join(root, family, "3d-tp8", "step-2"))
+        train_and_save(family, PLAN_3D, os.path.join(root, family, "3d-tp8", "step-2"), BATCH)
         _load_and_continue(family, bh.Plan(dp=8), os.path.join(root, family, "3d-tp8", "step-2"))
     _load_and_continue("llama", bh.Plan(dp=2, tp=4), os.path.join(root, "llama", "3d-tp8", "step-2"))
-    _train_and_save("hf-gpt2", bh.Plan(dp=8), os.path.join(root, "hf-gpt2", "dp8", "step-2"))
+    train_and_save("hf-gpt2", bh.Plan(dp=8), os.path.join(root, "hf-gpt2", "dp8", "step-2"), BATCH)
     _load_and_continue("hf-gpt2", PLAN_3D_K2, os.path.join(root, "hf-gpt2", "dp8", "step-2"))
 
 
