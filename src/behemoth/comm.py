@@ -41,6 +41,10 @@ class Ledger:
 
     def __init__(self) -> None:
         self.axes: dict[str, AxisTraffic] = defaultdict(AxisTraffic)
+        self.trace: list | None = None
+        """Set to a list to log, in order, ``("call", axis, op)`` when a collective is issued
+        and ``("wait", axis)`` when an asynchronous one is waited on (tests read it to see
+        what overlapped with what; anything else may append its own events)."""
 
     def record(self, axis: str, op: str, nbytes: int, wire: float, seconds: float = 0.0) -> None:
         t = self.axes[axis]
@@ -49,9 +53,13 @@ class Ledger:
         t.wire_bytes += wire
         t.seconds += seconds
         t.by_op[op] += 1
+        if self.trace is not None:
+            self.trace.append(("call", axis, op))
 
     def add_time(self, axis: str, seconds: float) -> None:
         self.axes[axis].seconds += seconds
+        if self.trace is not None:
+            self.trace.append(("wait", axis))
 
     def reset(self) -> None:
         self.axes.clear()

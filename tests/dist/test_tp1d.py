@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
@@ -237,6 +238,101 @@ def test_shard_rectangles_rebuild_the_serial_tensor():
         assert torch.equal(covered, torch.ones(shape)), spec_of(0)
     fused = shard_rectangles(_spec((3 * h, hin), 1, p, 1, (3, h, hin), 0))
     assert [off for _, off, _ in fused] == [(2, 0), (10, 0), (18, 0)]   # rank 1's q, k, v rows
+
+
+# ----------------------------------------------------------------------------- overlap
+class _MatmulLog(TorchDispatchMode):
+    """Appends ("mm", output shape) to ``log`` for every matrix multiply that runs."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.log.append(("mm", tuple(out.shape)))
+        return out
+
+
+def _index(log, event, start=0):
+    for i in range(start, len(log)):
+        if log[i] == event:
+            return i
+    raise AssertionError(f"{event} not in {log[start:]}")
+
+
+def _overlap(rank, world):
+    """The column layer's backward launches its collective on dX, computes the weight
+    gradient while it is in flight, then waits (Megatron's asynchronous tensor parallelism);
+    with sequence parallelism it also re-gathers X asynchronously during the dX GEMM instead
+    of saving the gathered X. Gradients stay those of the serial layers (float64)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        ax = ParallelMesh(bh.Plan(tp=world), rank, world).axis("tp")
+        p, r = world, rank
+        g = torch.Generator().manual_seed(0)
+        B, S, H, Fh = 3, 2 * p, 8, 16 * p      # dW of the column layer [Fh/p, H]; dX [B*S, H]
+        rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        dw_shape = (Fh // p, H)
+        for sp in (False, True):
+            x, w1, b1, w2, dy = rnd(B, S, H), rnd(Fh, H), rnd(Fh), rnd(H, Fh), rnd(B, S, H)
+            norm = nn.LayerNorm(H)
+            xs, ws = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in (w1, b1, w2)]
+            F.linear(F.gelu(F.linear(norm(xs), ws[0], ws[1])), ws[2]).backward(dy)
+            region = tp1d.ParallelRegion(ax)
+            par = nn.LayerNorm(H)
+            par.load_state_dict(norm.state_dict())
+            if sp:
+                tp1d.make_sequence_parallel_norm(par, ax, region)
+            s1, s2 = _spec(w1.shape, 0, p, r), _spec(w2.shape, 1, p, r)
+            W1, B1, W2 = _param(w1, s1), _param(b1, _spec(b1.shape, 0, p, r)), _param(w2, s2)
+            col = tp1d.ColumnParallelLinear(W1, B1, axis=ax, region=region, expect_gathered=sp, name="col")
+            row = tp1d.RowParallelLinear(W2, None, axis=ax, region=region, sequence_parallel=sp)
+            xp = (x.chunk(p, 1)[r] if sp else x).clone().requires_grad_()
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+                yp = row(F.gelu(col(par(xp))))
+            if sp:   # only X's sequence shard is kept; the gathered [B, S, H] is re-gathered in backward
+                assert (B, S, H) not in saved and (B, S // p, H) in saved, saved
+            log = ax.ledger.trace = []
+            with _MatmulLog(log):
+                yp.backward(dy.chunk(p, 1)[r] if sp else dy)
+            ax.ledger.trace = None
+            if sp:
+                # re-gather X launched before the dX GEMM, waited after it ...
+                gather = _index(log, ("call", "tp", "all_gather"))
+                dx = _index(log, ("mm", (B * S, H)), gather)
+                _index(log, ("wait", "tp"), dx)
+                launch = _index(log, ("call", "tp", "reduce_scatter"), dx)
+            else:
+                launch = _index(log, ("call", "tp", "all_reduce"))
+            # ... and the collective on dX launched before the weight-gradient GEMM, waited after it.
+            dw = _index(log, ("mm", dw_shape), launch)
+            _index(log, ("wait", "tp"), dw)
+            what = f"sp={sp}"
+            close(xp.grad, xs.grad.chunk(p, 1)[r] if sp else xs.grad, msg=what)
+            close(W1.grad, shard_tensor(ws[0].grad, s1), msg=what)
+            close(B1.grad, shard_tensor(ws[1].grad, _spec(b1.shape, 0, p, r)), msg=what)
+            close(W2.grad, shard_tensor(ws[2].grad, s2), msg=what)
+            for a, b_ in zip(par.parameters(), norm.parameters()):
+                close(a.grad, b_.grad, msg=what)
+
+        # Two column layers reading one input communicate dX once; if the loss uses only one of
+        # them, the sum would never be communicated: an error, not a silently partial gradient.
+        region = tp1d.ParallelRegion(ax)
+        x = rnd(B, S, H).requires_grad_()
+        a = tp1d.ColumnParallelLinear(_param(w1, s1), None, axis=ax, region=region, name="a")
+        b = tp1d.ColumnParallelLinear(_param(w1, s1), None, axis=ax, region=region, name="b")
+        ya, _ = a(x), b(x)
+        with pytest.raises(RuntimeError, match="reached only 1 of them"):
+            ya.sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_column_backward_overlaps_its_collective_with_the_weight_gradient():
+    bh.spawn(_overlap, 2, timeout=120)
 
 
 # ----------------------------------------------------------------------------- traffic

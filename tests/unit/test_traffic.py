@@ -21,14 +21,17 @@ def test_collective_costs():
     assert tr.all_gather_bytes(100, 4) == 75 == tr.reduce_scatter_bytes(100, 4)
 
 
-def test_linear_pair_moves_the_same_with_and_without_sequence_parallel():
+def test_linear_pair_with_sequence_parallel_adds_only_the_backward_regather():
     kw = dict(tokens=64, in_features=32, out_features=32, tp=4, dtype_bytes=4)
     plain = tr.tp1d_linear_traffic(orientation="column", **kw) + tr.tp1d_linear_traffic(orientation="row", **kw)
     sp = (tr.tp1d_linear_traffic(orientation="column", sequence_parallel=True, **kw)
           + tr.tp1d_linear_traffic(orientation="row", sequence_parallel=True, **kw))
     # Megatron: one all-reduce forward (g) and one backward (f): 2 x 2(p-1)/p T h e.
     assert plain == Traffic(1.5 * 64 * 32 * 4, 1.5 * 64 * 32 * 4)
-    assert sp.total == plain.total and sp.forward == sp.backward
+    # SP: the same volume as all-gather + reduce-scatter, plus the column layer's backward
+    # re-gather of X (only X's sequence shard is kept from forward).
+    regather = tr.all_gather_bytes(64 * 32 * 4, 4)
+    assert sp.forward == plain.forward and sp.backward == plain.backward + regather
     assert tr.tp1d_linear_traffic(orientation="column", **kw).forward == 0   # f is free forward
     with pytest.raises(ValueError, match="orientation"):
         tr.tp1d_linear_traffic(orientation="diagonal", **kw)
@@ -44,7 +47,8 @@ def test_model_traffic_by_hand():
     sp = tr.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e, sequence_parallel=True)
     norms_and_biases = 2 * (2 * 64 * 4 + 2 * 32 * 4)   # per block: 2 norms (w, b) and 2 row biases
     scatter_gather = 2 * (t * h * e / 2)
-    assert sp.total == got.total + norms_and_biases + scatter_gather == 183296
+    regathers = 2 * 2 * (t * h * e / 2)               # per block: attention and MLP column inputs
+    assert sp.total == got.total + norms_and_biases + scatter_gather + regathers == 216064
 
 
 def test_gqa_with_fewer_kv_heads_than_tp_all_reduces_the_kv_weight_grads():
@@ -59,7 +63,7 @@ def test_gqa_with_fewer_kv_heads_than_tp_all_reduces_the_kv_weight_grads():
 def test_bf16_autocast_dtypes_and_trivial_degree():
     mixed = tr.tp1d_block_traffic(GPT, batch=1, seq=8, tp=2, dtype_bytes=2, stream_bytes=4)
     assert mixed.forward == 2 * 8 * 32 * 2        # g on bf16 Linear outputs
-    assert mixed.backward == 2 * 8 * 32 * 4       # f on the fp32 residual stream
+    assert mixed.backward == 2 * 8 * 32 * 2       # f on the bf16-cast Linear inputs (not the fp32 stream)
     assert tr.tp1d_model_traffic(GPT, batch=4, seq=16, tp=1) == Traffic()
 
 

@@ -12,17 +12,19 @@ h hidden, f FFN hidden, V vocabulary, N / K query / key-value heads, p = tp degr
 
 1D (Megatron; behemoth.parallel.tensor.tp1d). Per column/row pair, forward + backward:
 ``f`` = all-reduce of dX [T, h] backward and ``g`` = all-reduce of Y [T, h] forward, i.e.
-``4 (p-1)/p T h`` elements; with sequence parallelism the same volume as all-gather +
-reduce-scatter, plus the all-reduce of the gradients of the norm weights and row biases
-(which see only this rank's tokens). Two pairs per block (attention, MLP); q/k/v (and
+``4 (p-1)/p T h`` elements; with sequence parallelism all-gather + reduce-scatter of the
+same volume plus a second all-gather of X backward (Megatron's: the column layers keep only
+X's sequence shard and re-gather it, overlapped with the dX GEMM), and the all-reduce of the
+gradients of the norm weights and row biases (which see only this rank's tokens). Two pairs per block (attention, MLP); q/k/v (and
 gate/up) share one ``f``. GQA with K < p replicates the k/v projections and all-reduces
 their weight gradients. Model level: vocab-parallel embedding (all-reduce of [T, h] forward),
 head (``f``), vocab-parallel cross-entropy (all-reduce of [T] maxima and of [2, T] sums,
 fp32), and with sequence parallelism the scatter/gather of the sequence around the blocks.
 
-Dtypes: ``dtype_bytes`` is the element size of the Linears' outputs (2 under bf16
-autocast), ``stream_bytes`` that of the residual stream and norm outputs (where ``f`` acts;
-4 under autocast, which keeps norms in fp32), ``param_bytes`` that of parameters and their
+Dtypes: ``dtype_bytes`` is the element size of the Linears' inputs and outputs (2 under
+bf16 autocast; ``f`` acts on the column input already cast, as Megatron's does),
+``stream_bytes`` that of the residual stream (4 under autocast; where the sequence-parallel
+scatter/gather around the blocks acts), ``param_bytes`` that of parameters and their
 gradients (and of the embedding output).
 
 2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.tp2d, tp2p5d, apply2d. p = d q**2
@@ -168,15 +170,17 @@ def tp1d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp:
                         sequence_parallel: bool = False, bias: bool = False, dtype_bytes: int = 2,
                         stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
     """One 1D Linear, forward + backward. ``orientation='column'`` counts its ``f`` (which
-    Linears reading the same input share: count it once per input); ``'row'`` its ``g``."""
+    Linears reading the same input share: count it once per input; sequence parallel: the
+    forward gather, the backward re-gather and reduce-scatter); ``'row'`` its ``g``.
+    ``stream_bytes`` is accepted for symmetry with the model-level functions and unused: the
+    column input is cast to ``dtype_bytes`` before it travels."""
     p = tp
-    stream = dtype_bytes if stream_bytes is None else stream_bytes
     if p == 1:
         return Traffic()
     if orientation == "column":
-        x = tokens * in_features * stream
+        x = tokens * in_features * dtype_bytes
         if sequence_parallel:
-            return Traffic(all_gather_bytes(x, p), reduce_scatter_bytes(x, p))
+            return Traffic(all_gather_bytes(x, p), all_gather_bytes(x, p) + reduce_scatter_bytes(x, p))
         return Traffic(0.0, all_reduce_bytes(x, p))
     if orientation == "row":
         y = tokens * out_features * dtype_bytes
@@ -220,7 +224,7 @@ def tp1d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
                                                 sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
                                                 stream_bytes=stream_bytes, param_bytes=param_bytes)
     out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)                  # vocab-parallel embedding
-    out += Traffic(0.0, all_reduce_bytes(t * h * stream, p))                        # head's f
+    out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))                   # head's f (cast input)
     out += Traffic(all_reduce_bytes(t * 4, p) + all_reduce_bytes(2 * t * 4, p), 0.0)  # loss: max, [target, sumexp]
     if sequence_parallel:  # scatter at the first block (all-gather backward), gather after the last
         out += Traffic(all_gather_bytes(t * h * stream, p), all_gather_bytes(t * h * stream, p))

@@ -24,14 +24,22 @@ norms, pos. embedding    replicated                  full (SP, inside the blocks
                                                      takes [B, S/p, H], returns [B, S, H])
 =======================  ==========================  ========================================
 
-Communication per column/row pair (one forward + backward): without SP, ``f`` = CopyToAxis
-on the column input (all-reduce of dX backward), *one* per input tensor however many column
-layers read it (q, k and v share it through :class:`ParallelRegion`), and ``g`` =
-ReduceFromAxis on the row output (all-reduce forward). With SP, the norm's output is
-all-gathered on the sequence (AllGatherToAxis, reduce-scatter backward) and the row output
-reduce-scattered (ReduceScatterToAxis, all-gather backward); norm weights and row biases,
-which then see only this rank's tokens, go through CopyToAxis so their gradients are summed
-over tp. The sequence is scattered at the first block's input and gathered at the last
+Communication per column/row pair (one forward + backward): without SP, ``f`` on the column
+input (all-reduce of dX backward), *one* per input tensor however many column layers read it
+(q, k and v share it through :class:`ParallelRegion`), and ``g`` = ReduceFromAxis on the row
+output (all-reduce forward). With SP, the norm's output is all-gathered on the sequence
+forward and dX reduce-scattered backward, and the row output reduce-scattered
+(ReduceScatterToAxis, all-gather backward); norm weights and row biases, which then see only
+this rank's tokens, go through CopyToAxis so their gradients are summed over tp.
+
+Overlap (Megatron's asynchronous tensor parallelism, :class:`ColumnParallelLinearFn`): ``f``
+is fused into the column layers' backward. The last layer of a group launches the
+all-reduce (SP: reduce-scatter) of the summed dX asynchronously and computes its weight
+gradient while it is in flight; with SP the column layers keep only the input's sequence
+shard and re-gather it asynchronously during the dX GEMM (one more all-gather backward,
+``(S/p)/S`` of the saved input). Under autocast the column input travels in the autocast
+dtype, as Megatron's does. ``g`` forward is not overlapped (nothing to overlap without
+splitting the GEMM). The sequence is scattered at the first block's input and gathered at the last
 block's output, so model code outside the blocks sees full sequences. The bytes each of
 these moves: :mod:`behemoth.planner.traffic`.
 
@@ -61,34 +69,157 @@ SEQ_DIM = 1
 IGNORE_INDEX = -100
 
 
-# --------------------------------------------------------------------------- f, shared
+# --------------------------------------------------------------------------- f, shared and overlapped
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a Linear in on ``t``'s device, or None when it is off."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t.to(dtype) if t is not None and dtype is not None and t.is_floating_point() else t
+
+
+class ColumnInput:
+    """Backward state of the column-parallel layers that read one input tensor in one
+    forward (q, k and v; gate and up; or a lone layer): Megatron's ``f``, shared and
+    overlapped. Each layer's backward adds its dX partial here; the *last* one to run
+    launches the collective on the sum asynchronously (all-reduce, or with sequence
+    parallelism reduce-scatter on the sequence) and computes its weight gradient while it
+    is in flight. With sequence parallelism the first one to run re-gathers the input's
+    sequence shard asynchronously while it computes its dX (the gathered input is not kept
+    from forward). Holds no tensor between forward and backward."""
+
+    def __init__(self, axis: Axis, sequence_parallel: bool) -> None:
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.names: list[str] = []
+        self.remaining: int | None = None
+        self.grad: torch.Tensor | None = None
+        self.gathered: comm.AsyncCollective | None = None
+
+    def begin_backward(self) -> None:
+        if self.remaining is None:
+            self.remaining = len(self.names)
+            # Autograd runs a layer's backward only if its output reaches the loss; a layer
+            # that never runs would leave the sum uncommunicated. Say so instead.
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_complete)
+
+    def _check_complete(self) -> None:
+        if self.remaining is not None:
+            left, self.remaining, self.grad, self.gathered = self.remaining, None, None, None
+            raise RuntimeError(
+                f"tensor parallelism ({MODE}): the column-parallel layers {', '.join(self.names)} read one input, "
+                f"but the backward pass reached only {len(self.names) - left} of them (an output the loss does "
+                f"not use?), so the input's gradient was never summed over tp. Use every output in the loss, or "
+                f"give the unused layer no tensor-parallel role.")
+
+
 class ParallelRegion:
     """Where activations enter the tensor-parallel region (Megatron's ``f``), shared by all
     the 1D layers of one model: column layers that read the *same* tensor (q, k, v; gate,
-    up) share one CopyToAxis, so backward all-reduces dX once. A sequence-parallel norm
-    registers its gathered output as already inside. Row layers and the head close it."""
+    up) share one :class:`ColumnInput`, so backward communicates dX once. A sequence-parallel
+    norm registers its gathered output (and the shard it came from) as already inside. Row
+    layers and the head close it. Holds tensors only during forward."""
 
     def __init__(self, axis: Axis) -> None:
         self.axis = axis
-        self._x = self._y = None
+        self.clear()
 
-    def enter(self, x: torch.Tensor, name: str, expect_gathered: bool) -> torch.Tensor:
-        if self._x is x:
-            return self._y
-        if expect_gathered:
-            raise ValueError(
-                f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
-                f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "
-                f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model.")
-        y = comm.CopyToAxis.apply(x, self.axis)
-        self._x, self._y = x, y
-        return y
+    def enter(self, x: torch.Tensor, name: str, expect_gathered: bool
+              ) -> tuple[ColumnInput, torch.Tensor, torch.Tensor | None]:
+        """``(group, source, gathered)`` for a column layer reading ``x``: ``source`` is the
+        tensor its gradient flows to (``x`` itself, or with sequence parallelism the norm's
+        sequence shard), cast once for the group under autocast; ``gathered`` the
+        full-sequence input as data (sequence parallelism) or None."""
+        if self._x is not x:
+            if expect_gathered:
+                raise ValueError(
+                    f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
+                    f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "
+                    f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model.")
+            self._x, self._source, self._gathered = x, x, None
+            self._group, self._cast = ColumnInput(self.axis, False), {}
+        dtype = autocast_dtype(x)
+        if dtype not in self._cast:
+            self._cast[dtype] = (_cast(self._source, dtype), _cast(self._gathered, dtype))
+        self._group.names.append(name or "?")
+        return (self._group,) + self._cast[dtype]
 
-    def gathered(self, y: torch.Tensor) -> None:
-        self._x = self._y = y
+    def gathered(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """``full`` (returned to the model) is ``shard`` all-gathered on the sequence."""
+        self._x, self._source, self._gathered = full, shard, full.detach()
+        self._group, self._cast = ColumnInput(self.axis, True), {}
 
     def clear(self) -> None:
-        self._x = self._y = None
+        self._x = self._source = self._gathered = self._group = None
+        self._cast: dict = {}
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    """``Y = X W^T + b`` for a column-parallel layer, with ``f`` fused in and overlapped
+    (Megatron's LinearWithGradAccumulationAndAsyncCommunication, extended to inputs shared
+    by several layers through :class:`ColumnInput`).
+
+    Forward: no communication (with sequence parallelism X is the norm's already-gathered
+    output, passed as data; only the sequence shard ``source`` is saved). Backward:
+    dX = dY W (overlapping the asynchronous re-gather of X under sequence parallelism);
+    the group's last layer launches the all-reduce (reduce-scatter) of the summed dX
+    asynchronously, computes dW = dY^T X and db while it is in flight, then waits and
+    returns the result as the gradient of ``source``; the others return none for it."""
+
+    @staticmethod
+    def forward(ctx, source, weight, bias, gathered, group: ColumnInput):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(source, weight)
+        return F.linear(source if gathered is None else gathered, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        source, weight = ctx.saved_tensors
+        g = ctx.group
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if g.sequence_parallel and need_dw and g.gathered is None:
+            g.gathered = comm.all_gather_async(source, g.axis, SEQ_DIM)   # overlaps dX below
+        handle = None
+        if need_dx:
+            g.begin_backward()
+            dx = dy.matmul(weight)
+            g.grad = dx if g.grad is None else g.grad.add_(dx)
+            g.remaining -= 1
+            if g.remaining == 0:
+                if g.sequence_parallel:
+                    handle = comm.reduce_scatter_async(g.grad, g.axis, SEQ_DIM)
+                else:
+                    handle = comm.all_reduce(g.grad, g.axis, async_op=True)
+        dw = db = None
+        if need_dw or need_db:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            if need_dw:
+                x = g.gathered.wait() if g.sequence_parallel else source
+                dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+            if need_db:
+                db = dy2.sum(0)
+        dsource = None
+        if handle is not None:   # the last layer of the group: collect the communicated dX, reset
+            if g.sequence_parallel:
+                dsource = handle.wait()
+            else:
+                handle.wait()    # in place
+                dsource = g.grad
+            g.remaining, g.grad, g.gathered = None, None, None
+        return dsource, dw, db, None, None
+
+
+def column_parallel_linear(source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           gathered: torch.Tensor | None, group: ColumnInput) -> torch.Tensor:
+    """Apply :class:`ColumnParallelLinearFn` (eager even inside a compiled block: its
+    backward launches and waits on collectives)."""
+    return _apply_column(source, weight, bias, gathered, group)
+
+
+@torch.compiler.disable
+def _apply_column(source, weight, bias, gathered, group):
+    return ColumnParallelLinearFn.apply(source, weight, bias, gathered, group)
 
 
 # --------------------------------------------------------------------------- layers
@@ -97,7 +228,10 @@ class ColumnParallelLinear(nn.Module):
 
     Input: X complete on every tp rank (or a sequence-parallel norm's gathered output);
     output: this rank's output features. Communication: ``f`` on X (identity forward,
-    all-reduce of dX backward), shared through the region. ``transposed``: the weight is
+    all-reduce of dX backward; sequence parallel: re-gather of X's shard and reduce-scatter
+    of dX backward), shared through the region and overlapped with the weight-gradient GEMM
+    (:class:`ColumnParallelLinearFn`). Under autocast X, W and b are cast before the call
+    (as F.linear would), so ``f`` moves the autocast dtype. ``transposed``: the weight is
     stored ``[in, out]`` (transformers' Conv1D). ``rows``: replicated kv heads -- the weight
     is the whole serial one (its gradient all-reduced over tp) and this rank uses rows
     ``rows[0]:rows[1]`` of its ``[out, in]`` form."""
@@ -112,7 +246,7 @@ class ColumnParallelLinear(nn.Module):
         self.expect_gathered, self.rows, self.name = expect_gathered, rows, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.region.enter(x, self.name, self.expect_gathered)
+        group, source, gathered = self.region.enter(x, self.name, self.expect_gathered)
         w, b = self.weight, self.bias
         if self.rows is not None:
             w = comm.CopyToAxis.apply(w, self.axis)
@@ -122,7 +256,8 @@ class ColumnParallelLinear(nn.Module):
         if self.rows is not None:
             lo, hi = self.rows
             w, b = w[lo:hi], (b[lo:hi] if b is not None else None)
-        return F.linear(x, w, b)
+        dtype = autocast_dtype(x)
+        return column_parallel_linear(source, _cast(w, dtype), _cast(b, dtype), gathered, group)
 
 
 class RowParallelLinear(nn.Module):
@@ -193,7 +328,9 @@ class VocabParallelHead(nn.Module):
         self.gather_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.region.enter(x, self.name, False), self.weight, self.bias)
+        group, source, _ = self.region.enter(x, self.name, False)
+        dtype = autocast_dtype(x)
+        logits = column_parallel_linear(source, _cast(self.weight, dtype), _cast(self.bias, dtype), None, group)
         self.region.clear()
         if self.gather_output:
             logits = comm.GatherFromAxis.apply(logits, self.axis, -1)
@@ -252,9 +389,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axi
 def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelRegion) -> nn.Module:
     """Make a norm (any class) run on this rank's sequence shard and hand the column layers
     after it the whole sequence: its parameters go through CopyToAxis (their gradients are
-    summed over tp), and its output through AllGatherToAxis on SEQ_DIM (reduce-scatter
-    backward). The module's own forward does the math, so LayerNorm, behemoth's RMSNorm and
-    transformers' LlamaRMSNorm need no copies; state-dict keys do not change."""
+    summed over tp), and its output, cast to the autocast dtype if any, through
+    AllGatherToAxis on SEQ_DIM (reduce-scatter backward). The column layers that read the
+    gathered output take their gradient path through the shard instead (re-gathered in their
+    backward, reduce-scattered once, overlapped; see ColumnParallelLinearFn), so only other
+    readers of it reach AllGatherToAxis's backward. The module's own forward does the math,
+    so LayerNorm, behemoth's RMSNorm and transformers' LlamaRMSNorm need no copies;
+    state-dict keys do not change."""
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -265,8 +406,11 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
             y = inner(*args, **kwargs)
         finally:
             module._parameters.update(saved)
-        y = comm.AllGatherToAxis.apply(y, axis, SEQ_DIM)
-        region.gathered(y)
+        # Cast to the autocast dtype before the gather (the column layers would cast anyway):
+        # the gather and the backward reduce-scatter then move half the bytes.
+        shard = _cast(y, autocast_dtype(y))
+        y = comm.AllGatherToAxis.apply(shard, axis, SEQ_DIM)
+        region.gathered(y, shard)
         return y
 
     module.forward = forward
