@@ -50,6 +50,10 @@ whole k/v projection (replicated, routed through CopyToAxis) and uses the rows o
 Dropout: non-SP replicated regions need the same RNG state on every tp rank (the trainer
 seeds by dp rank); parity tests run without dropout.
 
+Modules: this one (Linear layers, sequence-parallel norms, ``parallelize``), :mod:`.region1d`
+(``f``, shared by column layers and overlapped with compute), :mod:`.vocab1d`
+(vocabulary-parallel embedding, head and cross-entropy).
+
 Test: tests/dist/test_tp1d.py (each layer and whole models against serial training).
 """
 from __future__ import annotations
@@ -63,163 +67,11 @@ from ...comm import Axis
 from ...policies import transformer_blocks, transformer_blocks_name
 from . import Parallelized, attention_heads, localize_heads
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
+from .region1d import ParallelRegion, autocast_dtype, cast_to, column_parallel_linear
+from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 MODE = "1d"
 SEQ_DIM = 1
-IGNORE_INDEX = -100
-
-
-# --------------------------------------------------------------------------- f, shared and overlapped
-def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a Linear in on ``t``'s device, or None when it is off."""
-    dev = t.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    return t.to(dtype) if t is not None and dtype is not None and t.is_floating_point() else t
-
-
-class ColumnInput:
-    """Backward state of the column-parallel layers that read one input tensor in one
-    forward (q, k and v; gate and up; or a lone layer): Megatron's ``f``, shared and
-    overlapped. Each layer's backward adds its dX partial here; the *last* one to run
-    launches the collective on the sum asynchronously (all-reduce, or with sequence
-    parallelism reduce-scatter on the sequence) and computes its weight gradient while it
-    is in flight. With sequence parallelism the first one to run re-gathers the input's
-    sequence shard asynchronously while it computes its dX (the gathered input is not kept
-    from forward). Holds no tensor between forward and backward."""
-
-    def __init__(self, axis: Axis, sequence_parallel: bool) -> None:
-        self.axis, self.sequence_parallel = axis, sequence_parallel
-        self.names: list[str] = []
-        self.remaining: int | None = None
-        self.grad: torch.Tensor | None = None
-        self.gathered: comm.AsyncCollective | None = None
-
-    def begin_backward(self) -> None:
-        if self.remaining is None:
-            self.remaining = len(self.names)
-            # Autograd runs a layer's backward only if its output reaches the loss; a layer
-            # that never runs would leave the sum uncommunicated. Say so instead.
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_complete)
-
-    def _check_complete(self) -> None:
-        if self.remaining is not None:
-            left, self.remaining, self.grad, self.gathered = self.remaining, None, None, None
-            raise RuntimeError(
-                f"tensor parallelism ({MODE}): the column-parallel layers {', '.join(self.names)} read one input, "
-                f"but the backward pass reached only {len(self.names) - left} of them (an output the loss does "
-                f"not use?), so the input's gradient was never summed over tp. Use every output in the loss, or "
-                f"give the unused layer no tensor-parallel role.")
-
-
-class ParallelRegion:
-    """Where activations enter the tensor-parallel region (Megatron's ``f``), shared by all
-    the 1D layers of one model: column layers that read the *same* tensor (q, k, v; gate,
-    up) share one :class:`ColumnInput`, so backward communicates dX once. A sequence-parallel
-    norm registers its gathered output (and the shard it came from) as already inside. Row
-    layers and the head close it. Holds tensors only during forward."""
-
-    def __init__(self, axis: Axis) -> None:
-        self.axis = axis
-        self.clear()
-
-    def enter(self, x: torch.Tensor, name: str, expect_gathered: bool
-              ) -> tuple[ColumnInput, torch.Tensor, torch.Tensor | None]:
-        """``(group, source, gathered)`` for a column layer reading ``x``: ``source`` is the
-        tensor its gradient flows to (``x`` itself, or with sequence parallelism the norm's
-        sequence shard), cast once for the group under autocast; ``gathered`` the
-        full-sequence input as data (sequence parallelism) or None."""
-        if self._x is not x:
-            if expect_gathered:
-                raise ValueError(
-                    f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
-                    f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "
-                    f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model.")
-            self._x, self._source, self._gathered = x, x, None
-            self._group, self._cast = ColumnInput(self.axis, False), {}
-        dtype = autocast_dtype(x)
-        if dtype not in self._cast:
-            self._cast[dtype] = (_cast(self._source, dtype), _cast(self._gathered, dtype))
-        self._group.names.append(name or "?")
-        return (self._group,) + self._cast[dtype]
-
-    def gathered(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """``full`` (returned to the model) is ``shard`` all-gathered on the sequence."""
-        self._x, self._source, self._gathered = full, shard, full.detach()
-        self._group, self._cast = ColumnInput(self.axis, True), {}
-
-    def clear(self) -> None:
-        self._x = self._source = self._gathered = self._group = None
-        self._cast: dict = {}
-
-
-class ColumnParallelLinearFn(torch.autograd.Function):
-    """``Y = X W^T + b`` for a column-parallel layer, with ``f`` fused in and overlapped
-    (Megatron's LinearWithGradAccumulationAndAsyncCommunication, extended to inputs shared
-    by several layers through :class:`ColumnInput`).
-
-    Forward: no communication (with sequence parallelism X is the norm's already-gathered
-    output, passed as data; only the sequence shard ``source`` is saved). Backward:
-    dX = dY W (overlapping the asynchronous re-gather of X under sequence parallelism);
-    the group's last layer launches the all-reduce (reduce-scatter) of the summed dX
-    asynchronously, computes dW = dY^T X and db while it is in flight, then waits and
-    returns the result as the gradient of ``source``; the others return none for it."""
-
-    @staticmethod
-    def forward(ctx, source, weight, bias, gathered, group: ColumnInput):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(source, weight)
-        return F.linear(source if gathered is None else gathered, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        source, weight = ctx.saved_tensors
-        g = ctx.group
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if g.sequence_parallel and need_dw and g.gathered is None:
-            g.gathered = comm.all_gather_async(source, g.axis, SEQ_DIM)   # overlaps dX below
-        handle = None
-        if need_dx:
-            g.begin_backward()
-            dx = dy.matmul(weight)
-            g.grad = dx if g.grad is None else g.grad.add_(dx)
-            g.remaining -= 1
-            if g.remaining == 0:
-                if g.sequence_parallel:
-                    handle = comm.reduce_scatter_async(g.grad, g.axis, SEQ_DIM)
-                else:
-                    handle = comm.all_reduce(g.grad, g.axis, async_op=True)
-        dw = db = None
-        if need_dw or need_db:
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            if need_dw:
-                x = g.gathered.wait() if g.sequence_parallel else source
-                dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
-            if need_db:
-                db = dy2.sum(0)
-        dsource = None
-        if handle is not None:   # the last layer of the group: collect the communicated dX, reset
-            if g.sequence_parallel:
-                dsource = handle.wait()
-            else:
-                handle.wait()    # in place
-                dsource = g.grad
-            g.remaining, g.grad, g.gathered = None, None, None
-        return dsource, dw, db, None, None
-
-
-def column_parallel_linear(source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           gathered: torch.Tensor | None, group: ColumnInput) -> torch.Tensor:
-    """Apply :class:`ColumnParallelLinearFn` (eager even inside a compiled block: its
-    backward launches and waits on collectives)."""
-    return _apply_column(source, weight, bias, gathered, group)
-
-
-@torch.compiler.disable
-def _apply_column(source, weight, bias, gathered, group):
-    return ColumnParallelLinearFn.apply(source, weight, bias, gathered, group)
 
 
 # --------------------------------------------------------------------------- layers
@@ -257,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
             lo, hi = self.rows
             w, b = w[lo:hi], (b[lo:hi] if b is not None else None)
         dtype = autocast_dtype(x)
-        return column_parallel_linear(source, _cast(w, dtype), _cast(b, dtype), gathered, group)
+        return column_parallel_linear(source, cast_to(w, dtype), cast_to(b, dtype), gathered, group)
 
 
 class RowParallelLinear(nn.Module):
@@ -288,104 +140,6 @@ class RowParallelLinear(nn.Module):
         return y if b is None else y + b.to(y.dtype)
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split over tp: ids outside this rank's rows
-    ``[vocab_start, vocab_start + V/p)`` look up zeros, then ``g`` (all-reduce forward,
-    identity backward) sums the ranks' partial embeddings. ids [B, S] -> [B, S, H] complete."""
-
-    def __init__(self, weight: nn.Parameter, *, axis: Axis, vocab_start: int, vocab_size: int,
-                 padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.axis, self.vocab_start = axis, vocab_start
-        self.num_embeddings, self.embedding_dim = vocab_size, weight.shape[1]
-        local = None if padding_idx is None else padding_idx - vocab_start
-        self.local_padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.masked_fill(~inside, 0), self.weight, padding_idx=self.local_padding_idx)
-        out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
-        return comm.ReduceFromAxis.apply(out, self.axis)
-
-
-class VocabParallelHead(nn.Module):
-    """Output projection with the vocabulary split over tp: X [B, S, H] (complete) ->
-    logits [B, S, V/p] for this rank's vocabulary rows; ``f`` on X (all-reduce of dX
-    backward). The loss comes from :meth:`vocab_parallel_loss_sum`, so no rank builds the
-    full logits; ``gather_output=True`` (set by the engine for a user ``loss_fn``) all-gathers
-    them on the vocabulary instead (GatherFromAxis: slice backward)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
-                 vocab_start: int, vocab_size: int, name: str = "") -> None:
-        super().__init__()
-        self.weight = weight
-        self.register_parameter("bias", bias)
-        self.axis, self.region, self.name = axis, region, name
-        self.vocab_start, self.vocab_size = vocab_start, vocab_size
-        self.in_features, self.out_features = weight.shape[1], vocab_size
-        self.gather_output = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group, source, _ = self.region.enter(x, self.name, False)
-        dtype = autocast_dtype(x)
-        logits = column_parallel_linear(source, _cast(self.weight, dtype), _cast(self.bias, dtype), None, group)
-        self.region.clear()
-        if self.gather_output:
-            logits = comm.GatherFromAxis.apply(logits, self.axis, -1)
-        return logits
-
-    def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of next-token cross-entropy over the labelled positions (fp32), the same on
-        every tp rank; ``logits`` are this head's output, ``labels`` the serial ``[B, S]``."""
-        if self.gather_output:
-            return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        return vocab_parallel_cross_entropy(logits.float().flatten(0, -2), labels.flatten(), self.axis,
-                                            self.vocab_start).sum()
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocabulary-sharded logits ``[N, V/p]`` (fp32), complete on
-    every tp rank. Forward: all-reduce (max) of the row maxima ``[N]``, then one all-reduce
-    (sum) of ``[target logit, sum of exp]`` ``[2, N]``. Backward: no communication --
-    ``(softmax - one_hot) * grad`` on this rank's vocabulary slice."""
-
-    @staticmethod
-    def forward(ctx, logits, target, axis: Axis, vocab_start: int, ignore_index: int):
-        row_max = logits.max(dim=-1).values
-        comm.all_reduce(row_max, axis, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(-1)
-        local = target - vocab_start
-        hit = (local >= 0) & (local < logits.shape[-1])
-        local = local.masked_fill(~hit, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~hit, 0.0)
-        exp = shifted.exp_()
-        sums = torch.stack([target_logit, exp.sum(-1)])
-        comm.all_reduce(sums, axis)
-        valid = target != ignore_index
-        loss = (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
-        softmax = exp.div_(sums[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, hit & valid, valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, hit, valid = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: Axis, vocab_start: int,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Per-token losses ``[N]`` (0 where ``target == ignore_index``) of logits ``[N, V/p]``
-    holding vocabulary rows ``[vocab_start, vocab_start + V/p)``; see VocabParallelCrossEntropy."""
-    return VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)
-
-
 def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelRegion) -> nn.Module:
     """Make a norm (any class) run on this rank's sequence shard and hand the column layers
     after it the whole sequence: its parameters go through CopyToAxis (their gradients are
@@ -408,7 +162,7 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
             module._parameters.update(saved)
         # Cast to the autocast dtype before the gather (the column layers would cast anyway):
         # the gather and the backward reduce-scatter then move half the bytes.
-        shard = _cast(y, autocast_dtype(y))
+        shard = cast_to(y, autocast_dtype(y))
         y = comm.AllGatherToAxis.apply(shard, axis, SEQ_DIM)
         region.gathered(y, shard)
         return y
