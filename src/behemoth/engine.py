@@ -82,7 +82,7 @@ def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
 
 def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | None = None, *,
           loss_fn: Callable | None = None, max_grad_norm: float | None = None,
-          tp_policy: dict[str, str] | None = None) -> "Engine":
+          tp_policy: dict[str, str] | None = None, stages: list[tuple[int, int]] | None = None) -> "Engine":
     """Shard and wrap ``model`` for ``plan``, rebuild ``optimizer`` over its shards, and
     return the :class:`Engine` that trains it.
 
@@ -95,6 +95,9 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
 
     ``tp_policy`` (``{module-name pattern: role}``, see :mod:`behemoth.policies`) says how
     to shard a model class that behemoth has no table for.
+
+    ``stages`` (pipeline parallelism only) overrides the stage balance: ``pp * virtual_stages``
+    half-open ranges ``(start, end)`` of transformer blocks, in stage order.
     """
     init()
     plan = plan or Plan()
@@ -103,7 +106,13 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     plan.check_supported()
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0, or None to disable clipping.")
+    if stages is not None and plan.pp == 1:
+        raise ValueError(f"stages={stages!r} partitions a pipeline, but Plan.pp=1; set pp > 1 or drop stages.")
     mesh = ParallelMesh(plan, rank, world)
+    if plan.pp > 1:
+        from .parallel.pipeline.engine import PipelineEngine
+        return PipelineEngine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
+                              tp_policy=tp_policy, stages=stages)
     return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy)
 
 
@@ -159,6 +168,7 @@ class Engine:
             apply_activation_checkpointing(self.model)
         if plan.compile:
             apply_compile(self.model)
+        self._apply_pipeline()
         self._sync_initial_params()
         self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
         replaced = self.tensor_parallel.replaced
@@ -185,6 +195,11 @@ class Engine:
         self.mesh.ledger.reset()
 
     # ---------------------------------------------------------------- set-up
+    def _apply_pipeline(self) -> None:
+        """Step 4 of the rewrite order (styles.py): keep only this rank's pipeline stage of the
+        model. Nothing to do without pipelining (``behemoth.parallel.pipeline.engine`` overrides it);
+        it runs before the dp weight sync and the gradient buckets, which see the stage's parameters."""
+
     def _sync_initial_params(self) -> None:
         """Make every data-parallel (and sequence-parallel) replica start from rank 0's weights
         (users who seed differently per rank still train one model)."""

@@ -22,7 +22,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
-    "pp": "pipeline parallelism, the pipeline issue",
     "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
     "zero": "ZeRO sharding (stages 1-3), the ZeRO / heterogeneous-memory issue",
     "offload": "CPU offload and the placement search, the ZeRO / heterogeneous-memory issue",
@@ -175,9 +174,8 @@ class Plan:
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         self._check_sequence_composes()
+        self._check_pipeline_composes()
         pending = []
-        if self.pp > 1:
-            pending.append(("pp", self.pp))
         if self.ep > 1:
             pending.append(("ep", self.ep))
         if self.zero > 0:
@@ -193,6 +191,30 @@ class Plan:
                 f"tp_overlap), sp (sp_mode 'ulysses' or 'ring', with dp and 1D tp), microbatches (gradient accumulation), "
                 f"precision, activation_checkpointing."
             )
+
+    def _check_pipeline_composes(self) -> None:
+        """Pipeline parallelism composes with dp, 1D and 2D tp, activation checkpointing and bf16.
+        (sp x pp is refused in :meth:`_check_sequence_composes`; micro-batches < pp run correctly.)"""
+        if self.pp == 1:
+            if self.virtual_stages > 1:
+                raise NotImplementedError(
+                    f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp >= 2, "
+                    f"or virtual_stages=1.")
+            return
+        refusals = [
+            (self.tp > 1 and self.tp_mode not in ("1d", "2d"), f"tp_mode={self.tp_mode!r}",
+             "pipeline stages compose with 1D and 2D tensor parallelism only", "use tp_mode='1d' or '2d', or pp=1"),
+            (self.precision == "fp16", "precision='fp16'",
+             "fp16 loss scaling would need every stage to agree on skipping an overflowed step",
+             "use precision='bf16' (no loss scaling needed), or pp=1"),
+            (self.compile, "compile=True", "compiled blocks are not gated per pipeline chunk yet",
+             "use compile=False with pp > 1"),
+            (self.zero > 0, f"zero={self.zero}", "ZeRO does not compose with pipeline parallelism yet",
+             "use zero=0 with pp > 1, or pp=1"),
+        ]
+        for bad, value, rule, fix in refusals:
+            if bad:
+                raise NotImplementedError(f"Plan.{value} with pp={self.pp}: {rule}; {fix}.")
 
     def _check_sequence_composes(self) -> None:
         """Sequence parallelism composes with dp and 1D tp only (sp x tp x dp on one mesh)."""

@@ -16,26 +16,26 @@ import behemoth as bh
 VOCAB, SEQ = 96, 16
 
 
-def build(family: str, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2) -> torch.nn.Module:
     """A tiny model of ``family``, identical for the same seed in every process."""
     if family == "gpt":
         from behemoth.models import GPT, GPTConfig
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, hidden=32,
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, hidden=32,
                              dropout=dropout, seed=seed))
     if family == "llama":
         from behemoth.models import Llama, LlamaConfig
-        return Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2,
+        return Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, num_kv_heads=2,
                                  hidden=32, seed=seed))
     torch.manual_seed(seed)
     if family == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=num_layers, n_head=4,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
     if family == "hf-llama":
         from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
-        cfg = HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
         return LlamaForCausalLM(cfg)
     raise ValueError(family)
@@ -70,9 +70,9 @@ def shard(batch: dict, rank: int, size: int) -> dict:
 
 
 def serial_train(family: str, opt_name: str, batches: list[dict], *, max_grad_norm=None,
-                 precision: str = "fp32", seed: int = 0):
+                 precision: str = "fp32", seed: int = 0, num_layers: int = 2):
     """Plain single-process PyTorch: the reference every plan must reproduce."""
-    model = build(family, seed)
+    model = build(family, seed, num_layers=num_layers)
     opt = make_optimizer(opt_name, model)
     losses = []
     for b in batches:

@@ -1,4 +1,6 @@
-"""Pipeline parallelism: the pure foundation (no process group here yet).
+"""Pipeline parallelism: ``bh.Plan(pp=..., microbatches=..., schedule=..., virtual_stages=...)``.
+
+Pure foundation (no process group):
 
 * ``schedules.py`` -- GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1) as per-rank
   action lists, chosen by the Plan's ``schedule`` name; the communication each action
@@ -8,8 +10,14 @@
   partitions, the virtual-stage partition for interleaving, and which modules of known
   architectures go to the first, every and the last stage (tied embeddings reported).
 
-Both are unit-tested with no processes: tests/unit/test_pipeline_schedules.py and
-tests/unit/test_pipeline_partition.py.
+Runtime (what ``bh.boost`` builds when ``pp > 1``):
+
+* ``stage.py`` -- cut a model down to one rank's stage(s) in place, gate chunks, tied weights;
+* ``p2p.py`` -- activation / gradient transfers with shapes cached after the first step;
+* ``engine.py`` -- :class:`PipelineEngine`, the Engine that runs a schedule per step.
+
+Tests: tests/unit/test_pipeline_schedules.py, tests/unit/test_pipeline_partition.py (pure);
+tests/dist/test_pipeline_parity.py, test_pipeline_checkpoint.py, test_pipeline_faults.py.
 """
 from .partition import (
     PIPELINE_LAYOUTS, ModelCosts, PipelineLayout, balance_stages, estimate_block_costs, find_tied_parameters,
