@@ -522,3 +522,27 @@ def recv_async(shape, dtype: torch.dtype, axis: Axis, peer_index: int, tag: int 
     work = dist.irecv(out, axis.ranks[peer_index], group=axis.group, tag=tag)
     axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
     return AsyncCollective(work, axis, lambda: out, out)
+
+
+# --------------------------------------------------------------------------- ZeRO additions: chunk gather
+@_eager
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Gather every member's 1-D ``shard`` into ``out`` (member ``i``'s at ``[i*n, (i+1)*n)``).
+    ``shard`` may be ``out``'s own slot (in place, as ZeRO stages 1-2 gather updated shards).
+    Returns a handle with ``wait()`` when ``async_op``. Ledger: payload = ``out``, wire =
+    ``(size-1)`` shards."""
+    if axis.trivial:
+        if shard.data_ptr() != out.data_ptr():
+            out.copy_(shard)
+        return _DONE if async_op else out
+    n = axis.size
+    if out.numel() != n * shard.numel():
+        raise ValueError(f"all_gather_into over {axis.name!r}: out has {out.numel()} elements, expected "
+                         f"{n} x {shard.numel()}.")
+    if dist.get_backend(axis.group) == "gloo" and out.data_ptr() <= shard.data_ptr() < out.data_ptr() + _nbytes(out):
+        shard = shard.clone()   # gloo does not promise aliasing-safe all-gather
+    t0 = time.perf_counter()
+    work = _all_gather_single(out, shard, group=axis.group, async_op=async_op)
+    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(shard),
+                       0.0 if async_op else time.perf_counter() - t0)
+    return _Pending(work, axis, after=lambda: shard) if async_op else out

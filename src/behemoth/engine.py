@@ -25,6 +25,7 @@ rebuilt over the engine's parameters with the user's class and hyper-parameters.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable
 
@@ -37,6 +38,7 @@ from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.data import GradBuckets
 from .parallel.tensor import full_state_dict, global_grad_norm
+from .parallel.zero.optimizer import ZeroOptimizer
 from .plan import Plan
 from .precision import LossScaler, autocast_context
 from .styles import (apply_activation_checkpointing, apply_compile, apply_sequence_parallel, apply_tensor_parallel,
@@ -147,9 +149,9 @@ class Engine:
                 if id(p) not in model_params:
                     raise ValueError("the optimizer holds a parameter that is not in the model; build it over "
                                      "model.parameters() (or groups of them) before bh.boost.")
-        if plan.tp > 1 and optimizer.state:
-            raise ValueError("the optimizer already has state; under tensor parallelism build the engine before "
-                             "the first optimizer step (its state would not match the parameter shards).")
+        if (plan.tp > 1 or plan.zero) and optimizer.state:
+            raise ValueError("the optimizer already has state; under tensor parallelism or ZeRO build the engine "
+                             "before the first optimizer step (its state would not match the parameter shards).")
         self.model = prepare_model(model, self.device)
         self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
         self.vocab_head = self.tensor_parallel.head   # vocab-sharded logits: the loss goes through it
@@ -170,15 +172,29 @@ class Engine:
             apply_compile(self.model)
         self._apply_pipeline()
         self._sync_initial_params()
-        self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
         replaced = self.tensor_parallel.replaced
-        self.optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
+        optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
+        self.zero: ZeroOptimizer | None = None
+        if plan.zero:   # the optimizer over chunk shards; it also reduces the gradients
+            budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
+            self.zero = ZeroOptimizer(self.model, optimizer, self.data_axis, mesh.axis("tp"), stage=plan.zero,
+                                      offload=plan.offload, device=self.device, chunk_mb=plan.chunk_mb,
+                                      budget_bytes=budget)
+            self.buckets = self.zero
+        else:
+            self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
+            self._optimizer = optimizer
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_count = 0
         self._grad_norm: torch.Tensor | float = float("nan")
         self.last_tokens = 0
 
     # ---------------------------------------------------------------- identity
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that updates this rank's parameters (under ZeRO: over its chunk shards)."""
+        return self.zero.optimizer if self.zero is not None else self._optimizer
+
     @property
     def dp_rank(self) -> int:
         return self.mesh.dp_rank
@@ -326,6 +342,10 @@ class Engine:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         self.buckets.start_step()
         loss = self.forward_backward(batch)
+        if self.zero is not None:   # unscale, norm, clip and update on the shards
+            self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
+            self.step_count += 1
+            return loss
         params = self.buckets.params
         if self.scaler is not None:
             tp = self.mesh.axis("tp")
@@ -349,10 +369,30 @@ class Engine:
         return loss
 
     # ---------------------------------------------------------------- state
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """The memory tracer: bytes of model data this rank holds now, per device type
+        ({'cuda': ..., 'cpu': ...}; parameters, gradients, fp32 masters held apart from the
+        parameters, optimizer state) and, on a GPU, ``other`` = allocated - model data
+        (activations, workspaces). Call it between steps, or from a hook mid-step."""
+        if self.zero is not None:
+            return self.zero.memory_report()
+        report = {}
+        for dev in ("cuda", "cpu"):
+            d = {"params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
+                 "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
+                 "masters": 0,
+                 "optimizer": sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                                  for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == dev)}
+            if dev == "cuda" and torch.cuda.is_available():
+                d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
+            report[dev] = d
+        return report
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, shapes and values), on CPU; tensor-parallel
         shards are all-gathered over tp (a collective: call it on every rank)."""
-        return full_state_dict(self.model, self.mesh)
+        with self.zero.gathered() if self.zero is not None else contextlib.nullcontext():
+            return full_state_dict(self.model, self.mesh)
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""

@@ -23,8 +23,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # Capabilities that are specified but not built yet: field -> (issue, capability).
 _PENDING = {
     "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
-    "zero": "ZeRO sharding (stages 1-3), the ZeRO / heterogeneous-memory issue",
-    "offload": "CPU offload and the placement search, the ZeRO / heterogeneous-memory issue",
 }
 
 
@@ -78,7 +76,13 @@ class Plan:
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters."""
     offload: str | None = None
-    """None, 'cpu' or 'auto' (heterogeneous GPU+CPU memory)."""
+    """None, 'cpu' (shards and optimizer state in pinned host memory, CPU optimizer step) or 'auto'
+    (a warm-up step measures memory, a search keeps on the GPU what fits the budget)."""
+    chunk_mb: float | None = None
+    """ZeRO chunk size in MiB of fp32; None searches the size with the least padding."""
+    offload_budget_gb: float | None = None
+    """GPU memory for model data under offload='auto', in GiB; None measures it (device memory
+    minus the warm-up step's peak of other data)."""
     precision: str = "fp32"
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
     activation_checkpointing: bool = False
@@ -115,6 +119,16 @@ class Plan:
                 f"Plan.virtual_stages={self.virtual_stages} only applies to schedule='interleaved'; "
                 f"got schedule={self.schedule!r}. Set schedule='interleaved' or virtual_stages=1."
             )
+        for name in ("chunk_mb", "offload_budget_gb"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"Plan.{name}={v!r}: must be a positive number, or None for the automatic choice.")
+        if self.chunk_mb is not None and self.zero == 0:
+            raise ValueError(f"Plan.chunk_mb={self.chunk_mb!r} sizes ZeRO chunks; got zero=0. Set zero=1, 2 or 3, "
+                             f"or chunk_mb=None.")
+        if self.offload_budget_gb is not None and self.offload != "auto":
+            raise ValueError(f"Plan.offload_budget_gb={self.offload_budget_gb!r} is the budget of offload='auto'; "
+                             f"got offload={self.offload!r}. Set offload='auto', or offload_budget_gb=None.")
         if self.offload is not None and self.zero == 0:
             raise ValueError(
                 f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."
@@ -178,18 +192,14 @@ class Plan:
         pending = []
         if self.ep > 1:
             pending.append(("ep", self.ep))
-        if self.zero > 0:
-            pending.append(("zero", self.zero))
-        if self.offload is not None:
-            pending.append(("offload", self.offload))
         if pending:
             name, value = pending[0]
             need = _PENDING[name]
             raise NotImplementedError(
                 f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
                 f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d', '2.5d' and '3d' (and "
-                f"tp_overlap), sp (sp_mode 'ulysses' or 'ring', with dp and 1D tp), microbatches (gradient accumulation), "
-                f"precision, activation_checkpointing."
+                f"tp_overlap), sp (sp_mode 'ulysses' or 'ring', with dp and 1D tp), zero 1-3 with offload None/'cpu'/"
+                f"'auto', microbatches (gradient accumulation), precision, activation_checkpointing."
             )
 
     def _check_pipeline_composes(self) -> None:

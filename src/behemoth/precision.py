@@ -38,6 +38,10 @@ class LossScaler:
         inv = 1.0 / self.scale
         torch._foreach_mul_(grads, inv)
         finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        return self.update(finite)
+
+    def update(self, finite: bool) -> bool:
+        """Record one step's overflow check: back off and return False, or count a clean step."""
         if not finite:
             self.scale = max(self.min_scale, self.scale * self.backoff_factor)
             self._good_steps = 0

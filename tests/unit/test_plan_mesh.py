@@ -57,8 +57,9 @@ def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, microbatches=4, precision="bf16", activation_checkpointing=True).check_supported()
     Plan(sp=2, sp_mode="ring", tp=2).check_supported()   # sequence parallelism is built (with dp and 1D tp)
     Plan(pp=2, microbatches=4, schedule="zero-bubble", tp=4, tp_mode="2d").check_supported()   # pipelines are built
+    Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()   # ZeRO and offload are built
     for kwargs, name in [(dict(pp=2, tp=8, tp_mode="3d"), "pipeline stages compose"), (dict(sp=2, tp=4, tp_mode="2d"), "sequence parallelism composes"),
-                         (dict(dp=2, ep=2), "expert"), (dict(zero=1), "ZeRO")]:
+                         (dict(dp=2, ep=2), "expert")]:
         with pytest.raises(NotImplementedError, match=name):
             Plan(**kwargs).check_supported()
 

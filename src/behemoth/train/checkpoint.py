@@ -27,6 +27,7 @@ its rectangles.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -161,19 +162,30 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 # ------------------------------------------------------------------ state <-> flat tensors
-def _param_names(model: torch.nn.Module) -> dict[int, str]:
+def _gathered(engine):
+    """ZeRO-3 parameters are released between uses: gather them while a checkpoint reads or writes."""
+    return engine.zero.gathered() if engine.zero is not None else contextlib.nullcontext()
+
+
+def _param_names(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[int, str]:
+    """``id(param) -> name`` keying its optimizer state. ``aliases`` renames a parameter to the
+    serial model's name for it (a pipeline's last stage holds a copy of a tied embedding under
+    the head's name; it is saved and loaded as the serial model's first name, so any plan loads it)."""
     names = {}
     for name, p in model.named_parameters():  # tied weights: first name wins
         names.setdefault(id(p), name)
-    return names
+    aliases = aliases or {}
+    return {i: aliases.get(n, n) for i, n in names.items()}
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     """Optimizer state as flat ``optim/<param name>/<key>`` tensors (scalars become 0-d tensors);
     state shaped like a tensor-parallel shard is chunked like its parameter."""
-    names = _param_names(engine.model)
+    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
     out = {}
-    for p, state in engine.optimizer.state.items():
+    # ZeRO: the state of the chunk shards, gathered and cut back into per-parameter tensors.
+    states = engine.zero.param_states() if engine.zero is not None else engine.optimizer.state
+    for p, state in states.items():
         spec = get_spec(p)
         for k, v in state.items():
             v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
@@ -267,9 +279,10 @@ def save_checkpoint(engine, path: str, extra: dict) -> None:
             shutil.rmtree(partial)
         os.makedirs(partial)
     dist.barrier()
-    state = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
-    state.update(optimizer_tensors(engine))
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
+    with _gathered(engine):
+        state = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
+        state.update(optimizer_tensors(engine))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
     torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -322,8 +335,10 @@ def load_checkpoint(engine, path: str) -> dict:
         raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state; the engine's optimizer is "
                          f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume.")
     # Optimizer state: allocate what the checkpoint holds, for the parameters we hold.
-    names = _param_names(engine.model)
-    params = {names[id(p)]: p for g in engine.optimizer.param_groups for p in g["params"]}
+    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
+    held = engine.zero.params if engine.zero is not None else [p for g in engine.optimizer.param_groups
+                                                                 for p in g["params"]]
+    params = {names[id(p)]: p for p in held}
     optim, reads = {}, {}
     for k, md in stored.items():
         if not k.startswith("optim/"):
@@ -337,13 +352,23 @@ def load_checkpoint(engine, path: str) -> dict:
                 optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
                 spec = None
             reads[k] = _for_dcp(optim[k], spec)
-    dcp.load({**want, **reads}, storage_reader=reader)
-    engine.optimizer.state.clear()
-    for k, v in optim.items():
-        pname, key = k[len("optim/"):].rsplit("/", 1)
-        p = params[pname]
-        on_device = v.dim() > 0 or any(g.get("fused") or g.get("capturable") for g in engine.optimizer.param_groups)
-        engine.optimizer.state[p][key] = v.to(p.device) if on_device else v
+    with _gathered(engine):
+        dcp.load({**want, **reads}, storage_reader=reader)
+        if engine.zero is not None:   # the loaded parameters become the shards and masters
+            engine.zero.reload_from_params()
+    if engine.zero is not None:
+        states: dict = {}
+        for k, v in optim.items():
+            pname, key = k[len("optim/"):].rsplit("/", 1)
+            states.setdefault(params[pname], {})[key] = v
+        engine.zero.load_param_states(states)
+    else:
+        engine.optimizer.state.clear()
+        fused = any(g.get("fused") or g.get("capturable") for g in engine.optimizer.param_groups)
+        for k, v in optim.items():
+            pname, key = k[len("optim/"):].rsplit("/", 1)
+            p = params[pname]
+            engine.optimizer.state[p][key] = v.to(p.device) if v.dim() > 0 or fused else v
     for g, hyper in zip(engine.optimizer.param_groups, meta["param_groups"]):
         for k, v in hyper.items():
             if k in g:

@@ -1,0 +1,107 @@
+"""ZeRO-3 module hooks: gather a chunk just before a module that owns its parameters runs,
+release it when the working set moves on, and prefetch what the last step used next.
+
+* forward pre-hook of a module with chunked parameters: wait for (or issue) the gathers of its
+  chunks, then release every other resident chunk that is neither in use by a module still
+  running forward nor prefetched -- the working set is the running modules' chunks plus the
+  prefetch window;
+* the module's outputs get a gradient hook that gathers the chunks again before the module's
+  backward (the store releases a chunk as soon as all its gradients are reduced);
+* every gather is appended to this step's *trace*; the next step, gather number ``i`` also
+  issues asynchronous gathers for the chunks of trace entries ``i+1 .. i+depth`` (every rank
+  runs the same model, so every rank issues the same collectives in the same order).
+
+Activation checkpointing needs nothing special: the recomputed forward runs the pre-hooks.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .store import ChunkState, ChunkStore
+
+__all__ = ["GatherHooks"]
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "to_tuple"):   # transformers ModelOutput
+        yield from _tensors(obj.to_tuple())
+
+
+class GatherHooks:
+    """Stage-3 gathering for ``model``'s modules over ``store`` with ``prefetch`` chunks of look-ahead."""
+
+    def __init__(self, model: torch.nn.Module, store: ChunkStore, prefetch: int = 2) -> None:
+        self.store, self.depth = store, prefetch
+        self._handles: list[RemovableHandle] = []
+        self.trace: list[int] = []        # chunk indices in gather order, this step
+        self._last: list[int] = []        # the previous step's trace
+        self._active: list[set[int]] = []  # chunks of the modules whose forward is running
+        for module in model.modules():
+            chunks = []
+            for p in module.parameters(recurse=False):
+                st = store.chunk_of.get(id(p))
+                if st is not None and st not in chunks:
+                    chunks.append(st)
+            if chunks:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(chunks)))
+                self._handles.append(module.register_forward_hook(self._post_forward(chunks)))
+
+    def new_step(self) -> None:
+        self._last, self.trace = self.trace, []
+        self._active = []
+
+    def _use(self, chunks: list[ChunkState]) -> None:
+        store = self.store
+        for st in chunks:
+            pos = len(self.trace)
+            self.trace.append(st.index)
+            if self.depth and self._last[pos:pos + 1] == [st.index]:
+                for nxt in self._last[pos + 1:pos + 1 + self.depth]:
+                    ahead = store.chunks[nxt]
+                    if not ahead.resident and ahead.pending is None:
+                        store.gather(ahead, async_op=True)
+            store.gather(st)
+
+    def _evict_others(self, keep: set[int]) -> None:
+        pos = len(self.trace)
+        window = set(self._last[pos:pos + self.depth]) if self.depth else set()
+        for st in self.store.chunks:
+            if st.resident and st.index not in keep and st.index not in window:
+                self.store.release(st)
+
+    def _pre_forward(self, chunks: list[ChunkState]):
+        def hook(module, args):
+            self._use(chunks)
+            self._active.append({st.index for st in chunks})
+            self._evict_others(set().union(*self._active))
+        return hook
+
+    def _post_forward(self, chunks: list[ChunkState]):
+        def hook(module, args, output):
+            if self._active:
+                self._active.pop()
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._pre_backward(chunks))
+            return None
+        return hook
+
+    def _pre_backward(self, chunks: list[ChunkState]):
+        def hook(grad):
+            self._use(chunks)
+            return None
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

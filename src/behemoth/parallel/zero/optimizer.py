@@ -1,0 +1,350 @@
+"""The ZeRO optimizer: a standard optimizer over this rank's chunk shards (stages 1-3, offload).
+
+Wraps the user's optimizer class and hyper-parameters (STYLE #7): the rebuilt optimizer's
+parameters are the fp32 *master shards* of the chunks, one flat tensor per chunk, in the
+chunk's parameter group. Element-wise optimizers (SGD, Adam, AdamW, ...) update a flat shard
+exactly as they would update each parameter, so ZeRO changes where the arithmetic happens,
+not its result; an optimizer that is not element-wise is refused. At world size 1 without
+offload every chunk is one shard on the device and the step is the plain optimizer's.
+
+``step()`` (after the store has reduced the gradients into the shards):
+
+1. fp16: one agreement over the data axis (and tp) whether any shard overflowed, then unscale;
+2. the global gradient norm: squared shard norms, each parameter piece weighted 1/(its copies
+   over tp), summed over the data axis and tp -- the serial model's norm; clip with it;
+3. ``optimizer.step()`` (masters on the host run PyTorch's fused CPU kernel: Adam, AdamW,
+   SGD, Adagrad, vectorised, nothing compiled at install time);
+4. publish: host masters copied to the device, stages 1-2 all-gather the chunks.
+
+``offload="auto"``: the first step runs with every shard offloaded; before its optimizer
+step (no optimizer state exists yet) the peak of non-model memory it measured and the device
+size give the budget, :func:`.placement.static_split` chooses what stays on the GPU, and the
+chunks are re-placed. ``explain()`` says what was chosen and why.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from ... import comm
+from ...comm import Axis
+from ..tensor import _copies, get_spec, is_sharded
+from .chunks import pack_chunks, search_chunk_size
+from .hooks import GatherHooks
+from .placement import StaticSplit, static_split
+from .store import ChunkStore
+
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
+
+ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop")
+_FUSED_CPU = ("SGD", "Adam", "AdamW", "Adagrad")
+_STATE_BYTES = {"SGD": 4, "Adam": 8, "AdamW": 8, "Adagrad": 4, "Adamax": 8, "NAdam": 8, "RAdam": 8,
+                "RMSprop": 8, "Rprop": 8}
+"""Optimizer-state bytes per element (momentum buffers and moments), for the placement search."""
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        raise ValueError(
+            f"Plan.zero={stage}: ZeRO updates flat shards of several parameters at once, which is exact only "
+            f"for element-wise optimizers (torch.optim {', '.join(ELEMENTWISE_OPTIMIZERS)}); got {name} from "
+            f"{type(optimizer).__module__}. Use one of those, or zero=0.")
+
+
+class ZeroOptimizer:
+    """ZeRO over ``axis`` for the trainable parameters of ``model`` held by ``optimizer``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, tp: Axis, *,
+                 stage: int, offload: str | None, device: torch.device, chunk_mb: float | None = None,
+                 budget_bytes: int | None = None, prefetch: int = 2) -> None:
+        _check_optimizer(optimizer, stage)
+        self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
+        self.budget_bytes = budget_bytes
+        self.cls, self.name = type(optimizer), type(optimizer).__name__
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if id(p) not in group_of:
+                raise ValueError(f"Plan.zero={stage}: a trainable parameter of shape {tuple(p.shape)} is not in the "
+                                 f"optimizer; ZeRO shards every trainable parameter. Add it to the optimizer or "
+                                 f"set requires_grad=False on it before bh.boost.")
+        self.params = params
+        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        accepted = inspect.signature(self.cls.__init__).parameters
+        self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        sizes = [p.numel() for p in params]
+        groups = [group_of[id(p)] for p in params]
+        if chunk_mb is None:
+            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, axis.size, groups=groups)
+        else:
+            self.chunk_elems, self.chunk_table = max(1, int(chunk_mb * 2**20 // 4)), []
+        largest = max(sizes, default=0)
+        if self.chunk_elems < largest:
+            raise ValueError(f"Plan.chunk_mb={chunk_mb!r} holds {self.chunk_elems} fp32 elements, but a parameter has "
+                             f"{largest} and a parameter is never split across chunks: set chunk_mb >= "
+                             f"{largest * 4 / 2**20:.4g}, or None to search the size with the least padding.")
+        self.layout = pack_chunks(sizes, self.chunk_elems, axis.size, groups=groups)
+        n = self.layout.num_chunks
+        largest_shard = 4 * max(c.shard_size for c in self.layout.chunks)
+        if offload == "auto" and budget_bytes is not None and budget_bytes < largest_shard:
+            raise ValueError(f"Plan.offload_budget_gb={budget_bytes / 2**30:.3g} cannot hold the largest chunk's "
+                             f"shard ({largest_shard} bytes), which must be on the GPU while it is used: raise it "
+                             f"to >= {largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb.")
+        on_gpu = offload is None
+        self.store = ChunkStore(params, self.layout, axis, stage, device,
+                                param_on_gpu=[on_gpu or stage < 3] * n, optim_on_gpu=[on_gpu] * n)
+        self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
+        self._weights = self._norm_weights() if not tp.trivial else None
+        self.split: StaticSplit | None = None
+        self._warmup = offload == "auto"
+        self._stage12_split: tuple[int, int, int] | None = None
+        self.optimizer = self._build_optimizer()
+
+    # ------------------------------------------------------------------ set-up
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        groups = [{**h, "params": []} for h in self.hyper]
+        for st in self.store.chunks:
+            groups[st.group]["params"].append(st.master)
+        groups = [g for g in groups if g["params"]]
+        self._group_index = [i for i, h in enumerate(self.hyper) if any(st.group == i for st in self.store.chunks)]
+        host = any(not st.optim_on_gpu for st in self.store.chunks) and self.offload is not None
+        if host and self.name in _FUSED_CPU:
+            for g in groups:
+                if not g.get("foreach"):
+                    g["fused"], g["foreach"] = True, False
+        return self.cls(groups, **self.defaults)
+
+    def _norm_weights(self) -> list[list[tuple[int, int, float]]]:
+        """Per chunk, runs ``(shard offset, length, weight)`` of parameter pieces in this rank's shard,
+        weighted 1/(copies of that piece over tp) so a sum over tp counts each element once."""
+        out = []
+        for st in self.store.chunks:
+            runs = []
+            for sl in self.layout.shard_slices(st.index, self.axis.rank):
+                spec = get_spec(self.params[sl.param])
+                w = 1.0 / (_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
+                runs.append((sl.shard_offset, sl.length, w))
+            out.append(runs)
+        return out
+
+    # ------------------------------------------------------------------ the engine's gradient protocol
+    def start_step(self) -> None:
+        self.store.start_step()
+        if self.hooks is not None:
+            self.hooks.new_step()
+
+    def begin(self, sync: bool) -> None:
+        self.store.begin(sync)
+
+    def finish(self) -> None:
+        self.store.finish()
+
+    def attach_grads(self) -> None:
+        """Nothing to re-attach: ZeRO gradients live in the chunk store."""
+
+    # ------------------------------------------------------------------ the step
+    def _masters(self) -> list[torch.Tensor]:
+        out = []
+        for st in self.store.chunks:
+            if st.grad_acc is None:
+                st.grad_acc = torch.zeros_like(st.master)
+            st.master.grad = st.grad_acc
+            out.append(st.master)
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        """The serial model's gradient 2-norm (a collective over the data axis and tp)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for k, st in enumerate(self.store.chunks):
+            g = st.grad_acc
+            if g is None:
+                continue
+            if self._weights is None:
+                part = g.square().sum()
+            else:
+                part = sum((g.narrow(0, off, n).square().sum() * w for off, n, w in self._weights[k]),
+                           torch.zeros((), device=g.device))
+            sq += part.to(self.device)
+        comm.all_reduce(sq, self.axis)
+        comm.all_reduce(sq, self.tp)
+        return sq[0].sqrt()
+
+    def _all_finite(self, masters: list[torch.Tensor]) -> bool:
+        local = all(bool(torch.isfinite(m.grad).all()) for m in masters)
+        return comm.all_agree(local, self.axis) and comm.all_agree(local, self.tp)
+
+    def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
+        """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""
+        if self._warmup:
+            self._place_after_warmup()
+        masters = self._masters()
+        if scaler is not None:
+            inv = 1.0 / scaler.scale
+            if not scaler.update(self._all_finite(masters)):
+                for m in masters:
+                    m.grad = None
+                return float("inf")
+            for dev in {m.device for m in masters}:
+                torch._foreach_mul_([m.grad for m in masters if m.device == dev], inv)
+        norm = self.grad_norm()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm, foreach=True)
+        self.optimizer.step()
+        for m in masters:
+            m.grad = None
+        self.store.publish()
+        return norm
+
+    # ------------------------------------------------------------------ offload="auto"
+    def _place_after_warmup(self) -> None:
+        self._warmup = False
+        chunks = self.store.chunks
+        shard_bytes = [st.shard_size * 4 for st in chunks]
+        ratio = (4 + _STATE_BYTES[self.name]) / 4   # gradient accumulator + optimizer state, per master byte
+        if self.budget_bytes is not None:
+            budget = self.budget_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            model_now = sum(self.store.bytes_on("cuda").values())
+            other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
+            budget = int(total * 0.92) - other_peak - model_now
+        else:
+            budget = sum(shard_bytes) * (1 + int(ratio) + 1)   # a CPU run: "device" memory is host memory
+        bw = _host_bandwidth(self.device)
+        if self.stage == 3:
+            self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
+                                      d2h_bandwidth=bw)
+            keep_p, keep_o = self.split.num_param_chunks, self.split.num_optim_chunks
+        else:   # parameters are on the device in every chunk: only the optimizer state is placed
+            opt = [int(b * ratio) for b in shard_bytes]
+            keep_p, keep_o, used = len(chunks), 0, 0
+            while keep_o < len(chunks) and used + opt[keep_o] <= budget:
+                used += opt[keep_o]
+                keep_o += 1
+            self._stage12_split = (keep_o, len(chunks), budget)
+        old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks}   # a resumed run has some
+        for k, st in enumerate(chunks):
+            self.store.place(st, k < keep_p or self.stage < 3, k < keep_o)
+        self.optimizer = self._build_optimizer()
+        for st in chunks:
+            if old_state[st.index]:
+                self.optimizer.state[st.master] = {k: self._state_to(v, st.master)
+                                                   for k, v in old_state[st.index].items()}
+
+    def explain(self) -> str:
+        """What ``offload='auto'`` chose and why (empty before the first step)."""
+        if self.split is not None:
+            return self.split.explain()
+        if self._stage12_split is not None:
+            o, n, budget = self._stage12_split
+            return (f"ZeRO-{self.stage}: parameters stay on the GPU; optimizer state of {o}/{n} chunks kept on the "
+                    f"GPU within a budget of {budget / 2**30:.2f} GiB, the rest updated on the CPU.")
+        return ""
+
+    # ------------------------------------------------------------------ state
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every chunk gathered (stage 3) for the duration: full_state_dict, checkpoints."""
+        if self.stage < 3:
+            yield
+            return
+        for st in self.store.chunks:
+            self.store.gather(st)
+        try:
+            yield
+        finally:
+            self.store.release_all()
+
+    def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """The optimizer state per parameter (shaped like the parameter, on the CPU), gathered over
+        the data axis chunk by chunk: what a checkpoint stores (a collective: every rank)."""
+        out: dict = {}
+        for st in self.store.chunks:
+            state = self.optimizer.state.get(st.master, {})
+            for key in sorted(state):
+                v = state[key]
+                if isinstance(v, torch.Tensor) and v.shape == st.master.shape:
+                    full = torch.empty(st.size, dtype=v.dtype, device=self.device)
+                    comm.all_gather_into(full, v.to(self.device), self.axis)
+                    full = full.cpu()
+                    for p, off in zip(st.params, st.offsets):
+                        out.setdefault(p, {})[key] = full[off:off + p.numel()].view(p.shape).clone()
+                else:
+                    for p in st.params:
+                        out.setdefault(p, {})[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        return out
+
+    def reload_from_params(self) -> None:
+        """After parameters were written in place (a checkpoint load, inside :meth:`gathered`): copy
+        this rank's slice of every chunk into its shard and master."""
+        with torch.no_grad():
+            for st in self.store.chunks:
+                mine = st.full[st.start:st.start + st.shard_size]
+                for t in (st.shard, st.master):
+                    if t is not None and t.data_ptr() != mine.data_ptr():
+                        t.copy_(mine)
+
+    def load_param_states(self, states: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`param_states`: cut every parameter's state into this rank's shards."""
+        self.optimizer.state.clear()
+        for st in self.store.chunks:
+            keys = {k for p in st.params for k in states.get(p, {})}
+            if not keys:
+                continue
+            state = {}
+            for key in sorted(keys):
+                sample = next(states[p][key] for p in st.params if key in states.get(p, {}))
+                if sample.dim() > 0:
+                    full = torch.zeros(st.size, dtype=sample.dtype)
+                    for p, off in zip(st.params, st.offsets):
+                        if key in states.get(p, {}):
+                            full[off:off + p.numel()] = states[p][key].reshape(-1).cpu()
+                    state[key] = full[st.start:st.start + st.shard_size].to(st.master.device).clone()
+                else:
+                    state[key] = sample
+            self.optimizer.state[st.master] = {k: self._state_to(v, st.master) for k, v in state.items()}
+
+    def _state_to(self, v, master: torch.Tensor):
+        """Optimizer state ``v`` where the optimizer wants it for ``master``: tensors with it; 0-d
+        step counters on the CPU unless the group is fused or capturable."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        fused = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+        return v.to(master.device) if v.dim() > 0 or fused else v.cpu()
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes of model data (parameters, gradients, masters, optimizer state) per device type, and on
+        the GPU the other data (activations, buffers, workspaces) = allocated - model data."""
+        report = {}
+        for dev in ("cuda", "cpu"):
+            d = self.store.bytes_on(dev)
+            d["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                                 for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == dev)
+            if dev == "cuda" and torch.cuda.is_available():
+                d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
+            report[dev] = d
+        return report
+
+    def remove(self) -> None:
+        self.store.remove()
+        if self.hooks is not None:
+            self.hooks.remove()
+
+
+def _host_bandwidth(device: torch.device) -> float:
+    """Measured pinned host->device bandwidth in bytes/s (25e9, PCIe 4 x16, on a CPU run)."""
+    if device.type != "cuda":
+        return 25e9
+    import time
+    src = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 4 * src.numel() / (time.perf_counter() - t0)

@@ -1,0 +1,318 @@
+"""The chunk store: ZeRO's runtime memory of parameters and gradients (Gemini / Elixir).
+
+Parameters, in execution order, are packed by :func:`.chunks.pack_chunks` into fixed-size
+fp32 chunks; every parameter's ``.data`` is a view into its chunk's ``full`` buffer, so a
+chunk is gathered, released and reduced as one contiguous tensor. Rank ``r`` of the data
+axis owns elements ``[r*n, (r+1)*n)`` of every chunk (its *shard*).
+
+Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
+
+* stage 1: ``full`` persistent; gradients are views into a persistent ``E``-element gradient
+  chunk (accumulated over micro-batches in place) reduce-scattered on the last micro-batch;
+* stage 2: ``full`` persistent; a gradient chunk lives only from a chunk's first gradient
+  of a micro-batch until its reduce-scatter has been issued: every micro-batch's gradients
+  are reduce-scattered and added into the ``s``-element shard accumulator;
+* stage 3: as 2, and ``full``'s storage is freed when the chunk is not in use and
+  re-gathered (all-gather of the shards) before a module that owns its parameters runs
+  forward or backward (module hooks in :mod:`.hooks`); the next chunks of the previous
+  step's gather order are prefetched asynchronously.
+
+Where the shard lives (``placement``): ``param_on_gpu[c]`` (stage 3 only: else the shard is
+fetched from the host copy for every gather) and ``optim_on_gpu[c]`` (the fp32 master and the
+optimizer state; else both sit in pinned host memory, the reduced gradient is copied to the
+host as soon as it is ready and the optimizer runs on the CPU). On a CPU-only run "host" and
+"device" are both the CPU: the same code path runs (that is how the tests exercise it).
+
+Collectives (axis ``data_axis``, all in one fixed order on every rank): one reduce-scatter
+per chunk per reduced micro-batch, issued in reverse chunk order (the order backward finishes
+chunks); one all-gather per chunk after the optimizer step (stages 1-2) or per use (stage 3).
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import comm
+from ...comm import Axis
+from .chunks import ChunkLayout
+
+__all__ = ["ChunkState", "ChunkStore"]
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    n = t.numel() * t.element_size()
+    if t.untyped_storage().size() != n:
+        t.untyped_storage().resize_(n)
+
+
+class ChunkState:
+    """One chunk on this rank: its buffers and where each lives."""
+
+    def __init__(self, index: int, group: int, size: int, start: int, shard_size: int,
+                 params: list[torch.nn.Parameter], offsets: list[int]) -> None:
+        self.index, self.group, self.size = index, group, size
+        self.start, self.shard_size = start, shard_size
+        self.params, self.offsets = params, offsets
+        self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
+        self.shard: torch.Tensor | None = None      # s elements gathered from (device), None if host-only
+        self.master: torch.Tensor | None = None     # s elements the optimizer updates (device or pinned host)
+        self.grad_full: torch.Tensor | None = None  # E-element gradient chunk (stage 1 persistent)
+        self.grad_acc: torch.Tensor | None = None   # s-element reduced gradient, on the master's device
+        self.param_on_gpu = True
+        self.optim_on_gpu = True
+        self.resident = True                        # ``full`` holds the current parameters
+        self.pending = None                         # in-flight gather handle (stage 3 prefetch)
+        self.ready = 0                              # gradients arrived in this micro-batch
+        self.reduced_once = False                   # grad_acc holds this step's first reduction
+
+
+class ChunkStore:
+    """Chunks of ``params`` over ``axis`` for ZeRO ``stage``; see the module docstring."""
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: ChunkLayout, axis: Axis, stage: int,
+                 device: torch.device, *, param_on_gpu: list[bool], optim_on_gpu: list[bool]) -> None:
+        self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
+        self.host = torch.device("cpu")
+        self.pin = device.type == "cuda"
+        self.chunks: list[ChunkState] = []
+        self.chunk_of: dict[int, ChunkState] = {}
+        self._offset: dict[int, int] = {}
+        for ch in layout.chunks:
+            start, shard_size = ch.shard(axis.rank)
+            ps = [params[i] for i in ch.params]
+            st = ChunkState(ch.index, ch.group, ch.size, start, shard_size, ps,
+                            [layout.params[i].offset for i in ch.params])
+            self.chunks.append(st)
+            for p, off in zip(ps, st.offsets):
+                self.chunk_of[id(p)] = st
+                self._offset[id(p)] = off
+        with torch.no_grad():
+            for st in self.chunks:
+                self._build(st, param_on_gpu[st.index], optim_on_gpu[st.index])
+        self._fresh: set[int] = set()
+        self._sync = self._open = False
+        self._order: list[ChunkState] = list(reversed(self.chunks))   # reduction order
+        self._next = 0
+        self._inflight: list[tuple[ChunkState, object]] = []
+        self.hooks_fired = 0
+        self.launch_log: list[tuple[int, int]] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for st in self.chunks for p in st.params]
+
+    # ------------------------------------------------------------------ set-up
+    def _host_tensor(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=self.host, pin_memory=self.pin)
+
+    def _build(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool) -> None:
+        full = torch.zeros(st.size, dtype=torch.float32, device=self.device)
+        for p, off in zip(st.params, st.offsets):
+            if p.dtype != torch.float32:
+                raise ValueError(f"ZeRO chunks hold fp32 master parameters; a parameter has dtype {p.dtype}. "
+                                 f"Keep parameters in fp32 and use Plan(precision='bf16').")
+            full[off:off + p.numel()].copy_(p.data.reshape(-1))
+            p.data = full[off:off + p.numel()].view(p.shape)
+            p.grad = None
+        st.full = full
+        mine = full[st.start:st.start + st.shard_size]
+        self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, mine)
+        if self.stage == 3:
+            self.release(st)
+
+    def place(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool, current: torch.Tensor | None = None
+              ) -> None:
+        """(Re)place the shard: on the device (``param_on_gpu``) and/or as a host master. Only
+        before the optimizer has state for it (the engine re-plans after its warm-up step)."""
+        if current is None:
+            current = st.master if st.master is not None else st.shard
+        current = current.detach()
+        if optim_on_gpu and not param_on_gpu:
+            raise ValueError("optimizer state on the GPU needs the chunk's parameters there too.")
+        st.param_on_gpu, st.optim_on_gpu = param_on_gpu, optim_on_gpu
+        if self.stage < 3:
+            st.shard = st.full[st.start:st.start + st.shard_size]   # gathered in place
+            if current.data_ptr() != st.shard.data_ptr():
+                st.shard.copy_(current)
+        elif param_on_gpu:
+            st.shard = current.to(self.device, copy=True)   # ``full`` is freed between uses
+        else:
+            st.shard = None
+        if optim_on_gpu:
+            st.master = st.shard
+        else:
+            st.master = self._host_tensor(st.shard_size)
+            st.master.copy_(current)
+        if st.grad_acc is not None:   # a re-plan between backward and the optimizer step keeps the gradient
+            st.grad_acc = st.grad_acc.to(st.master.device)
+
+    # ------------------------------------------------------------------ gather / release (stage 3)
+    def gather(self, st: ChunkState, async_op: bool = False) -> None:
+        """Make ``st.full`` hold the current parameters (all-gather of the shards)."""
+        if st.resident:
+            return
+        if st.pending is not None:
+            if not async_op:
+                st.pending.wait()
+                st.pending = None
+                st.resident = True
+            return
+        _alloc(st.full)
+        src = st.shard if st.shard is not None else st.master.to(self.device, non_blocking=True)
+        handle = comm.all_gather_into(st.full, src, self.axis, async_op=async_op)
+        if async_op:
+            st.pending = handle
+        else:
+            st.resident = True
+
+    def release(self, st: ChunkState) -> None:
+        if self.stage < 3 or not st.resident and st.pending is None:
+            return
+        if st.pending is not None:
+            st.pending.wait()
+            st.pending = None
+        _free(st.full)
+        st.resident = False
+
+    def release_all(self) -> None:
+        for st in self.chunks:
+            self.release(st)
+
+    # ------------------------------------------------------------------ gradients
+    def start_step(self) -> None:
+        for st in self.chunks:
+            st.reduced_once = False
+            for p in st.params:
+                p.grad = None
+        self._fresh = {id(p) for st in self.chunks for p in st.params}
+
+    def begin(self, sync: bool) -> None:
+        """Before each micro-batch's backward; ``sync`` marks the last one (stage 1 reduces only
+        then; stages 2-3 reduce every micro-batch, so the previous one is flushed first)."""
+        if self._open:
+            self._flush()
+        self._sync, self._open = sync, sync or self.stage >= 2
+        if self._open:
+            for st in self.chunks:
+                st.ready = 0
+            self._next = 0
+            self.hooks_fired = 0
+            self.launch_log = []
+        if self.stage >= 2:
+            self._fresh = {id(p) for st in self.chunks for p in st.params}
+
+    def _grad_chunk(self, st: ChunkState) -> torch.Tensor:
+        if st.grad_full is None:
+            st.grad_full = torch.zeros(st.size, dtype=torch.float32, device=self.device)
+        return st.grad_full
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        st = self.chunk_of[id(p)]
+        off = self._offset[id(p)]
+        view = self._grad_chunk(st)[off:off + p.numel()]
+        if id(p) in self._fresh:
+            view.copy_(p.grad.reshape(-1))
+            self._fresh.discard(id(p))
+        elif self.stage >= 2:   # a second gradient in one micro-batch (cannot happen with one backward)
+            view.add_(p.grad.reshape(-1))
+        # stage 1: after the first copy the grad is a view of the chunk: autograd accumulates in place
+        p.grad = view.view(p.shape) if self.stage == 1 else None
+        if self.stage == 1 and not self._sync:
+            return
+        self.hooks_fired += 1
+        st.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self._order) and (force or self._order[self._next].ready == len(
+                self._order[self._next].params)):
+            st = self._order[self._next]
+            self.launch_log.append((st.index, self.hooks_fired))
+            if st.grad_full is None:   # no parameter of the chunk got a gradient: reduce zeros
+                self._grad_chunk(st)
+            handle = comm.reduce_scatter_async(st.grad_full, self.axis)
+            self._inflight.append((st, handle))
+            if self.stage >= 2:
+                st.grad_full = None   # the handle keeps the buffer alive until the reduce is done
+                if self.stage == 3 and st.pending is None:
+                    self.release(st)  # its gradients are complete: backward needs it no more
+            self._next += 1
+            while len(self._inflight) > 2:   # bound memory: at most 2 chunk reductions in flight
+                self._complete(*self._inflight.pop(0))
+
+    def _complete(self, st: ChunkState, handle) -> None:
+        reduced = handle.wait()
+        if st.grad_acc is None:
+            st.grad_acc = torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device,
+                                      pin_memory=self.pin and st.master.device.type == "cpu")
+        if st.reduced_once:
+            st.grad_acc.add_(reduced.to(st.grad_acc.device))
+        else:
+            st.grad_acc.copy_(reduced, non_blocking=True)
+            st.reduced_once = True
+
+    def _flush(self) -> None:
+        """Close the current micro-batch: parameters that got no gradient count as zeros, every
+        chunk not yet reduced is issued (same order on every rank)."""
+        for st in self.chunks:
+            for p, off in zip(st.params, st.offsets):
+                if id(p) in self._fresh:
+                    view = self._grad_chunk(st)[off:off + p.numel()]
+                    view.zero_()
+                    p.grad = view.view(p.shape) if self.stage == 1 else None
+        self._fresh.clear()
+        self._launch_ready(force=True)
+        self._open = False
+
+    def finish(self) -> None:
+        """After the step's last backward: reduce what is left and wait for every reduction."""
+        if self._open:
+            self._flush()
+        while self._inflight:
+            self._complete(*self._inflight.pop(0))
+        if self.stage == 3:
+            self.release_all()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()   # host gradient copies are complete
+        self._sync = False
+
+    def attach_grads(self) -> None:
+        """Kept for the engine's checkpoint code: ZeRO gradients live in the store."""
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [st.grad_acc for st in self.chunks]
+
+    # ------------------------------------------------------------------ after the optimizer step
+    def publish(self) -> None:
+        """Make the updated masters visible to the model: copy host masters to the device shard,
+        then (stages 1-2) all-gather every chunk in place."""
+        handles = []
+        for st in self.chunks:
+            if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
+                st.shard.copy_(st.master, non_blocking=True)
+            if self.stage < 3:
+                handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def bytes_on(self, device_type: str) -> dict[str, int]:
+        """Parameter and gradient bytes this rank holds on ``device_type`` now (the memory tracer;
+        the optimizer adds its state)."""
+        out = {"params": 0, "grads": 0, "masters": 0}
+        for st in self.chunks:
+            if self.device.type == device_type and st.full.untyped_storage().size():
+                out["params"] += st.size * 4
+            if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type:
+                out["params"] += st.shard_size * 4
+            if st.master.device.type == device_type and (st.shard is None or
+                                                         st.master.data_ptr() != st.shard.data_ptr()):
+                out["masters"] += st.shard_size * 4
+            if st.grad_full is not None and self.device.type == device_type:
+                out["grads"] += st.size * 4
+            if st.grad_acc is not None and st.grad_acc.device.type == device_type:
+                out["grads"] += st.shard_size * 4
+        return out
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

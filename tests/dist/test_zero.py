@@ -1,0 +1,167 @@
+"""ZeRO stages 1-3, with and without CPU / automatic offload, match serial training (the
+parity law): behemoth's and transformers' models, AdamW and SGD, accumulation, clipping,
+fp16/bf16, composed with 1D and 2D tensor parallelism; checkpoints written under ZeRO load
+under any other plan; the per-chunk reduce-scatter overlaps backward; ZeRO-3 at dp=4 holds a
+quarter of the serial model data plus the chunk padding; bad input fails on every rank."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import behemoth as bh
+from common import (assert_losses_close, assert_state_close, build, expect_error, global_batches, make_optimizer,
+                    serial_train, shard, train_and_save)
+
+STEPS, BATCH = 3, 8
+CHUNK_MB = 0.02   # ~5k elements: the tiny models span several chunks (and one chunk straddles shards)
+
+# (family, optimizer, stage, offload, microbatches, max_grad_norm, precision)
+SCENARIOS_2 = [
+    ("gpt", "adamw", 1, None, 2, 1.0, "fp32"),
+    ("gpt", "sgd", 2, None, 2, None, "fp32"),
+    ("gpt", "adamw", 3, None, 2, 0.5, "fp32"),
+    ("llama", "adamw", 3, "cpu", 1, 1.0, "fp32"),
+    ("llama", "sgd", 1, "cpu", 2, None, "fp32"),
+    ("hf-gpt2", "adamw", 3, "auto", 2, 1.0, "fp32"),
+    ("hf-llama", "adamw", 2, "auto", 1, 0.5, "fp32"),
+    ("hf-gpt2", "sgd", 2, "cpu", 1, None, "fp32"),
+    ("gpt", "sgd", 3, None, 1, 1.0, "bf16"),
+    ("llama", "sgd", 2, None, 1, None, "fp16"),
+]
+SCENARIOS_4 = [
+    ("gpt", "adamw", 1, None, 1, 1.0, "fp32"),
+    ("llama", "sgd", 2, "cpu", 2, None, "fp32"),
+    ("hf-gpt2", "adamw", 3, None, 1, 0.5, "fp32"),
+    ("hf-llama", "adamw", 3, "auto", 2, None, "fp32"),
+]
+
+
+def _check(engine, losses, family, opt_name, clip, precision, what):
+    want_losses, want_state = serial_train(family, opt_name, global_batches(STEPS, BATCH), max_grad_norm=clip,
+                                           precision=precision)
+    tol = {} if precision == "fp32" else {"rtol": 2e-2}
+    assert_losses_close(losses, want_losses, what=what, **tol)
+    assert_state_close(engine.full_state_dict(), want_state, what=what,
+                       **({} if precision == "fp32" else {"rtol": 2e-2, "atol": 2e-3}))
+    t = torch.tensor(losses + [engine.last_grad_norm], dtype=torch.float64)
+    ref = t.clone()
+    torch.distributed.broadcast(ref, 0)
+    assert torch.equal(t, ref), f"{what}: ranks disagree on the loss or the grad norm"
+
+
+def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d"):
+    torch.manual_seed(rank)
+    batches = global_batches(STEPS, BATCH)
+    for family, opt_name, stage, offload, micro, clip, precision in scenarios:
+        what = f"dp={world // tp} tp={tp}/{tp_mode} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
+        model = build(family)
+        plan = bh.Plan(tp=tp, tp_mode=tp_mode, zero=stage, offload=offload, microbatches=micro, precision=precision,
+                       chunk_mb=CHUNK_MB / tp)   # tp shards are smaller: smaller chunks keep several
+        engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
+        assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        _check(engine, losses, family, opt_name, clip, precision, what)
+        if offload == "auto":
+            assert engine.zero.explain(), what
+        if offload == "cpu":   # masters and optimizer state really are the host copies
+            assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
+                                                           st.shard.data_ptr()) for st in engine.zero.store.chunks)
+        if world // tp > 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
+            dp = engine.comm_stats()["dp"]
+            reduced = micro if stage >= 2 else 1
+            assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.zero.layout.num_chunks, (what, dp)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_matches_serial(world):
+    bh.spawn(_parity_world, world, SCENARIOS_2 if world == 2 else SCENARIOS_4, timeout=600)
+
+
+def test_zero_with_1d_tensor_parallel():
+    scen = [("gpt", "adamw", 1, None, 1, 1.0, "fp32"), ("hf-llama", "adamw", 3, "cpu", 2, 0.5, "fp32"),
+            ("hf-gpt2", "sgd", 2, None, 1, None, "fp32")]
+    bh.spawn(_parity_world, 4, scen, 2, "1d", timeout=600)
+
+
+def test_zero_with_2d_tensor_parallel():
+    scen = [("gpt", "adamw", 3, None, 1, 1.0, "fp32"), ("llama", "sgd", 2, "auto", 1, None, "fp32")]
+    bh.spawn(_parity_world, 8, scen, 4, "2d", timeout=600)
+
+
+# ----------------------------------------------------------------------------- overlap, memory, errors
+def _overlap_memory_errors_world(rank, world):
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, chunk_mb=CHUNK_MB))
+    n_params = len(engine.zero.params)
+    engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
+    log = engine.zero.store.launch_log
+    assert [c for c, _ in log] == list(reversed(range(engine.zero.layout.num_chunks))), log
+    assert log[0][1] < n_params, f"the first reduce-scatter waited for every gradient: {log}"
+    # Between steps ZeRO-3 holds no gathered chunk.
+    assert not any(st.resident for st in engine.zero.store.chunks)
+
+    # Model data at rest under ZeRO-3: parameters, gradients and AdamW state are sharded.
+    serial = sum(p.numel() for p in build("gpt").parameters())
+    mem = engine.memory_report()["cpu"]
+    held = mem["params"] + mem["grads"] + mem["masters"] + mem["optimizer"]
+    layout = engine.zero.layout
+    padding = 16 * (layout.total_elements - layout.param_elements) // world
+    # fp32 parameter + gradient + Adam's two moments = 16 B per element, plus AdamW's 4-byte step
+    # counter per shard (serial AdamW keeps one per parameter: more).
+    bound = 16 * serial // world + padding + 4 * layout.num_chunks
+    assert held <= bound, (mem, held, bound)
+    if rank == 0:
+        print(f"ZeRO-3 dp={world}: {held} B per rank at rest vs serial {16 * serial} B "
+              f"(bound {bound}); padding {100 * layout.padding_fraction:.2f}%")
+
+    # Bad input, on every rank.
+    m = build("gpt")
+    expect_error(lambda: bh.boost(m, torch.optim.LBFGS(m.parameters()), bh.Plan(zero=2)),
+                 "zero=2", "element-wise", "LBFGS")
+    m = build("gpt")
+    expect_error(lambda: bh.boost(m, make_optimizer("adamw", m), bh.Plan(zero=1, chunk_mb=0.001)),
+                 "chunk_mb=0.001", "never split", "chunk_mb >=")
+    m = build("gpt")
+    expect_error(lambda: bh.boost(m, make_optimizer("adamw", m),
+                                  bh.Plan(zero=3, offload="auto", offload_budget_gb=1e-6, chunk_mb=CHUNK_MB)),
+                 "offload_budget_gb", "largest chunk")
+    expect_error(lambda: bh.Plan(offload="cpu"), "zero=0")
+    expect_error(lambda: bh.Plan(zero=1, offload_budget_gb=4), "offload='auto'")
+    m = build("gpt")
+    frozen = [p for n, p in m.named_parameters() if "wte" not in n]
+    expect_error(lambda: bh.boost(m, torch.optim.AdamW(frozen), bh.Plan(zero=1)), "not in the optimizer")
+
+
+def test_zero_overlap_memory_and_errors():
+    bh.spawn(_overlap_memory_errors_world, 4, timeout=300)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _save_world(rank, world, root):
+    for name, plan in (("z3", bh.Plan(zero=3, chunk_mb=CHUNK_MB)),
+                       ("z1-cpu", bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB)),
+                       ("plain", bh.Plan())):
+        train_and_save("gpt", plan, os.path.join(root, name), 8)
+
+
+def _load_world(rank, world, root):
+    """Every checkpoint, loaded under other plans, finishes the four steps like serial training."""
+    batches = global_batches(4, 8)
+    want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
+    for name, plan in (("z3", bh.Plan()), ("z3", bh.Plan(zero=2, chunk_mb=0.03)),
+                       ("z1-cpu", bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB)),
+                       ("plain", bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB))):
+        what = f"{name} -> {plan.describe()} at world {world}"
+        model = build("gpt", seed=7)   # different init: everything must come from the checkpoint
+        engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+        engine.load(os.path.join(root, name))
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
+        assert_losses_close(losses, want_losses[2:], what=what)
+        assert_state_close(engine.full_state_dict(), want_state, what=what)
+
+
+def test_zero_checkpoints_load_under_other_plans(tmp_path):
+    bh.spawn(_save_world, 2, str(tmp_path), timeout=300)
+    bh.spawn(_load_world, 4, str(tmp_path), timeout=300)
