@@ -24,6 +24,12 @@ three). Replicas (dp ranks, replicated tp ranks) write identical chunks, which D
 once. A plain tensor and a chunked one of the same name are the same serial tensor to DCP,
 so a checkpoint saved under dp=2 loads under tp=2 and vice versa, each rank reading only
 its rectangles.
+
+Pipeline stages: each rank's model holds only its stage's tensors, under the serial names,
+so each stage writes (and reads) just those; the tensors of all stages together are the
+serial model's. A tied embedding held by the last stage as the head's weight keeps its
+optimizer state under the serial model's first name (``engine.serial_param_names``), so
+pp = 2 checkpoints load under pp = 1 and the reverse.
 """
 from __future__ import annotations
 
