@@ -19,7 +19,7 @@ from torch import nn
 import behemoth as bh
 from behemoth import comm
 from behemoth.mesh import ParallelMesh, ravel, unravel
-from behemoth.parallel.tensor import tp2d, tp2p5d
+from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 
 B, S, H, V = 4, 3, 8, 16
@@ -27,9 +27,9 @@ F64 = torch.float64
 TP_AXES = ("tp_depth", "tp_row", "tp_col")
 
 LAYERS_2D = types.SimpleNamespace(
-    Linear=tp2d.Linear2D, LayerNorm=tp2d.LayerNorm2D, RMSNorm=tp2d.RMSNorm2D, Embedding=tp2d.Embedding2D,
-    PositionEmbedding=tp2d.PositionEmbedding2D, Head=tp2d.VocabParallelHead2D,
-    cross_entropy=tp2d.vocab_parallel_cross_entropy_2d, spec=tp2d.activation_spec_2d,
+    Linear=tp2d.Linear2D, LayerNorm=tp2d.LayerNorm2D, RMSNorm=tp2d.RMSNorm2D, Embedding=embed2d.Embedding2D,
+    PositionEmbedding=embed2d.PositionEmbedding2D, Head=embed2d.VocabParallelHead2D,
+    cross_entropy=embed2d.vocab_parallel_cross_entropy_2d, spec=tp2d.activation_spec_2d,
     split_batch=tp2d.split_batch_2d, split=tp2d.split_activation_2d, gather=tp2d.gather_activation_2d)
 LAYERS_25D = types.SimpleNamespace(
     Linear=tp2p5d.Linear25D, LayerNorm=tp2p5d.LayerNorm25D, RMSNorm=tp2p5d.RMSNorm25D,

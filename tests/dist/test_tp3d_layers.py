@@ -22,7 +22,7 @@ from torch import nn
 import behemoth as bh
 from behemoth import comm
 from behemoth.mesh import ParallelMesh
-from behemoth.parallel.tensor import tp3d
+from behemoth.parallel.tensor import embed3d, tp3d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 from test_tp2d_layers import (LM, MLPBlock, check_layer, check_params, close, gather_full, rand,
                               saved_activation_bytes)
@@ -198,9 +198,9 @@ def lm_scenarios(mesh):
     labels = labels_BS()
     for tied in (False, True):
         serial = serial_lm(tied)
-        wte = tp3d.Embedding3D.from_serial(serial.wte, mesh)
-        head = tp3d.VocabParallelHead3D.from_serial(serial.head, mesh, tied=wte if tied else None)
-        lm = LM(wte, tp3d.PositionEmbedding3D.from_serial(serial.wpe, mesh),
+        wte = embed3d.Embedding3D.from_serial(serial.wte, mesh)
+        head = embed3d.VocabParallelHead3D.from_serial(serial.head, mesh, tied=wte if tied else None)
+        lm = LM(wte, embed3d.PositionEmbedding3D.from_serial(serial.wpe, mesh),
                 tp3d.LayerNorm3D.from_serial(serial.ln, mesh), head)
         loss = F.cross_entropy(serial(ids).flatten(0, 1), labels.flatten(), reduction="sum")
         loss.backward()
@@ -212,13 +212,13 @@ def lm_scenarios(mesh):
             total = head.vocab_parallel_loss_sum(logits, labels)
             total.backward()
         else:     # this rank's block; the total is the sum over the two batch axes
-            local = tp3d.vocab_parallel_cross_entropy_3d(logits, tp3d.split_batch_3d(labels, mesh, swapped=True), mesh)
+            local = embed3d.vocab_parallel_cross_entropy_3d(logits, tp3d.split_batch_3d(labels, mesh, swapped=True), mesh)
             local.backward()
             s = comm.all_reduce_scalars([local.item()], mesh.axis("tp_col"))
             total = torch.tensor(comm.all_reduce_scalars(s, mesh.axis("tp_depth"))[0], dtype=F64)
         close(total.detach(), loss.detach(), f"lm tied={tied} loss")
         my_labels = tp3d.split_batch_3d(labels, mesh, swapped=True)
-        per_token = tp3d.vocab_parallel_cross_entropy_3d(logits.detach(), my_labels, mesh, reduction="none")
+        per_token = embed3d.vocab_parallel_cross_entropy_3d(logits.detach(), my_labels, mesh, reduction="none")
         want = F.cross_entropy(serial(ids).flatten(0, 1), labels.flatten(), reduction="none").view(B, S)
         close(gather_full(per_token, spec((B, S), mesh, True, hidden=False), mesh), want.detach(), "per-token loss")
         check_params(lm, serial, mesh, f"lm tied={tied}")
@@ -313,7 +313,7 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     assert torch.equal(shard_tensor(fq, get_spec(qkv.weight)), fq.view(3, 8, 8)[:, 6:8, 0:4].reshape(6, 4))
     conv = tp3d.Linear3D(8, 24, mesh, fused=3, weight_layout="in_out")
     assert torch.equal(shard_tensor(fq.t(), get_spec(conv.weight)), fq.view(3, 8, 8)[:, 6:8, 0:4].reshape(6, 4).t())
-    emb, head = tp3d.Embedding3D(16, 8, mesh), tp3d.VocabParallelHead3D(8, 16, mesh)
+    emb, head = embed3d.Embedding3D(16, 8, mesh), embed3d.VocabParallelHead3D(8, 16, mesh)
     assert get_spec(emb.weight) == get_spec(head.weight) and emb.vocab_start == 12
     assert get_spec(tp3d.LayerNorm3D(8, mesh, swapped=True).weight).dims == (DimShard(0, 2, 1, ("tp_row",)),)
     # traffic: (3 T K + 3 K N + 2 T N) / q^2 elements, bias 2 N / q
@@ -336,9 +336,9 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="overlap=0 must be an integer >= 1"):
         tp3d.Linear3D(8, 8, mesh, overlap=0)
     with pytest.raises(ValueError, match="vocabulary size = 18 is not divisible by 4"):
-        tp3d.Embedding3D(18, 8, mesh)
+        embed3d.Embedding3D(18, 8, mesh)
     with pytest.raises(ValueError, match="batch size .* = 6 is not divisible by 4"):
-        tp3d.Embedding3D(16, 8, mesh)(torch.zeros(6, 3, dtype=torch.long))
+        embed3d.Embedding3D(16, 8, mesh)(torch.zeros(6, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="batch size = 3 is not divisible by 4"):
         tp3d.split_batch_3d(torch.zeros(3, 2), mesh)
     with pytest.raises(ValueError, match="RMSNorm3D hidden size = 5 is not divisible by 2"):
@@ -348,7 +348,7 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="labels .* must be this rank's batch block"):
         head.vocab_parallel_loss_sum(torch.zeros(1, 3, 8), torch.zeros(4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="does not match"):
-        tp3d.VocabParallelHead3D.from_serial(nn.Linear(8, 16, bias=False), mesh, tied=emb, swapped=True)
+        embed3d.VocabParallelHead3D.from_serial(nn.Linear(8, 16, bias=False), mesh, tied=emb, swapped=True)
     with pytest.raises(ValueError, match="tp_mode='3d'"):
         tp3d.Linear3D(8, 8, ParallelMesh(bh.Plan(tp=4, tp_mode="2d"), rank=0, world_size=4, create_groups=False))
 

@@ -49,11 +49,11 @@ _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 
 
 def _layers(mode: str) -> types.SimpleNamespace:
-    from . import tp2d, tp2p5d
+    from . import embed2d, tp2d, tp2p5d
     if mode == "2d":
         return types.SimpleNamespace(Linear=tp2d.Linear2D, LayerNorm=tp2d.LayerNorm2D, RMSNorm=tp2d.RMSNorm2D,
-                                     Embedding=tp2d.Embedding2D, PositionEmbedding=tp2d.PositionEmbedding2D,
-                                     Head=tp2d.VocabParallelHead2D)
+                                     Embedding=embed2d.Embedding2D, PositionEmbedding=embed2d.PositionEmbedding2D,
+                                     Head=embed2d.VocabParallelHead2D)
     return types.SimpleNamespace(Linear=tp2p5d.Linear25D, LayerNorm=tp2p5d.LayerNorm25D, RMSNorm=tp2p5d.RMSNorm25D,
                                  Embedding=tp2p5d.Embedding25D, PositionEmbedding=tp2p5d.PositionEmbedding25D,
                                  Head=tp2p5d.VocabParallelHead25D)

@@ -25,7 +25,7 @@ What the rewritten model computes on rank (d, r, c) of the q x q x q cube (tp = 
   axis), each attention module's head counts become N/q and K/q (:func:`..localize_heads`).
   Grouped-query attention needs q | K (local query heads block r then read exactly kv heads
   block r); fewer kv heads are refused with the numbers.
-* **Head and loss.** :class:`.tp3d.VocabParallelHead3D` writes logits ``[b, S, V/q]`` in the
+* **Head and loss.** :class:`.embed3d.VocabParallelHead3D` writes logits ``[b, S, V/q]`` in the
   swapped layout (vocab over tp_row); its loss sums over this rank's labels block and the
   engine sums over dp and the batch axes. A tied head shares the embedding's Parameter (both
   have the ``[V, H]`` table layout: vocab block ``r*q + d`` of q**2, hidden block c).
@@ -45,8 +45,8 @@ from torch import nn
 from . import Parallelized, attention_heads, localize_heads, replace_modules
 from .apply2d import _is_rms, _linear_shape
 from .layout import check_divisible
-from .tp3d import (INPUT_BATCH_AXES, MODE, Embedding3D, LayerNorm3D, Linear3D, PositionEmbedding3D, RMSNorm3D,
-                   VocabParallelHead3D, cube_of)
+from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
+from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 

@@ -21,13 +21,17 @@ broadcasts X(i, k) along the grid row and W(k, j) down the grid column; backward
 them and reduces dX partials along the row and dW partials down the column. Per device that
 is ``3 (bsh + h h_o) / q`` elements (:func:`summa_linear_bytes`). Norms all-gather their
 per-shard statistics over ``tp_col`` forward and all-reduce two sums backward. The
-embedding looks up its vocab block for the tp group's batch, reduce-scatters over
+embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its vocab block for the tp group's batch, reduce-scatters over
 ``tp_col`` and swaps with the transposed grid rank; the cross-entropy all-reduces max,
 target logit and sum-exp over ``tp_col``: no rank ever holds full logits.
 
 The 2.5D layers (``tp2p5d``, Tesseract) are these same classes with a depth axis: the batch
 is split by ``d*q`` (block ``depth*q + i``), weights are replicated over ``tp_depth`` and
 their gradients all-reduced over it. Here the depth axis has size 1, so it moves nothing.
+
+Modules: this one (grid, activation layouts, SUMMA Linear2D, norms), :mod:`.embed2d` (token
+and position embeddings, LM head, vocab-parallel cross-entropy), :mod:`.apply2d` (the model
+rewrite).
 
 Tested in tests/dist/test_tp2d_layers.py against the serial layers (outputs, input and
 parameter gradients, ledger bytes).
@@ -40,7 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
@@ -50,8 +53,7 @@ from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 __all__ = [
     "Grid", "grid_of", "summa_linear_bytes", "activation_spec_2d", "split_batch_2d",
     "split_activation_2d", "gather_batch_2d", "gather_activation_2d", "Linear2D", "LayerNorm2D",
-    "RMSNorm2D", "Embedding2D", "PositionEmbedding2D", "VocabParallelHead2D",
-    "vocab_parallel_cross_entropy_2d", "parallelize",
+    "RMSNorm2D", "parallelize",
 ]
 
 
@@ -453,210 +455,6 @@ class RMSNorm2D(_Norm2D):
         layer = cls(w.shape[0], mesh, eps=eps, device=w.device, dtype=w.dtype)
         _copy_shards(layer, module)
         return layer
-
-
-# --------------------------------------------------------------------------- embeddings
-class Embedding2D(nn.Module):
-    """Vocab-parallel token embedding: ids ``[B, S]`` of the whole tp group (the same on every
-    tp rank) -> ``[b, s, h]`` in the 2D layout.
-
-    Table layout = the LM head's (``[V, H]``: vocab block over ``tp_col``, hidden block over
-    ``tp_row``), so a tied head shares the Parameter. Rank (k, c) looks up its vocab block
-    for the tokens of its depth slab (hidden block k), reduce-scatters the partial sums over
-    ``tp_col`` along the batch (now batch block c, hidden k) and swaps with the transposed rank
-    (c, k). Backward: the swap, an all-gather over ``tp_col``, a local scatter-add.
-
-    ``local_ids=True`` (what model-level ``parallelize`` sets, the engine having split the
-    batch): ids are this rank's batch block ``[b, S]`` instead; they are all-gathered (int64,
-    no gradient) over ``tp_row`` into the depth slab first -- ``2q/h`` of the bytes the
-    lookup's reduce-scatter then moves (fp32).
-    """
-
-    MODE = "2d"
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
-                 local_ids: bool = False, device=None, dtype=None) -> None:
-        super().__init__()
-        g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
-        check_divisible(f"{type(self).__name__} vocabulary size", num_embeddings, g.q, g.mode)
-        check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, g.q, g.mode)
-        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.local_ids = local_ids
-        self.vocab_start = g.col * (num_embeddings // g.q)
-        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(0, g.q, g.col, ("tp_col",)),
-                         DimShard(1, g.q, g.row, ("tp_row",))), g.weight_replicas)
-        self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
-
-    @classmethod
-    def from_serial(cls, module: nn.Embedding, mesh):
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
-        w = module.weight
-        layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
-                    device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
-        return layer
-
-    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
-        g, v = self.grid, self.num_embeddings // self.grid.q
-        if self.local_ids:   # this rank's batch block -> the depth slab's ids
-            ids = comm.all_gather(ids_BS.contiguous(), g.row_axis, 0)
-        else:
-            check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0],
-                            g.batch_parts, g.mode)
-            ids = ids_BS.chunk(g.depth_size, 0)[g.depth]
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= v)
-        local = local.masked_fill(outside, 0)
-        pad = self.padding_idx
-        pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
-        e = F.embedding(local, _replicate_on(self.weight, g, rows=False), padding_idx=pad)
-        e = e.masked_fill(outside[..., None], 0.0)
-        e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)     # batch block c, hidden block k
-        return comm.ExchangeWithPeer.apply(e, g.tp_axis, g.transpose_peer)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, q={self.grid.q}, depth={self.grid.depth_size}"
-
-
-class PositionEmbedding2D(nn.Module):
-    """Learned position table ``[P, H]``: hidden block j, replicated over ``tp_row`` (it is
-    small and every batch block uses every row). ``forward(pos)`` -> ``pos.shape + [h/q]``,
-    which broadcasts onto ``[b, s, h]``; no forward communication, the gradient is summed
-    over ``tp_row``."""
-
-    MODE = "2d"
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, device=None, dtype=None) -> None:
-        super().__init__()
-        g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
-        check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, g.q, g.mode)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(1, g.q, g.col, ("tp_col",)),),
-                         ("tp_row",) * (g.q > 1) + g.weight_replicas)
-        self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
-
-    @classmethod
-    def from_serial(cls, module: nn.Embedding, mesh):
-        w = module.weight
-        layer = cls(module.num_embeddings, module.embedding_dim, mesh, device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
-        return layer
-
-    def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return F.embedding(pos, _replicate_on(self.weight, self.grid, rows=True))
-
-
-# --------------------------------------------------------------------------- LM head + loss
-class VocabParallelHead2D(Linear2D):
-    """LM head: ``[b, s, h] -> logits [b, s, v]`` (batch block i, vocab block j), a SUMMA
-    Linear whose weight ``[V, H]`` has the :class:`Embedding2D` table layout. Pair it with
-    :func:`vocab_parallel_cross_entropy_2d`; full logits never exist on any rank.
-
-    Engine protocol (as tp1d's head): :meth:`vocab_parallel_loss_sum`, and ``gather_output``
-    which, when set (for a user's loss_fn), makes ``forward`` all-gather the full logits
-    ``[B, S, V]`` on every rank (GatherFromAxis: slice backward). ``local_labels`` (set by
-    model-level ``parallelize``, whose engine splits the batch): the loss takes this rank's
-    labels block and sums over it alone; the engine sums over the batch axes."""
-
-    def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
-        super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
-        self.gather_output = False
-        self.local_labels = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
-        return _gather_activation(logits, self.grid) if self.gather_output else logits
-
-    def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``,
-        the same on every tp rank: this rank's block's sum, all-reduced over ``tp_row`` and
-        ``tp_depth`` (``ReduceFromAxis``: identity backward, so each rank's logits get the
-        gradient of the total). With ``local_labels``, ``labels_BS`` is this rank's block
-        ``[b, S]`` and the sum is over it alone (the same on every rank of a grid row)."""
-        g = self.grid
-        if self.gather_output:
-            return F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(), reduction="sum")
-        if self.local_labels:
-            return _vocab_parallel_ce(logits, labels_BS, g, self.out_features)
-        local = _vocab_parallel_ce(logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)),
-                                   g, self.out_features)
-        return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
-
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, *, tied: Embedding2D | None = None):
-        """``tied``: the sharded token embedding whose Parameter this head shares."""
-        layer = super().from_serial(module, mesh)
-        if tied is not None:
-            if tied.weight._bh_shard != layer.weight._bh_shard:
-                raise ValueError(f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
-                                 f"the head's {layer.weight._bh_shard}.")
-            layer.weight = tied.weight
-        return layer
-
-    def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
-        return _vocab_parallel_ce(logits_bSv, labels_bS, self.grid, self.out_features, **kw)
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over ``axis`` on the vocab dim. Forward:
-    all-reduce (max) of the row max, then one all-reduce (sum) of [target logit, sum exp].
-    Backward: local, ``(softmax - onehot) * dloss``."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, axis: Axis, vocab_start: int, ignore_index: int):
-        z = logits.to(_compute_dtype(logits))
-        v = z.shape[-1]
-        zmax = comm.all_reduce(z.max(-1).values, axis, op=torch.distributed.ReduceOp.MAX)
-        z = z - zmax[..., None]
-        local = labels - vocab_start
-        mine = (local >= 0) & (local < v) & (labels != ignore_index)
-        local = local.masked_fill(~mine, 0)
-        target = z.gather(-1, local[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
-        probs = z.exp_()
-        sums = comm.all_reduce(torch.stack([target, probs.sum(-1)]), axis)
-        valid = labels != ignore_index
-        loss = (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
-        probs.div_(sums[1][..., None])
-        ctx.save_for_backward(probs, local, mine, valid)
-        ctx.in_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        probs, local, mine, valid = ctx.saved_tensors
-        grad = probs.clone()
-        grad.scatter_add_(-1, local[..., None], -mine[..., None].to(grad.dtype))
-        grad.mul_((dloss * valid)[..., None].to(grad.dtype))
-        return grad.to(ctx.in_dtype), None, None, None, None
-
-
-def _vocab_parallel_ce(logits, labels, g: Grid, vocab: int, *, ignore_index: int = -100,
-                       reduction: str = "sum") -> torch.Tensor:
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"vocab-parallel cross-entropy ({g.mode}): labels {tuple(labels.shape)} must be this rank's "
-                         f"batch block, matching logits {tuple(logits.shape[:-1])}; use split_batch.")
-    if logits.shape[-1] * g.q != vocab:
-        raise ValueError(f"vocab-parallel cross-entropy ({g.mode}): logits' last dim {logits.shape[-1]} is not "
-                         f"vocab/q = {vocab}/{g.q}.")
-    loss = _VocabParallelCE.apply(logits, labels, g.col_axis, g.col * (vocab // g.q), ignore_index)
-    if reduction == "none":
-        return loss
-    if reduction != "sum":
-        raise ValueError(f"reduction={reduction!r}: must be 'sum' or 'none'.")
-    return loss.sum()
-
-
-def vocab_parallel_cross_entropy_2d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
-                                    ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
-    """Cross-entropy of logits ``[b, s, V/q]`` (vocab over ``tp_col``) against this rank's
-    labels ``[b, s]`` (:func:`split_batch_2d` of the group's labels); ``ignore_index`` tokens
-    count 0. ``reduction="sum"``: the sum over this rank's batch block -- the same value on
-    every rank of a grid row, to be backpropagated once per rank; the tp group's total is
-    the sum over ``tp_row`` (and depth). ``"none"``: per-token losses ``[b, s]``."""
-    g = grid_of(mesh, "2d", "vocab_parallel_cross_entropy_2d")
-    return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
-                              ignore_index=ignore_index, reduction=reduction)
 
 
 def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from . import tp2d
-from .tp2d import _activation_spec, _gather_activation, _gather_batch, _vocab_parallel_ce, grid_of
+from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D, _vocab_parallel_ce
+from .tp2d import _activation_spec, _gather_activation, _gather_batch, grid_of
 from .layout import ShardSpec, shard_tensor
 
 __all__ = [
@@ -94,20 +95,20 @@ class RMSNorm25D(tp2d.RMSNorm2D):
     MODE = MODE
 
 
-class Embedding25D(tp2d.Embedding2D):
+class Embedding25D(Embedding2D):
     """Vocab-parallel embedding: ids ``[B, S]`` of the tp group; each depth layer embeds its
-    slab as :class:`.tp2d.Embedding2D` does; the table's gradient is summed over ``tp_depth``."""
+    slab as :class:`.embed2d.Embedding2D` does; the table's gradient is summed over ``tp_depth``."""
 
     MODE = MODE
 
 
-class PositionEmbedding25D(tp2d.PositionEmbedding2D):
+class PositionEmbedding25D(PositionEmbedding2D):
     """Position table split on hidden over ``tp_col``, replicated over ``tp_row`` and ``tp_depth``."""
 
     MODE = MODE
 
 
-class VocabParallelHead25D(tp2d.VocabParallelHead2D):
+class VocabParallelHead25D(VocabParallelHead2D):
     """LM head with the :class:`Embedding25D` table layout (tie by ``from_serial(..., tied=emb)``)."""
 
     MODE = MODE
@@ -115,7 +116,7 @@ class VocabParallelHead25D(tp2d.VocabParallelHead2D):
 
 def vocab_parallel_cross_entropy_25d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
                                      ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
-    """As :func:`.tp2d.vocab_parallel_cross_entropy_2d`; the tp group's total loss is the sum
+    """As :func:`.embed2d.vocab_parallel_cross_entropy_2d`; the tp group's total loss is the sum
     over ``tp_row`` and ``tp_depth`` of the per-rank sums."""
     g = grid_of(mesh, MODE, "vocab_parallel_cross_entropy_25d")
     return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
