@@ -152,7 +152,10 @@ class Engine:
         if (plan.tp > 1 or plan.zero) and optimizer.state:
             raise ValueError("the optimizer already has state; under tensor parallelism or ZeRO build the engine "
                              "before the first optimizer step (its state would not match the parameter shards).")
-        self.model = prepare_model(model, self.device)
+        # ZeRO-3 without tp/sp moves parameters to the device chunk by chunk (a model built on the
+        # host may be larger than the device); everything else moves the whole model now.
+        chunked_build = plan.zero == 3 and plan.tp == 1 and plan.sp == 1 and plan.pp == 1
+        self.model = prepare_model(model, self.device, keep_params=chunked_build)
         self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
         self.vocab_head = self.tensor_parallel.head   # vocab-sharded logits: the loss goes through it
         self.batch_axes = [mesh.axis(a) for a in self.tensor_parallel.batch_axes]
@@ -220,8 +223,9 @@ class Engine:
         """Make every data-parallel (and sequence-parallel) replica start from rank 0's weights
         (users who seed differently per rank still train one model)."""
         dp = self.data_axis
+        params = [] if self.plan.zero else list(self.model.parameters())   # ZeRO broadcasts whole chunks
         with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
+            for t in params + list(self.model.buffers()):
                 comm.broadcast(t.data, dp, 0)
 
     # ---------------------------------------------------------------- step

@@ -21,13 +21,21 @@ from .policies import resolve_tp_policy, transformer_blocks
 _TP_MODULES = {"1d": "tp1d", "2d": "tp2d", "2.5d": "tp2p5d", "3d": "tp3d"}
 
 
-def prepare_model(model: nn.Module, device: torch.device) -> nn.Module:
+def prepare_model(model: nn.Module, device: torch.device, *, keep_params: bool = False) -> nn.Module:
     """Move the model to this rank's device and turn off what breaks exact training
-    (transformers' KV cache, which only serves generation)."""
+    (transformers' KV cache, which only serves generation). ``keep_params`` moves the buffers
+    only: ZeRO-3 moves parameters chunk by chunk, so a model larger than the device can be
+    built on the host."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
-    return model.to(device)
+    if not keep_params:
+        return model.to(device)
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+    return model
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] | None = None) -> Parallelized:

@@ -16,10 +16,11 @@ offload every chunk is one shard on the device and the step is the plain optimiz
    SGD, Adagrad, vectorised, nothing compiled at install time);
 4. publish: host masters copied to the device, stages 1-2 all-gather the chunks.
 
-``offload="auto"``: the first step runs with every shard offloaded; before its optimizer
-step (no optimizer state exists yet) the peak of non-model memory it measured and the device
-size give the budget, :func:`.placement.static_split` chooses what stays on the GPU, and the
-chunks are re-placed. ``explain()`` says what was chosen and why.
+``offload="auto"``: :func:`.placement.static_split` chooses which chunks keep their shard and
+optimizer state on the GPU for a budget: ``Plan.offload_budget_gb``, or, when not given, a first
+guess (half the device) for the warm-up step, whose measured peak of non-model memory then
+gives the real budget: before the first optimizer step the chunks are re-placed.
+``explain()`` says what was chosen and why.
 """
 from __future__ import annotations
 
@@ -99,9 +100,12 @@ class ZeroOptimizer:
         self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
         self._weights = self._norm_weights() if not tp.trivial else None
         self.split: StaticSplit | None = None
-        self._warmup = offload == "auto"
         self._stage12_split: tuple[int, int, int] | None = None
-        self.optimizer = self._build_optimizer()
+        self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        if offload == "auto":
+            self._place(self._auto_budget(measured=False))
+        else:
+            self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------ set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -199,21 +203,29 @@ class ZeroOptimizer:
         return norm
 
     # ------------------------------------------------------------------ offload="auto"
-    def _place_after_warmup(self) -> None:
-        self._warmup = False
+    def _auto_budget(self, measured: bool) -> int:
+        """Bytes of model data (this rank's shards, gradients, optimizer state) the GPU may hold.
+        ``measured``: after the warm-up step, from its peak of other data; else a first guess (half
+        the device). A CPU run has no GPU to fit: its "device" keeps half the model data, so the
+        mixed placement runs (and is tested) there too."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if self.device.type != "cuda":
+            return sum(st.shard_size for st in self.store.chunks) * 4 * (4 + _STATE_BYTES[self.name]) // 8
+        free, total = torch.cuda.mem_get_info(self.device)
+        if not measured:
+            return total // 2
+        model_now = sum(self.store.bytes_on("cuda").values())
+        other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
+        return int(total * 0.92) - other_peak
+
+    def _place(self, budget: int) -> None:
+        """Choose (static split) and apply what stays on the GPU; the optimizer is rebuilt over the
+        masters and keeps any state it had (moved with its master)."""
         chunks = self.store.chunks
         shard_bytes = [st.shard_size * 4 for st in chunks]
         ratio = (4 + _STATE_BYTES[self.name]) / 4   # gradient accumulator + optimizer state, per master byte
-        if self.budget_bytes is not None:
-            budget = self.budget_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            model_now = sum(self.store.bytes_on("cuda").values())
-            other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
-            budget = int(total * 0.92) - other_peak - model_now
-        else:
-            budget = sum(shard_bytes) * (1 + int(ratio) + 1)   # a CPU run: "device" memory is host memory
-        bw = _host_bandwidth(self.device)
+        bw = self.bandwidth = getattr(self, "bandwidth", None) or _host_bandwidth(self.device)
         if self.stage == 3:
             self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
                                       d2h_bandwidth=bw)
@@ -225,14 +237,19 @@ class ZeroOptimizer:
                 used += opt[keep_o]
                 keep_o += 1
             self._stage12_split = (keep_o, len(chunks), budget)
-        old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks}   # a resumed run has some
+        old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks} if hasattr(
+            self, "optimizer") else {}
         for k, st in enumerate(chunks):
             self.store.place(st, k < keep_p or self.stage < 3, k < keep_o)
         self.optimizer = self._build_optimizer()
         for st in chunks:
-            if old_state[st.index]:
+            if old_state.get(st.index):
                 self.optimizer.state[st.master] = {k: self._state_to(v, st.master)
                                                    for k, v in old_state[st.index].items()}
+
+    def _place_after_warmup(self) -> None:
+        self._warmup = False
+        self._place(self._auto_budget(measured=True))
 
     def explain(self) -> str:
         """What ``offload='auto'`` chose and why (empty before the first step)."""

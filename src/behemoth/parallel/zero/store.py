@@ -112,8 +112,9 @@ class ChunkStore:
                 raise ValueError(f"ZeRO chunks hold fp32 master parameters; a parameter has dtype {p.dtype}. "
                                  f"Keep parameters in fp32 and use Plan(precision='bf16').")
             full[off:off + p.numel()].copy_(p.data.reshape(-1))
-            p.data = full[off:off + p.numel()].view(p.shape)
+            p.data = full[off:off + p.numel()].view(p.shape)   # frees the original (host) storage
             p.grad = None
+        comm.broadcast(full, self.axis, 0)   # every replica starts from data rank 0's weights
         st.full = full
         mine = full[st.start:st.start + st.shard_size]
         self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, mine)
