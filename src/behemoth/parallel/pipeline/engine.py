@@ -87,6 +87,8 @@ class PipelineEngine(Engine):
 
     # ---------------------------------------------------------------- set-up
     def _apply_pipeline(self) -> None:
+        # A first collective on the pp group before any batched point-to-point call (NCCL's rule).
+        comm.all_reduce(torch.zeros(1, device=self.device), self.pp_axis)
         self.split = PipelineSplit(self.model, self._layout, self._partition, self.pp_axis)
         self.split.distribute()
         self.split.apply()
