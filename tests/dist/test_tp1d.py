@@ -318,6 +318,27 @@ def _overlap(rank, world):
             for a, b_ in zip(par.parameters(), norm.parameters()):
                 close(a.grad, b_.grad, msg=what)
 
+        # A split backward (zero-bubble's BI, then BW) does only what each pass asks for: the
+        # input pass no weight-gradient GEMM, the weight pass no dX GEMM and no collective.
+        region = tp1d.ParallelRegion(ax)
+        W1 = _param(w1, s1)
+        col = tp1d.ColumnParallelLinear(W1, None, axis=ax, region=region, name="col")
+        row = tp1d.RowParallelLinear(_param(w2, s2), None, axis=ax, region=region)
+        xp, xs, w1s = x.clone().requires_grad_(), x.clone().requires_grad_(), w1.clone().requires_grad_()
+        F.linear(F.gelu(F.linear(xs, w1s)), w2).backward(dy)
+        yp = row(F.gelu(col(xp)))
+        log = ax.ledger.trace = []
+        with _MatmulLog(log):
+            (gx,) = torch.autograd.grad(yp, (xp,), dy, retain_graph=True)
+        assert ("mm", dw_shape) not in log and ("call", "tp", "all_reduce") in log, log
+        log = ax.ledger.trace = []
+        with _MatmulLog(log):
+            torch.autograd.backward(yp, dy, inputs=[W1])
+        ax.ledger.trace = None
+        assert log == [("mm", (B * S, Fh // p)), ("mm", dw_shape)], log   # row's dX (on the way to W1), W1's dW
+        close(gx, xs.grad)
+        close(W1.grad, shard_tensor(w1s.grad, s1))
+
         # Two column layers reading one input communicate dX once; if the loss uses only one of
         # them, the sum would never be communicated: an error, not a silently partial gradient.
         region = tp1d.ParallelRegion(ax)

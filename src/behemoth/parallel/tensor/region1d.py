@@ -133,7 +133,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         source, weight = ctx.saved_tensors
         g = ctx.group
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_dx, need_dw, need_db = (_will_run(ctx, i) for i in range(3))
         if g.sequence_parallel and need_dw and g.gathered is None:
             g.gathered = comm.all_gather_async(source, g.axis, SEQ_DIM)   # overlaps dX below
         handle = None
@@ -166,11 +166,35 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         return dsource, dw, db, None, None
 
 
+def _will_run(ctx, i: int) -> bool:
+    """Whether this backward pass wants the gradient of input ``i``: it requires grad and the
+    engine will run the node it flows to (``autograd.grad(y, x)`` or ``backward(inputs=params)``,
+    as zero-bubble pipelines split backward, want only one side; the same on every rank)."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return _WILL_EXECUTE(node)
+    except RuntimeError:   # a leaf's node under autograd.grad (unsupported): assume it is wanted
+        return True
+
+
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+
+def _not_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A view of a leaf that requires grad (so that :func:`_will_run` can ask about it even
+    under ``autograd.grad``, which cannot answer for leaves); anything else as it is."""
+    return t.view_as(t) if t is not None and t.is_leaf and t.requires_grad else t
+
+
 def column_parallel_linear(source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            gathered: torch.Tensor | None, group: ColumnInput) -> torch.Tensor:
     """Apply :class:`ColumnParallelLinearFn` (eager even inside a compiled block: its
     backward launches and waits on collectives)."""
-    return _apply_column(source, weight, bias, gathered, group)
+    return _apply_column(source, _not_leaf(weight), _not_leaf(bias), gathered, group)
 
 
 @torch.compiler.disable
