@@ -38,16 +38,24 @@ def main() -> None:
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tied", action="store_true",
                    help="tie input/output embeddings (off by default: peer_baseline.py's model is untied)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage (Plan.zero)")
+    p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="Plan.offload")
+    p.add_argument("--chunk-mb", type=float, default=None, help="Plan.chunk_mb (default: searched)")
+    p.add_argument("--budget-gb", type=float, default=None, help="Plan.offload_budget_gb (default: measured)")
+    p.add_argument("--host-init", action="store_true",
+                   help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)")
     a = p.parse_args()
     bh.init()
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     dev = bh.distributed.device_for_rank()
-    model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device=dev, tie_embeddings=a.tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="cpu" if a.host_init else dev,
+                        tie_embeddings=a.tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and not a.zero)
     nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
     plan = bh.Plan(dp=world // a.tp, tp=a.tp, sequence_parallel=a.sp, precision="bf16",
-                   activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile)
+                   activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
+                   offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb)
     engine = bh.boost(model, opt, plan)
     if a.probe_max_mbs:
         return probe_max_mbs(engine, a, dev, rank)
@@ -70,14 +78,27 @@ def main() -> None:
     tok_per_gpu = a.mbs * a.seq / dt / a.tp  # mbs sequences per dp rank, shared by its tp ranks
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     if rank == 0:
-        mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+        mode = _mode(a)
         r = dict(size=a.size, mode=mode, gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile, bucket_mb=a.bucket_mb,
                  params_b=round(nparam / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
                  tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
                  mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4), peak_mem_gib=round(mem, 1),
                  loss=round(loss, 3), comm={k: v["seconds"] for k, v in engine.comm_stats().items()})
+        if engine.zero is not None:
+            gib = lambda d: {k: round(v / 2**30, 2) for k, v in d.items()}  # noqa: E731
+            r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
+            r["chunks"] = engine.zero.layout.num_chunks
+            r["padding_pct"] = round(100 * engine.zero.layout.padding_fraction, 2)
+            print(engine.zero.explain(), flush=True)
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
+
+
+def _mode(a) -> str:
+    mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+    if a.zero:
+        mode += f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "")
+    return mode
 
 
 def probe_max_mbs(engine, a, dev, rank) -> None:
@@ -101,7 +122,7 @@ def probe_max_mbs(engine, a, dev, rank) -> None:
         best = mbs
         mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 27, ...
     if rank == 0:
-        mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+        mode = _mode(a)
         print("RESULT " + json.dumps(dict(size=a.size, mode=mode, seq=a.seq, max_mbs_per_dp_rank=best,
                                           first_failure=mbs if best < mbs else None)), flush=True)
     torch.distributed.destroy_process_group()

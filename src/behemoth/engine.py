@@ -321,7 +321,7 @@ class Engine:
             local, kwargs = self._batch_block(mb), {}
             if self.sequence is not None:   # this rank's share of the sequence, and its positions
                 local, kwargs = self.sequence.split(local)
-            with autocast_context(self.plan.precision, self.device):
+            with autocast_context(self.plan.precision, self.device, cache=self.plan.zero < 3):
                 out = self.model(*self._model_inputs(local), **kwargs)
             if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch (sp: its share)
                 loss = self.loss_fn(out, mb if self.sequence is None else local)

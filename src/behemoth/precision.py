@@ -15,10 +15,13 @@ import torch
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_context(precision: str, device: torch.device):
+def autocast_context(precision: str, device: torch.device, cache: bool = True):
+    """Autocast for ``precision``. ``cache=False`` drops autocast's cache of low-precision weight
+    copies, which lives for the whole forward: ZeRO-3 releases weights between uses, and the cache
+    would keep a bf16 copy of every one of them."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[precision])
+    return torch.autocast(device.type, dtype=_DTYPES[precision], cache_enabled=cache)
 
 
 class LossScaler:

@@ -30,6 +30,11 @@ SCENARIOS_2 = [
     ("gpt", "sgd", 3, None, 1, 1.0, "bf16"),
     ("llama", "sgd", 2, None, 1, None, "fp16"),
 ]
+SCENARIOS_1 = [   # one rank: the same code path (a ZeRO-3 chunk kept on the device is its own shard)
+    ("gpt", "adamw", 3, None, 2, 1.0, "fp32"),
+    ("hf-gpt2", "adamw", 3, "auto", 1, 0.5, "fp32"),
+    ("llama", "sgd", 2, "cpu", 1, None, "fp32"),
+]
 SCENARIOS_4 = [
     ("gpt", "adamw", 1, None, 1, 1.0, "fp32"),
     ("llama", "sgd", 2, "cpu", 2, None, "fp32"),
@@ -74,9 +79,9 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d"):
             assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.zero.layout.num_chunks, (what, dp)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_zero_matches_serial(world):
-    bh.spawn(_parity_world, world, SCENARIOS_2 if world == 2 else SCENARIOS_4, timeout=600)
+    bh.spawn(_parity_world, world, {1: SCENARIOS_1, 2: SCENARIOS_2, 4: SCENARIOS_4}[world], timeout=600)
 
 
 def test_zero_with_1d_tensor_parallel():

@@ -56,6 +56,9 @@ GPT_PRESETS: dict[str, dict] = {
     "gpt-2.7b": dict(num_layers=32, num_heads=32, hidden=2560),
     "gpt-6.7b": dict(num_layers=32, num_heads=32, hidden=4096),
     "gpt-13b": dict(num_layers=40, num_heads=40, hidden=5120),
+    # Between GPT-3's 13B and 175B, for the offload benchmarks (models larger than one GPU).
+    "gpt-15b": dict(num_layers=48, num_heads=40, hidden=5120),
+    "gpt-20b": dict(num_layers=44, num_heads=48, hidden=6144),
 }
 
 

@@ -18,7 +18,7 @@ offload every chunk is one shard on the device and the step is the plain optimiz
 
 ``offload="auto"``: :func:`.placement.static_split` chooses which chunks keep their shard and
 optimizer state on the GPU for a budget: ``Plan.offload_budget_gb``, or, when not given, a first
-guess (half the device) for the warm-up step, whose measured peak of non-model memory then
+guess (60% of the device) for the warm-up step, whose measured peak of non-model memory then
 gives the real budget: before the first optimizer step the chunks are re-placed.
 ``explain()`` says what was chosen and why.
 """
@@ -78,8 +78,14 @@ class ZeroOptimizer:
         self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         sizes = [p.numel() for p in params]
         groups = [group_of[id(p)] for p in params]
-        if chunk_mb is None:
-            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, axis.size, groups=groups)
+        if chunk_mb is None:   # least padding among 256 sizes from the largest parameter up to 1/32 of the
+            # model (or twice the largest): fine enough to place a model between GPU and host, to prefetch
+            # and to overlap reductions (GPT-13B: 41 chunks, 0.5% padding)
+            lo = max(max(sizes, default=1), 1)
+            hi = max(2 * lo, sum(sizes) // 32)
+            cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, axis.size, groups=groups,
+                                                                   candidates=cands)
         else:
             self.chunk_elems, self.chunk_table = max(1, int(chunk_mb * 2**20 // 4)), []
         largest = max(sizes, default=0)
@@ -94,18 +100,21 @@ class ZeroOptimizer:
             raise ValueError(f"Plan.offload_budget_gb={budget_bytes / 2**30:.3g} cannot hold the largest chunk's "
                              f"shard ({largest_shard} bytes), which must be on the GPU while it is used: raise it "
                              f"to >= {largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb.")
-        on_gpu = offload is None
-        self.store = ChunkStore(params, self.layout, axis, stage, device,
-                                param_on_gpu=[on_gpu or stage < 3] * n, optim_on_gpu=[on_gpu] * n)
-        self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
-        self._weights = self._norm_weights() if not tp.trivial else None
         self.split: StaticSplit | None = None
         self._stage12_split: tuple[int, int, int] | None = None
-        self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
-        if offload == "auto":
-            self._place(self._auto_budget(measured=False))
+        self.bandwidth = _host_bandwidth(device) if offload == "auto" else 0.0
+        if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
+            keep_p, keep_o = self._decide(self._auto_budget(measured=False))
         else:
-            self.optimizer = self._build_optimizer()
+            keep_p, keep_o = n, (n if offload is None else 0)
+        self._check_host_memory(keep_p, keep_o)
+        self.store = ChunkStore(params, self.layout, axis, stage, device,
+                                param_on_gpu=[k < keep_p or stage < 3 for k in range(n)],
+                                optim_on_gpu=[k < keep_o for k in range(n)])
+        self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
+        self._weights = self._norm_weights() if not tp.trivial else None
+        self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------ set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -205,40 +214,79 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ offload="auto"
     def _auto_budget(self, measured: bool) -> int:
         """Bytes of model data (this rank's shards, gradients, optimizer state) the GPU may hold.
-        ``measured``: after the warm-up step, from its peak of other data; else a first guess (half
-        the device). A CPU run has no GPU to fit: its "device" keeps half the model data, so the
-        mixed placement runs (and is tested) there too."""
+        ``measured``: after the warm-up step, from its peak of other data; else a first guess (60%
+        of the device, more when the host could not hold the rest). A CPU run has no GPU to fit: its "device" keeps half the model data,
+        so the mixed placement runs (and is tested) there too."""
         if self.budget_bytes is not None:
             return self.budget_bytes
+        shards = [c.shard_size * 4 for c in self.layout.chunks]
         if self.device.type != "cuda":
-            return sum(st.shard_size for st in self.store.chunks) * 4 * (4 + _STATE_BYTES[self.name]) // 8
+            return sum(shards) * (4 + _STATE_BYTES[self.name]) // 8
         free, total = torch.cuda.mem_get_info(self.device)
-        if not measured:
-            return total // 2
+        if not measured:   # 60% of the device, or more (up to 85%) if the host could not hold the rest
+            model = sum(shards) * (8 + _STATE_BYTES[self.name]) // 4   # parameter + gradient + state
+            host = self._host_room()
+            squeeze = model - int(0.85 * host) if host is not None else 0
+            return max(int(total * 0.6), min(int(total * 0.85), squeeze))
         model_now = sum(self.store.bytes_on("cuda").values())
         other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
-        return int(total * 0.92) - other_peak
+        # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
+        # temporaries; the warm-up peak of activations and gathered chunks repeats every step.
+        return int(total * 0.92) - other_peak - 2 * 2**30
 
-    def _place(self, budget: int) -> None:
-        """Choose (static split) and apply what stays on the GPU; the optimizer is rebuilt over the
-        masters and keeps any state it had (moved with its master)."""
-        chunks = self.store.chunks
-        shard_bytes = [st.shard_size * 4 for st in chunks]
+    def _decide(self, budget: int) -> tuple[int, int]:
+        """How many chunks (a prefix, in execution order) keep their parameters and how many also their
+        optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir)."""
+        shard_bytes = [c.shard_size * 4 for c in self.layout.chunks]
+        n = len(shard_bytes)
         ratio = (4 + _STATE_BYTES[self.name]) / 4   # gradient accumulator + optimizer state, per master byte
-        bw = self.bandwidth = getattr(self, "bandwidth", None) or _host_bandwidth(self.device)
+        bw = self.bandwidth or 25e9
         if self.stage == 3:
             self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
                                       d2h_bandwidth=bw)
-            keep_p, keep_o = self.split.num_param_chunks, self.split.num_optim_chunks
-        else:   # parameters are on the device in every chunk: only the optimizer state is placed
-            opt = [int(b * ratio) for b in shard_bytes]
-            keep_p, keep_o, used = len(chunks), 0, 0
-            while keep_o < len(chunks) and used + opt[keep_o] <= budget:
-                used += opt[keep_o]
-                keep_o += 1
-            self._stage12_split = (keep_o, len(chunks), budget)
-        old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks} if hasattr(
-            self, "optimizer") else {}
+            return self.split.num_param_chunks, self.split.num_optim_chunks
+        # Stages 1-2 keep every chunk's parameters on the device: only the optimizer state is placed.
+        opt = [int(b * ratio) for b in shard_bytes]
+        keep_o, used = 0, 0
+        while keep_o < n and used + opt[keep_o] <= budget:
+            used += opt[keep_o]
+            keep_o += 1
+        self._stage12_split = (keep_o, n, budget)
+        return n, keep_o
+
+    def _check_host_memory(self, keep_p: int, keep_o: int) -> None:
+        """Offloaded chunks need pinned host memory for the fp32 master, the gradient and the
+        optimizer state: refuse, before allocating, a placement the host cannot hold."""
+        if self.offload is None or self.device.type != "cuda":
+            return
+        need = sum(c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks[keep_o:])
+        need += sum(c.shard_size * 4 for c in self.layout.chunks[keep_p:keep_o])   # (none: o <= p)
+        avail = self._host_room()
+        if avail is not None and need > 0.9 * avail:
+            raise MemoryError(
+                f"Plan(zero={self.stage}, offload={self.offload!r}) needs {need / 2**30:.1f} GiB of host memory for the "
+                f"offloaded chunks (fp32 master, gradient and {self.name} state, {8 + _STATE_BYTES[self.name]} B per "
+                f"element) but this host has {avail / 2**30:.1f} GiB available (per rank: divide by the ranks on a "
+                f"host). Use more GPUs (a larger dp shards it further), a smaller model, or a host with more memory.")
+
+    def _host_room(self) -> int | None:
+        """Host bytes available to offloaded chunks: MemAvailable, plus the parameters still on the
+        host (freed as their chunks move to the GPU)."""
+        avail = _host_available()
+        if avail is not None:
+            avail += sum(p.numel() * p.element_size() for p in self.params if p.device.type == "cpu")
+        return avail
+
+    def _place(self, budget: int) -> None:
+        """Choose and apply what stays on the GPU; the optimizer is rebuilt over the masters and keeps
+        any state it had (moved with its master)."""
+        keep_p, keep_o = self._decide(budget)
+        chunks = self.store.chunks
+        if [st.param_on_gpu for st in chunks] == [k < keep_p or self.stage < 3 for k in range(len(chunks))] and \
+                [st.optim_on_gpu for st in chunks] == [k < keep_o for k in range(len(chunks))]:
+            return
+        self._check_host_memory(keep_p, keep_o)
+        old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks}
         for k, st in enumerate(chunks):
             self.store.place(st, k < keep_p or self.stage < 3, k < keep_o)
         self.optimizer = self._build_optimizer()
@@ -246,6 +294,8 @@ class ZeroOptimizer:
             if old_state.get(st.index):
                 self.optimizer.state[st.master] = {k: self._state_to(v, st.master)
                                                    for k, v in old_state[st.index].items()}
+        if hasattr(torch._C, "_host_emptyCache"):   # freed pinned blocks go back to the OS
+            torch._C._host_emptyCache()
 
     def _place_after_warmup(self) -> None:
         self._warmup = False
@@ -349,6 +399,18 @@ class ZeroOptimizer:
         self.store.remove()
         if self.hooks is not None:
             self.hooks.remove()
+
+
+def _host_available() -> int | None:
+    """MemAvailable of this host in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _host_bandwidth(device: torch.device) -> float:

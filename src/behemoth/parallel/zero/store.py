@@ -119,7 +119,7 @@ class ChunkStore:
         mine = full[st.start:st.start + st.shard_size]
         self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, mine)
         if self.stage == 3:
-            self.release(st)
+            self.release(st)   # (not a chunk that is its own shard)
 
     def place(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool, current: torch.Tensor | None = None
               ) -> None:
@@ -131,10 +131,14 @@ class ChunkStore:
         if optim_on_gpu and not param_on_gpu:
             raise ValueError("optimizer state on the GPU needs the chunk's parameters there too.")
         st.param_on_gpu, st.optim_on_gpu = param_on_gpu, optim_on_gpu
-        if self.stage < 3:
-            st.shard = st.full[st.start:st.start + st.shard_size]   # gathered in place
+        if self.stage < 3 or (self.axis.trivial and param_on_gpu):
+            # Gathered in place; on one rank a ZeRO-3 chunk kept on the GPU *is* its shard: nothing to
+            # gather or release (one code path, no copies).
+            _alloc(st.full)
+            st.shard = st.full[st.start:st.start + st.shard_size]
             if current.data_ptr() != st.shard.data_ptr():
                 st.shard.copy_(current)
+            st.resident, st.pending = True, None
         elif param_on_gpu:
             st.shard = current.to(self.device, copy=True)   # ``full`` is freed between uses
         else:
@@ -167,13 +171,17 @@ class ChunkStore:
             st.resident = True
 
     def release(self, st: ChunkState) -> None:
-        if self.stage < 3 or not st.resident and st.pending is None:
+        if self.stage < 3 or not st.resident and st.pending is None or self._persistent(st):
             return
         if st.pending is not None:
             st.pending.wait()
             st.pending = None
         _free(st.full)
         st.resident = False
+
+    def _persistent(self, st: ChunkState) -> bool:
+        return st.shard is not None and st.shard.data_ptr() == st.full.data_ptr() and \
+            st.full.untyped_storage().size() > 0
 
     def release_all(self) -> None:
         for st in self.chunks:
@@ -303,7 +311,8 @@ class ChunkStore:
         for st in self.chunks:
             if self.device.type == device_type and st.full.untyped_storage().size():
                 out["params"] += st.size * 4
-            if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type:
+            if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type and \
+                    not self._persistent(st):
                 out["params"] += st.shard_size * 4
             if st.master.device.type == device_type and (st.shard is None or
                                                          st.master.data_ptr() != st.shard.data_ptr()):
