@@ -103,6 +103,7 @@ class ZeroOptimizer:
         self.split: StaticSplit | None = None
         self._stage12_split: tuple[int, int, int] | None = None
         self.bandwidth = _host_bandwidth(device) if offload == "auto" else 0.0
+        self.cpu_rate = _cpu_update_rate(self.cls, self.defaults) if offload == "auto" else 0.0
         if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
             keep_p, keep_o = self._decide(self._auto_budget(measured=False))
         else:
@@ -226,7 +227,7 @@ class ZeroOptimizer:
         if not measured:   # 60% of the device, or more (up to 85%) if the host could not hold the rest
             model = sum(shards) * (8 + _STATE_BYTES[self.name]) // 4   # parameter + gradient + state
             host = self._host_room()
-            squeeze = model - int(0.85 * host) if host is not None else 0
+            squeeze = model - int(0.75 * host) if host is not None else 0
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
         model_now = sum(self.store.bytes_on("cuda").values())
         other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
@@ -242,8 +243,16 @@ class ZeroOptimizer:
         ratio = (4 + _STATE_BYTES[self.name]) / 4   # gradient accumulator + optimizer state, per master byte
         bw = self.bandwidth or 25e9
         if self.stage == 3:
-            self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
-                                      d2h_bandwidth=bw)
+            host = self._host_room()
+            host_bytes = [c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks]
+            try:
+                self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
+                                          d2h_bandwidth=bw, host_bytes=host_bytes,
+                                          cpu_update_bandwidth=self.cpu_rate or None,
+                                          host_budget_bytes=None if host is None or self.device.type != "cuda"
+                                          else int(0.9 * host))
+            except ValueError as e:
+                raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
             return self.split.num_param_chunks, self.split.num_optim_chunks
         # Stages 1-2 keep every chunk's parameters on the device: only the optimizer state is placed.
         opt = [int(b * ratio) for b in shard_bytes]
@@ -399,6 +408,21 @@ class ZeroOptimizer:
         self.store.remove()
         if self.hooks is not None:
             self.hooks.remove()
+
+
+def _cpu_update_rate(cls, defaults: dict) -> float:
+    """Measured fp32 parameter bytes per second the CPU optimizer (fused where it can be) updates."""
+    import time
+    n = 1 << 22
+    p = torch.zeros(n)
+    p.grad = torch.full((n,), 1e-3)
+    kw = {k: v for k, v in defaults.items() if k not in ("fused", "foreach")}
+    opt = cls([p], **kw, **({"fused": True} if cls.__name__ in _FUSED_CPU else {}))
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    return 3 * 4 * n / (time.perf_counter() - t0)
 
 
 def _host_available() -> int | None:

@@ -177,7 +177,9 @@ class StaticSplit:
 
 
 def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | float, budget_bytes: int, *,
-                 h2d_bandwidth: float, d2h_bandwidth: float, buffer_chunks: int = 1) -> StaticSplit:
+                 h2d_bandwidth: float, d2h_bandwidth: float, buffer_chunks: int = 1,
+                 host_bytes: Sequence[int] | None = None, host_budget_bytes: int | None = None,
+                 cpu_update_bandwidth: float | None = None) -> StaticSplit:
     """Choose how many chunks keep parameters, and how many optimizer state, on the GPU.
 
     ``chunk_bytes[i]``: parameter bytes of chunk ``i`` (gradients have the same size and live
@@ -197,6 +199,14 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
     ``buffer_chunks`` times the largest offloaded chunk is reserved to receive fetches.
     Ties go to keeping more on the GPU. Raises ValueError when the budget cannot hold the
     largest chunk (nothing could run).
+
+    ``cpu_update_bandwidth`` (parameter bytes per second the CPU optimizer updates) adds the CPU
+    update of every chunk whose optimizer state is offloaded to the predicted seconds (the CPU step
+    is not overlapped with the GPU's work).
+
+    ``host_bytes[i]`` (host memory chunk ``i`` needs when its optimizer state is offloaded: master,
+    gradient and state) with ``host_budget_bytes``: a choice whose offloaded chunks need more host
+    memory than that is infeasible; ValueError if every choice is.
     """
     sizes = list(chunk_bytes)
     n = len(sizes)
@@ -229,7 +239,8 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
         mid = pre_c[p] - pre_c[o]
         rest = pre_c[n] - pre_c[p]
         h2d, d2h = mid + 2 * rest, mid + rest
-        return h2d, d2h, h2d / h2d_bandwidth + d2h / d2h_bandwidth
+        cpu = (pre_c[n] - pre_c[o]) / cpu_update_bandwidth if cpu_update_bandwidth else 0.0
+        return h2d, d2h, h2d / h2d_bandwidth + d2h / d2h_bandwidth + cpu
 
     best = None
     alternatives = []
@@ -242,11 +253,17 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
         o = p
         while o > 0 and pre_o[o] > room:
             o -= 1
+        if host_budget_bytes is not None and host_bytes is not None and sum(host_bytes[o:]) > host_budget_bytes:
+            continue   # the host cannot hold what this choice offloads
         h2d, d2h, sec = cost(p, o)
         alternatives.append((p, o, sec))
         key = (sec, -p, -o)
         if best is None or key < best[0]:
             best = (key, p, o, h2d, d2h, sec, buf)
+    if best is None and host_budget_bytes is not None and alternatives == []:
+        raise ValueError(f"no split fits both budgets: the GPU's {budget_bytes} bytes and the host's "
+                         f"{host_budget_bytes} bytes cannot hold the model data ({pre_c[n] + pre_o[n]} bytes); "
+                         f"use more devices, a smaller model or more memory")
     if best is None:  # p = 0 needs only the buffer, which the largest-chunk check allows for buffer_chunks=1
         raise ValueError(f"budget_bytes={budget_bytes} cannot hold {buffer_chunks} fetch buffers of {largest} "
                          f"bytes; raise the budget to >= {buffer_chunks * largest} bytes or pass buffer_chunks=1")
