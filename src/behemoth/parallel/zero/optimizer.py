@@ -284,6 +284,10 @@ class ZeroOptimizer:
         avail = _host_available()
         if avail is not None:
             avail += sum(p.numel() * p.element_size() for p in self.params if p.device.type == "cpu")
+            if getattr(self, "store", None) is not None:   # re-placing: what we hold on the host is ours to move
+                avail += sum(self.store.bytes_on("cpu").values())
+                avail += sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == "cpu")
         return avail
 
     def _place(self, budget: int) -> None:
