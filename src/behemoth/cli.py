@@ -3,6 +3,7 @@
     behemoth config CONFIG [--section.key=value ...]     print the fully resolved config
     behemoth train  CONFIG [--section.key=value ...]     train (one process, or one rank under torchrun)
     behemoth run --nproc N [--] train CONFIG [...]       launch N local ranks through torchrun
+    behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
 
 ``train`` reads its rank and world from torchrun's environment (``bh.init()``), so the
 same command scales to several nodes through torchrun's c10d rendezvous::
@@ -31,7 +32,7 @@ sections: model, data, optim, plan, train (see `behemoth config CONFIG` for ever
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="behemoth", description="Train large models with one Plan.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan}")
     for name, text in (("train", "train (one process, or one rank under torchrun)"),
                        ("config", "print the fully resolved config and exit")):
         s = sub.add_parser(name, help=text, description=text, epilog=_EPILOG,
@@ -41,7 +42,33 @@ def _parser() -> argparse.ArgumentParser:
                        description="launch N local processes (torchrun --standalone) running `behemoth ARGS...`")
     r.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
     r.add_argument("args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...]")
+    m = sub.add_parser("plan", help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
+                       description="print the chunk layout, per-rank model data per ZeRO stage and, when the model "
+                                   "does not fit, the GPU/host split offload='auto' would choose")
+    m.add_argument("--memory", action="store_true", required=True, help="plan memory (the only planner so far)")
+    m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-7b")
+    m.add_argument("--vocab", type=int, default=50304)
+    m.add_argument("--seq", type=int, default=2048)
+    m.add_argument("--dp", type=int, default=1, help="data-parallel ranks ZeRO shards over")
+    m.add_argument("--zero", type=int, default=3, choices=[1, 2, 3])
+    m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")
+    m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
+    m.add_argument("--activations-gb", type=float, default=0.0,
+                   help="activation memory per rank (the runtime measures it in its warm-up step)")
     return p
+
+
+def cmd_plan(a) -> int:
+    from behemoth.models import build_model
+    from behemoth.planner.memory import memory_plan
+
+    model = build_model(a.model, vocab_size=a.vocab, seq_len=a.seq, device="meta")
+    sizes = [p.numel() for p in model.parameters()]
+    gib = 2 ** 30
+    plan = memory_plan(sizes, dp=a.dp, stage=a.zero, gpu_bytes=int(a.gpu_gb * gib), host_bytes=int(a.host_gb * gib),
+                       activation_bytes=int(a.activations_gb * gib))
+    print(plan.text)
+    return 0
 
 
 def _load(path: str, overrides: list[str], world_size: int | None):
@@ -145,6 +172,10 @@ def _main(argv: list[str]) -> int:
                 raise ValueError(f"unexpected argument(s) {' '.join(rest)} before the launched command; "
                                  f"write `behemoth run --nproc N train CONFIG ...`.")
             return cmd_run(args.nproc, args.args)
+        if args.command == "plan":
+            if rest:
+                raise ValueError(f"unexpected argument(s) {' '.join(rest)}; see `behemoth plan --help`.")
+            return cmd_plan(args)
         overrides = _split_overrides(rest)
         return cmd_config(args.config, overrides) if args.command == "config" else cmd_train(args.config, overrides)
     except USER_ERRORS as e:

@@ -161,13 +161,16 @@ class StaticSplit:
                            f"gradients sent device->host)")
             off.append(f"optimizer state of {n - o} chunks (updated on CPU by CPU Adam)")
             lines.append("Offloaded: " + ", ".join(off) + ".")
+            transfer = self.h2d_bytes / self.h2d_bandwidth + self.d2h_bytes / self.d2h_bandwidth
+            cpu = self.predicted_seconds - transfer
             lines.append(
                 f"Predicted transfer per step: {self.h2d_bytes / gib:.2f} GiB host->device at "
                 f"{self.h2d_bandwidth / 1e9:.1f} GB/s + {self.d2h_bytes / gib:.2f} GiB device->host at "
-                f"{self.d2h_bandwidth / 1e9:.1f} GB/s = {self.predicted_seconds:.3f} s.")
+                f"{self.d2h_bandwidth / 1e9:.1f} GB/s = {transfer:.3f} s" +
+                (f", plus {cpu:.3f} s of CPU optimizer update: {self.predicted_seconds:.3f} s." if cpu > 1e-9 else "."))
             lines.append("Why: each chunk kept with its parameters saves 2 fetches and 1 gradient copy; "
-                         "keeping its optimizer state too saves the gradient copy and the updated-parameter "
-                         "upload, but costs the optimizer state's bytes.")
+                         "keeping its optimizer state too saves the gradient copy, the updated-parameter "
+                         "upload and its CPU update, but costs the optimizer state's bytes.")
             chosen = (p, o)
             runner = sorted((a for a in self.alternatives if a[:2] != chosen), key=lambda a: a[2])[:3]
             if runner:

@@ -1,0 +1,80 @@
+"""The ZeRO / offload memory plan, as a pure function (what ``behemoth plan --memory`` prints).
+
+Given parameter sizes, the data-parallel degree, the ZeRO stage and the memory of one device
+and its host, it runs the same pieces the runtime runs before training -- the chunk-size
+search (:func:`~behemoth.parallel.zero.chunks.search_chunk_size`), the per-stage accounting
+(:func:`~behemoth.parallel.zero.chunks.zero_memory_bytes`) and, for ``offload='auto'``, the
+static GPU/host split (:func:`~behemoth.parallel.zero.placement.static_split`) -- and says
+what it chose and why. No process group, no device: a laptop can plan a cluster's run.
+
+The runtime measures two things this plan has to assume: the activation memory (the warm-up
+step's peak; pass ``activation_bytes``) and the host link and CPU-optimizer speeds.
+
+Tested in tests/unit/test_memory_plan.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
+from ..parallel.zero.placement import StaticSplit, static_split
+
+__all__ = ["MemoryPlan", "memory_plan"]
+
+GIB = 2.0 ** 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    chunk_elements: int
+    num_chunks: int
+    padding_pct: float
+    per_stage_gib: dict[int, float]
+    """ZeRO stage -> per-rank GiB of fp32 parameters, gradients and optimizer state (no offload)."""
+    split: StaticSplit | None
+    fits_without_offload: bool
+    text: str
+
+
+def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: int, host_bytes: int,
+                activation_bytes: int = 0, optim_state_bytes: int = 8, h2d_bandwidth: float = 25e9,
+                cpu_update_bandwidth: float = 10e9) -> MemoryPlan:
+    """Plan ZeRO ``stage`` at ``dp`` ranks for a model of ``param_sizes`` on devices of
+    ``gpu_bytes`` with ``host_bytes`` per rank. ``optim_state_bytes`` per element (AdamW: 8)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage!r}: plan ZeRO stage 1, 2 or 3.")
+    if dp < 1:
+        raise ValueError(f"dp={dp!r}: must be >= 1.")
+    sizes = list(param_sizes)
+    lo = max(max(sizes, default=1), 1)
+    hi = max(2 * lo, sum(sizes) // 32)
+    cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+    chunk, _ = search_chunk_size(sizes, dp, candidates=cands)
+    layout = pack_chunks(sizes, chunk, dp)
+    per_stage = {s: zero_memory_bytes(layout, s, param_bytes=4, grad_bytes=4, master_bytes=0,
+                                      optim_state_bytes=optim_state_bytes).total / GIB for s in (0, 1, 2, 3)}
+    room = gpu_bytes - activation_bytes
+    fits = per_stage[stage] * GIB <= room
+    lines = [f"{sum(sizes) / 1e9:.2f}B parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
+             f"({100 * layout.padding_fraction:.2f}% padding), dp={dp}.",
+             "Per-rank model data (fp32 parameters + gradients + optimizer state): " +
+             ", ".join(f"zero={s}: {g:.1f} GiB" for s, g in per_stage.items()) + ".",
+             f"GPU {gpu_bytes / GIB:.1f} GiB - activations {activation_bytes / GIB:.1f} GiB = {room / GIB:.1f} GiB "
+             f"for model data; host {host_bytes / GIB:.1f} GiB."]
+    split = None
+    if fits:
+        lines.append(f"zero={stage} fits on the GPU: offload='auto' keeps everything there (no transfer, GPU optimizer).")
+    else:
+        shards = [c.shard_size * 4 for c in layout.chunks]
+        host_need = [c.shard_size * (8 + optim_state_bytes) for c in layout.chunks]
+        try:
+            split = static_split(shards, (4 + optim_state_bytes) / 4, max(room, max(shards)),
+                                 h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=h2d_bandwidth, host_bytes=host_need,
+                                 host_budget_bytes=int(0.9 * host_bytes), cpu_update_bandwidth=cpu_update_bandwidth)
+            lines.append(f"zero={stage} does not fit on the GPU; with offload='auto' (stage 3 placement):")
+            lines.append(split.explain())
+        except ValueError as e:
+            lines.append(f"Does not fit even with offload: {e}.")
+    return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits,
+                      "\n".join(lines))
