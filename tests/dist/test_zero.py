@@ -56,13 +56,13 @@ def _check(engine, losses, family, opt_name, clip, precision, what):
     assert torch.equal(t, ref), f"{what}: ranks disagree on the loss or the grad norm"
 
 
-def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d"):
+def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1):
     torch.manual_seed(rank)
     batches = global_batches(STEPS, BATCH)
     for family, opt_name, stage, offload, micro, clip, precision in scenarios:
-        what = f"dp={world // tp} tp={tp}/{tp_mode} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
+        what = f"dp={world // tp // sp} tp={tp}/{tp_mode} sp={sp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
         model = build(family)
-        plan = bh.Plan(tp=tp, tp_mode=tp_mode, zero=stage, offload=offload, microbatches=micro, precision=precision,
+        plan = bh.Plan(tp=tp, tp_mode=tp_mode, sp=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
                        chunk_mb=CHUNK_MB / tp)   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
@@ -73,7 +73,7 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d"):
         if offload == "cpu":   # masters and optimizer state really are the host copies
             assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
                                                            st.shard.data_ptr()) for st in engine.zero.store.chunks)
-        if world // tp > 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
+        if world // tp // sp > 1 and sp == 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
             dp = engine.comm_stats()["dp"]
             reduced = micro if stage >= 2 else 1
             assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.zero.layout.num_chunks, (what, dp)
@@ -93,6 +93,12 @@ def test_zero_with_1d_tensor_parallel():
 def test_zero_with_2d_tensor_parallel():
     scen = [("gpt", "adamw", 3, None, 1, 1.0, "fp32"), ("llama", "sgd", 2, "auto", 1, None, "fp32")]
     bh.spawn(_parity_world, 8, scen, 4, "2d", timeout=600)
+
+
+def test_zero_with_sequence_parallel():
+    """Under sp the gradients are summed over dp x sp: ZeRO shards over that axis."""
+    scen = [("gpt", "adamw", 3, None, 1, 1.0, "fp32"), ("hf-llama", "sgd", 2, "cpu", 2, None, "fp32")]
+    bh.spawn(_parity_world, 4, scen, 1, "1d", 2, timeout=600)
 
 
 # ----------------------------------------------------------------------------- overlap, memory, errors
