@@ -38,7 +38,7 @@ from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.data import GradBuckets
 from .parallel.tensor import full_state_dict, global_grad_norm
-from .parallel.zero.optimizer import ZeroOptimizer
+from .parallel.zero.optimizer import ZeroOptimizer, memory_report
 from .plan import Plan
 from .precision import LossScaler, autocast_context
 from .styles import (apply_activation_checkpointing, apply_compile, apply_sequence_parallel, apply_tensor_parallel,
@@ -380,17 +380,12 @@ class Engine:
         (activations, workspaces). Call it between steps, or from a hook mid-step."""
         if self.zero is not None:
             return self.zero.memory_report()
-        report = {}
-        for dev in ("cuda", "cpu"):
-            d = {"params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
-                 "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
-                 "masters": 0,
-                 "optimizer": sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
-                                  for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == dev)}
-            if dev == "cuda" and torch.cuda.is_available():
-                d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
-            report[dev] = d
-        return report
+
+        def model_bytes(dev: str) -> dict[str, int]:
+            return {"params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
+                    "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
+                    "masters": 0}
+        return memory_report(model_bytes, self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, shapes and values), on CPU; tensor-parallel

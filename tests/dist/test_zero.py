@@ -127,6 +127,15 @@ def _overlap_memory_errors_world(rank, world):
         print(f"ZeRO-3 dp={world}: {held} B per rank at rest vs serial {16 * serial} B "
               f"(bound {bound}); padding {100 * layout.padding_fraction:.2f}%")
 
+    # The same tracer without ZeRO: everything replicated, 16 B per element (+ AdamW's step counters).
+    m = build("gpt")
+    plain = bh.boost(m, make_optimizer("adamw", m), bh.Plan())
+    plain.step(shard(global_batches(1, BATCH)[0], plain.dp_rank, plain.dp_size))
+    rep = plain.memory_report()["cpu"]
+    n_tensors = len(list(m.parameters()))
+    assert (rep["params"], rep["grads"], rep["masters"]) == (4 * serial, 4 * serial, 0), rep
+    assert rep["optimizer"] == 8 * serial + 4 * n_tensors, rep
+
     # Bad input, on every rank.
     m = build("gpt")
     expect_error(lambda: bh.boost(m, torch.optim.LBFGS(m.parameters()), bh.Plan(zero=2)),

@@ -37,7 +37,7 @@ from .hooks import GatherHooks
 from .placement import StaticSplit, static_split
 from .store import ChunkStore
 
-__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "memory_report", "optimizer_state_bytes"]
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop")
 _FUSED_CPU = ("SGD", "Adam", "AdamW", "Adagrad")
@@ -286,8 +286,7 @@ class ZeroOptimizer:
             avail += sum(p.numel() * p.element_size() for p in self.params if p.device.type == "cpu")
             if getattr(self, "store", None) is not None:   # re-placing: what we hold on the host is ours to move
                 avail += sum(self.store.bytes_on("cpu").values())
-                avail += sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
-                             for v in st.values() if isinstance(v, torch.Tensor) and v.device.type == "cpu")
+                avail += optimizer_state_bytes(self.optimizer, "cpu")
         return avail
 
     def _place(self, budget: int) -> None:
@@ -396,22 +395,35 @@ class ZeroOptimizer:
         return v.to(master.device) if v.dim() > 0 or fused else v.cpu()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes of model data (parameters, gradients, masters, optimizer state) per device type, and on
-        the GPU the other data (activations, buffers, workspaces) = allocated - model data."""
-        report = {}
-        for dev in ("cuda", "cpu"):
-            d = self.store.bytes_on(dev)
-            d["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
-                                 for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == dev)
-            if dev == "cuda" and torch.cuda.is_available():
-                d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
-            report[dev] = d
-        return report
+        """Model data (parameters, gradients, masters, optimizer state) per device type, and on the GPU
+        the other data: see :func:`memory_report`."""
+        return memory_report(self.store.bytes_on, self.optimizer)
 
     def remove(self) -> None:
         self.store.remove()
         if self.hooks is not None:
             self.hooks.remove()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """Bytes of ``optimizer``'s state tensors on ``device_type``."""
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.device.type == device_type)
+
+
+def memory_report(model_bytes, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """The memory tracer: per device type (``'cuda'``, ``'cpu'``), the model data one rank holds
+    now -- ``model_bytes(device_type)`` (parameters, gradients, masters) plus the optimizer's
+    state -- and, on a GPU, ``other`` = allocated - model data (activations, workspaces,
+    gathered chunks in flight)."""
+    report = {}
+    for dev in ("cuda", "cpu"):
+        d = dict(model_bytes(dev))
+        d["optimizer"] = optimizer_state_bytes(optimizer, dev)
+        if dev == "cuda" and torch.cuda.is_available():
+            d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
+        report[dev] = d
+    return report
 
 
 def _cpu_update_rate(cls, defaults: dict) -> float:
