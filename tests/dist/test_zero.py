@@ -2,7 +2,8 @@
 parity law): behemoth's and transformers' models, AdamW and SGD, accumulation, clipping,
 fp16/bf16, composed with 1D and 2D tensor parallelism; checkpoints written under ZeRO load
 under any other plan; the per-chunk reduce-scatter overlaps backward; ZeRO-3 at dp=4 holds a
-quarter of the serial model data plus the chunk padding; bad input fails on every rank."""
+quarter of the serial model data plus the chunk padding; offload='auto''s re-placement keeps
+the learning rate set before the step; bad input fails on every rank."""
 from __future__ import annotations
 
 import os
@@ -185,3 +186,26 @@ def _load_world(rank, world, root):
 def test_zero_checkpoints_load_under_other_plans(tmp_path):
     bh.spawn(_save_world, 2, str(tmp_path), timeout=300)
     bh.spawn(_load_world, 4, str(tmp_path), timeout=300)
+
+
+# ----------------------------------------------------------------------------- offload="auto" re-placement
+def _replace_keeps_hyper_world(rank, world):
+    """The re-placement after offload='auto''s warm-up rebuilds the optimizer over the moved masters
+    inside step 1; the step must still use the learning rate set on ``engine.optimizer`` before it."""
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
+    zero, old = engine.zero, engine.optimizer
+    zero._auto_budget = lambda measured: 0   # on CPU the measured budget equals the guess: force a move
+    placed = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
+    for g in old.param_groups:
+        g["lr"] = 0.0    # AdamW with lr 0 leaves the weights exactly as they are (decay is lr * wd)
+    before = engine.full_state_dict()
+    engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
+    assert engine.optimizer is not old and [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks] != placed
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.0] * len(old.param_groups)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the rebuilt optimizer lost the lr set before step 1"
+
+
+def test_zero_auto_replacement_keeps_the_learning_rate():
+    bh.spawn(_replace_keeps_hyper_world, 2, timeout=120)

@@ -301,6 +301,10 @@ class ZeroOptimizer:
         old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks}
         for k, st in enumerate(chunks):
             self.store.place(st, k < keep_p or self.stage < 3, k < keep_o)
+        # The rebuilt optimizer keeps the hyper-parameters set on the old one since bh.boost (the
+        # trainer's lr for this very step, a loaded checkpoint's); fused/foreach follow the new placement.
+        for i, g in zip(self._group_index, self.optimizer.param_groups):
+            self.hyper[i].update({k: v for k, v in g.items() if k not in ("params", "fused", "foreach")})
         self.optimizer = self._build_optimizer()
         for st in chunks:
             if old_state.get(st.index):
