@@ -1,5 +1,6 @@
 """End to end: the `behemoth` command launches 2 gloo ranks through torchrun, trains a tiny GPT
-on the embedded corpus, checkpoints, resumes, and refuses a bad config in one line.
+on the embedded corpus, checkpoints, resumes (also a ZeRO-3 + CPU-offload checkpoint under ZeRO-1),
+and refuses a bad config in one line.
 
 Each command runs in its own process group with a hard timeout, so a hang kills every
 rank and fails the test instead of freezing CI.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,3 +95,41 @@ def test_config_prints_the_resolved_config(tmp_path):
     (tmp_path / "resolved.toml").write_text(r.stdout)
     again = behemoth("config", str(tmp_path / "resolved.toml"), cwd=tmp_path, timeout=60)
     assert again.stdout == r.stdout                                   # the printout is a valid job file
+
+
+@pytest.mark.timeout(300)
+def test_zero3_offload_checkpoint_resumes_under_zero1(tmp_path):
+    """ZeRO-3 with CPU offload trains like plain data parallelism, and its step-3 checkpoint resumed
+    under ZeRO-1 with offload='auto' continues the uninterrupted run: same losses, same learning rates
+    (warm-up then cosine, set on the engine's optimizer over chunk shards every step)."""
+    sched = [*TINY, "--optim.warmup_steps=2", "--optim.schedule=cosine", "--train.steps=6"]
+
+    def metrics(out_dir):
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def assert_same(got, want):
+        assert [m["step"] for m in got] == [m["step"] for m in want]
+        for g, w in zip(got, want):
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=0), (got, want)
+            assert g["lr"] == pytest.approx(w["lr"], rel=1e-12), (got, want)
+
+    ref = tmp_path / "ref"   # plain dp = 2, never interrupted
+    r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, f"--train.out_dir={ref}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    z3 = tmp_path / "z3"
+    r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, "--plan.zero=3", "--plan.offload=cpu",
+                 "--train.save_every=3", "--train.keep_last=0", f"--train.out_dir={z3}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^zero += 3$", r.stdout, re.M) and re.search(r'^offload += "cpu"$', r.stdout, re.M)
+    assert "Plan(dp=2, zero=3, offload='cpu')" in r.stdout, r.stdout
+    assert_same(metrics(z3), metrics(ref))
+
+    resumed = tmp_path / "resumed"   # only the step-3 checkpoint, then steps 4-6 under another plan
+    shutil.copytree(z3 / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
+    r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, "--plan.zero=1", "--plan.offload=auto",
+                 f"--train.out_dir={resumed}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^resumed from .*step-3 at step 3$", r.stdout, re.M), r.stdout
+    assert "zero=1, offload='auto'" in r.stdout, r.stdout
+    assert_same(metrics(resumed), metrics(ref)[3:])
