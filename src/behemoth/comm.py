@@ -16,65 +16,19 @@ An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .ledger import AxisTraffic, Ledger
 
-# --------------------------------------------------------------------------- ledger
-@dataclass
-class AxisTraffic:
-    calls: int = 0
-    bytes: int = 0
-    """Payload bytes: the size of the tensor each call reduces, gathers or sends."""
-    wire_bytes: float = 0.0
-    """Bytes this rank puts on the wire for a bandwidth-optimal (ring) algorithm."""
-    seconds: float = 0.0
-    """Time spent blocked in (or waiting on) the call on this rank."""
-    by_op: dict = field(default_factory=lambda: defaultdict(int))
-
-
-class Ledger:
-    """Per-axis traffic counters for one rank."""
-
-    def __init__(self) -> None:
-        self.axes: dict[str, AxisTraffic] = defaultdict(AxisTraffic)
-        self.trace: list | None = None
-        """Set to a list to log, in order, ``("call", axis, op)`` when a collective is issued
-        and ``("wait", axis)`` when an asynchronous one is waited on (tests read it to see
-        what overlapped with what; anything else may append its own events)."""
-
-    def record(self, axis: str, op: str, nbytes: int, wire: float, seconds: float = 0.0) -> None:
-        t = self.axes[axis]
-        t.calls += 1
-        t.bytes += int(nbytes)
-        t.wire_bytes += wire
-        t.seconds += seconds
-        t.by_op[op] += 1
-        if self.trace is not None:
-            self.trace.append(("call", axis, op))
-
-    def add_time(self, axis: str, seconds: float) -> None:
-        self.axes[axis].seconds += seconds
-        if self.trace is not None:
-            self.trace.append(("wait", axis))
-
-    def reset(self) -> None:
-        self.axes.clear()
-
-    def stats(self) -> dict[str, dict]:
-        return {
-            name: {
-                "calls": t.calls,
-                "bytes": t.bytes,
-                "wire_bytes": int(t.wire_bytes),
-                "seconds": round(t.seconds, 6),
-                "ops": dict(t.by_op),
-            }
-            for name, t in sorted(self.axes.items())
-        }
+__all__ = ["AxisTraffic", "Ledger", "Axis",   # the ledger classes live in ledger.py, re-exported here
+           "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "reduce",
+           "exchange", "all_reduce_scalars", "all_agree", "all_gather_into", "AsyncCollective",
+           "all_gather_async", "reduce_scatter_async", "ring_shift_async", "send_async", "recv_async",
+           "exchange_async", "CopyToAxis", "ReduceFromAxis", "GatherFromAxis", "ScatterToAxis",
+           "AllGatherToAxis", "ReduceScatterToAxis", "AllToAllAxis", "ExchangeWithPeer"]
 
 
 # --------------------------------------------------------------------------- axis
