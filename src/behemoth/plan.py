@@ -219,8 +219,10 @@ class Plan:
              "use precision='bf16' (no loss scaling needed), or pp=1"),
             (self.compile, "compile=True", "compiled blocks are not gated per pipeline chunk yet",
              "use compile=False with pp > 1"),
-            (self.zero > 0, f"zero={self.zero}", "ZeRO does not compose with pipeline parallelism yet",
-             "use zero=0 with pp > 1, or pp=1"),
+            (self.zero > 1, f"zero={self.zero}", "ZeRO-2/3 reduce (and ZeRO-3 gathers) per micro-batch, which "
+             "the pipeline schedules interleave; ZeRO-1 composes", "use zero=1 (or 0) with pp > 1, or pp=1"),
+            (self.offload is not None, f"offload={self.offload!r}", "offload does not compose with pipeline "
+             "parallelism yet", "use offload=None with pp > 1, or pp=1"),
         ]
         for bad, value, rule, fix in refusals:
             if bad:

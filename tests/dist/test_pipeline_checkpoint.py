@@ -1,7 +1,8 @@
 """Pipeline checkpoints: each stage saves its own parameters and optimizer state under the
 serial model's names (a tied embedding copy on the last stage under the embedding's name),
 so a pp = 2 checkpoint resumes under pp = 2 and under pp = 1 (dp = 2), and a pp = 1
-checkpoint resumes under pp = 2 -- each matching serial training over all four steps."""
+checkpoint resumes under pp = 2; with ZeRO-1 inside the pipeline likewise -- each matching
+serial training over all four steps."""
 from __future__ import annotations
 
 import os
@@ -28,9 +29,10 @@ def _world(rank: int, world: int, root: str) -> None:
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0, num_layers=LAYERS)
     pp_plan = bh.Plan(pp=2, microbatches=2, schedule="1f1b")
     dp_plan = bh.Plan(dp=2, microbatches=2)
+    pp_zero = bh.Plan(pp=2, microbatches=2, schedule="1f1b", zero=1, chunk_mb=0.05)
     for save_plan, load_plans in ((pp_plan, (pp_plan, dp_plan, bh.Plan(pp=2, microbatches=4, schedule="zero-bubble"))),
-                                  (dp_plan, (pp_plan,))):
-        path = os.path.join(root, f"pp{save_plan.pp}")
+                                  (dp_plan, (pp_plan, pp_zero)), (pp_zero, (dp_plan, pp_zero))):
+        path = os.path.join(root, f"pp{save_plan.pp}-zero{save_plan.zero}")
         first = _engine(save_plan)
         assert_losses_close(_train(first, batches[:2]), want_losses[:2], what="before save")
         first.save(path, extra={"pos": 2})

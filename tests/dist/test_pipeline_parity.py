@@ -134,3 +134,20 @@ def _hybrid_world(rank: int, world: int) -> None:
 
 def test_pipeline_dp_tp_8_ranks_match_serial():
     bh.spawn(_hybrid_world, 8, timeout=400)
+
+
+def _zero_world(rank: int, world: int) -> None:
+    """ZeRO-1 under pipelines (dp 2 x pp 2): optimizer state sharded over dp within each stage,
+    tied copies summed before the reduce-scatter, the norm summed over stages once."""
+    torch.manual_seed(rank)
+    for family, schedule, v, opt in (("gpt", "1f1b", 1, "adamw"), ("hf-gpt2", "zero-bubble", 1, "adamw"),
+                                     ("hf-gpt2", "interleaved", 2, "sgd"), ("llama", "gpipe", 1, "adamw")):
+        plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=1, chunk_mb=0.02)
+        engine = _check(family, plan, 4, opt=opt)
+        assert engine.zero is not None and engine.zero.layout.num_chunks >= 2
+        dp = engine.comm_stats()["dp"]["ops"]
+        assert dp["reduce_scatter"] == STEPS * engine.zero.layout.num_chunks, dp
+
+
+def test_pipeline_with_zero1_matches_serial():
+    bh.spawn(_zero_world, 4, timeout=400)

@@ -93,6 +93,12 @@ class PipelineEngine(Engine):
         self.channels = StageChannels(self.pp_axis, self.device)
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
         self._sync_at = weight_steps[-1] if plan.virtual_stages == 1 else None
+        if self.zero is not None:
+            # ZeRO-1: accumulate through the schedule, add the tied copies' local gradients, then
+            # reduce-scatter every chunk (reduction is linear: the same sums as reduce-then-add).
+            self._sync_at = None
+            kept = {id(p) for p in self.split.norm_parameters()}
+            self.zero.configure_norm([self.pp_axis], [p for p in self.zero.params if id(p) not in kept])
         self._norm: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -181,11 +187,19 @@ class PipelineEngine(Engine):
                 self.buckets.begin(sync=i == self._sync_at)
                 torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
         ch.finish()
-        if self._sync_at is None:
-            self.buckets.begin(sync=True)   # interleaved: reduce every bucket now
-        self.buckets.finish()
-        split.sync_tied_grads()
-        self._norm = self._stage_grad_norm()
+        if self.zero is not None:   # tied copies summed before the reduce-scatter; the norm comes with the step
+            for a, ra, b, rb in split.tied:
+                if split.rank in (ra, rb):
+                    self.zero.store.ensure_grad(self.model.get_parameter(a if split.rank == ra else b))
+            split.sync_tied_grads()
+            self.buckets.begin(sync=True)
+            self.buckets.finish()
+        else:
+            if self._sync_at is None:
+                self.buckets.begin(sync=True)   # interleaved: reduce every bucket now
+            self.buckets.finish()
+            split.sync_tied_grads()
+            self._norm = self._stage_grad_norm()
         comm.all_reduce(total, dp)
         if self.loss_fn is None:
             for ax in self.batch_axes:
@@ -207,6 +221,8 @@ class PipelineEngine(Engine):
         return sq.sqrt()[0]
 
     def _global_grad_norm(self) -> torch.Tensor:
+        if self.zero is not None:   # ZeRO's step computed it (over dp, tp and pp)
+            return self._grad_norm
         if self._norm is None:
             raise RuntimeError("no gradient norm yet: call engine.step(batch) first.")
         return self._norm

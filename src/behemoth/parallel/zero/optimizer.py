@@ -113,6 +113,8 @@ class ZeroOptimizer:
                                 param_on_gpu=[k < keep_p or stage < 3 for k in range(n)],
                                 optim_on_gpu=[k < keep_o for k in range(n)])
         self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
+        self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
+        self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
         self.optimizer = self._build_optimizer()
@@ -133,16 +135,25 @@ class ZeroOptimizer:
 
     def _norm_weights(self) -> list[list[tuple[int, int, float]]]:
         """Per chunk, runs ``(shard offset, length, weight)`` of parameter pieces in this rank's shard,
-        weighted 1/(copies of that piece over tp) so a sum over tp counts each element once."""
+        weighted 1/(copies of that piece over tp) so a sum over tp counts each element once; a
+        parameter counted elsewhere (:meth:`configure_norm`) weighs 0."""
         out = []
         for st in self.store.chunks:
             runs = []
             for sl in self.layout.shard_slices(st.index, self.axis.rank):
-                spec = get_spec(self.params[sl.param])
+                p = self.params[sl.param]
+                spec = get_spec(p)
                 w = 1.0 / (_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
-                runs.append((sl.shard_offset, sl.length, w))
+                runs.append((sl.shard_offset, sl.length, 0.0 if id(p) in self._norm_skip else w))
             out.append(runs)
         return out
+
+    def configure_norm(self, extra_axes: list[Axis], skip: list[torch.nn.Parameter]) -> None:
+        """The serial model's norm when this rank holds only part of the model: also sum over
+        ``extra_axes`` (pipeline stages), and leave out ``skip`` (a tied copy counted elsewhere)."""
+        self._norm_axes += [a for a in extra_axes if not a.trivial]
+        self._norm_skip = {id(p) for p in skip}
+        self._weights = self._norm_weights()
 
     # ------------------------------------------------------------------ the engine's gradient protocol
     def start_step(self) -> None:
@@ -183,12 +194,16 @@ class ZeroOptimizer:
                            torch.zeros((), device=g.device))
             sq += part.to(self.device)
         comm.all_reduce(sq, self.axis)
-        comm.all_reduce(sq, self.tp)
+        for ax in self._norm_axes:
+            comm.all_reduce(sq, ax)
         return sq[0].sqrt()
 
     def _all_finite(self, masters: list[torch.Tensor]) -> bool:
         local = all(bool(torch.isfinite(m.grad).all()) for m in masters)
-        return comm.all_agree(local, self.axis) and comm.all_agree(local, self.tp)
+        finite = comm.all_agree(local, self.axis)   # every rank calls every vote (no short-circuit)
+        for ax in self._norm_axes:
+            finite = comm.all_agree(finite, ax)
+        return finite
 
     def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
         """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""

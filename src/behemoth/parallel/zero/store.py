@@ -285,6 +285,17 @@ class ChunkStore:
             torch.cuda.current_stream().synchronize()   # host gradient copies are complete
         self._sync = False
 
+    def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """Stage 1: ``p.grad`` as its gradient-chunk view (zeros if no gradient arrived yet), so a
+        caller may add into it in place before the reduction (pipelines sum tied copies)."""
+        st, off = self.chunk_of[id(p)], self._offset[id(p)]
+        view = self._grad_chunk(st)[off:off + p.numel()]
+        if id(p) in self._fresh:
+            view.zero_()
+            self._fresh.discard(id(p))
+        p.grad = view.view(p.shape)
+        return p.grad
+
     def attach_grads(self) -> None:
         """Kept for the engine's checkpoint code: ZeRO gradients live in the store."""
 
