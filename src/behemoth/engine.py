@@ -298,6 +298,17 @@ class Engine:
             return (micro["input_ids"],)
         return micro if isinstance(micro, (tuple, list)) else (micro,)
 
+    def _loss_normaliser(self, batch, num_micro: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(global token count, factor)``: each micro-batch's loss sum times ``factor`` adds up to
+        the global mean. The count stays on the device (no host sync before backward); every sp
+        and tp rank holds its dp rank's whole batch, so it is summed over dp only. A user's
+        ``loss_fn`` returns means: their mean over micro-batches and data ranks."""
+        if self.loss_fn is None:
+            n_global = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+            comm.all_reduce(n_global, self.mesh.axis("dp"))
+            return n_global, 1.0 / n_global
+        return None, torch.tensor(1.0 / (num_micro * self.data_axis.size), dtype=torch.float64, device=self.device)
+
     def forward_backward(self, batch) -> float:
         """Forward and backward of this rank's batch; gradients left reduced in ``.grad``.
         Returns the global mean loss."""
@@ -305,15 +316,7 @@ class Engine:
         batch = self._to_device(batch)
         dp = self.data_axis
         micro = self._split(batch)
-        if self.loss_fn is None:
-            # Global token count, kept on the device: no host sync before backward.
-            # Every sp rank holds its dp rank's whole batch here: count over dp only.
-            n_global = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-            comm.all_reduce(n_global, self.mesh.axis("dp"))
-            scale = 1.0 / n_global
-        else:
-            n_global = None
-            scale = torch.tensor(1.0 / (len(micro) * dp.size), dtype=torch.float64, device=self.device)
+        n_global, scale = self._loss_normaliser(batch, len(micro))
         loss_scale = self.scaler.scale if self.scaler else 1.0
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):

@@ -67,7 +67,15 @@ def format_step(m: dict, total_steps: int) -> str:
         parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev")
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
-    parts.append(f"mem {m['memory_mib']:,.0f} MiB")
+    mem = f"mem {m['memory_mib']:,.0f} MiB"
+    if "model_data_mib" in m:
+        mem += f" (model data {m['model_data_mib']:,.0f}"
+        if "other_data_mib" in m:
+            mem += f", other {m['other_data_mib']:,.0f}"
+        if m.get("host_model_data_mib"):
+            mem += f", on host {m['host_model_data_mib']:,.0f}"
+        mem += ")"
+    parts.append(mem)
     return " | ".join(parts)
 
 

@@ -117,8 +117,9 @@ def train_step(engine: bh.Engine, sampler: BatchSampler, lr: float) -> dict:
     t0 = time.perf_counter()
     batch = sampler.next_batch()
     loss = engine.step(batch)   # returns a Python float: the device has finished the step
+    seconds = time.perf_counter() - t0
     return {"loss": loss, "grad_norm": engine.last_grad_norm, "tokens": engine.last_tokens,
-            "seconds": time.perf_counter() - t0}
+            "seconds": seconds, "memory": engine.memory_report()}
 
 
 def _step_metrics(step: int, lr: float, out: dict, *, flops_per_token: int, world_size: int,
@@ -132,6 +133,14 @@ def _step_metrics(step: int, lr: float, out: dict, *, flops_per_token: int, worl
         if peak:
             m["mfu"] = flops / peak
     m["memory_mib"] = memory_mib(device)
+    if "memory" in out:   # the memory tracer: model data on the device (and offloaded to the host) vs other
+        rep = out["memory"]
+        dev = rep.get(device.type, {})
+        m["model_data_mib"] = sum(v for k, v in dev.items() if k != "other") / 2**20
+        if "other" in dev:
+            m["other_data_mib"] = dev["other"] / 2**20
+        if device.type == "cuda":
+            m["host_model_data_mib"] = sum(rep.get("cpu", {}).values()) / 2**20
     return m
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
-from ...engine import IGNORE_INDEX, Engine, logits_of, rebuild_optimizer, token_loss_sum, _rows
+from ...engine import Engine, logits_of, rebuild_optimizer, token_loss_sum, _rows
 from ...precision import autocast_context
 from ..tensor import global_grad_norm
 from .p2p import StageChannels
@@ -136,13 +136,7 @@ class PipelineEngine(Engine):
         batch = self._to_device(batch)
         micro = self._split(batch)
         dp, split, ch = self.data_axis, self.split, self.channels
-        if self.loss_fn is None:
-            n_global = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-            comm.all_reduce(n_global, self.mesh.axis("dp"))
-            scale = 1.0 / n_global
-        else:
-            n_global = None
-            scale = torch.tensor(1.0 / (len(micro) * dp.size), dtype=torch.float64, device=self.device)
+        n_global, scale = self._loss_normaliser(batch, len(micro))
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         pp, rank, last = split.pp, split.rank, split.num_stages - 1
         nxt, prv = (rank + 1) % pp, (rank - 1) % pp

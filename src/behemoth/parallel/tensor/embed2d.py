@@ -25,6 +25,17 @@ from .tp2d import (Grid, Linear2D, _activation_spec, _compute_dtype, _copy_shard
 __all__ = ["Embedding2D", "PositionEmbedding2D", "VocabParallelHead2D", "vocab_parallel_cross_entropy_2d"]
 
 # --------------------------------------------------------------------------- embeddings
+def embedding_from_serial(cls, module: nn.Embedding, mesh):
+    """``cls(...)`` (a 2D or 3D vocab-parallel embedding) holding this rank's shard of ``module``."""
+    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
+    w = module.weight
+    layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
+                device=w.device, dtype=w.dtype)
+    _copy_shards(layer, module)
+    return layer
+
+
 class Embedding2D(nn.Module):
     """Vocab-parallel token embedding: ids ``[B, S]`` of the whole tp group (the same on every
     tp rank) -> ``[b, s, h]`` in the 2D layout.
@@ -56,15 +67,7 @@ class Embedding2D(nn.Module):
                          DimShard(1, g.q, g.row, ("tp_row",))), g.weight_replicas)
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
-    @classmethod
-    def from_serial(cls, module: nn.Embedding, mesh):
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
-        w = module.weight
-        layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
-                    device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(embedding_from_serial)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         g, v = self.grid, self.num_embeddings // self.grid.q

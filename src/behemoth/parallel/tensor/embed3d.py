@@ -18,7 +18,7 @@ from torch import nn
 
 from ... import comm
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .embed2d import _VocabParallelCE
+from .embed2d import _VocabParallelCE, embedding_from_serial
 from .tp2d import _copy_shards
 from .tp3d import MODE, Layout, Linear3D, _act_spec, _gather_activation, _replicated, _weight_spec, cube_of
 
@@ -54,15 +54,7 @@ class Embedding3D(nn.Module):
         self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q ** 2)
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
-    @classmethod
-    def from_serial(cls, module: nn.Embedding, mesh):
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
-        w = module.weight
-        layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
-                    device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(embedding_from_serial)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         lay, q, v = self.layout, self.cube.q, self.weight.shape[0]
