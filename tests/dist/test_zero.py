@@ -149,6 +149,10 @@ def _overlap_memory_errors_world(rank, world):
                                   bh.Plan(zero=3, offload="auto", offload_budget_gb=1e-6, chunk_mb=CHUNK_MB)),
                  "offload_budget_gb", "largest chunk")
     expect_error(lambda: bh.Plan(offload="cpu"), "zero=0")
+    # A problem only one rank sees (pipeline stages hold different parameters) fails every rank.
+    from behemoth.parallel.zero.optimizer import _raise_everywhere
+    mine = ValueError("Plan.chunk_mb=1: too small") if rank == 0 else None
+    expect_error(lambda: _raise_everywhere(engine.mesh.axis("world"), mine, "Plan.chunk_mb"), "Plan.chunk_mb")
     expect_error(lambda: bh.Plan(zero=1, offload_budget_gb=4), "offload='auto'")
     m = build("gpt")
     frozen = [p for n, p in m.named_parameters() if "wte" not in n]

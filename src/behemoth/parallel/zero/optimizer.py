@@ -60,7 +60,7 @@ class ZeroOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, tp: Axis, *,
                  stage: int, offload: str | None, device: torch.device, chunk_mb: float | None = None,
-                 budget_bytes: int | None = None, prefetch: int = 2) -> None:
+                 budget_bytes: int | None = None, prefetch: int = 2, world: Axis | None = None) -> None:
         _check_optimizer(optimizer, stage)
         self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
         self.budget_bytes = budget_bytes
@@ -89,17 +89,18 @@ class ZeroOptimizer:
         else:
             self.chunk_elems, self.chunk_table = max(1, int(chunk_mb * 2**20 // 4)), []
         largest = max(sizes, default=0)
-        if self.chunk_elems < largest:
-            raise ValueError(f"Plan.chunk_mb={chunk_mb!r} holds {self.chunk_elems} fp32 elements, but a parameter has "
-                             f"{largest} and a parameter is never split across chunks: set chunk_mb >= "
-                             f"{largest * 4 / 2**20:.4g}, or None to search the size with the least padding.")
+        _raise_everywhere(world, None if self.chunk_elems >= largest else ValueError(
+            f"Plan.chunk_mb={chunk_mb!r} holds {self.chunk_elems} fp32 elements, but a parameter has {largest} and a "
+            f"parameter is never split across chunks: set chunk_mb >= {largest * 4 / 2**20:.4g}, or None to search "
+            f"the size with the least padding."), "Plan.chunk_mb")
         self.layout = pack_chunks(sizes, self.chunk_elems, axis.size, groups=groups)
         n = self.layout.num_chunks
         largest_shard = 4 * max(c.shard_size for c in self.layout.chunks)
-        if offload == "auto" and budget_bytes is not None and budget_bytes < largest_shard:
-            raise ValueError(f"Plan.offload_budget_gb={budget_bytes / 2**30:.3g} cannot hold the largest chunk's "
-                             f"shard ({largest_shard} bytes), which must be on the GPU while it is used: raise it "
-                             f"to >= {largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb.")
+        _raise_everywhere(world, None if not (offload == "auto" and budget_bytes is not None and
+                                              budget_bytes < largest_shard) else ValueError(
+            f"Plan.offload_budget_gb={(budget_bytes or 0) / 2**30:.3g} cannot hold the largest chunk's shard "
+            f"({largest_shard} bytes), which must be on the GPU while it is used: raise it to >= "
+            f"{largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb."), "Plan.offload_budget_gb")
         self.split: StaticSplit | None = None
         self._stage12_split: tuple[int, int, int] | None = None
         self.bandwidth = _host_bandwidth(device) if offload == "auto" else 0.0
@@ -422,6 +423,16 @@ class ZeroOptimizer:
         self.store.remove()
         if self.hooks is not None:
             self.hooks.remove()
+
+
+def _raise_everywhere(world: Axis | None, error: Exception | None, field: str) -> None:
+    """Raise ``error`` here and an error on every other rank of ``world`` too (pipeline stages hold
+    different parameters, so only some ranks may find a problem): nobody is left waiting."""
+    if world is not None and not comm.all_agree(error is None, world) and error is None:
+        raise ValueError(f"{field}: another rank (a pipeline stage with other parameters) rejected it; its error "
+                         f"names the value and the fix.")
+    if error is not None:
+        raise error
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
