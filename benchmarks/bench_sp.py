@@ -158,10 +158,11 @@ def check(a) -> None:
 # ----------------------------------------------------------------------------- training
 def _engine(a, seq: int, dev):
     model = build_model(a.size, vocab_size=a.vocab, seq_len=seq, device=dev, tie_embeddings=a.tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and not a.zero)
     counts = model.num_params(), model.flops_per_token(seq)   # serial counts
     world = torch.distributed.get_world_size()
-    plan = bh.Plan(dp=world // a.sp, sp=a.sp, sp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt)
+    plan = bh.Plan(dp=world // a.sp, sp=a.sp, sp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt,
+                   zero=a.zero)
     return bh.boost(model, opt, plan), counts
 
 
@@ -172,7 +173,7 @@ def _batch(a, seq: int, engine, dev):
 
 
 def _label(a) -> str:
-    return "behemoth-1gpu" if a.sp == 1 else f"behemoth-sp{a.sp}-{a.mode}"
+    return ("behemoth-1gpu" if a.sp == 1 else f"behemoth-sp{a.sp}-{a.mode}") + (f"-zero{a.zero}" if a.zero else "")
 
 
 def train(a) -> None:
@@ -250,6 +251,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp x sp (frees model data for activations)")
     p.add_argument("--tied", action="store_true", help="tie input/output embeddings (peer_baseline's are untied)")
     p.add_argument("--probe-max-seq", action="store_true",
                    help="find the longest sequence (from --seq up) that trains 2 steps, instead of timing")

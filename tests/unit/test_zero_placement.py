@@ -130,3 +130,21 @@ def test_static_split_is_optimal_over_prefix_choices():
                 mid, rest = sum(chunks[o:p]), sum(chunks[p:])
                 best = min(best, (mid + 2 * rest) / 2.0 + (mid + rest) / 1.0)
         assert s.predicted_seconds == pytest.approx(best)
+
+
+def test_static_split_counts_the_cpu_update_and_respects_the_host():
+    # The hand-computed case above, with a CPU optimizer updating 1 B/s: every chunk whose
+    # optimizer state is offloaded now costs 10 s more. p=4, o=0: 80 + 40 = 120 s; p=1, o=1:
+    # 90 + 30 = 120 s (tie: more parameters kept wins); p=2, o=1 (20 + 30 + buffer 10 = 60):
+    # h2d 10 + 2*20 = 50, d2h 10 + 20 = 30, cpu 30 -> 110 s: the best now.
+    s = static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, cpu_update_bandwidth=1.0)
+    assert (s.num_param_chunks, s.num_optim_chunks) == (2, 1)
+    assert s.predicted_seconds == 110.0
+    assert "of CPU optimizer update" in s.explain()
+    # The host holds 25 B per offloaded chunk: 3 offloaded (75 B) fit a 75 B host, 4 (100 B) do not.
+    h = static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4,
+                     host_budget_bytes=75)
+    assert h.num_optim_chunks >= 1
+    with pytest.raises(ValueError, match="no split fits both budgets"):
+        static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4,
+                     host_budget_bytes=10)
