@@ -96,6 +96,11 @@ def test_zero_with_2d_tensor_parallel():
     bh.spawn(_parity_world, 8, scen, 4, "2d", timeout=600)
 
 
+def test_zero_with_3d_tensor_parallel():
+    """dp = 1: ZeRO's flat shards hold 3D shards; the clipped norm weighs each by its copies on tp."""
+    bh.spawn(_parity_world, 8, [("gpt", "adamw", 3, None, 1, 0.5, "fp32")], 8, "3d", timeout=600)
+
+
 def test_zero_with_sequence_parallel():
     """Under sp the gradients are summed over dp x sp: ZeRO shards over that axis."""
     scen = [("gpt", "adamw", 3, None, 1, 1.0, "fp32"), ("hf-llama", "sgd", 2, "cpu", 2, None, "fp32")]
