@@ -57,14 +57,14 @@ def _check(engine, losses, family, opt_name, clip, precision, what):
     assert torch.equal(t, ref), f"{what}: ranks disagree on the loss or the grad norm"
 
 
-def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1):
+def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1, tp_depth=1):
     torch.manual_seed(rank)
     batches = global_batches(STEPS, BATCH)
     for family, opt_name, stage, offload, micro, clip, precision in scenarios:
         what = f"dp={world // tp // sp} tp={tp}/{tp_mode} sp={sp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
         model = build(family)
-        plan = bh.Plan(tp=tp, tp_mode=tp_mode, sp=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
-                       chunk_mb=CHUNK_MB / tp)   # tp shards are smaller: smaller chunks keep several
+        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, sp=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
+                       chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
@@ -96,9 +96,11 @@ def test_zero_with_2d_tensor_parallel():
     bh.spawn(_parity_world, 8, scen, 4, "2d", timeout=600)
 
 
-def test_zero_with_3d_tensor_parallel():
-    """dp = 1: ZeRO's flat shards hold 3D shards; the clipped norm weighs each by its copies on tp."""
-    bh.spawn(_parity_world, 8, [("gpt", "adamw", 3, None, 1, 0.5, "fp32")], 8, "3d", timeout=600)
+@pytest.mark.parametrize("mode, depth", [("3d", 1), ("2.5d", 2)])
+def test_zero_with_3d_and_2p5d_tensor_parallel(mode, depth):
+    """dp = 1: ZeRO's flat shards hold 3D / 2.5D shards (2.5D replicates weights over depth); the
+    clipped norm weighs each piece by its copies on tp."""
+    bh.spawn(_parity_world, 8, [("gpt", "adamw", 3, None, 1, 0.5, "fp32")], 8, mode, 1, depth, timeout=600)
 
 
 def test_zero_with_sequence_parallel():
