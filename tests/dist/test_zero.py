@@ -220,3 +220,19 @@ def _replace_keeps_hyper_world(rank, world):
 
 def test_zero_auto_replacement_keeps_the_learning_rate():
     bh.spawn(_replace_keeps_hyper_world, 2, timeout=120)
+
+
+def _compile_world(rank, world):
+    batches = global_batches(STEPS, BATCH)
+    want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, compile=True, chunk_mb=CHUNK_MB),
+                      max_grad_norm=1.0)
+    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+    assert_losses_close(losses, want_losses, what="zero=3 compile")
+    assert_state_close(engine.full_state_dict(), want_state, what="zero=3 compile")
+
+
+def test_zero3_with_compiled_blocks():
+    """The gather/release module hooks run around torch.compile'd blocks."""
+    bh.spawn(_compile_world, 2, timeout=600)
