@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (Plan.compile)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1D); dp = world / tp")
+    p.add_argument("--tp-mode", default="1d", choices=["1d", "2d", "2.5d", "3d"], help="Plan.tp_mode")
+    p.add_argument("--tp-depth", type=int, default=1, help="Plan.tp_depth (2.5d)")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
     p.add_argument("--probe-max-mbs", action="store_true",
                    help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps")
@@ -42,6 +44,8 @@ def main() -> None:
     p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="Plan.offload")
     p.add_argument("--chunk-mb", type=float, default=None, help="Plan.chunk_mb (default: searched)")
     p.add_argument("--budget-gb", type=float, default=None, help="Plan.offload_budget_gb (default: measured)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)")
     p.add_argument("--host-init", action="store_true",
                    help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)")
     a = p.parse_args()
@@ -53,7 +57,8 @@ def main() -> None:
                         tie_embeddings=a.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and not a.zero)
     nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
-    plan = bh.Plan(dp=world // a.tp, tp=a.tp, sequence_parallel=a.sp, precision="bf16",
+    plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, sequence_parallel=a.sp,
+                   precision="bf16",
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
                    offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb)
     engine = bh.boost(model, opt, plan)
@@ -73,6 +78,8 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    if a.profile and dev.type == "cuda":
+        profile_steps(engine, batch, a.profile, rank)
     warm = times[3:] or times
     dt = sorted(warm)[len(warm) // 2]
     tok_per_gpu = a.mbs * a.seq / dt / a.tp  # mbs sequences per dp rank, shared by its tp ranks
@@ -94,8 +101,32 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
+def profile_steps(engine, batch, steps: int, rank: int) -> None:
+    """``steps`` steps under torch.profiler; rank 0 prints per step: wall time, the summed
+    time of NCCL kernels and of all other kernels (compute; kernels of one stream do not
+    overlap, so compute / wall is the compute stream's busy share), and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step(batch)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    if rank != 0:
+        return
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    us = lambda e: getattr(e, "self_device_time_total", None) or e.self_cuda_time_total  # noqa: E731
+    nccl = sum(us(e) for e in ev if "nccl" in e.key.lower()) / steps / 1e6
+    other = sum(us(e) for e in ev if "nccl" not in e.key.lower()) / steps / 1e6
+    print(f"PROFILE per step: wall {wall:.4f} s, compute kernels {other:.4f} s ({other / wall:.1%} of wall), "
+          f"nccl kernels {nccl:.4f} s", flush=True)
+    for e in sorted(ev, key=us, reverse=True)[:14]:
+        print(f"PROFILE {us(e) / steps / 1e3:9.2f} ms/step  x{e.count // steps:<5d} {e.key[:90]}", flush=True)
+
+
 def _mode(a) -> str:
-    mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}{'-sp' if a.sp else ''}"
+    mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}-{a.tp_mode}{'-sp' if a.sp else ''}"
     if a.zero:
         mode += f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "")
     return mode
@@ -120,7 +151,8 @@ def probe_max_mbs(engine, a, dev, rank) -> None:
         if flag.item() == 0:
             break
         best = mbs
-        mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 27, ...
+        mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 27, ... (even from 2 up: 2D/2.5D/3D split the batch)
+        mbs += mbs % 2 if mbs > 1 else 0
     if rank == 0:
         mode = _mode(a)
         print("RESULT " + json.dumps(dict(size=a.size, mode=mode, seq=a.seq, max_mbs_per_dp_rank=best,

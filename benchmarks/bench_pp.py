@@ -25,6 +25,7 @@ peak (989 TFLOP/s for H100/H200 SXM), per GPU.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -56,6 +57,8 @@ def time_pipeline(engine, batch, steps, dev):
         loss = engine.step(batch)
         _sync(dev)
         times.append(time.perf_counter() - t)
+        print(f"[rank {torch.distributed.get_rank()}] pipeline step {len(times)}: {times[-1]:.3f} s, loss {loss:.4f}",
+              file=sys.stderr, flush=True)
     return _median(times[min(3, len(times) - 1):]), loss
 
 
@@ -105,7 +108,11 @@ def main() -> None:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tiny", action="store_true", help="gpt-mini, seq 128, fp32, 4 steps: a CPU smoke test")
+    p.add_argument("--dump-after", type=float, default=0.0,
+                   help="print every thread's Python stack after this many seconds, then exit (hang diagnosis)")
     a = p.parse_args()
+    if a.dump_after > 0:
+        faulthandler.dump_traceback_later(a.dump_after, exit=True)
     if a.tiny:
         a.size, a.seq, a.vocab, a.steps = "gpt-mini", 128, 512, 4
     bh.init()
@@ -132,17 +139,18 @@ def main() -> None:
     tokens = a.microbatches * a.mbs * a.seq
     m, pp = a.microbatches, world
     tok_s = tokens / t_step_max
-    single = tokens / t_slowest_stage
+    single = tokens / t_slowest_stage     # NaN with virtual stages (no stage-alone timing): reported as null
     ideal = m / (m + pp - 1) * single
+    num = lambda x, nd=None: None if x != x else round(x, nd)  # noqa: E731  (NaN -> null)
     if rank == 0:
         r = dict(size=a.size, mode=f"behemoth-pp{pp}-{a.schedule}", gpus=world, microbatches=m, mbs=a.mbs,
                  seq=a.seq, ckpt=a.ckpt, params_b=round(nparam / 1e9, 3), stages=engine.stage_ranges,
                  step_s=round(t_step_max, 4), tok_s=round(tok_s), tok_s_gpu=round(tok_s / world),
                  tflops_gpu=round(tok_s / world * flops_per_tok / 1e12, 1),
                  mfu=round(tok_s / world * flops_per_tok / a.peak, 4),
-                 slowest_stage_alone_s=round(t_slowest_stage, 4), single_stage_tok_s=round(single),
-                 ideal_tok_s=round(ideal), ideal_fraction=round(m / (m + pp - 1), 4),
-                 vs_ideal=round(tok_s / ideal, 4), bubble_measured=round(1 - t_slowest_stage / t_step_max, 4),
+                 slowest_stage_alone_s=num(t_slowest_stage, 4), single_stage_tok_s=num(single),
+                 ideal_tok_s=num(ideal), ideal_fraction=round(m / (m + pp - 1), 4),
+                 vs_ideal=num(tok_s / ideal, 4), bubble_measured=num(1 - t_slowest_stage / t_step_max, 4),
                  bubble_theory=round((pp - 1) / (m + pp - 1), 4), peak_mem_gib=round(mem, 1), loss=round(loss, 3),
                  comm={k: v["seconds"] for k, v in engine.comm_stats().items()})
         print("RESULT " + json.dumps(r), flush=True)

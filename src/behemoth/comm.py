@@ -26,8 +26,7 @@ from .ledger import AxisTraffic, Ledger
 __all__ = ["AxisTraffic", "Ledger", "Axis",   # the ledger classes live in ledger.py, re-exported here
            "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "reduce",
            "exchange", "all_reduce_scalars", "all_agree", "all_gather_into", "AsyncCollective",
-           "all_gather_async", "reduce_scatter_async", "ring_shift_async", "send_async", "recv_async",
-           "exchange_async", "CopyToAxis", "ReduceFromAxis", "GatherFromAxis", "ScatterToAxis",
+           "all_gather_async", "reduce_scatter_async", "ring_shift_async", "send_async", "recv_async", "CopyToAxis", "ReduceFromAxis", "GatherFromAxis", "ScatterToAxis",
            "AllGatherToAxis", "ReduceScatterToAxis", "AllToAllAxis", "ExchangeWithPeer"]
 
 
@@ -476,42 +475,6 @@ def recv_async(shape, dtype: torch.dtype, axis: Axis, peer_index: int, tag: int 
     work = dist.irecv(out, axis.ranks[peer_index], group=axis.group, tag=tag)
     axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
     return AsyncCollective(work, axis, lambda: out, out)
-
-
-@_eager
-def exchange_async(sends, recv, axis: Axis, device=None) -> tuple[list[AsyncCollective], AsyncCollective | None]:
-    """Start several sends and at most one receive over ``axis`` as *one* batched
-    point-to-point call (``batch_isend_irecv``: one NCCL group). ``sends`` is a list of
-    ``(tensor, peer_index, tag)``, ``recv`` ``(shape, dtype, peer_index, tag)`` or None.
-    Returns ``(send handles, receive handle)``; the receive's ``wait()`` returns the tensor.
-
-    Why batched: NCCL runs the point-to-point operations between two ranks in issue order on
-    one stream, and a large send does not finish before its receive is posted; a pipeline
-    rank that sends an activation and then receives a gradient, while its peer sends the
-    gradient and then receives the activation, would deadlock. In one group both progress
-    together (Megatron's ``send_forward_recv_backward``). Every member's first call on a
-    NCCL group must come after a collective on it (the pipeline engine issues one at build).
-    Ledger as :func:`send_async` / :func:`recv_async`."""
-    ops, handles, out = [], [], None
-    for t, peer_index, tag in sends:
-        src = t.detach().contiguous()
-        ops.append(dist.P2POp(dist.isend, src, axis.ranks[peer_index], axis.group, tag))
-        axis.ledger.record(axis.name, "send", _nbytes(src), _nbytes(src))
-        handles.append(src)
-    if recv is not None:
-        shape, dtype, peer_index, tag = recv
-        out = torch.empty(tuple(shape), dtype=dtype, device=device if device is not None else _scalar_device(axis))
-        ops.append(dist.P2POp(dist.irecv, out, axis.ranks[peer_index], axis.group, tag))
-        axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
-    if not ops:
-        return [], None
-    works = dist.batch_isend_irecv(ops)
-    # One request per op (gloo), or one coalesced request for the group (NCCL): a receive must
-    # never wait on this rank's own sends (the peer may post their receives later).
-    per_op = list(works) if len(works) == len(ops) else [_Works(works)] * len(ops)
-    sent = [AsyncCollective(w, axis, (lambda s=s: s), s) for w, s in zip(per_op, handles)]
-    got = AsyncCollective(per_op[-1], axis, lambda: out, out) if out is not None else None
-    return sent, got
 
 
 # --------------------------------------------------------------------------- ZeRO additions: chunk gather

@@ -25,6 +25,7 @@ import math
 import torch.distributed as dist
 
 from .comm import Axis, Ledger
+from .distributed import default_timeout
 from .plan import Plan
 
 
@@ -132,10 +133,27 @@ class ParallelMesh:
                     pg = dist.group.WORLD
                 else:
                     for g in groups:  # every rank creates every group, in the same order
-                        h = dist.new_group(g)
+                        h = dist.new_group(g, timeout=default_timeout())   # BEHEMOTH_TIMEOUT, as the world's
                         if g is mine:
                             pg = h
             self._axes[name] = Axis(name, len(mine), mine.index(rank), tuple(mine), pg, self.ledger)
+
+    def channel_axes(self, name: str, pairs) -> dict[tuple, Axis]:
+        """One new 2-rank process group per ``(i, j, *tag)`` in ``pairs`` (member indices of
+        axis ``name``) for every group of that axis, created collectively (every rank calls
+        this with the same ``pairs``). Returns this rank's, keyed by the pair, in creation
+        order, as axes named ``name`` (one ledger line) with ``ranks = (g[i], g[j])``: index
+        0 is member ``i``. Pipelines use them as one-way channels (pipeline/p2p.py)."""
+        members = named_axes(self.plan)[name]
+        out: dict[tuple, Axis] = {}
+        for g in axis_groups(self.dims, members):
+            for key in pairs:
+                i, j = key[0], key[1]
+                ranks = (g[i], g[j])
+                h = dist.new_group(sorted(ranks), timeout=default_timeout()) if dist.is_initialized() else None
+                if self.rank in ranks:
+                    out[key] = Axis(name, 2, ranks.index(self.rank), ranks, h, self.ledger)
+        return out
 
     def axis(self, name: str) -> Axis:
         try:

@@ -37,16 +37,13 @@ Tested in tests/dist/test_pipeline_parity.py and tests/dist/test_pipeline_faults
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 
 from ... import comm
 from ...engine import Engine, logits_of, rebuild_optimizer, token_loss_sum, _rows
 from ...precision import autocast_context
 from ..tensor import global_grad_norm
-from .p2p import StageChannels
+from .p2p import StageChannels, pipeline_channels
 from .schedules import B, BI, BW, F, make_schedule, simulate
 from .partition import stage_modules
 from .stage import PipelineSplit, partition_for
@@ -67,13 +64,6 @@ class PipelineEngine(Engine):
             raise ValueError("the optimizer already has state; under pipeline parallelism build the engine before "
                              "the first optimizer step (each stage keeps the state of its own parameters only).")
         self.pp_axis = mesh.axis("pp")
-        if dist.get_backend(self.pp_axis.group) == "nccl" and os.environ.get("BEHEMOTH_PP_NCCL") != "1":
-            # Measured 2026-11-26 on 2x H200: benchmarks/bench_pp.py (GPT-2.7B, 1F1B, 8 micro-batches) hung on
-            # NCCL before its first step completed; the cause is not found yet. Refusing beats hanging.
-            raise NotImplementedError(
-                f"Plan.pp={plan.pp} on NCCL: the pipeline's point-to-point path hung in GPU testing and is disabled "
-                f"until fixed; pipelines run on gloo (CPU). Use pp=1 with dp/tp/zero on GPUs, or set "
-                f"BEHEMOTH_PP_NCCL=1 to try it anyway (debugging only).")
         self._layout, self._partition = partition_for(model, plan.pp, plan.virtual_stages, stages)
         schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
         simulate(schedule, plan.pp)     # raises on a dependency violation, deadlock or FIFO break
@@ -90,7 +80,6 @@ class PipelineEngine(Engine):
         super().__init__(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                          tp_policy=tp_policy)
         self.serial_param_names = self.split.serial_param_names   # checkpoints name tied copies serially
-        self.channels = StageChannels(self.pp_axis, self.device)
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
         self._sync_at = weight_steps[-1] if plan.virtual_stages == 1 else None
         if self.zero is not None:
@@ -103,8 +92,11 @@ class PipelineEngine(Engine):
 
     # ---------------------------------------------------------------- set-up
     def _apply_pipeline(self) -> None:
-        # A first collective on the pp group before any batched point-to-point call (NCCL's rule).
-        comm.all_reduce(torch.zeros(1, device=self.device), self.pp_axis)
+        # One process group per one-way channel, every channel connected before the first step.
+        pp = self.pp_axis
+        self.channels = StageChannels(pp.rank, self.mesh.channel_axes("pp", pipeline_channels(pp.size)),
+                                      self.device)
+        self.channels.connect()
         self.split = PipelineSplit(self.model, self._layout, self._partition, self.pp_axis)
         self.split.distribute()
         self.split.apply()

@@ -1,5 +1,26 @@
 """Point-to-point transfers between pipeline stages, all through ``comm.py``'s ledger.
 
+One process group per channel. A channel is one (sender, receiver, kind) triple of the pp
+axis: activations go to the next rank (``i -> i+1 mod pp``), gradients to the previous one
+(``i -> i-1 mod pp``), so a pipeline of ``pp >= 3`` has ``2 pp`` channels and one of 2 has
+four (0->1 and 1->0, each for activations and gradients). Every channel has its own 2-rank
+group (on GPU, its own NCCL communicator and stream) and carries one direction of one
+kind only, so the sender's order of sends is the receiver's order of receives
+(``schedules.check_schedule`` verifies that FIFO property per (peer, kind) for every
+schedule), and a transfer that waits for its receiver delays only later transfers of the
+same channel, which that receiver consumes later anyway: no wait between channels can
+close a cycle the schedule simulator has not already ruled out.
+
+Why not one group for the pp axis. On NCCL every operation of a communicator runs in issue
+order on one stream, and a large send completes only once its receive is posted. With
+activations and gradients crossing on one stream, "send activation, then receive gradient"
+on one rank against "send gradient, then receive activation" on its peer deadlocks; batching
+them (``batch_isend_irecv``) moves the deadlock inside the group, where NCCL may serialise
+operations to the same peer (measured: GPT-350M, 1F1B, 2x H200 hung with every send held and
+batched with the next receive, which gloo runs fine). NCCL also connects a channel lazily
+inside its first call and blocks the host until the peer joins, so :meth:`StageChannels.
+connect` opens every channel at build time, in one global order.
+
 Shapes without a per-step handshake: an activation's shape and dtype depend only on the
 micro-batch's input shape and the stage that produced it, and every pipeline rank holds
 every micro-batch (so all agree on those). The first time a (stage, input shape) pair is
@@ -10,18 +31,10 @@ autocast dtypes without the stage code having to predict them. Gradients need no
 a gradient has the shape and dtype of the activation it belongs to, which its receiver
 produced.
 
-Order: messages of one (peer, tag) channel are consumed in send order (``schedules.
-check_schedule`` verifies every schedule keeps that FIFO property), activations and
-gradients on separate tags. Batching: a send is held until this rank's next receive and
-issued with it as one ``comm.exchange_async`` call (one NCCL group: Megatron's
-``send_forward_recv_backward``), or at the end of the step. NCCL runs a rank pair's
-transfers in issue order on one stream, and unbatched "send activation, then receive
-gradient" against "send gradient, then receive activation" would deadlock on messages larger
-than its buffers. Holding a send until the next receive delays nothing a peer could wait
-for: the actions in between are local compute. Send handles are waited at the end of the
-step. A receive is posted right before the action that needs it and waited on, bounded by
-the process group's timeout (``BEHEMOTH_TIMEOUT``): a peer that died or raised turns into an
-error here, never a hang.
+Sends are issued as soon as their tensor exists and waited at the end of the step (buffers
+kept alive until then). A receive is posted right before the action that needs it and waited
+on, bounded by the process group's timeout (``BEHEMOTH_TIMEOUT``): a peer that died or
+raised turns into an error here, never a hang.
 """
 from __future__ import annotations
 
@@ -30,27 +43,52 @@ import torch
 from ... import comm
 from ...comm import Axis
 
-__all__ = ["StageChannels", "ACT_TAG", "GRAD_TAG"]
+__all__ = ["StageChannels", "ACT_TAG", "GRAD_TAG", "pipeline_channels"]
 
 ACT_TAG, GRAD_TAG = 1, 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 10
 
 
-class StageChannels:
-    """Activation and gradient transfers of one pipeline rank over ``axis`` (pp)."""
+def pipeline_channels(pp: int) -> list[tuple[int, int, int]]:
+    """Every ``(sender, receiver, tag)`` channel of a ``pp``-rank pipeline, in one fixed order."""
+    if pp < 2:
+        return []
+    chans = [(i, (i + 1) % pp, ACT_TAG) for i in range(pp)] + [(i, (i - 1) % pp, GRAD_TAG) for i in range(pp)]
+    return list(dict.fromkeys(chans))
 
-    def __init__(self, axis: Axis, device: torch.device) -> None:
-        self.axis, self.device = axis, device
+
+class StageChannels:
+    """Activation and gradient transfers of one pipeline rank (index ``me`` on the pp axis).
+
+    ``links`` maps this rank's channels ``(sender, receiver, tag)`` to 2-member axes whose
+    ``ranks`` are ``(sender, receiver)`` in global ranks (``ParallelMesh.channel_axes``), in
+    the global creation order."""
+
+    def __init__(self, me: int, links: dict[tuple[int, int, int], Axis], device: torch.device) -> None:
+        self.me, self.links, self.device = me, links, device
         self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # (stage, input shape) -> message
-        self.held: list[tuple[torch.Tensor, int, int]] = []   # sends not issued yet
         self.pending: list[comm.AsyncCollective] = []         # sends issued, not waited
 
-    def _recv(self, shape, dtype, src_rank: int, tag: int) -> torch.Tensor:
-        sent, got = comm.exchange_async(self.held, (shape, dtype, src_rank, tag), self.axis, self.device)
-        self.held = []
-        self.pending += sent
-        return got.wait()
+    def connect(self) -> None:
+        """Open every channel (a small and a 4 MiB message, so NCCL sets up the links of both
+        its small- and large-message protocols) in the global creation order, so no transfer
+        of a step waits on a connection.
+        A collective over all pipeline ranks: every rank calls it at build time."""
+        for (src, dst, tag), ax in self.links.items():
+            for n in (8, 1 << 20):
+                if src == self.me:
+                    comm.send_async(torch.zeros(n, device=self.device), ax, 1, tag).wait()
+                else:
+                    comm.recv_async((n,), torch.float32, ax, 0, tag, self.device).wait()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self.pending.append(comm.send_async(t, self.links[(self.me, dst, tag)], 1, tag))
+
+    def _recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
+        return comm.recv_async(shape, dtype, self.links[(src, self.me, tag)], 0, tag, self.device).wait()
 
     def send_activation(self, y: torch.Tensor, src_stage: int, key: tuple, dst_rank: int) -> None:
         """Send stage ``src_stage``'s output ``y`` for a micro-batch of input shape ``key``."""
@@ -59,9 +97,9 @@ class StageChannels:
                 raise ValueError(f"pipeline: stage {src_stage} returned a {y.dim()}-d {y.dtype} tensor; stages "
                                  f"exchange tensors of at most {_HEADER - 2} dims in {_DTYPES}.")
             header = [y.dim(), *y.shape, *([0] * (_HEADER - 2 - y.dim())), _DTYPES.index(y.dtype)]
-            self.held.append((torch.tensor(header, dtype=torch.int64, device=self.device), dst_rank, ACT_TAG))
+            self._send(torch.tensor(header, dtype=torch.int64, device=self.device), dst_rank, ACT_TAG)
             self.shapes[(src_stage, key)] = (tuple(y.shape), y.dtype)
-        self.held.append((y.detach(), dst_rank, ACT_TAG))
+        self._send(y.detach(), dst_rank, ACT_TAG)
 
     def recv_activation(self, src_stage: int, key: tuple, src_rank: int) -> torch.Tensor:
         """Receive stage ``src_stage``'s output for a micro-batch of input shape ``key``."""
@@ -72,18 +110,14 @@ class StageChannels:
         return self._recv(shape, dtype, src_rank, ACT_TAG)
 
     def send_grad(self, g: torch.Tensor, dst_rank: int) -> None:
-        self.held.append((g, dst_rank, GRAD_TAG))
+        self._send(g, dst_rank, GRAD_TAG)
 
     def recv_grad(self, like: torch.Tensor, src_rank: int) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage."""
         return self._recv(like.shape, like.dtype, src_rank, GRAD_TAG)
 
     def finish(self) -> None:
-        """Issue the sends still held, and wait for every send of the step (buffers free)."""
-        if self.held:
-            sent, _ = comm.exchange_async(self.held, None, self.axis, self.device)
-            self.pending += sent
-            self.held = []
+        """Wait for every send of the step (their buffers may be freed after this)."""
         for h in self.pending:
             h.wait()
         self.pending = []
