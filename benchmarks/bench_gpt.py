@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage (Plan.zero)")
     p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="Plan.offload")
     p.add_argument("--chunk-mb", type=float, default=None, help="Plan.chunk_mb (default: searched)")
+    p.add_argument("--param-dtype", default=None, choices=[None, "bf16"], help="Plan.param_dtype (ZeRO-3)")
     p.add_argument("--budget-gb", type=float, default=None, help="Plan.offload_budget_gb (default: measured)")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)")
@@ -60,7 +61,7 @@ def main() -> None:
     plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, sequence_parallel=a.sp,
                    precision="bf16",
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
-                   offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb)
+                   offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb, param_dtype=a.param_dtype)
     engine = bh.boost(model, opt, plan)
     if a.probe_max_mbs:
         return probe_max_mbs(engine, a, dev, rank)
@@ -128,7 +129,7 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
 def _mode(a) -> str:
     mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}-{a.tp_mode}{'-sp' if a.sp else ''}"
     if a.zero:
-        mode += f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "")
+        mode += f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "") + (f"-{a.param_dtype}" if a.param_dtype else "")
     return mode
 
 

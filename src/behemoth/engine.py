@@ -182,7 +182,8 @@ class Engine:
             budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
             self.zero = ZeroOptimizer(self.model, optimizer, self.data_axis, mesh.axis("tp"), stage=plan.zero,
                                       offload=plan.offload, device=self.device, chunk_mb=plan.chunk_mb,
-                                      budget_bytes=budget, world=mesh.axis("world") if plan.pp > 1 else None)
+                                      budget_bytes=budget, world=mesh.axis("world") if plan.pp > 1 else None,
+                                      param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None)
             self.buckets = self.zero
         else:
             self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)

@@ -257,3 +257,22 @@ def test_render():
     out = render(simulate(one_f_one_b(2, 2), 2))
     assert out.splitlines() == ["rank 0: 01..AA.BB", "rank 1: .0AA1BB.."]
     assert "a*" in render(simulate(zero_bubble(2, 2), 2))
+
+
+def test_every_transfer_rides_one_of_the_runtimes_one_way_channels():
+    """The runtime gives each (sender, receiver, kind) channel of pipeline_channels its own process
+    group (one NCCL stream each, one direction each): every transfer of every schedule must lie on
+    one of them, and a pipeline of pp >= 3 needs 2 pp channels, of 2 four."""
+    from behemoth.parallel.pipeline.p2p import ACT_TAG, GRAD_TAG, pipeline_channels
+    for pp in (1, 2, 3, 4, 8):
+        chans = pipeline_channels(pp)
+        assert len(chans) == (0 if pp == 1 else 4 if pp == 2 else 2 * pp) == len(set(chans)), pp
+        for name in NAMES:
+            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+                for m in (1, pp, 2 * pp + 1):
+                    for r, acts in enumerate(make_schedule(name, pp, m, v)):
+                        for a in acts:
+                            for t in S.transfers(a, r, pp, v):
+                                if t is not None and t.src_rank != t.dst_rank:
+                                    tag = ACT_TAG if t.kind == "act" else GRAD_TAG
+                                    assert (t.src_rank, t.dst_rank, tag) in chans, (name, pp, v, m, t)

@@ -359,6 +359,8 @@ def load_checkpoint(engine, path: str) -> dict:
                 spec = None
             reads[k] = _for_dcp(optim[k], spec)
     with _gathered(engine):
+        # Taken again inside: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
+        want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         dcp.load({**want, **reads}, storage_reader=reader)
         if engine.zero is not None:   # the loaded parameters become the shards and masters
             engine.zero.reload_from_params()

@@ -60,7 +60,8 @@ class ZeroOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, tp: Axis, *,
                  stage: int, offload: str | None, device: torch.device, chunk_mb: float | None = None,
-                 budget_bytes: int | None = None, prefetch: int = 2, world: Axis | None = None) -> None:
+                 budget_bytes: int | None = None, prefetch: int = 2, world: Axis | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         _check_optimizer(optimizer, stage)
         self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
         self.budget_bytes = budget_bytes
@@ -112,7 +113,7 @@ class ZeroOptimizer:
         self._check_host_memory(keep_p, keep_o)
         self.store = ChunkStore(params, self.layout, axis, stage, device,
                                 param_on_gpu=[k < keep_p or stage < 3 for k in range(n)],
-                                optim_on_gpu=[k < keep_o for k in range(n)])
+                                optim_on_gpu=[k < keep_o for k in range(n)], param_dtype=param_dtype)
         self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
         self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
         self._norm_skip: set[int] = set()
@@ -346,12 +347,14 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ state
     @contextlib.contextmanager
     def gathered(self):
-        """Every chunk gathered (stage 3) for the duration: full_state_dict, checkpoints."""
+        """Every chunk gathered (stage 3) for the duration, parameters holding the fp32 masters
+        (with ``param_dtype``, fp32 copies: a checkpoint is never rounded to bf16):
+        full_state_dict, checkpoints."""
         if self.stage < 3:
             yield
             return
         for st in self.store.chunks:
-            self.store.gather(st)
+            self.store.gather(st, exact=True)
         try:
             yield
         finally:

@@ -17,6 +17,13 @@ Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
   forward or backward (module hooks in :mod:`.hooks`); the next chunks of the previous
   step's gather order are prefetched asynchronously.
 
+Low-precision parameters (``param_dtype``, stage 3 without offload): ``full`` is a bf16
+buffer and every parameter a bf16 view into it; the all-gather's source is a bf16 copy
+(``low``) of the fp32 master shard, refreshed after each optimizer step; gradients arrive in
+bf16 and are added into the fp32 gradient chunk, so reduction, masters and optimizer state
+stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
+gathers the fp32 masters instead, into a temporary buffer the parameters view until release.
+
 Where the shard lives (``placement``): ``param_on_gpu[c]`` (stage 3 only: else the shard is
 fetched from the host copy for every gather) and ``optim_on_gpu[c]`` (the fp32 master and the
 optimizer state; else both sit in pinned host memory, the reduced gradient is copied to the
@@ -57,6 +64,8 @@ class ChunkState:
         self.start, self.shard_size = start, shard_size
         self.params, self.offsets = params, offsets
         self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
+        self.low: torch.Tensor | None = None        # s-element low-precision copy of the shard (param_dtype)
+        self.low_full: torch.Tensor | None = None   # the low-precision ``full`` while an exact gather is out
         self.shard: torch.Tensor | None = None      # s elements gathered from (device), None if host-only
         self.master: torch.Tensor | None = None     # s elements the optimizer updates (device or pinned host)
         self.grad_full: torch.Tensor | None = None  # E-element gradient chunk (stage 1 persistent)
@@ -73,8 +82,10 @@ class ChunkStore:
     """Chunks of ``params`` over ``axis`` for ZeRO ``stage``; see the module docstring."""
 
     def __init__(self, params: list[torch.nn.Parameter], layout: ChunkLayout, axis: Axis, stage: int,
-                 device: torch.device, *, param_on_gpu: list[bool], optim_on_gpu: list[bool]) -> None:
+                 device: torch.device, *, param_on_gpu: list[bool], optim_on_gpu: list[bool],
+                 param_dtype: torch.dtype | None = None) -> None:
         self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
+        self.param_dtype = param_dtype if stage == 3 else None
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
         self.chunks: list[ChunkState] = []
@@ -118,8 +129,17 @@ class ChunkStore:
         st.full = full
         mine = full[st.start:st.start + st.shard_size]
         self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, mine)
+        if self.param_dtype is not None:   # the model's parameters become low-precision views
+            st.full = full.to(self.param_dtype)
+            self._point(st)
+            st.low = st.full[st.start:st.start + st.shard_size].clone()
         if self.stage == 3:
             self.release(st)   # (not a chunk that is its own shard)
+
+    def _point(self, st: ChunkState) -> None:
+        """Make every parameter of ``st`` a view into ``st.full`` (allocated)."""
+        for p, off in zip(st.params, st.offsets):
+            p.data = st.full[off:off + p.numel()].view(p.shape)
 
     def place(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool, current: torch.Tensor | None = None
               ) -> None:
@@ -131,7 +151,7 @@ class ChunkStore:
         if optim_on_gpu and not param_on_gpu:
             raise ValueError("optimizer state on the GPU needs the chunk's parameters there too.")
         st.param_on_gpu, st.optim_on_gpu = param_on_gpu, optim_on_gpu
-        if self.stage < 3 or (self.axis.trivial and param_on_gpu):
+        if self.stage < 3 or (self.axis.trivial and param_on_gpu and self.param_dtype is None):
             # Gathered in place; on one rank a ZeRO-3 chunk kept on the GPU *is* its shard: nothing to
             # gather or release (one code path, no copies).
             _alloc(st.full)
@@ -152,8 +172,16 @@ class ChunkStore:
             st.grad_acc = st.grad_acc.to(st.master.device)
 
     # ------------------------------------------------------------------ gather / release (stage 3)
-    def gather(self, st: ChunkState, async_op: bool = False) -> None:
-        """Make ``st.full`` hold the current parameters (all-gather of the shards)."""
+    def gather(self, st: ChunkState, async_op: bool = False, exact: bool = False) -> None:
+        """Make ``st.full`` hold the current parameters (all-gather of the shards). ``exact``: the
+        fp32 masters even under ``param_dtype`` (until :meth:`release`)."""
+        if exact and self.param_dtype is not None and st.low_full is None:
+            self.release(st)
+            st.low_full, st.full = st.full, torch.empty(st.size, dtype=torch.float32, device=self.device)
+            comm.all_gather_into(st.full, st.shard, self.axis)
+            self._point(st)
+            st.resident = True
+            return
         if st.resident:
             return
         if st.pending is not None:
@@ -163,7 +191,8 @@ class ChunkStore:
                 st.resident = True
             return
         _alloc(st.full)
-        src = st.shard if st.shard is not None else st.master.to(self.device, non_blocking=True)
+        src = st.low if st.low is not None else \
+            st.shard if st.shard is not None else st.master.to(self.device, non_blocking=True)
         handle = comm.all_gather_into(st.full, src, self.axis, async_op=async_op)
         if async_op:
             st.pending = handle
@@ -171,6 +200,14 @@ class ChunkStore:
             st.resident = True
 
     def release(self, st: ChunkState) -> None:
+        if st.low_full is not None:   # end of an exact gather: the masters may have been reloaded
+            st.full, st.low_full = st.low_full, None
+            st.low.copy_(st.shard)
+            _alloc(st.full)
+            self._point(st)
+            _free(st.full)
+            st.resident = False
+            return
         if self.stage < 3 or not st.resident and st.pending is None or self._persistent(st):
             return
         if st.pending is not None:
@@ -310,6 +347,8 @@ class ChunkStore:
         for st in self.chunks:
             if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
                 st.shard.copy_(st.master, non_blocking=True)
+            if st.low is not None:
+                st.low.copy_(st.shard)
             if self.stage < 3:
                 handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
         for h in handles:
@@ -321,10 +360,10 @@ class ChunkStore:
         out = {"params": 0, "grads": 0, "masters": 0}
         for st in self.chunks:
             if self.device.type == device_type and st.full.untyped_storage().size():
-                out["params"] += st.size * 4
+                out["params"] += st.size * st.full.element_size()
             if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type and \
                     not self._persistent(st):
-                out["params"] += st.shard_size * 4
+                out["params"] += st.shard_size * 4 + (0 if st.low is None else st.low.numel() * st.low.element_size())
             if st.master.device.type == device_type and (st.shard is None or
                                                          st.master.data_ptr() != st.shard.data_ptr()):
                 out["masters"] += st.shard_size * 4

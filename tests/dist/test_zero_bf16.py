@@ -1,0 +1,130 @@
+"""ZeRO-3 with ``Plan(param_dtype="bf16")``: parameters gathered and computed in bf16 over fp32
+masters (FSDP2's param_dtype). At one rank it is "serial training with a bf16 copy of fp32
+master weights" (reference below): losses within 1e-4, weights within the bf16 rounding of
+gradients that are scaled in another order (the engine sums token losses, then scales); at
+dp 2 and 4 the gradient sums split differently too, so both within bf16 tolerance; the model's parameters really are bf16 and
+the gathered chunks half the bytes; ``full_state_dict`` and checkpoints hold the fp32 masters,
+never bf16-rounded values, and a checkpoint resumes exactly; bad plans are refused."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import behemoth as bh
+from common import (assert_losses_close, assert_state_close, build, expect_error, global_batches, make_optimizer,
+                    serial_train, shard)
+
+STEPS, BATCH, CHUNK_MB = 3, 8, 0.02
+BF16 = dict(zero=3, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)
+
+
+def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None):
+    """Serial training that keeps fp32 master weights and runs forward and backward on a bf16
+    copy of them (autocast bf16), the gradients added into fp32: ZeRO-3 param_dtype's math."""
+    master = build(family)
+    opt = make_optimizer(opt_name, master)
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    losses = []
+    for b in batches:
+        with torch.no_grad():
+            for w, m in zip(work.parameters(), master.parameters()):
+                w.copy_(m)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = work(b["input_ids"])
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        for w, m in zip(work.parameters(), master.parameters()):
+            m.grad = w.grad.float()
+            w.grad = None
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def _engine(family, plan=None, clip=1.0, seed=0, opt_name="adamw"):
+    model = build(family, seed=seed)
+    return bh.boost(model, make_optimizer(opt_name, model), plan or bh.Plan(**BF16), max_grad_norm=clip)
+
+
+def _parity_world(rank, world):
+    batches = global_batches(STEPS, BATCH)
+    # AdamW turns bf16 rounding noise of near-zero gradients into lr-sized steps, so the runs
+    # whose gradient sums split differently (dp > 1) use SGD, as the serial bf16 tests do
+    opt_name = "adamw" if world == 1 else "sgd"
+    for family in ("gpt", "llama", "hf-gpt2"):
+        what = f"param_dtype=bf16 dp={world} {family}/{opt_name}"
+        engine = _engine(family, opt_name=opt_name)
+        store = engine.zero.store
+        assert store.layout.num_chunks >= 3, what
+        assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()), what
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        want_losses, want_state = bf16_param_reference(family, opt_name, batches, 1.0)
+        tight = world == 1   # the same arithmetic up to the loss scaling order
+        assert_losses_close(losses, want_losses, what=what, rtol=1e-4 if tight else 2e-2)
+        state = engine.full_state_dict()
+        assert_state_close(state, want_state, what=what, rtol=2e-2, atol=2e-4 if tight else 3e-3)
+        # fp32 masters, not the bf16 parameters: trained weights are not all bf16-representable
+        floats = [v for v in state.values() if v.is_floating_point()]
+        assert all(v.dtype == torch.float32 for v in floats), what
+        assert any((v != v.bfloat16().float()).any() for v in floats), f"{what}: full_state_dict was rounded to bf16"
+        # and within bf16 tolerance of plain serial (autocast over fp32) training
+        serial_losses, _ = serial_train(family, opt_name, batches, max_grad_norm=1.0, precision="bf16")
+        assert_losses_close(losses, serial_losses, what=f"{what} vs serial autocast", rtol=3e-2)
+        # after the step the parameters are bf16 views again, released, and gathered chunks are bf16
+        assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()), what
+        st = store.chunks[0]
+        store.gather(st)
+        assert st.full.dtype == torch.bfloat16 and st.full.untyped_storage().size() == 2 * st.size, what
+        store.release(st)
+
+
+def test_zero3_bf16_params_match_the_bf16_master_reference():
+    for world in (1, 2, 4):
+        bh.spawn(_parity_world, world, timeout=300)
+
+
+def _save_world(rank, world, root):
+    engine = _engine("gpt")
+    for b in global_batches(4, BATCH)[:2]:
+        engine.step(shard(b, engine.dp_rank, engine.dp_size))
+    engine.save(root)
+
+
+def _resume_world(rank, world, root):
+    """A param_dtype checkpoint resumes under param_dtype exactly like the uninterrupted run,
+    and under a plain fp32 plan from the fp32 masters."""
+    batches = global_batches(4, BATCH)
+    full = _engine("gpt")
+    want = [full.step(shard(b, full.dp_rank, full.dp_size)) for b in batches]
+    want_state = full.full_state_dict()
+    engine = _engine("gpt", seed=7)   # different init: everything must come from the checkpoint
+    engine.load(root)
+    got = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
+    assert_losses_close(got, want[2:], what="param_dtype resume", rtol=1e-5)
+    assert_state_close(engine.full_state_dict(), want_state, what="param_dtype resume", rtol=1e-5, atol=1e-6)
+    plain = _engine("gpt", plan=bh.Plan(), seed=7)
+    plain.load(root)
+    ref = _engine("gpt", seed=3)
+    ref.load(root)
+    with ref.zero.gathered():   # the masters the checkpoint holds, as fp32 parameters
+        masters = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    assert_state_close(plain.full_state_dict(), masters, what="param_dtype checkpoint -> plain", rtol=0, atol=0)
+
+
+def test_zero3_bf16_params_checkpoint_resumes_exactly(tmp_path):
+    bh.spawn(_save_world, 2, str(tmp_path / "ck"), timeout=300)
+    bh.spawn(_resume_world, 2, str(tmp_path / "ck"), timeout=300)
+
+
+def test_param_dtype_refusals():
+    for kwargs in (dict(zero=2, precision="bf16", param_dtype="bf16"),
+                   dict(zero=3, precision="fp32", param_dtype="bf16"),
+                   dict(zero=3, precision="bf16", param_dtype="bf16", offload="cpu"),
+                   dict(zero=3, precision="bf16", param_dtype="fp16")):
+        expect_error(lambda: bh.Plan(**kwargs), "Plan.param_dtype", "zero=3, precision='bf16'")
