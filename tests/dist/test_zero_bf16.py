@@ -4,7 +4,8 @@ master weights" (reference below): losses within 1e-4, weights within the bf16 r
 gradients that are scaled in another order (the engine sums token losses, then scales); at
 dp 2 and 4 the gradient sums split differently too, so both within bf16 tolerance; the model's parameters really are bf16 and
 the gathered chunks half the bytes; ``full_state_dict`` and checkpoints hold the fp32 masters,
-never bf16-rounded values, and a checkpoint resumes exactly; bad plans are refused."""
+never bf16-rounded values, and a checkpoint resumes exactly; it composes with 1D and 2D tp
+and sp; bad plans are refused."""
 from __future__ import annotations
 
 import copy
@@ -87,6 +88,24 @@ def _parity_world(rank, world):
 def test_zero3_bf16_params_match_the_bf16_master_reference():
     for world in (1, 2, 4):
         bh.spawn(_parity_world, world, timeout=300)
+
+
+def _composes_world(rank, world, extra):
+    """With 1D tp (dp 2 x tp 2), 2D tp (tp 4) and Ulysses sp (dp 2 x sp 2): the tensor- and
+    sequence-parallel layers compute on bf16 parameter shards like on fp32 ones."""
+    batches = global_batches(STEPS, BATCH)
+    for family in ("gpt", "llama"):
+        what = f"param_dtype=bf16 {extra} {family}/sgd"
+        engine = _engine(family, plan=bh.Plan(**BF16, **extra), opt_name="sgd")
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        want_losses, want_state = bf16_param_reference(family, "sgd", batches, 1.0)
+        assert_losses_close(losses, want_losses, what=what, rtol=2e-2)
+        assert_state_close(engine.full_state_dict(), want_state, what=what, rtol=2e-2, atol=3e-3)
+
+
+def test_zero3_bf16_params_compose_with_tensor_and_sequence_parallel():
+    for extra in (dict(tp=2), dict(tp=4, tp_mode="2d"), dict(sp=2)):
+        bh.spawn(_composes_world, 4, extra, timeout=300)
 
 
 def _save_world(rank, world, root):
