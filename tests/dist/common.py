@@ -139,3 +139,41 @@ def train_and_save(family, plan, path, batch: int) -> None:
     for b in global_batches(4, batch)[:2]:
         engine.step(shard(b, engine.dp_rank, engine.dp_size))
     engine.save(path)
+
+
+def saved_activation_bytes(fn, module) -> int:
+    """Bytes of the distinct non-parameter storages that ``fn``'s autograd graph saves."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def block_saved_bytes(family: str, plan, split, batch: int) -> tuple[int, int]:
+    """``(per-rank, serial)`` saved activation bytes of one forward of a realistic block
+    (h=64, 4 heads, S=SEQ, ``batch`` rows) of ``family`` under ``plan``; ``split(x, mesh)``
+    gives a rank its share of the block input (None: the whole input). With a split, each rank
+    must save at most 1.25x the serial block's bytes / tp (partitioned activations: Optimus)."""
+    from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+    cfg = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=64)
+    make = (lambda: GPT(GPTConfig(**cfg))) if family == "gpt" else (lambda: Llama(LlamaConfig(num_kv_heads=2, **cfg)))
+    serial, model = make(), make()
+    engine = bh.boost(model, make_optimizer("sgd", model), plan)
+    blocks = "blocks" if family == "gpt" else "layers"
+    sblock, pblock = getattr(serial, blocks)[0], getattr(engine.model, blocks)[0]
+    x = torch.randn(batch, SEQ, 64, generator=torch.Generator().manual_seed(0))
+    extra = () if family == "gpt" else (torch.arange(SEQ).unsqueeze(0),)
+    want = saved_activation_bytes(lambda: sblock(x.clone().requires_grad_(), *extra), sblock)
+    xl = split(x, engine.mesh) if split else x.clone()
+    got = saved_activation_bytes(lambda: pblock(xl.requires_grad_(), *extra), pblock)
+    if split:
+        assert got <= 1.25 * want / plan.tp, f"{plan.describe()} {family}: saves {got} B, serial {want} B/tp={plan.tp}"
+    return got, want

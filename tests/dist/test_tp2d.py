@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import behemoth as bh
 from behemoth.parallel.tensor import tp2d, tp2p5d
 from behemoth.planner.traffic import TransformerShape, tp2d_model_traffic
-from common import TINY_POLICY, TinyLM, expect_error, train_and_save
+from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     shard)
 
@@ -117,41 +117,11 @@ def _check_traffic(family, plan):
 
 
 # ----------------------------------------------------------------------------- memory
-def _saved_bytes(fn, module) -> int:
-    """Bytes of the distinct non-parameter storages that ``fn``'s autograd graph saves."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def _check_memory(family, plan):
-    """One forward of a realistic block (h=64, 4 heads, S=16, B=8): each rank saves at most
-    1.25x the serial block's saved activations / tp (Optimus: activations are partitioned)."""
-    from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
-    cfg = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=64)
-    make = (lambda: GPT(GPTConfig(**cfg))) if family == "gpt" else (lambda: Llama(LlamaConfig(num_kv_heads=2, **cfg)))
-    serial, model = make(), make()
-    engine = bh.boost(model, make_optimizer("sgd", model), plan)
-    blocks = "blocks" if family == "gpt" else "layers"
-    sblock, pblock = getattr(serial, blocks)[0], getattr(engine.model, blocks)[0]
-    x = torch.randn(BATCH, SEQ, 64, generator=torch.Generator().manual_seed(0))
+    """2D / 2.5D: each rank saves at most 1.25x serial / tp; 1D (with or without SP) is reported
+    beside them (the block's input is whole; SP's hook scatters it)."""
     split = {"2d": tp2d.split_activation_2d, "2.5d": tp2p5d.split_activation_25d}.get(plan.tp_mode)
-    extra = () if family == "gpt" else (torch.arange(SEQ).unsqueeze(0),)
-    want = _saved_bytes(lambda: sblock(x.clone().requires_grad_(), *extra), sblock)
-    xl = split(x, engine.mesh) if split else x.clone()   # 1D: the whole batch (SP: the block's hook scatters)
-    got = _saved_bytes(lambda: pblock(xl.requires_grad_(), *extra), pblock)
-    if split:
-        assert got <= 1.25 * want / plan.tp, f"{plan.describe()} {family}: saves {got} B, serial {want} B/tp={plan.tp}"
-    return got, want
+    return block_saved_bytes(family, plan, split, BATCH)
 
 
 # ----------------------------------------------------------------------------- errors

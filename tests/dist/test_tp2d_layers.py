@@ -21,6 +21,7 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh, ravel, unravel
 from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
+from common import saved_activation_bytes
 
 B, S, H, V = 4, 3, 8, 16
 F64 = torch.float64
@@ -103,22 +104,6 @@ def fused_spec(shape, parts, mesh, L):
     q = mesh.axis("tp_col").size
     return ShardSpec(tuple(shape), (base.dims[0], DimShard(len(shape), q, mesh.coord("tp_col"), ("tp_col",))),
                      base.replicated_on, view, fused_dim=len(shape) - 1)
-
-
-def saved_activation_bytes(fn, module) -> int:
-    """Bytes of the distinct non-parameter storages that ``fn``'s autograd graph saves."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def rand(*shape, seed=0, dtype=F64):

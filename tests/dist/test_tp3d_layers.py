@@ -24,8 +24,8 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import embed3d, tp3d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
-from test_tp2d_layers import (LM, MLPBlock, check_layer, check_params, close, gather_full, rand,
-                              saved_activation_bytes)
+from common import saved_activation_bytes
+from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
 
 B, S, H, V = 4, 4, 8, 16          # q = 2: B/q^2 = 1 row of 4 tokens per rank (overlap 2 splits it)
 F64 = torch.float64
