@@ -56,7 +56,8 @@ def main() -> None:
     dev = bh.distributed.device_for_rank()
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="cpu" if a.host_init else dev,
                         tie_embeddings=a.tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and not a.zero)
+    # fused on the GPU, as the peers' (also under ZeRO without offload: its masters are flat GPU shards)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and a.offload is None)
     nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
     plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, sequence_parallel=a.sp,
                    precision="bf16",
