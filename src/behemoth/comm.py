@@ -135,14 +135,15 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
 
 
 @_eager
-def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0) -> torch.Tensor:
-    """In-place broadcast of ``t`` from the axis member ``src_index``."""
+def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False):
+    """In-place broadcast of ``t`` from the axis member ``src_index``; ``async_op``: returns an
+    :class:`AsyncCollective` whose ``wait()`` returns ``t`` (SUMMA prefetches the next step's)."""
     if axis.trivial:
-        return t
+        return AsyncCollective(None, axis, lambda: t) if async_op else t
     t0 = time.perf_counter()
-    dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
-    axis.ledger.record(axis.name, "broadcast", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
-    return t
+    work = dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
+    axis.ledger.record(axis.name, "broadcast", _nbytes(t), _nbytes(t), 0.0 if async_op else time.perf_counter() - t0)
+    return AsyncCollective(work, axis, lambda: t, t) if async_op else t
 
 
 @_eager
@@ -285,16 +286,17 @@ class AllToAllAxis(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- 2D / 2.5D additions
 @_eager
-def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
     the result only there (other members' ``t`` is left unspecified). SUMMA's backward
-    step. Ledger: payload = ``t``'s bytes on every member, wire = the same (each sends once)."""
+    step. ``async_op``: returns an :class:`AsyncCollective` whose ``wait()`` returns ``t``.
+    Ledger: payload = ``t``'s bytes on every member, wire = the same (each sends once)."""
     if axis.trivial:
-        return t
+        return AsyncCollective(None, axis, lambda: t) if async_op else t
     t0 = time.perf_counter()
-    dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group)
-    axis.ledger.record(axis.name, "reduce", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
-    return t
+    work = dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group, async_op=async_op)
+    axis.ledger.record(axis.name, "reduce", _nbytes(t), _nbytes(t), 0.0 if async_op else time.perf_counter() - t0)
+    return AsyncCollective(work, axis, lambda: t, t) if async_op else t
 
 
 @_eager

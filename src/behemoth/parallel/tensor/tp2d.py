@@ -182,10 +182,11 @@ def gather_activation_2d(x_bSh: torch.Tensor, mesh) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- SUMMA
-def _bcast(t: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
-    """``t`` from member ``src`` of ``axis`` (this rank's own ``t`` when it is the source)."""
+def _bcast(t: torch.Tensor, axis: Axis, src: int) -> comm.AsyncCollective:
+    """Start broadcasting ``t`` from member ``src`` of ``axis`` (this rank's own ``t`` when it is
+    the source); ``wait()`` returns it."""
     buf = t if axis.rank == src else torch.empty_like(t)
-    return comm.broadcast(buf, axis, src)
+    return comm.broadcast(buf, axis, src, async_op=True)
 
 
 class _Summa(torch.autograd.Function):
@@ -197,7 +198,12 @@ class _Summa(torch.autograd.Function):
     the grid column (tp_row); accumulate the product. Backward: for each k, re-broadcast
     W(k, j) down the column and reduce ``dy @ W(k, j)`` along the row onto (i, k) (that is
     dX(i, k)); re-broadcast X(i, k) along the row and reduce ``dy.T @ X(i, k)`` down the
-    column onto (k, j) (that is dW(k, j)). Only the local shards are saved."""
+    column onto (k, j) (that is dW(k, j)). Only the local shards are saved.
+
+    Overlap: step k+1's broadcasts are started before step k's GEMM (on GPU they run on the
+    communicators' streams beside it: a collective waits only for work issued before it), and
+    backward's reduces are waited at most two steps later, so at most two steps' blocks are
+    in flight. Every rank issues the same collectives in the same order."""
 
     @staticmethod
     def forward(ctx, x, w, g: Grid, in_out: bool):
@@ -205,9 +211,13 @@ class _Summa(torch.autograd.Function):
         ctx.g, ctx.in_out = g, in_out
         ctx.save_for_backward(x, w)
         y = None
+        nxt = (_bcast(x, g.col_axis, 0), _bcast(w, g.row_axis, 0))
         for k in range(g.q):
-            wk = _bcast(w, g.row_axis, k)
-            part = _bcast(x, g.col_axis, k) @ (wk if in_out else wk.t())
+            cur = nxt
+            if k + 1 < g.q:
+                nxt = (_bcast(x, g.col_axis, k + 1), _bcast(w, g.row_axis, k + 1))
+            xk, wk = cur[0].wait(), cur[1].wait()
+            part = xk @ (wk if in_out else wk.t())
             y = part if y is None else y.add_(part)
         return y
 
@@ -215,16 +225,38 @@ class _Summa(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+        def fetch(k):   # the blocks step k multiplies by
+            return (_bcast(w, g.row_axis, k) if need_x else None, _bcast(x, g.col_axis, k) if need_w else None)
+
         dx = dw = None
+        reduces: list[tuple[int, str, comm.AsyncCollective]] = []
+
+        def settle(keep: int) -> None:
+            nonlocal dx, dw
+            while len(reduces) > keep:
+                k, which, h = reduces.pop(0)
+                part = h.wait()
+                if which == "x" and g.col == k:
+                    dx = part
+                elif which == "w" and g.row == k:
+                    dw = part
+
+        nxt = fetch(0)
         for k in range(g.q):
-            if ctx.needs_input_grad[0]:
-                wk = _bcast(w, g.row_axis, k)
-                part = comm.reduce(dy @ (wk.t() if in_out else wk), g.col_axis, k)
-                dx = part if g.col == k else dx
-            if ctx.needs_input_grad[1]:
-                xk = _bcast(x, g.col_axis, k)
-                part = comm.reduce((xk.t() @ dy) if in_out else (dy.t() @ xk), g.row_axis, k)
-                dw = part if g.row == k else dw
+            cur = nxt
+            if k + 1 < g.q:
+                nxt = fetch(k + 1)
+            if need_x:
+                wk = cur[0].wait()
+                reduces.append((k, "x", comm.reduce(dy @ (wk.t() if in_out else wk), g.col_axis, k, async_op=True)))
+            if need_w:
+                xk = cur[1].wait()
+                part = (xk.t() @ dy) if in_out else (dy.t() @ xk)
+                reduces.append((k, "w", comm.reduce(part, g.row_axis, k, async_op=True)))
+            settle(4)   # two steps' reduces in flight
+        settle(0)
         return dx, dw, None, None
 
 
