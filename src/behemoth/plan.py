@@ -85,9 +85,10 @@ class Plan:
     minus the warm-up step's peak of other data)."""
     param_dtype: str | None = None
     """ZeRO-3 only: 'bf16' gathers and computes with bf16 parameters (FSDP2's ``param_dtype``, what
-    DeepSpeed's bf16 ZeRO-3 runs): half the gather traffic and gathered memory, no per-use casts;
-    masters, optimizer state and the gradient reduction stay fp32. Needs precision='bf16' and
-    offload=None. None keeps fp32 parameters under autocast (the serial model's numerics)."""
+    DeepSpeed's bf16 ZeRO-3 runs): half the gather traffic, gathered memory and host fetches
+    under offload, no per-use casts; masters, optimizer state and the gradient reduction stay
+    fp32. Needs precision='bf16'. None keeps fp32 parameters under autocast (the serial
+    model's numerics)."""
     precision: str = "fp32"
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
     activation_checkpointing: bool = False
@@ -135,12 +136,11 @@ class Plan:
             raise ValueError(f"Plan.offload_budget_gb={self.offload_budget_gb!r} is the budget of offload='auto'; "
                              f"got offload={self.offload!r}. Set offload='auto', or offload_budget_gb=None.")
         if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero != 3 or
-                                             self.precision != "bf16" or self.offload is not None):
+                                             self.precision != "bf16"):
             raise ValueError(
-                f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, precision={self.precision!r}, "
-                f"offload={self.offload!r}): bf16 parameters are gathered by ZeRO-3 only, under "
-                f"precision='bf16', without offload. Use param_dtype='bf16' with zero=3, precision='bf16', "
-                f"offload=None, or param_dtype=None.")
+                f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, precision={self.precision!r}): "
+                f"bf16 parameters are gathered by ZeRO-3 only, under precision='bf16'. Use param_dtype='bf16' "
+                f"with zero=3, precision='bf16', or param_dtype=None.")
         if self.offload is not None and self.zero == 0:
             raise ValueError(
                 f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."

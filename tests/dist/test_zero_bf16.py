@@ -4,8 +4,9 @@ master weights" (reference below): losses within 1e-4, weights within the bf16 r
 gradients that are scaled in another order (the engine sums token losses, then scales); at
 dp 2 and 4 the gradient sums split differently too, so both within bf16 tolerance; the model's parameters really are bf16 and
 the gathered chunks half the bytes; ``full_state_dict`` and checkpoints hold the fp32 masters,
-never bf16-rounded values, and a checkpoint resumes exactly; it composes with 1D and 2D tp
-and sp; bad plans are refused."""
+never bf16-rounded values, and a checkpoint resumes exactly; it composes with CPU and
+automatic offload (offloaded chunks gathered from bf16 host copies), 1D and 2D tp and sp;
+bad plans are refused."""
 from __future__ import annotations
 
 import copy
@@ -103,6 +104,33 @@ def _composes_world(rank, world, extra):
         assert_state_close(engine.full_state_dict(), want_state, what=what, rtol=2e-2, atol=3e-3)
 
 
+def _offload_world(rank, world):
+    """offload='cpu' and 'auto' (forced to move chunks after its warm-up): masters on the host,
+    offloaded chunks gathered from pinned bf16 host copies, the same training as on the device."""
+    batches = global_batches(STEPS, BATCH)
+    for family, offload in (("gpt", "cpu"), ("llama", "auto")):
+        what = f"param_dtype=bf16 offload={offload} dp={world} {family}/sgd"
+        engine = _engine(family, plan=bh.Plan(**BF16, offload=offload), opt_name="sgd")
+        zero = engine.zero
+        if offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
+            zero._auto_budget = lambda measured: 0 if measured else 10**12
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        chunks = zero.store.chunks
+        if offload == "cpu":   # parameters stay on the device as bf16 copies, masters on the host only
+            assert all(st.master.device.type == "cpu" and st.shard is None and st.low is not None
+                       and st.low_host is None for st in chunks), f"{what}: placement"
+        else:                  # the moved chunks are gathered from pinned bf16 host copies
+            assert any(st.low_host is not None and st.low is None and st.low_host.dtype == torch.bfloat16
+                       and st.master.device.type == "cpu" for st in chunks), f"{what}: no chunk left the device"
+        want_losses, want_state = bf16_param_reference(family, "sgd", batches, 1.0)
+        assert_losses_close(losses, want_losses, what=what, rtol=2e-2)
+        assert_state_close(engine.full_state_dict(), want_state, what=what, rtol=2e-2, atol=3e-3)
+
+
+def test_zero3_bf16_params_with_offload():
+    bh.spawn(_offload_world, 2, timeout=300)
+
+
 def test_zero3_bf16_params_compose_with_tensor_and_sequence_parallel():
     for extra in (dict(tp=2), dict(tp=4, tp_mode="2d"), dict(sp=2)):
         bh.spawn(_composes_world, 4, extra, timeout=300)
@@ -144,6 +172,6 @@ def test_zero3_bf16_params_checkpoint_resumes_exactly(tmp_path):
 def test_param_dtype_refusals():
     for kwargs in (dict(zero=2, precision="bf16", param_dtype="bf16"),
                    dict(zero=3, precision="fp32", param_dtype="bf16"),
-                   dict(zero=3, precision="bf16", param_dtype="bf16", offload="cpu"),
+                   dict(zero=3, precision="fp16", param_dtype="bf16"),
                    dict(zero=3, precision="bf16", param_dtype="fp16")):
         expect_error(lambda: bh.Plan(**kwargs), "Plan.param_dtype", "zero=3, precision='bf16'")

@@ -65,6 +65,9 @@ class ZeroOptimizer:
         _check_optimizer(optimizer, stage)
         self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
         self.budget_bytes = budget_bytes
+        # Device bytes per element of a chunk's parameters: a bf16 copy under param_dtype (its fp32
+        # master then counts with the optimizer state), else the fp32 shard that is the master.
+        self.param_bytes = 2 if param_dtype is not None and stage == 3 else 4
         self.cls, self.name = type(optimizer), type(optimizer).__name__
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         params = [p for p in model.parameters() if p.requires_grad]
@@ -255,13 +258,15 @@ class ZeroOptimizer:
     def _decide(self, budget: int) -> tuple[int, int]:
         """How many chunks (a prefix, in execution order) keep their parameters and how many also their
         optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir)."""
-        shard_bytes = [c.shard_size * 4 for c in self.layout.chunks]
+        pb, low = self.param_bytes, 4 - self.param_bytes   # low: 2 extra bytes (fp32 master beside bf16 copy)
+        shard_bytes = [c.shard_size * pb for c in self.layout.chunks]
         n = len(shard_bytes)
-        ratio = (4 + _STATE_BYTES[self.name]) / 4   # gradient accumulator + optimizer state, per master byte
+        # gradient accumulator + optimizer state (+ the fp32 master under param_dtype), per parameter byte
+        ratio = (4 + _STATE_BYTES[self.name] + 2 * low) / pb
         bw = self.bandwidth or 25e9
         if self.stage == 3:
             host = self._host_room()
-            host_bytes = [c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks]
+            host_bytes = [c.shard_size * (8 + _STATE_BYTES[self.name] + low) for c in self.layout.chunks]
             try:
                 self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
                                           d2h_bandwidth=bw, host_bytes=host_bytes,
@@ -286,6 +291,7 @@ class ZeroOptimizer:
         if self.offload is None or self.device.type != "cuda":
             return
         need = sum(c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks[keep_o:])
+        need += sum(c.shard_size * (4 - self.param_bytes) for c in self.layout.chunks[keep_p:])   # bf16 host copies
         need += sum(c.shard_size * 4 for c in self.layout.chunks[keep_p:keep_o])   # (none: o <= p)
         avail = self._host_room()
         if avail is not None and need > 0.9 * avail:

@@ -17,11 +17,13 @@ Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
   forward or backward (module hooks in :mod:`.hooks`); the next chunks of the previous
   step's gather order are prefetched asynchronously.
 
-Low-precision parameters (``param_dtype``, stage 3 without offload): ``full`` is a bf16
-buffer and every parameter a bf16 view into it; the all-gather's source is a bf16 copy
-(``low``) of the fp32 master shard, refreshed after each optimizer step; gradients arrive in
-bf16 and are added into the fp32 gradient chunk, so reduction, masters and optimizer state
-stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
+Low-precision parameters (``param_dtype``, stage 3): ``full`` is a bf16 buffer and every
+parameter a bf16 view into it; the all-gather's source is a bf16 copy of the fp32 master
+shard, refreshed after each optimizer step: ``low`` on the device for a chunk whose
+parameters stay there, ``low_host`` (pinned) for an offloaded one, so a fetch moves half the
+bytes; an fp32 ``shard`` is kept on the device only where the master itself is. Gradients
+arrive in bf16 and are added into the fp32 gradient chunk, so reduction, masters and
+optimizer state stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
 gathers the fp32 masters instead, into a temporary buffer the parameters view until release.
 
 Where the shard lives (``placement``): ``param_on_gpu[c]`` (stage 3 only: else the shard is
@@ -65,6 +67,7 @@ class ChunkState:
         self.params, self.offsets = params, offsets
         self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
         self.low: torch.Tensor | None = None        # s-element low-precision copy of the shard (param_dtype)
+        self.low_host: torch.Tensor | None = None   # the same in pinned host memory (offloaded parameters)
         self.low_full: torch.Tensor | None = None   # the low-precision ``full`` while an exact gather is out
         self.shard: torch.Tensor | None = None      # s elements gathered from (device), None if host-only
         self.master: torch.Tensor | None = None     # s elements the optimizer updates (device or pinned host)
@@ -132,7 +135,6 @@ class ChunkStore:
         if self.param_dtype is not None:   # the model's parameters become low-precision views
             st.full = full.to(self.param_dtype)
             self._point(st)
-            st.low = st.full[st.start:st.start + st.shard_size].clone()
         if self.stage == 3:
             self.release(st)   # (not a chunk that is its own shard)
 
@@ -168,6 +170,14 @@ class ChunkStore:
         else:
             st.master = self._host_tensor(st.shard_size)
             st.master.copy_(current)
+        if self.param_dtype is not None:   # gathers read a low-precision copy; fp32 on the device only as master
+            st.low = current.to(self.device, self.param_dtype, copy=True) if param_on_gpu else None
+            st.low_host = None
+            if not param_on_gpu:
+                st.low_host = torch.empty(st.shard_size, dtype=self.param_dtype, device=self.host, pin_memory=self.pin)
+                st.low_host.copy_(current)
+            if not optim_on_gpu:
+                st.shard = None
         if st.grad_acc is not None:   # a re-plan between backward and the optimizer step keeps the gradient
             st.grad_acc = st.grad_acc.to(st.master.device)
 
@@ -178,7 +188,8 @@ class ChunkStore:
         if exact and self.param_dtype is not None and st.low_full is None:
             self.release(st)
             st.low_full, st.full = st.full, torch.empty(st.size, dtype=torch.float32, device=self.device)
-            comm.all_gather_into(st.full, st.shard, self.axis)
+            src = st.shard if st.shard is not None else st.master.to(self.device)
+            comm.all_gather_into(st.full, src, self.axis)
             self._point(st)
             st.resident = True
             return
@@ -192,6 +203,7 @@ class ChunkStore:
             return
         _alloc(st.full)
         src = st.low if st.low is not None else \
+            st.low_host.to(self.device, non_blocking=True) if st.low_host is not None else \
             st.shard if st.shard is not None else st.master.to(self.device, non_blocking=True)
         handle = comm.all_gather_into(st.full, src, self.axis, async_op=async_op)
         if async_op:
@@ -202,7 +214,7 @@ class ChunkStore:
     def release(self, st: ChunkState) -> None:
         if st.low_full is not None:   # end of an exact gather: the masters may have been reloaded
             st.full, st.low_full = st.low_full, None
-            st.low.copy_(st.shard)
+            self._refresh_low(st)
             _alloc(st.full)
             self._point(st)
             _free(st.full)
@@ -347,12 +359,18 @@ class ChunkStore:
         for st in self.chunks:
             if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
                 st.shard.copy_(st.master, non_blocking=True)
-            if st.low is not None:
-                st.low.copy_(st.shard)
+            self._refresh_low(st)
             if self.stage < 3:
                 handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
         for h in handles:
             h.wait()
+
+    def _refresh_low(self, st: ChunkState) -> None:
+        """The low-precision gather sources from the (updated or reloaded) fp32 master."""
+        if st.low is not None:
+            st.low.copy_(st.shard if st.shard is not None else st.master, non_blocking=True)
+        if st.low_host is not None:
+            st.low_host.copy_(st.master)
 
     def bytes_on(self, device_type: str) -> dict[str, int]:
         """Parameter and gradient bytes this rank holds on ``device_type`` now (the memory tracer;
@@ -363,7 +381,10 @@ class ChunkStore:
                 out["params"] += st.size * st.full.element_size()
             if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type and \
                     not self._persistent(st):
-                out["params"] += st.shard_size * 4 + (0 if st.low is None else st.low.numel() * st.low.element_size())
+                out["params"] += st.shard_size * 4
+            for low in (st.low, st.low_host):
+                if low is not None and low.device.type == device_type:
+                    out["params"] += low.numel() * low.element_size()
             if st.master.device.type == device_type and (st.shard is None or
                                                          st.master.data_ptr() != st.shard.data_ptr()):
                 out["masters"] += st.shard_size * 4
