@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--zero", type=int, default=3, choices=[1, 2, 3])
     m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")
     m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
+    m.add_argument("--param-dtype", default=None, choices=[None, "bf16"],
+                   help="Plan.param_dtype: ZeRO-3 keeps bf16 parameter copies (offloaded ones on the host)")
     m.add_argument("--activations-gb", type=float, default=0.0,
                    help="activation memory per rank (the runtime measures it in its warm-up step)")
     return p
@@ -66,7 +68,7 @@ def cmd_plan(a) -> int:
     sizes = [p.numel() for p in model.parameters()]
     gib = 2 ** 30
     plan = memory_plan(sizes, dp=a.dp, stage=a.zero, gpu_bytes=int(a.gpu_gb * gib), host_bytes=int(a.host_gb * gib),
-                       activation_bytes=int(a.activations_gb * gib))
+                       activation_bytes=int(a.activations_gb * gib), param_bytes=2 if a.param_dtype else 4)
     print(plan.text)
     return 0
 

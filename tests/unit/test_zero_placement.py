@@ -148,3 +148,19 @@ def test_static_split_counts_the_cpu_update_and_respects_the_host():
     with pytest.raises(ValueError, match="no split fits both budgets"):
         static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4,
                      host_budget_bytes=10)
+
+
+def test_split_costs_fp32_masters_and_bf16_copies():
+    """fp32 parameters are their own masters (AdamW: 4 B on the device, 12 B optimizer side, 16 B
+    on the host when offloaded); bf16 copies (param_dtype) move the fp32 master to the optimizer
+    side and keep a 2-byte copy, on the host too when offloaded: 18 B per element either way."""
+    from behemoth.parallel.zero.placement import split_costs
+    dev, ratio, host = split_costs([10, 30], 8)
+    assert dev == [40, 120] and ratio == 3.0 and host == [160, 480]
+    dev, ratio, host = split_costs([10, 30], 8, param_bytes=2)
+    assert dev == [20, 60] and ratio == 8.0 and host == [180, 540]
+    for pb, per_element in ((4, 16), (2, 18)):   # everything on the device: parameters + optimizer side
+        dev, ratio, _ = split_costs([10, 30], 8, pb)
+        assert [d + d * ratio for d in dev] == [10 * per_element, 30 * per_element]
+    with pytest.raises(ValueError, match="param_bytes=3"):
+        split_costs([1], 8, param_bytes=3)

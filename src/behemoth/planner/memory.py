@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
-from ..parallel.zero.placement import StaticSplit, static_split
+from ..parallel.zero.placement import StaticSplit, split_costs, static_split
 
 __all__ = ["MemoryPlan", "memory_plan"]
 
@@ -39,9 +39,10 @@ class MemoryPlan:
 
 def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: int, host_bytes: int,
                 activation_bytes: int = 0, optim_state_bytes: int = 8, h2d_bandwidth: float = 25e9,
-                cpu_update_bandwidth: float = 10e9) -> MemoryPlan:
+                cpu_update_bandwidth: float = 10e9, param_bytes: int = 4) -> MemoryPlan:
     """Plan ZeRO ``stage`` at ``dp`` ranks for a model of ``param_sizes`` on devices of
-    ``gpu_bytes`` with ``host_bytes`` per rank. ``optim_state_bytes`` per element (AdamW: 8)."""
+    ``gpu_bytes`` with ``host_bytes`` per rank. ``optim_state_bytes`` per element (AdamW: 8);
+    ``param_bytes`` 2 for ZeRO-3's bf16 parameter copies (``Plan.param_dtype='bf16'``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: plan ZeRO stage 1, 2 or 3.")
     if dp < 1:
@@ -66,10 +67,9 @@ def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: i
     if fits:
         lines.append(f"zero={stage} fits on the GPU: offload='auto' keeps everything there (no transfer, GPU optimizer).")
     else:
-        shards = [c.shard_size * 4 for c in layout.chunks]
-        host_need = [c.shard_size * (8 + optim_state_bytes) for c in layout.chunks]
+        shards, ratio, host_need = split_costs([c.shard_size for c in layout.chunks], optim_state_bytes, param_bytes)
         try:
-            split = static_split(shards, (4 + optim_state_bytes) / 4, max(room, max(shards)),
+            split = static_split(shards, ratio, max(room, max(shards)),
                                  h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=h2d_bandwidth, host_bytes=host_need,
                                  host_budget_bytes=int(0.9 * host_bytes), cpu_update_bandwidth=cpu_update_bandwidth)
             lines.append(f"zero={stage} does not fit on the GPU; with offload='auto' (stage 3 placement):")

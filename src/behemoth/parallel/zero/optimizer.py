@@ -34,7 +34,7 @@ from ...comm import Axis
 from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
-from .placement import StaticSplit, static_split
+from .placement import StaticSplit, split_costs, static_split
 from .store import ChunkStore
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "memory_report", "optimizer_state_bytes"]
@@ -258,15 +258,12 @@ class ZeroOptimizer:
     def _decide(self, budget: int) -> tuple[int, int]:
         """How many chunks (a prefix, in execution order) keep their parameters and how many also their
         optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir)."""
-        pb, low = self.param_bytes, 4 - self.param_bytes   # low: 2 extra bytes (fp32 master beside bf16 copy)
-        shard_bytes = [c.shard_size * pb for c in self.layout.chunks]
+        shard_bytes, ratio, host_bytes = split_costs([c.shard_size for c in self.layout.chunks],
+                                                     _STATE_BYTES[self.name], self.param_bytes)
         n = len(shard_bytes)
-        # gradient accumulator + optimizer state (+ the fp32 master under param_dtype), per parameter byte
-        ratio = (4 + _STATE_BYTES[self.name] + 2 * low) / pb
         bw = self.bandwidth or 25e9
         if self.stage == 3:
             host = self._host_room()
-            host_bytes = [c.shard_size * (8 + _STATE_BYTES[self.name] + low) for c in self.layout.chunks]
             try:
                 self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
                                           d2h_bandwidth=bw, host_bytes=host_bytes,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Access", "PlacementPlan", "plan_placement", "StaticSplit", "static_split"]
+__all__ = ["Access", "PlacementPlan", "plan_placement", "StaticSplit", "static_split", "split_costs"]
 
 _NEVER = float("inf")
 
@@ -273,3 +273,19 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
     _, p, o, h2d, d2h, sec, buf = best
     return StaticSplit(p, o, pre_c[p] + pre_o[o] + buf, buf, h2d, d2h, sec, budget_bytes, n, pre_c[n], pre_o[n],
                        h2d_bandwidth, d2h_bandwidth, tuple(alternatives))
+
+
+def split_costs(shard_sizes: Sequence[int], optim_state_bytes: int, param_bytes: int = 4
+                ) -> tuple[list[int], float, list[int]]:
+    """The inputs of :func:`static_split` for chunk shards of ``shard_sizes`` elements:
+    ``(device bytes of each chunk's parameters, device bytes of its optimizer side per
+    parameter byte, host bytes of an offloaded chunk)``. fp32 parameters (``param_bytes=4``)
+    are their own masters: the optimizer side is the gradient and the state. bf16 parameters
+    (``param_bytes=2``, ZeRO-3 ``param_dtype``) are a copy: the fp32 master joins the optimizer
+    side, and an offloaded chunk keeps a bf16 host copy beside master, gradient and state."""
+    if param_bytes not in (2, 4):
+        raise ValueError(f"param_bytes={param_bytes!r}: 4 (fp32 parameters) or 2 (bf16 copies).")
+    copy = param_bytes != 4
+    ratio = (4 + optim_state_bytes + (4 if copy else 0)) / param_bytes
+    return ([n * param_bytes for n in shard_sizes], ratio,
+            [n * (8 + optim_state_bytes + (param_bytes if copy else 0)) for n in shard_sizes])
