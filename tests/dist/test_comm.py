@@ -82,6 +82,24 @@ def _comm_world(rank, world):
     (y * ws[rank]).sum().backward()
     close(xr.grad, torch.cat([ws[i].chunk(world, 0)[rank] for i in range(world)], 1))
 
+    # broadcast / reduce, blocking and asynchronous (SUMMA's): the same results and ledger bytes.
+    _, xs = _data(rank, world, (3, 5), 14)
+    for src in range(world):
+        mesh.ledger.reset()
+        a = comm.broadcast(xs[rank].clone(), ax, src)
+        h = comm.broadcast(xs[rank].clone(), ax, src, async_op=True)
+        close(a, xs[src])
+        close(h.wait(), xs[src])
+        r = comm.reduce(xs[rank].clone(), ax, src)
+        hr = comm.reduce(xs[rank].clone(), ax, src, async_op=True)
+        got = hr.wait()
+        if rank == src:
+            close(r, sum(xs))
+            close(got, sum(xs))
+        st = mesh.ledger.stats()["dp"]
+        assert st["ops"] == {"broadcast": 2, "reduce": 2}, st
+        assert st["bytes"] == 4 * xs[0].numel() * xs[0].element_size(), st
+
     # Ledger: payload and ring wire bytes of an all-reduce.
     mesh.ledger.reset()
     t = torch.zeros(1000, dtype=torch.float32)
