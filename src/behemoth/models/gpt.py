@@ -59,6 +59,7 @@ GPT_PRESETS: dict[str, dict] = {
     # Between GPT-3's 13B and 175B, for the offload benchmarks (models larger than one GPU).
     "gpt-15b": dict(num_layers=48, num_heads=40, hidden=5120),
     "gpt-20b": dict(num_layers=44, num_heads=48, hidden=6144),
+    "gpt-22b": dict(num_layers=48, num_heads=48, hidden=6144),   # > 3x the 6.9B plain PyTorch fits on one H200
 }
 
 
