@@ -4,9 +4,8 @@
 set -u
 size=${1:-1.3b}; mbs=${2:-8}
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/dp.log"
+source "$(dirname "$0")/env.sh" "$out/dp.log"
 run() { echo "## $*" | tee -a "$out/dp.log"; timeout 300 "$@" 2>&1 | grep -E "RESULT|Error|error" | tail -3 | tee -a "$out/dp.log"; }
 run torchrun --standalone --nproc-per-node 1 benchmarks/peer_baseline.py --size "$size" --mode ddp --mbs "$mbs"
 run torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs"

@@ -4,9 +4,9 @@
 #   bash benchmarks/run_offload.sh plain:6.7b:8 bh:6.7b:8 bh:13b:4 ...   (log in $OUT/offload.log)
 set -u
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 log="$out/offload.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
+source "$(dirname "$0")/env.sh" "$log"
 free -g | head -2 | tee -a "$log"; echo "cores: $(nproc)" | tee -a "$log"
 for spec in "$@"; do
   IFS=: read -r who size mbs <<< "$spec"

@@ -5,9 +5,8 @@
 set -u
 size=${1:-2.7b}; mbs=${2:-1}; shift 2 || true
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export BEHEMOTH_TIMEOUT=${BEHEMOTH_TIMEOUT:-90}
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$out/nccl_trace_rank_"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/pp.log"
+source "$(dirname "$0")/env.sh" "$out/pp.log"
 timeout "${T:-300}" torchrun --standalone --nproc-per-node 2 benchmarks/bench_pp.py --size "gpt-$size" --mbs "$mbs" \
   --dump-after "${DUMP:-240}" "$@" 2>&1 | grep -v "^$" | tail -150 | tee -a "$out/pp.log"

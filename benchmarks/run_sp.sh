@@ -9,9 +9,8 @@
 set -u
 size=${1:-1.3b}
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export BEHEMOTH_TIMEOUT=${BEHEMOTH_TIMEOUT:-180}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/sp.log"
+source "$(dirname "$0")/env.sh" "$out/sp.log"
 run() { echo "## $*" | tee -a "$out/sp.log"; timeout "${T:-600}" "$@" 2>&1 | grep -E "RESULT|probe:|Error|error" | tail -12 | tee -a "$out/sp.log"; }
 t1="torchrun --standalone --nproc-per-node 1"
 t2="torchrun --standalone --nproc-per-node 2"

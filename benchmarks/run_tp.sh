@@ -5,8 +5,7 @@
 set -u
 size=${1:-1.3b}; mbs=${2:-8}
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/tp.log"
+source "$(dirname "$0")/env.sh" "$out/tp.log"
 run() { echo "## $*" | tee -a "$out/tp.log"; timeout 300 "$@" 2>&1 | grep -E "RESULT|Error|error" | tail -3 | tee -a "$out/tp.log"; }
 tr="torchrun --standalone --nproc-per-node 2"
 run $tr benchmarks/peer_baseline.py --size "$size" --mode tp --mbs "$mbs"

@@ -5,8 +5,7 @@
 set -u
 size=${1:-1.3b}; mbs=${2:-8}
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/tp4.log"
+source "$(dirname "$0")/env.sh" "$out/tp4.log"
 run() { echo "## $*" | tee -a "$out/tp4.log"; timeout "$T" "$@" 2>&1 | grep -E "RESULT|Error|error" | tail -3 | tee -a "$out/tp4.log"; }
 tr="torchrun --standalone --nproc-per-node 4"
 T=100 run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 4 --tp-mode 1d

@@ -4,8 +4,7 @@
 set -u
 size=${1:-1.3b}; mbs=${2:-8}; stages=${3:-"3"}
 out=${OUT:-/tmp}
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/zero.log"
+source "$(dirname "$0")/env.sh" "$out/zero.log"
 run() { echo "## $*" | tee -a "$out/zero.log"; timeout 300 "$@" 2>&1 | grep -E "RESULT|Error|error" | tail -3 | tee -a "$out/zero.log"; }
 tr="torchrun --standalone --nproc-per-node 2"
 run $tr benchmarks/peer_baseline.py --size "$size" --mode fsdp --mbs "$mbs"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .ledger import AxisTraffic, Ledger
 
 __all__ = ["AxisTraffic", "Ledger", "Axis",   # the ledger classes live in ledger.py, re-exported here
-           "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "reduce",
+           "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce",
            "exchange", "all_reduce_scalars", "all_agree", "all_gather_into", "AsyncCollective",
            "all_gather_async", "reduce_scatter_async", "ring_shift_async", "send_async", "recv_async", "CopyToAxis", "ReduceFromAxis", "GatherFromAxis", "ScatterToAxis",
            "AllGatherToAxis", "ReduceScatterToAxis", "AllToAllAxis", "ExchangeWithPeer"]
@@ -159,11 +159,6 @@ def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     dist.all_to_all(outs, parts, group=axis.group)
     axis.ledger.record(axis.name, "all_to_all", _nbytes(t), (n - 1) / n * _nbytes(t), time.perf_counter() - t0)
     return torch.cat(outs, dim=gather_dim)
-
-
-def barrier(axis: Axis) -> None:
-    if not axis.trivial:
-        dist.barrier(group=axis.group)
 
 
 def _scalar_device(axis: Axis) -> torch.device:

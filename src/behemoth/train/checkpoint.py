@@ -328,8 +328,7 @@ def load_checkpoint(engine, path: str) -> dict:
     reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata
     model_sd = engine.model.state_dict(keep_vars=True)
-    want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in model_sd.items()}
-    missing = [k for k in want if k not in stored]
+    missing = [f"model/{k}" for k in model_sd if f"model/{k}" not in stored]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks model tensors {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model.")
@@ -359,7 +358,7 @@ def load_checkpoint(engine, path: str) -> dict:
                 spec = None
             reads[k] = _for_dcp(optim[k], spec)
     with _gathered(engine):
-        # Taken again inside: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
+        # Read inside the gather: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
         want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         dcp.load({**want, **reads}, storage_reader=reader)
         if engine.zero is not None:   # the loaded parameters become the shards and masters

@@ -34,6 +34,7 @@ from ...comm import Axis
 from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
+from .measure import cpu_update_rate, host_available, host_bandwidth
 from .placement import StaticSplit, split_costs, static_split
 from .store import ChunkStore
 
@@ -107,8 +108,8 @@ class ZeroOptimizer:
             f"{largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb."), "Plan.offload_budget_gb")
         self.split: StaticSplit | None = None
         self._stage12_split: tuple[int, int, int] | None = None
-        self.bandwidth = _host_bandwidth(device) if offload == "auto" else 0.0
-        self.cpu_rate = _cpu_update_rate(self.cls, self.defaults) if offload == "auto" else 0.0
+        self.bandwidth = host_bandwidth(device) if offload == "auto" else 0.0
+        self.cpu_rate = cpu_update_rate(self.cls, self.defaults, _FUSED_CPU) if offload == "auto" else 0.0
         if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
             keep_p, keep_o = self._decide(self._auto_budget(measured=False))
         else:
@@ -289,7 +290,6 @@ class ZeroOptimizer:
             return
         need = sum(c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks[keep_o:])
         need += sum(c.shard_size * (4 - self.param_bytes) for c in self.layout.chunks[keep_p:])   # bf16 host copies
-        need += sum(c.shard_size * 4 for c in self.layout.chunks[keep_p:keep_o])   # (none: o <= p)
         avail = self._host_room()
         if avail is not None and need > 0.9 * avail:
             raise MemoryError(
@@ -301,7 +301,7 @@ class ZeroOptimizer:
     def _host_room(self) -> int | None:
         """Host bytes available to offloaded chunks: MemAvailable, plus the parameters still on the
         host (freed as their chunks move to the GPU)."""
-        avail = _host_available()
+        avail = host_available()
         if avail is not None:
             avail += sum(p.numel() * p.element_size() for p in self.params if p.device.type == "cpu")
             if getattr(self, "store", None) is not None:   # re-placing: what we hold on the host is ours to move
@@ -460,46 +460,3 @@ def memory_report(model_bytes, optimizer: torch.optim.Optimizer) -> dict[str, di
             d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
         report[dev] = d
     return report
-
-
-def _cpu_update_rate(cls, defaults: dict) -> float:
-    """Measured fp32 parameter bytes per second the CPU optimizer (fused where it can be) updates."""
-    import time
-    n = 1 << 22
-    p = torch.zeros(n)
-    p.grad = torch.full((n,), 1e-3)
-    kw = {k: v for k, v in defaults.items() if k not in ("fused", "foreach")}
-    opt = cls([p], **kw, **({"fused": True} if cls.__name__ in _FUSED_CPU else {}))
-    opt.step()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        opt.step()
-    return 3 * 4 * n / (time.perf_counter() - t0)
-
-
-def _host_available() -> int | None:
-    """MemAvailable of this host in bytes (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _host_bandwidth(device: torch.device) -> float:
-    """Measured pinned host->device bandwidth in bytes/s (25e9, PCIe 4 x16, on a CPU run)."""
-    if device.type != "cuda":
-        return 25e9
-    import time
-    src = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    return 4 * src.numel() / (time.perf_counter() - t0)
