@@ -49,7 +49,21 @@ def main() -> None:
                    help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)")
     p.add_argument("--host-init", action="store_true",
                    help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)")
+    p.add_argument("--mem-snapshot", default=None,
+                   help="record CUDA allocations; on an exception, rank 0 dumps a snapshot there (torch.cuda.memory)")
     a = p.parse_args()
+    if a.mem_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=50000)
+        try:
+            return main_run(a)
+        except Exception:
+            if int(os.environ.get("RANK", 0)) == 0:
+                torch.cuda.memory._dump_snapshot(a.mem_snapshot)
+            raise
+    return main_run(a)
+
+
+def main_run(a) -> None:
     bh.init()
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
@@ -64,6 +78,9 @@ def main() -> None:
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
                    offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb, param_dtype=a.param_dtype)
     engine = bh.boost(model, opt, plan)
+    if engine.zero is not None and rank == 0 and dev.type == "cuda":
+        print(f"after boost: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
+        print(engine.zero.explain(), flush=True)
     if a.probe_max_mbs:
         return probe_max_mbs(engine, a, dev, rank)
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # tp ranks share their dp rank's batch
@@ -80,6 +97,9 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        if rank == 0 and dev.type == "cuda":
+            print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+                  file=sys.stderr, flush=True)
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank)
     warm = times[3:] or times

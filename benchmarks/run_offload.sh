@@ -11,12 +11,12 @@ free -g | head -2 | tee -a "$log"; echo "cores: $(nproc)" | tee -a "$log"
 for spec in "$@"; do
   IFS=: read -r who size mbs <<< "$spec"
   if [ "$who" = plain ]; then
-    cmd=(benchmarks/peer_baseline.py --size "$size" --mode ddp --mbs "$mbs" --ckpt --steps 7)
+    cmd=(benchmarks/peer_baseline.py --size "$size" --mode ddp --mbs "$mbs" --ckpt --steps "${STEPS:-7}")
   else
-    cmd=(benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 7 --zero 3 --offload auto --host-init)
+    cmd=(benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps "${STEPS:-7}" --zero 3 --offload auto --host-init ${EXTRA:-})
   fi
   echo "## $who $size mbs=$mbs" | tee -a "$log"
   timeout "${LIMIT:-300}" torchrun --standalone --nproc-per-node 1 "${cmd[@]}" > "$out/$who-$size.txt" 2>&1
   echo "rc=$?" | tee -a "$log"
-  grep -E "RESULT|OutOfMemory|MemoryError|Kept|Offloaded|budget|Predicted" "$out/$who-$size.txt" | tail -6 | tee -a "$log"
+  grep -E "RESULT|OutOfMemory|MemoryError|Kept|Offloaded|budget|Predicted|after boost|^step" "$out/$who-$size.txt" | tail -14 | tee -a "$log"
 done

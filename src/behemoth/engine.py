@@ -349,7 +349,15 @@ class Engine:
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         self.buckets.start_step()
-        loss = self.forward_backward(batch)
+        if self.zero is None:
+            loss = self.forward_backward(batch)
+        else:   # offloaded chunks may be updated on the host while the backward runs
+            self.zero.arm_early_update(self.max_grad_norm, self.scaler)
+            try:
+                loss = self.forward_backward(batch)
+            except BaseException:
+                self.zero.wait_early()
+                raise
         if self.zero is not None:   # unscale, norm, clip and update on the shards
             self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
             self.step_count += 1

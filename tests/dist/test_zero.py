@@ -71,6 +71,13 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1, tp_depth=1):
         _check(engine, losses, family, opt_name, clip, precision, what)
         if offload == "auto":
             assert engine.zero.explain(), what
+        if offload is not None and clip is None and precision != "fp16":   # nothing global before the
+            # update: every offloaded chunk was updated on the host during the backward (not the warm-up's)
+            offloaded = sum(not st.optim_on_gpu for st in engine.zero.store.chunks)
+            want = STEPS * offloaded if offload == "cpu" else (STEPS - 1) * offloaded
+            assert offloaded and engine.zero.early_updates == want, (what, engine.zero.early_updates, want)
+        elif offload is not None:
+            assert engine.zero.early_updates == 0, what
         if offload == "cpu":   # masters and optimizer state really are the host copies
             assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
                                                            st.shard.data_ptr()) for st in engine.zero.store.chunks)

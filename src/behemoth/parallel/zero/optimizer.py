@@ -16,6 +16,15 @@ offload every chunk is one shard on the device and the step is the plain optimiz
    SGD, Adagrad, vectorised, nothing compiled at install time);
 4. publish: host masters copied to the device, stages 1-2 all-gather the chunks.
 
+Overlapped CPU update: when a step needs nothing global before its update -- no gradient
+clipping, no fp16 loss scale -- each offloaded chunk is updated on the host by a worker thread
+as soon as its reduced gradient has landed there (the store calls :meth:`_submit` from the
+backward), overlapping the CPU optimizer with the rest of the backward; ``step()`` waits for
+those updates and runs the optimizer over the remaining masters. Each chunk gets the same
+element-wise kernel, state and hyper-parameters as in step 3 (the worker steps a one-chunk
+optimizer that shares the optimizer's state), so the result is identical. The worker issues no
+collective (the order of collectives stays the same on every rank).
+
 ``offload="auto"``: :func:`.placement.static_split` chooses which chunks keep their shard and
 optimizer state on the GPU for a budget: ``Plan.offload_budget_gb``, or, when not given, a first
 guess (60% of the device) for the warm-up step, whose measured peak of non-model memory then
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -123,6 +133,9 @@ class ZeroOptimizer:
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        self._pool: ThreadPoolExecutor | None = None   # the overlapped CPU update's worker
+        self._early: list[tuple[object, Future]] = []
+        self.early_updates = 0                         # chunks updated during backward, in all
         self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------ set-up
@@ -170,6 +183,50 @@ class ZeroOptimizer:
     def begin(self, sync: bool) -> None:
         self.store.begin(sync)
 
+    # ------------------------------------------------------------------ overlapped CPU update
+    def arm_early_update(self, max_grad_norm: float | None, scaler) -> None:
+        """Before a step's forward-backward (``engine.step``): let offloaded chunks be updated on the
+        host during the backward, when the update needs nothing global (see the module docstring).
+        Not during offload='auto''s warm-up step, which re-places the chunks before its update."""
+        ok = self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
+        self.store.on_final = self._submit if ok else None
+
+    def _submit(self, st) -> None:
+        if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
+            return
+        event = None
+        if self.device.type == "cuda":   # the gradient's device->host copy is queued on this stream
+            event = torch.cuda.Event()
+            event.record()
+        group = next(g for g in self.optimizer.param_groups if any(p is st.master for p in g["params"]))
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if self._pool is None:
+            threads = torch.get_num_threads()   # a new thread starts with the default thread count
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
+                                            initializer=torch.set_num_threads, initargs=(threads,))
+        self._early.append((st, self._pool.submit(self._update_one, st, event, hyper)))
+
+    def _update_one(self, st, event, hyper: dict) -> None:
+        if event is not None:
+            event.synchronize()
+        one = self.cls([{**hyper, "params": [st.master]}], **self.defaults)
+        one.state = self.optimizer.state   # the same state entry the full optimizer would update
+        st.master.grad = st.grad_acc
+        try:
+            one.step()
+        finally:
+            st.master.grad = None
+
+    def wait_early(self) -> list:
+        """Wait for the overlapped updates of this step; returns the chunks they updated. Also the
+        way out of a failed forward-backward (disarms, re-raises a worker's error)."""
+        self.store.on_final = None
+        early, self._early = self._early, []
+        for _, fut in early:
+            fut.result()
+        self.early_updates += len(early)
+        return [st for st, _ in early]
+
     def finish(self) -> None:
         self.store.finish()
 
@@ -193,11 +250,13 @@ class ZeroOptimizer:
             g = st.grad_acc
             if g is None:
                 continue
+            # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
+            # (on the host: fresh pages to fault in for every offloaded chunk, every step).
             if self._weights is None:
-                part = g.square().sum()
+                part = torch.linalg.vector_norm(g).square()
             else:
-                part = sum((g.narrow(0, off, n).square().sum() * w for off, n, w in self._weights[k]),
-                           torch.zeros((), device=g.device))
+                part = sum((torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w
+                            for off, n, w in self._weights[k]), torch.zeros((), device=g.device))
             sq += part.to(self.device)
         comm.all_reduce(sq, self.axis)
         for ax in self._norm_axes:
@@ -213,6 +272,7 @@ class ZeroOptimizer:
 
     def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
         """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""
+        early = {id(st) for st in self.wait_early()}
         if self._warmup:
             self._place_after_warmup()
         masters = self._masters()
@@ -227,6 +287,9 @@ class ZeroOptimizer:
         norm = self.grad_norm()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm, foreach=True)
+        for st in self.store.chunks:
+            if id(st) in early:   # updated during the backward: the optimizer skips a master without grad
+                st.master.grad = None
         self.optimizer.step()
         for m in masters:
             m.grad = None

@@ -110,9 +110,10 @@ class ChunkStore:
         self._sync = self._open = False
         self._order: list[ChunkState] = list(reversed(self.chunks))   # reduction order
         self._next = 0
-        self._inflight: list[tuple[ChunkState, object]] = []
+        self._inflight: list[tuple[ChunkState, object, bool]] = []   # (chunk, handle, of the last micro-batch)
         self.hooks_fired = 0
         self.launch_log: list[tuple[int, int]] = []
+        self.on_final = None   # called with a chunk once its reduced gradient of the step is in grad_acc
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for st in self.chunks for p in st.params]
 
     # ------------------------------------------------------------------ set-up
@@ -289,7 +290,7 @@ class ChunkStore:
             if st.grad_full is None:   # no parameter of the chunk got a gradient: reduce zeros
                 self._grad_chunk(st)
             handle = comm.reduce_scatter_async(st.grad_full, self.axis)
-            self._inflight.append((st, handle))
+            self._inflight.append((st, handle, self._sync))
             if self.stage >= 2:
                 st.grad_full = None   # the handle keeps the buffer alive until the reduce is done
                 if self.stage == 3 and st.pending is None:
@@ -298,7 +299,7 @@ class ChunkStore:
             while len(self._inflight) > 2:   # bound memory: at most 2 chunk reductions in flight
                 self._complete(*self._inflight.pop(0))
 
-    def _complete(self, st: ChunkState, handle) -> None:
+    def _complete(self, st: ChunkState, handle, final: bool) -> None:
         reduced = handle.wait()
         if st.grad_acc is None:
             st.grad_acc = torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device,
@@ -308,6 +309,8 @@ class ChunkStore:
         else:
             st.grad_acc.copy_(reduced, non_blocking=True)
             st.reduced_once = True
+        if final and self.on_final is not None:   # reduced in the step's last micro-batch: the gradient is final
+            self.on_final(st)
 
     def _flush(self) -> None:
         """Close the current micro-batch: parameters that got no gradient count as zeros, every

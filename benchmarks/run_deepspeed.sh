@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call on one GPU: DeepSpeed ZeRO-Offload (peer_deepspeed.py, stage 2, optimizer on
+# the CPU) vs behemoth on the same card, host and model: ZeRO-3 offload="auto" and, the same
+# mechanism as ZeRO-Offload, ZeRO-2 offload="cpu". DeepSpeed's wheels must be in .whl (see
+# peer_deepspeed.py's docstring; the run names .whl in carry).
+#   bash benchmarks/run_deepspeed.sh 6.7b 8          (log in $OUT/deepspeed.log)
+set -u
+size=${1:-6.7b}; mbs=${2:-8}
+out=${OUT:-/tmp}
+log="$out/deepspeed.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+source "$(dirname "$0")/env.sh" "$log"
+free -g | head -2 | tee -a "$log"; echo "cores: $(nproc)" | tee -a "$log"
+run() {   # name, seconds, command...
+  local name=$1 t=$2; shift 2
+  echo "## $name" | tee -a "$log"
+  timeout "$t" torchrun --standalone --nproc-per-node 1 "$@" > "$out/$name.txt" 2>&1
+  echo "rc=$?" | tee -a "$log"
+  grep -E "RESULT|OutOfMemory|MemoryError|Killed|Error" "$out/$name.txt" | tail -3 | tee -a "$log"
+}
+run deepspeed-$size "${DS_LIMIT:-300}" benchmarks/peer_deepspeed.py --size "$size" --stage 2 --mbs "$mbs" --ckpt --steps 5
+run bh-auto-$size 150 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 3 --offload auto --host-init
+run bh-zero2-cpu-$size 200 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 2 --offload cpu
