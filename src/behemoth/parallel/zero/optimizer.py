@@ -201,7 +201,10 @@ class ZeroOptimizer:
         group = next(g for g in self.optimizer.param_groups if any(p is st.master for p in g["params"]))
         hyper = {k: v for k, v in group.items() if k != "params"}
         if self._pool is None:
-            threads = torch.get_num_threads()   # a new thread starts with the default thread count
+            # A new thread starts with the default thread count; leave the backward's thread (kernel
+            # launches) and the communication threads a core each.
+            threads = torch.get_num_threads()
+            threads = threads - 2 if threads > 4 else threads
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
                                             initializer=torch.set_num_threads, initargs=(threads,))
         self._early.append((st, self._pool.submit(self._update_one, st, event, hyper)))
