@@ -194,19 +194,14 @@ class ZeroOptimizer:
     def _submit(self, st) -> None:
         if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
             return
-        event = None
-        if self.device.type == "cuda":   # the gradient's device->host copy is queued on this stream
-            event = torch.cuda.Event()
-            event.record()
+        event = st.host_grad_ready   # the end of the gradient's device->host copy (GPU)
         group = next(g for g in self.optimizer.param_groups if any(p is st.master for p in g["params"]))
         hyper = {k: v for k, v in group.items() if k != "params"}
         if self._pool is None:
-            # A new thread starts with the default thread count; leave the backward's thread (kernel
-            # launches) and the communication threads a core each.
-            threads = torch.get_num_threads()
-            threads = threads - 2 if threads > 4 else threads
+            # A new thread starts with OpenMP's default thread count: give it this thread's. The same
+            # count, so the process-wide pools it also sets (MKL, pthreadpool) keep their size.
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
-                                            initializer=torch.set_num_threads, initargs=(threads,))
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         self._early.append((st, self._pool.submit(self._update_one, st, event, hyper)))
 
     def _update_one(self, st, event, hyper: dict) -> None:

@@ -79,6 +79,7 @@ class ChunkState:
         self.pending = None                         # in-flight gather handle (stage 3 prefetch)
         self.ready = 0                              # gradients arrived in this micro-batch
         self.reduced_once = False                   # grad_acc holds this step's first reduction
+        self.host_grad_ready = None                 # CUDA event: grad_acc's copy to the host is done
 
 
 class ChunkStore:
@@ -114,6 +115,7 @@ class ChunkStore:
         self.hooks_fired = 0
         self.launch_log: list[tuple[int, int]] = []
         self.on_final = None   # called with a chunk once its reduced gradient of the step is in grad_acc
+        self._d2h: torch.cuda.Stream | None = None   # gradients' device->host copies (GPU)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for st in self.chunks for p in st.params]
 
     # ------------------------------------------------------------------ set-up
@@ -305,7 +307,20 @@ class ChunkStore:
             st.grad_acc = torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device,
                                       pin_memory=self.pin and st.master.device.type == "cpu")
         if st.reduced_once:
+            self._wait_host_grad(st)
             st.grad_acc.add_(reduced.to(st.grad_acc.device))
+        elif st.grad_acc.device.type == "cpu" and reduced.device.type == "cuda":
+            # Down to pinned memory on a side stream, after all that is queued on the compute
+            # stream: the backward's next kernels do not queue behind the copy.
+            if self._d2h is None:
+                self._d2h = torch.cuda.Stream(reduced.device)
+            self._d2h.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(self._d2h):
+                st.grad_acc.copy_(reduced, non_blocking=True)
+            reduced.record_stream(self._d2h)   # not reused before the copy has read it
+            st.host_grad_ready = torch.cuda.Event()
+            st.host_grad_ready.record(self._d2h)
+            st.reduced_once = True
         else:
             st.grad_acc.copy_(reduced, non_blocking=True)
             st.reduced_once = True
@@ -335,7 +350,15 @@ class ChunkStore:
             self.release_all()
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()   # host gradient copies are complete
+        for st in self.chunks:
+            self._wait_host_grad(st)
         self._sync = False
+
+    @staticmethod
+    def _wait_host_grad(st: ChunkState) -> None:
+        if st.host_grad_ready is not None:
+            st.host_grad_ready.synchronize()
+            st.host_grad_ready = None
 
     def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Stage 1: ``p.grad`` as its gradient-chunk view (zeros if no gradient arrived yet), so a

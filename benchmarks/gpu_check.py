@@ -1,0 +1,59 @@
+"""GPU-only paths checked on a lent GPU machine (the CPU test suite cannot reach them): ZeRO
+offload's gradient copies on a side stream and the CPU update during the backward.
+
+For each plan, the same training twice: without clipping (offloaded chunks updated by the
+worker thread while the backward runs, after their side-stream copy) and with a clip threshold
+no gradient reaches (factor exactly 1.0: updated after the backward). The losses and
+``full_state_dict()`` must be bit-identical; a worker that read a gradient before its copy
+landed would differ. Prints one ``CHECK ok|FAIL`` line per plan; exit status 1 on any failure.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py      (also with 2 GPUs)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import behemoth as bh
+from behemoth.models import build_model
+
+
+def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[float], dict, int]:
+    torch.manual_seed(0)
+    model = build_model("gpt-125m", vocab_size=8192, seq_len=256, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = bh.boost(model, opt, plan, max_grad_norm=clip)
+    losses = [engine.step(b) for b in batches]
+    return losses, engine.full_state_dict(), engine.zero.early_updates
+
+
+def main() -> int:
+    bh.init()
+    dev = bh.distributed.device_for_rank()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(1234 + rank)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, 8192, (4, 257), generator=g).to(dev)
+        batches.append({"input_ids": x[:, :-1], "labels": x[:, 1:]})
+    failed = 0
+    for stage, micro, precision in ((3, 1, "fp32"), (3, 2, "bf16"), (2, 1, "bf16"), (1, 2, "fp32")):
+        plan = bh.Plan(dp=world, zero=stage, offload="cpu", microbatches=micro, precision=precision, chunk_mb=32)
+        (l_a, s_a, n_a), (l_b, s_b, n_b) = train(plan, None, batches), train(plan, 1e30, batches)
+        same = l_a == l_b and all(torch.equal(s_a[k], s_b[k]) for k in s_b)
+        ok = same and n_a > 0 and n_b == 0
+        failed += not ok
+        if rank == 0:
+            print(f"CHECK {'ok' if ok else 'FAIL'} zero={stage} m{micro} {precision} world={world}: "
+                  f"early updates {n_a}/{n_b}, losses {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}",
+                  flush=True)
+    torch.distributed.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
