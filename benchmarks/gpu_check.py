@@ -1,11 +1,12 @@
 """GPU-only paths checked on a lent GPU machine (the CPU test suite cannot reach them): ZeRO
-offload's gradient copies on a side stream and the CPU update during the backward.
+offload's gradient copies to the host on a side stream, the CPU update during the backward and
+the worker's uploads of updated chunks on another stream.
 
 For each plan, the same training twice: without clipping (offloaded chunks updated by the
 worker thread while the backward runs, after their side-stream copy) and with a clip threshold
-no gradient reaches (factor exactly 1.0: updated after the backward). The losses and
-``full_state_dict()`` must be bit-identical; a worker that read a gradient before its copy
-landed would differ. Prints one ``CHECK ok|FAIL`` line per plan; exit status 1 on any failure.
+no gradient reaches (factor exactly 1.0: updated and uploaded after the backward). The losses
+and ``full_state_dict()`` must be bit-identical; a worker that read a gradient before its copy
+landed, or a forward that read parameters before their upload, would differ. Prints one ``CHECK ok|FAIL`` line per plan; exit status 1 on any failure.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py      (also with 2 GPUs)
 """

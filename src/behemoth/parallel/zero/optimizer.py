@@ -19,8 +19,9 @@ offload every chunk is one shard on the device and the step is the plain optimiz
 Overlapped CPU update: when a step needs nothing global before its update -- no gradient
 clipping, no fp16 loss scale -- each offloaded chunk is updated on the host by a worker thread
 as soon as its reduced gradient has landed there (the store calls :meth:`_submit` from the
-backward), overlapping the CPU optimizer with the rest of the backward; ``step()`` waits for
-those updates and runs the optimizer over the remaining masters. Each chunk gets the same
+backward) and uploaded to the device copies the model reads (on a side stream on a GPU),
+overlapping the CPU optimizer and the upload with the rest of the backward; ``step()`` waits
+for those updates and runs the optimizer over the remaining masters. Each chunk gets the same
 element-wise kernel, state and hyper-parameters as in step 3 (the worker steps a one-chunk
 optimizer that shares the optimizer's state), so the result is identical. The worker issues no
 collective (the order of collectives stays the same on every rank).
@@ -135,6 +136,7 @@ class ZeroOptimizer:
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
         self._pool: ThreadPoolExecutor | None = None   # the overlapped CPU update's worker
         self._early: list[tuple[object, Future]] = []
+        self._h2d: torch.cuda.Stream | None = None      # the worker's uploads of updated chunks (GPU)
         self.early_updates = 0                         # chunks updated during backward, in all
         self.optimizer = self._build_optimizer()
 
@@ -197,6 +199,8 @@ class ZeroOptimizer:
         event = st.host_grad_ready   # the end of the gradient's device->host copy (GPU)
         group = next(g for g in self.optimizer.param_groups if any(p is st.master for p in g["params"]))
         hyper = {k: v for k, v in group.items() if k != "params"}
+        if self._h2d is None and self.device.type == "cuda":
+            self._h2d = torch.cuda.Stream(self.device)
         if self._pool is None:
             # A new thread starts with OpenMP's default thread count: give it this thread's. The same
             # count, so the process-wide pools it also sets (MKL, pthreadpool) keep their size.
@@ -214,6 +218,15 @@ class ZeroOptimizer:
             one.step()
         finally:
             st.master.grad = None
+        # Upload it now, beside the rest of the backward: the chunk's gradients are final, so no
+        # kernel still to run in this backward reads its parameters (on a GPU every kernel queued
+        # before the gradient's copy has run: ``event`` followed them). step() makes the compute
+        # stream wait for these copies before the next forward.
+        if self._h2d is None:
+            self.store.upload(st)
+        else:
+            with torch.cuda.stream(self._h2d):
+                self.store.upload(st)
 
     def wait_early(self) -> list:
         """Wait for the overlapped updates of this step; returns the chunks they updated. Also the
@@ -222,6 +235,8 @@ class ZeroOptimizer:
         early, self._early = self._early, []
         for _, fut in early:
             fut.result()
+        if early and self._h2d is not None:   # the next forward reads what the worker uploaded
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
         self.early_updates += len(early)
         return [st for st, _ in early]
 
@@ -270,7 +285,7 @@ class ZeroOptimizer:
 
     def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
         """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""
-        early = {id(st) for st in self.wait_early()}
+        early = {st.index for st in self.wait_early()}
         if self._warmup:
             self._place_after_warmup()
         masters = self._masters()
@@ -286,12 +301,12 @@ class ZeroOptimizer:
         if max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm, foreach=True)
         for st in self.store.chunks:
-            if id(st) in early:   # updated during the backward: the optimizer skips a master without grad
+            if st.index in early:   # updated during the backward: the optimizer skips a master without grad
                 st.master.grad = None
         self.optimizer.step()
         for m in masters:
             m.grad = None
-        self.store.publish()
+        self.store.publish(frozenset(early))
         return norm
 
     # ------------------------------------------------------------------ offload="auto"

@@ -378,14 +378,21 @@ class ChunkStore:
         return [st.grad_acc for st in self.chunks]
 
     # ------------------------------------------------------------------ after the optimizer step
-    def publish(self) -> None:
-        """Make the updated masters visible to the model: copy host masters to the device shard,
-        then (stages 1-2) all-gather every chunk in place."""
+    def upload(self, st: ChunkState) -> None:
+        """The chunk's updated master into the copies the model reads: its device shard and the
+        low-precision gather sources (on the current stream)."""
+        if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
+            st.shard.copy_(st.master, non_blocking=True)
+        self._refresh_low(st)
+
+    def publish(self, uploaded: frozenset[int] = frozenset()) -> None:
+        """Make the updated masters visible to the model: upload every chunk (but ``uploaded``,
+        indices of chunks the CPU-update worker uploaded), then (stages 1-2) all-gather every chunk
+        in place."""
         handles = []
         for st in self.chunks:
-            if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
-                st.shard.copy_(st.master, non_blocking=True)
-            self._refresh_low(st)
+            if st.index not in uploaded:
+                self.upload(st)
             if self.stage < 3:
                 handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
         for h in handles:
