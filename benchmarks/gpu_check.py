@@ -40,14 +40,16 @@ def main() -> int:
         x = torch.randint(0, 8192, (4, 257), generator=g).to(dev)
         batches.append({"input_ids": x[:, :-1], "labels": x[:, 1:]})
     failed = 0
-    for stage, micro, precision in ((3, 1, "fp32"), (3, 2, "bf16"), (2, 1, "bf16"), (1, 2, "fp32")):
-        plan = bh.Plan(dp=world, zero=stage, offload="cpu", microbatches=micro, precision=precision, chunk_mb=32)
+    for stage, micro, precision, low in ((3, 1, "fp32", None), (3, 2, "bf16", None), (3, 1, "bf16", "bf16"),
+                                         (2, 1, "bf16", None), (1, 2, "fp32", None)):
+        plan = bh.Plan(dp=world, zero=stage, offload="cpu", microbatches=micro, precision=precision, chunk_mb=32,
+                       param_dtype=low)
         (l_a, s_a, n_a), (l_b, s_b, n_b) = train(plan, None, batches), train(plan, 1e30, batches)
         same = l_a == l_b and all(torch.equal(s_a[k], s_b[k]) for k in s_b)
         ok = same and n_a > 0 and n_b == 0
         failed += not ok
         if rank == 0:
-            print(f"CHECK {'ok' if ok else 'FAIL'} zero={stage} m{micro} {precision} world={world}: "
+            print(f"CHECK {'ok' if ok else 'FAIL'} zero={stage} m{micro} {precision} param_dtype={low} world={world}: "
                   f"early updates {n_a}/{n_b}, losses {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}",
                   flush=True)
     torch.distributed.destroy_process_group()

@@ -251,16 +251,18 @@ def _early_update_world(rank, world):
     the update after it: the same plan with a clip threshold no gradient reaches (factor exactly
     1.0) updates after the backward."""
     batches = global_batches(STEPS, BATCH)
-    for stage, micro, opt_name in ((3, 2, "adamw"), (2, 1, "adamw"), (1, 2, "sgd")):
+    bf16 = {"precision": "bf16", "param_dtype": "bf16"}   # bf16 parameter copies refreshed from the masters
+    for stage, micro, opt_name, extra in ((3, 2, "adamw", {}), (3, 1, "adamw", bf16), (2, 1, "adamw", {}),
+                                          (1, 2, "sgd", {})):
         runs = []
         for clip in (None, 1e30):
             model = build("gpt")
-            plan = bh.Plan(zero=stage, offload="cpu", microbatches=micro, chunk_mb=CHUNK_MB)
+            plan = bh.Plan(zero=stage, offload="cpu", microbatches=micro, chunk_mb=CHUNK_MB, **extra)
             engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
             losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
             runs.append((losses, engine.full_state_dict(), engine.zero.early_updates))
         (l_early, s_early, n_early), (l_after, s_after, n_after) = runs
-        what = f"zero={stage} m{micro} {opt_name}"
+        what = f"zero={stage} m{micro} {opt_name} {extra}"
         assert n_early == STEPS * engine.zero.layout.num_chunks and n_after == 0, (what, n_early, n_after)
         assert l_early == l_after, (what, l_early, l_after)
         for k in s_after:

@@ -226,7 +226,7 @@ class ZeroOptimizer:
             self.store.upload(st)
         else:
             with torch.cuda.stream(self._h2d):
-                self.store.upload(st)
+                self.store.upload(st, converting=False)
 
     def wait_early(self) -> list:
         """Wait for the overlapped updates of this step; returns the chunks they updated. Also the

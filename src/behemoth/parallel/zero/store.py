@@ -378,21 +378,28 @@ class ChunkStore:
         return [st.grad_acc for st in self.chunks]
 
     # ------------------------------------------------------------------ after the optimizer step
-    def upload(self, st: ChunkState) -> None:
+    def upload(self, st: ChunkState, converting: bool = True) -> None:
         """The chunk's updated master into the copies the model reads: its device shard and the
-        low-precision gather sources (on the current stream)."""
+        low-precision gather sources (on the current stream). ``converting=False`` leaves out the
+        device low-precision copy of a host master (a dtype-converting upload: PyTorch stages it
+        in a device temporary, which a side stream would cache apart from the compute stream's)."""
         if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
             st.shard.copy_(st.master, non_blocking=True)
-        self._refresh_low(st)
+        if converting or st.shard is not None:
+            self._refresh_low(st)
+        elif st.low_host is not None:
+            st.low_host.copy_(st.master)
 
     def publish(self, uploaded: frozenset[int] = frozenset()) -> None:
-        """Make the updated masters visible to the model: upload every chunk (but ``uploaded``,
-        indices of chunks the CPU-update worker uploaded), then (stages 1-2) all-gather every chunk
-        in place."""
+        """Make the updated masters visible to the model: upload every chunk (``uploaded``: indices
+        of chunks the CPU-update worker uploaded but for their converting copy), then (stages 1-2)
+        all-gather every chunk in place."""
         handles = []
         for st in self.chunks:
             if st.index not in uploaded:
                 self.upload(st)
+            elif st.low is not None and st.shard is None:
+                st.low.copy_(st.master, non_blocking=True)
             if self.stage < 3:
                 handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
         for h in handles:
