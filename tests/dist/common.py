@@ -69,19 +69,24 @@ def shard(batch: dict, rank: int, size: int) -> dict:
     return {k: v.chunk(size, 0)[rank].contiguous() for k, v in batch.items()}
 
 
+def serial_loss(model: torch.nn.Module, batch: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The serial model's mean token loss on ``batch``, its forward under CPU autocast to ``dtype``."""
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = model(batch["input_ids"])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
 def serial_train(family: str, opt_name: str, batches: list[dict], *, max_grad_norm=None,
                  precision: str = "fp32", seed: int = 0, num_layers: int = 2):
     """Plain single-process PyTorch: the reference every plan must reproduce."""
     model = build(family, seed, num_layers=num_layers)
     opt = make_optimizer(opt_name, model)
     losses = []
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     for b in batches:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
-        with ctx:
-            out = model(b["input_ids"])
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss = serial_loss(model, b, dtype)
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

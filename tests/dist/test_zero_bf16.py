@@ -12,11 +12,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import behemoth as bh
 from common import (assert_losses_close, assert_state_close, build, expect_error, global_batches, make_optimizer,
-                    serial_train, shard)
+                    serial_loss, serial_train, shard)
 
 STEPS, BATCH, CHUNK_MB = 3, 8, 0.02
 BF16 = dict(zero=3, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)
@@ -33,10 +32,7 @@ def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_gr
         with torch.no_grad():
             for w, m in zip(work.parameters(), master.parameters()):
                 w.copy_(m)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = work(b["input_ids"])
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss = serial_loss(work, b, torch.bfloat16)
         loss.backward()
         for w, m in zip(work.parameters(), master.parameters()):
             m.grad = w.grad.float()

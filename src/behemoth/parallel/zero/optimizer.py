@@ -16,15 +16,8 @@ offload every chunk is one shard on the device and the step is the plain optimiz
    SGD, Adagrad, vectorised, nothing compiled at install time);
 4. publish: host masters copied to the device, stages 1-2 all-gather the chunks.
 
-Overlapped CPU update: when a step needs nothing global before its update -- no gradient
-clipping, no fp16 loss scale -- each offloaded chunk is updated on the host by a worker thread
-as soon as its reduced gradient has landed there (the store calls :meth:`_submit` from the
-backward) and uploaded to the device copies the model reads (on a side stream on a GPU),
-overlapping the CPU optimizer and the upload with the rest of the backward; ``step()`` waits
-for those updates and runs the optimizer over the remaining masters. Each chunk gets the same
-element-wise kernel, state and hyper-parameters as in step 3 (the worker steps a one-chunk
-optimizer that shares the optimizer's state), so the result is identical. The worker issues no
-collective (the order of collectives stays the same on every rank).
+Offloaded chunks may be updated on the host during the backward instead, when the update needs
+nothing global first (:mod:`.overlap`); step 3 then updates the remaining masters.
 
 ``offload="auto"``: :func:`.placement.static_split` chooses which chunks keep their shard and
 optimizer state on the GPU for a budget: ``Plan.offload_budget_gb``, or, when not given, a first
@@ -36,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +38,7 @@ from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
 from .measure import cpu_update_rate, host_available, host_bandwidth
+from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
 from .store import ChunkStore
 
@@ -134,10 +127,7 @@ class ZeroOptimizer:
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
-        self._pool: ThreadPoolExecutor | None = None   # the overlapped CPU update's worker
-        self._early: list[tuple[object, Future]] = []
-        self._h2d: torch.cuda.Stream | None = None      # the worker's uploads of updated chunks (GPU)
-        self.early_updates = 0                         # chunks updated during backward, in all
+        self.host_update = HostUpdate(self.store, device, self.cls, self.defaults)
         self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------ set-up
@@ -185,60 +175,22 @@ class ZeroOptimizer:
     def begin(self, sync: bool) -> None:
         self.store.begin(sync)
 
-    # ------------------------------------------------------------------ overlapped CPU update
+    # ------------------------------------------------------------------ CPU update during the backward
     def arm_early_update(self, max_grad_norm: float | None, scaler) -> None:
         """Before a step's forward-backward (``engine.step``): let offloaded chunks be updated on the
-        host during the backward, when the update needs nothing global (see the module docstring).
-        Not during offload='auto''s warm-up step, which re-places the chunks before its update."""
+        host during the backward when the update needs nothing global (:mod:`.overlap`). Not in
+        offload='auto''s warm-up step, which re-places the chunks before its update."""
         ok = self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
-        self.store.on_final = self._submit if ok else None
-
-    def _submit(self, st) -> None:
-        if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
-            return
-        event = st.host_grad_ready   # the end of the gradient's device->host copy (GPU)
-        group = next(g for g in self.optimizer.param_groups if any(p is st.master for p in g["params"]))
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        if self._h2d is None and self.device.type == "cuda":
-            self._h2d = torch.cuda.Stream(self.device)
-        if self._pool is None:
-            # A new thread starts with OpenMP's default thread count: give it this thread's. The same
-            # count, so the process-wide pools it also sets (MKL, pthreadpool) keep their size.
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
-                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        self._early.append((st, self._pool.submit(self._update_one, st, event, hyper)))
-
-    def _update_one(self, st, event, hyper: dict) -> None:
-        if event is not None:
-            event.synchronize()
-        one = self.cls([{**hyper, "params": [st.master]}], **self.defaults)
-        one.state = self.optimizer.state   # the same state entry the full optimizer would update
-        st.master.grad = st.grad_acc
-        try:
-            one.step()
-        finally:
-            st.master.grad = None
-        # Upload it now, beside the rest of the backward: the chunk's gradients are final, so no
-        # kernel still to run in this backward reads its parameters (on a GPU every kernel queued
-        # before the gradient's copy has run: ``event`` followed them). step() makes the compute
-        # stream wait for these copies before the next forward.
-        if self._h2d is None:
-            self.store.upload(st)
-        else:
-            with torch.cuda.stream(self._h2d):
-                self.store.upload(st, converting=False)
+        self.host_update.arm(self.optimizer if ok else None)
 
     def wait_early(self) -> list:
-        """Wait for the overlapped updates of this step; returns the chunks they updated. Also the
-        way out of a failed forward-backward (disarms, re-raises a worker's error)."""
-        self.store.on_final = None
-        early, self._early = self._early, []
-        for _, fut in early:
-            fut.result()
-        if early and self._h2d is not None:   # the next forward reads what the worker uploaded
-            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
-        self.early_updates += len(early)
-        return [st for st, _ in early]
+        """Wait for the updates made during this step's backward; the chunks they updated."""
+        return self.host_update.wait()
+
+    @property
+    def early_updates(self) -> int:
+        """Chunks updated during a backward, in all."""
+        return self.host_update.count
 
     def finish(self) -> None:
         self.store.finish()

@@ -1,0 +1,91 @@
+"""The CPU update of offloaded chunks, overlapped with the backward.
+
+When a step needs nothing global before its update -- no gradient clipping, no fp16 loss
+scale -- each offloaded chunk is updated on the host by a worker thread as soon as its reduced
+gradient of the step's last micro-batch has landed there (the store calls :meth:`submit` from the
+backward), then uploaded to the device copies the model reads (on a side stream on a GPU):
+the CPU optimizer and the upload run beside the rest of the backward. :meth:`wait` (from the
+ZeRO optimizer's ``step()``) waits for them; the optimizer then updates the remaining masters.
+
+Each chunk gets the same element-wise kernel, state and hyper-parameters as in the full step
+(the worker steps a one-chunk optimizer that shares the full optimizer's state), so the result
+is identical. The worker issues no collective: the order of collectives stays the same on every
+rank. Tested in tests/dist/test_zero.py (bit-identical to the update after the backward);
+benchmarks/gpu_check.py checks the GPU streams.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .store import ChunkState, ChunkStore
+
+__all__ = ["HostUpdate"]
+
+
+class HostUpdate:
+    """Updates of ``store``'s offloaded chunks during the backward, by the optimizer class ``cls``
+    built with ``defaults``."""
+
+    def __init__(self, store: ChunkStore, device: torch.device, cls, defaults: dict) -> None:
+        self.store, self.device, self.cls, self.defaults = store, device, cls, defaults
+        self.count = 0                                  # chunks updated during a backward, in all
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._group_of: dict[int, dict] = {}
+        self._pending: list[tuple[ChunkState, Future]] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._h2d: torch.cuda.Stream | None = None      # the worker's uploads (GPU)
+
+    def arm(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Before a step's forward-backward: update offloaded chunks with ``optimizer``'s state and
+        hyper-parameters as their gradients arrive (``None``: not this step)."""
+        self._optimizer = optimizer
+        self._group_of = {} if optimizer is None else {
+            id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.store.on_final = self.submit if optimizer is not None else None
+
+    def submit(self, st: ChunkState) -> None:
+        if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
+            return
+        event = st.host_grad_ready   # the end of the gradient's device->host copy (GPU)
+        hyper = {k: v for k, v in self._group_of[id(st.master)].items() if k != "params"}
+        if self._h2d is None and self.device.type == "cuda":
+            self._h2d = torch.cuda.Stream(self.device)
+        if self._pool is None:
+            # A new thread starts with OpenMP's default thread count: give it this thread's. The same
+            # count, so the process-wide pools it also sets (MKL, pthreadpool) keep their size.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        self._pending.append((st, self._pool.submit(self._update, st, event, hyper, self._optimizer.state)))
+
+    def _update(self, st: ChunkState, event, hyper: dict, state) -> None:
+        if event is not None:
+            event.synchronize()
+        one = self.cls([{**hyper, "params": [st.master]}], **self.defaults)
+        one.state = state   # the same state entry the full optimizer would update
+        st.master.grad = st.grad_acc
+        try:
+            one.step()
+        finally:
+            st.master.grad = None
+        # Upload it now: the chunk's gradients are final, so no kernel still to run in this backward
+        # reads its parameters (on a GPU every kernel queued before the gradient's copy has run:
+        # ``event`` followed them). wait() makes the compute stream wait for these copies.
+        if self._h2d is None:
+            self.store.upload(st)
+        else:
+            with torch.cuda.stream(self._h2d):
+                self.store.upload(st, converting=False)
+
+    def wait(self) -> list[ChunkState]:
+        """Wait for this step's updates; returns the chunks they updated. Also the way out of a
+        failed forward-backward (disarms, re-raises a worker's error)."""
+        self.arm(None)
+        pending, self._pending = self._pending, []
+        for _, fut in pending:
+            fut.result()
+        if pending and self._h2d is not None:   # the next forward reads what the worker uploaded
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        self.count += len(pending)
+        return [st for st, _ in pending]
