@@ -68,6 +68,7 @@ def main_run(a) -> None:
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     dev = bh.distributed.device_for_rank()
+    t0 = time.perf_counter()
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="cpu" if a.host_init else dev,
                         tie_embeddings=a.tied)
     # fused on the GPU, as the peers' (also under ZeRO without offload: its masters are flat GPU shards)
@@ -77,7 +78,10 @@ def main_run(a) -> None:
                    precision="bf16",
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
                    offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb, param_dtype=a.param_dtype)
+    t1 = time.perf_counter()
     engine = bh.boost(model, opt, plan)
+    if rank == 0:
+        print(f"setup: model built in {t1 - t0:.1f} s, boost in {time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
     if engine.zero is not None and rank == 0 and dev.type == "cuda":
         print(f"after boost: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
         print(engine.zero.explain(), flush=True)

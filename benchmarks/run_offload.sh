@@ -18,5 +18,5 @@ for spec in "$@"; do
   echo "## $who $size mbs=$mbs" | tee -a "$log"
   timeout "${LIMIT:-300}" torchrun --standalone --nproc-per-node 1 "${cmd[@]}" > "$out/$who-$size.txt" 2>&1
   echo "rc=$?" | tee -a "$log"
-  grep -E "RESULT|OutOfMemory|MemoryError|Kept|Offloaded|budget|Predicted|after boost|^step" "$out/$who-$size.txt" | tail -14 | tee -a "$log"
+  grep -E "RESULT|OutOfMemory|MemoryError|Kept|Offloaded|budget|Predicted|after boost|^step|^setup" "$out/$who-$size.txt" | tail -14 | tee -a "$log"
 done

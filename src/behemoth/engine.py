@@ -325,7 +325,9 @@ class Engine:
             local, kwargs = self._batch_block(mb), {}
             if self.sequence is not None:   # this rank's share of the sequence, and its positions
                 local, kwargs = self.sequence.split(local)
-            with autocast_context(self.plan.precision, self.device, cache=self.plan.zero < 3):
+            # param_dtype: the model computes in its (bf16) parameters' dtype, as FSDP2 and DeepSpeed's bf16 do
+            with autocast_context("fp32" if self.plan.param_dtype else self.plan.precision, self.device,
+                                  cache=self.plan.zero < 3):
                 out = self.model(*self._model_inputs(local), **kwargs)
             if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch (sp: its share)
                 loss = self.loss_fn(out, mb if self.sequence is None else local)
@@ -355,6 +357,9 @@ class Engine:
             self.zero.arm_early_update(self.max_grad_norm, self.scaler)
             try:
                 loss = self.forward_backward(batch)
+            except torch.OutOfMemoryError as exc:
+                self.zero.wait_early()
+                raise self.zero.out_of_memory(exc) from exc
             except BaseException:
                 self.zero.wait_early()
                 raise

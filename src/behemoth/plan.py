@@ -84,8 +84,9 @@ class Plan:
     """GPU memory for model data under offload='auto', in GiB; None measures it (device memory
     minus the warm-up step's peak of other data)."""
     param_dtype: str | None = None
-    """ZeRO-3 only: 'bf16' gathers and computes with bf16 parameters (FSDP2's ``param_dtype``, what
-    DeepSpeed's bf16 ZeRO-3 runs): half the gather traffic, gathered memory and host fetches
+    """ZeRO-3 only: 'bf16' gathers bf16 copies of the parameters and runs the model in bf16 without
+    autocast (FSDP2's ``param_dtype``, what DeepSpeed's bf16 ZeRO-3 runs: norms, softmax and the
+    residual stream in bf16 too): half the gather traffic, gathered memory and host fetches
     under offload, no per-use casts; masters, optimizer state and the gradient reduction stay
     fp32. Needs precision='bf16'. None keeps fp32 parameters under autocast (the serial
     model's numerics)."""

@@ -229,6 +229,35 @@ def test_zero_auto_replacement_keeps_the_learning_rate():
     bh.spawn(_replace_keeps_hyper_world, 2, timeout=120)
 
 
+def _warmup_oom_world(rank, world):
+    """A step that runs out of device memory under offload='auto' raises the same error type, naming
+    the model data the placement kept on the device and the setting that makes room."""
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
+
+    def oom(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB.")
+    handle = model.lm_head.register_forward_pre_hook(oom)
+    batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
+    kept = sum(engine.zero.store.bytes_on("cpu").values()) / 2**30
+    for warmup in (True, False):
+        engine.zero._warmup = warmup
+        try:
+            engine.step(batch)
+        except torch.OutOfMemoryError as exc:
+            msg = str(exc)
+        else:
+            raise AssertionError("the injected out-of-memory error was swallowed")
+        assert msg.startswith("CUDA out of memory. Tried to allocate 6.14 GiB."), msg
+        assert f"kept {kept:.2f} GiB of model data" in msg and "Plan.offload_budget_gb below" in msg, msg
+        assert ("first guess" in msg) == warmup, msg
+    handle.remove()
+
+
+def test_zero_auto_out_of_memory_names_the_budget():
+    bh.spawn(_warmup_oom_world, 1, timeout=120)
+
+
 def _compile_world(rank, world):
     batches = global_batches(STEPS, BATCH)
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)

@@ -23,7 +23,8 @@ BF16 = dict(zero=3, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)
 
 def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None):
     """Serial training that keeps fp32 master weights and runs forward and backward on a bf16
-    copy of them (autocast bf16), the gradients added into fp32: ZeRO-3 param_dtype's math."""
+    copy of them (the model in bf16, no autocast), the gradients added into fp32: ZeRO-3
+    param_dtype's math."""
     master = build(family)
     opt = make_optimizer(opt_name, master)
     work = copy.deepcopy(master).to(torch.bfloat16)
@@ -32,7 +33,7 @@ def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_gr
         with torch.no_grad():
             for w, m in zip(work.parameters(), master.parameters()):
                 w.copy_(m)
-        loss = serial_loss(work, b, torch.bfloat16)
+        loss = serial_loss(work, b)
         loss.backward()
         for w, m in zip(work.parameters(), master.parameters()):
             m.grad = w.grad.float()

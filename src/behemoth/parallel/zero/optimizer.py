@@ -187,6 +187,21 @@ class ZeroOptimizer:
         """Wait for the updates made during this step's backward; the chunks they updated."""
         return self.host_update.wait()
 
+    def out_of_memory(self, exc: BaseException) -> BaseException:
+        """The error to raise for a step that ran out of device memory: under offload='auto', one
+        that says how much model data the GPU kept and which setting makes room (the placement
+        only knows a step's other data once a step has run)."""
+        if self.offload != "auto":
+            return exc
+        kept = sum(self.store.bytes_on(self.device.type).values()) / 2**30
+        source = ("a first guess for the warm-up step, which measures the rest" if self._warmup
+                  else "Plan.offload_budget_gb" if self.budget_bytes is not None else "measured in the warm-up step")
+        return type(exc)(
+            f"{exc}\n\nbehemoth: offload='auto' kept {kept:.2f} GiB of model data on the device ({source}), and this "
+            f"step's other data (activations, gathered chunks, the loss) did not fit beside it. Set "
+            f"Plan.offload_budget_gb below {kept:.1f} (for example {kept / 2:.1f}) to offload more, or lower the "
+            f"micro-batch size, or enable activation_checkpointing.")
+
     @property
     def early_updates(self) -> int:
         """Chunks updated during a backward, in all."""
