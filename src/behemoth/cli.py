@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")
     m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
     m.add_argument("--param-dtype", default=None, choices=[None, "bf16"],
-                   help="Plan.param_dtype: ZeRO-3 keeps bf16 parameter copies (offloaded ones on the host)")
+                   help="Plan.param_dtype: bf16 parameter copies of the fp32 masters (under zero=3, offloaded ones on the host)")
     m.add_argument("--activations-gb", type=float, default=0.0,
                    help="activation memory per rank (the runtime measures it in its warm-up step)")
     return p

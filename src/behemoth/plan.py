@@ -84,12 +84,14 @@ class Plan:
     """GPU memory for model data under offload='auto', in GiB; None measures it (device memory
     minus the warm-up step's peak of other data)."""
     param_dtype: str | None = None
-    """ZeRO-3 only: 'bf16' gathers bf16 copies of the parameters and runs the model in bf16 without
-    autocast (FSDP2's ``param_dtype``, what DeepSpeed's bf16 ZeRO-3 runs: norms, softmax and the
-    residual stream in bf16 too): half the gather traffic, gathered memory and host fetches
-    under offload, no per-use casts; masters, optimizer state and the gradient reduction stay
-    fp32. Needs precision='bf16'. None keeps fp32 parameters under autocast (the serial
-    model's numerics)."""
+    """'bf16': the model's parameters are bf16 copies of fp32 master weights that ZeRO shards and
+    updates, and the model runs in bf16 without autocast (FSDP2's ``param_dtype``, DeepSpeed's bf16,
+    Megatron's bf16 with its distributed optimizer: norms, softmax and the residual stream in
+    bf16 too). ZeRO-3 gathers the bf16 copies (half the gather traffic, gathered memory and host
+    fetches under offload); ZeRO-1/2 all-gather the updated bf16 parameters after each step. No
+    per-use casts; masters, optimizer state and the gradient reduction stay fp32. Needs zero >= 1
+    and precision='bf16'. None keeps fp32 parameters under autocast (the serial model's
+    numerics)."""
     precision: str = "fp32"
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
     activation_checkpointing: bool = False
@@ -136,12 +138,12 @@ class Plan:
         if self.offload_budget_gb is not None and self.offload != "auto":
             raise ValueError(f"Plan.offload_budget_gb={self.offload_budget_gb!r} is the budget of offload='auto'; "
                              f"got offload={self.offload!r}. Set offload='auto', or offload_budget_gb=None.")
-        if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero != 3 or
+        if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero == 0 or
                                              self.precision != "bf16"):
             raise ValueError(
                 f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, precision={self.precision!r}): "
-                f"bf16 parameters are gathered by ZeRO-3 only, under precision='bf16'. Use param_dtype='bf16' "
-                f"with zero=3, precision='bf16', or param_dtype=None.")
+                f"bf16 parameters need fp32 masters that ZeRO keeps, under precision='bf16'. Use param_dtype='bf16' "
+                f"with zero=1, 2 or 3 and precision='bf16', or param_dtype=None.")
         if self.offload is not None and self.zero == 0:
             raise ValueError(
                 f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."
@@ -236,6 +238,8 @@ class Plan:
              "the pipeline schedules interleave; ZeRO-1 composes", "use zero=1 (or 0) with pp > 1, or pp=1"),
             (self.offload is not None, f"offload={self.offload!r}", "offload does not compose with pipeline "
              "parallelism yet", "use offload=None with pp > 1, or pp=1"),
+            (self.param_dtype is not None, f"param_dtype={self.param_dtype!r}", "pipeline stages run under "
+             "autocast over fp32 parameters", "use param_dtype=None with pp > 1, or pp=1"),
         ]
         for bad, value, rule, fix in refusals:
             if bad:

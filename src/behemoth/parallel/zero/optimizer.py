@@ -394,9 +394,9 @@ class ZeroOptimizer:
     @contextlib.contextmanager
     def gathered(self):
         """Every chunk gathered (stage 3) for the duration, parameters holding the fp32 masters
-        (with ``param_dtype``, fp32 copies: a checkpoint is never rounded to bf16):
+        (with ``param_dtype``, fp32 copies, at every stage: a checkpoint is never rounded to bf16):
         full_state_dict, checkpoints."""
-        if self.stage < 3:
+        if self.stage < 3 and self.store.param_dtype is None:
             yield
             return
         for st in self.store.chunks:

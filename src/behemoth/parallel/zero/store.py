@@ -89,7 +89,7 @@ class ChunkStore:
                  device: torch.device, *, param_on_gpu: list[bool], optim_on_gpu: list[bool],
                  param_dtype: torch.dtype | None = None) -> None:
         self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
-        self.param_dtype = param_dtype if stage == 3 else None
+        self.param_dtype = param_dtype
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
         self.chunks: list[ChunkState] = []
@@ -108,6 +108,9 @@ class ChunkStore:
             for st in self.chunks:
                 self._build(st, param_on_gpu[st.index], optim_on_gpu[st.index])
         self._fresh: set[int] = set()
+        # stage 1 lets autograd accumulate micro-batches in place into the fp32 gradient chunk; bf16
+        # parameters (param_dtype) need bf16 gradients, which are added into it instead
+        self._in_place = stage == 1 and param_dtype is None
         self._sync = self._open = False
         self._order: list[ChunkState] = list(reversed(self.chunks))   # reduction order
         self._next = 0
@@ -156,7 +159,7 @@ class ChunkStore:
         if optim_on_gpu and not param_on_gpu:
             raise ValueError("optimizer state on the GPU needs the chunk's parameters there too.")
         st.param_on_gpu, st.optim_on_gpu = param_on_gpu, optim_on_gpu
-        if self.stage < 3 or (self.axis.trivial and param_on_gpu and self.param_dtype is None):
+        if self.param_dtype is None and (self.stage < 3 or (self.axis.trivial and param_on_gpu)):
             # Gathered in place; on one rank a ZeRO-3 chunk kept on the GPU *is* its shard: nothing to
             # gather or release (one code path, no copies).
             _alloc(st.full)
@@ -220,6 +223,9 @@ class ChunkStore:
             self._refresh_low(st)
             _alloc(st.full)
             self._point(st)
+            if self.stage < 3:   # stages 1-2 keep every chunk gathered: refresh it from the masters
+                comm.all_gather_into(st.full, st.low, self.axis)
+                return
             _free(st.full)
             st.resident = False
             return
@@ -274,10 +280,10 @@ class ChunkStore:
         if id(p) in self._fresh:
             view.copy_(p.grad.reshape(-1))
             self._fresh.discard(id(p))
-        elif self.stage >= 2:   # a second gradient in one micro-batch (cannot happen with one backward)
-            view.add_(p.grad.reshape(-1))
+        elif not self._in_place:   # stage 2-3: a second gradient in one micro-batch (cannot happen with one
+            view.add_(p.grad.reshape(-1))   # backward); stage 1 with param_dtype: the next micro-batch's
         # stage 1: after the first copy the grad is a view of the chunk: autograd accumulates in place
-        p.grad = view.view(p.shape) if self.stage == 1 else None
+        p.grad = view.view(p.shape) if self._in_place else None
         if self.stage == 1 and not self._sync:
             return
         self.hooks_fired += 1
@@ -335,7 +341,7 @@ class ChunkStore:
                 if id(p) in self._fresh:
                     view = self._grad_chunk(st)[off:off + p.numel()]
                     view.zero_()
-                    p.grad = view.view(p.shape) if self.stage == 1 else None
+                    p.grad = view.view(p.shape) if self._in_place else None
         self._fresh.clear()
         self._launch_ready(force=True)
         self._open = False
@@ -401,7 +407,8 @@ class ChunkStore:
             elif st.low is not None and st.shard is None:
                 st.low.copy_(st.master, non_blocking=True)
             if self.stage < 3:
-                handles.append(comm.all_gather_into(st.full, st.shard, self.axis, async_op=True))
+                src = st.low if self.param_dtype is not None else st.shard
+                handles.append(comm.all_gather_into(st.full, src, self.axis, async_op=True))
         for h in handles:
             h.wait()
 
@@ -419,8 +426,8 @@ class ChunkStore:
         for st in self.chunks:
             if self.device.type == device_type and st.full.untyped_storage().size():
                 out["params"] += st.size * st.full.element_size()
-            if self.stage == 3 and st.shard is not None and st.shard.device.type == device_type and \
-                    not self._persistent(st):
+            if (self.stage == 3 or self.param_dtype is not None) and st.shard is not None and \
+                    st.shard.device.type == device_type and not self._persistent(st):
                 out["params"] += st.shard_size * 4
             for low in (st.low, st.low_host):
                 if low is not None and low.device.type == device_type:
