@@ -12,6 +12,9 @@ run $tr benchmarks/peer_baseline.py --size "$size" --mode tp --mbs "$mbs"
 run $tr benchmarks/peer_baseline.py --size "$size" --mode fsdp --mbs "$mbs"
 run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2
 run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --sp
+# pure bf16 as the FSDP2 peer runs (bf16 parameters over fp32 masters ZeRO-1 keeps: Megatron's bf16)
+run env CUDA_DEVICE_MAX_CONNECTIONS=1 $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --zero 1 --param-dtype bf16
+run env CUDA_DEVICE_MAX_CONNECTIONS=1 $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --sp --zero 1 --param-dtype bf16
 if [ -n "${PROBE:-}" ]; then
   run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --probe-max-mbs
   run $tr benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --tp 2 --sp --probe-max-mbs
