@@ -17,13 +17,14 @@ Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
   forward or backward (module hooks in :mod:`.hooks`); the next chunks of the previous
   step's gather order are prefetched asynchronously.
 
-Low-precision parameters (``param_dtype``, stage 3): ``full`` is a bf16 buffer and every
+Low-precision parameters (``param_dtype``, every stage): ``full`` is a bf16 buffer and every
 parameter a bf16 view into it; the all-gather's source is a bf16 copy of the fp32 master
 shard, refreshed after each optimizer step: ``low`` on the device for a chunk whose
-parameters stay there, ``low_host`` (pinned) for an offloaded one, so a fetch moves half the
-bytes; an fp32 ``shard`` is kept on the device only where the master itself is. Gradients
-arrive in bf16 and are added into the fp32 gradient chunk, so reduction, masters and
-optimizer state stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
+parameters stay there, ``low_host`` (pinned) for an offloaded one (stage 3), so a fetch moves
+half the bytes; an fp32 ``shard`` is kept on the device only where the master itself is.
+Stages 1-2 keep ``full`` allocated and all-gather it from ``low`` after each step. Gradients
+arrive in bf16 and are copied (stage 1: added, over micro-batches) into the fp32 gradient
+chunk, so reduction, masters and optimizer state stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
 gathers the fp32 masters instead, into a temporary buffer the parameters view until release.
 
 Where the shard lives (``placement``): ``param_on_gpu[c]`` (stage 3 only: else the shard is
@@ -280,8 +281,8 @@ class ChunkStore:
         if id(p) in self._fresh:
             view.copy_(p.grad.reshape(-1))
             self._fresh.discard(id(p))
-        elif not self._in_place:   # stage 2-3: a second gradient in one micro-batch (cannot happen with one
-            view.add_(p.grad.reshape(-1))   # backward); stage 1 with param_dtype: the next micro-batch's
+        elif not self._in_place:   # stage 1 with param_dtype: a later micro-batch's gradient (stages 2-3:
+            view.add_(p.grad.reshape(-1))   # a second gradient in one micro-batch, which one backward never gives)
         # stage 1: after the first copy the grad is a view of the chunk: autograd accumulates in place
         p.grad = view.view(p.shape) if self._in_place else None
         if self.stage == 1 and not self._sync:
