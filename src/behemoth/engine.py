@@ -353,16 +353,8 @@ class Engine:
         self.buckets.start_step()
         if self.zero is None:
             loss = self.forward_backward(batch)
-        else:   # offloaded chunks may be updated on the host while the backward runs
-            self.zero.arm_early_update(self.max_grad_norm, self.scaler)
-            try:
-                loss = self.forward_backward(batch)
-            except torch.OutOfMemoryError as exc:
-                self.zero.wait_early()
-                raise self.zero.out_of_memory(exc) from exc
-            except BaseException:
-                self.zero.wait_early()
-                raise
+        else:
+            loss = self._zero_forward_backward(batch)
         if self.zero is not None:   # unscale, norm, clip and update on the shards
             self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
             self.step_count += 1
@@ -388,6 +380,25 @@ class Engine:
         self.optimizer.step()
         self.step_count += 1
         return loss
+
+    def _zero_forward_backward(self, batch) -> float:
+        """forward_backward under ZeRO: offloaded chunks may be updated on the host while the backward
+        runs; offload='auto''s warm-up step, out of device memory in a single-process job, runs again
+        with half the model data on the device (its first guess cannot know the activations)."""
+        while True:
+            self.zero.arm_early_update(self.max_grad_norm, self.scaler)
+            try:
+                return self.forward_backward(batch)
+            except torch.OutOfMemoryError as exc:
+                self.zero.wait_early()
+                if not self.zero.may_retry():
+                    raise self.zero.out_of_memory(exc) from exc
+            except BaseException:
+                self.zero.wait_early()
+                raise
+            # out of the except block: the failed attempt's frames (and their tensors) are gone
+            self.zero.shrink_for_retry()
+            self.buckets.start_step()
 
     # ---------------------------------------------------------------- state
     def memory_report(self) -> dict[str, dict[str, int]]:

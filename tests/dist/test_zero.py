@@ -229,33 +229,61 @@ def test_zero_auto_replacement_keeps_the_learning_rate():
     bh.spawn(_replace_keeps_hyper_world, 2, timeout=120)
 
 
-def _warmup_oom_world(rank, world):
-    """A step that runs out of device memory under offload='auto' raises the same error type, naming
-    the model data the placement kept on the device and the setting that makes room."""
-    model = build("gpt")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
+def _oom_after(model: torch.nn.Module, failures: int):
+    """Make the first ``failures`` backwards through block 0 (after most chunks' reductions were
+    launched) raise the out-of-memory error a GPU would."""
+    left = [failures]
 
-    def oom(module, args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB.")
-    handle = model.lm_head.register_forward_pre_hook(oom)
-    batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
-    kept = sum(engine.zero.store.bytes_on("cpu").values()) / 2**30
-    for warmup in (True, False):
-        engine.zero._warmup = warmup
+    def hook(module, grad_output):
+        if left[0] > 0:
+            left[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB.")
+    return model.blocks[0].register_full_backward_pre_hook(hook)
+
+
+def _warmup_oom_world(rank, world):
+    """Out of device memory under offload='auto': a single-process job's warm-up step runs again
+    with half the model data on the device and then trains exactly like serial; elsewhere (a later
+    step, several ranks, or nothing left to move) the same error type is raised, naming the model
+    data the placement kept on the device and the setting that makes room."""
+    batches = global_batches(STEPS, BATCH)
+    want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
+    model = build("gpt")
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB),
+                      max_grad_norm=1.0)
+    zero = engine.zero
+    handle = _oom_after(model, 1)
+    kept = sum(zero.store.bytes_on("cpu").values()) / 2**30
+    on_device = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
+    if world == 1:
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        assert zero.oom_retries == 1, zero.oom_retries
+        assert sum(o for _, o in on_device) > 0 and zero._guess > 0, "the first guess kept nothing to move"
+        assert_losses_close(losses, want_losses, what="auto warm-up retried after out of memory")
+        assert_state_close(engine.full_state_dict(), want_state, what="auto warm-up retried after out of memory")
+        handle.remove()
+        handle = _oom_after(model, 1)   # after the warm-up: no retry
+    for warmup in ((True, False) if world > 1 else (False,)):
+        zero._warmup = warmup
         try:
-            engine.step(batch)
+            engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
         except torch.OutOfMemoryError as exc:
             msg = str(exc)
         else:
             raise AssertionError("the injected out-of-memory error was swallowed")
         assert msg.startswith("CUDA out of memory. Tried to allocate 6.14 GiB."), msg
-        assert f"kept {kept:.2f} GiB of model data" in msg and "Plan.offload_budget_gb below" in msg, msg
+        assert "GiB of model data on the device" in msg and "Plan.offload_budget_gb below" in msg, msg
         assert ("first guess" in msg) == warmup, msg
+        if world > 1 and warmup:
+            assert f"kept {kept:.2f} GiB" in msg and zero.oom_retries == 0, msg
+        handle.remove()
+        handle = _oom_after(model, 1)
     handle.remove()
 
 
-def test_zero_auto_out_of_memory_names_the_budget():
-    bh.spawn(_warmup_oom_world, 1, timeout=120)
+def test_zero_auto_out_of_memory_retries_or_names_the_budget():
+    for world in (1, 2):
+        bh.spawn(_warmup_oom_world, world, timeout=180)
 
 
 def _compile_world(rank, world):

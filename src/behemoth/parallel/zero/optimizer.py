@@ -114,8 +114,10 @@ class ZeroOptimizer:
         self._stage12_split: tuple[int, int, int] | None = None
         self.bandwidth = host_bandwidth(device) if offload == "auto" else 0.0
         self.cpu_rate = cpu_update_rate(self.cls, self.defaults, _FUSED_CPU) if offload == "auto" else 0.0
+        self._guess = 0   # the warm-up step's budget
         if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
-            keep_p, keep_o = self._decide(self._auto_budget(measured=False))
+            self._guess = self._auto_budget(measured=False)
+            keep_p, keep_o = self._decide(self._guess)
         else:
             keep_p, keep_o = n, (n if offload is None else 0)
         self._check_host_memory(keep_p, keep_o)
@@ -127,6 +129,7 @@ class ZeroOptimizer:
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        self.oom_retries = 0   # warm-up steps run again with less model data on the device
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults)
         self.optimizer = self._build_optimizer()
 
@@ -186,6 +189,31 @@ class ZeroOptimizer:
     def wait_early(self) -> list:
         """Wait for the updates made during this step's backward; the chunks they updated."""
         return self.host_update.wait()
+
+    def may_retry(self) -> bool:
+        """After an out-of-memory error in offload='auto''s warm-up step: whether the step may run again
+        with half the model data on the device. Only in a single-process job (another rank would be
+        left inside a collective the failed one never joins), at most 4 times, while halving still
+        moves a chunk (before the warm-up's update there is no optimizer state to move)."""
+        single = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+        if not (self._warmup and self.oom_retries < 4 and single):
+            return False
+        chunks, explained = self.store.chunks, (self.split, self._stage12_split)
+        keep_p, keep_o = self._decide(self._guess // 2)
+        self.split, self._stage12_split = explained
+        return ([st.param_on_gpu for st in chunks], [st.optim_on_gpu for st in chunks]) != \
+            ([k < keep_p or self.stage < 3 for k in range(len(chunks))], [k < keep_o for k in range(len(chunks))])
+
+    def shrink_for_retry(self) -> None:
+        """Drop what the failed attempt left (reductions in flight, gradients, gathered chunks), move
+        half the device's model data to the host, and measure the next attempt's peak afresh."""
+        self.store.abandon()
+        self.oom_retries += 1
+        self._guess //= 2
+        self._place(self._guess)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def out_of_memory(self, exc: BaseException) -> BaseException:
         """The error to raise for a step that ran out of device memory: under offload='auto', one

@@ -361,6 +361,24 @@ class ChunkStore:
             self._wait_host_grad(st)
         self._sync = False
 
+    def abandon(self) -> None:
+        """After a forward or backward that raised: wait for the reductions and gathers in flight,
+        drop this step's gradients and release the gathered chunks (stage 3), so the step can run
+        again from the start."""
+        for _, handle, _ in self._inflight:
+            handle.wait()
+        self._inflight.clear()
+        for st in self.chunks:
+            self._wait_host_grad(st)
+            st.grad_full = st.grad_acc = None
+            st.ready, st.reduced_once = 0, False
+            for p in st.params:
+                p.grad = None
+        self._fresh.clear()
+        self._sync = self._open = False
+        if self.stage == 3:
+            self.release_all()
+
     @staticmethod
     def _wait_host_grad(st: ChunkState) -> None:
         if st.host_grad_ready is not None:
