@@ -23,6 +23,18 @@ def test_per_stage_bytes_and_padding_match_the_chunk_layout():
     assert plan.fits_without_offload and plan.split is None and "fits on the GPU" in plan.text
 
 
+def test_bf16_parameters_count_their_fp32_masters():
+    """param_dtype='bf16': 2-byte parameters (whole below stage 3) beside 4-byte masters sharded from stage 1."""
+    plan = memory_plan(SIZES, dp=4, stage=1, gpu_bytes=80 * GIB, host_bytes=256 * GIB, param_bytes=2)
+    layout = pack_chunks(SIZES, plan.chunk_elements, 4)
+    for stage in (0, 1, 2, 3):
+        want = zero_memory_bytes(layout, stage, param_bytes=2, grad_bytes=4, master_bytes=4, optim_state_bytes=8)
+        assert plan.per_stage_gib[stage] == pytest.approx(want.total / GIB)
+    full = sum(c.size for c in layout.chunks)
+    assert plan.per_stage_gib[1] * GIB == pytest.approx(full * (2 + 4) + full * (4 + 8) / 4)
+    assert "bf16 parameters + fp32 masters" in plan.text
+
+
 def test_offload_split_respects_gpu_and_host_and_refuses_what_cannot_fit():
     total = memory_plan(SIZES, dp=1, stage=3, gpu_bytes=10**12, host_bytes=10**12).per_stage_gib[3] * GIB
     plan = memory_plan(SIZES, dp=1, stage=3, gpu_bytes=int(total / 2), host_bytes=int(total))

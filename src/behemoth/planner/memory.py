@@ -42,7 +42,8 @@ def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: i
                 cpu_update_bandwidth: float = 10e9, param_bytes: int = 4) -> MemoryPlan:
     """Plan ZeRO ``stage`` at ``dp`` ranks for a model of ``param_sizes`` on devices of
     ``gpu_bytes`` with ``host_bytes`` per rank. ``optim_state_bytes`` per element (AdamW: 8);
-    ``param_bytes`` 2 for ZeRO-3's bf16 parameter copies (``Plan.param_dtype='bf16'``)."""
+    ``param_bytes`` 2 for bf16 parameter copies (``Plan.param_dtype='bf16'``): the parameters count 2
+    bytes per element and their fp32 masters, sharded from stage 1, 4 more."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: plan ZeRO stage 1, 2 or 3.")
     if dp < 1:
@@ -53,13 +54,15 @@ def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: i
     cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
     chunk, _ = search_chunk_size(sizes, dp, candidates=cands)
     layout = pack_chunks(sizes, chunk, dp)
-    per_stage = {s: zero_memory_bytes(layout, s, param_bytes=4, grad_bytes=4, master_bytes=0,
+    masters = 4 if param_bytes != 4 else 0   # fp32 parameters are their own masters
+    per_stage = {s: zero_memory_bytes(layout, s, param_bytes=param_bytes, grad_bytes=4, master_bytes=masters,
                                       optim_state_bytes=optim_state_bytes).total / GIB for s in (0, 1, 2, 3)}
     room = gpu_bytes - activation_bytes
     fits = per_stage[stage] * GIB <= room
     lines = [f"{sum(sizes) / 1e9:.2f}B parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
              f"({100 * layout.padding_fraction:.2f}% padding), dp={dp}.",
-             "Per-rank model data (fp32 parameters + gradients + optimizer state): " +
+             "Per-rank model data (" + ("bf16 parameters + fp32 masters" if masters else "fp32 parameters") +
+             " + fp32 gradients + optimizer state): " +
              ", ".join(f"zero={s}: {g:.1f} GiB" for s, g in per_stage.items()) + ".",
              f"GPU {gpu_bytes / GIB:.1f} GiB - activations {activation_bytes / GIB:.1f} GiB = {room / GIB:.1f} GiB "
              f"for model data; host {host_bytes / GIB:.1f} GiB."]
