@@ -66,6 +66,7 @@ class ChunkState:
         self.index, self.group, self.size = index, group, size
         self.start, self.shard_size = start, shard_size
         self.params, self.offsets = params, offsets
+        self.used = max((off + p.numel() for p, off in zip(params, offsets)), default=0)   # then padding
         self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
         self.low: torch.Tensor | None = None        # s-element low-precision copy of the shard (param_dtype)
         self.low_host: torch.Tensor | None = None   # the same in pinned host memory (offloaded parameters)
@@ -270,8 +271,11 @@ class ChunkStore:
             self._fresh = {id(p) for st in self.chunks for p in st.params}
 
     def _grad_chunk(self, st: ChunkState) -> torch.Tensor:
+        """The chunk's gradient buffer. Only the padding is zeroed here: every parameter's slice is
+        written by its first gradient of the micro-batch, or zeroed by :meth:`_flush` if none came."""
         if st.grad_full is None:
-            st.grad_full = torch.zeros(st.size, dtype=torch.float32, device=self.device)
+            st.grad_full = torch.empty(st.size, dtype=torch.float32, device=self.device)
+            st.grad_full[st.used:].zero_()
         return st.grad_full
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -297,7 +301,7 @@ class ChunkStore:
             st = self._order[self._next]
             self.launch_log.append((st.index, self.hooks_fired))
             if st.grad_full is None:   # no parameter of the chunk got a gradient: reduce zeros
-                self._grad_chunk(st)
+                self._grad_chunk(st).zero_()
             handle = comm.reduce_scatter_async(st.grad_full, self.axis)
             self._inflight.append((st, handle, self._sync))
             if self.stage >= 2:
