@@ -41,7 +41,8 @@ def main() -> int:
         batches.append({"input_ids": x[:, :-1], "labels": x[:, 1:]})
     failed = 0
     for stage, micro, precision, low in ((3, 1, "fp32", None), (3, 2, "bf16", None), (3, 1, "bf16", "bf16"),
-                                         (2, 1, "bf16", None), (1, 2, "fp32", None)):
+                                         (2, 1, "bf16", None), (1, 2, "fp32", None), (2, 1, "bf16", "bf16"),
+                                         (1, 2, "bf16", "bf16")):
         plan = bh.Plan(dp=world, zero=stage, offload="cpu", microbatches=micro, precision=precision, chunk_mb=32,
                        param_dtype=low)
         (l_a, s_a, n_a), (l_b, s_b, n_b) = train(plan, None, batches), train(plan, 1e30, batches)

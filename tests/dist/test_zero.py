@@ -328,3 +328,24 @@ def _early_update_world(rank, world):
 
 def test_zero_cpu_update_during_backward_is_exact():
     bh.spawn(_early_update_world, 2, timeout=300)
+
+
+# ----------------------------------------------------------------------------- lifetime
+def _collected_world(rank, world):
+    """A dropped engine frees its model: gradient hooks live in C++ autograd state Python's
+    collector cannot walk, so they must not hold the engine (or its buffers) strongly."""
+    import gc
+    import weakref
+    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
+                 bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)):
+        model = build("gpt")
+        engine = bh.boost(model, make_optimizer("adamw", model), plan)
+        engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
+        refs = [weakref.ref(model), weakref.ref(engine), weakref.ref(next(model.parameters()))]
+        del model, engine
+        gc.collect()
+        assert all(r() is None for r in refs), f"{plan.describe()}: the engine, its model or a parameter outlived it"
+
+
+def test_dropped_engines_are_collected():
+    bh.spawn(_collected_world, 2, timeout=180)

@@ -18,10 +18,27 @@ is pre-scaled by the engine to ``sum / global_tokens``, so the sum *is* the glob
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import comm
 from ..comm import Axis
+
+
+def post_accumulate_hooks(params, method) -> list:
+    """Register the bound ``method`` as every parameter's post-accumulate-grad hook through a weak
+    reference to its object. Autograd holds these hooks in C++ state that Python's garbage
+    collector cannot walk: a strong reference would make parameter -> hook -> owner -> parameter
+    an uncollectable cycle, and every dropped engine would keep its model, gradient buffers and
+    chunks alive for the life of the process."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
 class GradBuckets:
@@ -52,7 +69,7 @@ class GradBuckets:
                 off += p.numel()
             self.buffers.append(buf)
         self.attach_grads()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = post_accumulate_hooks(self.params, self._on_grad)
         self._sync = False
         self._fresh: set[int] = set()
         self._ready = [0] * len(self.buckets)

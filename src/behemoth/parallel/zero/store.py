@@ -43,6 +43,7 @@ import torch
 
 from ... import comm
 from ...comm import Axis
+from ..data import post_accumulate_hooks
 from .chunks import ChunkLayout
 
 __all__ = ["ChunkState", "ChunkStore"]
@@ -121,7 +122,7 @@ class ChunkStore:
         self.launch_log: list[tuple[int, int]] = []
         self.on_final = None   # called with a chunk once its reduced gradient of the step is in grad_acc
         self._d2h: torch.cuda.Stream | None = None   # gradients' device->host copies (GPU)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for st in self.chunks for p in st.params]
+        self._hooks = post_accumulate_hooks([p for st in self.chunks for p in st.params], self._on_grad)
 
     # ------------------------------------------------------------------ set-up
     def _host_tensor(self, n: int) -> torch.Tensor:
