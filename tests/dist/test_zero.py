@@ -336,7 +336,8 @@ def _collected_world(rank, world):
     collector cannot walk, so they must not hold the engine (or its buffers) strongly."""
     import gc
     import weakref
-    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
+    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(sp=2, dp=1), bh.Plan(pp=2, dp=1, microbatches=2),
+                 bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
                  bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)):
         model = build("gpt")
         engine = bh.boost(model, make_optimizer("adamw", model), plan)
