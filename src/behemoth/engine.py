@@ -351,14 +351,12 @@ class Engine:
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         self.buckets.start_step()
-        if self.zero is None:
-            loss = self.forward_backward(batch)
-        else:
+        if self.zero is not None:   # then unscale, norm, clip and update on the shards
             loss = self._zero_forward_backward(batch)
-        if self.zero is not None:   # unscale, norm, clip and update on the shards
             self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
             self.step_count += 1
             return loss
+        loss = self.forward_backward(batch)
         params = self.buckets.params
         if self.scaler is not None:
             tp = self.mesh.axis("tp")

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..parallel.tensor import is_sharded, shard_rectangles
+from ..parallel.zero import state as zero_state
 from ..parallel.tensor.layout import ShardSpec, get_spec
 
 META = "meta.json"
@@ -190,7 +191,7 @@ def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
     out = {}
     # ZeRO: the state of the chunk shards, gathered and cut back into per-parameter tensors.
-    states = engine.zero.param_states() if engine.zero is not None else engine.optimizer.state
+    states = zero_state.param_states(engine.zero) if engine.zero is not None else engine.optimizer.state
     for p, state in states.items():
         spec = get_spec(p)
         for k, v in state.items():
@@ -362,20 +363,19 @@ def load_checkpoint(engine, path: str) -> dict:
         want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         dcp.load({**want, **reads}, storage_reader=reader)
         if engine.zero is not None:   # the loaded parameters become the shards and masters
-            engine.zero.reload_from_params()
+            zero_state.reload_from_params(engine.zero.store)
     if engine.zero is not None:
         states: dict = {}
         for k, v in optim.items():
             pname, key = k[len("optim/"):].rsplit("/", 1)
             states.setdefault(params[pname], {})[key] = v
-        engine.zero.load_param_states(states)
+        zero_state.load_param_states(engine.zero, states)
     else:
         engine.optimizer.state.clear()
-        fused = any(g.get("fused") or g.get("capturable") for g in engine.optimizer.param_groups)
         for k, v in optim.items():
             pname, key = k[len("optim/"):].rsplit("/", 1)
             p = params[pname]
-            engine.optimizer.state[p][key] = v.to(p.device) if v.dim() > 0 or fused else v
+            engine.optimizer.state[p][key] = zero_state.state_to(v, p.device, engine.optimizer)
     for g, hyper in zip(engine.optimizer.param_groups, meta["param_groups"]):
         for k, v in hyper.items():
             if k in g:

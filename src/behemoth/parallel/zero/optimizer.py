@@ -40,6 +40,7 @@ from .hooks import GatherHooks
 from .measure import cpu_update_rate, host_available, host_bandwidth
 from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
+from .state import state_to
 from .store import ChunkStore
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "memory_report", "optimizer_state_bytes"]
@@ -198,11 +199,8 @@ class ZeroOptimizer:
         single = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
         if not (self._warmup and self.oom_retries < 4 and single):
             return False
-        chunks, explained = self.store.chunks, (self.split, self._stage12_split)
-        keep_p, keep_o = self._decide(self._guess // 2)
-        self.split, self._stage12_split = explained
-        return ([st.param_on_gpu for st in chunks], [st.optim_on_gpu for st in chunks]) != \
-            ([k < keep_p or self.stage < 3 for k in range(len(chunks))], [k < keep_o for k in range(len(chunks))])
+        keep_p, keep_o, _ = self._split_for(self._guess // 2)
+        return self._moves(keep_p, keep_o)
 
     def shrink_for_retry(self) -> None:
         """Drop what the failed attempt left (reductions in flight, gradients, gathered chunks), move
@@ -328,8 +326,24 @@ class ZeroOptimizer:
         return int(total * 0.92) - other_peak - 2 * 2**30
 
     def _decide(self, budget: int) -> tuple[int, int]:
+        """:meth:`_split_for` ``budget``, kept for :meth:`explain`."""
+        keep_p, keep_o, why = self._split_for(budget)
+        if isinstance(why, StaticSplit):
+            self.split = why
+        else:
+            self._stage12_split = why
+        return keep_p, keep_o
+
+    def _moves(self, keep_p: int, keep_o: int) -> bool:
+        """Whether keeping ``keep_p`` chunks' parameters and ``keep_o`` chunks' optimizer state on the
+        GPU differs from where the chunks are now."""
+        chunks = self.store.chunks
+        return ([st.param_on_gpu for st in chunks], [st.optim_on_gpu for st in chunks]) != \
+            ([k < keep_p or self.stage < 3 for k in range(len(chunks))], [k < keep_o for k in range(len(chunks))])
+
+    def _split_for(self, budget: int) -> tuple[int, int, StaticSplit | tuple[int, int, int]]:
         """How many chunks (a prefix, in execution order) keep their parameters and how many also their
-        optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir)."""
+        optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir), and why."""
         shard_bytes, ratio, host_bytes = split_costs([c.shard_size for c in self.layout.chunks],
                                                      _STATE_BYTES[self.name], self.param_bytes)
         n = len(shard_bytes)
@@ -337,22 +351,21 @@ class ZeroOptimizer:
         if self.stage == 3:
             host = self._host_room()
             try:
-                self.split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
-                                          d2h_bandwidth=bw, host_bytes=host_bytes,
-                                          cpu_update_bandwidth=self.cpu_rate or None,
-                                          host_budget_bytes=None if host is None or self.device.type != "cuda"
-                                          else int(0.9 * host))
+                split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
+                                     d2h_bandwidth=bw, host_bytes=host_bytes,
+                                     cpu_update_bandwidth=self.cpu_rate or None,
+                                     host_budget_bytes=None if host is None or self.device.type != "cuda"
+                                     else int(0.9 * host))
             except ValueError as e:
                 raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
-            return self.split.num_param_chunks, self.split.num_optim_chunks
+            return split.num_param_chunks, split.num_optim_chunks, split
         # Stages 1-2 keep every chunk's parameters on the device: only the optimizer state is placed.
         opt = [int(b * ratio) for b in shard_bytes]
         keep_o, used = 0, 0
         while keep_o < n and used + opt[keep_o] <= budget:
             used += opt[keep_o]
             keep_o += 1
-        self._stage12_split = (keep_o, n, budget)
-        return n, keep_o
+        return n, keep_o, (keep_o, n, budget)
 
     def _check_host_memory(self, keep_p: int, keep_o: int) -> None:
         """Offloaded chunks need pinned host memory for the fp32 master, the gradient and the
@@ -385,8 +398,7 @@ class ZeroOptimizer:
         any state it had (moved with its master)."""
         keep_p, keep_o = self._decide(budget)
         chunks = self.store.chunks
-        if [st.param_on_gpu for st in chunks] == [k < keep_p or self.stage < 3 for k in range(len(chunks))] and \
-                [st.optim_on_gpu for st in chunks] == [k < keep_o for k in range(len(chunks))]:
+        if not self._moves(keep_p, keep_o):
             return
         self._check_host_memory(keep_p, keep_o)
         old_state = {st.index: self.optimizer.state.get(st.master) for st in chunks}
@@ -399,7 +411,7 @@ class ZeroOptimizer:
         self.optimizer = self._build_optimizer()
         for st in chunks:
             if old_state.get(st.index):
-                self.optimizer.state[st.master] = {k: self._state_to(v, st.master)
+                self.optimizer.state[st.master] = {k: state_to(v, st.master.device, self.optimizer)
                                                    for k, v in old_state[st.index].items()}
         if hasattr(torch._C, "_host_emptyCache"):   # freed pinned blocks go back to the OS
             torch._C._host_emptyCache()
@@ -418,7 +430,7 @@ class ZeroOptimizer:
                     f"GPU within a budget of {budget / 2**30:.2f} GiB, the rest updated on the CPU.")
         return ""
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (checkpoints: see .state)
     @contextlib.contextmanager
     def gathered(self):
         """Every chunk gathered (stage 3) for the duration, parameters holding the fp32 masters
@@ -433,63 +445,6 @@ class ZeroOptimizer:
             yield
         finally:
             self.store.release_all()
-
-    def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
-        """The optimizer state per parameter (shaped like the parameter, on the CPU), gathered over
-        the data axis chunk by chunk: what a checkpoint stores (a collective: every rank)."""
-        out: dict = {}
-        for st in self.store.chunks:
-            state = self.optimizer.state.get(st.master, {})
-            for key in sorted(state):
-                v = state[key]
-                if isinstance(v, torch.Tensor) and v.shape == st.master.shape:
-                    full = torch.empty(st.size, dtype=v.dtype, device=self.device)
-                    comm.all_gather_into(full, v.to(self.device), self.axis)
-                    full = full.cpu()
-                    for p, off in zip(st.params, st.offsets):
-                        out.setdefault(p, {})[key] = full[off:off + p.numel()].view(p.shape).clone()
-                else:
-                    for p in st.params:
-                        out.setdefault(p, {})[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        return out
-
-    def reload_from_params(self) -> None:
-        """After parameters were written in place (a checkpoint load, inside :meth:`gathered`): copy
-        this rank's slice of every chunk into its shard and master."""
-        with torch.no_grad():
-            for st in self.store.chunks:
-                mine = st.full[st.start:st.start + st.shard_size]
-                for t in (st.shard, st.master):
-                    if t is not None and t.data_ptr() != mine.data_ptr():
-                        t.copy_(mine)
-
-    def load_param_states(self, states: dict[torch.nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`param_states`: cut every parameter's state into this rank's shards."""
-        self.optimizer.state.clear()
-        for st in self.store.chunks:
-            keys = {k for p in st.params for k in states.get(p, {})}
-            if not keys:
-                continue
-            state = {}
-            for key in sorted(keys):
-                sample = next(states[p][key] for p in st.params if key in states.get(p, {}))
-                if sample.dim() > 0:
-                    full = torch.zeros(st.size, dtype=sample.dtype)
-                    for p, off in zip(st.params, st.offsets):
-                        if key in states.get(p, {}):
-                            full[off:off + p.numel()] = states[p][key].reshape(-1).cpu()
-                    state[key] = full[st.start:st.start + st.shard_size].to(st.master.device).clone()
-                else:
-                    state[key] = sample
-            self.optimizer.state[st.master] = {k: self._state_to(v, st.master) for k, v in state.items()}
-
-    def _state_to(self, v, master: torch.Tensor):
-        """Optimizer state ``v`` where the optimizer wants it for ``master``: tensors with it; 0-d
-        step counters on the CPU unless the group is fused or capturable."""
-        if not isinstance(v, torch.Tensor):
-            return v
-        fused = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
-        return v.to(master.device) if v.dim() > 0 or fused else v.cpu()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Model data (parameters, gradients, masters, optimizer state) per device type, and on the GPU
