@@ -6,7 +6,9 @@ quarter of the serial model data plus the chunk padding; offload='auto''s re-pla
 the learning rate set before the step; bad input fails on every rank."""
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -334,8 +336,6 @@ def test_zero_cpu_update_during_backward_is_exact():
 def _collected_world(rank, world):
     """A dropped engine frees its model: gradient hooks live in C++ autograd state Python's
     collector cannot walk, so they must not hold the engine (or its buffers) strongly."""
-    import gc
-    import weakref
     for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(sp=2, dp=1), bh.Plan(pp=2, dp=1, microbatches=2),
                  bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
                  bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)):
