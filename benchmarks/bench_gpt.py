@@ -122,6 +122,10 @@ def main_run(a) -> None:
             r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
             r["chunks"] = engine.zero.layout.num_chunks
             r["padding_pct"] = round(100 * engine.zero.layout.padding_fraction, 2)
+            hu = engine.zero.host_update
+            if hu.count:   # CPU updates during the backward: the worker's time and step()'s wait, per step
+                r["cpu_update_s"] = round(hu.busy_s / a.steps, 3)
+                r["cpu_wait_s"] = round(hu.waited_s / a.steps, 3)
             print(engine.zero.explain(), flush=True)
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()

@@ -131,7 +131,7 @@ class ZeroOptimizer:
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
         self.oom_retries = 0   # warm-up steps run again with less model data on the device
-        self.host_update = HostUpdate(self.store, device, self.cls, self.defaults)
+        self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
         self.optimizer = self._build_optimizer()
 
     # ------------------------------------------------------------------ set-up
@@ -252,22 +252,24 @@ class ZeroOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The serial model's gradient 2-norm (a collective over the data axis and tp)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for k, st in enumerate(self.store.chunks):
-            g = st.grad_acc
-            if g is None:
-                continue
-            # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
-            # (on the host: fresh pages to fault in for every offloaded chunk, every step).
-            if self._weights is None:
-                part = torch.linalg.vector_norm(g).square()
-            else:
-                part = sum((torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w
-                            for off, n, w in self._weights[k]), torch.zeros((), device=g.device))
-            sq += part.to(self.device)
+        early = self.host_update.norms   # chunks updated during the backward: summed by the worker
+        for st in self.store.chunks:
+            if st.grad_acc is not None:
+                sq += (early[st.index] if st.index in early else self.norm_sq(st)).to(self.device)
         comm.all_reduce(sq, self.axis)
         for ax in self._norm_axes:
             comm.all_reduce(sq, ax)
         return sq[0].sqrt()
+
+    def norm_sq(self, st) -> torch.Tensor:
+        """This rank's part of the squared gradient norm in chunk ``st``'s shard (0-d, on its device)."""
+        g = st.grad_acc
+        # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
+        # (on the host: fresh pages to fault in for every offloaded chunk, every step).
+        if self._weights is None:
+            return torch.linalg.vector_norm(g).square()
+        return sum((torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w
+                    for off, n, w in self._weights[st.index]), torch.zeros((), device=g.device))
 
     def _all_finite(self, masters: list[torch.Tensor]) -> bool:
         local = all(bool(torch.isfinite(m.grad).all()) for m in masters)

@@ -39,6 +39,8 @@ chunks); one all-gather per chunk after the optimizer step (stages 1-2) or per u
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ... import comm
@@ -122,6 +124,9 @@ class ChunkStore:
         self.launch_log: list[tuple[int, int]] = []
         self.on_final = None   # called with a chunk once its reduced gradient of the step is in grad_acc
         self._d2h: torch.cuda.Stream | None = None   # gradients' device->host copies (GPU)
+        self._staging: list[list] = []                # [pinned buffer, event of its last copy] x 2
+        self._staging_turn = 0
+        self._staging_lock = threading.Lock()         # the CPU-update worker uploads too
         self._hooks = post_accumulate_hooks([p for st in self.chunks for p in st.params], self._on_grad)
 
     # ------------------------------------------------------------------ set-up
@@ -408,28 +413,20 @@ class ChunkStore:
         return [st.grad_acc for st in self.chunks]
 
     # ------------------------------------------------------------------ after the optimizer step
-    def upload(self, st: ChunkState, converting: bool = True) -> None:
+    def upload(self, st: ChunkState) -> None:
         """The chunk's updated master into the copies the model reads: its device shard and the
-        low-precision gather sources (on the current stream). ``converting=False`` leaves out the
-        device low-precision copy of a host master (a dtype-converting upload: PyTorch stages it
-        in a device temporary, which a side stream would cache apart from the compute stream's)."""
+        low-precision gather sources (copies queued on the current stream)."""
         if st.shard is not None and st.master.data_ptr() != st.shard.data_ptr():
             st.shard.copy_(st.master, non_blocking=True)
-        if converting or st.shard is not None:
-            self._refresh_low(st)
-        elif st.low_host is not None:
-            st.low_host.copy_(st.master)
+        self._refresh_low(st)
 
     def publish(self, uploaded: frozenset[int] = frozenset()) -> None:
-        """Make the updated masters visible to the model: upload every chunk (``uploaded``: indices
-        of chunks the CPU-update worker uploaded but for their converting copy), then (stages 1-2)
-        all-gather every chunk in place."""
+        """Make the updated masters visible to the model: upload every chunk but ``uploaded`` (indices
+        of chunks the CPU-update worker uploaded), then (stages 1-2) all-gather every chunk in place."""
         handles = []
         for st in self.chunks:
             if st.index not in uploaded:
                 self.upload(st)
-            elif st.low is not None and st.shard is None:
-                st.low.copy_(st.master, non_blocking=True)
             if self.stage < 3:
                 src = st.low if self.param_dtype is not None else st.shard
                 handles.append(comm.all_gather_into(st.full, src, self.axis, async_op=True))
@@ -438,10 +435,33 @@ class ChunkStore:
 
     def _refresh_low(self, st: ChunkState) -> None:
         """The low-precision gather sources from the (updated or reloaded) fp32 master."""
-        if st.low is not None:
-            st.low.copy_(st.shard if st.shard is not None else st.master, non_blocking=True)
+        src = st.shard if st.shard is not None else st.master
+        if st.low is not None and src.device.type == "cpu" and st.low.device.type == "cuda":
+            self._staged_upload(st.low, src)
+        elif st.low is not None:
+            st.low.copy_(src, non_blocking=True)
         if st.low_host is not None:
             st.low_host.copy_(st.master)
+
+    def _staged_upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (device, low precision) from ``src`` (host fp32): converted on the host, by the
+        calling thread, into one of two pinned staging buffers, then copied as is on the current
+        stream -- half the bytes of an fp32 upload, and no device temporary (a dtype-converting
+        host->device copy stages the fp32 data in one). A buffer is reused once its last copy
+        has run, so the next chunk's conversion overlaps this one's copy."""
+        with self._staging_lock:
+            if not self._staging:
+                n = max(c.shard_size for c in self.chunks)
+                self._staging = [[torch.empty(n, dtype=dst.dtype, pin_memory=True), None] for _ in range(2)]
+            slot = self._staging[self._staging_turn]
+            self._staging_turn ^= 1
+            if slot[1] is not None:
+                slot[1].synchronize()
+            buf = slot[0][:src.numel()]
+            buf.copy_(src)
+            dst.copy_(buf, non_blocking=True)
+            slot[1] = torch.cuda.Event()
+            slot[1].record()
 
     def bytes_on(self, device_type: str) -> dict[str, int]:
         """Parameter and gradient bytes this rank holds on ``device_type`` now (the memory tracer;
