@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
     p.add_argument("--probe-max-mbs", action="store_true",
                    help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps")
+    p.add_argument("--probe-step", type=int, default=0,
+                   help="with --probe-max-mbs: grow mbs by this many (default: by half, rounded to even)")
     p.add_argument("--bucket-mb", type=float, default=100.0)
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tied", action="store_true",
@@ -181,8 +183,11 @@ def probe_max_mbs(engine, a, dev, rank) -> None:
         if flag.item() == 0:
             break
         best = mbs
-        mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 27, ... (even from 2 up: 2D/2.5D/3D split the batch)
-        mbs += mbs % 2 if mbs > 1 else 0
+        if a.probe_step:
+            mbs += a.probe_step
+        else:
+            mbs = mbs + max(1, mbs // 2)  # 8, 12, 18, 28, ... (even from 2 up: 2D/2.5D/3D split the batch)
+            mbs += mbs % 2 if mbs > 1 else 0
     if rank == 0:
         mode = _mode(a)
         print("RESULT " + json.dumps(dict(size=a.size, mode=mode, seq=a.seq, max_mbs_per_dp_rank=best,
