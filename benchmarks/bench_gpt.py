@@ -104,7 +104,10 @@ def main_run(a) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         if rank == 0 and dev.type == "cuda":
-            print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+            hu = engine.zero.host_update if engine.zero is not None else None
+            cpu = (f", CPU update worker busy {hu.busy_s:.2f} s, step() waited {hu.waited_s:.2f} s (in all)"
+                   if hu is not None and hasattr(hu, "busy_s") else "")
+            print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{cpu}",
                   file=sys.stderr, flush=True)
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank)
@@ -125,7 +128,7 @@ def main_run(a) -> None:
             r["chunks"] = engine.zero.layout.num_chunks
             r["padding_pct"] = round(100 * engine.zero.layout.padding_fraction, 2)
             hu = engine.zero.host_update
-            if hu.count:   # CPU updates during the backward: the worker's time and step()'s wait, per step
+            if hu.count and hasattr(hu, "busy_s"):   # CPU updates during the backward: the worker's time and step()'s wait, per step
                 r["cpu_update_s"] = round(hu.busy_s / a.steps, 3)
                 r["cpu_wait_s"] = round(hu.waited_s / a.steps, 3)
             print(engine.zero.explain(), flush=True)
