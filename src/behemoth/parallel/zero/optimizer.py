@@ -131,6 +131,7 @@ class ZeroOptimizer:
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
         self.oom_retries = 0   # warm-up steps run again with less model data on the device
+        self.store.norm_of = self.norm_sq
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
         self.optimizer = self._build_optimizer()
 
@@ -252,18 +253,17 @@ class ZeroOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The serial model's gradient 2-norm (a collective over the data axis and tp)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        early = self.host_update.norms   # chunks updated during the backward: summed by the worker
-        for st in self.store.chunks:
+        for st in self.store.chunks:   # parts read as the reductions landed (store) or by the CPU-update worker
             if st.grad_acc is not None:
-                sq += (early[st.index] if st.index in early else self.norm_sq(st)).to(self.device)
+                sq += (st.norm_sq if st.norm_sq is not None else self.norm_sq(st, st.grad_acc)).to(self.device)
         comm.all_reduce(sq, self.axis)
         for ax in self._norm_axes:
             comm.all_reduce(sq, ax)
         return sq[0].sqrt()
 
-    def norm_sq(self, st) -> torch.Tensor:
-        """This rank's part of the squared gradient norm in chunk ``st``'s shard (0-d, on its device)."""
-        g = st.grad_acc
+    def norm_sq(self, st, g: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the squared gradient norm in ``g``, chunk ``st``'s gradient shard (0-d,
+        on ``g``'s device)."""
         # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
         # (on the host: fresh pages to fault in for every offloaded chunk, every step).
         if self._weights is None:
@@ -292,6 +292,8 @@ class ZeroOptimizer:
                 return float("inf")
             for dev in {m.device for m in masters}:
                 torch._foreach_mul_([m.grad for m in masters if m.device == dev], inv)
+            for st in self.store.chunks:   # norms read before the unscaling are stale
+                st.norm_sq = None
         norm = self.grad_norm()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm, foreach=True)

@@ -3,8 +3,9 @@
 When a step needs nothing global before its update -- no gradient clipping, no fp16 loss
 scale -- each offloaded chunk is updated on the host by a worker thread as soon as its reduced
 gradient of the step's last micro-batch has landed there (the store calls :meth:`submit` from the
-backward), then uploaded to the device copies the model reads (on a side stream on a GPU); its
-part of the gradient norm is read there too. The CPU optimizer, the norm and the upload run
+backward), then uploaded to the device copies the model reads (on a side stream on a GPU); the
+chunk's part of the gradient norm is read there too where the store has not read it already
+(a gradient summed over micro-batches on the host). The CPU optimizer, the norm and the upload run
 beside the rest of the backward. :meth:`wait` (from the
 ZeRO optimizer's ``step()``) waits for them; the optimizer then updates the remaining masters.
 
@@ -32,10 +33,9 @@ class HostUpdate:
     built with ``defaults``."""
 
     def __init__(self, store: ChunkStore, device: torch.device, cls, defaults: dict,
-                 norm_sq: Callable[[ChunkState], torch.Tensor]) -> None:
+                 norm_sq: Callable[[ChunkState, torch.Tensor], torch.Tensor]) -> None:
         self.store, self.device, self.cls, self.defaults = store, device, cls, defaults
         self.norm_sq = norm_sq                          # a chunk's part of the squared gradient norm
-        self.norms: dict[int, torch.Tensor] = {}        # chunk index -> its norm_sq, this step
         self.count = 0                                  # chunks updated during a backward, in all
         self.busy_s = self.waited_s = 0.0               # worker's time updating, step()'s time waiting: in all
         self._optimizer: torch.optim.Optimizer | None = None
@@ -48,7 +48,6 @@ class HostUpdate:
         """Before a step's forward-backward: update offloaded chunks with ``optimizer``'s state and
         hyper-parameters as their gradients arrive (``None``: not this step)."""
         self._optimizer = optimizer
-        self.norms = {}
         self._group_of = {} if optimizer is None else {
             id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.store.on_final = self.submit if optimizer is not None else None
@@ -71,8 +70,8 @@ class HostUpdate:
         if event is not None:
             event.synchronize()
         t0 = time.perf_counter()
-        # The gradient norm's part of this chunk, read here rather than in step(), after the backward
-        self.norms[st.index] = self.norm_sq(st)
+        if st.norm_sq is None:   # a gradient summed over micro-batches on the host: its norm, here
+            st.norm_sq = self.norm_sq(st, st.grad_acc)   # rather than in step(), after the backward
         one = self.cls([{**hyper, "params": [st.master]}], **self.defaults)
         one.state = state   # the same state entry the full optimizer would update
         st.master.grad = st.grad_acc
@@ -93,7 +92,7 @@ class HostUpdate:
     def wait(self) -> list[ChunkState]:
         """Wait for this step's updates; returns the chunks they updated. Also the way out of a
         failed forward-backward (disarms, re-raises a worker's error)."""
-        self._optimizer, self.store.on_final = None, None   # disarmed; the norms stay for step()
+        self.arm(None)
         pending, self._pending = self._pending, []
         t0 = time.perf_counter()
         for _, fut in pending:
