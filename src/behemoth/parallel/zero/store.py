@@ -326,7 +326,7 @@ class ChunkStore:
         reduced = handle.wait()
         if final and not st.reduced_once and self.norm_of is not None:
             # The step's whole gradient (no earlier micro-batch to add): its norm is read here, where
-            # it lies -- on a GPU, before the copy to the host (a host pass over it is ~40x slower).
+            # it lies -- on a GPU, before the copy to the host (vector_norm ran at ~12 GB/s on a 16-core host).
             st.norm_sq = self.norm_of(st, reduced)
         if st.grad_acc is None:
             st.grad_acc = torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device,
