@@ -86,6 +86,8 @@ def _parity_world(rank, world, zero):
         # the fp32 master is this rank's shard only, apart from the bf16 parameters
         assert st.master.dtype == torch.float32 and st.master.numel() == st.shard_size < st.size or world == 1, what
         assert st.master.untyped_storage().data_ptr() != st.full.untyped_storage().data_ptr(), what
+        if zero < 3:   # the bf16 shard the all-gather reads is this rank's slot of full, not a copy beside it
+            assert st.low.data_ptr() == st.full[st.start:].data_ptr() and st.low.numel() == st.shard_size, what
         store.release(st)
 
 

@@ -22,7 +22,8 @@ parameter a bf16 view into it; the all-gather's source is a bf16 copy of the fp3
 shard, refreshed after each optimizer step: ``low`` on the device for a chunk whose
 parameters stay there, ``low_host`` (pinned) for an offloaded one (stage 3), so a fetch moves
 half the bytes; an fp32 ``shard`` is kept on the device only where the master itself is.
-Stages 1-2 keep ``full`` allocated and all-gather it from ``low`` after each step. Gradients
+Stages 1-2 keep ``full`` allocated, ``low`` is this rank's slot of it, and ``full`` is
+all-gathered in place after each step. Gradients
 arrive in bf16 and are copied (stage 1: added, over micro-batches) into the fp32 gradient
 chunk, so reduction, masters and optimizer state stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
 gathers the fp32 masters instead, into a temporary buffer the parameters view until release.
@@ -153,6 +154,8 @@ class ChunkStore:
         if self.param_dtype is not None:   # the model's parameters become low-precision views
             st.full = full.to(self.param_dtype)
             self._point(st)
+            if self.stage < 3:   # gathered in place: the bf16 shard is this rank's slot of ``full``
+                st.low = st.full[st.start:st.start + st.shard_size]
         if self.stage == 3:
             self.release(st)   # (not a chunk that is its own shard)
 
@@ -189,7 +192,11 @@ class ChunkStore:
             st.master = self._host_tensor(st.shard_size)
             st.master.copy_(current)
         if self.param_dtype is not None:   # gathers read a low-precision copy; fp32 on the device only as master
-            st.low = current.to(self.device, self.param_dtype, copy=True) if param_on_gpu else None
+            if self.stage < 3 and st.full.dtype == self.param_dtype:   # this rank's slot of ``full`` (re-placing)
+                st.low = st.full[st.start:st.start + st.shard_size]
+                st.low.copy_(current)
+            else:
+                st.low = current.to(self.device, self.param_dtype, copy=True) if param_on_gpu else None
             st.low_host = None
             if not param_on_gpu:
                 st.low_host = torch.empty(st.shard_size, dtype=self.param_dtype, device=self.host, pin_memory=self.pin)
@@ -481,7 +488,7 @@ class ChunkStore:
             if (self.stage == 3 or self.param_dtype is not None) and st.shard is not None and \
                     st.shard.device.type == device_type and not self._persistent(st):
                 out["params"] += st.shard_size * 4
-            for low in (st.low, st.low_host):
+            for low in (st.low if self.stage == 3 else None, st.low_host):   # stages 1-2: a slot of ``full``
                 if low is not None and low.device.type == device_type:
                     out["params"] += low.numel() * low.element_size()
             if st.master.device.type == device_type and (st.shard is None or
