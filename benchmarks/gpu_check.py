@@ -5,8 +5,8 @@ the worker's uploads of updated chunks on another stream.
 For each plan, the same training twice: without clipping (offloaded chunks updated by the
 worker thread while the backward runs, after their side-stream copy) and with a clip threshold
 no gradient reaches (factor exactly 1.0: updated and uploaded after the backward). The losses,
-gradient norms and ``full_state_dict()`` must be bit-identical; a worker that read a gradient before its copy
-landed, or a forward that read parameters before their upload, would differ. Prints one ``CHECK ok|FAIL`` line per plan; exit status 1 on any failure.
+gradient norms and ``full_state_dict()`` must be bit-identical; a worker that read a gradient
+before its copy landed, or a forward that read parameters before their upload, would differ. Prints one ``CHECK ok|FAIL`` line per plan; exit status 1 on any failure.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py      (also with 2 GPUs)
 """
@@ -28,7 +28,7 @@ def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = bh.boost(model, opt, plan, max_grad_norm=clip)
     losses = []
-    for b in batches:   # the loss and the gradient norm of every step (the worker sums offloaded chunks' part)
+    for b in batches:   # the loss and the gradient norm of every step (parts read as reductions land)
         losses += [engine.step(b), float(engine.last_grad_norm)]
     return losses, engine.full_state_dict(), engine.zero.early_updates
 
@@ -57,8 +57,8 @@ def main() -> int:
         failed += not ok
         if rank == 0:
             print(f"CHECK {'ok' if ok else 'FAIL'} zero={stage} m{micro} {precision} param_dtype={low} offload={where} "
-                  f"world={world}: "
-                  f"early updates {n_a}/{n_b}, losses {l_a[-2]:.6f}/{l_b[-2]:.6f}, norms {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}",
+                  f"world={world}: early updates {n_a}/{n_b}, losses {l_a[-2]:.6f}/{l_b[-2]:.6f}, "
+                  f"norms {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}",
                   flush=True)
     torch.distributed.destroy_process_group()
     return 1 if failed else 0

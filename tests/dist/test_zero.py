@@ -307,8 +307,8 @@ def test_zero3_with_compiled_blocks():
 # ----------------------------------------------------------------------------- CPU update during backward
 def _early_update_world(rank, world):
     """The offloaded chunks' update during the backward (no clipping) gives bit-identical losses,
-    gradient norms and states to the update after it: the same plan with a clip threshold no gradient reaches (factor exactly
-    1.0) updates after the backward."""
+    gradient norms and states to the update after it: the same plan with a clip threshold no
+    gradient reaches (factor exactly 1.0) updates after the backward."""
     batches = global_batches(STEPS, BATCH)
     bf16 = {"precision": "bf16", "param_dtype": "bf16"}   # bf16 parameter copies refreshed from the masters
     for stage, micro, opt_name, extra in ((3, 2, "adamw", {}), (3, 1, "adamw", bf16), (2, 1, "adamw", {}),
@@ -319,7 +319,7 @@ def _early_update_world(rank, world):
             plan = bh.Plan(zero=stage, offload="cpu", microbatches=micro, chunk_mb=CHUNK_MB, **extra)
             engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
             losses = []
-            for b in batches:   # each step's loss and gradient norm (the worker reads offloaded chunks' part)
+            for b in batches:   # each step's loss and gradient norm (m2: the worker reads the host sum's)
                 losses += [engine.step(shard(b, engine.dp_rank, engine.dp_size)), float(engine.last_grad_norm)]
             runs.append((losses, engine.full_state_dict(), engine.zero.early_updates))
         (l_early, s_early, n_early), (l_after, s_after, n_after) = runs
