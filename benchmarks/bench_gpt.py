@@ -93,6 +93,7 @@ def main_run(a) -> None:
     x = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
     times = []
+    # (hasattr: the same script also times older checkouts of src/ in A/B runs; see RESULTS.md)
     hu = engine.zero.host_update if engine.zero is not None and hasattr(engine.zero, "host_update") else None
     cpu_log = []   # (worker busy, step() waited) after each step, in all
     if dev.type == "cuda":

@@ -67,7 +67,7 @@ def reload_from_params(store) -> None:
     ``gathered()``): copy this rank's slice of every chunk of ``store`` into its shard and master."""
     with torch.no_grad():
         for st in store.chunks:
-            mine = st.full[st.start:st.start + st.shard_size]
+            mine = store.own_slot(st)
             for t in (st.shard, st.master):
                 if t is not None and t.data_ptr() != mine.data_ptr():
                     t.copy_(mine)

@@ -23,10 +23,12 @@ shard, refreshed after each optimizer step: ``low`` on the device for a chunk wh
 parameters stay there, ``low_host`` (pinned) for an offloaded one (stage 3), so a fetch moves
 half the bytes; an fp32 ``shard`` is kept on the device only where the master itself is.
 Stages 1-2 keep ``full`` allocated, ``low`` is this rank's slot of it, and ``full`` is
-all-gathered in place after each step. Gradients
+all-gathered in place after each step. A host master reaches its device ``low`` through
+pinned staging (:mod:`.staging`: converted on the host, half the bytes uploaded). Gradients
 arrive in bf16 and are copied (stage 1: added, over micro-batches) into the fp32 gradient
-chunk, so reduction, masters and optimizer state stay fp32. :meth:`ChunkStore.gather` with ``exact=True`` (checkpoints, ``full_state_dict``)
-gathers the fp32 masters instead, into a temporary buffer the parameters view until release.
+chunk, so reduction, masters and optimizer state stay fp32. :meth:`ChunkStore.gather` with
+``exact=True`` (checkpoints, ``full_state_dict``) gathers the fp32 masters instead, into a
+temporary buffer the parameters view until release.
 
 Where the shard lives (``placement``): ``param_on_gpu[c]`` (stage 3 only: else the shard is
 fetched from the host copy for every gather) and ``optim_on_gpu[c]`` (the fp32 master and the
@@ -40,7 +42,6 @@ chunks); one all-gather per chunk after the optimizer step (stages 1-2) or per u
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
@@ -49,6 +50,7 @@ from ... import comm
 from ...comm import Axis
 from ..data import post_accumulate_hooks
 from .chunks import ChunkLayout
+from .staging import PinnedStaging
 
 __all__ = ["ChunkState", "ChunkStore"]
 
@@ -73,7 +75,7 @@ class ChunkState:
         self.params, self.offsets = params, offsets
         self.used = max((off + p.numel() for p, off in zip(params, offsets)), default=0)   # then padding
         self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
-        self.low: torch.Tensor | None = None        # s-element low-precision copy of the shard (param_dtype)
+        self.low: torch.Tensor | None = None        # s-element low-precision shard (param_dtype; stages 1-2: in full)
         self.low_host: torch.Tensor | None = None   # the same in pinned host memory (offloaded parameters)
         self.low_full: torch.Tensor | None = None   # the low-precision ``full`` while an exact gather is out
         self.shard: torch.Tensor | None = None      # s elements gathered from (device), None if host-only
@@ -129,9 +131,8 @@ class ChunkStore:
         # (chunk, gradient shard) -> the chunk's part of the squared gradient norm (the ZeRO optimizer's)
         self.norm_of: Callable[[ChunkState, torch.Tensor], torch.Tensor] | None = None
         self._d2h: torch.cuda.Stream | None = None   # gradients' device->host copies (GPU)
-        self._staging: list[list] = []                # [pinned buffer, event of its last copy] x 2
-        self._staging_turn = 0
-        self._staging_lock = threading.Lock()         # the CPU-update worker uploads too
+        # a host master into its bf16 device copy: converted on the host, half the bytes uploaded
+        self._staging = PinnedStaging(max((st.shard_size for st in self.chunks), default=0))
         self._hooks = post_accumulate_hooks([p for st in self.chunks for p in st.params], self._on_grad)
 
     # ------------------------------------------------------------------ set-up
@@ -149,15 +150,17 @@ class ChunkStore:
             p.grad = None
         comm.broadcast(full, self.axis, 0)   # every replica starts from data rank 0's weights
         st.full = full
-        mine = full[st.start:st.start + st.shard_size]
-        self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, mine)
         if self.param_dtype is not None:   # the model's parameters become low-precision views
             st.full = full.to(self.param_dtype)
             self._point(st)
-            if self.stage < 3:   # gathered in place: the bf16 shard is this rank's slot of ``full``
-                st.low = st.full[st.start:st.start + st.shard_size]
+        self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, full[st.start:st.start + st.shard_size])
         if self.stage == 3:
             self.release(st)   # (not a chunk that is its own shard)
+
+    @staticmethod
+    def own_slot(st: ChunkState) -> torch.Tensor:
+        """This rank's shard-sized slot of ``st.full`` (stages 1-2 all-gather ``full`` in place)."""
+        return st.full[st.start:st.start + st.shard_size]
 
     def _point(self, st: ChunkState) -> None:
         """Make every parameter of ``st`` a view into ``st.full`` (allocated)."""
@@ -178,7 +181,7 @@ class ChunkStore:
             # Gathered in place; on one rank a ZeRO-3 chunk kept on the GPU *is* its shard: nothing to
             # gather or release (one code path, no copies).
             _alloc(st.full)
-            st.shard = st.full[st.start:st.start + st.shard_size]
+            st.shard = self.own_slot(st)
             if current.data_ptr() != st.shard.data_ptr():
                 st.shard.copy_(current)
             st.resident, st.pending = True, None
@@ -192,8 +195,8 @@ class ChunkStore:
             st.master = self._host_tensor(st.shard_size)
             st.master.copy_(current)
         if self.param_dtype is not None:   # gathers read a low-precision copy; fp32 on the device only as master
-            if self.stage < 3 and st.full.dtype == self.param_dtype:   # this rank's slot of ``full`` (re-placing)
-                st.low = st.full[st.start:st.start + st.shard_size]
+            if self.stage < 3:   # gathered in place: the bf16 shard is this rank's slot of ``full``
+                st.low = self.own_slot(st)
                 st.low.copy_(current)
             else:
                 st.low = current.to(self.device, self.param_dtype, copy=True) if param_on_gpu else None
@@ -452,31 +455,11 @@ class ChunkStore:
         """The low-precision gather sources from the (updated or reloaded) fp32 master."""
         src = st.shard if st.shard is not None else st.master
         if st.low is not None and src.device.type == "cpu" and st.low.device.type == "cuda":
-            self._staged_upload(st.low, src)
+            self._staging.upload(st.low, src)
         elif st.low is not None:
             st.low.copy_(src, non_blocking=True)
         if st.low_host is not None:
             st.low_host.copy_(st.master)
-
-    def _staged_upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` (device, low precision) from ``src`` (host fp32): converted on the host, by the
-        calling thread, into one of two pinned staging buffers, then copied as is on the current
-        stream -- half the bytes of an fp32 upload, and no device temporary (a dtype-converting
-        host->device copy stages the fp32 data in one). A buffer is reused once its last copy
-        has run, so the next chunk's conversion overlaps this one's copy."""
-        with self._staging_lock:
-            if not self._staging:
-                n = max(c.shard_size for c in self.chunks)
-                self._staging = [[torch.empty(n, dtype=dst.dtype, pin_memory=True), None] for _ in range(2)]
-            slot = self._staging[self._staging_turn]
-            self._staging_turn ^= 1
-            if slot[1] is not None:
-                slot[1].synchronize()
-            buf = slot[0][:src.numel()]
-            buf.copy_(src)
-            dst.copy_(buf, non_blocking=True)
-            slot[1] = torch.cuda.Event()
-            slot[1].record()
 
     def bytes_on(self, device_type: str) -> dict[str, int]:
         """Parameter and gradient bytes this rank holds on ``device_type`` now (the memory tracer;
