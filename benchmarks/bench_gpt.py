@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1D); dp = world / tp")
     p.add_argument("--tp-mode", default="1d", choices=["1d", "2d", "2.5d", "3d"], help="Plan.tp_mode")
     p.add_argument("--tp-depth", type=int, default=1, help="Plan.tp_depth (2.5d)")
+    p.add_argument("--tp-overlap", type=int, default=1, help="Plan.tp_overlap (1d: row GEMMs in pieces; 3d)")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
     p.add_argument("--probe-max-mbs", action="store_true",
                    help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps")
@@ -76,7 +77,8 @@ def main_run(a) -> None:
     # fused on the GPU, as the peers' (also under ZeRO without offload: its masters are flat GPU shards)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and a.offload is None)
     nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
-    plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, sequence_parallel=a.sp,
+    plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, tp_overlap=a.tp_overlap,
+                   sequence_parallel=a.sp,
                    precision="bf16",
                    activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
                    offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb, param_dtype=a.param_dtype)
@@ -121,7 +123,8 @@ def main_run(a) -> None:
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     if rank == 0:
         mode = _mode(a)
-        r = dict(size=a.size, mode=mode, gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile, bucket_mb=a.bucket_mb,
+        r = dict(size=a.size, mode=mode, gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile,
+                 tp_overlap=a.tp_overlap, bucket_mb=a.bucket_mb,
                  params_b=round(nparam / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
                  tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
                  mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4), peak_mem_gib=round(mem, 1),

@@ -56,7 +56,10 @@ class Plan:
     tp_depth: int = 1
     """Depth d of 2.5D tensor parallelism; tp_depth=1 is exactly 2D."""
     tp_overlap: int = 1
-    """Tensor3D over-decomposition: split the local batch into this many pieces to overlap communication."""
+    """Over-decomposition to overlap communication with compute. 3D (Tensor3D): every Linear
+    splits the rank's tokens into this many pieces. 1D: every row-parallel Linear splits its
+    batch into this many pieces, each piece's all-reduce (sequence parallel: reduce-scatter)
+    running during the next piece's GEMM. Results are identical to 1."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside 1D tp (norms and dropout sharded on the sequence)."""
     pp: int = 1
@@ -171,8 +174,12 @@ class Plan:
                     f"tp_mode='2.5d' needs tp = tp_depth * q*q; got tp={tp}, tp_depth={d} "
                     f"(tp/tp_depth={tp / d:g} is not a square integer). For example tp=8 with tp_depth=2."
                 )
-        if self.tp_overlap > 1 and mode != "3d":
-            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} is Tensor3D over-decomposition; it needs tp_mode='3d'.")
+        if self.tp_overlap > 1 and tp == 1:
+            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} overlaps tensor-parallel communication; there is "
+                             f"none with tp=1. Set tp > 1 or tp_overlap=1.")
+        if self.tp_overlap > 1 and mode not in ("1d", "3d"):
+            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} (over-decomposition to overlap communication) is "
+                             f"built for tp_mode '1d' and '3d', not {mode!r}; use tp_overlap=1 with tp_mode={mode!r}.")
 
     # -- degrees -----------------------------------------------------------------------
     @property

@@ -4,9 +4,12 @@
   fused QKV, sequence-parallel norms, vocab-parallel embedding, head and cross-entropy);
 * whole models -- behemoth's GPT and Llama, transformers' GPT2LMHeadModel (fused Conv1D QKV,
   tied embeddings) and LlamaForCausalLM (GQA) -- at tp=2 and tp=4, with and without
-  sequence parallelism, and dp=2 x tp=2: losses and full_state_dict() within rtol 1e-4;
+  sequence parallelism, and dp=2 x tp=2, and with the row GEMMs in two pieces whose
+  collectives overlap (``tp_overlap=2``): losses and full_state_dict() within rtol 1e-4;
 * the comm ledger's tp bytes against behemoth.planner.traffic for one forward+backward;
 * checkpoints saved under tp=2 load under dp=2 and the reverse, and keep matching serial;
+* compiled blocks (``Plan(compile=True)``) under tp=2, with and without sequence
+  parallelism, match serial training and compile once for all blocks;
 * clear errors, on every rank, for dimensions tp does not divide.
 
 Each world runs many scenarios (spawning costs seconds on two cores).
@@ -250,7 +253,7 @@ class _MatmulLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out):
             self.log.append(("mm", tuple(out.shape)))
         return out
 
@@ -318,6 +321,30 @@ def _overlap(rank, world):
             for a, b_ in zip(par.parameters(), norm.parameters()):
                 close(a.grad, b_.grad, msg=what)
 
+        # tp_overlap=2: the row layer's GEMM runs in two batch pieces (3 rows: 2 + 1); piece 0's
+        # all-reduce (SP: reduce-scatter) is launched before piece 1's GEMM and waited after it.
+        # Output and gradients are the serial layer's.
+        for sp in (False, True):
+            h, w2s = rnd(B, S, Fh), w2.clone().requires_grad_()
+            hs = h.clone().requires_grad_()
+            F.linear(hs, w2s).backward(dy)
+            W2 = _param(w2, s2)
+            row = tp1d.RowParallelLinear(W2, None, axis=ax, region=tp1d.ParallelRegion(ax), sequence_parallel=sp,
+                                         pieces=2)
+            hp = h.chunk(p, 2)[r].clone().requires_grad_()
+            log = ax.ledger.trace = []
+            with _MatmulLog(log):
+                yp = row(hp)
+            ax.ledger.trace = None
+            op = "reduce_scatter" if sp else "all_reduce"
+            events = [e[0] if e[0] != "call" else e[2] for e in log if e[0] in ("mm", "call", "wait")]
+            assert events == ["mm", op, "mm", op, "wait", "wait"], (sp, log)
+            assert [e[1] for e in log if e[0] == "mm"] == [(2 * S, H), (S, H)], log
+            close(yp, F.linear(h, w2).chunk(p, 1)[r] if sp else F.linear(h, w2), msg=f"tp_overlap sp={sp}")
+            yp.backward(dy.chunk(p, 1)[r] if sp else dy)
+            close(hp.grad, hs.grad.chunk(p, 2)[r], msg=f"tp_overlap sp={sp}")
+            close(W2.grad, shard_tensor(w2s.grad, s2), msg=f"tp_overlap sp={sp}")
+
         # A split backward (zero-bubble's BI, then BW) does only what each pass asks for: the
         # input pass no weight-gradient GEMM, the weight pass no dX GEMM and no collective.
         region = tp1d.ParallelRegion(ax)
@@ -384,6 +411,8 @@ def _errors(world):
     expect_error(lambda: _boost_gpt(plan, num_heads=3, hidden=24), "attention heads", "= 3", f"by {world}")
     expect_error(lambda: _boost_gpt(plan, vocab_size=95), "vocab_size (rows of wte) = 95", f"by {world}")
     expect_error(lambda: _boost_gpt(plan, ffn_hidden=33), "ffn hidden", "= 33", f"by {world}")
+    engine = _boost_gpt(bh.Plan(tp=world, tp_overlap=4))
+    expect_error(lambda: engine.step(global_batches(1, 2)[0]), "tp_overlap=4", "a batch of 2 rows")
     engine = _boost_gpt(bh.Plan(tp=world, sequence_parallel=True))
     odd = {k: v[:, :SEQ - 1] for k, v in global_batches(1, 2)[0].items()}
     expect_error(lambda: engine.step(odd), "sequence length", f"= {SEQ - 1}", f"by {world}")
@@ -482,11 +511,15 @@ def _world_tp2(rank, world, root):
                 loss_fn=lambda out, b: F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten(),
                                                        ignore_index=-100))
     _check_plan("gpt", bh.Plan(tp=2, sequence_parallel=True, precision="bf16"), opt="sgd")
+    _check_plan("gpt", bh.Plan(tp=2, tp_overlap=2, precision="bf16"), opt="sgd")
     _check_plan("llama", bh.Plan(tp=2, precision="fp16"), opt="sgd")
+    for family, sp in (("gpt", False), ("hf-llama", True)):   # row GEMMs in 2 pieces, collectives overlapped
+        _check_plan(family, bh.Plan(tp=2, sequence_parallel=sp, tp_overlap=2))
     _check_user_model(world, sp=False)
     _check_user_model(world, sp=True)
     for family, sp in (("gpt", False), ("gpt", True), ("llama", True), ("hf-gpt2", True)):
         _check_traffic(family, bh.Plan(tp=2, sequence_parallel=sp))
+    _check_traffic("gpt", bh.Plan(tp=2, sequence_parallel=True, tp_overlap=2))   # the same bytes
     _errors(world)
     # Checkpoints: tp=2 -> dp=2 and dp=2 -> tp=2 (+SP), in the same processes.
     for family in ("hf-gpt2", "llama"):
@@ -526,6 +559,33 @@ def test_tp4_and_dp2_tp2(ckpt_root):
     if not os.path.isdir(os.path.join(ckpt_root, "llama", "tp2")):
         bh.spawn(_save_tp2_world, 2, ckpt_root, timeout=300)
     bh.spawn(_world_tp4, 4, ckpt_root, timeout=500)
+
+
+def _compile_world(rank, world):
+    """Plan(compile=True) with 1D tp: the blocks compile with graph breaks at the tp layers
+    (which run eagerly: region bookkeeping, collectives), train to serial parity, and every
+    block reuses the first one's compiled code (a recompile, e.g. per block on a guard on
+    a layer's name, is an error here)."""
+    import torch._dynamo
+    batches = global_batches(2, BATCH)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for layers, sp, overlap in ((4, False, 1), (2, True, 2)):
+            torch._dynamo.reset()
+            model = build("gpt", num_layers=layers)
+            plan = bh.Plan(tp=world, compile=True, sequence_parallel=sp, tp_overlap=overlap)
+            engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+            losses = [engine.step(b) for b in batches]
+            want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0, num_layers=layers)
+            what = f"{plan.describe()} gpt layers={layers}"
+            assert_losses_close(losses, want_losses, what=what)
+            assert_state_close(engine.full_state_dict(), want_state, what=what)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+def test_tp2_compiled_blocks_match_serial_and_compile_once():
+    bh.spawn(_compile_world, 2, timeout=600)
 
 
 def _save_tp2_world(rank, world, root):

@@ -25,7 +25,8 @@ from behemoth.plan import Plan
     (dict(sequence_parallel=True), "sequence_parallel=True needs 1D tensor parallelism with tp > 1"),
     (dict(virtual_stages=2), "only applies to schedule='interleaved'"),
     (dict(tp_depth=2, tp_mode="2d", tp=4), "tp_depth=2 only applies to tp_mode='2.5d'"),
-    (dict(tp_overlap=2, tp=4), "tp_overlap=2 is Tensor3D over-decomposition"),
+    (dict(tp_overlap=2, tp=4, tp_mode="2d"), "is built for tp_mode '1d' and '3d', not '2d'"),
+    (dict(tp_overlap=2), "there is none with tp=1"),
     (dict(dp=4, ep=3), "Plan.ep=3 must divide dp=4"),
     (dict(bucket_mb=0), "bucket_mb=0"),
 ])
@@ -39,6 +40,7 @@ def test_good_plans_validate():
     Plan(tp=9, tp_mode="2d")
     Plan(tp=8, tp_mode="2.5d", tp_depth=2)
     Plan(tp=27, tp_mode="3d", tp_overlap=2)
+    Plan(tp=4, tp_overlap=2, sequence_parallel=True)
     Plan(tp=4, sequence_parallel=True)
     Plan(pp=4, schedule="interleaved", virtual_stages=2)
     Plan(zero=3, offload="auto")

@@ -166,6 +166,68 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         return dsource, dw, db, None, None
 
 
+class RowParallelLinearFn(torch.autograd.Function):
+    """``Y = sum_r X_r W_r^T`` for a row-parallel layer, with Megatron's ``g`` fused in: the
+    all-reduce of the partial products over tp (sequence parallel: their reduce-scatter on
+    the sequence). With ``pieces`` = k > 1 (``Plan.tp_overlap``, Tensor3D's
+    over-decomposition applied to 1D) the GEMM is cut into k pieces along the batch and
+    piece i's collective is in flight while piece i+1's GEMM computes, so only the last
+    piece's collective is exposed; the same bytes move and every element sums the same
+    terms, so results are identical to k = 1.
+
+    Backward: no collective (sequence parallel: all-gather of dY on the sequence), then
+    dX = dY W and dW = dY^T X, each only if this backward pass wants it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, axis: Axis, sequence_parallel: bool, pieces: int):
+        ctx.axis, ctx.sequence_parallel = axis, sequence_parallel
+        ctx.save_for_backward(x, weight)
+        if pieces == 1:
+            y = F.linear(x, weight)
+            return comm.reduce_scatter(y, axis, SEQ_DIM) if sequence_parallel else comm.all_reduce(y, axis)
+        parts = x.tensor_split(pieces, 0)
+        if sequence_parallel:   # each piece's rows reduce-scattered on the sequence, then stacked
+            pending = [comm.reduce_scatter_async(F.linear(xp, weight), axis, SEQ_DIM) for xp in parts]
+            return torch.cat([h.wait() for h in pending], 0)
+        y = x.new_empty(x.shape[:-1] + (weight.shape[0],))
+        handles = []
+        for xp, yp in zip(parts, y.tensor_split(pieces, 0)):   # row blocks of a contiguous y: in place
+            torch.matmul(xp, weight.t(), out=yp)
+            handles.append(comm.all_reduce(yp, axis, async_op=True))
+        for h in handles:
+            h.wait()
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            dy = comm.all_gather(dy.contiguous(), ctx.axis, SEQ_DIM)
+        dx = dy.matmul(weight) if _will_run(ctx, 0) else None
+        dw = None
+        if _will_run(ctx, 1):
+            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return dx, dw, None, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, axis: Axis, sequence_parallel: bool,
+                        pieces: int, name: str = "") -> torch.Tensor:
+    """Apply :class:`RowParallelLinearFn` (eager inside a compiled block: it launches and
+    waits on collectives). ``pieces`` larger than the batch is an error, raised alike on
+    every tp rank (they hold the same batch) before any collective."""
+    if pieces > 1 and x.dim() >= 2 and x.shape[0] < pieces:
+        raise ValueError(
+            f"tensor parallelism ({MODE}): Plan.tp_overlap={pieces} cuts each rank's micro-batch into {pieces} "
+            f"pieces along the batch, but row-parallel {name or '?'} got a batch of {x.shape[0]} rows "
+            f"(input shape {tuple(x.shape)}); use a tp_overlap of at most {x.shape[0]}, or a larger micro-batch.")
+    return _apply_row(x, _not_leaf(weight), axis, sequence_parallel, pieces)
+
+
+@torch.compiler.disable
+def _apply_row(x, weight, axis, sequence_parallel, pieces):
+    return RowParallelLinearFn.apply(x, weight, axis, sequence_parallel, pieces)
+
+
 def _will_run(ctx, i: int) -> bool:
     """Whether this backward pass wants the gradient of input ``i``: it requires grad and the
     engine will run the node it flows to (``autograd.grad(y, x)`` or ``backward(inputs=params)``,

@@ -60,14 +60,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ... import comm
 from ...comm import Axis
 from ...policies import transformer_blocks, transformer_blocks_name
 from . import Parallelized, attention_heads, localize_heads
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
-from .region1d import ParallelRegion, autocast_dtype, cast_to, column_parallel_linear
+from .region1d import ParallelRegion, autocast_dtype, cast_to, column_parallel_linear, row_parallel_linear
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 MODE = "1d"
@@ -97,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.axis, self.region, self.transposed = axis, region, transposed
         self.expect_gathered, self.rows, self.name = expect_gathered, rows, name
 
+    @torch.compiler.disable   # region bookkeeping and collectives stay eager in compiled blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, source, gathered = self.region.enter(x, self.name, self.expect_gathered)
         w, b = self.weight, self.bias
@@ -121,22 +121,24 @@ class RowParallelLinear(nn.Module):
     CopyToAxis because it sees only this rank's tokens)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
-                 transposed: bool = False, sequence_parallel: bool = False, name: str = "") -> None:
+                 transposed: bool = False, sequence_parallel: bool = False, pieces: int = 1,
+                 name: str = "") -> None:
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
         self.axis, self.region, self.transposed = axis, region, transposed
-        self.sequence_parallel, self.name = sequence_parallel, name
+        self.sequence_parallel, self.pieces, self.name = sequence_parallel, pieces, name
 
+    @torch.compiler.disable   # region bookkeeping and collectives stay eager in compiled blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         self.region.clear()
+        dtype = autocast_dtype(x)
+        w = self.weight.t() if self.transposed else self.weight
+        y = row_parallel_linear(cast_to(x, dtype), cast_to(w, dtype), self.axis, self.sequence_parallel,
+                                self.pieces, self.name)
         b = self.bias
-        if self.sequence_parallel:
-            y = comm.ReduceScatterToAxis.apply(y, self.axis, SEQ_DIM)
-            b = comm.CopyToAxis.apply(b, self.axis) if b is not None else None
-        else:
-            y = comm.ReduceFromAxis.apply(y, self.axis)
+        if b is not None and self.sequence_parallel:
+            b = comm.CopyToAxis.apply(b, self.axis)
         return y if b is None else y + b.to(y.dtype)
 
 
@@ -318,7 +320,7 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
             w = shard(w, _spec(w.shape, 0 if transposed else 1, p, r))
             _replicated(b)
             new_m = RowParallelLinear(w, b, axis=axis, region=region, transposed=transposed,
-                                      sequence_parallel=in_blocks(name), name=name)
+                                      sequence_parallel=in_blocks(name), pieces=plan.tp_overlap, name=name)
         elif role == "embedding":
             w = shard(w, _spec(w.shape, 0, p, r))
             new_m = VocabParallelEmbedding(w, axis=axis, vocab_start=r * (fout // p), vocab_size=fout,
