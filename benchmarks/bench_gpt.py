@@ -163,6 +163,13 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
     other = sum(us(e) for e in ev if "nccl" not in e.key.lower()) / steps / 1e6
     print(f"PROFILE per step: wall {wall:.4f} s, compute kernels {other:.4f} s ({other / wall:.1%} of wall), "
           f"nccl kernels {nccl:.4f} s", flush=True)
+    kinds = {"gemm": ("gemm", "nvjet", "cutlass", "xmma"), "attention": ("flash", "attention", "fmha")}
+    split = dict.fromkeys(list(kinds) + ["other"], 0.0)
+    for e in ev:
+        if "nccl" not in e.key.lower():
+            kind = next((k for k, words in kinds.items() if any(w in e.key.lower() for w in words)), "other")
+            split[kind] += us(e) / steps / 1e6
+    print("PROFILE compute by kind: " + ", ".join(f"{k} {v:.4f} s" for k, v in split.items()), flush=True)
     for e in sorted(ev, key=us, reverse=True)[:14]:
         print(f"PROFILE {us(e) / steps / 1e3:9.2f} ms/step  x{e.count // steps:<5d} {e.key[:90]}", flush=True)
 
