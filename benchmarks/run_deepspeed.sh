@@ -3,7 +3,8 @@
 # the CPU) vs behemoth on the same card, host and model: ZeRO-3 offload="auto" and, the same
 # mechanism as ZeRO-Offload, ZeRO-2 offload="cpu" (fp32 and bf16 parameters). DeepSpeed's wheels must be in .whl (see
 # peer_deepspeed.py's docstring; the run names .whl in carry).
-#   bash benchmarks/run_deepspeed.sh 6.7b 8          (log in $OUT/deepspeed.log; SKIP_FP32=1 skips zero 2 with fp32 parameters)
+#   bash benchmarks/run_deepspeed.sh 6.7b 8          (log in $OUT/deepspeed.log; SKIP_FP32=1 skips zero 2 with fp32 parameters,
+#                                                     SKIP_AUTO=1 zero 3 auto)
 set -u
 size=${1:-6.7b}; mbs=${2:-8}
 out=${OUT:-/tmp}
@@ -20,7 +21,7 @@ run() {   # name, seconds, command...
   grep -E "RESULT|OutOfMemory|MemoryError|Killed|Error" "$out/$name.txt" | tail -3 | tee -a "$log"
 }
 run deepspeed-$size "${DS_LIMIT:-300}" benchmarks/peer_deepspeed.py --size "$size" --stage 2 --mbs "$mbs" --ckpt --steps 5
-run bh-auto-$size 150 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 3 --offload auto --host-init
+[ -z "${SKIP_AUTO:-}" ] && run bh-auto-$size 150 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 3 --offload auto --host-init
 [ -z "${SKIP_FP32:-}" ] && run bh-zero2-cpu-$size 200 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 2 --offload cpu
 # DeepSpeed's bf16 numerics: bf16 parameters on the GPU (fp32 masters on the host), no autocast
 run bh-zero2-cpu-bf16-$size 200 benchmarks/bench_gpt.py --size "gpt-$size" --mbs "$mbs" --ckpt --steps 6 --zero 2 --offload cpu --param-dtype bf16
