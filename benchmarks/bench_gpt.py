@@ -115,6 +115,10 @@ def main_run(a) -> None:
                    if cpu_log else "")
             print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{cpu}",
                   file=sys.stderr, flush=True)
+            if len(times) == 1 and a.offload == "auto":   # the placement the warm-up step measured for
+                held = {k: round(v / 2**30, 2) for k, v in engine.memory_report()["cuda"].items()}
+                print(f"after step 1: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, model data on the "
+                      f"GPU {held}\n{engine.zero.explain()}", file=sys.stderr, flush=True)
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank)
     warm = times[3:] or times
