@@ -164,3 +164,35 @@ def test_split_costs_fp32_masters_and_bf16_copies():
         assert [d + d * ratio for d in dev] == [10 * per_element, 30 * per_element]
     with pytest.raises(ValueError, match="param_bytes=3"):
         split_costs([1], 8, param_bytes=3)
+
+
+def test_other_peak_is_read_between_hooks_not_from_the_end_of_the_step():
+    """offload='auto''s warm-up measure of non-model memory: the activations peak before the
+    gradients (model data) exist, so the step's peak less its *final* model data under-counts
+    them (the old reading; GPT-13B on an H200 then ran out of memory in step 2)."""
+    from behemoth.parallel.zero.measure import OtherPeak
+    mem = {"model": 10, "alloc": 10, "peak": 10}
+
+    def alloc(n):
+        mem["alloc"], mem["peak"] = n, max(mem["peak"], n)
+
+    def reset():
+        mem["peak"] = mem["alloc"]
+
+    probe = OtherPeak(lambda: mem["model"], lambda: mem["peak"], reset)
+    probe.sample()   # not started: nothing read
+    assert probe.finish() is None and not probe.running
+    probe.start()
+    for a in (30, 50, 75, 60):      # forward: activations, then the loss's logits (a transient 65 above the model)
+        alloc(a)
+        probe.sample()
+    for _ in range(3):              # backward: each segment frees 15 of activations, adds 10 of gradients
+        alloc(mem["alloc"] - 15 + 10)
+        mem["model"] += 10
+        probe.sample()
+    alloc(mem["alloc"] + 8)         # an 8 transient after the last hook, before the step ends
+    alloc(mem["alloc"] - 8)
+    assert probe.finish() == 65 and not probe.running
+    assert 75 - mem["model"] == 35  # the old reading: the step's peak less its final model data
+    probe.start()                   # a retried step starts afresh
+    assert probe.value == 0 and probe.running

@@ -45,6 +45,7 @@ class GatherHooks:
         self.trace: list[int] = []        # chunk indices in gather order, this step
         self._last: list[int] = []        # the previous step's trace
         self._active: list[set[int]] = []  # chunks of the modules whose forward is running
+        self.probe = None                  # called at every hook (offload='auto''s warm-up measures)
         for module in model.modules():
             chunks = []
             for p in module.parameters(recurse=False):
@@ -60,6 +61,8 @@ class GatherHooks:
         self._active = []
 
     def _use(self, chunks: list[ChunkState]) -> None:
+        if self.probe is not None:
+            self.probe()
         store = self.store
         for st in chunks:
             pos = len(self.trace)

@@ -7,7 +7,56 @@ import time
 
 import torch
 
-__all__ = ["cpu_update_rate", "host_available", "host_bandwidth"]
+__all__ = ["OtherPeak", "cpu_update_rate", "host_available", "host_bandwidth"]
+
+
+class OtherPeak:
+    """The peak of a step's device memory that is not model data (activations, the loss's
+    logits, workspaces, chunks in flight), which ``offload='auto'`` measures in its warm-up
+    step to size the budget of model data for the steps after it.
+
+    Read in segments between the gather hooks' calls (:meth:`sample`, every module boundary
+    forward and backward): each segment's allocator peak minus the *smaller* of the model data
+    at its two ends. One reading at the end of the step (its peak minus the model data then)
+    is wrong by the gradients: they appear during the backward, after the peak of the
+    activations, so subtracting them counts as free what the peak's moment did not hold
+    (GPT-13B on one H200: 5.5 GiB measured, the next step out of memory). A chunk gathered
+    inside a segment counts as other data there: the error is on the safe side.
+
+    ``model_bytes()``, ``peak()`` and ``reset()`` are the store's model bytes on the device
+    and the allocator's peak and its reset (injected, so that the arithmetic is tested on a
+    machine without a GPU). Resetting the peak means the warm-up step's
+    ``torch.cuda.max_memory_allocated()`` covers only its last segment."""
+
+    def __init__(self, model_bytes, peak, reset) -> None:
+        self.model_bytes, self.peak, self.reset = model_bytes, peak, reset
+        self.value = 0
+        self._model: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._model is not None
+
+    def start(self) -> None:
+        """At the start of the step (again after an out-of-memory retry)."""
+        self.value, self._model = 0, self.model_bytes()
+        self.reset()
+
+    def sample(self) -> None:
+        if self._model is None:
+            return
+        now = self.model_bytes()
+        self.value = max(self.value, self.peak() - min(self._model, now))
+        self._model = now
+        self.reset()
+
+    def finish(self) -> int | None:
+        """The step's peak of other data, or None if :meth:`start` was not called."""
+        if self._model is None:
+            return None
+        self.sample()
+        self._model = None
+        return self.value
 
 
 def cpu_update_rate(cls, defaults: dict, fused_cpu=()) -> float:

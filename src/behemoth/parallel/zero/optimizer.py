@@ -37,7 +37,7 @@ from ...comm import Axis
 from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
-from .measure import cpu_update_rate, host_available, host_bandwidth
+from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth
 from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
 from .state import state_to
@@ -130,6 +130,12 @@ class ZeroOptimizer:
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        self._other = None   # the warm-up step's peak of non-model device memory, read between hooks
+        if self._warmup and device.type == "cuda" and self.hooks is not None:
+            self._other = OtherPeak(lambda: sum(self.store.bytes_on("cuda").values()),
+                                    lambda: torch.cuda.max_memory_allocated(device),
+                                    lambda: torch.cuda.reset_peak_memory_stats(device))
+            self.hooks.probe = self._other.sample
         self.oom_retries = 0   # warm-up steps run again with less model data on the device
         self.store.norm_of = self.norm_sq
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
@@ -187,6 +193,8 @@ class ZeroOptimizer:
         offload='auto''s warm-up step, which re-places the chunks before its update."""
         ok = self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
         self.host_update.arm(self.optimizer if ok else None)
+        if self._warmup and self._other is not None:
+            self._other.start()
 
     def wait_early(self) -> list:
         """Wait for the updates made during this step's backward; the chunks they updated."""
@@ -220,7 +228,7 @@ class ZeroOptimizer:
         only knows a step's other data once a step has run)."""
         if self.offload != "auto":
             return exc
-        kept = sum(self.store.bytes_on(self.device.type).values()) / 2**30
+        kept = sum(v for k, v in self.memory_report()[self.device.type].items() if k != "other") / 2**30
         source = ("a first guess for the warm-up step, which measures the rest" if self._warmup
                   else "Plan.offload_budget_gb" if self.budget_bytes is not None else "measured in the warm-up step")
         return type(exc)(
@@ -323,8 +331,10 @@ class ZeroOptimizer:
             host = self._host_room()
             squeeze = model - int(0.75 * host) if host is not None else 0
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
-        model_now = sum(self.store.bytes_on("cuda").values())
-        other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
+        other_peak = self._other.finish() if self._other is not None else None
+        if other_peak is None:   # stage 1/2 (no hooks to read between): the step's peak less its model data
+            model_now = sum(self.store.bytes_on("cuda").values())
+            other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
         # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
         # temporaries; the warm-up peak of activations and gathered chunks repeats every step.
         return int(total * 0.92) - other_peak - 2 * 2**30
@@ -423,6 +433,8 @@ class ZeroOptimizer:
     def _place_after_warmup(self) -> None:
         self._warmup = False
         self._place(self._auto_budget(measured=True))
+        if self.hooks is not None:
+            self.hooks.probe = None
 
     def explain(self) -> str:
         """What ``offload='auto'`` chose and why (empty before the first step)."""
