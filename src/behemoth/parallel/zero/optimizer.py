@@ -130,12 +130,16 @@ class ZeroOptimizer:
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
-        self._other = None   # the warm-up step's peak of non-model device memory, read between hooks
-        if self._warmup and device.type == "cuda" and self.hooks is not None:
+        # The warm-up step's peak of non-model device memory: read between the gather hooks at
+        # stage 3; stages 1-2 have no hooks, so one segment: the step's peak less the model data
+        # at its start (gradients counted as other data: on the safe side).
+        self._other = None
+        if self._warmup and device.type == "cuda":
             self._other = OtherPeak(lambda: sum(self.store.bytes_on("cuda").values()),
                                     lambda: torch.cuda.max_memory_allocated(device),
                                     lambda: torch.cuda.reset_peak_memory_stats(device))
-            self.hooks.probe = self._other.sample
+            if self.hooks is not None:
+                self.hooks.probe = self._other.sample
         self.oom_retries = 0   # warm-up steps run again with less model data on the device
         self.store.norm_of = self.norm_sq
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
@@ -332,7 +336,7 @@ class ZeroOptimizer:
             squeeze = model - int(0.75 * host) if host is not None else 0
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
         other_peak = self._other.finish() if self._other is not None else None
-        if other_peak is None:   # stage 1/2 (no hooks to read between): the step's peak less its model data
+        if other_peak is None:   # a warm-up step not started through arm_early_update
             model_now = sum(self.store.bytes_on("cuda").values())
             other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
         # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
