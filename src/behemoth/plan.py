@@ -59,7 +59,7 @@ class Plan:
     """Over-decomposition to overlap communication with compute. 3D (Tensor3D): every Linear
     splits the rank's tokens into this many pieces. 1D: every row-parallel Linear splits its
     batch into this many pieces, each piece's all-reduce (sequence parallel: reduce-scatter)
-    running during the next piece's GEMM. Results are identical to 1."""
+    running during the next piece's GEMM. The same sums as 1, up to GEMM rounding."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside 1D tp (norms and dropout sharded on the sequence)."""
     pp: int = 1

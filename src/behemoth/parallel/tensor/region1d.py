@@ -1,4 +1,4 @@
-"""Megatron's ``f`` for 1D tensor parallelism, overlapped with compute.
+"""Megatron's ``f`` and ``g`` for 1D tensor parallelism, overlapped with compute.
 
 The column-parallel layers of :mod:`.tp1d` (and its vocabulary-parallel head) share a
 :class:`ParallelRegion` per model: column layers that read the same tensor in one forward
@@ -10,6 +10,9 @@ of dX asynchronously and computes its weight gradient while it is in flight; wit
 parallelism only the input's sequence shard is saved and re-gathered asynchronously during
 the dX GEMM. All collectives go through :mod:`behemoth.comm` (asynchronous handles; NCCL runs
 them on its own stream, so the GEMMs proceed; ``wait()`` precedes every use of a result).
+:class:`RowParallelLinearFn` is ``g``: the row layer's all-reduce (reduce-scatter) fused in,
+and with ``Plan.tp_overlap`` > 1 its GEMM cut into batch pieces whose collectives overlap the
+next piece's GEMM.
 
 Test: tests/dist/test_tp1d.py (``test_column_backward_overlaps_...`` reads the ledger's trace).
 """
@@ -173,7 +176,7 @@ class RowParallelLinearFn(torch.autograd.Function):
     over-decomposition applied to 1D) the GEMM is cut into k pieces along the batch and
     piece i's collective is in flight while piece i+1's GEMM computes, so only the last
     piece's collective is exposed; the same bytes move and every element sums the same
-    terms, so results are identical to k = 1.
+    terms (equal to k = 1 up to the rounding of the GEMM kernel chosen for each shape).
 
     Backward: no collective (sequence parallel: all-gather of dY on the sequence), then
     dX = dY W and dW = dY^T X, each only if this backward pass wants it."""

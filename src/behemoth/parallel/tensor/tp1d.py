@@ -38,8 +38,9 @@ all-reduce (SP: reduce-scatter) of the summed dX asynchronously and computes its
 gradient while it is in flight; with SP the column layers keep only the input's sequence
 shard and re-gather it asynchronously during the dX GEMM (one more all-gather backward,
 ``(S/p)/S`` of the saved input). Under autocast the column input travels in the autocast
-dtype, as Megatron's does. ``g`` forward is not overlapped (nothing to overlap without
-splitting the GEMM). The sequence is scattered at the first block's input and gathered at the last
+dtype, as Megatron's does. ``g`` forward (:class:`RowParallelLinearFn`) is overlapped only
+by splitting the GEMM: with ``Plan.tp_overlap = k`` the row layer computes k batch pieces,
+each piece's all-reduce (SP: reduce-scatter) in flight during the next piece's GEMM. The sequence is scattered at the first block's input and gathered at the last
 block's output, so model code outside the blocks sees full sequences. The bytes each of
 these moves: :mod:`behemoth.planner.traffic`.
 
