@@ -243,6 +243,23 @@ def _oom_after(model: torch.nn.Module, failures: int):
     return model.blocks[0].register_full_backward_pre_hook(hook)
 
 
+class _ProbeLog:
+    """Stands in for zero.measure.OtherPeak on CPU: records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def sample(self):
+        self.calls.append("sample")
+
+    def finish(self):
+        self.calls.append("finish")
+        return None
+
+
 def _warmup_oom_world(rank, world):
     """Out of device memory under offload='auto': a single-process job's warm-up step runs again
     with half the model data on the device and then trains exactly like serial; elsewhere (a later
@@ -258,7 +275,15 @@ def _warmup_oom_world(rank, world):
     kept = sum(zero.store.bytes_on("cpu").values()) / 2**30
     on_device = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
     if world == 1:
+        # The warm-up's reading of non-model memory (a GPU's allocator peaks, so a recorder here):
+        # started by each attempt, sampled at every gather hook forward and backward, finished
+        # by the re-placement, then no longer called.
+        probe = _ProbeLog()
+        zero._other, zero.hooks.probe = probe, probe.sample
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+        assert probe.calls.count("start") == 2 and probe.calls[-1] == "finish", probe.calls
+        retried = probe.calls[probe.calls.index("start", 1) + 1:-1]
+        assert retried.count("sample") >= 2 * len(model.blocks) and set(retried) == {"sample"}, probe.calls
         assert zero.oom_retries == 1, zero.oom_retries
         assert sum(o for _, o in on_device) > 0 and zero._guess > 0, "the first guess kept nothing to move"
         assert_losses_close(losses, want_losses, what="auto warm-up retried after out of memory")

@@ -319,11 +319,12 @@ class ZeroOptimizer:
         return norm
 
     # ------------------------------------------------------------------ offload="auto"
-    def _auto_budget(self, measured: bool) -> int:
+    def _auto_budget(self, measured: bool, other_peak: int | None = None) -> int:
         """Bytes of model data (this rank's shards, gradients, optimizer state) the GPU may hold.
-        ``measured``: after the warm-up step, from its peak of other data; else a first guess (60%
-        of the device, more when the host could not hold the rest). A CPU run has no GPU to fit: its "device" keeps half the model data,
-        so the mixed placement runs (and is tested) there too."""
+        ``measured``: after the warm-up step, from its peak of other data (``other_peak``, read
+        by :class:`.measure.OtherPeak`); else a first guess (60% of the device, more when the
+        host could not hold the rest). A CPU run has no GPU to fit: its "device" keeps half the
+        model data, so the mixed placement runs (and is tested) there too."""
         if self.budget_bytes is not None:
             return self.budget_bytes
         shards = [c.shard_size * 4 for c in self.layout.chunks]
@@ -335,8 +336,7 @@ class ZeroOptimizer:
             host = self._host_room()
             squeeze = model - int(0.75 * host) if host is not None else 0
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
-        other_peak = self._other.finish() if self._other is not None else None
-        if other_peak is None:   # a warm-up step not started through arm_early_update
+        if other_peak is None:   # a warm-up step not measured by OtherPeak (not started through arm_early_update)
             model_now = sum(self.store.bytes_on("cuda").values())
             other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
         # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
@@ -436,9 +436,10 @@ class ZeroOptimizer:
 
     def _place_after_warmup(self) -> None:
         self._warmup = False
-        self._place(self._auto_budget(measured=True))
+        other_peak = self._other.finish() if self._other is not None else None
         if self.hooks is not None:
             self.hooks.probe = None
+        self._place(self._auto_budget(measured=True, other_peak=other_peak))
 
     def explain(self) -> str:
         """What ``offload='auto'`` chose and why (empty before the first step)."""
