@@ -137,7 +137,7 @@ def _offload_world(rank, world):
         engine = _engine(family, plan=bh.Plan(**{**BF16, "zero": stage}, offload=offload), opt_name="sgd")
         zero = engine.zero
         if offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
-            zero._auto_budget = lambda measured: 0 if measured else 10**12
+            zero._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         chunks = zero.store.chunks
         if offload == "cpu":   # parameters stay on the device as bf16 copies, masters on the host only

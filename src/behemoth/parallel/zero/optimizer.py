@@ -115,7 +115,7 @@ class ZeroOptimizer:
         self._stage12_split: tuple[int, int, int] | None = None
         self.bandwidth = host_bandwidth(device) if offload == "auto" else 0.0
         self.cpu_rate = cpu_update_rate(self.cls, self.defaults, _FUSED_CPU) if offload == "auto" else 0.0
-        self._guess = 0   # the warm-up step's budget
+        self._guess = 0   # the budget an out-of-memory retry halves: the first guess, then the measured one
         if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
             self._guess = self._auto_budget(measured=False)
             keep_p, keep_o = self._decide(self._guess)
@@ -141,6 +141,7 @@ class ZeroOptimizer:
             if self.hooks is not None:
                 self.hooks.probe = self._other.sample
         self.oom_retries = 0   # warm-up steps run again with less model data on the device
+        self._probation = False   # the first step after the re-placement: retried too, no early update
         self.store.norm_of = self.norm_sq
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
         self.optimizer = self._build_optimizer()
@@ -194,8 +195,11 @@ class ZeroOptimizer:
     def arm_early_update(self, max_grad_norm: float | None, scaler) -> None:
         """Before a step's forward-backward (``engine.step``): let offloaded chunks be updated on the
         host during the backward when the update needs nothing global (:mod:`.overlap`). Not in
-        offload='auto''s warm-up step, which re-places the chunks before its update."""
-        ok = self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
+        offload='auto''s warm-up step, which re-places the chunks before its update, nor in the step
+        after it, which may run again after an out-of-memory error (an update made during the
+        failed attempt would then be made twice)."""
+        ok = (self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
+              and not self._probation)
         self.host_update.arm(self.optimizer if ok else None)
         if self._warmup and self._other is not None:
             self._other.start()
@@ -205,12 +209,13 @@ class ZeroOptimizer:
         return self.host_update.wait()
 
     def may_retry(self) -> bool:
-        """After an out-of-memory error in offload='auto''s warm-up step: whether the step may run again
-        with half the model data on the device. Only in a single-process job (another rank would be
-        left inside a collective the failed one never joins), at most 4 times, while halving still
-        moves a chunk (before the warm-up's update there is no optimizer state to move)."""
+        """After an out-of-memory error in offload='auto''s warm-up step, or in the first step after
+        the re-placement it measured for (its budget rests on that measurement): whether the step may
+        run again with half the model data on the device. Only in a single-process job (another rank
+        would be left inside a collective the failed one never joins), at most 4 times, while halving
+        still moves a chunk."""
         single = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-        if not (self._warmup and self.oom_retries < 4 and single):
+        if not ((self._warmup or self._probation) and self.oom_retries < 4 and single):
             return False
         keep_p, keep_o, _ = self._split_for(self._guess // 2)
         return self._moves(keep_p, keep_o)
@@ -293,6 +298,7 @@ class ZeroOptimizer:
     def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
         """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""
         early = {st.index for st in self.wait_early()}
+        self._probation = False   # this step's forward-backward fitted
         if self._warmup:
             self._place_after_warmup()
         masters = self._masters()
@@ -439,7 +445,9 @@ class ZeroOptimizer:
         other_peak = self._other.finish() if self._other is not None else None
         if self.hooks is not None:
             self.hooks.probe = None
-        self._place(self._auto_budget(measured=True, other_peak=other_peak))
+        self._guess = self._auto_budget(measured=True, other_peak=other_peak)   # what a retry halves
+        self._place(self._guess)
+        self._probation = True
 
     def explain(self) -> str:
         """What ``offload='auto'`` chose and why (empty before the first step)."""
