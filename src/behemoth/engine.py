@@ -38,7 +38,8 @@ from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.data import GradBuckets
 from .parallel.tensor import full_state_dict, global_grad_norm
-from .parallel.zero.optimizer import ZeroOptimizer, memory_report
+from .parallel.zero.measure import memory_report
+from .parallel.zero.optimizer import ZeroOptimizer
 from .plan import Plan
 from .precision import LossScaler, autocast_context
 from .styles import (apply_activation_checkpointing, apply_compile, apply_sequence_parallel, apply_tensor_parallel,

@@ -1,13 +1,16 @@
-"""What ``offload='auto'`` measures about this machine before it places chunks: the pinned
-host->device bandwidth, the CPU optimizer's update rate and the host's available memory
-(:class:`~.optimizer.ZeroOptimizer` feeds them to :func:`~.placement.static_split`)."""
+"""What ``offload='auto'`` measures before it places chunks: the pinned host->device bandwidth,
+the CPU optimizer's update rate and the host's available memory (:class:`~.optimizer.ZeroOptimizer`
+feeds them to :func:`~.placement.static_split`), and the warm-up step's peak of non-model device
+memory (:class:`OtherPeak`); and the memory tracer (:func:`memory_report`): model data vs
+other data per device."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-__all__ = ["OtherPeak", "cpu_update_rate", "host_available", "host_bandwidth"]
+__all__ = ["OtherPeak", "cpu_update_rate", "host_available", "host_bandwidth", "memory_report",
+           "optimizer_state_bytes"]
 
 
 class OtherPeak:
@@ -102,3 +105,24 @@ def host_bandwidth(device: torch.device) -> float:
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize(device)
     return 4 * src.numel() / (time.perf_counter() - t0)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """Bytes of ``optimizer``'s state tensors on ``device_type``."""
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.device.type == device_type)
+
+
+def memory_report(model_bytes, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """The memory tracer: per device type (``'cuda'``, ``'cpu'``), the model data one rank holds
+    now -- ``model_bytes(device_type)`` (parameters, gradients, masters) plus the optimizer's
+    state -- and, on a GPU, ``other`` = allocated - model data (activations, workspaces,
+    gathered chunks in flight)."""
+    report = {}
+    for dev in ("cuda", "cpu"):
+        d = dict(model_bytes(dev))
+        d["optimizer"] = optimizer_state_bytes(optimizer, dev)
+        if dev == "cuda" and torch.cuda.is_available():
+            d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
+        report[dev] = d
+    return report

@@ -37,13 +37,14 @@ from ...comm import Axis
 from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
-from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth
+from .measure import (OtherPeak, cpu_update_rate, host_available, host_bandwidth, memory_report,
+                      optimizer_state_bytes)
 from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
 from .state import state_to
 from .store import ChunkStore
 
-__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "memory_report", "optimizer_state_bytes"]
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop")
 _FUSED_CPU = ("SGD", "Adam", "AdamW", "Adagrad")
@@ -494,24 +495,3 @@ def _raise_everywhere(world: Axis | None, error: Exception | None, field: str) -
                          f"names the value and the fix.")
     if error is not None:
         raise error
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
-    """Bytes of ``optimizer``'s state tensors on ``device_type``."""
-    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.device.type == device_type)
-
-
-def memory_report(model_bytes, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
-    """The memory tracer: per device type (``'cuda'``, ``'cpu'``), the model data one rank holds
-    now -- ``model_bytes(device_type)`` (parameters, gradients, masters) plus the optimizer's
-    state -- and, on a GPU, ``other`` = allocated - model data (activations, workspaces,
-    gathered chunks in flight)."""
-    report = {}
-    for dev in ("cuda", "cpu"):
-        d = dict(model_bytes(dev))
-        d["optimizer"] = optimizer_state_bytes(optimizer, dev)
-        if dev == "cuda" and torch.cuda.is_available():
-            d["other"] = max(0, torch.cuda.memory_allocated() - sum(d.values()))
-        report[dev] = d
-    return report
