@@ -161,7 +161,8 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
         wall = (time.perf_counter() - t) / steps
     if rank != 0:
         return
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # (a "Class.method#..." record on the device timeline is a user annotation spanning kernels: not a kernel)
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.key]
     us = lambda e: getattr(e, "self_device_time_total", None) or e.self_cuda_time_total  # noqa: E731
     nccl = sum(us(e) for e in ev if "nccl" in e.key.lower()) / steps / 1e6
     other = sum(us(e) for e in ev if "nccl" not in e.key.lower()) / steps / 1e6
