@@ -161,8 +161,12 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
         wall = (time.perf_counter() - t) / steps
     if rank != 0:
         return
-    # (a "Class.method#..." record on the device timeline is a user annotation spanning kernels: not a kernel)
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.key]
+    # Annotations on the device timeline ("Optimizer.step#...", ProcessGroupNCCL's "nccl:all_reduce")
+    # span kernels that are counted themselves: left out.
+    def kernel(e):
+        return (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and "#" not in e.key and not e.key.startswith("nccl:"))
+    ev = [e for e in prof.key_averages() if kernel(e)]
     us = lambda e: getattr(e, "self_device_time_total", None) or e.self_cuda_time_total  # noqa: E731
     nccl = sum(us(e) for e in ev if "nccl" in e.key.lower()) / steps / 1e6
     other = sum(us(e) for e in ev if "nccl" not in e.key.lower()) / steps / 1e6
