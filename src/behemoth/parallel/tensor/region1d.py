@@ -185,13 +185,11 @@ class RowParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, axis: Axis, sequence_parallel: bool, pieces: int):
         ctx.axis, ctx.sequence_parallel = axis, sequence_parallel
         ctx.save_for_backward(x, weight)
-        if pieces == 1:
-            y = F.linear(x, weight)
-            return comm.reduce_scatter(y, axis, SEQ_DIM) if sequence_parallel else comm.all_reduce(y, axis)
         parts = x.tensor_split(pieces, 0)
         if sequence_parallel:   # each piece's rows reduce-scattered on the sequence, then stacked
             pending = [comm.reduce_scatter_async(F.linear(xp, weight), axis, SEQ_DIM) for xp in parts]
-            return torch.cat([h.wait() for h in pending], 0)
+            outs = [h.wait() for h in pending]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         y = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         handles = []
         for xp, yp in zip(parts, y.tensor_split(pieces, 0)):   # row blocks of a contiguous y: in place

@@ -26,10 +26,10 @@ norms, pos. embedding    replicated                  full (SP, inside the blocks
 
 Communication per column/row pair (one forward + backward): without SP, ``f`` on the column
 input (all-reduce of dX backward), *one* per input tensor however many column layers read it
-(q, k and v share it through :class:`ParallelRegion`), and ``g`` = ReduceFromAxis on the row
-output (all-reduce forward). With SP, the norm's output is all-gathered on the sequence
-forward and dX reduce-scattered backward, and the row output reduce-scattered
-(ReduceScatterToAxis, all-gather backward); norm weights and row biases, which then see only
+(q, k and v share it through :class:`ParallelRegion`), and ``g`` on the row output
+(all-reduce forward, fused into the row layer: ``RowParallelLinearFn``). With SP, the norm's
+output is all-gathered on the sequence forward and dX reduce-scattered backward, and the row
+output reduce-scattered (all-gather backward); norm weights and row biases, which then see only
 this rank's tokens, go through CopyToAxis so their gradients are summed over tp.
 
 Overlap (Megatron's asynchronous tensor parallelism, :class:`ColumnParallelLinearFn`): ``f``
@@ -38,7 +38,7 @@ all-reduce (SP: reduce-scatter) of the summed dX asynchronously and computes its
 gradient while it is in flight; with SP the column layers keep only the input's sequence
 shard and re-gather it asynchronously during the dX GEMM (one more all-gather backward,
 ``(S/p)/S`` of the saved input). Under autocast the column input travels in the autocast
-dtype, as Megatron's does. ``g`` forward (:class:`RowParallelLinearFn`) is overlapped only
+dtype, as Megatron's does. ``g`` forward (``RowParallelLinearFn``) is overlapped only
 by splitting the GEMM: with ``Plan.tp_overlap = k`` the row layer computes k batch pieces,
 each piece's all-reduce (SP: reduce-scatter) in flight during the next piece's GEMM. The sequence is scattered at the first block's input and gathered at the last
 block's output, so model code outside the blocks sees full sequences. The bytes each of
