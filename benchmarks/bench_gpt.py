@@ -117,8 +117,10 @@ def main_run(a) -> None:
                   file=sys.stderr, flush=True)
             if len(times) == 1 and a.offload == "auto":   # the placement the warm-up step measured for
                 held = {k: round(v / 2**30, 2) for k, v in engine.memory_report()["cuda"].items()}
+                other = getattr(engine.zero, "warmup_other_peak", None)
+                other = "not measured" if other is None else f"{other / 2**30:.2f} GiB"
                 print(f"after step 1: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, model data on the "
-                      f"GPU {held}\n{engine.zero.explain()}", file=sys.stderr, flush=True)
+                      f"GPU {held}, warm-up peak of other data {other}\n{engine.zero.explain()}", file=sys.stderr, flush=True)
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank)
     warm = times[3:] or times

@@ -12,6 +12,7 @@ before its copy landed, or a forward that read parameters before their upload, w
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -19,6 +20,9 @@ import torch
 
 import behemoth as bh
 from behemoth.models import build_model
+from behemoth.parallel.zero import pinned
+
+pinned.MIN_BYTES = 2**20   # this model's chunks are small: lock them exactly, as large models' are
 
 
 def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[float], dict, int]:
@@ -30,10 +34,16 @@ def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[
     losses = []
     for b in batches:   # the loss and the gradient norm of every step (parts read as reductions land)
         losses += [engine.step(b), float(engine.last_grad_norm)]
+    global max_locked
+    max_locked = max(max_locked, pinned.locked_bytes)
     return losses, engine.full_state_dict(), engine.zero.early_updates
 
 
+max_locked = 0   # the most bytes zero/pinned.py held locked at the end of a training
+
+
 def main() -> int:
+    global max_locked
     bh.init()
     dev = bh.distributed.device_for_rank()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -51,14 +61,18 @@ def main() -> int:
             (1, 2, "bf16", "bf16", "cpu"), (3, 1, "bf16", "bf16", "auto")):
         plan = bh.Plan(dp=world, zero=stage, offload=where, microbatches=micro, precision=precision, chunk_mb=32,
                        param_dtype=low, offload_budget_gb=0.4 if where == "auto" else None)
+        max_locked = 0
         (l_a, s_a, n_a), (l_b, s_b, n_b) = train(plan, None, batches), train(plan, 1e30, batches)
         same = l_a == l_b and all(torch.equal(s_a[k], s_b[k]) for k in s_b)
-        ok = same and n_a > 0 and n_b == 0
+        gc.collect()
+        # the offloaded chunks lay in exactly-locked memory, unlocked once the engines were freed
+        ok = same and n_a > 0 and n_b == 0 and max_locked > 0 and pinned.locked_bytes == 0
         failed += not ok
         if rank == 0:
             print(f"CHECK {'ok' if ok else 'FAIL'} zero={stage} m{micro} {precision} param_dtype={low} offload={where} "
                   f"world={world}: early updates {n_a}/{n_b}, losses {l_a[-2]:.6f}/{l_b[-2]:.6f}, "
-                  f"norms {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}",
+                  f"norms {l_a[-1]:.6f}/{l_b[-1]:.6f}, state identical {same}, locked {max_locked / 2**20:.0f} MiB "
+                  f"then {pinned.locked_bytes / 2**20:.0f}",
                   flush=True)
     torch.distributed.destroy_process_group()
     return 1 if failed else 0

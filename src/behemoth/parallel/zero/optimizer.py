@@ -135,6 +135,7 @@ class ZeroOptimizer:
         # stage 3; stages 1-2 have no hooks, so one segment: the step's peak less the model data
         # at its start (gradients counted as other data: on the safe side).
         self._other = None
+        self.warmup_other_peak: int | None = None   # set by offload="auto"'s warm-up step
         if self._warmup and device.type == "cuda":
             self._other = OtherPeak(lambda: sum(self.store.bytes_on("cuda").values()),
                                     lambda: torch.cuda.max_memory_allocated(device),
@@ -444,6 +445,7 @@ class ZeroOptimizer:
     def _place_after_warmup(self) -> None:
         self._warmup = False
         other_peak = self._other.finish() if self._other is not None else None
+        self.warmup_other_peak = other_peak
         if self.hooks is not None:
             self.hooks.probe = None
         self._guess = self._auto_budget(measured=True, other_peak=other_peak)   # what a retry halves

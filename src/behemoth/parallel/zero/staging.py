@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from . import pinned
+
 __all__ = ["PinnedStaging"]
 
 
@@ -30,7 +32,7 @@ class PinnedStaging:
         """``dst`` (device) = ``src`` (host) in ``dst``'s dtype; the copy is queued on the current stream."""
         with self._lock:
             if not self._slots:
-                self._slots = [[torch.empty(self.numel, dtype=dst.dtype, pin_memory=True), None] for _ in range(2)]
+                self._slots = [[pinned.empty(self.numel, dst.dtype, True), None] for _ in range(2)]
             slot = self._slots[self._turn]
             self._turn ^= 1
             if slot[1] is not None:

@@ -49,6 +49,7 @@ import torch
 from ... import comm
 from ...comm import Axis
 from ..data import post_accumulate_hooks
+from . import pinned
 from .chunks import ChunkLayout
 from .staging import PinnedStaging
 
@@ -137,7 +138,7 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ set-up
     def _host_tensor(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float32, device=self.host, pin_memory=self.pin)
+        return pinned.zeros(n, torch.float32, self.pin)
 
     def _build(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool) -> None:
         full = torch.zeros(st.size, dtype=torch.float32, device=self.device)
@@ -202,12 +203,16 @@ class ChunkStore:
                 st.low = current.to(self.device, self.param_dtype, copy=True) if param_on_gpu else None
             st.low_host = None
             if not param_on_gpu:
-                st.low_host = torch.empty(st.shard_size, dtype=self.param_dtype, device=self.host, pin_memory=self.pin)
+                st.low_host = pinned.empty(st.shard_size, self.param_dtype, self.pin)
                 st.low_host.copy_(current)
             if not optim_on_gpu:
                 st.shard = None
-        if st.grad_acc is not None:   # a re-plan between backward and the optimizer step keeps the gradient
-            st.grad_acc = st.grad_acc.to(st.master.device)
+        if st.grad_acc is not None and st.grad_acc.device != st.master.device:
+            # a re-plan between backward and the optimizer step keeps the gradient
+            old = st.grad_acc
+            st.grad_acc = (self._host_tensor(st.shard_size) if st.master.device.type == "cpu"
+                           else torch.empty_like(old, device=st.master.device))
+            st.grad_acc.copy_(old)
 
     # ------------------------------------------------------------------ gather / release (stage 3)
     def gather(self, st: ChunkState, async_op: bool = False, exact: bool = False) -> None:
@@ -339,8 +344,8 @@ class ChunkStore:
             # it lies -- on a GPU, before the copy to the host (vector_norm ran at ~12 GB/s on a 16-core host).
             st.norm_sq = self.norm_of(st, reduced)
         if st.grad_acc is None:
-            st.grad_acc = torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device,
-                                      pin_memory=self.pin and st.master.device.type == "cpu")
+            st.grad_acc = (self._host_tensor(st.shard_size) if st.master.device.type == "cpu"
+                           else torch.zeros(st.shard_size, dtype=torch.float32, device=st.master.device))
         if st.reduced_once:
             self._wait_host_grad(st)
             st.grad_acc.add_(reduced.to(st.grad_acc.device))
