@@ -25,8 +25,9 @@ from behemoth.parallel.zero import pinned
 pinned.MIN_BYTES = 2**20   # this model's chunks are small: lock them exactly, as large models' are
 
 
-def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[float], dict, int]:
-    """Losses and gradient norms of every step, the final full_state_dict, and the early-update count."""
+def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[float], dict, int, int]:
+    """Losses and gradient norms of every step, the final full_state_dict, the early-update count
+    and the bytes zero/pinned.py held locked at the end."""
     torch.manual_seed(0)
     model = build_model("gpt-125m", vocab_size=8192, seq_len=256, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -34,16 +35,10 @@ def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[
     losses = []
     for b in batches:   # the loss and the gradient norm of every step (parts read as reductions land)
         losses += [engine.step(b), float(engine.last_grad_norm)]
-    global max_locked
-    max_locked = max(max_locked, pinned.locked_bytes)
-    return losses, engine.full_state_dict(), engine.zero.early_updates
-
-
-max_locked = 0   # the most bytes zero/pinned.py held locked at the end of a training
+    return losses, engine.full_state_dict(), engine.zero.early_updates, pinned.locked_bytes
 
 
 def main() -> int:
-    global max_locked
     bh.init()
     dev = bh.distributed.device_for_rank()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -61,8 +56,8 @@ def main() -> int:
             (1, 2, "bf16", "bf16", "cpu"), (3, 1, "bf16", "bf16", "auto")):
         plan = bh.Plan(dp=world, zero=stage, offload=where, microbatches=micro, precision=precision, chunk_mb=32,
                        param_dtype=low, offload_budget_gb=0.4 if where == "auto" else None)
-        max_locked = 0
-        (l_a, s_a, n_a), (l_b, s_b, n_b) = train(plan, None, batches), train(plan, 1e30, batches)
+        (l_a, s_a, n_a, k_a), (l_b, s_b, n_b, k_b) = train(plan, None, batches), train(plan, 1e30, batches)
+        max_locked = max(k_a, k_b)
         same = l_a == l_b and all(torch.equal(s_a[k], s_b[k]) for k in s_b)
         gc.collect()
         # the offloaded chunks lay in exactly-locked memory, unlocked once the engines were freed

@@ -61,7 +61,7 @@ class ExactPinned(mmap.mmap):
 def _exact(n: int, dtype: torch.dtype, register: Callable[[int, int], bool]) -> torch.Tensor | None:
     """A zero-filled tensor on a locked :class:`ExactPinned` map, or None: too small to be worth
     it, or the driver refused the registration."""
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     if nbytes < MIN_BYTES:
         return None
     buf = ExactPinned(-1, nbytes)
@@ -69,23 +69,26 @@ def _exact(n: int, dtype: torch.dtype, register: Callable[[int, int], bool]) -> 
     return t if buf.lock(register, t.data_ptr()) else None
 
 
+def _host(n: int, dtype: torch.dtype, pin: bool, zero: bool, register: Callable[[int, int], bool]) -> torch.Tensor:
+    if pin:
+        t = _exact(n, dtype, register)   # a memory map is zero-filled already
+        if t is not None:
+            return t
+        return _torch_pinned(n, dtype, zero)
+    return (torch.zeros if zero else torch.empty)(n, dtype=dtype)
+
+
 def empty(n: int, dtype: torch.dtype, pin: bool, *,
           register: Callable[[int, int], bool] = _register) -> torch.Tensor:
     """``n`` elements of ``dtype`` in host memory, page-locked when ``pin`` (exactly their bytes:
     see the module docstring)."""
-    if not pin:
-        return torch.empty(n, dtype=dtype)
-    t = _exact(n, dtype, register)
-    return t if t is not None else _torch_pinned(n, dtype, zero=False)
+    return _host(n, dtype, pin, False, register)
 
 
 def zeros(n: int, dtype: torch.dtype, pin: bool, *,
           register: Callable[[int, int], bool] = _register) -> torch.Tensor:
-    """:func:`empty`, zero-filled (a memory map already is)."""
-    if not pin:
-        return torch.zeros(n, dtype=dtype)
-    t = _exact(n, dtype, register)
-    return t if t is not None else _torch_pinned(n, dtype, zero=True)
+    """:func:`empty`, zero-filled."""
+    return _host(n, dtype, pin, True, register)
 
 
 def _torch_pinned(n: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
