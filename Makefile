@@ -26,6 +26,8 @@ config: $(STAMP)
 	$(VENV)/bin/behemoth config $(CONFIG)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 clean-runs:

@@ -7,6 +7,7 @@ format as ``peer_baseline.py`` (the stock-PyTorch baseline run in the same call)
 MFU uses the PaLM convention (6*N + 12*L*h*s FLOPs per token) against the card's dense
 bf16 peak (989 TFLOP/s for H100/H200 SXM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,25 +36,45 @@ def main() -> None:
     p.add_argument("--tp-depth", type=int, default=1, help="Plan.tp_depth (2.5d)")
     p.add_argument("--tp-overlap", type=int, default=1, help="Plan.tp_overlap (1d: row GEMMs in pieces; 3d)")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside 1D tp")
-    p.add_argument("--probe-max-mbs", action="store_true",
-                   help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps")
-    p.add_argument("--probe-step", type=int, default=0,
-                   help="with --probe-max-mbs: grow mbs by this many (default: by half, rounded to even)")
+    p.add_argument(
+        "--probe-max-mbs",
+        action="store_true",
+        help="instead of timing, find the largest mbs (from --mbs upwards) that trains 2 steps",
+    )
+    p.add_argument(
+        "--probe-step",
+        type=int,
+        default=0,
+        help="with --probe-max-mbs: grow mbs by this many (default: by half, rounded to even)",
+    )
     p.add_argument("--bucket-mb", type=float, default=100.0)
     p.add_argument("--peak", type=float, default=989e12)
-    p.add_argument("--tied", action="store_true",
-                   help="tie input/output embeddings (off by default: peer_baseline.py's model is untied)")
+    p.add_argument(
+        "--tied",
+        action="store_true",
+        help="tie input/output embeddings (off by default: peer_baseline.py's model is untied)",
+    )
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage (Plan.zero)")
     p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="Plan.offload")
     p.add_argument("--chunk-mb", type=float, default=None, help="Plan.chunk_mb (default: searched)")
     p.add_argument("--param-dtype", default=None, choices=[None, "bf16"], help="Plan.param_dtype (ZeRO-3)")
     p.add_argument("--budget-gb", type=float, default=None, help="Plan.offload_budget_gb (default: measured)")
-    p.add_argument("--profile", type=int, default=0,
-                   help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)")
-    p.add_argument("--host-init", action="store_true",
-                   help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)")
-    p.add_argument("--mem-snapshot", default=None,
-                   help="record CUDA allocations; on an exception, rank 0 dumps a snapshot there (torch.cuda.memory)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)",
+    )
+    p.add_argument(
+        "--host-init",
+        action="store_true",
+        help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)",
+    )
+    p.add_argument(
+        "--mem-snapshot",
+        default=None,
+        help="record CUDA allocations; on an exception, rank 0 dumps a snapshot there (torch.cuda.memory)",
+    )
     a = p.parse_args()
     if a.mem_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=50000)
@@ -72,20 +93,37 @@ def main_run(a) -> None:
     rank = torch.distributed.get_rank()
     dev = bh.distributed.device_for_rank()
     t0 = time.perf_counter()
-    model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="cpu" if a.host_init else dev,
-                        tie_embeddings=a.tied)
+    model = build_model(
+        a.size, vocab_size=a.vocab, seq_len=a.seq, device="cpu" if a.host_init else dev, tie_embeddings=a.tied
+    )
     # fused on the GPU, as the peers' (also under ZeRO without offload: its masters are flat GPU shards)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and a.offload is None)
     nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts, before sharding
-    plan = bh.Plan(dp=world // a.tp, tp=a.tp, tp_mode=a.tp_mode, tp_depth=a.tp_depth, tp_overlap=a.tp_overlap,
-                   sequence_parallel=a.sp,
-                   precision="bf16",
-                   activation_checkpointing=a.ckpt, bucket_mb=a.bucket_mb, compile=a.compile, zero=a.zero,
-                   offload=a.offload, chunk_mb=a.chunk_mb, offload_budget_gb=a.budget_gb, param_dtype=a.param_dtype)
+    plan = bh.Plan(
+        dp=world // a.tp,
+        tp=a.tp,
+        tp_mode=a.tp_mode,
+        tp_depth=a.tp_depth,
+        tp_overlap=a.tp_overlap,
+        sequence_parallel=a.sp,
+        precision="bf16",
+        activation_checkpointing=a.ckpt,
+        bucket_mb=a.bucket_mb,
+        compile=a.compile,
+        zero=a.zero,
+        offload=a.offload,
+        chunk_mb=a.chunk_mb,
+        offload_budget_gb=a.budget_gb,
+        param_dtype=a.param_dtype,
+    )
     t1 = time.perf_counter()
     engine = bh.boost(model, opt, plan)
     if rank == 0:
-        print(f"setup: model built in {t1 - t0:.1f} s, boost in {time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"setup: model built in {t1 - t0:.1f} s, boost in {time.perf_counter() - t1:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     if engine.zero is not None and rank == 0 and dev.type == "cuda":
         print(f"after boost: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
         print(engine.zero.explain(), flush=True)
@@ -97,7 +135,7 @@ def main_run(a) -> None:
     times = []
     # (hasattr: the same script also times older checkouts of src/ in A/B runs; see RESULTS.md)
     hu = engine.zero.host_update if engine.zero is not None and hasattr(engine.zero, "host_update") else None
-    cpu_log = []   # (worker busy, step() waited) after each step, in all
+    cpu_log = []  # (worker busy, step() waited) after each step, in all
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(a.steps):
@@ -111,16 +149,26 @@ def main_run(a) -> None:
         if hu is not None and hasattr(hu, "busy_s"):
             cpu_log.append((hu.busy_s, hu.waited_s))
         if rank == 0 and dev.type == "cuda":
-            cpu = (f", CPU update worker busy {cpu_log[-1][0]:.2f} s, step() waited {cpu_log[-1][1]:.2f} s (in all)"
-                   if cpu_log else "")
-            print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{cpu}",
-                  file=sys.stderr, flush=True)
-            if len(times) == 1 and a.offload == "auto":   # the placement the warm-up step measured for
+            cpu = (
+                f", CPU update worker busy {cpu_log[-1][0]:.2f} s, step() waited {cpu_log[-1][1]:.2f} s (in all)"
+                if cpu_log
+                else ""
+            )
+            print(
+                f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{cpu}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if len(times) == 1 and a.offload == "auto":  # the placement the warm-up step measured for
                 held = {k: round(v / 2**30, 2) for k, v in engine.memory_report()["cuda"].items()}
                 other = getattr(engine.zero, "warmup_other_peak", None)
                 other = "not measured" if other is None else f"{other / 2**30:.2f} GiB"
-                print(f"after step 1: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, model data on the "
-                      f"GPU {held}, warm-up peak of other data {other}\n{engine.zero.explain()}", file=sys.stderr, flush=True)
+                print(
+                    f"after step 1: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, model data on the "
+                    f"GPU {held}, warm-up peak of other data {other}\n{engine.zero.explain()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank)
     warm = times[3:] or times
@@ -129,21 +177,34 @@ def main_run(a) -> None:
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     if rank == 0:
         mode = _mode(a)
-        r = dict(size=a.size, mode=mode, gpus=world, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt, compile=a.compile,
-                 tp_overlap=a.tp_overlap, bucket_mb=a.bucket_mb,
-                 params_b=round(nparam / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
-                 tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
-                 mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4), peak_mem_gib=round(mem, 1),
-                 loss=round(loss, 3), comm={k: v["seconds"] for k, v in engine.comm_stats().items()})
+        r = dict(
+            size=a.size,
+            mode=mode,
+            gpus=world,
+            mbs=a.mbs,
+            seq=a.seq,
+            ckpt=a.ckpt,
+            compile=a.compile,
+            tp_overlap=a.tp_overlap,
+            bucket_mb=a.bucket_mb,
+            params_b=round(nparam / 1e9, 3),
+            step_s=round(dt, 4),
+            tok_s_gpu=round(tok_per_gpu),
+            tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
+            mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4),
+            peak_mem_gib=round(mem, 1),
+            loss=round(loss, 3),
+            comm={k: v["seconds"] for k, v in engine.comm_stats().items()},
+        )
         if engine.zero is not None:
             gib = lambda d: {k: round(v / 2**30, 2) for k, v in d.items()}  # noqa: E731
             r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
             r["chunks"] = engine.zero.layout.num_chunks
             r["padding_pct"] = round(100 * engine.zero.layout.padding_fraction, 2)
-            if hu.count and len(cpu_log) > 3:   # CPU updates during the backward: the worker's time and
+            if hu.count and len(cpu_log) > 3:  # CPU updates during the backward: the worker's time and
                 per = [(b1 - b0, w1 - w0) for (b0, w0), (b1, w1) in zip(cpu_log[2:], cpu_log[3:])]
-                r["cpu_update_s"] = round(sorted(b for b, _ in per)[len(per) // 2], 3)   # step()'s wait, per
-                r["cpu_wait_s"] = round(sorted(w for _, w in per)[len(per) // 2], 3)     # warm step (median)
+                r["cpu_update_s"] = round(sorted(b for b, _ in per)[len(per) // 2], 3)  # step()'s wait, per
+                r["cpu_wait_s"] = round(sorted(w for _, w in per)[len(per) // 2], 3)  # warm step (median)
             print(engine.zero.explain(), flush=True)
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
@@ -154,6 +215,7 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
     time of NCCL kernels and of all other kernels (compute; kernels of one stream do not
     overlap, so compute / wall is the compute stream's busy share), and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -163,17 +225,26 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
         wall = (time.perf_counter() - t) / steps
     if rank != 0:
         return
+
     # Annotations on the device timeline ("Optimizer.step#...", ProcessGroupNCCL's "nccl:all_reduce")
     # span kernels that are counted themselves: left out.
     def kernel(e):
-        return (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                and "#" not in e.key and not e.key.startswith("nccl:"))
+        return (
+            e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)
+            and "#" not in e.key
+            and not e.key.startswith("nccl:")
+        )
+
     ev = [e for e in prof.key_averages() if kernel(e)]
     us = lambda e: getattr(e, "self_device_time_total", None) or e.self_cuda_time_total  # noqa: E731
     nccl = sum(us(e) for e in ev if "nccl" in e.key.lower()) / steps / 1e6
     other = sum(us(e) for e in ev if "nccl" not in e.key.lower()) / steps / 1e6
-    print(f"PROFILE per step: wall {wall:.4f} s, compute kernels {other:.4f} s ({other / wall:.1%} of wall), "
-          f"nccl kernels {nccl:.4f} s", flush=True)
+    print(
+        f"PROFILE per step: wall {wall:.4f} s, compute kernels {other:.4f} s ({other / wall:.1%} of wall), "
+        f"nccl kernels {nccl:.4f} s",
+        flush=True,
+    )
     kinds = {"gemm": ("gemm", "nvjet", "cutlass", "xmma"), "attention": ("flash", "attention", "fmha")}
     split = dict.fromkeys(list(kinds) + ["other"], 0.0)
     for e in ev:
@@ -188,7 +259,9 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
 def _mode(a) -> str:
     mode = "behemoth-dp" if a.tp == 1 else f"behemoth-tp{a.tp}-{a.tp_mode}{'-sp' if a.sp else ''}"
     if a.zero:
-        mode += f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "") + (f"-{a.param_dtype}" if a.param_dtype else "")
+        mode += (
+            f"-zero{a.zero}" + (f"-{a.offload}" if a.offload else "") + (f"-{a.param_dtype}" if a.param_dtype else "")
+        )
     return mode
 
 
@@ -218,8 +291,19 @@ def probe_max_mbs(engine, a, dev, rank) -> None:
             mbs += mbs % 2 if mbs > 1 else 0
     if rank == 0:
         mode = _mode(a)
-        print("RESULT " + json.dumps(dict(size=a.size, mode=mode, seq=a.seq, max_mbs_per_dp_rank=best,
-                                          first_failure=mbs if best < mbs else None)), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                dict(
+                    size=a.size,
+                    mode=mode,
+                    seq=a.seq,
+                    max_mbs_per_dp_rank=best,
+                    first_failure=mbs if best < mbs else None,
+                )
+            ),
+            flush=True,
+        )
     torch.distributed.destroy_process_group()
 
 

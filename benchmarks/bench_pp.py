@@ -22,6 +22,7 @@ the head in the proportions the balanced stages do.
 MFU uses the PaLM convention (6*N + 12*L*h*s FLOPs per token) against the card's dense bf16
 peak (989 TFLOP/s for H100/H200 SXM), per GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,12 @@ def time_pipeline(engine, batch, steps, dev):
         loss = engine.step(batch)
         _sync(dev)
         times.append(time.perf_counter() - t)
-        print(f"[rank {torch.distributed.get_rank()}] pipeline step {len(times)}: {times[-1]:.3f} s, loss {loss:.4f}",
-              file=sys.stderr, flush=True)
-    return _median(times[min(3, len(times) - 1):]), loss
+        print(
+            f"[rank {torch.distributed.get_rank()}] pipeline step {len(times)}: {times[-1]:.3f} s, loss {loss:.4f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _median(times[min(3, len(times) - 1) :]), loss
 
 
 def time_stage_alone(engine, batch, steps, dev):
@@ -92,7 +96,7 @@ def time_stage_alone(engine, batch, steps, dev):
         engine.optimizer.step()
         _sync(dev)
         times.append(time.perf_counter() - t)
-    return _median(times[min(3, len(times) - 1):])
+    return _median(times[min(3, len(times) - 1) :])
 
 
 def main() -> None:
@@ -108,8 +112,12 @@ def main() -> None:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--tiny", action="store_true", help="gpt-mini, seq 128, fp32, 4 steps: a CPU smoke test")
-    p.add_argument("--dump-after", type=float, default=0.0,
-                   help="print every thread's Python stack after this many seconds, then exit (hang diagnosis)")
+    p.add_argument(
+        "--dump-after",
+        type=float,
+        default=0.0,
+        help="print every thread's Python stack after this many seconds, then exit (hang diagnosis)",
+    )
     a = p.parse_args()
     if a.dump_after > 0:
         faulthandler.dump_traceback_later(a.dump_after, exit=True)
@@ -120,14 +128,20 @@ def main() -> None:
     dev = bh.distributed.device_for_rank()
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)   # serial counts
-    plan = bh.Plan(pp=world, microbatches=a.microbatches, schedule=a.schedule, virtual_stages=a.virtual_stages,
-                   precision="fp32" if a.tiny else "bf16", activation_checkpointing=a.ckpt)
+    nparam, flops_per_tok = model.num_params(), model.flops_per_token(a.seq)  # serial counts
+    plan = bh.Plan(
+        pp=world,
+        microbatches=a.microbatches,
+        schedule=a.schedule,
+        virtual_stages=a.virtual_stages,
+        precision="fp32" if a.tiny else "bf16",
+        activation_checkpointing=a.ckpt,
+    )
     engine = bh.boost(model, opt, plan)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    g = torch.Generator(device=dev).manual_seed(0)   # every stage holds the same batch
+    g = torch.Generator(device=dev).manual_seed(0)  # every stage holds the same batch
     x = torch.randint(0, a.vocab, (a.microbatches * a.mbs, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
     t_step, loss = time_pipeline(engine, batch, a.steps, dev)
@@ -139,20 +153,36 @@ def main() -> None:
     tokens = a.microbatches * a.mbs * a.seq
     m, pp = a.microbatches, world
     tok_s = tokens / t_step_max
-    single = tokens / t_slowest_stage     # NaN with virtual stages (no stage-alone timing): reported as null
+    single = tokens / t_slowest_stage  # NaN with virtual stages (no stage-alone timing): reported as null
     ideal = m / (m + pp - 1) * single
     num = lambda x, nd=None: None if x != x else round(x, nd)  # noqa: E731  (NaN -> null)
     if rank == 0:
-        r = dict(size=a.size, mode=f"behemoth-pp{pp}-{a.schedule}", gpus=world, microbatches=m, mbs=a.mbs,
-                 seq=a.seq, ckpt=a.ckpt, params_b=round(nparam / 1e9, 3), stages=engine.stage_ranges,
-                 step_s=round(t_step_max, 4), tok_s=round(tok_s), tok_s_gpu=round(tok_s / world),
-                 tflops_gpu=round(tok_s / world * flops_per_tok / 1e12, 1),
-                 mfu=round(tok_s / world * flops_per_tok / a.peak, 4),
-                 slowest_stage_alone_s=num(t_slowest_stage, 4), single_stage_tok_s=num(single),
-                 ideal_tok_s=num(ideal), ideal_fraction=round(m / (m + pp - 1), 4),
-                 vs_ideal=num(tok_s / ideal, 4), bubble_measured=num(1 - t_slowest_stage / t_step_max, 4),
-                 bubble_theory=round((pp - 1) / (m + pp - 1), 4), peak_mem_gib=round(mem, 1), loss=round(loss, 3),
-                 comm={k: v["seconds"] for k, v in engine.comm_stats().items()})
+        r = dict(
+            size=a.size,
+            mode=f"behemoth-pp{pp}-{a.schedule}",
+            gpus=world,
+            microbatches=m,
+            mbs=a.mbs,
+            seq=a.seq,
+            ckpt=a.ckpt,
+            params_b=round(nparam / 1e9, 3),
+            stages=engine.stage_ranges,
+            step_s=round(t_step_max, 4),
+            tok_s=round(tok_s),
+            tok_s_gpu=round(tok_s / world),
+            tflops_gpu=round(tok_s / world * flops_per_tok / 1e12, 1),
+            mfu=round(tok_s / world * flops_per_tok / a.peak, 4),
+            slowest_stage_alone_s=num(t_slowest_stage, 4),
+            single_stage_tok_s=num(single),
+            ideal_tok_s=num(ideal),
+            ideal_fraction=round(m / (m + pp - 1), 4),
+            vs_ideal=num(tok_s / ideal, 4),
+            bubble_measured=num(1 - t_slowest_stage / t_step_max, 4),
+            bubble_theory=round((pp - 1) / (m + pp - 1), 4),
+            peak_mem_gib=round(mem, 1),
+            loss=round(loss, 3),
+            comm={k: v["seconds"] for k, v in engine.comm_stats().items()},
+        )
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
 

@@ -25,6 +25,7 @@ the PaLM convention (6*N + 12*L*h*s FLOPs per token, s the whole sequence) again
 ``--peak`` (989 TFLOP/s dense bf16, H100/H200 SXM), so throughput at different sequence
 lengths compares at equal work through TFLOP/s/GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,7 +80,7 @@ def check(a) -> None:
     mesh = ParallelMesh(bh.Plan(sp=world, dp=1), rank, world)
     axis = mesh.axis("sp")
     B, N, K, S, D = a.mbs, a.heads, a.kv_heads or a.heads, a.seq, a.head_dim
-    g = torch.Generator(device=dev).manual_seed(0)   # the same full tensors on every rank
+    g = torch.Generator(device=dev).manual_seed(0)  # the same full tensors on every rank
     q32 = torch.randn(B, N, S, D, device=dev, generator=g)
     k32 = torch.randn(B, K, S, D, device=dev, generator=g)
     v32 = torch.randn(B, K, S, D, device=dev, generator=g)
@@ -92,7 +93,7 @@ def check(a) -> None:
         (out.float() * w32).sum().backward()
         return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
-    ref = full(torch.float32)   # memory-efficient kernel in fp32: the reference
+    ref = full(torch.float32)  # memory-efficient kernel in fp32: the reference
     base = full(torch.bfloat16)  # flash kernel in bf16: the error budget
     base_err = [(b - r).abs().max().item() for b, r in zip(base, ref)]
 
@@ -120,9 +121,11 @@ def check(a) -> None:
             qq, kk, vv = (t.detach().requires_grad_() for t in (ql, kl, vl))
             o = sequence_attention(qq, kk, vv, axis, mode=mode)
             o.backward(wl)
+
         ms = _median_time(step, a.iters) * 1e3
-        results[name] = dict(max_err=dict(zip(("out", "dq", "dk", "dv"), [round(e, 5) for e in err])),
-                             ok=ok, fwd_bwd_ms=round(ms, 3))
+        results[name] = dict(
+            max_err=dict(zip(("out", "dq", "dk", "dv"), [round(e, 5) for e in err])), ok=ok, fwd_bwd_ms=round(ms, 3)
+        )
         if mode == "ring":
             results[name]["block_kernel"] = ring.block_kernel(ql)
         ql = kl = vl = out = got = None  # free before the next case (step() has run)
@@ -136,38 +139,56 @@ def check(a) -> None:
     def full_step():
         qq, kk, vv = (t.detach().requires_grad_() for t in (qf, kf, vf))
         F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa).backward(wf)
+
     full_ms = _median_time(full_step, a.iters) * 1e3
     try:
         full_kernel = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}.get(
-            int(torch._fused_sdp_choice(qf, kf, vf, is_causal=True, enable_gqa=gqa)), "other")
+            int(torch._fused_sdp_choice(qf, kf, vf, is_causal=True, enable_gqa=gqa)), "other"
+        )
     except (RuntimeError, TypeError):
         full_kernel = "unknown"
     flags = torch.tensor([float(all(r["ok"] for r in results.values()))], device=dev)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
     if rank == 0:
-        for r in results.values():   # ideal: full_ms / sp (each rank does 1/sp of the causal work)
+        for r in results.values():  # ideal: full_ms / sp (each rank does 1/sp of the causal work)
             r["speedup_vs_one_gpu_full_sdpa"] = round(full_ms / r["fwd_bwd_ms"], 3)
-        print("RESULT " + json.dumps(dict(check="sequence-attention", gpus=world, batch=B, heads=N, kv_heads=K,
-                                          seq=S, head_dim=D, dtype="bf16", one_gpu_full_sdpa_ms=round(full_ms, 3),
-                                          one_gpu_sdpa_kernel=full_kernel,
-                                          sdpa_bf16_err=dict(zip(("out", "dq", "dk", "dv"),
-                                                                 [round(e, 5) for e in base_err])),
-                                          all_ok=bool(flags.item()), **results)), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                dict(
+                    check="sequence-attention",
+                    gpus=world,
+                    batch=B,
+                    heads=N,
+                    kv_heads=K,
+                    seq=S,
+                    head_dim=D,
+                    dtype="bf16",
+                    one_gpu_full_sdpa_ms=round(full_ms, 3),
+                    one_gpu_sdpa_kernel=full_kernel,
+                    sdpa_bf16_err=dict(zip(("out", "dq", "dk", "dv"), [round(e, 5) for e in base_err])),
+                    all_ok=bool(flags.item()),
+                    **results,
+                )
+            ),
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- training
 def _engine(a, seq: int, dev):
     model = build_model(a.size, vocab_size=a.vocab, seq_len=seq, device=dev, tie_embeddings=a.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and not a.zero)
-    counts = model.num_params(), model.flops_per_token(seq)   # serial counts
+    counts = model.num_params(), model.flops_per_token(seq)  # serial counts
     world = torch.distributed.get_world_size()
-    plan = bh.Plan(dp=world // a.sp, sp=a.sp, sp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt,
-                   zero=a.zero)
+    plan = bh.Plan(
+        dp=world // a.sp, sp=a.sp, sp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt, zero=a.zero
+    )
     return bh.boost(model, opt, plan), counts
 
 
 def _batch(a, seq: int, engine, dev):
-    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)   # sp ranks share their dp rank's batch
+    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # sp ranks share their dp rank's batch
     x = torch.randint(0, a.vocab, (a.mbs, seq + 1), device=dev, generator=g)
     return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
 
@@ -193,11 +214,23 @@ def train(a) -> None:
     dt = sorted(warm)[len(warm) // 2]
     tok_per_gpu = a.mbs * a.seq / dt / a.sp
     if rank == 0:
-        r = dict(size=a.size, mode=_label(a), gpus=world, sp=a.sp, mbs=a.mbs, seq=a.seq, ckpt=a.ckpt,
-                 params_b=round(nparam / 1e9, 3), step_s=round(dt, 4), tok_s_gpu=round(tok_per_gpu),
-                 tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1), mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4),
-                 peak_mem_gib=round(_peak_gib(), 1), loss=round(loss, 3),
-                 comm_s={k: v["seconds"] for k, v in engine.comm_stats().items()})
+        r = dict(
+            size=a.size,
+            mode=_label(a),
+            gpus=world,
+            sp=a.sp,
+            mbs=a.mbs,
+            seq=a.seq,
+            ckpt=a.ckpt,
+            params_b=round(nparam / 1e9, 3),
+            step_s=round(dt, 4),
+            tok_s_gpu=round(tok_per_gpu),
+            tflops_gpu=round(tok_per_gpu * flops_per_tok / 1e12, 1),
+            mfu=round(tok_per_gpu * flops_per_tok / a.peak, 4),
+            peak_mem_gib=round(_peak_gib(), 1),
+            loss=round(loss, 3),
+            comm_s={k: v["seconds"] for k, v in engine.comm_stats().items()},
+        )
         print("RESULT " + json.dumps(r), flush=True)
 
 
@@ -238,17 +271,33 @@ def probe_max_seq(a) -> None:
     while seq <= a.max_seq:
         ok, peak = _trains(a, seq, dev)
         if rank == 0:
-            print(f"probe: seq {seq} {'trains' if ok else 'fails'}" + (f" (peak {peak:.1f} GiB)" if ok else ""),
-                  flush=True)
+            print(
+                f"probe: seq {seq} {'trains' if ok else 'fails'}" + (f" (peak {peak:.1f} GiB)" if ok else ""),
+                flush=True,
+            )
         if not ok:
             fail = seq
             break
         best, best_peak = seq, peak
         seq = max(seq + step, -(-int(seq * a.probe_growth) // step) * step)
     if rank == 0:
-        print("RESULT " + json.dumps(dict(size=a.size, mode=_label(a), sp=a.sp, mbs=a.mbs, ckpt=a.ckpt, zero=a.zero,
-                                          max_seq=best, peak_mem_gib=round(best_peak, 1) if best else None,
-                                          first_failure=fail)), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                dict(
+                    size=a.size,
+                    mode=_label(a),
+                    sp=a.sp,
+                    mbs=a.mbs,
+                    ckpt=a.ckpt,
+                    zero=a.zero,
+                    max_seq=best,
+                    peak_mem_gib=round(best_peak, 1) if best else None,
+                    first_failure=fail,
+                )
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -264,18 +313,28 @@ def main() -> None:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp x sp (frees model data for activations)")
     p.add_argument("--tied", action="store_true", help="tie input/output embeddings (peer_baseline's are untied)")
-    p.add_argument("--probe-max-seq", action="store_true",
-                   help="find the longest sequence (from --seq up) that trains 2 steps, instead of timing")
+    p.add_argument(
+        "--probe-max-seq",
+        action="store_true",
+        help="find the longest sequence (from --seq up) that trains 2 steps, instead of timing",
+    )
     p.add_argument("--max-seq", type=int, default=1 << 20)
     p.add_argument("--seq-step", type=int, default=2048, help="probe candidates are multiples of this")
-    p.add_argument("--probe-growth", type=float, default=1.25, help="probe: next candidate = this x the last "
-                   "(at least + --seq-step); 1 climbs by --seq-step")
+    p.add_argument(
+        "--probe-growth",
+        type=float,
+        default=1.25,
+        help="probe: next candidate = this x the last (at least + --seq-step); 1 climbs by --seq-step",
+    )
     p.add_argument("--heads", type=int, default=16, help="--check: query heads")
     p.add_argument("--kv-heads", type=int, default=0, help="--check: kv heads (0 = heads)")
     p.add_argument("--head-dim", type=int, default=128, help="--check: head dim")
     p.add_argument("--iters", type=int, default=10, help="--check: timed iterations")
-    p.add_argument("--ring-kernels", default="flash,cudnn,plain",
-                   help="--check: ring block kernels to time besides 'auto' (comma-separated)")
+    p.add_argument(
+        "--ring-kernels",
+        default="flash,cudnn,plain",
+        help="--check: ring block kernels to time besides 'auto' (comma-separated)",
+    )
     p.add_argument("--peak", type=float, default=989e12)
     a = p.parse_args()
     bh.init()

@@ -6,6 +6,7 @@ the kernels' or something around them.
 
     python benchmarks/cpu_kernels.py [elements, default 256M]
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,10 +32,12 @@ def kernels(n: int) -> dict[str, float]:
     p = torch.nn.Parameter(master)
     p.grad = grad
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    return {"threads": torch.get_num_threads(),
-            "adamw_gparam_s": n / timed(opt.step) / 1e9,
-            "norm_gb_s": 4 * n / timed(lambda: torch.linalg.vector_norm(grad)) / 1e9,
-            "to_bf16_gb_s": 4 * n / timed(lambda: low.copy_(master)) / 1e9}
+    return {
+        "threads": torch.get_num_threads(),
+        "adamw_gparam_s": n / timed(opt.step) / 1e9,
+        "norm_gb_s": 4 * n / timed(lambda: torch.linalg.vector_norm(grad)) / 1e9,
+        "to_bf16_gb_s": 4 * n / timed(lambda: low.copy_(master)) / 1e9,
+    }
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """behemoth: train large models across many devices with one Plan.
 
-    import behemoth as bh
-    bh.init()
-    engine = bh.boost(model, optimizer, bh.Plan(dp=2))
-    loss = engine.step(batch)
+import behemoth as bh
+bh.init()
+engine = bh.boost(model, optimizer, bh.Plan(dp=2))
+loss = engine.step(batch)
 """
+
 from .distributed import init, spawn
 from .engine import Engine, boost
 from .mesh import ParallelMesh

@@ -1,4 +1,5 @@
 """``python -m behemoth ...``: the same as the ``behemoth`` command (see behemoth.cli)."""
+
 import sys
 
 from behemoth.cli import main

@@ -15,6 +15,7 @@ Errors in the configuration or the job (``ValueError``, missing files or package
 unsupported plan fields) print one line and exit with status 2; set ``BEHEMOTH_TRACEBACK=1``
 for the full traceback. Any other failure keeps its traceback and exits with status 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,21 +31,34 @@ sections: model, data, optim, plan, train (see `behemoth config CONFIG` for ever
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth", description="Train large models with one Plan.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    p = argparse.ArgumentParser(
+        prog="behemoth",
+        description="Train large models with one Plan.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan}")
-    for name, text in (("train", "train (one process, or one rank under torchrun)"),
-                       ("config", "print the fully resolved config and exit")):
-        s = sub.add_parser(name, help=text, description=text, epilog=_EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, text in (
+        ("train", "train (one process, or one rank under torchrun)"),
+        ("config", "print the fully resolved config and exit"),
+    ):
+        s = sub.add_parser(
+            name, help=text, description=text, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         s.add_argument("config", help="path of a .toml job file (e.g. src/behemoth/configs/demo.toml)")
-    r = sub.add_parser("run", help="launch N local processes with torchrun, each running a behemoth command",
-                       description="launch N local processes (torchrun --standalone) running `behemoth ARGS...`")
+    r = sub.add_parser(
+        "run",
+        help="launch N local processes with torchrun, each running a behemoth command",
+        description="launch N local processes (torchrun --standalone) running `behemoth ARGS...`",
+    )
     r.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
     r.add_argument("args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...]")
-    m = sub.add_parser("plan", help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
-                       description="print the chunk layout, per-rank model data per ZeRO stage and, when the model "
-                                   "does not fit, the GPU/host split offload='auto' would choose")
+    m = sub.add_parser(
+        "plan",
+        help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
+        description="print the chunk layout, per-rank model data per ZeRO stage and, when the model "
+        "does not fit, the GPU/host split offload='auto' would choose",
+    )
     m.add_argument("--memory", action="store_true", required=True, help="plan memory (the only planner so far)")
     m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-7b")
     m.add_argument("--vocab", type=int, default=50304)
@@ -53,10 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--zero", type=int, default=3, choices=[1, 2, 3])
     m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")
     m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
-    m.add_argument("--param-dtype", default=None, choices=[None, "bf16"],
-                   help="Plan.param_dtype: bf16 parameter copies of the fp32 masters (under zero=3, offloaded ones on the host)")
-    m.add_argument("--activations-gb", type=float, default=0.0,
-                   help="activation memory per rank (the runtime measures it in its warm-up step)")
+    m.add_argument(
+        "--param-dtype",
+        default=None,
+        choices=[None, "bf16"],
+        help="Plan.param_dtype: bf16 parameter copies of the fp32 masters (under zero=3, offloaded ones on the host)",
+    )
+    m.add_argument(
+        "--activations-gb",
+        type=float,
+        default=0.0,
+        help="activation memory per rank (the runtime measures it in its warm-up step)",
+    )
     return p
 
 
@@ -66,9 +88,16 @@ def cmd_plan(a) -> int:
 
     model = build_model(a.model, vocab_size=a.vocab, seq_len=a.seq, device="meta")
     sizes = [p.numel() for p in model.parameters()]
-    gib = 2 ** 30
-    plan = memory_plan(sizes, dp=a.dp, stage=a.zero, gpu_bytes=int(a.gpu_gb * gib), host_bytes=int(a.host_gb * gib),
-                       activation_bytes=int(a.activations_gb * gib), param_bytes=2 if a.param_dtype else 4)
+    gib = 2**30
+    plan = memory_plan(
+        sizes,
+        dp=a.dp,
+        stage=a.zero,
+        gpu_bytes=int(a.gpu_gb * gib),
+        host_bytes=int(a.host_gb * gib),
+        activation_bytes=int(a.activations_gb * gib),
+        param_bytes=2 if a.param_dtype else 4,
+    )
     print(plan.text)
     return 0
 
@@ -97,7 +126,7 @@ def cmd_train(path: str, overrides: list[str]) -> int:
     from behemoth.train.config import format_config
     from behemoth.train.trainer import train
 
-    config = _load(path, overrides, _env_world_size())   # fails before any process group exists
+    config = _load(path, overrides, _env_world_size())  # fails before any process group exists
     config.plan.check_supported()
     bh.init()
     config = config.resolved(world_size=dist.get_world_size())
@@ -118,8 +147,10 @@ def cmd_run(nproc: int, args: list[str]) -> int:
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be >= 1.")
     if len(args) < 2 or args[0] not in ("train", "config"):
-        raise ValueError(f"behemoth run needs a command to launch, e.g. `behemoth run --nproc {nproc} train "
-                         f"CONFIG`; got {' '.join(args) or 'nothing'!r}.")
+        raise ValueError(
+            f"behemoth run needs a command to launch, e.g. `behemoth run --nproc {nproc} train "
+            f"CONFIG`; got {' '.join(args) or 'nothing'!r}."
+        )
     # Check the job here, before starting N processes that would all fail the same way.
     config = _load(args[1], _split_overrides(args[2:]), nproc)
     if args[0] == "train":
@@ -135,8 +166,11 @@ def cmd_run(nproc: int, args: list[str]) -> int:
     except ChildFailedError as e:
         first = min(e.failures.items())
         rank, failure = first
-        print(f"behemoth run: {len(e.failures)} of {nproc} processes failed; first: rank {rank} "
-              f"exited with code {failure.exitcode} (its error is printed above).", file=sys.stderr)
+        print(
+            f"behemoth run: {len(e.failures)} of {nproc} processes failed; first: rank {rank} "
+            f"exited with code {failure.exitcode} (its error is printed above).",
+            file=sys.stderr,
+        )
         return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
     return 0
 
@@ -144,8 +178,9 @@ def cmd_run(nproc: int, args: list[str]) -> int:
 def _split_overrides(rest: list[str]) -> list[str]:
     bad = [a for a in rest if not a.startswith("--")]
     if bad:
-        raise ValueError(f"unexpected argument {bad[0]!r}: overrides look like --section.key=value "
-                         f"(for example --train.steps=100).")
+        raise ValueError(
+            f"unexpected argument {bad[0]!r}: overrides look like --section.key=value (for example --train.steps=100)."
+        )
     return rest
 
 
@@ -171,8 +206,10 @@ def _main(argv: list[str]) -> int:
     try:
         if args.command == "run":
             if rest:
-                raise ValueError(f"unexpected argument(s) {' '.join(rest)} before the launched command; "
-                                 f"write `behemoth run --nproc N train CONFIG ...`.")
+                raise ValueError(
+                    f"unexpected argument(s) {' '.join(rest)} before the launched command; "
+                    f"write `behemoth run --nproc N train CONFIG ...`."
+                )
             return cmd_run(args.nproc, args.args)
         if args.command == "plan":
             if rest:

@@ -13,6 +13,7 @@ Two kinds of API:
 
 An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,11 +24,35 @@ import torch.distributed as dist
 
 from .ledger import AxisTraffic, Ledger
 
-__all__ = ["AxisTraffic", "Ledger", "Axis",   # the ledger classes live in ledger.py, re-exported here
-           "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce",
-           "exchange", "all_reduce_scalars", "all_agree", "all_gather_into", "AsyncCollective",
-           "all_gather_async", "reduce_scatter_async", "ring_shift_async", "send_async", "recv_async", "CopyToAxis", "ReduceFromAxis", "GatherFromAxis", "ScatterToAxis",
-           "AllGatherToAxis", "ReduceScatterToAxis", "AllToAllAxis", "ExchangeWithPeer"]
+__all__ = [
+    "AxisTraffic",
+    "Ledger",
+    "Axis",  # the ledger classes live in ledger.py, re-exported here
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "reduce",
+    "exchange",
+    "all_reduce_scalars",
+    "all_agree",
+    "all_gather_into",
+    "AsyncCollective",
+    "all_gather_async",
+    "reduce_scatter_async",
+    "ring_shift_async",
+    "send_async",
+    "recv_async",
+    "CopyToAxis",
+    "ReduceFromAxis",
+    "GatherFromAxis",
+    "ScatterToAxis",
+    "AllGatherToAxis",
+    "ReduceScatterToAxis",
+    "AllToAllAxis",
+    "ExchangeWithPeer",
+]
 
 
 # --------------------------------------------------------------------------- axis
@@ -86,8 +111,9 @@ def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool
     n = axis.size
     t0 = time.perf_counter()
     work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
-    axis.ledger.record(axis.name, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t),
-                       0.0 if async_op else time.perf_counter() - t0)
+    axis.ledger.record(
+        axis.name, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), 0.0 if async_op else time.perf_counter() - t0
+    )
     return _Pending(work, axis) if async_op else t
 
 
@@ -117,8 +143,10 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
         return t
     n = axis.size
     if t.shape[dim] % n:
-        raise ValueError(f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-                         f"is not divisible by the axis size {n}.")
+        raise ValueError(
+            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+            f"is not divisible by the axis size {n}."
+        )
     t0 = time.perf_counter()
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
@@ -228,8 +256,9 @@ class ScatterToAxis(torch.autograd.Function):
     def forward(ctx, x, axis: Axis, dim: int):
         ctx.axis, ctx.dim = axis, dim
         if x.shape[dim] % axis.size:
-            raise ValueError(f"ScatterToAxis over {axis.name!r}: dim {dim} of size {x.shape[dim]} "
-                             f"is not divisible by {axis.size}.")
+            raise ValueError(
+                f"ScatterToAxis over {axis.name!r}: dim {dim} of size {x.shape[dim]} is not divisible by {axis.size}."
+            )
         return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
 
     @staticmethod
@@ -332,7 +361,6 @@ class ExchangeWithPeer(torch.autograd.Function):
         return exchange(g, ctx.axis, ctx.peer), None, None
 
 
-
 # --------------------------------------------------------------------------- 3D additions: asynchronous collectives
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -383,8 +411,10 @@ def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncColl
         return AsyncCollective(None, axis, lambda: t)
     n = axis.size
     if t.shape[dim] % n:
-        raise ValueError(f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-                         f"is not divisible by the axis size {n}.")
+        raise ValueError(
+            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+            f"is not divisible by the axis size {n}."
+        )
     inp = t.movedim(dim, 0).contiguous()
     if dist.get_backend(axis.group) == "gloo":
         # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.
@@ -430,8 +460,10 @@ def ring_shift_async(t: torch.Tensor, axis: Axis, shift: int = 1) -> AsyncCollec
         return AsyncCollective(None, axis, lambda: t)
     src = t.contiguous()
     out = torch.empty_like(src)
-    ops = [dist.P2POp(dist.isend, src, axis.ranks[(axis.rank + shift) % n], axis.group),
-           dist.P2POp(dist.irecv, out, axis.ranks[(axis.rank - shift) % n], axis.group)]
+    ops = [
+        dist.P2POp(dist.isend, src, axis.ranks[(axis.rank + shift) % n], axis.group),
+        dist.P2POp(dist.irecv, out, axis.ranks[(axis.rank - shift) % n], axis.group),
+    ]
     works = dist.batch_isend_irecv(ops)
     axis.ledger.record(axis.name, "ring_shift", _nbytes(src), _nbytes(src))
     return AsyncCollective(_Works(works), axis, lambda: out, src, out)
@@ -450,8 +482,10 @@ def send_async(t: torch.Tensor, axis: Axis, peer_index: int, tag: int = 0) -> As
     ``wait()``. Not differentiable (the pipeline runtime owns the backward).
     Ledger: op ``send``, payload = wire = ``t``'s bytes."""
     if axis.trivial or peer_index == axis.rank:
-        raise ValueError(f"send_async over axis {axis.name!r}: peer_index={peer_index} is this member "
-                         f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead.")
+        raise ValueError(
+            f"send_async over axis {axis.name!r}: peer_index={peer_index} is this member "
+            f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead."
+        )
     src = t.detach().contiguous()
     work = dist.isend(src, axis.ranks[peer_index], group=axis.group, tag=tag)
     axis.ledger.record(axis.name, "send", _nbytes(src), _nbytes(src))
@@ -459,15 +493,18 @@ def send_async(t: torch.Tensor, axis: Axis, peer_index: int, tag: int = 0) -> As
 
 
 @_eager
-def recv_async(shape, dtype: torch.dtype, axis: Axis, peer_index: int, tag: int = 0,
-               device: torch.device | str | None = None) -> AsyncCollective:
+def recv_async(
+    shape, dtype: torch.dtype, axis: Axis, peer_index: int, tag: int = 0, device: torch.device | str | None = None
+) -> AsyncCollective:
     """Post a receive of a ``shape``/``dtype`` tensor from the axis member ``peer_index``
     (``irecv``); the handle's ``wait()`` returns it. Shapes are agreed in advance (no
     handshake): both sides derive them from the micro-batch shape.
     Ledger: op ``recv``, payload = the tensor's bytes, wire = 0 (the sender books them)."""
     if axis.trivial or peer_index == axis.rank:
-        raise ValueError(f"recv_async over axis {axis.name!r}: peer_index={peer_index} is this member "
-                         f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead.")
+        raise ValueError(
+            f"recv_async over axis {axis.name!r}: peer_index={peer_index} is this member "
+            f"(rank {axis.rank} of {axis.size}); hand the tensor over locally instead."
+        )
     out = torch.empty(tuple(shape), dtype=dtype, device=device if device is not None else _scalar_device(axis))
     work = dist.irecv(out, axis.ranks[peer_index], group=axis.group, tag=tag)
     axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
@@ -487,12 +524,14 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
         return _DONE if async_op else out
     n = axis.size
     if out.numel() != n * shard.numel():
-        raise ValueError(f"all_gather_into over {axis.name!r}: out has {out.numel()} elements, expected "
-                         f"{n} x {shard.numel()}.")
+        raise ValueError(
+            f"all_gather_into over {axis.name!r}: out has {out.numel()} elements, expected {n} x {shard.numel()}."
+        )
     if dist.get_backend(axis.group) == "gloo" and out.data_ptr() <= shard.data_ptr() < out.data_ptr() + _nbytes(out):
-        shard = shard.clone()   # gloo does not promise aliasing-safe all-gather
+        shard = shard.clone()  # gloo does not promise aliasing-safe all-gather
     t0 = time.perf_counter()
     work = _all_gather_single(out, shard, group=axis.group, async_op=async_op)
-    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(shard),
-                       0.0 if async_op else time.perf_counter() - t0)
+    axis.ledger.record(
+        axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(shard), 0.0 if async_op else time.perf_counter() - t0
+    )
     return _Pending(work, axis, after=lambda: shard) if async_op else out

@@ -5,6 +5,7 @@ Backend: NCCL when CUDA is available, gloo otherwise. Every group gets a bounded
 timeout (``BEHEMOTH_TIMEOUT`` seconds, default 300) so a dead peer turns into an error,
 never a hang; ``spawn`` additionally kills the survivors as soon as one child fails.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -55,15 +56,17 @@ def init(backend: str | None = None) -> None:
 
 def _child(index: int, fn, world_size: int, store_path: str, args) -> None:
     faulthandler.enable()  # a hard crash (abort, segfault) still prints the Python stack
-    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dev = device_for_rank()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=index,
-                            world_size=world_size, timeout=default_timeout())
+    dist.init_process_group(
+        backend, init_method=f"file://{store_path}", rank=index, world_size=world_size, timeout=default_timeout()
+    )
     try:
         fn(index, world_size, *args)
     except BaseException as e:
@@ -99,14 +102,17 @@ def spawn(fn, world_size: int, *args, timeout: float | None = None) -> None:
     timeout = float(timeout if timeout is not None else os.environ.get("BEHEMOTH_SPAWN_TIMEOUT", "900"))
     with tempfile.TemporaryDirectory(prefix="behemoth-spawn-") as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_child, args=(fn, world_size, store, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _child, args=(fn, world_size, store, args), nprocs=world_size, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=0.2):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"spawn: {world_size} processes running {getattr(fn, '__name__', fn)} "
-                                       f"did not finish within {timeout:.0f} s; killed them.")
+                    raise TimeoutError(
+                        f"spawn: {world_size} processes running {getattr(fn, '__name__', fn)} "
+                        f"did not finish within {timeout:.0f} s; killed them."
+                    )
         except mp.ProcessExitedException as e:
             how = f"died with exit code {e.exit_code}" + (f" (signal {e.signal_name})" if e.signal_name else "")
             raise RuntimeError(f"spawn: process {e.error_index} {how}" + _child_errors(tmp)) from None
@@ -129,8 +135,10 @@ def _child_errors(tmp: str) -> str:
             with open(os.path.join(tmp, name)) as f:
                 stamp, _, text = f.read().partition("\n")
             found.append((float(stamp or 0), int(name[6:-4]), text))
-    return "".join(f"\n--- rank {rank} raised{' first' if i == 0 else ''}:\n{text}"
-                   for i, (_, rank, text) in enumerate(sorted(found)))
+    return "".join(
+        f"\n--- rank {rank} raised{' first' if i == 0 else ''}:\n{text}"
+        for i, (_, rank, text) in enumerate(sorted(found))
+    )
 
 
 def format_exception(e: BaseException) -> str:

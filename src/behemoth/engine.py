@@ -23,11 +23,12 @@ gradients are partial over ``sp`` as well and are summed over ``dp_sp`` (``data_
 Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
 rebuilt over the engine's parameters with the user's class and hyper-parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,13 @@ from .parallel.zero.measure import memory_report
 from .parallel.zero.optimizer import ZeroOptimizer
 from .plan import Plan
 from .precision import LossScaler, autocast_context
-from .styles import (apply_activation_checkpointing, apply_compile, apply_sequence_parallel, apply_tensor_parallel,
-                     prepare_model)
+from .styles import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_sequence_parallel,
+    apply_tensor_parallel,
+    prepare_model,
+)
 
 IGNORE_INDEX = -100
 
@@ -56,8 +62,10 @@ def logits_of(outputs) -> torch.Tensor:
     if logits is None and isinstance(outputs, (tuple, list)):
         logits = outputs[0]
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"the model returned {type(outputs).__name__}, which has no logits; pass "
-                        f"loss_fn=... to bh.boost to compute the loss from it.")
+        raise TypeError(
+            f"the model returned {type(outputs).__name__}, which has no logits; pass "
+            f"loss_fn=... to bh.boost to compute the loss from it."
+        )
     return logits
 
 
@@ -79,13 +87,21 @@ def _rows(batch) -> int | None:
 def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
     """Sum of next-token cross-entropy over the batch's labelled positions (fp32)."""
     logits = logits_of(outputs)
-    return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
-def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | None = None, *,
-          loss_fn: Callable | None = None, max_grad_norm: float | None = None,
-          tp_policy: dict[str, str] | None = None, stages: list[tuple[int, int]] | None = None) -> "Engine":
+def boost(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    max_grad_norm: float | None = None,
+    tp_policy: dict[str, str] | None = None,
+    stages: list[tuple[int, int]] | None = None,
+) -> Engine:
     """Shard and wrap ``model`` for ``plan``, rebuild ``optimizer`` over its shards, and
     return the :class:`Engine` that trains it.
 
@@ -105,7 +121,7 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     init()
     plan = plan or Plan()
     world, rank = dist.get_world_size(), dist.get_rank()
-    plan = plan.resolve(world)          # ValueError on every rank, before any collective
+    plan = plan.resolve(world)  # ValueError on every rank, before any collective
     plan.check_supported()
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0, or None to disable clipping.")
@@ -114,8 +130,17 @@ def boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     mesh = ParallelMesh(plan, rank, world)
     if plan.pp > 1:
         from .parallel.pipeline.engine import PipelineEngine
-        return PipelineEngine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-                              tp_policy=tp_policy, stages=stages)
+
+        return PipelineEngine(
+            model,
+            optimizer,
+            plan,
+            mesh,
+            loss_fn=loss_fn,
+            max_grad_norm=max_grad_norm,
+            tp_policy=tp_policy,
+            stages=stages,
+        )
     return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy)
 
 
@@ -138,8 +163,9 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, params_of: Callable) -> 
 class Engine:
     """Trains one model under one plan. Build it with :func:`boost`."""
 
-    def __init__(self, model, optimizer, plan: Plan, mesh: ParallelMesh, *, loss_fn=None,
-                 max_grad_norm=None, tp_policy=None) -> None:
+    def __init__(
+        self, model, optimizer, plan: Plan, mesh: ParallelMesh, *, loss_fn=None, max_grad_norm=None, tp_policy=None
+    ) -> None:
         self.plan, self.mesh = plan, mesh
         self.device = device_for_rank()
         self.loss_fn = loss_fn
@@ -148,24 +174,28 @@ class Engine:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 if id(p) not in model_params:
-                    raise ValueError("the optimizer holds a parameter that is not in the model; build it over "
-                                     "model.parameters() (or groups of them) before bh.boost.")
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not in the model; build it over "
+                        "model.parameters() (or groups of them) before bh.boost."
+                    )
         if (plan.tp > 1 or plan.zero) and optimizer.state:
-            raise ValueError("the optimizer already has state; under tensor parallelism or ZeRO build the engine "
-                             "before the first optimizer step (its state would not match the parameter shards).")
+            raise ValueError(
+                "the optimizer already has state; under tensor parallelism or ZeRO build the engine "
+                "before the first optimizer step (its state would not match the parameter shards)."
+            )
         # ZeRO-3 without tp/sp moves parameters to the device chunk by chunk (a model built on the
         # host may be larger than the device); everything else moves the whole model now.
         chunked_build = plan.zero == 3 and plan.tp == 1 and plan.sp == 1 and plan.pp == 1
         self.model = prepare_model(model, self.device, keep_params=chunked_build)
         self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
-        self.vocab_head = self.tensor_parallel.head   # vocab-sharded logits: the loss goes through it
+        self.vocab_head = self.tensor_parallel.head  # vocab-sharded logits: the loss goes through it
         self.batch_axes = [mesh.axis(a) for a in self.tensor_parallel.batch_axes]
-        self.batch_parts, self.batch_index = 1, 0      # this rank's row block of every micro-batch
+        self.batch_parts, self.batch_index = 1, 0  # this rank's row block of every micro-batch
         for ax in self.batch_axes:
             self.batch_parts, self.batch_index = self.batch_parts * ax.size, self.batch_index * ax.size + ax.rank
         if self.vocab_head is not None and loss_fn is not None:
             self.vocab_head.gather_output = True
-        self.sequence = apply_sequence_parallel(self.model, mesh, plan)   # None unless sp > 1
+        self.sequence = apply_sequence_parallel(self.model, mesh, plan)  # None unless sp > 1
         # The axis the global batch's tokens are spread over (dp; with sp, dp x sp: each sp rank
         # holds part of every sequence): loss sums, token counts and the gradients of the
         # parameters (replicated over it) are summed over it.
@@ -179,12 +209,21 @@ class Engine:
         replaced = self.tensor_parallel.replaced
         optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
         self.zero: ZeroOptimizer | None = None
-        if plan.zero:   # the optimizer over chunk shards; it also reduces the gradients
+        if plan.zero:  # the optimizer over chunk shards; it also reduces the gradients
             budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
-            self.zero = ZeroOptimizer(self.model, optimizer, self.data_axis, mesh.axis("tp"), stage=plan.zero,
-                                      offload=plan.offload, device=self.device, chunk_mb=plan.chunk_mb,
-                                      budget_bytes=budget, world=mesh.axis("world") if plan.pp > 1 else None,
-                                      param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None)
+            self.zero = ZeroOptimizer(
+                self.model,
+                optimizer,
+                self.data_axis,
+                mesh.axis("tp"),
+                stage=plan.zero,
+                offload=plan.offload,
+                device=self.device,
+                chunk_mb=plan.chunk_mb,
+                budget_bytes=budget,
+                world=mesh.axis("world") if plan.pp > 1 else None,
+                param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
+            )
             self.buckets = self.zero
         else:
             self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
@@ -225,19 +264,21 @@ class Engine:
         """Make every data-parallel (and sequence-parallel) replica start from rank 0's weights
         (users who seed differently per rank still train one model)."""
         dp = self.data_axis
-        params = [] if self.plan.zero else list(self.model.parameters())   # ZeRO broadcasts whole chunks
+        params = [] if self.plan.zero else list(self.model.parameters())  # ZeRO broadcasts whole chunks
         with torch.no_grad():
             for t in params + list(self.model.buffers()):
                 comm.broadcast(t.data, dp, 0)
 
     # ---------------------------------------------------------------- step
     def _check_batch(self, batch) -> None:
-        if self.sequence is not None:   # sequence length vs sp: every rank, before any collective
+        if self.sequence is not None:  # sequence length vs sp: every rank, before any collective
             self.sequence.check_batch(batch)
         if self.loss_fn is None:
             if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-                raise ValueError("engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
-                                 "for other inputs pass loss_fn=... to bh.boost.")
+                raise ValueError(
+                    "engine.step(batch) needs a dict with 'input_ids' and 'labels' ([B, S] each); "
+                    "for other inputs pass loss_fn=... to bh.boost."
+                )
             x, y = batch["input_ids"], batch["labels"]
             if x.dim() != 2 or x.shape != y.shape:
                 raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
@@ -246,15 +287,18 @@ class Engine:
             return
         m = self.plan.microbatches
         if rows % m:
-            raise ValueError(f"this rank's batch of {rows} rows is not divisible by Plan.microbatches={m}; "
-                             f"use a per-rank batch that is a multiple of {m}.")
+            raise ValueError(
+                f"this rank's batch of {rows} rows is not divisible by Plan.microbatches={m}; "
+                f"use a per-rank batch that is a multiple of {m}."
+            )
         if (rows // m) % self.batch_parts:
             axes = " x ".join(f"{a.name}={a.size}" for a in self.batch_axes)
             raise ValueError(
                 f"tensor parallelism ({self.plan.tp_mode}): batch size = {rows} rows per data-parallel rank "
                 f"({m} micro-batch(es) of {rows // m}) is not divisible by {self.batch_parts}: tp_mode="
                 f"{self.plan.tp_mode!r} splits every micro-batch into {self.batch_parts} row blocks ({axes}). Use "
-                f"a per-rank batch that is a multiple of microbatches * {self.batch_parts} = {m * self.batch_parts}.")
+                f"a per-rank batch that is a multiple of microbatches * {self.batch_parts} = {m * self.batch_parts}."
+            )
 
     def _split(self, batch) -> list:
         m = self.plan.microbatches
@@ -284,6 +328,7 @@ class Engine:
             if isinstance(v, (tuple, list)):
                 return type(v)(take(x) for x in v)
             return v
+
         return take(micro)
 
     def _to_device(self, batch):
@@ -324,13 +369,14 @@ class Engine:
         for i, mb in enumerate(micro):
             self.buckets.begin(sync=i == len(micro) - 1)
             local, kwargs = self._batch_block(mb), {}
-            if self.sequence is not None:   # this rank's share of the sequence, and its positions
+            if self.sequence is not None:  # this rank's share of the sequence, and its positions
                 local, kwargs = self.sequence.split(local)
             # param_dtype: the model computes in its (bf16) parameters' dtype, as FSDP2 and DeepSpeed's bf16 do
-            with autocast_context("fp32" if self.plan.param_dtype else self.plan.precision, self.device,
-                                  cache=self.plan.zero < 3):
+            with autocast_context(
+                "fp32" if self.plan.param_dtype else self.plan.precision, self.device, cache=self.plan.zero < 3
+            ):
                 out = self.model(*self._model_inputs(local), **kwargs)
-            if self.loss_fn is not None:   # gets the gathered outputs: the whole micro-batch (sp: its share)
+            if self.loss_fn is not None:  # gets the gathered outputs: the whole micro-batch (sp: its share)
                 loss = self.loss_fn(out, mb if self.sequence is None else local)
             elif self.vocab_head is not None:
                 loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), local["labels"])
@@ -340,7 +386,7 @@ class Engine:
             (loss.float() * (scale * loss_scale).float()).backward()
         self.buckets.finish()
         comm.all_reduce(total, dp)
-        if self.loss_fn is None:   # sums over this rank's row block: add the other blocks
+        if self.loss_fn is None:  # sums over this rank's row block: add the other blocks
             for ax in self.batch_axes:
                 comm.all_reduce(total, ax)
         loss_val, n = torch.cat([total * scale, n_global if n_global is not None else total.new_zeros(1)]).tolist()
@@ -352,7 +398,7 @@ class Engine:
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         self.buckets.start_step()
-        if self.zero is not None:   # then unscale, norm, clip and update on the shards
+        if self.zero is not None:  # then unscale, norm, clip and update on the shards
             loss = self._zero_forward_backward(batch)
             self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
             self.step_count += 1
@@ -362,8 +408,8 @@ class Engine:
         if self.scaler is not None:
             tp = self.mesh.axis("tp")
             if not tp.trivial and not comm.all_agree(all(bool(torch.isfinite(p.grad).all()) for p in params), tp):
-                params[0].grad.fill_(float("inf"))   # one overflow skips the step on every tp rank
-            finite = self.scaler.unscale_and_check(params)   # grads are identical on every dp rank
+                params[0].grad.fill_(float("inf"))  # one overflow skips the step on every tp rank
+            finite = self.scaler.unscale_and_check(params)  # grads are identical on every dp rank
             if not finite:
                 self._grad_norm = float("inf")
                 self.step_count += 1
@@ -409,9 +455,12 @@ class Engine:
             return self.zero.memory_report()
 
         def model_bytes(dev: str) -> dict[str, int]:
-            return {"params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
-                    "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
-                    "masters": 0}
+            return {
+                "params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
+                "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
+                "masters": 0,
+            }
+
         return memory_report(model_bytes, self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -423,11 +472,13 @@ class Engine:
     def save(self, path: str, extra: dict | None = None) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
         from .train.checkpoint import save_checkpoint
+
         save_checkpoint(self, path, extra or {})
 
     def load(self, path: str) -> dict:
         """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
         from .train.checkpoint import load_checkpoint
+
         return load_checkpoint(self, path)
 
     def _global_grad_norm(self) -> torch.Tensor:

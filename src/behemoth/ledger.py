@@ -8,6 +8,7 @@ group. The byte formulas are those of DESIGN.md (Patarasuk & Yuan's ring all-red
 ``2(n-1)/n`` of the payload per rank); tests compare the ledger with them, e.g.
 ``pytest tests/dist/test_comm.py tests/dist/test_sequence_parallel.py``.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict

@@ -17,6 +17,7 @@ All coordinate math is pure (:func:`unravel`, :func:`ravel`, :func:`axis_groups`
 unit-tested without processes. :class:`ParallelMesh` then creates every group of every
 non-trivial axis, in the same order on every rank, once. It is passed, never global.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -133,7 +134,7 @@ class ParallelMesh:
                     pg = dist.group.WORLD
                 else:
                     for g in groups:  # every rank creates every group, in the same order
-                        h = dist.new_group(g, timeout=default_timeout())   # BEHEMOTH_TIMEOUT, as the world's
+                        h = dist.new_group(g, timeout=default_timeout())  # BEHEMOTH_TIMEOUT, as the world's
                         if g is mine:
                             pg = h
             self._axes[name] = Axis(name, len(mine), mine.index(rank), tuple(mine), pg, self.ledger)

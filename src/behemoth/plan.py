@@ -8,6 +8,7 @@ A field whose implementation has not landed yet is accepted by ``Plan`` (the
 planner may reason about it) but refused by :func:`Plan.check_supported`, which
 ``bh.boost`` calls, with a ``NotImplementedError`` naming the missing capability.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -136,21 +137,22 @@ class Plan:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"Plan.{name}={v!r}: must be a positive number, or None for the automatic choice.")
         if self.chunk_mb is not None and self.zero == 0:
-            raise ValueError(f"Plan.chunk_mb={self.chunk_mb!r} sizes ZeRO chunks; got zero=0. Set zero=1, 2 or 3, "
-                             f"or chunk_mb=None.")
+            raise ValueError(
+                f"Plan.chunk_mb={self.chunk_mb!r} sizes ZeRO chunks; got zero=0. Set zero=1, 2 or 3, or chunk_mb=None."
+            )
         if self.offload_budget_gb is not None and self.offload != "auto":
-            raise ValueError(f"Plan.offload_budget_gb={self.offload_budget_gb!r} is the budget of offload='auto'; "
-                             f"got offload={self.offload!r}. Set offload='auto', or offload_budget_gb=None.")
-        if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero == 0 or
-                                             self.precision != "bf16"):
+            raise ValueError(
+                f"Plan.offload_budget_gb={self.offload_budget_gb!r} is the budget of offload='auto'; "
+                f"got offload={self.offload!r}. Set offload='auto', or offload_budget_gb=None."
+            )
+        if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero == 0 or self.precision != "bf16"):
             raise ValueError(
                 f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, precision={self.precision!r}): "
                 f"bf16 parameters need fp32 masters that ZeRO keeps, under precision='bf16'. Use param_dtype='bf16' "
-                f"with zero=1, 2 or 3 and precision='bf16', or param_dtype=None.")
-        if self.offload is not None and self.zero == 0:
-            raise ValueError(
-                f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."
+                f"with zero=1, 2 or 3 and precision='bf16', or param_dtype=None."
             )
+        if self.offload is not None and self.zero == 0:
+            raise ValueError(f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3.")
         if self.dp is not None and self.dp % self.ep:
             raise ValueError(
                 f"Plan.ep={self.ep} must divide dp={self.dp} (experts are sharded inside the data-parallel axis)."
@@ -175,11 +177,15 @@ class Plan:
                     f"(tp/tp_depth={tp / d:g} is not a square integer). For example tp=8 with tp_depth=2."
                 )
         if self.tp_overlap > 1 and tp == 1:
-            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} overlaps tensor-parallel communication; there is "
-                             f"none with tp=1. Set tp > 1 or tp_overlap=1.")
+            raise ValueError(
+                f"Plan.tp_overlap={self.tp_overlap} overlaps tensor-parallel communication; there is "
+                f"none with tp=1. Set tp > 1 or tp_overlap=1."
+            )
         if self.tp_overlap > 1 and mode not in ("1d", "3d"):
-            raise ValueError(f"Plan.tp_overlap={self.tp_overlap} (over-decomposition to overlap communication) is "
-                             f"built for tp_mode '1d' and '3d', not {mode!r}; use tp_overlap=1 with tp_mode={mode!r}.")
+            raise ValueError(
+                f"Plan.tp_overlap={self.tp_overlap} (over-decomposition to overlap communication) is "
+                f"built for tp_mode '1d' and '3d', not {mode!r}; use tp_overlap=1 with tp_mode={mode!r}."
+            )
 
     # -- degrees -----------------------------------------------------------------------
     @property
@@ -187,7 +193,7 @@ class Plan:
         """Ranks that hold one replica of the model: pp * tp * sp."""
         return self.pp * self.tp * self.sp
 
-    def resolve(self, world_size: int) -> "Plan":
+    def resolve(self, world_size: int) -> Plan:
         """Return this plan with ``dp`` filled in for ``world_size``; check the degrees multiply to it."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: must be >= 1.")
@@ -231,22 +237,47 @@ class Plan:
             if self.virtual_stages > 1:
                 raise NotImplementedError(
                     f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp >= 2, "
-                    f"or virtual_stages=1.")
+                    f"or virtual_stages=1."
+                )
             return
         refusals = [
-            (self.tp > 1 and self.tp_mode not in ("1d", "2d"), f"tp_mode={self.tp_mode!r}",
-             "pipeline stages compose with 1D and 2D tensor parallelism only", "use tp_mode='1d' or '2d', or pp=1"),
-            (self.precision == "fp16", "precision='fp16'",
-             "fp16 loss scaling would need every stage to agree on skipping an overflowed step",
-             "use precision='bf16' (no loss scaling needed), or pp=1"),
-            (self.compile, "compile=True", "compiled blocks are not gated per pipeline chunk yet",
-             "use compile=False with pp > 1"),
-            (self.zero > 1, f"zero={self.zero}", "ZeRO-2/3 reduce (and ZeRO-3 gathers) per micro-batch, which "
-             "the pipeline schedules interleave; ZeRO-1 composes", "use zero=1 (or 0) with pp > 1, or pp=1"),
-            (self.offload is not None, f"offload={self.offload!r}", "offload does not compose with pipeline "
-             "parallelism yet", "use offload=None with pp > 1, or pp=1"),
-            (self.param_dtype is not None, f"param_dtype={self.param_dtype!r}", "pipeline stages run under "
-             "autocast over fp32 parameters", "use param_dtype=None with pp > 1, or pp=1"),
+            (
+                self.tp > 1 and self.tp_mode not in ("1d", "2d"),
+                f"tp_mode={self.tp_mode!r}",
+                "pipeline stages compose with 1D and 2D tensor parallelism only",
+                "use tp_mode='1d' or '2d', or pp=1",
+            ),
+            (
+                self.precision == "fp16",
+                "precision='fp16'",
+                "fp16 loss scaling would need every stage to agree on skipping an overflowed step",
+                "use precision='bf16' (no loss scaling needed), or pp=1",
+            ),
+            (
+                self.compile,
+                "compile=True",
+                "compiled blocks are not gated per pipeline chunk yet",
+                "use compile=False with pp > 1",
+            ),
+            (
+                self.zero > 1,
+                f"zero={self.zero}",
+                "ZeRO-2/3 reduce (and ZeRO-3 gathers) per micro-batch, which "
+                "the pipeline schedules interleave; ZeRO-1 composes",
+                "use zero=1 (or 0) with pp > 1, or pp=1",
+            ),
+            (
+                self.offload is not None,
+                f"offload={self.offload!r}",
+                "offload does not compose with pipeline parallelism yet",
+                "use offload=None with pp > 1, or pp=1",
+            ),
+            (
+                self.param_dtype is not None,
+                f"param_dtype={self.param_dtype!r}",
+                "pipeline stages run under autocast over fp32 parameters",
+                "use param_dtype=None with pp > 1, or pp=1",
+            ),
         ]
         for bad, value, rule, fix in refusals:
             if bad:
@@ -260,11 +291,13 @@ class Plan:
             raise NotImplementedError(
                 f"Plan.sp={self.sp} with tp={self.tp}, tp_mode={self.tp_mode!r}: sequence parallelism composes with "
                 f"1D tensor parallelism only (2D/2.5D/3D tensor parallelism split the batch and hidden dims inside "
-                f"attention's operands, which sequence parallelism does not handle yet). Use tp_mode='1d', or sp=1.")
+                f"attention's operands, which sequence parallelism does not handle yet). Use tp_mode='1d', or sp=1."
+            )
         if self.pp > 1:
             raise NotImplementedError(
                 f"Plan.sp={self.sp} with pp={self.pp}: sequence parallelism does not compose with pipeline "
-                f"parallelism yet. Use pp=1, or sp=1.")
+                f"parallelism yet. Use pp=1, or sp=1."
+            )
 
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""

@@ -6,6 +6,7 @@ after the data-parallel reduction, a step whose gradients overflowed is skipped 
 scale halved, and after ``growth_interval`` clean steps the scale doubles. The decision
 needs no extra collective because reduced gradients are identical on every dp rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,14 @@ def autocast_context(precision: str, device: torch.device, cache: bool = True):
 class LossScaler:
     """Dynamic loss scale for fp16 (the scheme of Micikevicius et al. / torch.amp.GradScaler)."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+    ) -> None:
         self.scale = init_scale
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale

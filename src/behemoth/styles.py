@@ -4,6 +4,7 @@
 
 Only the steps built so far live here; each is a small ``apply_*`` function.
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] |
         module = None
     parallelize = getattr(module, "parallelize", None)
     if parallelize is None:
-        raise NotImplementedError(f"tp_mode={plan.tp_mode!r}: behemoth.parallel.tensor.{_TP_MODULES[plan.tp_mode]} "
-                                  f"has no parallelize(model, mesh, plan, roles) yet.")
+        raise NotImplementedError(
+            f"tp_mode={plan.tp_mode!r}: behemoth.parallel.tensor.{_TP_MODULES[plan.tp_mode]} "
+            f"has no parallelize(model, mesh, plan, roles) yet."
+        )
     return parallelize(model, mesh, plan, roles)
 
 

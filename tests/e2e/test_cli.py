@@ -20,16 +20,32 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "src", "behemoth", "configs", "demo.toml")
-TINY = ["--plan.dp=2", "--model.name=gpt-tiny", "--model.seq_len=64", "--train.global_batch_size=8",
-        "--optim.lr=3e-3", "--optim.warmup_steps=0", "--optim.schedule=constant", "--train.log_every=1",
-        "--train.save_every=0", "--data.default_corpus_bytes=200000"]
+TINY = [
+    "--plan.dp=2",
+    "--model.name=gpt-tiny",
+    "--model.seq_len=64",
+    "--train.global_batch_size=8",
+    "--optim.lr=3e-3",
+    "--optim.warmup_steps=0",
+    "--optim.schedule=constant",
+    "--train.log_every=1",
+    "--train.save_every=0",
+    "--data.default_corpus_bytes=200000",
+]
 
 
 def behemoth(*args: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, BEHEMOTH_TIMEOUT="60", PYTHONUNBUFFERED="1")
     env.pop("BEHEMOTH_TRACEBACK", None)
-    proc = subprocess.Popen([sys.executable, "-m", "behemoth", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "behemoth", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -46,14 +62,15 @@ def step_losses(stdout: str) -> dict[int, float]:
 @pytest.mark.timeout(300)
 def test_train_checkpoint_and_resume(tmp_path):
     out_dir = tmp_path / "run"
-    r = behemoth("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=6", f"--train.out_dir={out_dir}",
-                 cwd=tmp_path)
+    r = behemoth(
+        "run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=6", f"--train.out_dir={out_dir}", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "# fully resolved config:" in r.stdout and "dp                       = 2" in r.stdout
     assert "unigram entropy of the training tokens:" in r.stdout
     losses = step_losses(r.stdout)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6], r.stdout
-    assert losses[6] < losses[1] - 0.3, losses                       # it learns
+    assert losses[6] < losses[1] - 0.3, losses  # it learns
     assert re.search(r"^done: steps 1-6 \| loss [\d.]+ -> [\d.]+", r.stdout, re.M), r.stdout
 
     ckpt = out_dir / "checkpoints" / "step-6"
@@ -64,8 +81,9 @@ def test_train_checkpoint_and_resume(tmp_path):
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["checkpoint"].endswith("step-6") and summary["world_size"] == 2
 
-    r2 = behemoth("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=9", f"--train.out_dir={out_dir}",
-                  cwd=tmp_path)
+    r2 = behemoth(
+        "run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=9", f"--train.out_dir={out_dir}", cwd=tmp_path
+    )
     assert r2.returncode == 0, r2.stdout + r2.stderr
     assert re.search(r"^resumed from .*step-6 at step 6$", r2.stdout, re.M), r2.stdout
     assert sorted(step_losses(r2.stdout)) == [7, 8, 9]
@@ -83,7 +101,7 @@ def test_invalid_override_is_one_line_naming_the_key(tmp_path, command):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert "train.stpes" in lines[0] and "train.steps" in lines[0] and "Traceback" not in r.stderr
-    assert not (tmp_path / "runs").exists()       # nothing was started
+    assert not (tmp_path / "runs").exists()  # nothing was started
 
 
 @pytest.mark.timeout(60)
@@ -94,7 +112,7 @@ def test_config_prints_the_resolved_config(tmp_path):
     assert 'max_grad_norm = "none"' in r.stdout
     (tmp_path / "resolved.toml").write_text(r.stdout)
     again = behemoth("config", str(tmp_path / "resolved.toml"), cwd=tmp_path, timeout=60)
-    assert again.stdout == r.stdout                                   # the printout is a valid job file
+    assert again.stdout == r.stdout  # the printout is a valid job file
 
 
 @pytest.mark.timeout(300)
@@ -113,22 +131,44 @@ def test_zero3_offload_checkpoint_resumes_under_zero1(tmp_path):
             assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=0), (got, want)
             assert g["lr"] == pytest.approx(w["lr"], rel=1e-12), (got, want)
 
-    ref = tmp_path / "ref"   # plain dp = 2, never interrupted
+    ref = tmp_path / "ref"  # plain dp = 2, never interrupted
     r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, f"--train.out_dir={ref}", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 
     z3 = tmp_path / "z3"
-    r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, "--plan.zero=3", "--plan.offload=cpu",
-                 "--train.save_every=3", "--train.keep_last=0", f"--train.out_dir={z3}", cwd=tmp_path)
+    r = behemoth(
+        "run",
+        "--nproc",
+        "2",
+        "train",
+        DEMO,
+        *sched,
+        "--plan.zero=3",
+        "--plan.offload=cpu",
+        "--train.save_every=3",
+        "--train.keep_last=0",
+        f"--train.out_dir={z3}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"^zero += 3$", r.stdout, re.M) and re.search(r'^offload += "cpu"$', r.stdout, re.M)
     assert "Plan(dp=2, zero=3, offload='cpu')" in r.stdout, r.stdout
     assert_same(metrics(z3), metrics(ref))
 
-    resumed = tmp_path / "resumed"   # only the step-3 checkpoint, then steps 4-6 under another plan
+    resumed = tmp_path / "resumed"  # only the step-3 checkpoint, then steps 4-6 under another plan
     shutil.copytree(z3 / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
-    r = behemoth("run", "--nproc", "2", "train", DEMO, *sched, "--plan.zero=1", "--plan.offload=auto",
-                 f"--train.out_dir={resumed}", cwd=tmp_path)
+    r = behemoth(
+        "run",
+        "--nproc",
+        "2",
+        "train",
+        DEMO,
+        *sched,
+        "--plan.zero=1",
+        "--plan.offload=auto",
+        f"--train.out_dir={resumed}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"^resumed from .*step-3 at step 3$", r.stdout, re.M), r.stdout
     assert "zero=1, offload='auto'" in r.stdout, r.stdout

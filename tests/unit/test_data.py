@@ -205,7 +205,11 @@ def _dataset(n=1001):
 def _sampler(ds=None, *, dp_rank=0, dp_size=1, seq_len=10, gbs=8, seed=0):
     return BatchSampler(
         ds if ds is not None else _dataset(),
-        seq_len=seq_len, global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+        seq_len=seq_len,
+        global_batch_size=gbs,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
     )
 
 

@@ -1,5 +1,6 @@
 """The pure memory planner behind `behemoth plan --memory`: its numbers are the runtime's
 (chunk search, per-stage accounting, static split with the host limit)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from behemoth.cli import main
 from behemoth.parallel.zero import pack_chunks, zero_memory_bytes
 from behemoth.planner.memory import memory_plan
 
-GIB = 2 ** 30
+GIB = 2**30
 SIZES = [4096 * 512] + [3 * 512 * 512, 512 * 512, 4 * 512 * 512, 4 * 512 * 512, 512, 512] * 48
 
 

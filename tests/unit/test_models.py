@@ -150,14 +150,36 @@ def test_gpt_dropout_only_in_training():
 
 def test_module_names_for_policies():
     gpt_names = dict(GPT(tiny_gpt_config()).named_modules())
-    for name in ["wte", "wpe", "drop", "blocks.1.ln_1", "blocks.1.attn.qkv", "blocks.1.attn.proj",
-                 "blocks.1.ln_2", "blocks.1.mlp.fc", "blocks.1.mlp.proj", "ln_f", "lm_head"]:
+    for name in [
+        "wte",
+        "wpe",
+        "drop",
+        "blocks.1.ln_1",
+        "blocks.1.attn.qkv",
+        "blocks.1.attn.proj",
+        "blocks.1.ln_2",
+        "blocks.1.mlp.fc",
+        "blocks.1.mlp.proj",
+        "ln_f",
+        "lm_head",
+    ]:
         assert name in gpt_names, name
     assert gpt_names["blocks.0.attn"].num_heads == 4
     llama_names = dict(Llama(tiny_llama_config()).named_modules())
-    for name in ["embed", "layers.1.attn_norm", "layers.1.attn.q", "layers.1.attn.k",
-                 "layers.1.attn.v", "layers.1.attn.o", "layers.1.mlp_norm", "layers.1.mlp.gate",
-                 "layers.1.mlp.up", "layers.1.mlp.down", "norm", "lm_head"]:
+    for name in [
+        "embed",
+        "layers.1.attn_norm",
+        "layers.1.attn.q",
+        "layers.1.attn.k",
+        "layers.1.attn.v",
+        "layers.1.attn.o",
+        "layers.1.mlp_norm",
+        "layers.1.mlp.gate",
+        "layers.1.mlp.up",
+        "layers.1.mlp.down",
+        "norm",
+        "lm_head",
+    ]:
         assert name in llama_names, name
     assert (llama_names["layers.0.attn"].num_heads, llama_names["layers.0.attn"].num_kv_heads) == (4, 2)
 
@@ -286,18 +308,39 @@ def test_gpt_matches_hf_gpt2():
     ours = GPT(cfg).eval()
     _randomize(ours)
     hf_cfg = transformers.GPT2Config(
-        vocab_size=V, n_positions=S_MAX, n_embd=32, n_layer=2, n_head=4, n_inner=None,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=True, attn_implementation="eager",
-        bos_token_id=None, eos_token_id=None,
+        vocab_size=V,
+        n_positions=S_MAX,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=None,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
     )
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     ours_sd = ours.state_dict()
-    hf_sd = {"transformer.wte.weight": ours_sd["wte.weight"], "transformer.wpe.weight": ours_sd["wpe.weight"],
-             "transformer.ln_f.weight": ours_sd["ln_f.weight"], "transformer.ln_f.bias": ours_sd["ln_f.bias"],
-             "lm_head.weight": ours_sd["lm_head.weight"]}
-    names = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
-             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+    hf_sd = {
+        "transformer.wte.weight": ours_sd["wte.weight"],
+        "transformer.wpe.weight": ours_sd["wpe.weight"],
+        "transformer.ln_f.weight": ours_sd["ln_f.weight"],
+        "transformer.ln_f.bias": ours_sd["ln_f.bias"],
+        "lm_head.weight": ours_sd["lm_head.weight"],
+    }
+    names = {
+        "ln_1": "ln_1",
+        "ln_2": "ln_2",
+        "attn.qkv": "attn.c_attn",
+        "attn.proj": "attn.c_proj",
+        "mlp.fc": "mlp.c_fc",
+        "mlp.proj": "mlp.c_proj",
+    }
     for i in range(cfg.num_layers):
         for ours_name, hf_name in names.items():
             w, b = ours_sd[f"blocks.{i}.{ours_name}.weight"], ours_sd[f"blocks.{i}.{ours_name}.bias"]
@@ -317,31 +360,49 @@ def test_llama_matches_hf_llama():
     ours = Llama(cfg).eval()
     _randomize(ours)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=cfg.resolved_ffn_hidden,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.head_dim,
-        max_position_embeddings=S_MAX, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        attention_bias=False, mlp_bias=False, tie_word_embeddings=False, hidden_act="silu",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=cfg.resolved_ffn_hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=S_MAX,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        hidden_act="silu",
         attn_implementation="eager",
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-             "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
-             "attn.o": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-             "mlp.down": "mlp.down_proj"}
+    names = {
+        "attn_norm": "input_layernorm",
+        "mlp_norm": "post_attention_layernorm",
+        "attn.q": "self_attn.q_proj",
+        "attn.k": "self_attn.k_proj",
+        "attn.v": "self_attn.v_proj",
+        "attn.o": "self_attn.o_proj",
+        "mlp.gate": "mlp.gate_proj",
+        "mlp.up": "mlp.up_proj",
+        "mlp.down": "mlp.down_proj",
+    }
     hf_sd = {}
     for key, value in ours.state_dict().items():
         if key.startswith("layers."):
             _, i, rest = key.split(".", 2)
             hf_key = f"model.layers.{i}.{names[rest.removesuffix('.weight')]}.weight"
         else:
-            hf_key = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                      "lm_head.weight": "lm_head.weight"}[key]
+            hf_key = {
+                "embed.weight": "model.embed_tokens.weight",
+                "norm.weight": "model.norm.weight",
+                "lm_head.weight": "lm_head.weight",
+            }[key]
         hf_sd[hf_key] = value
     hf.load_state_dict(hf_sd, strict=True)
     x_BS = ids_BS(2, 12)
     pos_BS = torch.arange(3, 15).unsqueeze(0).expand(2, 12)
     with torch.no_grad():
         torch.testing.assert_close(ours(x_BS), hf(x_BS).logits, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(
-            ours(x_BS, pos_BS), hf(x_BS, position_ids=pos_BS).logits, atol=1e-5, rtol=1e-4
-        )
+        torch.testing.assert_close(ours(x_BS, pos_BS), hf(x_BS, position_ids=pos_BS).logits, atol=1e-5, rtol=1e-4)

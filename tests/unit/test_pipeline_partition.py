@@ -2,6 +2,7 @@
 head extras on the first and last stage, user overrides with errors that name the fix, the
 virtual-stage map for interleaving, cost estimates, and the module layouts of known models.
 No processes."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,8 +14,15 @@ import pytest
 from behemoth.models.gpt import GPT, GPTConfig
 from behemoth.models.llama import Llama, LlamaConfig
 from behemoth.parallel.pipeline.partition import (
-    PIPELINE_LAYOUTS, balance_stages, estimate_block_costs, find_tied_parameters, stage_costs, stage_modules,
-    tied_parameter_ranks, validate_stages, virtual_partition,
+    PIPELINE_LAYOUTS,
+    balance_stages,
+    estimate_block_costs,
+    find_tied_parameters,
+    stage_costs,
+    stage_modules,
+    tied_parameter_ranks,
+    validate_stages,
+    virtual_partition,
 )
 from behemoth.policies import BLOCK_LISTS
 
@@ -101,7 +109,9 @@ def test_virtual_partition_maps_stages_to_ranks_and_chunks():
     part = virtual_partition([1.0] * 10, 2, 2, first_extra=1.0, last_extra=1.0)
     assert part[0][0] == (0, 2) and part[1][1] == (8, 10)
     assert virtual_partition([1.0] * 6, 2, 2, stages=[(0, 1), (1, 3), (3, 5), (5, 6)]) == [
-        [(0, 1), (3, 5)], [(1, 3), (5, 6)]]
+        [(0, 1), (3, 5)],
+        [(1, 3), (5, 6)],
+    ]
     with pytest.raises(ValueError, match="has 2 entries but the pipeline has 4 stages"):
         virtual_partition([1.0] * 6, 2, 2, stages=[(0, 3), (3, 6)])
     with pytest.raises(ValueError, match=r"pp\*v=8 stages need at least 8 blocks"):
@@ -136,10 +146,11 @@ def test_estimate_block_costs():
 
 def test_layouts_of_behemoth_models():
     tiny = dict(vocab_size=64, seq_len=16, num_layers=4, num_heads=2, hidden=32)
-    for model, tied in ((GPT(GPTConfig(**tiny)), [("wte.weight", "lm_head.weight")]),
-                        (Llama(LlamaConfig(num_kv_heads=1, **tiny)), []),
-                        (Llama(LlamaConfig(num_kv_heads=1, tie_embeddings=True, **tiny)),
-                         [("embed.weight", "lm_head.weight")])):
+    for model, tied in (
+        (GPT(GPTConfig(**tiny)), [("wte.weight", "lm_head.weight")]),
+        (Llama(LlamaConfig(num_kv_heads=1, **tiny)), []),
+        (Llama(LlamaConfig(num_kv_heads=1, tie_embeddings=True, **tiny)), [("embed.weight", "lm_head.weight")]),
+    ):
         cls = type(model).__name__
         layout = PIPELINE_LAYOUTS[cls]
         check_layout(model, layout)
@@ -161,27 +172,42 @@ def check_layout(model, layout):
     mods = stage_modules(layout, part)
     flat = [m for row in mods for chunk in row for m in chunk]
     assert sorted(m for m in flat if m.startswith(layout.blocks + ".")) == sorted(
-        f"{layout.blocks}.{i}" for i in range(n))
+        f"{layout.blocks}.{i}" for i in range(n)
+    )
     assert all(m in mods[0][0] for m in layout.pre) and all(m in mods[1][1] for m in layout.post)
     assert all(m in chunk for m in layout.shared for row in mods for chunk in row)
-    assert mods[0][0][len(layout.shared):len(layout.shared) + len(layout.pre)] == list(layout.pre)
+    assert mods[0][0][len(layout.shared) : len(layout.shared) + len(layout.pre)] == list(layout.pre)
 
 
 def test_layouts_of_transformers_models():
     transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        vocab_size=64, bos_token_id=0, eos_token_id=0))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+    )
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            vocab_size=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     for model in (gpt2, llama):
         layout = PIPELINE_LAYOUTS[type(model).__name__]
         check_layout(model, layout)
         assert layout.blocks == BLOCK_LISTS[type(model).__name__]
     assert find_tied_parameters(gpt2) == [("transformer.wte.weight", "lm_head.weight")]
     assert find_tied_parameters(llama) == []
-    assert estimate_block_costs(gpt2.config).blocks == estimate_block_costs(
-        GPTConfig(vocab_size=64, seq_len=16, num_layers=4, num_heads=2, hidden=32)).blocks
+    assert (
+        estimate_block_costs(gpt2.config).blocks
+        == estimate_block_costs(GPTConfig(vocab_size=64, seq_len=16, num_layers=4, num_heads=2, hidden=32)).blocks
+    )
 
 
 def test_tied_parameter_ranks():

@@ -1,6 +1,7 @@
 """Pipeline plans and stage partitions of real models, pure (no processes): what Plan
 accepts and refuses with pp > 1 (value, rule, fix), and the balanced or user-given stages
 ``bh.boost`` would cut each known model family into."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,27 +11,33 @@ from behemoth.parallel.pipeline.stage import partition_for
 from behemoth.plan import Plan
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(pp=2, microbatches=8, schedule="1f1b"),
-    dict(pp=4, microbatches=2, schedule="interleaved", virtual_stages=2),   # m < pp runs, never refused
-    dict(pp=2, tp=2, microbatches=4, schedule="zero-bubble", precision="bf16", activation_checkpointing=True),
-    dict(pp=2, tp=4, tp_mode="2d", schedule="gpipe"),
-    dict(pp=2, zero=1, microbatches=4),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(pp=2, microbatches=8, schedule="1f1b"),
+        dict(pp=4, microbatches=2, schedule="interleaved", virtual_stages=2),  # m < pp runs, never refused
+        dict(pp=2, tp=2, microbatches=4, schedule="zero-bubble", precision="bf16", activation_checkpointing=True),
+        dict(pp=2, tp=4, tp_mode="2d", schedule="gpipe"),
+        dict(pp=2, zero=1, microbatches=4),
+    ],
+)
 def test_pipeline_plans_are_supported(kwargs):
     Plan(**kwargs).check_supported()
 
 
-@pytest.mark.parametrize("kwargs, needles", [
-    (dict(pp=2, tp=8, tp_mode="3d"), ("tp_mode='3d' with pp=2", "use tp_mode='1d' or '2d'")),
-    (dict(pp=2, tp=8, tp_mode="2.5d", tp_depth=2), ("tp_mode='2.5d' with pp=2",)),
-    (dict(pp=2, precision="fp16"), ("precision='fp16' with pp=2", "use precision='bf16'")),
-    (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
-    (dict(pp=2, zero=2), ("zero=2 with pp=2", "use zero=1")),
-    (dict(pp=2, zero=1, offload="cpu"), ("offload='cpu' with pp=2",)),
-    (dict(pp=2, sp=2), ("sp=2 with pp=2",)),
-    (dict(schedule="interleaved", virtual_stages=2), ("virtual_stages=2", "pp=1", "set pp >= 2")),
-])
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        (dict(pp=2, tp=8, tp_mode="3d"), ("tp_mode='3d' with pp=2", "use tp_mode='1d' or '2d'")),
+        (dict(pp=2, tp=8, tp_mode="2.5d", tp_depth=2), ("tp_mode='2.5d' with pp=2",)),
+        (dict(pp=2, precision="fp16"), ("precision='fp16' with pp=2", "use precision='bf16'")),
+        (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
+        (dict(pp=2, zero=2), ("zero=2 with pp=2", "use zero=1")),
+        (dict(pp=2, zero=1, offload="cpu"), ("offload='cpu' with pp=2",)),
+        (dict(pp=2, sp=2), ("sp=2 with pp=2",)),
+        (dict(schedule="interleaved", virtual_stages=2), ("virtual_stages=2", "pp=1", "set pp >= 2")),
+    ],
+)
 def test_pipeline_refusals_name_value_rule_and_fix(kwargs, needles):
     with pytest.raises(NotImplementedError) as e:
         Plan(**kwargs).check_supported()
@@ -47,7 +54,7 @@ def test_partition_balances_by_cost_and_accepts_overrides():
     assert layout.blocks == "blocks"
     (a, b), (c, d) = part[0][0], part[1][0]
     assert a == 0 and b == c and d == 8
-    assert b - a > d - c   # the head (2 V h per token) outweighs the embedding: fewer blocks last
+    assert b - a > d - c  # the head (2 V h per token) outweighs the embedding: fewer blocks last
     _, part = partition_for(_gpt(8), 2, 2)
     assert [len(row) for row in part] == [2, 2] and part[0][0][0] == 0 and part[1][1][1] == 8
     _, part = partition_for(_gpt(4), 2, 1, stages=[(0, 1), (1, 4)])

@@ -2,6 +2,7 @@
 and by independent counting here: every schedule is a valid dependency order with no deadlock
 (fewer micro-batches than stages included), has the expected peak of in-flight micro-batches,
 and the bubble the formulas in schedules.py's docstring state. No processes."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,8 +12,22 @@ import pytest
 
 from behemoth.parallel.pipeline import schedules as S
 from behemoth.parallel.pipeline.schedules import (
-    B, BI, BW, F, Action, check_schedule, get_schedule, gpipe, interleaved, make_schedule, one_f_one_b, render,
-    simulate, stage_of, transfers, zero_bubble,
+    BI,
+    BW,
+    Action,
+    B,
+    F,
+    check_schedule,
+    get_schedule,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+    render,
+    simulate,
+    stage_of,
+    transfers,
+    zero_bubble,
 )
 from behemoth.plan import SCHEDULES as PLAN_SCHEDULES
 
@@ -81,7 +96,7 @@ def test_every_schedule_is_complete_and_valid(name):
 def test_fewer_microbatches_than_stages_never_deadlock(name):
     for pp in (2, 3, 4, 8):
         for m in range(1, pp + 1):
-            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for v in (1, 2, 3) if name == "interleaved" else (1,):
                 res = simulate(make_schedule(name, pp, m, v), pp)
                 assert res.makespan > 0
 
@@ -91,7 +106,7 @@ def test_wide_sweep_has_no_deadlock_and_fifo_channels():
     the receiver consumes each (sender, receiver, kind) channel in send order) accepts all."""
     for pp, m in itertools.product(range(1, 7), range(1, 13)):
         for name in NAMES:
-            for v in ((2, 3, 4) if name == "interleaved" else (1,)):
+            for v in (2, 3, 4) if name == "interleaved" else (1,):
                 simulate(make_schedule(name, pp, m, v), pp)
 
 
@@ -169,8 +184,19 @@ def test_zero_bubble_beats_one_f_one_b():
             assert z.bubble_fraction < o.bubble_fraction
             if m >= pp and t_bw <= min(t_f, t_bi):  # ZB-H1's formula
                 assert z.idle == pytest.approx([(pp - 1) * (t_f + t_bi - t_bw)] * pp)
-    assert zero_bubble(1, 3) == [[Action(F, 0), Action(BI, 0), Action(BW, 0), Action(F, 1), Action(BI, 1),
-                                  Action(BW, 1), Action(F, 2), Action(BI, 2), Action(BW, 2)]]
+    assert zero_bubble(1, 3) == [
+        [
+            Action(F, 0),
+            Action(BI, 0),
+            Action(BW, 0),
+            Action(F, 1),
+            Action(BI, 1),
+            Action(BW, 1),
+            Action(F, 2),
+            Action(BI, 2),
+            Action(BW, 2),
+        ]
+    ]
 
 
 # Bubble fraction (idle / (pp * makespan)) at t_f=1, t_b=2 (t_bi = t_bw = 1), no comm; interleaved v=2.
@@ -203,8 +229,10 @@ def test_transfers():
     assert recv == S.Transfer("act", 1, 2, 3, 2, 3) and send == S.Transfer("act", 1, 3, 4, 3, 0)
     assert transfers(Action(F, 0, 1), 3, pp, v) == (S.Transfer("act", 0, 6, 7, 2, 3), None)  # last stage
     assert transfers(Action(B, 0, 1), 3, pp, v) == (None, S.Transfer("grad", 0, 7, 6, 3, 2))
-    assert transfers(Action(BI, 2, 1), 0, pp, v) == (S.Transfer("grad", 2, 5, 4, 1, 0),
-                                                      S.Transfer("grad", 2, 4, 3, 0, 3))
+    assert transfers(Action(BI, 2, 1), 0, pp, v) == (
+        S.Transfer("grad", 2, 5, 4, 1, 0),
+        S.Transfer("grad", 2, 4, 3, 0, 3),
+    )
     assert transfers(Action(B, 0, 0), 0, pp, v)[1] is None  # first stage: nothing to send back
     assert transfers(Action(BW, 0, 0), 2, pp, v) == (None, None)
     assert transfers(Action(F, 0, 1), 0, 1, 2)[0].dst_rank == 0  # pp=1, v=2: a local hand-off
@@ -225,16 +253,29 @@ def test_names_match_the_plan():
 
 
 def test_broken_schedules_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"schedule deadlocks: rank 0 at step 1 \(B0, stage 0\) waits for input "
-                                         r"gradient of micro-batch 0 at stage 1 \(rank 1\); rank 1 at step 1 \(F1, "
-                                         r"stage 1\) waits for F of micro-batch 1 at stage 0 \(rank 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"schedule deadlocks: rank 0 at step 1 \(B0, stage 0\) waits for input "
+        r"gradient of micro-batch 0 at stage 1 \(rank 1\); rank 1 at step 1 \(F1, "
+        r"stage 1\) waits for F of micro-batch 1 at stage 0 \(rank 0\)",
+    ):
         # rank 0 waits in B0 for a gradient that rank 1 computes only after F1, which needs rank 0's F1
-        simulate([[Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)],
-                  [Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)]], 2)
+        simulate(
+            [
+                [Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)],
+                [Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
+            ],
+            2,
+        )
     with pytest.raises(ValueError, match=r"channel rank 0 -> rank 1 \(act\)"):
         # no deadlock with asynchronous sends, but a runtime matching messages in order would swap them
-        simulate([[Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
-                  [Action(F, 1), Action(F, 0), Action(B, 0), Action(B, 1)]], 2)
+        simulate(
+            [
+                [Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
+                [Action(F, 1), Action(F, 0), Action(B, 0), Action(B, 1)],
+            ],
+            2,
+        )
     with pytest.raises(ValueError, match="before its forward"):
         simulate([[Action(B, 0), Action(F, 0)]], 1)
     with pytest.raises(ValueError, match="BW .* before BI"):
@@ -264,11 +305,12 @@ def test_every_transfer_rides_one_of_the_runtimes_one_way_channels():
     group (one NCCL stream each, one direction each): every transfer of every schedule must lie on
     one of them, and a pipeline of pp >= 3 needs 2 pp channels, of 2 four."""
     from behemoth.parallel.pipeline.p2p import ACT_TAG, GRAD_TAG, pipeline_channels
+
     for pp in (1, 2, 3, 4, 8):
         chans = pipeline_channels(pp)
         assert len(chans) == (0 if pp == 1 else 4 if pp == 2 else 2 * pp) == len(set(chans)), pp
         for name in NAMES:
-            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for v in (1, 2, 3) if name == "interleaved" else (1,):
                 for m in (1, pp, 2 * pp + 1):
                     for r, acts in enumerate(make_schedule(name, pp, m, v)):
                         for a in acts:

@@ -1,4 +1,5 @@
 """Plan validation (errors for people) and the pure rank <-> coordinate math of the mesh."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,29 +8,32 @@ from behemoth.mesh import ParallelMesh, atomic_dims, axis_groups, named_axes, ra
 from behemoth.plan import Plan
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(tp=6, tp_mode="2d"), "tp_mode='2d' needs a square tp degree (q*q); got tp=6. Use tp=4 or tp=9"),
-    (dict(tp=4, tp_mode="3d"), "tp_mode='3d' needs a cubic tp degree"),
-    (dict(tp=8, tp_mode="2.5d", tp_depth=3), "tp = tp_depth * q*q; got tp=8, tp_depth=3"),
-    (dict(tp=12, tp_mode="2.5d", tp_depth=2), "tp/tp_depth=6 is not a square"),
-    (dict(tp_mode="4d"), "Plan.tp_mode='4d' is not one of"),
-    (dict(schedule="magic"), "Plan.schedule='magic' is not one of"),
-    (dict(sp_mode="rings"), "Plan.sp_mode='rings'"),
-    (dict(precision="fp8"), "Plan.precision='fp8'"),
-    (dict(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
-    (dict(offload="cpu"), "needs ZeRO sharding; got zero=0"),
-    (dict(offload="disk", zero=1), "Plan.offload='disk'"),
-    (dict(tp=0), "Plan.tp=0: must be an integer >= 1"),
-    (dict(dp=0), "Plan.dp=0"),
-    (dict(microbatches=2.5), "Plan.microbatches=2.5"),
-    (dict(sequence_parallel=True), "sequence_parallel=True needs 1D tensor parallelism with tp > 1"),
-    (dict(virtual_stages=2), "only applies to schedule='interleaved'"),
-    (dict(tp_depth=2, tp_mode="2d", tp=4), "tp_depth=2 only applies to tp_mode='2.5d'"),
-    (dict(tp_overlap=2, tp=4, tp_mode="2d"), "is built for tp_mode '1d' and '3d', not '2d'"),
-    (dict(tp_overlap=2), "there is none with tp=1"),
-    (dict(dp=4, ep=3), "Plan.ep=3 must divide dp=4"),
-    (dict(bucket_mb=0), "bucket_mb=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(tp=6, tp_mode="2d"), "tp_mode='2d' needs a square tp degree (q*q); got tp=6. Use tp=4 or tp=9"),
+        (dict(tp=4, tp_mode="3d"), "tp_mode='3d' needs a cubic tp degree"),
+        (dict(tp=8, tp_mode="2.5d", tp_depth=3), "tp = tp_depth * q*q; got tp=8, tp_depth=3"),
+        (dict(tp=12, tp_mode="2.5d", tp_depth=2), "tp/tp_depth=6 is not a square"),
+        (dict(tp_mode="4d"), "Plan.tp_mode='4d' is not one of"),
+        (dict(schedule="magic"), "Plan.schedule='magic' is not one of"),
+        (dict(sp_mode="rings"), "Plan.sp_mode='rings'"),
+        (dict(precision="fp8"), "Plan.precision='fp8'"),
+        (dict(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
+        (dict(offload="cpu"), "needs ZeRO sharding; got zero=0"),
+        (dict(offload="disk", zero=1), "Plan.offload='disk'"),
+        (dict(tp=0), "Plan.tp=0: must be an integer >= 1"),
+        (dict(dp=0), "Plan.dp=0"),
+        (dict(microbatches=2.5), "Plan.microbatches=2.5"),
+        (dict(sequence_parallel=True), "sequence_parallel=True needs 1D tensor parallelism with tp > 1"),
+        (dict(virtual_stages=2), "only applies to schedule='interleaved'"),
+        (dict(tp_depth=2, tp_mode="2d", tp=4), "tp_depth=2 only applies to tp_mode='2.5d'"),
+        (dict(tp_overlap=2, tp=4, tp_mode="2d"), "is built for tp_mode '1d' and '3d', not '2d'"),
+        (dict(tp_overlap=2), "there is none with tp=1"),
+        (dict(dp=4, ep=3), "Plan.ep=3 must divide dp=4"),
+        (dict(bucket_mb=0), "bucket_mb=0"),
+    ],
+)
 def test_bad_plans_name_the_rule(kwargs, needle):
     with pytest.raises(ValueError) as e:
         Plan(**kwargs)
@@ -57,11 +61,14 @@ def test_resolve_world_size():
 
 def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, microbatches=4, precision="bf16", activation_checkpointing=True).check_supported()
-    Plan(sp=2, sp_mode="ring", tp=2).check_supported()   # sequence parallelism is built (with dp and 1D tp)
-    Plan(pp=2, microbatches=4, schedule="zero-bubble", tp=4, tp_mode="2d").check_supported()   # pipelines are built
-    Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()   # ZeRO and offload are built
-    for kwargs, name in [(dict(pp=2, tp=8, tp_mode="3d"), "pipeline stages compose"), (dict(sp=2, tp=4, tp_mode="2d"), "sequence parallelism composes"),
-                         (dict(dp=2, ep=2), "expert")]:
+    Plan(sp=2, sp_mode="ring", tp=2).check_supported()  # sequence parallelism is built (with dp and 1D tp)
+    Plan(pp=2, microbatches=4, schedule="zero-bubble", tp=4, tp_mode="2d").check_supported()  # pipelines are built
+    Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()  # ZeRO and offload are built
+    for kwargs, name in [
+        (dict(pp=2, tp=8, tp_mode="3d"), "pipeline stages compose"),
+        (dict(sp=2, tp=4, tp_mode="2d"), "sequence parallelism composes"),
+        (dict(dp=2, ep=2), "expert"),
+    ]:
         with pytest.raises(NotImplementedError, match=name):
             Plan(**kwargs).check_supported()
 
@@ -87,12 +94,15 @@ def test_axis_groups_1d():
     assert axis_groups(dims, axes["world"]) == [list(range(8))]
 
 
-@pytest.mark.parametrize("kwargs, world", [
-    (dict(tp=4, tp_mode="2d", dp=2), 8),
-    (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
-    (dict(tp=8, tp_mode="3d"), 8),
-    (dict(dp=4, ep=2, sp=2), 8),
-])
+@pytest.mark.parametrize(
+    "kwargs, world",
+    [
+        (dict(tp=4, tp_mode="2d", dp=2), 8),
+        (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
+        (dict(tp=8, tp_mode="3d"), 8),
+        (dict(dp=4, ep=2, sp=2), 8),
+    ],
+)
 def test_every_axis_partitions_the_world(kwargs, world):
     plan = Plan(**kwargs).resolve(world)
     dims = atomic_dims(plan)
@@ -111,8 +121,8 @@ def test_2d_grid_rows_and_columns():
     dims = atomic_dims(plan)
     axes = named_axes(plan)
     # tp rank = row*q + col
-    assert axis_groups(dims, axes["tp_col"]) == [[0, 1], [2, 3]]   # same row, varying column
-    assert axis_groups(dims, axes["tp_row"]) == [[0, 2], [1, 3]]   # same column, varying row
+    assert axis_groups(dims, axes["tp_col"]) == [[0, 1], [2, 3]]  # same row, varying column
+    assert axis_groups(dims, axes["tp_row"]) == [[0, 2], [1, 3]]  # same column, varying row
 
 
 def test_mesh_without_groups_reports_coordinates():

@@ -1,6 +1,7 @@
 """Sequence parallelism's pure layout math (zigzag chunks, split/gather, position ids, the
 live block of each ring step, traffic formulas) and its errors; plus both attention cores
 on a one-rank axis against F.scaled_dot_product_attention. No processes."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,18 @@ import torch.nn.functional as F
 
 from behemoth import comm
 from behemoth.parallel.sequence import (
-    check_sequence, gather_sequence, position_ids_for, ring_attention, ring_bytes, ring_step_block,
-    split_sequence, ulysses_attention, ulysses_bytes, ulysses_kv_heads, zigzag_chunks, zigzag_indices,
+    check_sequence,
+    gather_sequence,
+    position_ids_for,
+    ring_attention,
+    ring_bytes,
+    ring_step_block,
+    split_sequence,
+    ulysses_attention,
+    ulysses_bytes,
+    ulysses_kv_heads,
+    zigzag_chunks,
+    zigzag_indices,
 )
 
 
@@ -56,15 +67,18 @@ def test_split_is_differentiable():
     assert x.grad.tolist() == [[0, 0, 1, 1, 1, 1, 0, 0]] * 2
 
 
-@pytest.mark.parametrize("args, needle", [
-    ((10, 4, "ulysses"), "seq_len=10, sp=4 (remainder 2)"),
-    ((12, 4, "ring"), "divisible by 2*sp=8 (zigzag chunks); got seq_len=12, sp=4"),
-    ((16, 4, "ulysses", 6, 6), "num_heads=6, sp=4"),
-    ((16, 2, "ring", 6, 4), "num_heads=6, num_kv_heads=4"),
-    ((16, 2, "ulysses", 6, 4), "num_heads=6, num_kv_heads=4"),
-    ((16, 0, "ring"), "sp=0"),
-    ((16, 2, "context"), "mode 'context' is not one of"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((10, 4, "ulysses"), "seq_len=10, sp=4 (remainder 2)"),
+        ((12, 4, "ring"), "divisible by 2*sp=8 (zigzag chunks); got seq_len=12, sp=4"),
+        ((16, 4, "ulysses", 6, 6), "num_heads=6, sp=4"),
+        ((16, 2, "ring", 6, 4), "num_heads=6, num_kv_heads=4"),
+        ((16, 2, "ulysses", 6, 4), "num_heads=6, num_kv_heads=4"),
+        ((16, 0, "ring"), "sp=0"),
+        ((16, 2, "context"), "mode 'context' is not one of"),
+    ],
+)
 def test_check_sequence_errors(args, needle):
     with pytest.raises(ValueError) as e:
         check_sequence(*args)
@@ -72,8 +86,8 @@ def test_check_sequence_errors(args, needle):
 
 
 def test_check_sequence_accepts():
-    check_sequence(16, 4, "ring", 6, 3)         # heads need not divide sp for ring
-    check_sequence(16, 4, "ulysses", 8, 2)      # fewer kv heads than sp: replicated
+    check_sequence(16, 4, "ring", 6, 3)  # heads need not divide sp for ring
+    check_sequence(16, 4, "ulysses", 8, 2)  # fewer kv heads than sp: replicated
     check_sequence(16, 4, "ulysses", 4, 1)
     check_sequence(7, 1, "ulysses")
 
@@ -107,10 +121,10 @@ def test_ring_step_block_is_the_causal_mask(sp):
 
 
 def test_ulysses_kv_heads():
-    assert ulysses_kv_heads(4, 2) == 4      # split
-    assert ulysses_kv_heads(2, 4) == 4      # replicated: one per rank
+    assert ulysses_kv_heads(4, 2) == 4  # split
+    assert ulysses_kv_heads(2, 4) == 4  # replicated: one per rank
     assert ulysses_kv_heads(1, 4) == 4
-    assert ulysses_kv_heads(6, 4) == 12     # neither: lcm
+    assert ulysses_kv_heads(6, 4) == 12  # neither: lcm
     assert ulysses_kv_heads(3, 1) == 3
 
 
@@ -123,7 +137,7 @@ def test_traffic_formulas_against_the_issue():
         assert ulysses_bytes(b, s, n, n, d, sp, e, wire=True) == 4 * b * s * h // sp * e * (sp - 1) // sp
         for kh in (1, 2, 8):
             assert ring_bytes(b, s, kh, d, sp, e) == 2 * (sp - 1) * b * (s // sp) * kh * d * e
-    assert ulysses_bytes(b, s, 8, 2, d, 4, e) == b * (s // 4) * d * (16 + 8) * e   # K'=4
+    assert ulysses_bytes(b, s, 8, 2, d, 4, e) == b * (s // 4) * d * (16 + 8) * e  # K'=4
     assert ulysses_bytes(b, s, n, n, d, 1, e) == ring_bytes(b, s, n, d, 1, e) == 0
     assert ring_bytes(b, s, 2, d, 4, 2, backward=True) == 2 * b * (s // 4) * 2 * d * (3 * 2 + 4 * 4)
 
@@ -148,7 +162,7 @@ def test_one_rank_cores_equal_sdpa(n, k_heads, scale):
 
 def test_cores_validate_before_communicating():
     """Shape errors are raised from shapes alone, so every rank raises before a collective."""
-    axis = comm.Axis("sp", 4, 0, (0, 1, 2, 3), None, comm.Ledger())   # no group: any collective would fail
+    axis = comm.Axis("sp", 4, 0, (0, 1, 2, 3), None, comm.Ledger())  # no group: any collective would fail
     q, kv = torch.zeros(1, 6, 4, 2), torch.zeros(1, 6, 4, 2)
     with pytest.raises(ValueError, match="num_heads=6, sp=4"):
         ulysses_attention(q, kv, kv, axis)

@@ -1,6 +1,7 @@
 """ZeRO chunk packing: no split parameters, contiguous offsets, shards covering each chunk
 exactly, exact padding on hand-computed cases, group separation with different dp sizes,
 errors that name the fix, chunk-size search, and per-rank memory accounting. No processes."""
+
 from __future__ import annotations
 
 import random
@@ -78,13 +79,16 @@ def test_parameter_larger_than_chunk_names_it_and_the_fix():
     pack_chunks([3, 13, 2], 16, 4)  # the suggested size works
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(param_sizes=[1, -2], chunk_size=4, dp=1), r"param_sizes\[1\]=-2"),
-    (dict(param_sizes=[1], chunk_size=0, dp=1), r"chunk_size=0"),
-    (dict(param_sizes=[1], chunk_size=4, dp=0), r"dp=0"),
-    (dict(param_sizes=[1, 2], chunk_size=4, dp=1, groups=[0]), r"groups has 1 entries"),
-    (dict(param_sizes=[1, 2], chunk_size=4, dp={0: 2}, groups=[0, 1]), r"no size for group\(s\) \[1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(param_sizes=[1, -2], chunk_size=4, dp=1), r"param_sizes\[1\]=-2"),
+        (dict(param_sizes=[1], chunk_size=0, dp=1), r"chunk_size=0"),
+        (dict(param_sizes=[1], chunk_size=4, dp=0), r"dp=0"),
+        (dict(param_sizes=[1, 2], chunk_size=4, dp=1, groups=[0]), r"groups has 1 entries"),
+        (dict(param_sizes=[1, 2], chunk_size=4, dp={0: 2}, groups=[0, 1]), r"no size for group\(s\) \[1\]"),
+    ],
+)
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pack_chunks(**kwargs)
@@ -98,7 +102,11 @@ def test_groups_never_mix_and_have_their_own_dp():
     check_invariants(lay, sizes)
     # chunk size 10 -> 12 for dp 4, stays 10 for dp 2; each group keeps its own open chunk
     assert [(c.group, c.size, c.params) for c in lay.chunks] == [
-        (0, 12, (0, 3)), (1, 10, (1, 2)), (0, 12, (4,)), (1, 10, (5, 6))]
+        (0, 12, (0, 3)),
+        (1, 10, (1, 2)),
+        (0, 12, (4,)),
+        (1, 10, (5, 6)),
+    ]
     assert lay.chunks[1].shard(1) == (5, 5)
     with pytest.raises(ValueError, match="rank 2 is outside group 1's dp size 2"):
         lay.chunks[1].shard(2)
@@ -164,8 +172,10 @@ def test_stage3_at_dp4_is_a_quarter_plus_padding():
     assert m.total <= serial / 4 + pad_bytes
     assert m.total <= serial / 4 + m.padding
     assert m.padding <= pad_bytes
-    print(f"zero-3 dp=4: per rank {m.total} B vs serial/4 {serial / 4:.0f} B, "
-          f"padding {100 * lay.padding_fraction:.2f}% of chunk elements (chunk size {best})")
+    print(
+        f"zero-3 dp=4: per rank {m.total} B vs serial/4 {serial / 4:.0f} B, "
+        f"padding {100 * lay.padding_fraction:.2f}% of chunk elements (chunk size {best})"
+    )
     assert lay.padding_fraction < 0.05
 
 

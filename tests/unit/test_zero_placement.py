@@ -1,6 +1,7 @@
 """ZeRO chunk placement: Belady/OPT eviction matches a brute-force optimum in misses on small
 random traces, byte and peak accounting, budget errors that name the fix, and the Elixir
 static split (monotonic in the budget, keeps everything on GPU when it fits). No processes."""
+
 from __future__ import annotations
 
 import random
@@ -46,8 +47,16 @@ def test_actions_on_a_forward_backward_trace():
     plan = plan_placement([0, 1, 2, 3, 3, 2, 1, 0], [4, 4, 4, 4], 8)
     got = [(a.chunk, a.hit, a.evict) for a in plan.actions]
     # at chunk 2 the furthest next use is chunk 0's (backward's end): evict it; then chunk 1
-    assert got == [(0, False, ()), (1, False, ()), (2, False, (0,)), (3, False, (1,)),
-                   (3, True, ()), (2, True, ()), (1, False, (3,)), (0, False, (2,))]
+    assert got == [
+        (0, False, ()),
+        (1, False, ()),
+        (2, False, (0,)),
+        (3, False, (1,)),
+        (3, True, ()),
+        (2, True, ()),
+        (1, False, (3,)),
+        (0, False, (2,)),
+    ]
     assert plan.misses == 6 and plan.hits == 2
     assert plan.h2d_bytes == 24 and plan.d2h_bytes == 16
     assert plan.peak_resident_bytes == 8 and plan.resident_at_end == (0, 1)
@@ -142,12 +151,14 @@ def test_static_split_counts_the_cpu_update_and_respects_the_host():
     assert s.predicted_seconds == 110.0
     assert "of CPU optimizer update" in s.explain()
     # The host holds 25 B per offloaded chunk: 3 offloaded (75 B) fit a 75 B host, 4 (100 B) do not.
-    h = static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4,
-                     host_budget_bytes=75)
+    h = static_split(
+        [10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4, host_budget_bytes=75
+    )
     assert h.num_optim_chunks >= 1
     with pytest.raises(ValueError, match="no split fits both budgets"):
-        static_split([10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4,
-                     host_budget_bytes=10)
+        static_split(
+            [10] * 4, [30] * 4, 60, h2d_bandwidth=1.0, d2h_bandwidth=1.0, host_bytes=[25] * 4, host_budget_bytes=10
+        )
 
 
 def test_split_costs_fp32_masters_and_bf16_copies():
@@ -155,11 +166,12 @@ def test_split_costs_fp32_masters_and_bf16_copies():
     on the host when offloaded); bf16 copies (param_dtype) move the fp32 master to the optimizer
     side and keep a 2-byte copy, on the host too when offloaded: 18 B per element either way."""
     from behemoth.parallel.zero.placement import split_costs
+
     dev, ratio, host = split_costs([10, 30], 8)
     assert dev == [40, 120] and ratio == 3.0 and host == [160, 480]
     dev, ratio, host = split_costs([10, 30], 8, param_bytes=2)
     assert dev == [20, 60] and ratio == 8.0 and host == [180, 540]
-    for pb, per_element in ((4, 16), (2, 18)):   # everything on the device: parameters + optimizer side
+    for pb, per_element in ((4, 16), (2, 18)):  # everything on the device: parameters + optimizer side
         dev, ratio, _ = split_costs([10, 30], 8, pb)
         assert [d + d * ratio for d in dev] == [10 * per_element, 30 * per_element]
     with pytest.raises(ValueError, match="param_bytes=3"):
@@ -171,6 +183,7 @@ def test_other_peak_is_read_between_hooks_not_from_the_end_of_the_step():
     gradients (model data) exist, so the step's peak less its *final* model data under-counts
     them (the old reading; GPT-13B on an H200 then ran out of memory in step 2)."""
     from behemoth.parallel.zero.measure import OtherPeak
+
     mem = {"model": 10, "alloc": 10, "peak": 10}
 
     def alloc(n):
@@ -180,19 +193,19 @@ def test_other_peak_is_read_between_hooks_not_from_the_end_of_the_step():
         mem["peak"] = mem["alloc"]
 
     probe = OtherPeak(lambda: mem["model"], lambda: mem["peak"], reset)
-    probe.sample()   # not started: nothing read
+    probe.sample()  # not started: nothing read
     assert probe.finish() is None and not probe.running
     probe.start()
-    for a in (30, 50, 75, 60):      # forward: activations, then the loss's logits (a transient 65 above the model)
+    for a in (30, 50, 75, 60):  # forward: activations, then the loss's logits (a transient 65 above the model)
         alloc(a)
         probe.sample()
-    for _ in range(3):              # backward: each segment frees 15 of activations, adds 10 of gradients
+    for _ in range(3):  # backward: each segment frees 15 of activations, adds 10 of gradients
         alloc(mem["alloc"] - 15 + 10)
         mem["model"] += 10
         probe.sample()
     # 65; the old reading, the step's peak less its final model data, gave 75 - 40 = 35
     assert probe.finish() == 65 and not probe.running
-    probe.start()                   # a retried step starts afresh (not from 65) ...
-    alloc(mem["alloc"] + 20)        # ... and a transient after the last hook is read by finish()
+    probe.start()  # a retried step starts afresh (not from 65) ...
+    alloc(mem["alloc"] + 20)  # ... and a transient after the last hook is read by finish()
     alloc(mem["alloc"] - 20)
     assert probe.finish() == 45 + 20 - 40

@@ -62,8 +62,7 @@ def build_config(
         fields = dict(preset, vocab_size=vocab_size, seq_len=seq_len, seed=seed)
     else:
         raise ValueError(
-            f"build_model: unknown model name {name!r}; known names are "
-            f"{', '.join(sorted(MODEL_PRESETS))}."
+            f"build_model: unknown model name {name!r}; known names are {', '.join(sorted(MODEL_PRESETS))}."
         )
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - known)
@@ -92,8 +91,6 @@ def build_model(
     ``device="meta"`` builds without memory or init (for counting parameters);
     ``overrides`` replace config fields. See ``build_config`` for the errors.
     """
-    config = build_config(
-        name, vocab_size=vocab_size, seq_len=seq_len, seed=seed, dropout=dropout, **overrides
-    )
+    config = build_config(name, vocab_size=vocab_size, seq_len=seq_len, seed=seed, dropout=dropout, **overrides)
     model_cls = GPT if isinstance(config, GPTConfig) else Llama
     return model_cls(config, device=device, dtype=dtype)

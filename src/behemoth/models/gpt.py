@@ -59,7 +59,7 @@ GPT_PRESETS: dict[str, dict] = {
     # Between GPT-3's 13B and 175B, for the offload benchmarks (models larger than one GPU).
     "gpt-15b": dict(num_layers=48, num_heads=40, hidden=5120),
     "gpt-20b": dict(num_layers=44, num_heads=48, hidden=6144),
-    "gpt-22b": dict(num_layers=48, num_heads=48, hidden=6144),   # > 3x the 6.9B plain PyTorch fits on one H200
+    "gpt-22b": dict(num_layers=48, num_heads=48, hidden=6144),  # > 3x the 6.9B plain PyTorch fits on one H200
 }
 
 
@@ -197,9 +197,7 @@ class GPTBlock(nn.Module):
         return x_BSH + self.mlp(self.ln_2(x_BSH))
 
 
-def _seeded_fill_(
-    param: torch.Tensor, kind: str, std: float, generator: torch.Generator
-) -> None:
+def _seeded_fill_(param: torch.Tensor, kind: str, std: float, generator: torch.Generator) -> None:
     """Fill ``param`` in place; draws are made on CPU in float32 so the values do
     not depend on the parameter's device or dtype."""
     with torch.no_grad():
@@ -283,9 +281,7 @@ class GPT(nn.Module):
                 else:
                     _seeded_fill_(param, "normal", 0.02, generator)
 
-    def forward(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every position.
 
         Args:

@@ -170,9 +170,7 @@ def rope_cos_sin(
     pairs channel i with channel i + R (rotate-half convention).
     """
     device = position_ids_BS.device
-    inv_freq_R = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-    )
+    inv_freq_R = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     freqs_BSR = position_ids_BS.float()[..., None] * inv_freq_R
     emb_BSD = torch.cat((freqs_BSR, freqs_BSR), dim=-1)
     return emb_BSD.cos().to(dtype), emb_BSD.sin().to(dtype)
@@ -320,9 +318,7 @@ class Llama(nn.Module):
                     values = torch.empty(param.shape, dtype=torch.float32)
                     param.copy_(values.normal_(0.0, std, generator=generator))
 
-    def forward(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every position.
 
         Args:

@@ -16,6 +16,7 @@ and waits.
 Communication: one all-reduce (sum) per bucket per step over the ``dp`` axis. The loss
 is pre-scaled by the engine to ``sum / global_tokens``, so the sum *is* the global mean.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -38,6 +39,7 @@ def post_accumulate_hooks(params, method) -> list:
         bound = ref()
         if bound is not None:
             bound(p)
+
     return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
@@ -83,7 +85,7 @@ class GradBuckets:
     # ---------------------------------------------------------------- grads as views
     def grad_view(self, p: torch.nn.Parameter) -> torch.Tensor:
         b, off = self._where[id(p)]
-        return self.buffers[b][off:off + p.numel()].view_as(p)
+        return self.buffers[b][off : off + p.numel()].view_as(p)
 
     def attach_grads(self) -> None:
         """(Re)point every ``p.grad`` at its bucket slice (after anything set it to None)."""
@@ -91,8 +93,10 @@ class GradBuckets:
             view = self.grad_view(p)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 if p.dtype != torch.float32:
-                    raise ValueError(f"data-parallel buckets hold fp32 master gradients; a parameter has "
-                                     f"dtype {p.dtype}. Keep parameters in fp32 and use Plan(precision='bf16').")
+                    raise ValueError(
+                        f"data-parallel buckets hold fp32 master gradients; a parameter has "
+                        f"dtype {p.dtype}. Keep parameters in fp32 and use Plan(precision='bf16')."
+                    )
                 p.grad = view
 
     def start_step(self) -> None:

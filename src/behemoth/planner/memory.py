@@ -12,6 +12,7 @@ step's peak; pass ``activation_bytes``) and the host link and CPU-optimizer spee
 
 Tested in tests/unit/test_memory_plan.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from ..parallel.zero.placement import StaticSplit, split_costs, static_split
 
 __all__ = ["MemoryPlan", "memory_plan"]
 
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,19 @@ class MemoryPlan:
     text: str
 
 
-def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: int, host_bytes: int,
-                activation_bytes: int = 0, optim_state_bytes: int = 8, h2d_bandwidth: float = 25e9,
-                cpu_update_bandwidth: float = 10e9, param_bytes: int = 4) -> MemoryPlan:
+def memory_plan(
+    param_sizes: Sequence[int],
+    *,
+    dp: int,
+    stage: int,
+    gpu_bytes: int,
+    host_bytes: int,
+    activation_bytes: int = 0,
+    optim_state_bytes: int = 8,
+    h2d_bandwidth: float = 25e9,
+    cpu_update_bandwidth: float = 10e9,
+    param_bytes: int = 4,
+) -> MemoryPlan:
     """Plan ZeRO ``stage`` at ``dp`` ranks for a model of ``param_sizes`` on devices of
     ``gpu_bytes`` with ``host_bytes`` per rank. ``optim_state_bytes`` per element (AdamW: 8);
     ``param_bytes`` 2 for bf16 parameter copies (``Plan.param_dtype='bf16'``): the parameters count 2
@@ -54,30 +65,47 @@ def memory_plan(param_sizes: Sequence[int], *, dp: int, stage: int, gpu_bytes: i
     cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
     chunk, _ = search_chunk_size(sizes, dp, candidates=cands)
     layout = pack_chunks(sizes, chunk, dp)
-    masters = 4 if param_bytes != 4 else 0   # fp32 parameters are their own masters
-    per_stage = {s: zero_memory_bytes(layout, s, param_bytes=param_bytes, grad_bytes=4, master_bytes=masters,
-                                      optim_state_bytes=optim_state_bytes).total / GIB for s in (0, 1, 2, 3)}
+    masters = 4 if param_bytes != 4 else 0  # fp32 parameters are their own masters
+    per_stage = {
+        s: zero_memory_bytes(
+            layout, s, param_bytes=param_bytes, grad_bytes=4, master_bytes=masters, optim_state_bytes=optim_state_bytes
+        ).total
+        / GIB
+        for s in (0, 1, 2, 3)
+    }
     room = gpu_bytes - activation_bytes
     fits = per_stage[stage] * GIB <= room
-    lines = [f"{sum(sizes) / 1e9:.2f}B parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
-             f"({100 * layout.padding_fraction:.2f}% padding), dp={dp}.",
-             "Per-rank model data (" + ("bf16 parameters + fp32 masters" if masters else "fp32 parameters") +
-             " + fp32 gradients + optimizer state): " +
-             ", ".join(f"zero={s}: {g:.1f} GiB" for s, g in per_stage.items()) + ".",
-             f"GPU {gpu_bytes / GIB:.1f} GiB - activations {activation_bytes / GIB:.1f} GiB = {room / GIB:.1f} GiB "
-             f"for model data; host {host_bytes / GIB:.1f} GiB."]
+    lines = [
+        f"{sum(sizes) / 1e9:.2f}B parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
+        f"({100 * layout.padding_fraction:.2f}% padding), dp={dp}.",
+        "Per-rank model data ("
+        + ("bf16 parameters + fp32 masters" if masters else "fp32 parameters")
+        + " + fp32 gradients + optimizer state): "
+        + ", ".join(f"zero={s}: {g:.1f} GiB" for s, g in per_stage.items())
+        + ".",
+        f"GPU {gpu_bytes / GIB:.1f} GiB - activations {activation_bytes / GIB:.1f} GiB = {room / GIB:.1f} GiB "
+        f"for model data; host {host_bytes / GIB:.1f} GiB.",
+    ]
     split = None
     if fits:
-        lines.append(f"zero={stage} fits on the GPU: offload='auto' keeps everything there (no transfer, GPU optimizer).")
+        lines.append(
+            f"zero={stage} fits on the GPU: offload='auto' keeps everything there (no transfer, GPU optimizer)."
+        )
     else:
         shards, ratio, host_need = split_costs([c.shard_size for c in layout.chunks], optim_state_bytes, param_bytes)
         try:
-            split = static_split(shards, ratio, max(room, max(shards)),
-                                 h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=h2d_bandwidth, host_bytes=host_need,
-                                 host_budget_bytes=int(0.9 * host_bytes), cpu_update_bandwidth=cpu_update_bandwidth)
+            split = static_split(
+                shards,
+                ratio,
+                max(room, max(shards)),
+                h2d_bandwidth=h2d_bandwidth,
+                d2h_bandwidth=h2d_bandwidth,
+                host_bytes=host_need,
+                host_budget_bytes=int(0.9 * host_bytes),
+                cpu_update_bandwidth=cpu_update_bandwidth,
+            )
             lines.append(f"zero={stage} does not fit on the GPU; with offload='auto' (stage 3 placement):")
             lines.append(split.explain())
         except ValueError as e:
             lines.append(f"Does not fit even with offload: {e}.")
-    return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits,
-                      "\n".join(lines))
+    return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits, "\n".join(lines))

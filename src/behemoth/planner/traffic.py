@@ -70,6 +70,7 @@ payload is its wire. The exact per-layer counts are ``ulysses_bytes`` / ``ring_b
 the cores, reused here. The gradient all-reduce then runs over ``dp_sp`` (the data-parallel
 formula with ``dp * sp`` ranks). Checked in tests/dist/test_sequence_parallel.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,27 +111,59 @@ class TransformerShape:
         return self.hidden // self.num_heads
 
     @classmethod
-    def from_config(cls, c) -> "TransformerShape":
+    def from_config(cls, c) -> TransformerShape:
         """From behemoth's GPTConfig / LlamaConfig or transformers' GPT2Config / LlamaConfig."""
         if hasattr(c, "n_embd"):  # transformers GPT2Config
-            return cls(hidden=c.n_embd, ffn_hidden=c.n_inner or 4 * c.n_embd, num_layers=c.n_layer,
-                       num_heads=c.n_head, num_kv_heads=c.n_head, vocab_size=c.vocab_size,
-                       norm_params=2 * c.n_embd, linear_bias=True, fused_qkv=True, max_positions=c.n_positions)
+            return cls(
+                hidden=c.n_embd,
+                ffn_hidden=c.n_inner or 4 * c.n_embd,
+                num_layers=c.n_layer,
+                num_heads=c.n_head,
+                num_kv_heads=c.n_head,
+                vocab_size=c.vocab_size,
+                norm_params=2 * c.n_embd,
+                linear_bias=True,
+                fused_qkv=True,
+                max_positions=c.n_positions,
+            )
         if hasattr(c, "intermediate_size"):  # transformers LlamaConfig
-            return cls(hidden=c.hidden_size, ffn_hidden=c.intermediate_size, num_layers=c.num_hidden_layers,
-                       num_heads=c.num_attention_heads,
-                       num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                       vocab_size=c.vocab_size, norm_params=c.hidden_size,
-                       linear_bias=bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)),
-                       gated_mlp=True, rms_norm=True)
+            return cls(
+                hidden=c.hidden_size,
+                ffn_hidden=c.intermediate_size,
+                num_layers=c.num_hidden_layers,
+                num_heads=c.num_attention_heads,
+                num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                vocab_size=c.vocab_size,
+                norm_params=c.hidden_size,
+                linear_bias=bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)),
+                gated_mlp=True,
+                rms_norm=True,
+            )
         if hasattr(c, "num_kv_heads"):  # behemoth LlamaConfig
-            return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,
-                       num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, vocab_size=c.vocab_size,
-                       norm_params=c.hidden, linear_bias=False, gated_mlp=True, rms_norm=True)
-        return cls(hidden=c.hidden, ffn_hidden=c.resolved_ffn_hidden, num_layers=c.num_layers,  # behemoth GPTConfig
-                   num_heads=c.num_heads, num_kv_heads=c.num_heads, vocab_size=c.vocab_size,
-                   norm_params=(2 if c.bias else 1) * c.hidden, linear_bias=bool(c.bias), fused_qkv=True,
-                   max_positions=c.seq_len)
+            return cls(
+                hidden=c.hidden,
+                ffn_hidden=c.resolved_ffn_hidden,
+                num_layers=c.num_layers,
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                vocab_size=c.vocab_size,
+                norm_params=c.hidden,
+                linear_bias=False,
+                gated_mlp=True,
+                rms_norm=True,
+            )
+        return cls(
+            hidden=c.hidden,
+            ffn_hidden=c.resolved_ffn_hidden,
+            num_layers=c.num_layers,  # behemoth GPTConfig
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_heads,
+            vocab_size=c.vocab_size,
+            norm_params=(2 if c.bias else 1) * c.hidden,
+            linear_bias=bool(c.bias),
+            fused_qkv=True,
+            max_positions=c.seq_len,
+        )
 
 
 @dataclass(frozen=True)
@@ -144,10 +177,10 @@ class Traffic:
     def total(self) -> float:
         return self.forward + self.backward
 
-    def __add__(self, other: "Traffic") -> "Traffic":
+    def __add__(self, other: Traffic) -> Traffic:
         return Traffic(self.forward + other.forward, self.backward + other.backward)
 
-    def __mul__(self, k: float) -> "Traffic":
+    def __mul__(self, k: float) -> Traffic:
         return Traffic(self.forward * k, self.backward * k)
 
     __rmul__ = __mul__
@@ -166,9 +199,19 @@ reduce_scatter_bytes = all_gather_bytes
 
 
 # ----------------------------------------------------------------------------- 1D
-def tp1d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp: int, orientation: str,
-                        sequence_parallel: bool = False, bias: bool = False, dtype_bytes: int = 2,
-                        stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+def tp1d_linear_traffic(
+    *,
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    tp: int,
+    orientation: str,
+    sequence_parallel: bool = False,
+    bias: bool = False,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+) -> Traffic:
     """One 1D Linear, forward + backward. ``orientation='column'`` counts its ``f`` (which
     Linears reading the same input share: count it once per input; sequence parallel: the
     forward gather, the backward re-gather and reduce-scatter); ``'row'`` its ``g``.
@@ -191,19 +234,37 @@ def tp1d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp:
     raise ValueError(f"orientation={orientation!r}: 'column' or 'row'.")
 
 
-def tp1d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
-                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+def tp1d_block_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+) -> Traffic:
     """One transformer block (attention pair + MLP pair), forward + backward, per rank."""
     p, h, t = tp, shape.hidden, batch * seq
     if p == 1:
         return Traffic()
-    kw = dict(tokens=t, tp=p, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-              stream_bytes=stream_bytes, param_bytes=param_bytes, bias=shape.linear_bias)
+    kw = dict(
+        tokens=t,
+        tp=p,
+        sequence_parallel=sequence_parallel,
+        dtype_bytes=dtype_bytes,
+        stream_bytes=stream_bytes,
+        param_bytes=param_bytes,
+        bias=shape.linear_bias,
+    )
     attn_width = shape.num_heads * shape.head_dim
-    out = (tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
-           + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
-           + tp1d_linear_traffic(in_features=h, out_features=shape.ffn_hidden, orientation="column", **kw)
-           + tp1d_linear_traffic(in_features=shape.ffn_hidden, out_features=h, orientation="row", **kw))
+    out = (
+        tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
+        + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
+        + tp1d_linear_traffic(in_features=h, out_features=shape.ffn_hidden, orientation="column", **kw)
+        + tp1d_linear_traffic(in_features=shape.ffn_hidden, out_features=h, orientation="row", **kw)
+    )
     k = shape.num_kv_heads
     if k < p and k < shape.num_heads:  # replicated k and v projections: their weight gradients are summed
         kv = k * shape.head_dim * (h + (1 if shape.linear_bias else 0))
@@ -213,18 +274,34 @@ def tp1d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     return out
 
 
-def tp1d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
-                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4) -> Traffic:
+def tp1d_model_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+) -> Traffic:
     """A whole forward + backward: embedding, every block, head and vocab-parallel loss."""
     p, h, t = tp, shape.hidden, batch * seq
     if p == 1:
         return Traffic()
     stream = dtype_bytes if stream_bytes is None else stream_bytes
-    out = shape.num_layers * tp1d_block_traffic(shape, batch=batch, seq=seq, tp=tp,
-                                                sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-                                                stream_bytes=stream_bytes, param_bytes=param_bytes)
-    out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)                  # vocab-parallel embedding
-    out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))                   # head's f (cast input)
+    out = shape.num_layers * tp1d_block_traffic(
+        shape,
+        batch=batch,
+        seq=seq,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dtype_bytes=dtype_bytes,
+        stream_bytes=stream_bytes,
+        param_bytes=param_bytes,
+    )
+    out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)  # vocab-parallel embedding
+    out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))  # head's f (cast input)
     out += Traffic(all_reduce_bytes(t * 4, p) + all_reduce_bytes(2 * t * 4, p), 0.0)  # loss: max, [target, sumexp]
     if sequence_parallel:  # scatter at the first block (all-gather backward), gather after the last
         out += Traffic(all_gather_bytes(t * h * stream, p), all_gather_bytes(t * h * stream, p))
@@ -240,8 +317,17 @@ def grid_side(tp: int, depth: int = 1) -> int:
     return q
 
 
-def tp2d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp: int, depth: int = 1,
-                        bias: bool = False, dtype_bytes: int = 2, param_bytes: int = 4) -> Traffic:
+def tp2d_linear_traffic(
+    *,
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    tp: int,
+    depth: int = 1,
+    bias: bool = False,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+) -> Traffic:
     """One SUMMA Linear (2D; 2.5D with ``depth`` > 1), forward + backward, per rank.
     ``tokens``: B*S of the tp group. Blocks travel in ``dtype_bytes`` (the autocast dtype);
     the depth all-reduce of dW and the bias gradient's all-reduces in ``param_bytes``."""
@@ -256,8 +342,9 @@ def tp2d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp:
     return Traffic(fwd, bwd)
 
 
-def _kv_replicated2d(tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int,
-                     param_bytes: int) -> Traffic:
+def _kv_replicated2d(
+    tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int, param_bytes: int
+) -> Traffic:
     """A k or v projection with K < q kv heads (apply2d.KVReplicatedLinear2D): SUMMA with a
     ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
     ``tp_col`` and depth (and of a bias over the whole grid)."""
@@ -271,17 +358,25 @@ def _kv_replicated2d(tokens: int, hidden: int, shape: TransformerShape, tp: int,
 
 
 def _norm2d(shape: TransformerShape, tokens_local: float, q: int, depth: int, param_bytes: int) -> Traffic:
-    stat = 4   # statistics in (at least) float32
+    stat = 4  # statistics in (at least) float32
     if shape.rms_norm:
         fwd, bwd = all_reduce_bytes(tokens_local * stat, q), all_reduce_bytes(tokens_local * stat, q)
     else:
         fwd, bwd = all_gather_bytes(q * 2 * tokens_local * stat, q), all_reduce_bytes(2 * tokens_local * stat, q)
-    vec = shape.norm_params / q * param_bytes      # weight (and bias) blocks, replicated over tp_row
+    vec = shape.norm_params / q * param_bytes  # weight (and bias) blocks, replicated over tp_row
     return Traffic(fwd, bwd + all_reduce_bytes(vec, q) + all_reduce_bytes(vec, depth))
 
 
-def tp2d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, depth: int = 1,
-                       dtype_bytes: int = 2, param_bytes: int = 4) -> Traffic:
+def tp2d_block_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    depth: int = 1,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+) -> Traffic:
     """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
     down), forward + backward, per rank; attention itself is local."""
     q = grid_side(tp, depth)
@@ -290,12 +385,21 @@ def tp2d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
 
     def lin(fin, fout):
-        return tp2d_linear_traffic(tokens=t, in_features=fin, out_features=fout, tp=tp, depth=depth,
-                                   bias=shape.linear_bias, dtype_bytes=dtype_bytes, param_bytes=param_bytes)
+        return tp2d_linear_traffic(
+            tokens=t,
+            in_features=fin,
+            out_features=fout,
+            tp=tp,
+            depth=depth,
+            bias=shape.linear_bias,
+            dtype_bytes=dtype_bytes,
+            param_bytes=param_bytes,
+        )
+
     attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     if shape.fused_qkv:
         out = lin(h, attn + 2 * kv)
-    elif shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:   # replicated kv heads
+    elif shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated kv heads
         out = lin(h, attn) + 2 * _kv_replicated2d(t, h, shape, tp, depth, dtype_bytes, param_bytes)
     else:
         out = lin(h, attn) + 2 * lin(h, kv)
@@ -303,9 +407,18 @@ def tp2d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     return out + 2 * _norm2d(shape, t / (depth * q), q, depth, param_bytes)
 
 
-def tp2d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, depth: int = 1,
-                       dtype_bytes: int = 2, stream_bytes: int | None = None, param_bytes: int = 4,
-                       diagonal: bool = False) -> Traffic:
+def tp2d_model_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    depth: int = 1,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+    diagonal: bool = False,
+) -> Traffic:
     """A whole forward + backward: embedding, every block, final norm, head and loss, for a
     rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
     embedding's transpose swap). ``stream_bytes``: the residual stream's element size (the
@@ -316,19 +429,25 @@ def tp2d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     stream = param_bytes if stream_bytes is None else stream_bytes
     h, v, t = shape.hidden, shape.vocab_size, batch * seq
     local = t / (depth * q)
-    out = shape.num_layers * tp2d_block_traffic(shape, batch=batch, seq=seq, tp=tp, depth=depth,
-                                                dtype_bytes=dtype_bytes, param_bytes=param_bytes)
+    out = shape.num_layers * tp2d_block_traffic(
+        shape, batch=batch, seq=seq, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )
     swap = 0.0 if diagonal else local * h / q
-    out += Traffic(all_gather_bytes(q * local * 8, q)                                  # ids (int64)
-                   + reduce_scatter_bytes(t / depth * h / q * param_bytes, q) + swap * param_bytes,
-                   swap * stream + all_gather_bytes(t / depth * h / q * stream, q)
-                   + all_reduce_bytes(v / q * h / q * param_bytes, depth))             # table grad over depth
+    out += Traffic(
+        all_gather_bytes(q * local * 8, q)  # ids (int64)
+        + reduce_scatter_bytes(t / depth * h / q * param_bytes, q)
+        + swap * param_bytes,
+        swap * stream
+        + all_gather_bytes(t / depth * h / q * stream, q)
+        + all_reduce_bytes(v / q * h / q * param_bytes, depth),
+    )  # table grad over depth
     if shape.max_positions:
         pos = shape.max_positions * h / q * param_bytes
         out += Traffic(0.0, all_reduce_bytes(pos, q) + all_reduce_bytes(pos, depth))
-    out += _norm2d(shape, local, q, depth, param_bytes)                                # final norm
-    out += tp2d_linear_traffic(tokens=t, in_features=h, out_features=v, tp=tp, depth=depth,
-                               dtype_bytes=dtype_bytes, param_bytes=param_bytes)       # head
+    out += _norm2d(shape, local, q, depth, param_bytes)  # final norm
+    out += tp2d_linear_traffic(
+        tokens=t, in_features=h, out_features=v, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )  # head
     out += Traffic(all_reduce_bytes(local * 4, q) + all_reduce_bytes(2 * local * 4, q), 0.0)  # loss
     return out
 
@@ -355,8 +474,17 @@ def cube_side(tp: int) -> int:
     return q
 
 
-def tp3d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp: int, bias: bool = False,
-                        input_grad: bool = True, dtype_bytes: int = 2, param_bytes: int = 4) -> Traffic:
+def tp3d_linear_traffic(
+    *,
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    tp: int,
+    bias: bool = False,
+    input_grad: bool = True,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+) -> Traffic:
     """One 3D Linear (behemoth.parallel.tensor.tp3d.Linear3D), forward + backward, per rank;
     ``tokens``: B*S of the tp group (T). Forward: all-gather X over the input axis (``T K/q**2``
     gathered), W over tp_depth (``K N/q**2``), reduce-scatter Y over the output axis
@@ -378,8 +506,9 @@ def tp3d_linear_traffic(*, tokens: int, in_features: int, out_features: int, tp:
     return Traffic(fwd, bwd)
 
 
-def tp3d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, dtype_bytes: int = 2,
-                       param_bytes: int = 4) -> Traffic:
+def tp3d_block_traffic(
+    shape: TransformerShape, *, batch: int, seq: int, tp: int, dtype_bytes: int = 2, param_bytes: int = 4
+) -> Traffic:
     """One transformer block on the cube (2 norms; q/k/v or fused qkv, out; fc and proj, or
     gate, up and down), forward + backward, per rank; attention itself is local. Every Linear
     gathers its own input (no sharing between q, k and v). Norms: statistics over the hidden
@@ -390,16 +519,33 @@ def tp3d_block_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
 
     def lin(fin, fout):
-        return tp3d_linear_traffic(tokens=t, in_features=fin, out_features=fout, tp=tp, bias=shape.linear_bias,
-                                   dtype_bytes=dtype_bytes, param_bytes=param_bytes)
+        return tp3d_linear_traffic(
+            tokens=t,
+            in_features=fin,
+            out_features=fout,
+            tp=tp,
+            bias=shape.linear_bias,
+            dtype_bytes=dtype_bytes,
+            param_bytes=param_bytes,
+        )
+
     attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out = lin(h, attn + 2 * kv) if shape.fused_qkv else lin(h, attn) + 2 * lin(h, kv)
     out += lin(attn, h) + (2 if shape.gated_mlp else 1) * lin(h, f) + lin(f, h)
     return out + 2 * _norm2d(shape, t / q**2, q, q, param_bytes)
 
 
-def tp3d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int, dtype_bytes: int = 2,
-                       stream_bytes: int | None = None, param_bytes: int = 4, position_rows: int = 1) -> Traffic:
+def tp3d_model_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+    position_rows: int = 1,
+) -> Traffic:
     """A whole forward + backward on the cube: embedding, every block, final norm, head and
     loss. The embedding all-gathers the int64 ids of this rank's input block over tp_col and
     tp_depth, reduce-scatters its partial lookups ``[T, h/q]`` over tp_depth then tp_row
@@ -414,25 +560,30 @@ def tp3d_model_traffic(shape: TransformerShape, *, batch: int, seq: int, tp: int
     stream = param_bytes if stream_bytes is None else stream_bytes
     h, v, t = shape.hidden, shape.vocab_size, batch * seq
     local = t / q**2
-    out = shape.num_layers * tp3d_block_traffic(shape, batch=batch, seq=seq, tp=tp, dtype_bytes=dtype_bytes,
-                                                param_bytes=param_bytes)
+    out = shape.num_layers * tp3d_block_traffic(
+        shape, batch=batch, seq=seq, tp=tp, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )
     ids = all_gather_bytes(q * local * 8, q) + all_gather_bytes(q * q * local * 8, q)
     lookup = reduce_scatter_bytes(t * h / q, q) + reduce_scatter_bytes(t * h / q**2, q)
     out += Traffic(ids + lookup * param_bytes, lookup * stream)
     if shape.max_positions:
         pos = shape.max_positions * h / q * param_bytes
         out += Traffic(all_gather_bytes(q * position_rows * seq * 8, q), 2 * all_reduce_bytes(pos, q))
-    out += _norm2d(shape, local, q, q, param_bytes)                                    # final norm
-    out += tp3d_linear_traffic(tokens=t, in_features=h, out_features=v, tp=tp, dtype_bytes=dtype_bytes,
-                               param_bytes=param_bytes)                                # head
+    out += _norm2d(shape, local, q, q, param_bytes)  # final norm
+    out += tp3d_linear_traffic(
+        tokens=t, in_features=h, out_features=v, tp=tp, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )  # head
     out += Traffic(all_reduce_bytes(local * 4, q) + all_reduce_bytes(2 * local * 4, q), 0.0)  # loss
     return out
 
 
-_LINEAR = {"1d": tp1d_linear_traffic, "2d": tp2d_linear_traffic, "2.5d": tp2p5d_linear_traffic,
-           "3d": tp3d_linear_traffic}
-_BLOCK = {"1d": tp1d_block_traffic, "2d": tp2d_block_traffic, "2.5d": tp2p5d_block_traffic,
-          "3d": tp3d_block_traffic}
+_LINEAR = {
+    "1d": tp1d_linear_traffic,
+    "2d": tp2d_linear_traffic,
+    "2.5d": tp2p5d_linear_traffic,
+    "3d": tp3d_linear_traffic,
+}
+_BLOCK = {"1d": tp1d_block_traffic, "2d": tp2d_block_traffic, "2.5d": tp2p5d_block_traffic, "3d": tp3d_block_traffic}
 
 
 def linear_traffic(mode: str, **kwargs) -> Traffic:
@@ -462,8 +613,18 @@ def _local_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
     return num_heads // tp, (num_kv_heads // tp if num_kv_heads >= tp else 1)
 
 
-def sp_attention_traffic(mode: str, *, batch: int, seq: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         sp: int, dtype_bytes: int = 2, wire: bool = True) -> Traffic:
+def sp_attention_traffic(
+    mode: str,
+    *,
+    batch: int,
+    seq: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sp: int,
+    dtype_bytes: int = 2,
+    wire: bool = True,
+) -> Traffic:
     """One sequence-parallel attention layer (``mode`` 'ulysses' or 'ring'), forward + backward,
     per rank, on the ``sp`` axis. ``batch``: sequences of this rank's data-parallel share;
     ``seq``: the whole sequence; head counts are this rank's (after tensor parallelism);
@@ -471,22 +632,42 @@ def sp_attention_traffic(mode: str, *, batch: int, seq: int, num_heads: int, num
     payload (the ledger's ``bytes``); ring shifts move their payload, so both agree there."""
     if sp == 1:
         return Traffic()
-    from ..parallel.sequence import ring_bytes, ulysses_bytes   # the cores' own exact counts
+    from ..parallel.sequence import ring_bytes, ulysses_bytes  # the cores' own exact counts
+
     if mode == "ulysses":
         one = ulysses_bytes(batch, seq, num_heads, num_kv_heads, head_dim, sp, dtype_bytes, wire=wire)
         return Traffic(float(one), float(one))
     if mode == "ring":
-        return Traffic(float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes)),
-                       float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes, backward=True)))
+        return Traffic(
+            float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes)),
+            float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes, backward=True)),
+        )
     raise ValueError(f"sp_mode={mode!r}: 'ulysses' or 'ring'.")
 
 
-def sp_model_traffic(shape: TransformerShape, *, batch: int, seq: int, sp: int, mode: str, tp: int = 1,
-                     dtype_bytes: int = 2, wire: bool = True) -> Traffic:
+def sp_model_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    sp: int,
+    mode: str,
+    tp: int = 1,
+    dtype_bytes: int = 2,
+    wire: bool = True,
+) -> Traffic:
     """A whole forward + backward on the ``sp`` axis: every layer's attention, with the heads of
     one 1D tensor-parallel rank when ``tp > 1``. Nothing else crosses ``sp`` (parameter
     gradients are reduced over ``dp_sp``, and counted with data parallelism)."""
     n, k = _local_heads(shape.num_heads, shape.num_kv_heads, tp)
-    return shape.num_layers * sp_attention_traffic(mode, batch=batch, seq=seq, num_heads=n, num_kv_heads=k,
-                                                   head_dim=shape.head_dim, sp=sp, dtype_bytes=dtype_bytes,
-                                                   wire=wire)
+    return shape.num_layers * sp_attention_traffic(
+        mode,
+        batch=batch,
+        seq=seq,
+        num_heads=n,
+        num_kv_heads=k,
+        head_dim=shape.head_dim,
+        sp=sp,
+        dtype_bytes=dtype_bytes,
+        wire=wire,
+    )

@@ -31,6 +31,7 @@ role                module
 
 Modules that no pattern names stay serial (replicated on every tensor-parallel rank).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -117,8 +118,10 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(path)
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks; activation checkpointing "
-                         f"and sequence parallelism need one (or add the class to behemoth.policies.BLOCK_LISTS).")
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks; activation checkpointing "
+            f"and sequence parallelism need one (or add the class to behemoth.policies.BLOCK_LISTS)."
+        )
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
@@ -142,22 +145,28 @@ def resolve_tp_policy(model: nn.Module, policy: dict[str, str] | None = None) ->
             raise ValueError(
                 f"tensor parallelism has no policy for {cls}; pass tp_policy={{module-name pattern: role}} to "
                 f"bh.boost, e.g. {{'layers.*.attn.q': 'colwise', 'layers.*.attn.o': 'rowwise', ...}}. "
-                f"Roles: {', '.join(TP_ROLES)}. Known classes: {', '.join(sorted(TP_POLICIES))}.")
+                f"Roles: {', '.join(TP_ROLES)}. Known classes: {', '.join(sorted(TP_POLICIES))}."
+            )
     if not isinstance(policy, dict) or not policy:
         raise ValueError(f"tp_policy must be a non-empty dict {{module-name pattern: role}}; got {policy!r}.")
     names = [name for name, _ in model.named_modules() if name]
     roles: dict[str, str] = {}
     for pattern, role in policy.items():
         if role not in TP_ROLES:
-            raise ValueError(f"tp_policy[{pattern!r}] = {role!r} is not a tensor-parallel role; "
-                             f"use one of {', '.join(TP_ROLES)}.")
+            raise ValueError(
+                f"tp_policy[{pattern!r}] = {role!r} is not a tensor-parallel role; use one of {', '.join(TP_ROLES)}."
+            )
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(f"tp_policy pattern {pattern!r} (role {role!r}) matches no module of {cls}; "
-                             f"module names look like {names[:6]}. Fix the pattern or drop it.")
+            raise ValueError(
+                f"tp_policy pattern {pattern!r} (role {role!r}) matches no module of {cls}; "
+                f"module names look like {names[:6]}. Fix the pattern or drop it."
+            )
         for n in hits:
             if roles.get(n, role) != role:
-                raise ValueError(f"module {n!r} of {cls} gets two tensor-parallel roles, {roles[n]!r} and "
-                                 f"{role!r} (pattern {pattern!r}); give each module one role.")
+                raise ValueError(
+                    f"module {n!r} of {cls} gets two tensor-parallel roles, {roles[n]!r} and "
+                    f"{role!r} (pattern {pattern!r}); give each module one role."
+                )
             roles[n] = role
     return roles

@@ -31,6 +31,7 @@ serial model's. A tied embedding held by the last stage as the head's weight kee
 optimizer state under the serial model's first name (``engine.serial_param_names``), so
 pp = 2 checkpoints load under pp = 1 and the reverse.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..parallel.tensor import is_sharded, shard_rectangles
-from ..parallel.zero import state as zero_state
 from ..parallel.tensor.layout import ShardSpec, get_spec
+from ..parallel.zero import state as zero_state
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
@@ -62,14 +63,33 @@ FORMAT_VERSION = 1
 # ------------------------------------------------------------------ safe metadata reading
 _SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {
-    ("collections", "OrderedDict"), ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "tuple"),
-    ("builtins", "list"), ("builtins", "dict"),
-    ("torch", "float32"), ("torch", "float64"), ("torch", "float16"), ("torch", "bfloat16"),
-    ("torch", "int64"), ("torch", "int32"), ("torch", "int16"), ("torch", "int8"), ("torch", "uint8"),
-    ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
-    ("torch", "channels_last"), ("torch", "complex64"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("builtins", "tuple"),
+    ("builtins", "list"),
+    ("builtins", "dict"),
+    ("torch", "float32"),
+    ("torch", "float64"),
+    ("torch", "float16"),
+    ("torch", "bfloat16"),
+    ("torch", "int64"),
+    ("torch", "int32"),
+    ("torch", "int16"),
+    ("torch", "int8"),
+    ("torch", "uint8"),
+    ("torch", "bool"),
+    ("torch", "strided"),
+    ("torch", "contiguous_format"),
+    ("torch", "preserve_format"),
+    ("torch", "channels_last"),
+    ("torch", "complex64"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
 }
 
 
@@ -77,8 +97,10 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which behemoth does "
-                                     f"not load (only DCP metadata classes are allowed): refusing to unpickle.")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which behemoth does "
+            f"not load (only DCP metadata classes are allowed): refusing to unpickle."
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -91,6 +113,7 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _SafeUnpickler(io.BytesIO(f.read())).load()
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
+
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -110,23 +133,30 @@ class ShardChunks(torch.Tensor):
         view = local.reshape(spec.local_view_shape())
         if view.data_ptr() != local.data_ptr():
             raise AssertionError("a shard must be contiguous to be checkpointed in place")
-        self._chunks = [(torch.Size(off), torch.Size(size), view[index])
-                        for index, off, size in shard_rectangles(spec)]
+        self._chunks = [(torch.Size(off), torch.Size(size), view[index]) for index, off, size in shard_rectangles(spec)]
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(f"ShardChunks is a checkpoint view of a tensor-parallel shard; {func} on it is "
-                                  f"not supported.")
+        raise NotImplementedError(
+            f"ShardChunks is a checkpoint view of a tensor-parallel shard; {func} on it is not supported."
+        )
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=size),
-                                                      properties=TensorProperties.create_from_tensor(data),
-                                                      size=self.size()))
-                for off, size, data in self._chunks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=off, sizes=size),
+                    properties=TensorProperties.create_from_tensor(data),
+                    size=self.size(),
+                ),
+            )
+            for off, size, data in self._chunks
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=off, sizes=size) for off, size, _ in self._chunks]
@@ -218,8 +248,11 @@ def _hyper_params(optimizer) -> list[dict]:
 
 
 def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
-          "python_pos": torch.tensor(random.getstate()[2] is not None)}
+    st = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
+        "python_pos": torch.tensor(random.getstate()[2] is not None),
+    }
     np_state = np.random.get_state()
     st["numpy"] = torch.from_numpy(np_state[1].astype(np.int64))
     st["numpy_pos"] = torch.tensor([np_state[2], np_state[3]], dtype=torch.float64)
@@ -233,8 +266,9 @@ def _set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     random.setstate((3, tuple(int(x) for x in st["python"].tolist()), None))
     pos = st["numpy_pos"].tolist()
-    np.random.set_state(("MT19937", st["numpy"].numpy().astype(np.uint32), int(pos[0]), int(pos[1]),
-                         float(st["numpy_gauss"])))
+    np.random.set_state(
+        ("MT19937", st["numpy"].numpy().astype(np.uint32), int(pos[0]), int(pos[1]), float(st["numpy_gauss"]))
+    )
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
 
@@ -312,12 +346,16 @@ def read_meta(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist.")
     if not is_complete(path):
-        raise ValueError(f"checkpoint {path!r} is incomplete (no {META}): its save was interrupted. "
-                         f"Load the newest complete one instead (behemoth.train.checkpoint.latest_checkpoint).")
+        raise ValueError(
+            f"checkpoint {path!r} is incomplete (no {META}): its save was interrupted. "
+            f"Load the newest complete one instead (behemoth.train.checkpoint.latest_checkpoint)."
+        )
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has format {meta.get('format')!r}; this behemoth reads {FORMAT_VERSION}.")
+        raise ValueError(
+            f"checkpoint {path!r} has format {meta.get('format')!r}; this behemoth reads {FORMAT_VERSION}."
+        )
     return meta
 
 
@@ -331,28 +369,35 @@ def load_checkpoint(engine, path: str) -> dict:
     model_sd = engine.model.state_dict(keep_vars=True)
     missing = [f"model/{k}" for k in model_sd if f"model/{k}" not in stored]
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks model tensors {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model.")
+        raise ValueError(
+            f"checkpoint {path!r} lacks model tensors {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model."
+        )
     for k, v in model_sd.items():
         shape = tuple(stored[f"model/{k}"].size)
         if shape != _full_shape(v):
             raise ValueError(f"checkpoint tensor model/{k} has shape {shape}, the model's is {_full_shape(v)}.")
     if meta["optimizer"] != type(engine.optimizer).__name__:
-        raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state; the engine's optimizer is "
-                         f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume.")
+        raise ValueError(
+            f"checkpoint {path!r} holds {meta['optimizer']} state; the engine's optimizer is "
+            f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume."
+        )
     # Optimizer state: allocate what the checkpoint holds, for the parameters we hold.
     names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
-    held = engine.zero.params if engine.zero is not None else [p for g in engine.optimizer.param_groups
-                                                                 for p in g["params"]]
+    held = (
+        engine.zero.params
+        if engine.zero is not None
+        else [p for g in engine.optimizer.param_groups for p in g["params"]]
+    )
     params = {names[id(p)]: p for p in held}
     optim, reads = {}, {}
     for k, md in stored.items():
         if not k.startswith("optim/"):
             continue
-        pname, key = k[len("optim/"):].rsplit("/", 1)
+        pname, key = k[len("optim/") :].rsplit("/", 1)
         if pname in params:
             spec = get_spec(params[pname])
-            if is_sharded(spec) and tuple(md.size) == spec.full_shape:   # state shaped like the shard
+            if is_sharded(spec) and tuple(md.size) == spec.full_shape:  # state shaped like the shard
                 optim[k] = torch.empty(spec.local_shape(), dtype=md.properties.dtype, device=params[pname].device)
             else:
                 optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -362,18 +407,18 @@ def load_checkpoint(engine, path: str) -> dict:
         # Read inside the gather: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
         want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         dcp.load({**want, **reads}, storage_reader=reader)
-        if engine.zero is not None:   # the loaded parameters become the shards and masters
+        if engine.zero is not None:  # the loaded parameters become the shards and masters
             zero_state.reload_from_params(engine.zero.store)
     if engine.zero is not None:
         states: dict = {}
         for k, v in optim.items():
-            pname, key = k[len("optim/"):].rsplit("/", 1)
+            pname, key = k[len("optim/") :].rsplit("/", 1)
             states.setdefault(params[pname], {})[key] = v
         zero_state.load_param_states(engine.zero, states)
     else:
         engine.optimizer.state.clear()
         for k, v in optim.items():
-            pname, key = k[len("optim/"):].rsplit("/", 1)
+            pname, key = k[len("optim/") :].rsplit("/", 1)
             p = params[pname]
             engine.optimizer.state[p][key] = zero_state.state_to(v, p.device, engine.optimizer)
     for g, hyper in zip(engine.optimizer.param_groups, meta["param_groups"]):

@@ -14,6 +14,7 @@ same validation). Optional fields take the string ``"none"`` in TOML, which has 
 
 Test: ``pytest tests/unit/test_config.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,23 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ConfigError", "ModelSection", "DataSection", "OptimSection", "PlanSection", "TrainSection",
-           "Config", "load_config", "parse_overrides", "format_config"]
+__all__ = [
+    "ConfigError",
+    "ModelSection",
+    "DataSection",
+    "OptimSection",
+    "PlanSection",
+    "TrainSection",
+    "Config",
+    "load_config",
+    "parse_overrides",
+    "format_config",
+]
 
 PlanSection = Plan
 """The ``[plan]`` section is the Plan itself: every field of ``bh.Plan``, validated by it."""
 
-TOKENIZER_VOCAB = {"byte": 257, "gpt2": 50257}   # class attributes of the tokenizers; no import needed
+TOKENIZER_VOCAB = {"byte": 257, "gpt2": 50257}  # class attributes of the tokenizers; no import needed
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -81,16 +92,24 @@ class ModelSection:
     def __post_init__(self) -> None:
         from behemoth.models import MODEL_PRESETS
 
-        _require(self.name in MODEL_PRESETS,
-                 f"model.name={self.name!r} is not a known preset; use one of {', '.join(sorted(MODEL_PRESETS))}.")
+        _require(
+            self.name in MODEL_PRESETS,
+            f"model.name={self.name!r} is not a known preset; use one of {', '.join(sorted(MODEL_PRESETS))}.",
+        )
         for key in ("vocab_size", "num_layers", "num_heads", "hidden"):
             v = getattr(self, key)
-            _require(v is None or (_is_int(v) and v > 0),
-                     f"model.{key}={v!r}: must be a positive integer, or \"none\" for the default.")
-        _require(_is_int(self.seq_len) and self.seq_len > 0,
-                 f"model.seq_len={self.seq_len!r}: must be a positive integer, e.g. 128.")
-        _require(_is_number(self.dropout) and 0.0 <= self.dropout < 1.0,
-                 f"model.dropout={self.dropout!r}: must satisfy 0 <= dropout < 1, e.g. 0.0 or 0.1.")
+            _require(
+                v is None or (_is_int(v) and v > 0),
+                f'model.{key}={v!r}: must be a positive integer, or "none" for the default.',
+            )
+        _require(
+            _is_int(self.seq_len) and self.seq_len > 0,
+            f"model.seq_len={self.seq_len!r}: must be a positive integer, e.g. 128.",
+        )
+        _require(
+            _is_number(self.dropout) and 0.0 <= self.dropout < 1.0,
+            f"model.dropout={self.dropout!r}: must satisfy 0 <= dropout < 1, e.g. 0.0 or 0.1.",
+        )
         _require(_is_int(self.seed), f"model.seed={self.seed!r}: must be an integer.")
 
     def shape_overrides(self) -> dict:
@@ -116,27 +135,38 @@ class DataSection:
     def __post_init__(self) -> None:
         if isinstance(self.source, list):
             object.__setattr__(self, "source", tuple(self.source))
-        _require(self.tokenizer in TOKENIZER_VOCAB,
-                 f"data.tokenizer={self.tokenizer!r}: must be one of {list(TOKENIZER_VOCAB)}.")
-        _require(self.bin_dtype in ("uint16", "uint32"),
-                 f"data.bin_dtype={self.bin_dtype!r}: must be \"uint16\" or \"uint32\".")
-        _require(_is_int(self.default_corpus_bytes) and self.default_corpus_bytes > 0,
-                 f"data.default_corpus_bytes={self.default_corpus_bytes!r}: must be a positive integer, e.g. 2000000.")
+        _require(
+            self.tokenizer in TOKENIZER_VOCAB,
+            f"data.tokenizer={self.tokenizer!r}: must be one of {list(TOKENIZER_VOCAB)}.",
+        )
+        _require(
+            self.bin_dtype in ("uint16", "uint32"), f'data.bin_dtype={self.bin_dtype!r}: must be "uint16" or "uint32".'
+        )
+        _require(
+            _is_int(self.default_corpus_bytes) and self.default_corpus_bytes > 0,
+            f"data.default_corpus_bytes={self.default_corpus_bytes!r}: must be a positive integer, e.g. 2000000.",
+        )
         paths = self.paths
-        _require(bool(paths) and all(isinstance(p, str) and p for p in paths),
-                 f"data.source={self.source!r}: must be \"default\", a file path or a list of file paths.")
+        _require(
+            bool(paths) and all(isinstance(p, str) and p for p in paths),
+            f'data.source={self.source!r}: must be "default", a file path or a list of file paths.',
+        )
         if self.source == "default":
             return
         bins = [p for p in paths if p.endswith(".bin")]
         if bins:
-            _require(len(paths) == 1,
-                     f"data.source={self.source!r}: a .bin token file must be the only source; "
-                     f"concatenate the token files into one .bin, or list only .txt/.jsonl files.")
+            _require(
+                len(paths) == 1,
+                f"data.source={self.source!r}: a .bin token file must be the only source; "
+                f"concatenate the token files into one .bin, or list only .txt/.jsonl files.",
+            )
         else:
             bad = [p for p in paths if not p.lower().endswith(TEXT_SUFFIXES)]
             if bad:
-                raise ConfigError(f"data.source file {bad[0]!r} has an unsupported type; use .bin (tokens), "
-                                  f".txt (one document) or .jsonl (one {{\"text\": ...}} per line).")
+                raise ConfigError(
+                    f"data.source file {bad[0]!r} has an unsupported type; use .bin (tokens), "
+                    f'.txt (one document) or .jsonl (one {{"text": ...}} per line).'
+                )
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -169,23 +199,38 @@ class OptimSection:
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))
-        _require(self.name in ("adamw", "sgd"), f"optim.name={self.name!r}: must be \"adamw\" or \"sgd\".")
+        _require(self.name in ("adamw", "sgd"), f'optim.name={self.name!r}: must be "adamw" or "sgd".')
         _require(_is_number(self.lr) and self.lr > 0, f"optim.lr={self.lr!r}: must be a number > 0, e.g. 3e-4.")
-        _require(_is_number(self.weight_decay) and self.weight_decay >= 0,
-                 f"optim.weight_decay={self.weight_decay!r}: must be a number >= 0, e.g. 0.1.")
-        _require(isinstance(self.betas, tuple) and len(self.betas) == 2
-                 and all(_is_number(b) and 0 <= b < 1 for b in self.betas),
-                 f"optim.betas={self.betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.95].")
-        _require(_is_number(self.momentum) and 0 <= self.momentum < 1,
-                 f"optim.momentum={self.momentum!r}: must be a number in [0, 1), e.g. 0.9.")
-        _require(_is_int(self.warmup_steps) and self.warmup_steps >= 0,
-                 f"optim.warmup_steps={self.warmup_steps!r}: must be an integer >= 0.")
-        _require(self.schedule in ("cosine", "constant"),
-                 f"optim.schedule={self.schedule!r}: must be \"cosine\" or \"constant\".")
-        _require(_is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-                 f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be a number in [0, 1], e.g. 0.1.")
-        _require(self.max_grad_norm is None or (_is_number(self.max_grad_norm) and self.max_grad_norm > 0),
-                 f"optim.max_grad_norm={self.max_grad_norm!r}: must be a number > 0, or \"none\" to disable clipping.")
+        _require(
+            _is_number(self.weight_decay) and self.weight_decay >= 0,
+            f"optim.weight_decay={self.weight_decay!r}: must be a number >= 0, e.g. 0.1.",
+        )
+        _require(
+            isinstance(self.betas, tuple)
+            and len(self.betas) == 2
+            and all(_is_number(b) and 0 <= b < 1 for b in self.betas),
+            f"optim.betas={self.betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.95].",
+        )
+        _require(
+            _is_number(self.momentum) and 0 <= self.momentum < 1,
+            f"optim.momentum={self.momentum!r}: must be a number in [0, 1), e.g. 0.9.",
+        )
+        _require(
+            _is_int(self.warmup_steps) and self.warmup_steps >= 0,
+            f"optim.warmup_steps={self.warmup_steps!r}: must be an integer >= 0.",
+        )
+        _require(
+            self.schedule in ("cosine", "constant"),
+            f'optim.schedule={self.schedule!r}: must be "cosine" or "constant".',
+        )
+        _require(
+            _is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"optim.min_lr_ratio={self.min_lr_ratio!r}: must be a number in [0, 1], e.g. 0.1.",
+        )
+        _require(
+            self.max_grad_norm is None or (_is_number(self.max_grad_norm) and self.max_grad_norm > 0),
+            f'optim.max_grad_norm={self.max_grad_norm!r}: must be a number > 0, or "none" to disable clipping.',
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,18 +255,24 @@ class TrainSection:
     """Complete checkpoints to keep (older ones are deleted); 0 keeps all."""
 
     def __post_init__(self) -> None:
-        for key, low in (("steps", 1), ("global_batch_size", 1), ("log_every", 1), ("save_every", 0),
-                         ("keep_last", 0)):
+        for key, low in (("steps", 1), ("global_batch_size", 1), ("log_every", 1), ("save_every", 0), ("keep_last", 0)):
             v = getattr(self, key)
             _require(_is_int(v) and v >= low, f"train.{key}={v!r}: must be an integer >= {low}.")
         _require(_is_int(self.seed), f"train.seed={self.seed!r}: must be an integer.")
-        _require(isinstance(self.out_dir, str) and self.out_dir != "",
-                 f"train.out_dir={self.out_dir!r}: must be a non-empty directory path.")
+        _require(
+            isinstance(self.out_dir, str) and self.out_dir != "",
+            f"train.out_dir={self.out_dir!r}: must be a non-empty directory path.",
+        )
         _require(isinstance(self.resume, bool), f"train.resume={self.resume!r}: must be true or false.")
 
 
-SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "optim": OptimSection,
-                             "plan": PlanSection, "train": TrainSection}
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "optim": OptimSection,
+    "plan": PlanSection,
+    "train": TrainSection,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,20 +293,24 @@ class Config:
     def __post_init__(self) -> None:
         vocab = TOKENIZER_VOCAB[self.data.tokenizer]
         v = self.model.vocab_size
-        _require(v is None or v >= vocab,
-                 f"model.vocab_size={v} is smaller than the {self.data.tokenizer!r} tokenizer's {vocab} ids; "
-                 f"set model.vocab_size >= {vocab} or \"none\" to use the tokenizer's.")
+        _require(
+            v is None or v >= vocab,
+            f"model.vocab_size={v} is smaller than the {self.data.tokenizer!r} tokenizer's {vocab} ids; "
+            f'set model.vocab_size >= {vocab} or "none" to use the tokenizer\'s.',
+        )
         if self.plan.dp is not None:
             per = self.plan.dp * self.plan.microbatches
             b = self.train.global_batch_size
-            _require(b % per == 0,
-                     f"train.global_batch_size={b} is not divisible by plan.dp * plan.microbatches = "
-                     f"{self.plan.dp} * {self.plan.microbatches} = {per}; use a multiple of {per}, "
-                     f"e.g. {max(per, round(b / per) * per)}.")
+            _require(
+                b % per == 0,
+                f"train.global_batch_size={b} is not divisible by plan.dp * plan.microbatches = "
+                f"{self.plan.dp} * {self.plan.microbatches} = {per}; use a multiple of {per}, "
+                f"e.g. {max(per, round(b / per) * per)}.",
+            )
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict) -> Config:
         """Build from ``{section: {key: value}}``; unknown sections or keys are errors."""
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}.")
@@ -264,8 +319,9 @@ class Config:
             if name not in SECTIONS:
                 raise ConfigError(_unknown("section", name, SECTIONS))
             if not isinstance(values, dict):
-                raise ConfigError(f"[{name}] must be a table of keys, got {name} = {values!r}; "
-                                  f"write it as a [{name}] section.")
+                raise ConfigError(
+                    f"[{name}] must be a table of keys, got {name} = {values!r}; write it as a [{name}] section."
+                )
             hints = _field_types(SECTIONS[name])
             kwargs = {}
             for key, value in values.items():
@@ -276,7 +332,7 @@ class Config:
                 sections[name] = SECTIONS[name](**kwargs)
             except ConfigError:
                 raise
-            except ValueError as e:   # Plan's own validation
+            except ValueError as e:  # Plan's own validation
                 raise ConfigError(f"[{name}] {e}") from None
         return cls(**sections)
 
@@ -288,7 +344,7 @@ class Config:
             out[f.name] = {k.name: _plain(getattr(section, k.name)) for k in dataclasses.fields(section)}
         return out
 
-    def replace(self, overrides: dict[str, dict]) -> "Config":
+    def replace(self, overrides: dict[str, dict]) -> Config:
         """A copy with ``{section: {key: value}}`` applied on top."""
         merged = self.to_dict()
         for name, values in overrides.items():
@@ -297,16 +353,18 @@ class Config:
             merged[name].update(values)
         return Config.from_dict(merged)
 
-    def resolved(self, *, world_size: int | None = None) -> "Config":
+    def resolved(self, *, world_size: int | None = None) -> Config:
         """Every "none" that can be known here filled in: the vocabulary from the tokenizer, the
         model shape from its preset, and (given ``world_size``) the plan's dp degree."""
         from behemoth.models import build_config
 
         vocab = self.model.vocab_size or TOKENIZER_VOCAB[self.data.tokenizer]
-        shape = build_config(self.model.name, vocab_size=vocab, seq_len=self.model.seq_len,
-                             **self.model.shape_overrides())
-        model = dataclasses.replace(self.model, vocab_size=vocab, num_layers=shape.num_layers,
-                                    num_heads=shape.num_heads, hidden=shape.hidden)
+        shape = build_config(
+            self.model.name, vocab_size=vocab, seq_len=self.model.seq_len, **self.model.shape_overrides()
+        )
+        model = dataclasses.replace(
+            self.model, vocab_size=vocab, num_layers=shape.num_layers, num_heads=shape.num_heads, hidden=shape.hidden
+        )
         plan = self.plan
         if world_size is not None:
             try:
@@ -358,8 +416,9 @@ def _coerce(where: str, value, hint):
         if ok:
             return out
     extra = ' or "none"' if optional else ""
-    raise ConfigError(f"{where}={value!r}: expected {_describe(hint)}{extra}; fix the value "
-                      f"(for example --{where}=...).")
+    raise ConfigError(
+        f"{where}={value!r}: expected {_describe(hint)}{extra}; fix the value (for example --{where}=...)."
+    )
 
 
 def _convert(value, hint):
@@ -396,8 +455,9 @@ def parse_overrides(args: list[str]) -> dict[str, dict]:
     for arg in args:
         body = arg[2:] if arg.startswith("--") else None
         if body is None or "=" not in body or "." not in body.split("=", 1)[0]:
-            raise ConfigError(f"override {arg!r} is not of the form --section.key=value "
-                              f"(for example --train.steps=100).")
+            raise ConfigError(
+                f"override {arg!r} is not of the form --section.key=value (for example --train.steps=100)."
+            )
         dotted, raw = body.split("=", 1)
         section, key = dotted.split(".", 1)
         if section not in SECTIONS:
@@ -417,8 +477,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     data: dict = {}
     if path is not None:
         if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist; pass the path of a .toml file, "
-                              f"e.g. src/behemoth/configs/demo.toml.")
+            raise ConfigError(
+                f"config file {path!r} does not exist; pass the path of a .toml file, "
+                f"e.g. src/behemoth/configs/demo.toml."
+            )
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -31,7 +31,8 @@ import json
 import os
 import sysconfig
 import tempfile
-from typing import Iterable, Iterator, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Union
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def default_corpus_text(max_bytes: int = 2_000_000) -> str:
     for path in files:
         with open(path, "rb") as f:
             body = f.read().decode("utf-8", errors="replace").encode("utf-8")
-        out += f"\n# ===== {os.path.basename(path)} =====\n\n".encode("utf-8") + body
+        out += f"\n# ===== {os.path.basename(path)} =====\n\n".encode() + body
         if len(out) >= max_bytes:
             break
     # errors="ignore" drops a multi-byte character the cut may have split.
@@ -158,7 +159,7 @@ def _read_documents(path: str) -> list[str]:
     if suffix not in _TEXT_SUFFIXES:
         raise ValueError(
             f"cannot read {path!r}: supported file types are {list(_TEXT_SUFFIXES)}; "
-            "convert it to .txt (one document) or .jsonl (one {\"text\": ...} object per line)"
+            'convert it to .txt (one document) or .jsonl (one {"text": ...} object per line)'
         )
     try:
         with open(path, encoding="utf-8") as f:
@@ -232,7 +233,7 @@ class TokenDataset:
         return f"TokenDataset(num_tokens={len(self)}, dtype={self.tokens.dtype}, {kind})"
 
     @classmethod
-    def from_bin(cls, path: PathLike, dtype: str = "uint16", *, vocab_size: int | None = None) -> "TokenDataset":
+    def from_bin(cls, path: PathLike, dtype: str = "uint16", *, vocab_size: int | None = None) -> TokenDataset:
         """Memory-map a raw nanoGPT-style ``.bin`` file (little-endian ids), read-only."""
         path = os.fspath(path)
         if dtype not in _DTYPES:
@@ -252,7 +253,7 @@ class TokenDataset:
         return cls(np.memmap(path, dtype=np_dtype, mode="r"), vocab_size=vocab_size)
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str], tokenizer: Tokenizer) -> "TokenDataset":
+    def from_texts(cls, texts: Iterable[str], tokenizer: Tokenizer) -> TokenDataset:
         """Tokenize documents into one stream, each document followed by ``tokenizer.eot_id``."""
         encoded = tokenizer.encode_batch(list(texts))
         arr = np.empty(sum(len(ids) + 1 for ids in encoded), dtype=token_dtype(tokenizer.vocab_size))
@@ -270,7 +271,7 @@ class TokenDataset:
         tokenizer: Tokenizer,
         *,
         cache_dir: PathLike | None = None,
-    ) -> "TokenDataset":
+    ) -> TokenDataset:
         """Tokenize local ``.txt`` (one document each) and ``.jsonl`` files (one per line).
 
         With ``cache_dir`` the tokens are written to
@@ -390,8 +391,7 @@ class BatchSampler:
         if global_batch_size % dp_size:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}: every dp "
-                f"rank needs the same number of samples; "
-                + _valid_batch_sizes_hint(global_batch_size, dp_size)
+                f"rank needs the same number of samples; " + _valid_batch_sizes_hint(global_batch_size, dp_size)
             )
         if len(dataset) < seq_len + 1:
             raise ValueError(

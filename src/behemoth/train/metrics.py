@@ -9,6 +9,7 @@ so nothing here communicates. Everything lands under the run's ``out_dir``::
 
 Also the helpers that turn a step's timing into throughput, TFLOP/s, MFU and memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def peak_flops(device: torch.device) -> float | None:
         try:
             return float(env)
         except ValueError:
-            raise ValueError(f"BEHEMOTH_PEAK_FLOPS={env!r} is not a number; set it to the card's peak "
-                             f"FLOP/s, e.g. 989e12.") from None
+            raise ValueError(
+                f"BEHEMOTH_PEAK_FLOPS={env!r} is not a number; set it to the card's peak FLOP/s, e.g. 989e12."
+            ) from None
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -56,13 +58,18 @@ def memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10   # bytes on macOS, KiB on Linux
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def format_step(m: dict, total_steps: int) -> str:
     """The per-step log line."""
-    parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {m['loss']:.4f}",
-             f"grad {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:,.0f} tok/s"]
+    parts = [
+        f"step {m['step']:>{len(str(total_steps))}}/{total_steps}",
+        f"loss {m['loss']:.4f}",
+        f"grad {m['grad_norm']:.3f}",
+        f"lr {m['lr']:.2e}",
+        f"{m['tokens_per_s']:,.0f} tok/s",
+    ]
     if "tflops_per_device" in m:
         parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev")
     if "mfu" in m:
@@ -151,6 +158,7 @@ def plot_loss(history: list[dict], path: str, *, unigram_entropy: float | None, 
         return None
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
@@ -161,8 +169,13 @@ def plot_loss(history: list[dict], path: str, *, unigram_entropy: float | None, 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, losses, lw=1.4, label="training loss (global batch mean)")
     if unigram_entropy is not None:
-        ax.axhline(unigram_entropy, color="tab:red", ls="--", lw=1.2,
-                   label=f"unigram entropy of the data = {unigram_entropy:.3f} nats")
+        ax.axhline(
+            unigram_entropy,
+            color="tab:red",
+            ls="--",
+            lw=1.2,
+            label=f"unigram entropy of the data = {unigram_entropy:.3f} nats",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title or "behemoth training loss")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["Tokenizer", "ByteTokenizer", "GPT2Tokenizer", "get_tokenizer", "TOKENIZER_NAMES"]
 

@@ -15,6 +15,7 @@ read by the others.
 
 Tested end to end by ``tests/e2e/test_cli.py`` (2 processes, gloo, resume).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,15 +31,14 @@ from behemoth import comm
 from behemoth.models import build_model
 from behemoth.train.checkpoint import is_complete, latest_checkpoint
 from behemoth.train.config import Config, DataSection, OptimSection, format_config
-from behemoth.train.data import (BatchSampler, TokenDataset, check_vocab, default_corpus_text,
-                                 unigram_entropy)
+from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
 from behemoth.train.metrics import MetricsLogger, format_step, log, memory_mib, peak_flops
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset", "prune_checkpoints"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-ENTROPY_SAMPLE_TOKENS = 10_000_000   # unigram entropy is measured on at most this many tokens
+ENTROPY_SAMPLE_TOKENS = 10_000_000  # unigram entropy is measured on at most this many tokens
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -60,8 +60,11 @@ def build_optimizer(model: torch.nn.Module, optim: OptimSection) -> torch.optim.
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": optim.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     if optim.name == "adamw":
         return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
     return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
@@ -81,8 +84,11 @@ def prune_checkpoints(ckpt_dir: str, keep_last: int) -> list[str]:
     Incomplete directories are left to the checkpoint module. Returns the deleted paths."""
     if keep_last <= 0 or not os.path.isdir(ckpt_dir):
         return []
-    found = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir)
-                   if (m := _STEP_DIR.match(name)) and is_complete(os.path.join(ckpt_dir, name)))
+    found = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(ckpt_dir)
+        if (m := _STEP_DIR.match(name)) and is_complete(os.path.join(ckpt_dir, name))
+    )
     doomed = [os.path.join(ckpt_dir, name) for _, name in found[:-keep_last]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -116,24 +122,36 @@ def train_step(engine: bh.Engine, sampler: BatchSampler, lr: float) -> dict:
         group["lr"] = lr
     t0 = time.perf_counter()
     batch = sampler.next_batch()
-    loss = engine.step(batch)   # returns a Python float: the device has finished the step
+    loss = engine.step(batch)  # returns a Python float: the device has finished the step
     seconds = time.perf_counter() - t0
-    return {"loss": loss, "grad_norm": engine.last_grad_norm, "tokens": engine.last_tokens,
-            "seconds": seconds, "memory": engine.memory_report()}
+    return {
+        "loss": loss,
+        "grad_norm": engine.last_grad_norm,
+        "tokens": engine.last_tokens,
+        "seconds": seconds,
+        "memory": engine.memory_report(),
+    }
 
 
-def _step_metrics(step: int, lr: float, out: dict, *, flops_per_token: int, world_size: int,
-                  peak: float | None, device: torch.device) -> dict:
+def _step_metrics(
+    step: int, lr: float, out: dict, *, flops_per_token: int, world_size: int, peak: float | None, device: torch.device
+) -> dict:
     tokens_per_s = out["tokens"] / max(out["seconds"], 1e-9)
-    m = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr,
-         "tokens_per_s": tokens_per_s, "step_seconds": out["seconds"]}
+    m = {
+        "step": step,
+        "loss": out["loss"],
+        "grad_norm": out["grad_norm"],
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+        "step_seconds": out["seconds"],
+    }
     if device.type == "cuda" or peak is not None:
         flops = flops_per_token * tokens_per_s / world_size
         m["tflops_per_device"] = flops / 1e12
         if peak:
             m["mfu"] = flops / peak
     m["memory_mib"] = memory_mib(device)
-    if "memory" in out:   # the memory tracer: model data on the device (and offloaded to the host) vs other
+    if "memory" in out:  # the memory tracer: model data on the device (and offloaded to the host) vs other
         rep = out["memory"]
         dev = rep.get(device.type, {})
         m["model_data_mib"] = sum(v for k, v in dev.items() if k != "other") / 2**20
@@ -160,14 +178,16 @@ def train(config: Config) -> dict:
     ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
 
     tokenizer = get_tokenizer(config.data.tokenizer)
-    model = build_model(mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed,
-                        dropout=mc.dropout, **mc.shape_overrides())
+    model = build_model(
+        mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed, dropout=mc.dropout, **mc.shape_overrides()
+    )
     # Serial counts, taken before boost shards the model in place (tensor parallelism).
     num_params, flops_per_token = model.num_params(), model.flops_per_token(mc.seq_len)
-    engine = bh.boost(model, build_optimizer(model, config.optim), config.plan,
-                      max_grad_norm=config.optim.max_grad_norm)
+    engine = bh.boost(
+        model, build_optimizer(model, config.optim), config.plan, max_grad_norm=config.optim.max_grad_norm
+    )
     rank0 = engine.mesh.rank == 0
-    torch.manual_seed(tc.seed + engine.dp_rank)   # dropout masks differ per dp rank
+    torch.manual_seed(tc.seed + engine.dp_rank)  # dropout masks differ per dp rank
 
     world = engine.mesh.axis("world")
     if config.data.source == "default" or config.data.paths[0].endswith(".bin"):
@@ -175,8 +195,14 @@ def train(config: Config) -> dict:
     else:
         dataset = _rank0_first(lambda: build_dataset(config.data, tokenizer), world)
     check_vocab(dataset, mc.vocab_size)
-    sampler = BatchSampler(dataset, seq_len=mc.seq_len, global_batch_size=tc.global_batch_size,
-                           dp_rank=engine.dp_rank, dp_size=engine.dp_size, seed=tc.seed)
+    sampler = BatchSampler(
+        dataset,
+        seq_len=mc.seq_len,
+        global_batch_size=tc.global_batch_size,
+        dp_rank=engine.dp_rank,
+        dp_size=engine.dp_size,
+        seed=tc.seed,
+    )
     entropy = unigram_entropy(dataset.tokens[:ENTROPY_SAMPLE_TOKENS]) if rank0 else None
 
     resumed_from = latest_checkpoint(ckpt_dir) if tc.resume else None
@@ -185,12 +211,16 @@ def train(config: Config) -> dict:
         sampler.load_state_dict(extra["sampler"])
     start = engine.step_count
     if rank0:
-        log(f"model {mc.name}: {num_params / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
+        log(
+            f"model {mc.name}: {num_params / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
             f"seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
             f"{engine.device.type} | data: {len(dataset):,} {tokenizer.name} tokens, "
-            f"{sampler.steps_per_epoch} steps/epoch")
-        log(f"unigram entropy of the training tokens: {entropy:.4f} nats (the loss must fall below this "
-            f"to show the model learned more than token frequencies)")
+            f"{sampler.steps_per_epoch} steps/epoch"
+        )
+        log(
+            f"unigram entropy of the training tokens: {entropy:.4f} nats (the loss must fall below this "
+            f"to show the model learned more than token frequencies)"
+        )
         if resumed_from:
             log(f"resumed from {resumed_from} at step {start}")
 
@@ -205,14 +235,17 @@ def train(config: Config) -> dict:
         lr = lr_at(step - 1, config.optim, tc.steps)
         out = train_step(engine, sampler, lr)
         if not math.isfinite(out["loss"]):
-            raise FloatingPointError(f"the loss is {out['loss']} at step {step} (lr {lr:.2e}): training "
-                                     f"diverged; lower optim.lr, raise optim.warmup_steps or set "
-                                     f"optim.max_grad_norm.")
+            raise FloatingPointError(
+                f"the loss is {out['loss']} at step {step} (lr {lr:.2e}): training "
+                f"diverged; lower optim.lr, raise optim.warmup_steps or set "
+                f"optim.max_grad_norm."
+            )
         losses.append(out["loss"])
-        if step > start + 1:   # the first step pays one-off costs (allocator, thread pools)
+        if step > start + 1:  # the first step pays one-off costs (allocator, thread pools)
             seconds, tokens = seconds + out["seconds"], tokens + out["tokens"]
-        metrics = _step_metrics(step, lr, out, flops_per_token=flops_per_token, world_size=world_size,
-                                peak=peak, device=engine.device)
+        metrics = _step_metrics(
+            step, lr, out, flops_per_token=flops_per_token, world_size=world_size, peak=peak, device=engine.device
+        )
         logger.log_step(metrics)
         if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps):
             log(format_step(metrics, tc.steps))
@@ -258,13 +291,19 @@ def _report(summary: dict, out_dir: str) -> None:
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if summary["final_loss"] is None:
-        log(f"nothing to do: the checkpoint is at step {summary['start_step']} >= train.steps="
-            f"{summary['steps']}; raise --train.steps to train further.")
+        log(
+            f"nothing to do: the checkpoint is at step {summary['start_step']} >= train.steps="
+            f"{summary['steps']}; raise --train.steps to train further."
+        )
         return
     tps = f"{summary['tokens_per_s']:,.0f} tok/s" if summary["tokens_per_s"] else "n/a tok/s"
     verdict = "below" if summary["final_loss_mean10"] < summary["unigram_entropy"] else "NOT below"
-    log(f"done: steps {summary['start_step'] + 1}-{summary['steps']} | loss {summary['first_loss']:.4f} -> "
+    log(
+        f"done: steps {summary['start_step'] + 1}-{summary['steps']} | loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} the "
-        f"unigram entropy {summary['unigram_entropy']:.4f}) | {tps} | {summary['wall_seconds']:.1f} s")
-    log(f"outputs: {summary['checkpoint']} | {os.path.join(out_dir, 'metrics.jsonl')} | "
-        f"{summary['loss_png'] or 'no loss.png'} | {os.path.join(out_dir, 'tensorboard')}")
+        f"unigram entropy {summary['unigram_entropy']:.4f}) | {tps} | {summary['wall_seconds']:.1f} s"
+    )
+    log(
+        f"outputs: {summary['checkpoint']} | {os.path.join(out_dir, 'metrics.jsonl')} | "
+        f"{summary['loss_png'] or 'no loss.png'} | {os.path.join(out_dir, 'tensorboard')}"
+    )

@@ -35,17 +35,18 @@ process group's timeout (``BEHEMOTH_TIMEOUT``) turns into an error on every rank
 
 Tested in tests/dist/test_pipeline_parity.py and tests/dist/test_pipeline_faults.py.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ... import comm
-from ...engine import Engine, logits_of, rebuild_optimizer, token_loss_sum, _rows
+from ...engine import Engine, _rows, logits_of, rebuild_optimizer, token_loss_sum
 from ...precision import autocast_context
 from ..tensor import global_grad_norm
 from .p2p import StageChannels, pipeline_channels
-from .schedules import B, BI, BW, F, make_schedule, simulate
 from .partition import stage_modules
+from .schedules import BI, BW, B, F, make_schedule, simulate
 from .stage import PipelineSplit, partition_for
 
 __all__ = ["PipelineEngine"]
@@ -57,16 +58,19 @@ class PipelineEngine(Engine):
     optional list of ``pp * virtual_stages`` half-open block ranges ``(start, end)`` that
     overrides the balance by estimated cost."""
 
-    def __init__(self, model, optimizer, plan, mesh, *, loss_fn=None, max_grad_norm=None, tp_policy=None,
-                 stages=None) -> None:
+    def __init__(
+        self, model, optimizer, plan, mesh, *, loss_fn=None, max_grad_norm=None, tp_policy=None, stages=None
+    ) -> None:
         # Everything that can be refused is checked here, on every rank, before any collective.
         if optimizer.state:
-            raise ValueError("the optimizer already has state; under pipeline parallelism build the engine before "
-                             "the first optimizer step (each stage keeps the state of its own parameters only).")
+            raise ValueError(
+                "the optimizer already has state; under pipeline parallelism build the engine before "
+                "the first optimizer step (each stage keeps the state of its own parameters only)."
+            )
         self.pp_axis = mesh.axis("pp")
         self._layout, self._partition = partition_for(model, plan.pp, plan.virtual_stages, stages)
         schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-        simulate(schedule, plan.pp)     # raises on a dependency violation, deadlock or FIFO break
+        simulate(schedule, plan.pp)  # raises on a dependency violation, deadlock or FIFO break
         self.schedule = schedule
         self.actions = schedule[self.pp_axis.rank]
         # The optimizer over this rank's parameters only (the base engine re-targets it after tp).
@@ -74,12 +78,15 @@ class PipelineEngine(Engine):
         mine = {id(p) for row in names for n in row for p in model.get_submodule(n).parameters()}
         model_params = {id(p) for p in model.parameters()}
         if any(id(p) not in model_params for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("the optimizer holds a parameter that is not in the model; build it over "
-                             "model.parameters() (or groups of them) before bh.boost.")
+            raise ValueError(
+                "the optimizer holds a parameter that is not in the model; build it over "
+                "model.parameters() (or groups of them) before bh.boost."
+            )
         optimizer = rebuild_optimizer(optimizer, lambda ps: [p for p in ps if id(p) in mine])
-        super().__init__(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-                         tp_policy=tp_policy)
-        self.serial_param_names = self.split.serial_param_names   # checkpoints name tied copies serially
+        super().__init__(
+            model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy
+        )
+        self.serial_param_names = self.split.serial_param_names  # checkpoints name tied copies serially
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
         self._sync_at = weight_steps[-1] if plan.virtual_stages == 1 else None
         if self.zero is not None:
@@ -94,8 +101,7 @@ class PipelineEngine(Engine):
     def _apply_pipeline(self) -> None:
         # One process group per one-way channel, every channel connected before the first step.
         pp = self.pp_axis
-        self.channels = StageChannels(pp.rank, self.mesh.channel_axes("pp", pipeline_channels(pp.size)),
-                                      self.device)
+        self.channels = StageChannels(pp.rank, self.mesh.channel_axes("pp", pipeline_channels(pp.size)), self.device)
         self.channels.connect()
         self.split = PipelineSplit(self.model, self._layout, self._partition, self.pp_axis)
         self.split.distribute()
@@ -111,8 +117,10 @@ class PipelineEngine(Engine):
         super()._check_batch(batch)
         rows, m = _rows(batch), self.plan.microbatches
         if rows is None or rows % m:
-            raise ValueError(f"pipeline parallelism: this rank's batch of {rows} rows cannot be split into "
-                             f"Plan.microbatches={m} micro-batches; use a per-rank batch that is a multiple of {m}.")
+            raise ValueError(
+                f"pipeline parallelism: this rank's batch of {rows} rows cannot be split into "
+                f"Plan.microbatches={m} micro-batches; use a per-rank batch that is a multiple of {m}."
+            )
 
     def _loss(self, out, micro, local) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -132,7 +140,7 @@ class PipelineEngine(Engine):
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         pp, rank, last = split.pp, split.rank, split.num_stages - 1
         nxt, prv = (rank + 1) % pp, (rank - 1) % pp
-        saved: dict[tuple[int, int], list] = {}   # (micro-batch, chunk) -> [stage input, output, output grad]
+        saved: dict[tuple[int, int], list] = {}  # (micro-batch, chunk) -> [stage input, output, output grad]
         for i, a in enumerate(self.actions):
             s, key = split.stage(a.chunk), (a.microbatch, a.chunk)
             if a.kind == F:
@@ -163,17 +171,17 @@ class PipelineEngine(Engine):
                     del saved[key]
                     if s > 0:
                         ch.send_grad(x.grad, prv)
-                else:   # input gradient only; the graph is kept for BW
+                else:  # input gradient only; the graph is kept for BW
                     if s > 0:
                         (gx,) = torch.autograd.grad(y, (x,), g, retain_graph=True)
                         ch.send_grad(gx, prv)
                     saved[key][2] = g
-            else:   # BW: the same output gradient into this chunk's parameters only
+            else:  # BW: the same output gradient into this chunk's parameters only
                 _, y, g = saved.pop(key)
                 self.buckets.begin(sync=i == self._sync_at)
                 torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
         ch.finish()
-        if self.zero is not None:   # tied copies summed before the reduce-scatter; the norm comes with the step
+        if self.zero is not None:  # tied copies summed before the reduce-scatter; the norm comes with the step
             for a, ra, b, rb in split.tied:
                 if split.rank in (ra, rb):
                     self.zero.store.ensure_grad(self.model.get_parameter(a if split.rank == ra else b))
@@ -182,7 +190,7 @@ class PipelineEngine(Engine):
             self.buckets.finish()
         else:
             if self._sync_at is None:
-                self.buckets.begin(sync=True)   # interleaved: reduce every bucket now
+                self.buckets.begin(sync=True)  # interleaved: reduce every bucket now
             self.buckets.finish()
             split.sync_tied_grads()
             self._norm = self._stage_grad_norm()
@@ -190,7 +198,7 @@ class PipelineEngine(Engine):
         if self.loss_fn is None:
             for ax in self.batch_axes:
                 comm.all_reduce(total, ax)
-        comm.all_reduce(total, self.pp_axis)   # only the last stage holds a non-zero sum
+        comm.all_reduce(total, self.pp_axis)  # only the last stage holds a non-zero sum
         loss_val, n = torch.cat([total * scale, n_global if n_global is not None else total.new_zeros(1)]).tolist()
         if self.loss_fn is None and n == 0:
             raise ValueError("the global batch has no labelled token (every label is -100).")
@@ -207,7 +215,7 @@ class PipelineEngine(Engine):
         return sq.sqrt()[0]
 
     def _global_grad_norm(self) -> torch.Tensor:
-        if self.zero is not None:   # ZeRO's step computed it (over dp, tp and pp)
+        if self.zero is not None:  # ZeRO's step computed it (over dp, tp and pp)
             return self._grad_norm
         if self._norm is None:
             raise RuntimeError("no gradient norm yet: call engine.step(batch) first.")

@@ -36,6 +36,7 @@ kept alive until then). A receive is posted right before the action that needs i
 on, bounded by the process group's timeout (``BEHEMOTH_TIMEOUT``): a peer that died or
 raised turns into an error here, never a hang.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,14 +69,14 @@ class StageChannels:
     def __init__(self, me: int, links: dict[tuple[int, int, int], Axis], device: torch.device) -> None:
         self.me, self.links, self.device = me, links, device
         self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # (stage, input shape) -> message
-        self.pending: list[comm.AsyncCollective] = []         # sends issued, not waited
+        self.pending: list[comm.AsyncCollective] = []  # sends issued, not waited
 
     def connect(self) -> None:
         """Open every channel (a small and a 4 MiB message, so NCCL sets up the links of both
         its small- and large-message protocols) in the global creation order, so no transfer
         of a step waits on a connection.
         A collective over all pipeline ranks: every rank calls it at build time."""
-        for (src, dst, tag), ax in self.links.items():
+        for (src, _dst, tag), ax in self.links.items():
             for n in (8, 1 << 20):
                 if src == self.me:
                     comm.send_async(torch.zeros(n, device=self.device), ax, 1, tag).wait()
@@ -94,8 +95,10 @@ class StageChannels:
         """Send stage ``src_stage``'s output ``y`` for a micro-batch of input shape ``key``."""
         if (src_stage, key) not in self.shapes:
             if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
-                raise ValueError(f"pipeline: stage {src_stage} returned a {y.dim()}-d {y.dtype} tensor; stages "
-                                 f"exchange tensors of at most {_HEADER - 2} dims in {_DTYPES}.")
+                raise ValueError(
+                    f"pipeline: stage {src_stage} returned a {y.dim()}-d {y.dtype} tensor; stages "
+                    f"exchange tensors of at most {_HEADER - 2} dims in {_DTYPES}."
+                )
             header = [y.dim(), *y.shape, *([0] * (_HEADER - 2 - y.dim())), _DTYPES.index(y.dtype)]
             self._send(torch.tensor(header, dtype=torch.int64, device=self.device), dst_rank, ACT_TAG)
             self.shapes[(src_stage, key)] = (tuple(y.shape), y.dtype)
@@ -105,7 +108,7 @@ class StageChannels:
         """Receive stage ``src_stage``'s output for a micro-batch of input shape ``key``."""
         if (src_stage, key) not in self.shapes:
             h = self._recv((_HEADER,), torch.int64, src_rank, ACT_TAG).tolist()
-            self.shapes[(src_stage, key)] = (tuple(h[1:1 + h[0]]), _DTYPES[h[-1]])
+            self.shapes[(src_stage, key)] = (tuple(h[1 : 1 + h[0]]), _DTYPES[h[-1]])
         shape, dtype = self.shapes[(src_stage, key)]
         return self._recv(shape, dtype, src_rank, ACT_TAG)
 

@@ -21,6 +21,7 @@ Ranges are half-open, like Python slices: ``(start, end)`` holds blocks ``start 
 
 Tested in tests/unit/test_pipeline_partition.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,16 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
-    "ModelCosts", "estimate_block_costs", "balance_stages", "validate_stages", "virtual_partition",
-    "stage_costs", "PipelineLayout", "PIPELINE_LAYOUTS", "stage_modules", "tied_parameter_ranks",
+    "ModelCosts",
+    "estimate_block_costs",
+    "balance_stages",
+    "validate_stages",
+    "virtual_partition",
+    "stage_costs",
+    "PipelineLayout",
+    "PIPELINE_LAYOUTS",
+    "stage_modules",
+    "tied_parameter_ranks",
     "find_tied_parameters",
 ]
 
@@ -46,9 +55,15 @@ class ModelCosts(NamedTuple):
     """What the last stage does besides its blocks (final norm, head projection, loss)."""
 
 
-def estimate_block_costs(config=None, *, seq_len: int | None = None, tokens_per_microbatch: int | None = None,
-                         block_params: Sequence[int] | None = None, embedding_params: int = 0,
-                         head_params: int = 0) -> ModelCosts:
+def estimate_block_costs(
+    config=None,
+    *,
+    seq_len: int | None = None,
+    tokens_per_microbatch: int | None = None,
+    block_params: Sequence[int] | None = None,
+    embedding_params: int = 0,
+    head_params: int = 0,
+) -> ModelCosts:
     """Estimate the cost of every block, of the embedding and of the head.
 
     From a config (``seq_len`` defaults to the config's maximum sequence length):
@@ -67,12 +82,16 @@ def estimate_block_costs(config=None, *, seq_len: int | None = None, tokens_per_
     ``2 * embedding_params / tokens_per_microbatch`` (both default to 0).
     """
     if (config is None) == (block_params is None):
-        raise ValueError("estimate_block_costs: pass a model config or block_params=[params of each block], "
-                         "not both and not neither.")
+        raise ValueError(
+            "estimate_block_costs: pass a model config or block_params=[params of each block], "
+            "not both and not neither."
+        )
     if block_params is not None:
         if not block_params or any(not isinstance(n, int) or n < 0 for n in block_params):
-            raise ValueError(f"block_params={list(block_params)!r}: must be a non-empty list of non-negative "
-                             f"ints (the parameter count of each block, in order).")
+            raise ValueError(
+                f"block_params={list(block_params)!r}: must be a non-empty list of non-negative "
+                f"ints (the parameter count of each block, in order)."
+            )
         tokens = tokens_per_microbatch or seq_len or 1
         return ModelCosts(tuple(2.0 * n for n in block_params), 2.0 * embedding_params / tokens, 2.0 * head_params)
     from behemoth.planner.traffic import TransformerShape  # pure; shared with the traffic formulas
@@ -105,13 +124,16 @@ def _check_costs(costs: Sequence[float], num_stages: int, what: str) -> list[flo
     if any(not math.isfinite(c) or c < 0 for c in costs):
         raise ValueError(f"block costs {costs!r} must be finite and >= 0.")
     if len(costs) < num_stages:
-        raise ValueError(f"{what}={num_stages} stages need at least {num_stages} blocks (one per stage); the model "
-                         f"has {len(costs)}. Lower pp (or virtual_stages), or use a model with more blocks.")
+        raise ValueError(
+            f"{what}={num_stages} stages need at least {num_stages} blocks (one per stage); the model "
+            f"has {len(costs)}. Lower pp (or virtual_stages), or use a model with more blocks."
+        )
     return costs
 
 
-def stage_costs(costs: Sequence[float], stages: Sequence[tuple[int, int]], *, first_extra: float = 0.0,
-                last_extra: float = 0.0) -> list[float]:
+def stage_costs(
+    costs: Sequence[float], stages: Sequence[tuple[int, int]], *, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[float]:
     """The cost of each stage of a partition (the first and last stage with their extras)."""
     out = [float(sum(costs[a:b])) for a, b in stages]
     out[0] += first_extra
@@ -119,8 +141,9 @@ def stage_costs(costs: Sequence[float], stages: Sequence[tuple[int, int]], *, fi
     return out
 
 
-def balance_stages(costs: Sequence[float], pp: int, *, first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> list[tuple[int, int]]:
+def balance_stages(
+    costs: Sequence[float], pp: int, *, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[tuple[int, int]]:
     """Split blocks with ``costs`` into ``pp`` contiguous, non-empty stages minimising the
     most expensive stage, where stage 0 also costs ``first_extra`` and stage ``pp-1``
     ``last_extra``. Among the optimal splits, the one with the smallest sum of squared stage
@@ -133,8 +156,7 @@ def balance_stages(costs: Sequence[float], pp: int, *, first_extra: float = 0.0,
         prefix.append(prefix[-1] + c)
 
     def cost(j: int, a: int, b: int) -> float:  # stage j holds blocks a..b-1
-        return (prefix[b] - prefix[a] + (first_extra if j == 0 else 0.0)
-                + (last_extra if j == pp - 1 else 0.0))
+        return prefix[b] - prefix[a] + (first_extra if j == 0 else 0.0) + (last_extra if j == pp - 1 else 0.0)
 
     inf = math.inf
     # pass 1: the optimal bottleneck; best[j][i] = min over splits of blocks[:i] into j+1 stages
@@ -184,29 +206,39 @@ def validate_stages(stages, num_blocks: int, num_stages: int) -> list[tuple[int,
     except (TypeError, ValueError):
         raise ValueError(f"stages={stages!r}: must be a list of (start, end) integer pairs. {fix}") from None
     if len(pairs) != num_stages:
-        raise ValueError(f"stages={pairs}: has {len(pairs)} entries but the pipeline has {num_stages} stages "
-                         f"(pp x virtual_stages); give one (start, end) per stage. {fix}")
+        raise ValueError(
+            f"stages={pairs}: has {len(pairs)} entries but the pipeline has {num_stages} stages "
+            f"(pp x virtual_stages); give one (start, end) per stage. {fix}"
+        )
     for i, (a, b) in enumerate(pairs):
         if b <= a:
-            raise ValueError(f"stages={pairs}: stage {i} = ({a}, {b}) is empty; every stage needs at least one "
-                             f"block (end is exclusive, so end > start). {fix}")
+            raise ValueError(
+                f"stages={pairs}: stage {i} = ({a}, {b}) is empty; every stage needs at least one "
+                f"block (end is exclusive, so end > start). {fix}"
+            )
     if pairs[0][0] != 0:
-        raise ValueError(f"stages={pairs}: stage 0 starts at block {pairs[0][0]}; the first stage must start at "
-                         f"block 0. {fix}")
+        raise ValueError(
+            f"stages={pairs}: stage 0 starts at block {pairs[0][0]}; the first stage must start at block 0. {fix}"
+        )
     for i in range(1, len(pairs)):
         if pairs[i][0] != pairs[i - 1][1]:
             gap = "leaves a gap" if pairs[i][0] > pairs[i - 1][1] else "overlaps"
-            raise ValueError(f"stages={pairs}: stage {i} starts at {pairs[i][0]} but stage {i - 1} ends at "
-                             f"{pairs[i - 1][1]} ({gap}); stages must be contiguous: each starts where the "
-                             f"previous ends. {fix}")
+            raise ValueError(
+                f"stages={pairs}: stage {i} starts at {pairs[i][0]} but stage {i - 1} ends at "
+                f"{pairs[i - 1][1]} ({gap}); stages must be contiguous: each starts where the "
+                f"previous ends. {fix}"
+            )
     if pairs[-1][1] != num_blocks:
-        raise ValueError(f"stages={pairs}: the last stage ends at {pairs[-1][1]} but the model has {num_blocks} "
-                         f"blocks; the stages must cover every block, the last ending at {num_blocks}. {fix}")
+        raise ValueError(
+            f"stages={pairs}: the last stage ends at {pairs[-1][1]} but the model has {num_blocks} "
+            f"blocks; the stages must cover every block, the last ending at {num_blocks}. {fix}"
+        )
     return pairs
 
 
-def virtual_partition(costs: Sequence[float], pp: int, v: int = 1, *, first_extra: float = 0.0,
-                      last_extra: float = 0.0, stages=None) -> list[list[tuple[int, int]]]:
+def virtual_partition(
+    costs: Sequence[float], pp: int, v: int = 1, *, first_extra: float = 0.0, last_extra: float = 0.0, stages=None
+) -> list[list[tuple[int, int]]]:
     """Block ranges per rank and chunk: ``result[rank][chunk] = (start, end)``.
 
     The model is cut into ``pp * v`` stages, balanced by :func:`balance_stages` (the
@@ -245,16 +277,25 @@ class PipelineLayout(NamedTuple):
 
 
 PIPELINE_LAYOUTS: dict[str, PipelineLayout] = {
-    "GPT": PipelineLayout(pre=("wte", "wpe", "drop"), blocks="blocks", post=("ln_f", "lm_head"),
-                          tied=(("wte.weight", "lm_head.weight"),)),
-    "Llama": PipelineLayout(pre=("embed",), blocks="layers", post=("norm", "lm_head"),
-                            tied=(("embed.weight", "lm_head.weight"),)),
+    "GPT": PipelineLayout(
+        pre=("wte", "wpe", "drop"), blocks="blocks", post=("ln_f", "lm_head"), tied=(("wte.weight", "lm_head.weight"),)
+    ),
+    "Llama": PipelineLayout(
+        pre=("embed",), blocks="layers", post=("norm", "lm_head"), tied=(("embed.weight", "lm_head.weight"),)
+    ),
     "GPT2LMHeadModel": PipelineLayout(
-        pre=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
-        post=("transformer.ln_f", "lm_head"), tied=(("transformer.wte.weight", "lm_head.weight"),)),
+        pre=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        blocks="transformer.h",
+        post=("transformer.ln_f", "lm_head"),
+        tied=(("transformer.wte.weight", "lm_head.weight"),),
+    ),
     "LlamaForCausalLM": PipelineLayout(
-        pre=("model.embed_tokens",), blocks="model.layers", post=("model.norm", "lm_head"),
-        shared=("model.rotary_emb",), tied=(("model.embed_tokens.weight", "lm_head.weight"),)),
+        pre=("model.embed_tokens",),
+        blocks="model.layers",
+        post=("model.norm", "lm_head"),
+        shared=("model.rotary_emb",),
+        tied=(("model.embed_tokens.weight", "lm_head.weight"),),
+    ),
 }
 
 
@@ -282,14 +323,15 @@ def stage_modules(layout: PipelineLayout, partition: Sequence[Sequence[tuple[int
     return out
 
 
-def tied_parameter_ranks(layout: PipelineLayout, pp: int,
-                         tied: Sequence[tuple[str, str]] | None = None) -> list[tuple[str, int, str, int]]:
+def tied_parameter_ranks(
+    layout: PipelineLayout, pp: int, tied: Sequence[tuple[str, str]] | None = None
+) -> list[tuple[str, int, str, int]]:
     """``(name_a, rank_a, name_b, rank_b)`` for every tied pair (default: all of the layout's
     candidates; pass the pairs :func:`find_tied_parameters` confirmed), where each name lives.
     Pairs with ``rank_a != rank_b`` must be initialised equal and have their gradients summed
     over the two ranks before every optimizer step (Megatron's embedding group)."""
     out = []
-    for a, b in (layout.tied if tied is None else tied):
+    for a, b in layout.tied if tied is None else tied:
         out.append((a, _owner_rank(layout, a, pp), b, _owner_rank(layout, b, pp)))
     return out
 
@@ -299,8 +341,10 @@ def _owner_rank(layout: PipelineLayout, param: str, pp: int) -> int:
         return 0
     if any(param == m or param.startswith(m + ".") for m in layout.post):
         return pp - 1
-    raise ValueError(f"tied parameter {param!r} is in neither the first stage's modules {layout.pre} nor the last "
-                     f"stage's {layout.post}; only embeddings and heads can be tied across stages.")
+    raise ValueError(
+        f"tied parameter {param!r} is in neither the first stage's modules {layout.pre} nor the last "
+        f"stage's {layout.post}; only embeddings and heads can be tied across stages."
+    )
 
 
 def find_tied_parameters(model) -> list[tuple[str, ...]]:

@@ -91,6 +91,7 @@ pairs, each ``1/v`` of the rank's layers (``g`` the micro-batch group size, ``pp
 
 Tested in tests/unit/test_pipeline_schedules.py (pure; no processes).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -98,9 +99,27 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 __all__ = [
-    "F", "B", "BI", "BW", "KINDS", "SCHEDULES", "Action", "Transfer", "SimResult",
-    "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "get_schedule", "make_schedule",
-    "stage_of", "rank_chunk_of", "transfers", "check_schedule", "simulate", "render",
+    "F",
+    "B",
+    "BI",
+    "BW",
+    "KINDS",
+    "SCHEDULES",
+    "Action",
+    "Transfer",
+    "SimResult",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved",
+    "zero_bubble",
+    "get_schedule",
+    "make_schedule",
+    "stage_of",
+    "rank_chunk_of",
+    "transfers",
+    "check_schedule",
+    "simulate",
+    "render",
 ]
 
 F, B, BI, BW = "F", "B", "BI", "BW"
@@ -131,8 +150,11 @@ class Transfer(NamedTuple):
 
 # -- validation of arguments ---------------------------------------------------------------
 def _check_args(name: str, pp: int, m: int, v: int = 1) -> None:
-    for arg, value, fix in (("pp", pp, "pp=1 for no pipeline"), ("m", m, "at least one micro-batch"),
-                            ("v", v, "v=1 for one chunk per rank")):
+    for arg, value, fix in (
+        ("pp", pp, "pp=1 for no pipeline"),
+        ("m", m, "at least one micro-batch"),
+        ("v", v, "v=1 for one chunk per rank"),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {arg}={value!r} must be an integer >= 1 ({fix}).")
 
@@ -208,7 +230,7 @@ def interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
         acts = fwd[:warmup]
         for k in range(total - warmup):
             acts += [fwd[warmup + k], bwd[k]]
-        acts += bwd[total - warmup:]
+        acts += bwd[total - warmup :]
         out.append(acts)
     return out
 
@@ -270,8 +292,9 @@ def make_schedule(name: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
     if name == "interleaved":
         return fn(pp, m, v)
     if v != 1:
-        raise ValueError(f"schedule {name!r} runs one model chunk per rank; got v={v}. "
-                         f"Use schedule='interleaved' for v > 1, or v=1.")
+        raise ValueError(
+            f"schedule {name!r} runs one model chunk per rank; got v={v}. Use schedule='interleaved' for v > 1, or v=1."
+        )
     return fn(pp, m)
 
 
@@ -320,10 +343,15 @@ def check_schedule(actions: Sequence[Sequence[Action]], pp: int, *, fifo: bool =
     flat = [a for acts in actions for a in acts]
     for r, acts in enumerate(actions):
         for i, a in enumerate(acts):
-            if a.kind not in KINDS or not (isinstance(a.microbatch, int) and a.microbatch >= 0) \
-                    or not (isinstance(a.chunk, int) and a.chunk >= 0):
-                raise ValueError(f"rank {r} step {i}: {a!r} is not a valid action; kind must be one of {KINDS}, "
-                                 f"microbatch and chunk non-negative integers.")
+            if (
+                a.kind not in KINDS
+                or not (isinstance(a.microbatch, int) and a.microbatch >= 0)
+                or not (isinstance(a.chunk, int) and a.chunk >= 0)
+            ):
+                raise ValueError(
+                    f"rank {r} step {i}: {a!r} is not a valid action; kind must be one of {KINDS}, "
+                    f"microbatch and chunk non-negative integers."
+                )
     if not flat:
         raise ValueError("schedule is empty: every rank needs at least one forward and one backward.")
     m = 1 + max(a.microbatch for a in flat)
@@ -333,8 +361,10 @@ def check_schedule(actions: Sequence[Sequence[Action]], pp: int, *, fifo: bool =
         for i, a in enumerate(acts):
             key = (a.kind, a.microbatch, stage_of(r, a.chunk, pp))
             if key in pos:
-                raise ValueError(f"{a!r} (stage {key[2]}) appears twice: rank {pos[key][0]} step {pos[key][1]} and "
-                                 f"rank {r} step {i}; each (micro-batch, stage) runs each kind once.")
+                raise ValueError(
+                    f"{a!r} (stage {key[2]}) appears twice: rank {pos[key][0]} step {pos[key][1]} and "
+                    f"rank {r} step {i}; each (micro-batch, stage) runs each kind once."
+                )
             pos[key] = (r, i)
     for mb in range(m):
         for s in range(pp * v):
@@ -344,16 +374,21 @@ def check_schedule(actions: Sequence[Sequence[Action]], pp: int, *, fifo: bool =
             if F not in have:
                 raise ValueError(f"{where} has no F: every (micro-batch, stage) needs exactly one forward.")
             if have - {F} not in ({B}, {BI, BW}):
-                raise ValueError(f"{where} has backward actions {sorted(have - {F})}: it needs exactly one B, "
-                                 f"or one BI and one BW.")
+                raise ValueError(
+                    f"{where} has backward actions {sorted(have - {F})}: it needs exactly one B, or one BI and one BW."
+                )
             f_at = pos[(F, mb, s)][1]
             back = pos.get((B, mb, s)) or pos[(BI, mb, s)]
             if back[1] < f_at:
-                raise ValueError(f"{where}: rank {r} runs its backward (step {back[1]}) before its forward "
-                                 f"(step {f_at}); a backward needs the forward's saved activations.")
+                raise ValueError(
+                    f"{where}: rank {r} runs its backward (step {back[1]}) before its forward "
+                    f"(step {f_at}); a backward needs the forward's saved activations."
+                )
             if (BW, mb, s) in pos and pos[(BW, mb, s)][1] < back[1]:
-                raise ValueError(f"{where}: rank {r} runs BW (step {pos[(BW, mb, s)][1]}) before BI "
-                                 f"(step {back[1]}); the weight gradient needs the output gradient.")
+                raise ValueError(
+                    f"{where}: rank {r} runs BW (step {pos[(BW, mb, s)][1]}) before BI "
+                    f"(step {back[1]}); the weight gradient needs the output gradient."
+                )
     if fifo:
         _check_fifo(actions, pp, v)
     return m, v
@@ -374,7 +409,8 @@ def _check_fifo(actions: Sequence[Sequence[Action]], pp: int, v: int) -> None:
             raise ValueError(
                 f"channel rank {src} -> rank {dst} ({kind}): rank {src} sends (micro-batch, stage) {order[:8]}... "
                 f"but rank {dst} receives {recvd.get(key, [])[:8]}...; a runtime matching messages in order "
-                f"would pair them wrongly. Reorder the receiver's actions or tag messages by micro-batch.")
+                f"would pair them wrongly. Reorder the receiver's actions or tag messages by micro-batch."
+            )
 
 
 from .simulate import SimResult, render, simulate  # noqa: E402  (re-exported: the simulator of these schedules)

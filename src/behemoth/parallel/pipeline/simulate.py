@@ -4,12 +4,13 @@ breaks, and reports makespan, bubble and peak in-flight micro-batches (what
 ``tests/unit/test_pipeline_schedules.py`` checks, and the pipeline engine runs at build).
 Split from :mod:`.schedules` (the schedules themselves); everything is re-exported there.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import BI, BW, B, F, Action, _check_fifo, check_schedule, stage_of
+from .schedules import BI, BW, Action, B, F, _check_fifo, check_schedule, stage_of
 
 __all__ = ["SimResult", "simulate", "render"]
 
@@ -34,8 +35,16 @@ class SimResult:
     """Per rank, ``(action, start, end)`` in execution order."""
 
 
-def simulate(actions: Sequence[Sequence[Action]], pp: int, *, t_f: float = 1.0, t_b: float = 2.0,
-             t_bi: float = 1.0, t_bw: float = 1.0, t_comm: float = 0.0) -> SimResult:
+def simulate(
+    actions: Sequence[Sequence[Action]],
+    pp: int,
+    *,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    t_bi: float = 1.0,
+    t_bw: float = 1.0,
+    t_comm: float = 0.0,
+) -> SimResult:
     """Execute every rank's actions in order under data dependencies; return times and peaks.
 
     ``t_f``, ``t_b``, ``t_bi``, ``t_bw`` are the times of one micro-batch through one rank's
@@ -94,19 +103,28 @@ def simulate(actions: Sequence[Sequence[Action]], pp: int, *, t_f: float = 1.0, 
             a = actions[r][ptr[r]]
             s = stage_of(r, a.chunk, pp)
             missing = [d for d in needs(a, s) if d not in done]
-            what = ", ".join(f"{'F' if k == F else 'input gradient'} of micro-batch {mb} at stage {st} "
-                             f"(rank {st % pp})" for k, mb, st in missing)
+            what = ", ".join(
+                f"{'F' if k == F else 'input gradient'} of micro-batch {mb} at stage {st} (rank {st % pp})"
+                for k, mb, st in missing
+            )
             lines.append(f"rank {r} at step {ptr[r]} ({a!r}, stage {s}) waits for {what}")
-        raise ValueError("schedule deadlocks: " + "; ".join(lines) + ". Every rank's order must let each "
-                         "awaited action run first; give the ranks more warm-up forwards or reorder.")
+        raise ValueError(
+            "schedule deadlocks: " + "; ".join(lines) + ". Every rank's order must let each "
+            "awaited action run first; give the ranks more warm-up forwards or reorder."
+        )
     _check_fifo(actions, pp, v)
     makespan = max(clock)
     busy = tuple(sum(e - b for _, b, e in tl) for tl in timeline)
     idle = tuple(makespan - x for x in busy)
-    return SimResult(makespan, busy, idle, sum(idle) / (pp * makespan) if makespan else 0.0,
-                     tuple(_peak(acts, (B, BI)) for acts in actions),
-                     tuple(_peak(acts, (B, BW)) for acts in actions),
-                     tuple(tuple(tl) for tl in timeline))
+    return SimResult(
+        makespan,
+        busy,
+        idle,
+        sum(idle) / (pp * makespan) if makespan else 0.0,
+        tuple(_peak(acts, (B, BI)) for acts in actions),
+        tuple(_peak(acts, (B, BW)) for acts in actions),
+        tuple(tuple(tl) for tl in timeline),
+    )
 
 
 def _peak(acts: Sequence[Action], release: tuple[str, ...]) -> int:

@@ -25,6 +25,7 @@ broadcasts each stage's state dict; :meth:`PipelineSplit.sync_tied_grads` exchan
 gradients of tied weights (embedding on the first stage, head on the last) between the two
 ranks. Tested by tests/dist/test_pipeline_parity.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,15 @@ from torch import nn
 from ... import comm
 from ...comm import Axis
 from ..tensor.layout import get_spec
-from .partition import (PIPELINE_LAYOUTS, PipelineLayout, estimate_block_costs, find_tied_parameters,
-                        stage_modules, tied_parameter_ranks, virtual_partition)
+from .partition import (
+    PIPELINE_LAYOUTS,
+    PipelineLayout,
+    estimate_block_costs,
+    find_tied_parameters,
+    stage_modules,
+    tied_parameter_ranks,
+    virtual_partition,
+)
 
 __all__ = ["StageContext", "Skip", "PipelineSplit", "partition_for"]
 
@@ -57,8 +65,10 @@ class StageContext:
 def _passthrough(role: str, ctx: StageContext, args, kwargs):
     if role == "input":
         if ctx.stash is None:
-            raise RuntimeError("pipeline stage: an embedding this stage does not run was called with no received "
-                               "activation; call the model through engine.step().")
+            raise RuntimeError(
+                "pipeline stage: an embedding this stage does not run was called with no received "
+                "activation; call the model through engine.step()."
+            )
         return ctx.stash
     if role == "zero":
         return torch.zeros((), dtype=ctx.stash.dtype, device=ctx.stash.device)
@@ -72,7 +82,7 @@ class Skip(nn.Module):
 
     def __init__(self, role: str, ctx: StageContext) -> None:
         super().__init__()
-        self.role, self._ctx = role, [ctx]   # a list: the context is not a submodule
+        self.role, self._ctx = role, [ctx]  # a list: the context is not a submodule
 
     def forward(self, *args, **kwargs):
         return _passthrough(self.role, self._ctx[0], args, kwargs)
@@ -86,15 +96,17 @@ def partition_for(model: nn.Module, pp: int, v: int, stages=None) -> tuple[Pipel
     cost, or the user's ``stages`` (validated). Pure: raises ValueError before any collective."""
     family = type(model).__name__
     if family not in PIPELINE_LAYOUTS:
-        raise ValueError(f"pipeline parallelism: no pipeline layout for {family}; known: {sorted(PIPELINE_LAYOUTS)}. "
-                         f"Add a PipelineLayout (embeddings, block list, norm and head names) to "
-                         f"behemoth.parallel.pipeline.PIPELINE_LAYOUTS.")
+        raise ValueError(
+            f"pipeline parallelism: no pipeline layout for {family}; known: {sorted(PIPELINE_LAYOUTS)}. "
+            f"Add a PipelineLayout (embeddings, block list, norm and head names) to "
+            f"behemoth.parallel.pipeline.PIPELINE_LAYOUTS."
+        )
     layout = PIPELINE_LAYOUTS[family]
     config = getattr(model, "config", None)
     try:
         costs = estimate_block_costs(config)
         blocks, first, last = costs.blocks, costs.first_extra, costs.last_extra
-    except Exception:   # an unknown config: equal blocks
+    except Exception:  # an unknown config: equal blocks
         blocks, first, last = (1.0,) * len(model.get_submodule(layout.blocks)), 0.0, 0.0
     if len(blocks) != len(model.get_submodule(layout.blocks)):
         blocks = (1.0,) * len(model.get_submodule(layout.blocks))
@@ -106,14 +118,15 @@ class PipelineSplit:
     ``partition`` and gates them by :class:`StageContext`. Holds the serial state-dict
     layout (keys, full shapes, dtypes, owning rank) to reassemble it later."""
 
-    def __init__(self, model: nn.Module, layout: PipelineLayout, partition: Sequence[Sequence[tuple[int, int]]],
-                 pp_axis: Axis) -> None:
+    def __init__(
+        self, model: nn.Module, layout: PipelineLayout, partition: Sequence[Sequence[tuple[int, int]]], pp_axis: Axis
+    ) -> None:
         self.model, self.layout, self.partition, self.axis = model, layout, partition, pp_axis
         self.pp, self.rank, self.v = pp_axis.size, pp_axis.rank, len(partition[0])
         self.num_stages = self.pp * self.v
         self.ctx = StageContext()
-        names = stage_modules(layout, partition)          # names[rank][chunk]
-        self.module_chunks: dict[str, int] = {}           # this rank's modules -> chunk
+        names = stage_modules(layout, partition)  # names[rank][chunk]
+        self.module_chunks: dict[str, int] = {}  # this rank's modules -> chunk
         for c, row in enumerate(names[self.rank]):
             for n in row:
                 self.module_chunks.setdefault(n, c)
@@ -127,8 +140,11 @@ class PipelineSplit:
             self.serial_meta[k] = (shape, t.dtype, self._owner(k))
         # Tied pairs across ranks: (name_a, rank_a, name_b, rank_b), a on the first stage.
         groups = [set(g) for g in find_tied_parameters(model)]
-        self.tied = [(a, ra, b, rb) for a, ra, b, rb in tied_parameter_ranks(layout, self.pp)
-                     if ra != rb and any(a in g and b in g for g in groups)]
+        self.tied = [
+            (a, ra, b, rb)
+            for a, ra, b, rb in tied_parameter_ranks(layout, self.pp)
+            if ra != rb and any(a in g and b in g for g in groups)
+        ]
         self.serial_param_names = {b: a for a, _, b, rb in self.tied if rb == self.rank}
         """This rank's parameter name -> the serial model's name for it (a tied copy is saved
         under the serial model's first name, so checkpoints load under any pp)."""
@@ -137,9 +153,11 @@ class PipelineSplit:
         for r, names in enumerate(self._owners):
             if any(key == n or key.startswith(n + ".") for n in names):
                 return r
-        raise ValueError(f"pipeline parallelism: state-dict key {key!r} belongs to no stage's modules (layout "
-                         f"{self.layout}); every parameter and buffer must live in an embedding, a block, the "
-                         f"final norm or the head.")
+        raise ValueError(
+            f"pipeline parallelism: state-dict key {key!r} belongs to no stage's modules (layout "
+            f"{self.layout}); every parameter and buffer must live in an embedding, a block, the "
+            f"final norm or the head."
+        )
 
     # -- set-up ---------------------------------------------------------------------------
     def distribute(self) -> None:
@@ -150,15 +168,20 @@ class PipelineSplit:
         state = self.model.state_dict()
         with torch.no_grad():
             if self.rank == 0:
-                handles = [comm.send_async(state[k], self.axis, r, _INIT_TAG)
-                           for r in range(1, self.pp) for k in state if self._owns(r, k)]
+                handles = [
+                    comm.send_async(state[k], self.axis, r, _INIT_TAG)
+                    for r in range(1, self.pp)
+                    for k in state
+                    if self._owns(r, k)
+                ]
                 for h in handles:
                     h.wait()
             else:
                 for k in state:
                     if self._owns(self.rank, k):
-                        got = comm.recv_async(state[k].shape, state[k].dtype, self.axis, 0, _INIT_TAG,
-                                              state[k].device).wait()
+                        got = comm.recv_async(
+                            state[k].shape, state[k].dtype, self.axis, 0, _INIT_TAG, state[k].device
+                        ).wait()
                         state[k].copy_(got)
 
     def _owns(self, r: int, key: str) -> bool:

@@ -30,6 +30,7 @@ place of the model's causal SDPA with the mesh's ``sp`` axis, and sum the loss o
 are partial sums over ``sp`` (each rank saw part of the sequence) and must be all-reduced
 over ``dp_sp``, not just ``dp``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,8 +41,9 @@ MODES = ("ulysses", "ring")
 
 
 # ----------------------------------------------------------------------------- validation
-def check_sequence(seq_len: int, sp: int, mode: str, num_heads: int | None = None,
-                   num_kv_heads: int | None = None) -> None:
+def check_sequence(
+    seq_len: int, sp: int, mode: str, num_heads: int | None = None, num_kv_heads: int | None = None
+) -> None:
     """Raise ``ValueError`` (naming the numbers, the rule and a fix) when a sequence of
     ``seq_len`` tokens and the given head counts cannot be split ``sp`` ways in ``mode``.
 
@@ -56,19 +58,27 @@ def check_sequence(seq_len: int, sp: int, mode: str, num_heads: int | None = Non
     if seq_len < 1:
         raise ValueError(f"sequence length {seq_len} must be >= 1.")
     if mode == "ulysses" and seq_len % sp:
-        raise ValueError(f"sp_mode='ulysses' needs the sequence length divisible by sp; got seq_len={seq_len}, "
-                         f"sp={sp} (remainder {seq_len % sp}). Pad or crop to a multiple of {sp}.")
+        raise ValueError(
+            f"sp_mode='ulysses' needs the sequence length divisible by sp; got seq_len={seq_len}, "
+            f"sp={sp} (remainder {seq_len % sp}). Pad or crop to a multiple of {sp}."
+        )
     if mode == "ring" and seq_len % (2 * sp):
-        raise ValueError(f"sp_mode='ring' needs the sequence length divisible by 2*sp={2 * sp} (zigzag chunks); "
-                         f"got seq_len={seq_len}, sp={sp} (remainder {seq_len % (2 * sp)}). "
-                         f"Pad or crop to a multiple of {2 * sp}.")
+        raise ValueError(
+            f"sp_mode='ring' needs the sequence length divisible by 2*sp={2 * sp} (zigzag chunks); "
+            f"got seq_len={seq_len}, sp={sp} (remainder {seq_len % (2 * sp)}). "
+            f"Pad or crop to a multiple of {2 * sp}."
+        )
     if num_heads is not None and num_kv_heads is not None:
         if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(f"grouped-query attention needs num_heads divisible by num_kv_heads; got "
-                             f"num_heads={num_heads}, num_kv_heads={num_kv_heads}.")
+            raise ValueError(
+                f"grouped-query attention needs num_heads divisible by num_kv_heads; got "
+                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}."
+            )
     if mode == "ulysses" and num_heads is not None and num_heads % sp:
-        raise ValueError(f"sp_mode='ulysses' splits attention heads over sp; got num_heads={num_heads}, sp={sp} "
-                         f"(remainder {num_heads % sp}). Use an sp that divides {num_heads}, or sp_mode='ring'.")
+        raise ValueError(
+            f"sp_mode='ulysses' splits attention heads over sp; got num_heads={num_heads}, sp={sp} "
+            f"(remainder {num_heads % sp}). Use an sp that divides {num_heads}, or sp_mode='ring'."
+        )
 
 
 def _check_rank(sp: int, rank: int) -> None:
@@ -132,8 +142,10 @@ def gather_sequence(parts: Sequence[torch.Tensor], dim: int, mode: str) -> torch
         return torch.cat(list(parts), dim=dim)
     s_local = parts[0].shape[dim]
     if s_local % 2:
-        raise ValueError(f"gather_sequence(mode='ring'): each part holds two zigzag chunks, so its length "
-                         f"along dim {dim} must be even; got {s_local}.")
+        raise ValueError(
+            f"gather_sequence(mode='ring'): each part holds two zigzag chunks, so its length "
+            f"along dim {dim} must be even; got {s_local}."
+        )
     chunks: list[torch.Tensor | None] = [None] * (2 * sp)
     for r, p in enumerate(parts):
         first, second = p.chunk(2, dim=dim)
@@ -147,8 +159,9 @@ from .ring import ring_attention, ring_bytes, ring_step_block  # noqa: E402
 from .ulysses import ulysses_attention, ulysses_bytes, ulysses_kv_heads  # noqa: E402
 
 
-def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, *, mode: str,
-                       scale: float | None = None) -> torch.Tensor:
+def sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, *, mode: str, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention over the sequence split on ``axis`` in ``mode``'s layout; a drop-in for
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=...)``
     on this rank's share. See :func:`ulysses_attention` and :func:`ring_attention`."""
@@ -160,7 +173,18 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, 
 
 
 __all__ = [
-    "MODES", "check_sequence", "zigzag_chunks", "zigzag_indices", "position_ids_for", "split_sequence",
-    "gather_sequence", "ulysses_attention", "ulysses_bytes", "ulysses_kv_heads", "ring_attention",
-    "ring_bytes", "ring_step_block", "sequence_attention",
+    "MODES",
+    "check_sequence",
+    "zigzag_chunks",
+    "zigzag_indices",
+    "position_ids_for",
+    "split_sequence",
+    "gather_sequence",
+    "ulysses_attention",
+    "ulysses_bytes",
+    "ulysses_kv_heads",
+    "ring_attention",
+    "ring_bytes",
+    "ring_step_block",
+    "sequence_attention",
 ]

@@ -38,6 +38,7 @@ no attention dropout (the cores have none), no cross-attention.
 
 Tested in ``tests/dist/test_sequence_parallel.py`` (whole models against serial training).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -68,37 +69,62 @@ class SequenceAttention:
         self.axis, self.mode = axis, mode
 
     @torch.compiler.disable
-    def __call__(self, query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                 scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         if attn_mask is not None or not is_causal:
-            raise ValueError(f"sequence parallelism ({self.mode}) computes causal attention without a mask; the "
-                             f"model asked for attn_mask={'a tensor' if attn_mask is not None else None}, "
-                             f"is_causal={is_causal}.")
+            raise ValueError(
+                f"sequence parallelism ({self.mode}) computes causal attention without a mask; the "
+                f"model asked for attn_mask={'a tensor' if attn_mask is not None else None}, "
+                f"is_causal={is_causal}."
+            )
         if dropout_p:
-            raise ValueError(f"sequence parallelism ({self.mode}) has no attention dropout; the model asked for "
-                             f"dropout_p={dropout_p}. Set the model's attention dropout to 0.")
+            raise ValueError(
+                f"sequence parallelism ({self.mode}) has no attention dropout; the model asked for "
+                f"dropout_p={dropout_p}. Set the model's attention dropout to 0."
+            )
         return sequence_attention(query, key, value, self.axis, mode=self.mode, scale=scale)
 
     def __repr__(self) -> str:
         return f"SequenceAttention(mode={self.mode!r}, sp={self.axis.size})"
 
 
-def transformers_sequence_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
-                                    scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def transformers_sequence_attention(
+    module: nn.Module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """The function registered as ``behemoth_sequence_parallel`` in transformers'
     ``AttentionInterface``: same signature and return as its ``sdpa_attention_forward``
     (``query [B, N, S/sp, D]`` -> ``([B, S/sp, N, D], None)``), computed by the module's
     :class:`SequenceAttention` (set by :func:`apply_sequence_parallel`)."""
     seam = getattr(module, "_behemoth_sequence_attention", None)
     if seam is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation={SP_ATTENTION_IMPL!r} but bh.boost did "
-                           f"not prepare it for sequence parallelism; build the engine with bh.boost(model, ...).")
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation={SP_ATTENTION_IMPL!r} but bh.boost did "
+            f"not prepare it for sequence parallelism; build the engine with bh.boost(model, ...)."
+        )
     if attention_mask is not None:
-        raise ValueError("sequence parallelism: transformers passed an attention mask (padding or packed "
-                         "sequences); behemoth's sequence-parallel attention is plain causal attention. Pass "
-                         "unpadded batches (labels -100 where no loss is wanted) instead of an attention_mask.")
-    out = seam(query, key, value, dropout_p=dropout, is_causal=True if is_causal is None else is_causal,
-               scale=scaling)
+        raise ValueError(
+            "sequence parallelism: transformers passed an attention mask (padding or packed "
+            "sequences); behemoth's sequence-parallel attention is plain causal attention. Pass "
+            "unpadded batches (labels -100 where no loss is wanted) instead of an attention_mask."
+        )
+    out = seam(query, key, value, dropout_p=dropout, is_causal=True if is_causal is None else is_causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -123,14 +149,18 @@ class SequenceParallelized:
         sp = self.axis.size
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError(f"sequence parallelism (sp={sp}) splits batch['input_ids'] ([B, S]) along the sequence; "
-                             f"engine.step needs a dict with input_ids [B, S] (and tensors of the same [B, S, ...] "
-                             f"leading shape, such as labels, are split alike).")
+            raise ValueError(
+                f"sequence parallelism (sp={sp}) splits batch['input_ids'] ([B, S]) along the sequence; "
+                f"engine.step needs a dict with input_ids [B, S] (and tensors of the same [B, S, ...] "
+                f"leading shape, such as labels, are split alike)."
+            )
         seq = ids.shape[1]
         check_sequence(seq, sp, self.mode)
         if self.max_positions is not None and seq > self.max_positions:
-            raise ValueError(f"sequence parallelism: the batch's sequence length {seq} exceeds the model's "
-                             f"{self.max_positions} positions; crop the batch or build the model with more positions.")
+            raise ValueError(
+                f"sequence parallelism: the batch's sequence length {seq} exceeds the model's "
+                f"{self.max_positions} positions; crop the batch or build the model with more positions."
+            )
 
     def split(self, micro: dict) -> tuple[dict, dict]:
         """This rank's share of a micro-batch and the model's extra keyword arguments.
@@ -141,9 +171,12 @@ class SequenceParallelized:
         ids = micro["input_ids"]
         sp, rank = self.axis.size, self.axis.rank
         lead = tuple(ids.shape)
-        local = {k: split_sequence(v, 1, sp, rank, self.mode)
-                 if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == lead else v
-                 for k, v in micro.items()}
+        local = {
+            k: split_sequence(v, 1, sp, rank, self.mode)
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == lead
+            else v
+            for k, v in micro.items()
+        }
         positions = position_ids_for(lead[1], sp, rank, self.mode).to(ids.device).unsqueeze(0)
         return local, {self.position_kwarg: positions}
 
@@ -161,9 +194,11 @@ def _position_kwarg(model: nn.Module) -> str:
     other = [n for n in params if n.startswith("position_ids")]
     if other:
         return other[0]
-    raise ValueError(f"sequence parallelism: {type(model).__name__}.forward takes no position ids (looked for "
-                     f"{', '.join(_POSITION_KWARGS)}); each rank holds part of the sequence, so the model must be "
-                     f"told its tokens' global positions. Add a position_ids argument to the model's forward.")
+    raise ValueError(
+        f"sequence parallelism: {type(model).__name__}.forward takes no position ids (looked for "
+        f"{', '.join(_POSITION_KWARGS)}); each rank holds part of the sequence, so the model must be "
+        f"told its tokens' global positions. Add a position_ids argument to the model's forward."
+    )
 
 
 def _attention_modules(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
@@ -173,19 +208,27 @@ def _attention_modules(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module
         return "seam", seams
     if _is_transformers(model):
         from ...policies import transformer_blocks_name
+
         blocks = transformer_blocks_name(model)
-        found = [(n, m) for n, m in model.named_modules()
-                 if n.startswith(blocks + ".") and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+        found = [
+            (n, m)
+            for n, m in model.named_modules()
+            if n.startswith(blocks + ".") and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")
+        ]
         for n, m in found:
             if not m.is_causal or getattr(m, "is_cross_attention", False):
-                raise ValueError(f"sequence parallelism: {n} ({type(m).__name__}) is not causal self-attention "
-                                 f"(cross-attention or bidirectional); only causal decoders are supported.")
+                raise ValueError(
+                    f"sequence parallelism: {n} ({type(m).__name__}) is not causal self-attention "
+                    f"(cross-attention or bidirectional); only causal decoders are supported."
+                )
         if found:
             return "transformers", found
-    raise ValueError(f"sequence parallelism cannot plug its attention into {type(model).__name__}: no module has an "
-                     f"`attention_fn` attribute (called like F.scaled_dot_product_attention; behemoth's models have "
-                     f"one) and it is not a transformers model with attention modules in its blocks. Give the "
-                     f"attention module an `attention_fn = staticmethod(F.scaled_dot_product_attention)` and call it.")
+    raise ValueError(
+        f"sequence parallelism cannot plug its attention into {type(model).__name__}: no module has an "
+        f"`attention_fn` attribute (called like F.scaled_dot_product_attention; behemoth's models have "
+        f"one) and it is not a transformers model with attention modules in its blocks. Give the "
+        f"attention module an `attention_fn = staticmethod(F.scaled_dot_product_attention)` and call it."
+    )
 
 
 def _config_int(config, *names) -> int | None:
@@ -204,18 +247,24 @@ def _check_model(model: nn.Module, plan) -> int | None:
         for name in ("attn_pdrop", "attention_dropout", "dropout"):
             p = getattr(cfg, name, None)
             if isinstance(p, float) and p > 0:
-                raise ValueError(f"sequence parallelism has no attention dropout; the model's config has {name}={p}. "
-                                 f"Build the model with {name}=0.0.")
+                raise ValueError(
+                    f"sequence parallelism has no attention dropout; the model's config has {name}={p}. "
+                    f"Build the model with {name}=0.0."
+                )
         if getattr(cfg, "add_cross_attention", False):
-            raise ValueError("sequence parallelism supports causal decoders only; the model has cross-attention "
-                             "(config.add_cross_attention=True).")
+            raise ValueError(
+                "sequence parallelism supports causal decoders only; the model has cross-attention "
+                "(config.add_cross_attention=True)."
+            )
         n = _config_int(cfg, "num_attention_heads", "num_heads", "n_head")
         if plan.sp_mode == "ulysses" and n is not None:
             local = n // tp if n % tp == 0 else None
             if local is not None and local % sp:
                 per = f" ({local} per tensor-parallel rank with tp={tp})" if tp > 1 else ""
-                raise ValueError(f"sp_mode='ulysses' splits attention heads over sp; got num_heads={n}{per}, sp={sp} "
-                                 f"(remainder {local % sp}). Use an sp that divides {local}, or sp_mode='ring'.")
+                raise ValueError(
+                    f"sp_mode='ulysses' splits attention heads over sp; got num_heads={n}{per}, sp={sp} "
+                    f"(remainder {local % sp}). Use an sp that divides {local}, or sp_mode='ring'."
+                )
     return _config_int(cfg, "seq_len", "n_positions") if cfg is not None else None
 
 
@@ -238,6 +287,7 @@ def parallelize(model: nn.Module, mesh, plan) -> SequenceParallelized:
             m.attention_fn = seam
     else:
         from transformers import AttentionInterface
+
         AttentionInterface.register(SP_ATTENTION_IMPL, transformers_sequence_attention)
         for _, m in modules:
             m._behemoth_sequence_attention = seam
@@ -248,7 +298,14 @@ def parallelize(model: nn.Module, mesh, plan) -> SequenceParallelized:
         for n, m in modules:
             impl = getattr(getattr(m, "config", model.config), "_attn_implementation", None)
             if impl != SP_ATTENTION_IMPL:
-                raise ValueError(f"sequence parallelism: {n} still uses attn_implementation={impl!r} after "
-                                 f"switching the model to {SP_ATTENTION_IMPL!r}.")
-    return SequenceParallelized(axis=axis, mode=mode, position_kwarg=position_kwarg, max_positions=max_positions,
-                                attention=tuple(n for n, _ in modules))
+                raise ValueError(
+                    f"sequence parallelism: {n} still uses attn_implementation={impl!r} after "
+                    f"switching the model to {SP_ATTENTION_IMPL!r}."
+                )
+    return SequenceParallelized(
+        axis=axis,
+        mode=mode,
+        position_kwarg=position_kwarg,
+        max_positions=max_positions,
+        attention=tuple(n for n, _ in modules),
+    )

@@ -46,6 +46,7 @@ Tested in ``tests/dist/test_sequence_attention.py`` against full causal attentio
 paths by ``benchmarks/bench_sp.py --check`` (ring with each kernel vs one GPU's full SDPA,
 bf16, outputs and gradients, and timings).
 """
+
 from __future__ import annotations
 
 import torch
@@ -79,8 +80,7 @@ def ring_step_block(sp: int, rank: int, src: int, local_len: int) -> tuple[slice
     return slice(c, local_len), slice(0, local_len), False  # only my second chunk sees its block
 
 
-def ring_bytes(b: int, s: int, k_heads: int, d: int, sp: int, element_size: int, *,
-               backward: bool = False) -> int:
+def ring_bytes(b: int, s: int, k_heads: int, d: int, sp: int, element_size: int, *, backward: bool = False) -> int:
     """Bytes one rank sends on the ``sp`` axis (ledger payload = wire) for one ring attention.
 
     Forward: ``sp-1`` shifts of the local K and V, ``2*(sp-1)*b*(s/sp)*k_heads*d*element_size``:
@@ -121,7 +121,7 @@ def _scores(q, k, scale: float, causal: bool, acc: torch.dtype) -> torch.Tensor:
     return s
 
 
-_SDPA_KERNELS = {1: "flash", 3: "cudnn"}   # torch.nn.attention.SDPBackend values
+_SDPA_KERNELS = {1: "flash", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 
 
 def block_kernel(q: torch.Tensor) -> str:
@@ -136,7 +136,7 @@ def block_kernel(q: torch.Tensor) -> str:
         return BLOCK_KERNEL
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return "plain"
-    try:   # blocks see k, v expanded to q's heads: ask with q's metadata (no data is read)
+    try:  # blocks see k, v expanded to q's heads: ask with q's metadata (no data is read)
         choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
     except (RuntimeError, TypeError):
         return "plain"
@@ -147,14 +147,16 @@ def _fused_block_forward(q, k, v, scale: float, causal: bool, kernel: str):
     """One block by a fused kernel that returns the log-sum-exp: (out [.., Lq, D] in q's dtype,
     lse [.., Lq] fp32, extras the matching backward needs (the forward's dense-mode
     placeholders: cumulative lengths, RNG seed/offset; None on CPU))."""
-    if kernel == "cudnn":   # cuDNN keeps a trailing dim of 1 on the lse; wants dense operands
+    if kernel == "cudnn":  # cuDNN keeps a trailing dim of 1 on the lse; wants dense operands
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
         return out, lse.reshape(out.shape[:-1]), (cum_q, cum_k, seed, offset)
     if q.is_cuda:
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
+            q, k, v, 0.0, causal, False, scale=scale
+        )
         return out, lse, (cum_q, cum_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, None
@@ -168,13 +170,30 @@ def _fused_block_backward(q, k, v, dout, out, lse, scale: float, causal: bool, k
     if kernel == "cudnn":
         q, k, v, dout, out = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous(), out.contiguous()
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, q.shape[-2], k.shape[-2],
-            0.0, causal, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.unsqueeze(-1),
+            seed,
+            offset,
+            None,
+            cum_q,
+            cum_k,
+            q.shape[-2],
+            k.shape[-2],
+            0.0,
+            causal,
+            scale=scale,
+        )
     if q.is_cuda:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale
+        )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
 
 
 def _block_forward(q, k, v, scale: float, causal: bool, acc: torch.dtype):
@@ -202,8 +221,9 @@ def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
     """Fold a block's (out_b, lse_b) into the running (out, lse) on ``rows``, in place."""
     lse_a = lse[..., rows]
     new = torch.logaddexp(lse_a, lse_b)
-    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse_a - new).unsqueeze(-1)
-                         + out_b * torch.exp(lse_b - new).unsqueeze(-1))
+    out[..., rows, :] = out[..., rows, :] * torch.exp(lse_a - new).unsqueeze(-1) + out_b * torch.exp(
+        lse_b - new
+    ).unsqueeze(-1)
     lse[..., rows] = new
 
 
@@ -236,7 +256,7 @@ class RingAttentionFunction(torch.autograd.Function):
             rows, cols, causal = ring_step_block(P, r, src, L)
             q_b = q[..., rows, :]
             k_b, v_b = _expand(kv_2BKLD[0][..., cols, :], G), _expand(kv_2BKLD[1][..., cols, :], G)
-            if fused:   # block output in q's dtype, merged in fp32 (type promotion in _merge)
+            if fused:  # block output in q's dtype, merged in fp32 (type promotion in _merge)
                 o_b, lse_b, extras = _fused_block_forward(q_b, k_b, v_b, scale, causal, kernel)
                 lse_b = lse_b.to(acc)
             else:
@@ -274,13 +294,24 @@ class RingAttentionFunction(torch.autograd.Function):
             rows, cols, causal = ring_step_block(P, r, src, L)
             q_b = q[..., rows, :]
             k_b, v_b = _expand(kv_2BKLD[0][..., cols, :], G), _expand(kv_2BKLD[1][..., cols, :], G)
-            if fused:   # block gradients in q's dtype, accumulated in fp32
-                dq_b, dk_b, dv_b = _fused_block_backward(q_b, k_b, v_b, dout[..., rows, :], out[..., rows, :],
-                                                         lse[..., rows], scale, causal, ctx.kernel, ctx.extras)
+            if fused:  # block gradients in q's dtype, accumulated in fp32
+                dq_b, dk_b, dv_b = _fused_block_backward(
+                    q_b,
+                    k_b,
+                    v_b,
+                    dout[..., rows, :],
+                    out[..., rows, :],
+                    lse[..., rows],
+                    scale,
+                    causal,
+                    ctx.kernel,
+                    ctx.extras,
+                )
                 dk_b, dv_b = dk_b.to(acc), dv_b.to(acc)
             else:
-                dq_b, dk_b, dv_b = _block_backward(q_b, k_b, v_b, dout[..., rows, :], lse[..., rows],
-                                                   delta[..., rows], scale, causal, acc)
+                dq_b, dk_b, dv_b = _block_backward(
+                    q_b, k_b, v_b, dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal, acc
+                )
             dq[..., rows, :] += dq_b
             dkv = torch.zeros(2, B, k.shape[1], L, D, dtype=acc, device=q.device)
             dkv[0][..., cols, :] = _fold(dk_b, G)
@@ -294,16 +325,20 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"ring_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+        raise ValueError(
+            f"ring_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
-        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, "
-                         f"local sequence or head dim.")
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, local sequence or head dim."
+        )
     check_sequence(q.shape[2] * sp, sp, "ring", num_heads=q.shape[1], num_kv_heads=k.shape[1])
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: comm.Axis, *,
-                   scale: float | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: comm.Axis, *, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's zigzag share against the whole sequence.
 
     Layout: ``q [B, N, S/sp, D]``, ``k, v [B, K, S/sp, D]`` (``K`` divides ``N``, query head

@@ -14,6 +14,7 @@ its query group. The repeat's backward sums the replicas' gradients.
 
 Tested in ``tests/dist/test_sequence_attention.py`` against full causal attention.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ def ulysses_kv_heads(num_kv_heads: int, sp: int) -> int:
     return num_kv_heads * sp // math.gcd(num_kv_heads, sp)
 
 
-def ulysses_bytes(b: int, s: int, n: int, k_heads: int, d: int, sp: int, element_size: int, *,
-                  wire: bool = False) -> int:
+def ulysses_bytes(
+    b: int, s: int, n: int, k_heads: int, d: int, sp: int, element_size: int, *, wire: bool = False
+) -> int:
     """Payload bytes one rank's ledger books on the ``sp`` axis for one Ulysses attention
     forward (the backward moves exactly the same: the two inverse all-to-alls).
 
@@ -53,16 +55,20 @@ def ulysses_bytes(b: int, s: int, n: int, k_heads: int, d: int, sp: int, element
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"ulysses_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+        raise ValueError(
+            f"ulysses_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
-        raise ValueError(f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, "
-                         f"local sequence or head dim.")
+        raise ValueError(
+            f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, local sequence or head dim."
+        )
     check_sequence(q.shape[2] * sp, sp, "ulysses", num_heads=q.shape[1], num_kv_heads=k.shape[1])
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: comm.Axis, *,
-                      scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: comm.Axis, *, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's contiguous sequence chunk against the whole sequence.
 
     Layout: ``q [B, N, S/sp, D]``, ``k, v [B, K, S/sp, D]`` (``K`` divides ``N``) hold rank
@@ -86,11 +92,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: c
     if Kr != K:  # replicate kv heads, keeping query head n -> kv head n // (N/K)
         k, v = k.repeat_interleave(Kr // K, dim=1), v.repeat_interleave(Kr // K, dim=1)
     # Group heads by destination rank, then one exchange: scatter the rank dim, gather the sequence.
-    qkv_BPHLD = torch.cat([q.reshape(B, P, N // P, L, D), k.reshape(B, P, Kr // P, L, D),
-                           v.reshape(B, P, Kr // P, L, D)], dim=2)
+    qkv_BPHLD = torch.cat(
+        [q.reshape(B, P, N // P, L, D), k.reshape(B, P, Kr // P, L, D), v.reshape(B, P, Kr // P, L, D)], dim=2
+    )
     qkv_B1HSD = comm.AllToAllAxis.apply(qkv_BPHLD, axis, 1, 3)
     q_BnSD, k_BkSD, v_BkSD = qkv_B1HSD.squeeze(1).split([N // P, Kr // P, Kr // P], dim=1)
-    o_BnSD = F.scaled_dot_product_attention(q_BnSD, k_BkSD, v_BkSD, is_causal=True, scale=scale,
-                                            enable_gqa=N != Kr)
+    o_BnSD = F.scaled_dot_product_attention(q_BnSD, k_BkSD, v_BkSD, is_causal=True, scale=scale, enable_gqa=N != Kr)
     # Scatter the sequence back, gather the heads (in rank order = head order).
     return comm.AllToAllAxis.apply(o_BnSD, axis, 2, 1)

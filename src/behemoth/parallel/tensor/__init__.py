@@ -17,6 +17,7 @@ engine computes the loss through it (no rank materialises the full logits) unles
 brings a ``loss_fn``, in which case ``gather_output`` is set. A mode that splits the batch
 inside the tp group (2D, 2.5D, 3D) names the axes in ``Parallelized.batch_axes``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,7 +80,7 @@ def shard_rectangles(spec: ShardSpec) -> list[tuple[tuple, tuple[int, ...], tupl
     view, full, f = list(spec.view_shape), list(spec.full_shape), spec.fused_dim
     m = len(view) - len(full) + 1
     merged = list(range(f, f + m))
-    if m < 1 or view[:f] != full[:f] or view[f + m:] != full[f + 1:] or math.prod(view[f:f + m]) != full[f]:
+    if m < 1 or view[:f] != full[:f] or view[f + m :] != full[f + 1 :] or math.prod(view[f : f + m]) != full[f]:
         raise ValueError(f"ShardSpec {spec}: view_shape does not split serial dim {f} of {tuple(full)}")
     rects = []
     outer = [range(blocks[d][0], blocks[d][0] + blocks[d][1]) for d in merged[:-1]]
@@ -88,8 +89,8 @@ def shard_rectangles(spec: ShardSpec) -> list[tuple[tuple, tuple[int, ...], tupl
         lin = 0
         for d, i in zip(merged, list(idx) + [blocks[merged[-1]][0]]):
             lin = lin * view[d] + i
-        offsets = [o for o, _ in blocks[:f]] + [lin] + [o for o, _ in blocks[f + m:]]
-        sizes = [s for _, s in blocks[:f]] + [blocks[merged[-1]][1]] + [s for _, s in blocks[f + m:]]
+        offsets = [o for o, _ in blocks[:f]] + [lin] + [o for o, _ in blocks[f + m :]]
+        sizes = [s for _, s in blocks[:f]] + [blocks[merged[-1]][1]] + [s for _, s in blocks[f + m :]]
         local_index = tuple(slice(None) for _ in range(f)) + tuple(i - blocks[d][0] for d, i in zip(merged, idx))
         rects.append((local_index, tuple(offsets), tuple(sizes)))
     return rects
@@ -136,8 +137,10 @@ def attention_heads(module: nn.Module, name: str) -> tuple[int, int, int | None]
     cfg = getattr(module, "config", None)
     n = _first_int(module, _HEADS) or (_first_int(cfg, ("num_attention_heads", "n_head")) if cfg else None)
     if n is None:
-        raise ValueError(f"tensor parallelism: attention module {name} ({type(module).__name__}) has none of the "
-                         f"head-count attributes {', '.join(_HEADS)}; it cannot be given local heads.")
+        raise ValueError(
+            f"tensor parallelism: attention module {name} ({type(module).__name__}) has none of the "
+            f"head-count attributes {', '.join(_HEADS)}; it cannot be given local heads."
+        )
     k = _first_int(module, _KV_HEADS)
     groups = getattr(module, "num_key_value_groups", None)
     if k is None and isinstance(groups, int) and groups > 0:
@@ -179,16 +182,19 @@ def full_state_dict(model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
     if sharded and not tp.trivial:
         width = max(len(spec.dims) for _, spec in sharded.values())
         device = next(iter(sharded.values()))[0].device
-        mine = torch.tensor([[d.index for d in spec.dims] + [0] * (width - len(spec.dims))
-                             for _, spec in sharded.values()], dtype=torch.int64, device=device)
+        mine = torch.tensor(
+            [[d.index for d in spec.dims] + [0] * (width - len(spec.dims)) for _, spec in sharded.values()],
+            dtype=torch.int64,
+            device=device,
+        )
         everyone = comm.all_gather(mine.reshape(1, -1), tp).reshape(tp.size, len(sharded), width).tolist()
         for k, (key, (v, spec)) in enumerate(sharded.items()):
             parts = comm.all_gather(v.detach().reshape(1, -1), tp)
             out = torch.empty(spec.full_shape, dtype=v.dtype, device=v.device)
             for member in range(tp.size):
-                place_shard(out, parts[member], _with_indices(spec, everyone[member][k][:len(spec.dims)]))
+                place_shard(out, parts[member], _with_indices(spec, everyone[member][k][: len(spec.dims)]))
             full[key] = out
-    elif sharded:   # a "sharded" tensor on a trivial axis is the whole tensor
+    elif sharded:  # a "sharded" tensor on a trivial axis is the whole tensor
         full = {key: v.detach().reshape(spec.full_shape) for key, (v, spec) in sharded.items()}
     return {k: full.get(id(v), v).detach().to("cpu", copy=True) for k, v in state.items()}
 
@@ -223,8 +229,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], mesh) -> torch.Tensor:
     return (sq[0] + shard_sq[0]).sqrt()
 
 
-def replace_modules(model: torch.nn.Module, roles: dict[str, str], build, mode: str, *,
-                    tp_axis) -> tuple[dict[int, torch.nn.Parameter], torch.nn.Module | None]:
+def replace_modules(
+    model: torch.nn.Module, roles: dict[str, str], build, mode: str, *, tp_axis
+) -> tuple[dict[int, torch.nn.Parameter], torch.nn.Module | None]:
     """The module swap every grid mode (2D, 2.5D, 3D) performs after validating shapes.
 
     Broadcasts the serial weights from tp rank 0 (one model, however each rank was seeded),
@@ -249,9 +256,11 @@ def replace_modules(model: torch.nn.Module, roles: dict[str, str], build, mode: 
             old = getattr(m, pname)
             if id(old) in new:
                 if get_spec(new[id(old)]) != get_spec(p):
-                    raise ValueError(f"tensor parallelism ({mode}): {name}.{pname} is tied to a weight another "
-                                     f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
-                                     f"untie it or give both the same role.")
+                    raise ValueError(
+                        f"tensor parallelism ({mode}): {name}.{pname} is tied to a weight another "
+                        f"layer shards differently ({get_spec(new[id(old)])} vs {get_spec(p)}); "
+                        f"untie it or give both the same role."
+                    )
                 setattr(layer, pname, new[id(old)])
             else:
                 p.requires_grad_(old.requires_grad)

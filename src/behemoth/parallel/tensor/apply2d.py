@@ -33,6 +33,7 @@ first, identically on every rank and before any collective.
 
 Tested in tests/dist/test_tp2d.py (whole models against serial training).
 """
+
 from __future__ import annotations
 
 import types
@@ -50,13 +51,24 @@ _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 
 def _layers(mode: str) -> types.SimpleNamespace:
     from . import embed2d, tp2d, tp2p5d
+
     if mode == "2d":
-        return types.SimpleNamespace(Linear=tp2d.Linear2D, LayerNorm=tp2d.LayerNorm2D, RMSNorm=tp2d.RMSNorm2D,
-                                     Embedding=embed2d.Embedding2D, PositionEmbedding=embed2d.PositionEmbedding2D,
-                                     Head=embed2d.VocabParallelHead2D)
-    return types.SimpleNamespace(Linear=tp2p5d.Linear25D, LayerNorm=tp2p5d.LayerNorm25D, RMSNorm=tp2p5d.RMSNorm25D,
-                                 Embedding=tp2p5d.Embedding25D, PositionEmbedding=tp2p5d.PositionEmbedding25D,
-                                 Head=tp2p5d.VocabParallelHead25D)
+        return types.SimpleNamespace(
+            Linear=tp2d.Linear2D,
+            LayerNorm=tp2d.LayerNorm2D,
+            RMSNorm=tp2d.RMSNorm2D,
+            Embedding=embed2d.Embedding2D,
+            PositionEmbedding=embed2d.PositionEmbedding2D,
+            Head=embed2d.VocabParallelHead2D,
+        )
+    return types.SimpleNamespace(
+        Linear=tp2p5d.Linear25D,
+        LayerNorm=tp2p5d.LayerNorm25D,
+        RMSNorm=tp2p5d.RMSNorm25D,
+        Embedding=tp2p5d.Embedding25D,
+        PositionEmbedding=tp2p5d.PositionEmbedding25D,
+        Head=tp2p5d.VocabParallelHead25D,
+    )
 
 
 class KVReplicatedLinear2D(nn.Module):
@@ -74,12 +86,14 @@ class KVReplicatedLinear2D(nn.Module):
         self.in_features, self.out_features = module.in_features, module.out_features
         c = g.col // (g.q // kv_heads)
         self.rows = (c * head_dim, (c + 1) * head_dim)
-        spec = ShardSpec(tuple(module.weight.shape), (DimShard(1, g.q, g.row, ("tp_row",)),),
-                         ("tp_col",) + g.weight_replicas)
+        spec = ShardSpec(
+            tuple(module.weight.shape), (DimShard(1, g.q, g.row, ("tp_row",)),), ("tp_col",) + g.weight_replicas
+        )
         self.weight = set_spec(nn.Parameter(shard_tensor(module.weight.detach(), spec)), spec)
         if module.bias is not None:
-            self.bias = set_spec(nn.Parameter(module.bias.detach().clone()),
-                                 ShardSpec(tuple(module.bias.shape), (), ("tp",)))
+            self.bias = set_spec(
+                nn.Parameter(module.bias.detach().clone()), ShardSpec(tuple(module.bias.shape), (), ("tp",))
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -105,14 +119,19 @@ def _linear_shape(module: nn.Module, name: str, role: str) -> tuple[int, int]:
         return module.in_features, module.out_features
     if hasattr(module, "nf") and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
         return module.weight.shape[0], module.nf
-    raise ValueError(f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
-                     f"{name} is a {type(module).__name__}.")
+    raise ValueError(
+        f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
+        f"{name} is a {type(module).__name__}."
+    )
 
 
 def _is_rms(module: nn.Module) -> bool:
-    return (not isinstance(module, nn.LayerNorm) and isinstance(getattr(module, "weight", None), nn.Parameter)
-            and getattr(module, "bias", None) is None
-            and (hasattr(module, "eps") or hasattr(module, "variance_epsilon")))
+    return (
+        not isinstance(module, nn.LayerNorm)
+        and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and getattr(module, "bias", None) is None
+        and (hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
+    )
 
 
 def _owner(name: str, attention: dict) -> str | None:
@@ -130,6 +149,7 @@ def _replicated_kv(name: str, m: nn.Module, role: str, attention: dict, q: int) 
 
 def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mode: str) -> dict:
     """Every check, pure and identical on every rank. Returns ``{attention name: (N, K, D)}``."""
+
     def need(what: str, size: int) -> None:
         check_divisible(what, size, q, mode)
 
@@ -138,7 +158,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
         raise ValueError(
             f"tensor parallelism ({mode}) splits the batch and the hidden dim of every activation, so the model "
             f"must enter the grid through an 'embedding' role and leave it through a 'head' role; the tp_policy "
-            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'.")
+            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'."
+        )
     attention = {}
     for name, role in roles.items():
         if role != "attention":
@@ -150,7 +171,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
                 f"tensor parallelism ({mode}): key/value heads (num_kv_heads of {name}) = {k} is neither a multiple "
                 f"nor a divisor of q = {q}; {mode} splits the kv heads with the query heads over the q grid "
                 f"columns, or gives each column a whole kv head when there are fewer. Use a model whose "
-                f"num_kv_heads is a multiple or a divisor of {q}, another tp degree, or tp_mode='1d'.")
+                f"num_kv_heads is a multiple or a divisor of {q}, another tp degree, or tp_mode='1d'."
+            )
         attention[name] = (n, k, d)
     for name, role in roles.items():
         m = modules[name]
@@ -161,15 +183,18 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
                 continue
             if role == "colwise_fused3":
                 if fout % 3:
-                    raise ValueError(f"tensor parallelism ({mode}): colwise_fused3 {name} has {fout} output features, "
-                                     f"not three equal q/k/v parts.")
+                    raise ValueError(
+                        f"tensor parallelism ({mode}): colwise_fused3 {name} has {fout} output features, "
+                        f"not three equal q/k/v parts."
+                    )
                 need(f"hidden (each of q, k, v in {name})", fout // 3)
             else:
                 need(f"out features of {name}", fout)
         elif role in ("embedding", "pos_embedding"):
             if not isinstance(m, nn.Embedding):
-                raise ValueError(f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a "
-                                 f"{type(m).__name__}.")
+                raise ValueError(
+                    f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a {type(m).__name__}."
+                )
             if role == "embedding":
                 need(f"vocab_size (rows of {name})", m.num_embeddings)
             need(f"hidden (embedding dim of {name})", m.embedding_dim)
@@ -180,17 +205,22 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
             if not (isinstance(m, nn.LayerNorm) or _is_rms(m)):
-                raise ValueError(f"tensor parallelism ({mode}): norm {name} is a {type(m).__name__}; the norm role "
-                                 f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute).")
-            need(f"hidden (normalized size of {name})", m.weight.shape[0] if m.weight is not None
-                 else m.normalized_shape[0])
+                raise ValueError(
+                    f"tensor parallelism ({mode}): norm {name} is a {type(m).__name__}; the norm role "
+                    f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
+                )
+            need(
+                f"hidden (normalized size of {name})",
+                m.weight.shape[0] if m.weight is not None else m.normalized_shape[0],
+            )
     owned = {n for n, r in roles.items() if r != "attention"}
     for pname, _ in model.named_parameters(remove_duplicate=False):
         if pname.rpartition(".")[0] not in owned:
             raise ValueError(
                 f"tensor parallelism ({mode}): parameter {pname} has no tensor-parallel role. In {mode} every "
                 f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
-                f"the data; give its module a role in tp_policy (see behemoth.policies).")
+                f"the data; give its module a role in tp_policy (see behemoth.policies)."
+            )
     return attention
 
 
@@ -227,8 +257,12 @@ def parallelize_grid(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Par
     attention = _validate(model, modules, roles, g.q, mode)
 
     new, head = replace_modules(
-        model, roles, lambda name, m, role: _build(m, role, mesh, L, _replicated_kv(name, m, role, attention, g.q)),
-        mode, tp_axis=mesh.axis("tp"))
+        model,
+        roles,
+        lambda name, m, role: _build(m, role, mesh, L, _replicated_kv(name, m, role, attention, g.q)),
+        mode,
+        tp_axis=mesh.axis("tp"),
+    )
     for name, (n, k, d) in attention.items():
         localize_heads(modules[name], n, k, d, g.q)
     return Parallelized(replaced=new, head=head, batch_axes=g.batch_axes)

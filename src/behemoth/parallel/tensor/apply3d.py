@@ -37,6 +37,7 @@ first, identically on every rank and before any collective; the token count agai
 
 Tested in tests/dist/test_tp3d.py (whole models against serial training).
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,8 @@ from torch import nn
 
 from . import Parallelized, attention_heads, localize_heads, replace_modules
 from .apply2d import _is_rms, _linear_shape
-from .layout import check_divisible
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
+from .layout import check_divisible
 from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
@@ -53,6 +54,7 @@ _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 
 def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) -> dict:
     """Every check, pure and identical on every rank. Returns ``{attention name: (N, K, D)}``."""
+
     def need(what: str, size: int, parts: int = q) -> None:
         check_divisible(what, size, parts, MODE)
 
@@ -62,7 +64,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
         raise ValueError(
             f"tensor parallelism ({MODE}) splits the batch and the hidden dim of every activation, so the model "
             f"must enter the cube through an 'embedding' role and leave it through a 'head' role; the tp_policy "
-            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'.")
+            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'."
+        )
     attention = {}
     for name, role in roles.items():
         if role != "attention":
@@ -74,7 +77,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
                 f"tensor parallelism ({MODE}): key/value heads (num_kv_heads of {name}) = {k} is not divisible by "
                 f"q = {q}; 3d splits the kv heads with the query heads over the q members of tp_row (cube side q "
                 f"= tp**(1/3)). Use a model whose num_kv_heads is a multiple of {q}, or tp_mode='2d' / '1d', "
-                f"which also replicate fewer kv heads.")
+                f"which also replicate fewer kv heads."
+            )
         attention[name] = (n, k, d)
     for name, role in roles.items():
         m = modules[name]
@@ -83,19 +87,23 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             need(f"in features of {name}", fin)
             if role == "colwise_fused3":
                 if fout % 3:
-                    raise ValueError(f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
-                                     f"features, not three equal q/k/v parts.")
+                    raise ValueError(
+                        f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
+                        f"features, not three equal q/k/v parts."
+                    )
                 need(f"hidden (each of q, k, v in {name}; its weight rows are split over {qq})", fout // 3, q * q)
             else:
                 need(f"out features of {name} (its weight rows are split over {qq})", fout, q * q)
         elif role in ("embedding", "pos_embedding"):
             if not isinstance(m, nn.Embedding):
-                raise ValueError(f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a "
-                                 f"{type(m).__name__}.")
+                raise ValueError(
+                    f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a {type(m).__name__}."
+                )
             if role == "embedding":
                 if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-                    raise ValueError(f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse "
-                                     f"are not supported.")
+                    raise ValueError(
+                        f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse are not supported."
+                    )
                 need(f"vocab_size (rows of {name}, split over {qq})", m.num_embeddings, q * q)
             need(f"hidden (embedding dim of {name})", m.embedding_dim)
         elif role == "head":
@@ -105,27 +113,33 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
             if not (isinstance(m, nn.LayerNorm) or _is_rms(m)):
-                raise ValueError(f"tensor parallelism ({MODE}): norm {name} is a {type(m).__name__}; the norm role "
-                                 f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute).")
+                raise ValueError(
+                    f"tensor parallelism ({MODE}): norm {name} is a {type(m).__name__}; the norm role "
+                    f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
+                )
             if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
-                raise ValueError(f"tensor parallelism ({MODE}): norm {name} normalizes over {m.normalized_shape}; "
-                                 f"only the last (hidden) dim is supported.")
-            need(f"hidden (normalized size of {name})", m.weight.shape[0] if m.weight is not None
-                 else m.normalized_shape[0])
+                raise ValueError(
+                    f"tensor parallelism ({MODE}): norm {name} normalizes over {m.normalized_shape}; "
+                    f"only the last (hidden) dim is supported."
+                )
+            need(
+                f"hidden (normalized size of {name})",
+                m.weight.shape[0] if m.weight is not None else m.normalized_shape[0],
+            )
     owned = {n for n, r in roles.items() if r != "attention"}
     for pname, _ in model.named_parameters(remove_duplicate=False):
         if pname.rpartition(".")[0] not in owned:
             raise ValueError(
                 f"tensor parallelism ({MODE}): parameter {pname} has no tensor-parallel role. In {MODE} every "
                 f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
-                f"the data; give its module a role in tp_policy (see behemoth.policies).")
+                f"the data; give its module a role in tp_policy (see behemoth.policies)."
+            )
     return attention
 
 
 def _build(m: nn.Module, role: str, mesh, overlap: int) -> nn.Module:
     if role in ("colwise", "colwise_fused3"):
-        return Linear3D.from_serial(m, mesh, swapped=False, fused=3 if role == "colwise_fused3" else 1,
-                                    overlap=overlap)
+        return Linear3D.from_serial(m, mesh, swapped=False, fused=3 if role == "colwise_fused3" else 1, overlap=overlap)
     if role == "rowwise":
         return Linear3D.from_serial(m, mesh, swapped=True, overlap=overlap)
     if role == "norm":
@@ -146,6 +160,7 @@ def _build(m: nn.Module, role: str, mesh, overlap: int) -> nn.Module:
 def _check_tokens_hook(overlap: int):
     """A forward pre-hook: the rank's tokens (``b x S`` of the input ids) must split into
     ``overlap`` pieces. Raised identically on every rank before the first collective."""
+
     def check(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
@@ -154,8 +169,10 @@ def _check_tokens_hook(overlap: int):
                 raise ValueError(
                     f"tensor parallelism ({MODE}): Plan.tp_overlap={overlap} splits each rank's tokens into "
                     f"{overlap} pieces, but a rank holds {b} rows x {s} positions = {b * s} tokens (its block of "
-                    f"1/q**2 of the micro-batch); use a tp_overlap that divides {b * s}, or a larger batch.")
+                    f"1/q**2 of the micro-batch); use a tp_overlap that divides {b * s}, or a larger batch."
+                )
         return None
+
     return check
 
 
@@ -172,8 +189,9 @@ def parallelize_cube(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Par
     modules = dict(model.named_modules())
     attention = _validate(model, modules, roles, cube.q)
 
-    new, head = replace_modules(model, roles, lambda name, m, role: _build(m, role, mesh, overlap), MODE,
-                                tp_axis=mesh.axis("tp"))
+    new, head = replace_modules(
+        model, roles, lambda name, m, role: _build(m, role, mesh, overlap), MODE, tp_axis=mesh.axis("tp")
+    )
     for name, (n, k, d) in attention.items():
         localize_heads(modules[name], n, k, d, cube.q)
     if overlap > 1:

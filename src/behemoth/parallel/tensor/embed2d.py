@@ -10,6 +10,7 @@ full logits.
 
 Tested in tests/dist/test_tp2d_layers.py against the serial layers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,19 @@ from torch import nn
 from ... import comm
 from ...comm import Axis
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .tp2d import (Grid, Linear2D, _activation_spec, _compute_dtype, _copy_shards, _gather_activation, _replicate_on,
-                   grid_of)
+from .tp2d import (
+    Grid,
+    Linear2D,
+    _activation_spec,
+    _compute_dtype,
+    _copy_shards,
+    _gather_activation,
+    _replicate_on,
+    grid_of,
+)
 
 __all__ = ["Embedding2D", "PositionEmbedding2D", "VocabParallelHead2D", "vocab_parallel_cross_entropy_2d"]
+
 
 # --------------------------------------------------------------------------- embeddings
 def embedding_from_serial(cls, module: nn.Embedding, mesh):
@@ -30,8 +40,14 @@ def embedding_from_serial(cls, module: nn.Embedding, mesh):
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
     w = module.weight
-    layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
-                device=w.device, dtype=w.dtype)
+    layer = cls(
+        module.num_embeddings,
+        module.embedding_dim,
+        mesh,
+        padding_idx=module.padding_idx,
+        device=w.device,
+        dtype=w.dtype,
+    )
     _copy_shards(layer, module)
     return layer
 
@@ -54,8 +70,17 @@ class Embedding2D(nn.Module):
 
     MODE = "2d"
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
-                 local_ids: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mesh,
+        *,
+        padding_idx: int | None = None,
+        local_ids: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
         check_divisible(f"{type(self).__name__} vocabulary size", num_embeddings, g.q, g.mode)
@@ -63,19 +88,23 @@ class Embedding2D(nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.local_ids = local_ids
         self.vocab_start = g.col * (num_embeddings // g.q)
-        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(0, g.q, g.col, ("tp_col",)),
-                         DimShard(1, g.q, g.row, ("tp_row",))), g.weight_replicas)
+        spec = ShardSpec(
+            (num_embeddings, embedding_dim),
+            (DimShard(0, g.q, g.col, ("tp_col",)), DimShard(1, g.q, g.row, ("tp_row",))),
+            g.weight_replicas,
+        )
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
     from_serial = classmethod(embedding_from_serial)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         g, v = self.grid, self.num_embeddings // self.grid.q
-        if self.local_ids:   # this rank's batch block -> the depth slab's ids
+        if self.local_ids:  # this rank's batch block -> the depth slab's ids
             ids = comm.all_gather(ids_BS.contiguous(), g.row_axis, 0)
         else:
-            check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0],
-                            g.batch_parts, g.mode)
+            check_divisible(
+                f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], g.batch_parts, g.mode
+            )
             ids = ids_BS.chunk(g.depth_size, 0)[g.depth]
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= v)
@@ -84,7 +113,7 @@ class Embedding2D(nn.Module):
         pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
         e = F.embedding(local, _replicate_on(self.weight, g, rows=False), padding_idx=pad)
         e = e.masked_fill(outside[..., None], 0.0)
-        e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)     # batch block c, hidden block k
+        e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)  # batch block c, hidden block k
         return comm.ExchangeWithPeer.apply(e, g.tp_axis, g.transpose_peer)
 
     def extra_repr(self) -> str:
@@ -104,8 +133,11 @@ class PositionEmbedding2D(nn.Module):
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
         check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, g.q, g.mode)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(1, g.q, g.col, ("tp_col",)),),
-                         ("tp_row",) * (g.q > 1) + g.weight_replicas)
+        spec = ShardSpec(
+            (num_embeddings, embedding_dim),
+            (DimShard(1, g.q, g.col, ("tp_col",)),),
+            ("tp_row",) * (g.q > 1) + g.weight_replicas,
+        )
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
     @classmethod
@@ -151,8 +183,9 @@ class VocabParallelHead2D(Linear2D):
             return F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(), reduction="sum")
         if self.local_labels:
             return _vocab_parallel_ce(logits, labels_BS, g, self.out_features)
-        local = _vocab_parallel_ce(logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)),
-                                   g, self.out_features)
+        local = _vocab_parallel_ce(
+            logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)), g, self.out_features
+        )
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
 
     @classmethod
@@ -161,8 +194,10 @@ class VocabParallelHead2D(Linear2D):
         layer = super().from_serial(module, mesh)
         if tied is not None:
             if tied.weight._bh_shard != layer.weight._bh_shard:
-                raise ValueError(f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
-                                 f"the head's {layer.weight._bh_shard}.")
+                raise ValueError(
+                    f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
+                    f"the head's {layer.weight._bh_shard}."
+                )
             layer.weight = tied.weight
         return layer
 
@@ -203,14 +238,19 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def _vocab_parallel_ce(logits, labels, g: Grid, vocab: int, *, ignore_index: int = -100,
-                       reduction: str = "sum") -> torch.Tensor:
+def _vocab_parallel_ce(
+    logits, labels, g: Grid, vocab: int, *, ignore_index: int = -100, reduction: str = "sum"
+) -> torch.Tensor:
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"vocab-parallel cross-entropy ({g.mode}): labels {tuple(labels.shape)} must be this rank's "
-                         f"batch block, matching logits {tuple(logits.shape[:-1])}; use split_batch.")
+        raise ValueError(
+            f"vocab-parallel cross-entropy ({g.mode}): labels {tuple(labels.shape)} must be this rank's "
+            f"batch block, matching logits {tuple(logits.shape[:-1])}; use split_batch."
+        )
     if logits.shape[-1] * g.q != vocab:
-        raise ValueError(f"vocab-parallel cross-entropy ({g.mode}): logits' last dim {logits.shape[-1]} is not "
-                         f"vocab/q = {vocab}/{g.q}.")
+        raise ValueError(
+            f"vocab-parallel cross-entropy ({g.mode}): logits' last dim {logits.shape[-1]} is not "
+            f"vocab/q = {vocab}/{g.q}."
+        )
     loss = _VocabParallelCE.apply(logits, labels, g.col_axis, g.col * (vocab // g.q), ignore_index)
     if reduction == "none":
         return loss
@@ -219,13 +259,15 @@ def _vocab_parallel_ce(logits, labels, g: Grid, vocab: int, *, ignore_index: int
     return loss.sum()
 
 
-def vocab_parallel_cross_entropy_2d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
-                                    ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+def vocab_parallel_cross_entropy_2d(
+    logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *, ignore_index: int = -100, reduction: str = "sum"
+) -> torch.Tensor:
     """Cross-entropy of logits ``[b, s, V/q]`` (vocab over ``tp_col``) against this rank's
     labels ``[b, s]`` (:func:`split_batch_2d` of the group's labels); ``ignore_index`` tokens
     count 0. ``reduction="sum"``: the sum over this rank's batch block -- the same value on
     every rank of a grid row, to be backpropagated once per rank; the tp group's total is
     the sum over ``tp_row`` (and depth). ``"none"``: per-token losses ``[b, s]``."""
     g = grid_of(mesh, "2d", "vocab_parallel_cross_entropy_2d")
-    return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
-                              ignore_index=ignore_index, reduction=reduction)
+    return _vocab_parallel_ce(
+        logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q, ignore_index=ignore_index, reduction=reduction
+    )

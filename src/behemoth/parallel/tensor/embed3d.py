@@ -10,6 +10,7 @@ vocab axis (tp_row for the head's swapped logits); no rank ever holds full logit
 
 Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
-from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .embed2d import _VocabParallelCE, embedding_from_serial
+from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .tp2d import _copy_shards
 from .tp3d import MODE, Layout, Linear3D, _act_spec, _gather_activation, _replicated, _weight_spec, cube_of
 
 __all__ = ["Embedding3D", "PositionEmbedding3D", "VocabParallelHead3D", "vocab_parallel_cross_entropy_3d"]
+
 
 # --------------------------------------------------------------------------- embeddings
 class Embedding3D(nn.Module):
@@ -40,25 +42,34 @@ class Embedding3D(nn.Module):
     all-gathered (int64, no gradient) over tp_col, then tp_depth, into the tp group's ids first
     -- ``8 B S (1/q + 1)`` payload bytes, a small fraction of the activations the lookup moves."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
-                 local_ids: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mesh,
+        *,
+        padding_idx: int | None = None,
+        local_ids: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         name = type(self).__name__
         cube = self.cube = cube_of(mesh, name)
-        check_divisible(f"{name} vocabulary size", num_embeddings, cube.q ** 2, MODE)
+        check_divisible(f"{name} vocabulary size", num_embeddings, cube.q**2, MODE)
         check_divisible(f"{name} embedding dim", embedding_dim, cube.q, MODE)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.local_ids = local_ids
         self.layout = cube.layout(False)
         spec = _weight_spec(self.layout, num_embeddings, embedding_dim, 1, False)
-        self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q ** 2)
+        self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q**2)
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
     from_serial = classmethod(embedding_from_serial)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         lay, q, v = self.layout, self.cube.q, self.weight.shape[0]
-        if self.local_ids:   # this rank's input block -> the tp group's ids (block order d*q + c)
+        if self.local_ids:  # this rank's input block -> the tp group's ids (block order d*q + c)
             ids_BS = comm.all_gather(comm.all_gather(ids_BS.contiguous(), self.cube.col, 0), self.cube.depth, 0)
         check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], q * q, MODE)
         local = ids_BS - self.vocab_start
@@ -87,18 +98,32 @@ class PositionEmbedding3D(nn.Module):
     right for per-row positions and for a broadcast ``[1, S]`` alike (the ranks of tp_col then
     hold the same row); 1-D positions need nothing."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, swapped: bool = False,
-                 local_positions: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mesh,
+        *,
+        swapped: bool = False,
+        local_positions: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         cube = self.cube = cube_of(mesh, type(self).__name__)
         check_divisible(f"{type(self).__name__} embedding dim", embedding_dim, cube.q, MODE)
         if local_positions and swapped:
-            raise ValueError(f"{type(self).__name__}: local_positions re-indexes input rows onto the canonical "
-                             f"layout; a swapped table already sees the input rows (use local_positions=False).")
+            raise ValueError(
+                f"{type(self).__name__}: local_positions re-indexes input rows onto the canonical "
+                f"layout; a swapped table already sees the input rows (use local_positions=False)."
+            )
         self.num_embeddings, self.embedding_dim, self.local_positions = num_embeddings, embedding_dim, local_positions
         lay = self.layout = cube.layout(swapped)
-        spec = ShardSpec((num_embeddings, embedding_dim), (DimShard(1, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
-                         (lay.depth.name, lay.inner.name) if cube.q > 1 else ())
+        spec = ShardSpec(
+            (num_embeddings, embedding_dim),
+            (DimShard(1, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
+            (lay.depth.name, lay.inner.name) if cube.q > 1 else (),
+        )
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
     @classmethod
@@ -109,7 +134,7 @@ class PositionEmbedding3D(nn.Module):
         return layer
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        if self.local_positions and pos.dim() >= 2:   # input rows (d*q + c) -> residual rows (d*q + r)
+        if self.local_positions and pos.dim() >= 2:  # input rows (d*q + c) -> residual rows (d*q + r)
             cube = self.cube
             pos = comm.all_gather(pos.contiguous(), cube.col, 0).chunk(cube.q, 0)[cube.row.rank]
         return F.embedding(pos, _replicated(self.weight, self.layout.inner, self.layout.depth))
@@ -160,8 +185,10 @@ class VocabParallelHead3D(Linear3D):
         layer = super().from_serial(module, mesh, **kw)
         if tied is not None:
             if tied.weight._bh_shard != layer.weight._bh_shard:
-                raise ValueError(f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
-                                 f"the head's {layer.weight._bh_shard} (a tied head must have swapped=False).")
+                raise ValueError(
+                    f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
+                    f"the head's {layer.weight._bh_shard} (a tied head must have swapped=False)."
+                )
             layer.weight = tied.weight
         return layer
 
@@ -169,23 +196,33 @@ class VocabParallelHead3D(Linear3D):
         return _vocab_parallel_ce(logits_bSv, labels_bS, self.out_layout, self.out_features, **kw)
 
 
-def _vocab_parallel_ce(logits, labels, lay: Layout, vocab: int, *, ignore_index: int = -100,
-                       reduction: str = "sum") -> torch.Tensor:
+def _vocab_parallel_ce(
+    logits, labels, lay: Layout, vocab: int, *, ignore_index: int = -100, reduction: str = "sum"
+) -> torch.Tensor:
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"vocab-parallel cross-entropy (3d): labels {tuple(labels.shape)} must be this rank's batch "
-                         f"block, matching logits {tuple(logits.shape[:-1])}; use split_batch_3d(..., swapped=True).")
+        raise ValueError(
+            f"vocab-parallel cross-entropy (3d): labels {tuple(labels.shape)} must be this rank's batch "
+            f"block, matching logits {tuple(logits.shape[:-1])}; use split_batch_3d(..., swapped=True)."
+        )
     if logits.shape[-1] * lay.q != vocab:
-        raise ValueError(f"vocab-parallel cross-entropy (3d): logits' last dim {logits.shape[-1]} is not "
-                         f"vocab/q = {vocab}/{lay.q}.")
+        raise ValueError(
+            f"vocab-parallel cross-entropy (3d): logits' last dim {logits.shape[-1]} is not vocab/q = {vocab}/{lay.q}."
+        )
     if reduction not in ("sum", "none"):
         raise ValueError(f"reduction={reduction!r}: must be 'sum' or 'none'.")
     loss = _VocabParallelCE.apply(logits, labels, lay.hidden, lay.hidden.rank * (vocab // lay.q), ignore_index)
     return loss.sum() if reduction == "sum" else loss
 
 
-def vocab_parallel_cross_entropy_3d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
-                                    swapped: bool = True, ignore_index: int = -100,
-                                    reduction: str = "sum") -> torch.Tensor:
+def vocab_parallel_cross_entropy_3d(
+    logits_bSv: torch.Tensor,
+    labels_bS: torch.Tensor,
+    mesh,
+    *,
+    swapped: bool = True,
+    ignore_index: int = -100,
+    reduction: str = "sum",
+) -> torch.Tensor:
     """Cross-entropy of logits ``[b, s, V/q]`` against this rank's labels ``[b, s]``, both in
     the swapped layout by default (what :class:`VocabParallelHead3D` produces: vocab over
     tp_row; labels from ``split_batch_3d(labels, mesh, swapped=True)``); ``ignore_index``
@@ -193,5 +230,6 @@ def vocab_parallel_cross_entropy_3d(logits_bSv: torch.Tensor, labels_bS: torch.T
     of the vocab axis; the tp group's total is its sum over the two batch axes. ``"none"``:
     per-token losses ``[b, s]``."""
     lay = cube_of(mesh, "vocab_parallel_cross_entropy_3d").layout(swapped)
-    return _vocab_parallel_ce(logits_bSv, labels_bS, lay, logits_bSv.shape[-1] * lay.q,
-                              ignore_index=ignore_index, reduction=reduction)
+    return _vocab_parallel_ce(
+        logits_bSv, labels_bS, lay, logits_bSv.shape[-1] * lay.q, ignore_index=ignore_index, reduction=reduction
+    )

@@ -16,6 +16,7 @@ Contract for every tensor-parallel layer (all modes):
 * ``replicated_on`` lists the mesh axes over which the shard is identical on every member,
   so a global norm counts it once.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,14 +69,16 @@ class ShardSpec:
         # others; merge those back. (2D also blocks a non-fused dim, e.g. h_in of QKV.)
         f, extra = self.fused_dim, len(self.view_shape) - len(self.full_shape)
         local = self.local_view_shape()
-        return local[:f] + (math.prod(local[f:f + extra + 1]),) + local[f + extra + 1:]
+        return local[:f] + (math.prod(local[f : f + extra + 1]),) + local[f + extra + 1 :]
 
 
 def check_divisible(what: str, size: int, parts: int, mode: str) -> None:
     """The error every mode raises, on every rank, before any collective."""
     if size % parts:
-        raise ValueError(f"tensor parallelism ({mode}): {what} = {size} is not divisible by {parts}; "
-                         f"choose a model whose {what} is a multiple of {parts}, or a smaller tp degree.")
+        raise ValueError(
+            f"tensor parallelism ({mode}): {what} = {size} is not divisible by {parts}; "
+            f"choose a model whose {what} is a multiple of {parts}, or a smaller tp degree."
+        )
 
 
 def block(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ next piece's GEMM.
 
 Test: tests/dist/test_tp1d.py (``test_column_backward_overlaps_...`` reads the ledger's trace).
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,7 +71,8 @@ class ColumnInput:
                 f"tensor parallelism ({MODE}): the column-parallel layers {', '.join(self.names)} read one input, "
                 f"but the backward pass reached only {len(self.names) - left} of them (an output the loss does "
                 f"not use?), so the input's gradient was never summed over tp. Use every output in the loss, or "
-                f"give the unused layer no tensor-parallel role.")
+                f"give the unused layer no tensor-parallel role."
+            )
 
 
 class ParallelRegion:
@@ -84,8 +86,9 @@ class ParallelRegion:
         self.axis = axis
         self.clear()
 
-    def enter(self, x: torch.Tensor, name: str, expect_gathered: bool
-              ) -> tuple[ColumnInput, torch.Tensor, torch.Tensor | None]:
+    def enter(
+        self, x: torch.Tensor, name: str, expect_gathered: bool
+    ) -> tuple[ColumnInput, torch.Tensor, torch.Tensor | None]:
         """``(group, source, gathered)`` for a column layer reading ``x``: ``source`` is the
         tensor its gradient flows to (``x`` itself, or with sequence parallelism the norm's
         sequence shard), cast once for the group under autocast; ``gathered`` the
@@ -95,7 +98,8 @@ class ParallelRegion:
                 raise ValueError(
                     f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
                     f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "
-                    f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model.")
+                    f"norm's output, as in GPT and Llama); use Plan(sequence_parallel=False) for this model."
+                )
             self._x, self._source, self._gathered = x, x, None
             self._group, self._cast = ColumnInput(self.axis, False), {}
         dtype = autocast_dtype(x)
@@ -138,7 +142,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         g = ctx.group
         need_dx, need_dw, need_db = (_will_run(ctx, i) for i in range(3))
         if g.sequence_parallel and need_dw and g.gathered is None:
-            g.gathered = comm.all_gather_async(source, g.axis, SEQ_DIM)   # overlaps dX below
+            g.gathered = comm.all_gather_async(source, g.axis, SEQ_DIM)  # overlaps dX below
         handle = None
         if need_dx:
             g.begin_backward()
@@ -159,11 +163,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             if need_db:
                 db = dy2.sum(0)
         dsource = None
-        if handle is not None:   # the last layer of the group: collect the communicated dX, reset
+        if handle is not None:  # the last layer of the group: collect the communicated dX, reset
             if g.sequence_parallel:
                 dsource = handle.wait()
             else:
-                handle.wait()    # in place
+                handle.wait()  # in place
                 dsource = g.grad
             g.remaining, g.grad, g.gathered = None, None, None
         return dsource, dw, db, None, None
@@ -186,13 +190,13 @@ class RowParallelLinearFn(torch.autograd.Function):
         ctx.axis, ctx.sequence_parallel = axis, sequence_parallel
         ctx.save_for_backward(x, weight)
         parts = x.tensor_split(pieces, 0)
-        if sequence_parallel:   # each piece's rows reduce-scattered on the sequence, then stacked
+        if sequence_parallel:  # each piece's rows reduce-scattered on the sequence, then stacked
             pending = [comm.reduce_scatter_async(F.linear(xp, weight), axis, SEQ_DIM) for xp in parts]
             outs = [h.wait() for h in pending]
             return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         y = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         handles = []
-        for xp, yp in zip(parts, y.tensor_split(pieces, 0)):   # row blocks of a contiguous y: in place
+        for xp, yp in zip(parts, y.tensor_split(pieces, 0)):  # row blocks of a contiguous y: in place
             torch.matmul(xp, weight.t(), out=yp)
             handles.append(comm.all_reduce(yp, axis, async_op=True))
         for h in handles:
@@ -211,8 +215,9 @@ class RowParallelLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, axis: Axis, sequence_parallel: bool,
-                        pieces: int, name: str = "") -> torch.Tensor:
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, axis: Axis, sequence_parallel: bool, pieces: int, name: str = ""
+) -> torch.Tensor:
     """Apply :class:`RowParallelLinearFn` (eager inside a compiled block: it launches and
     waits on collectives). ``pieces`` larger than the batch is an error, raised alike on
     every tp rank (they hold the same batch) before any collective."""
@@ -220,7 +225,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, axis: Axis, seque
         raise ValueError(
             f"tensor parallelism ({MODE}): Plan.tp_overlap={pieces} cuts each rank's micro-batch into {pieces} "
             f"pieces along the batch, but row-parallel {name or '?'} got a batch of {x.shape[0]} rows "
-            f"(input shape {tuple(x.shape)}); use a tp_overlap of at most {x.shape[0]}, or a larger micro-batch.")
+            f"(input shape {tuple(x.shape)}); use a tp_overlap of at most {x.shape[0]}, or a larger micro-batch."
+        )
     return _apply_row(x, _not_leaf(weight), axis, sequence_parallel, pieces)
 
 
@@ -240,7 +246,7 @@ def _will_run(ctx, i: int) -> bool:
         return False
     try:
         return _WILL_EXECUTE(node)
-    except RuntimeError:   # a leaf's node under autograd.grad (unsupported): assume it is wanted
+    except RuntimeError:  # a leaf's node under autograd.grad (unsupported): assume it is wanted
         return True
 
 
@@ -253,8 +259,13 @@ def _not_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view_as(t) if t is not None and t.is_leaf and t.requires_grad else t
 
 
-def column_parallel_linear(source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           gathered: torch.Tensor | None, group: ColumnInput) -> torch.Tensor:
+def column_parallel_linear(
+    source: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gathered: torch.Tensor | None,
+    group: ColumnInput,
+) -> torch.Tensor:
     """Apply :class:`ColumnParallelLinearFn` (eager even inside a compiled block: its
     backward launches and waits on collectives)."""
     return _apply_column(source, _not_leaf(weight), _not_leaf(bias), gathered, group)

@@ -57,6 +57,7 @@ Modules: this one (Linear layers, sequence-parallel norms, ``parallelize``), :mo
 
 Test: tests/dist/test_tp1d.py (each layer and whole models against serial training).
 """
+
 from __future__ import annotations
 
 import torch
@@ -88,16 +89,25 @@ class ColumnParallelLinear(nn.Module):
     is the whole serial one (its gradient all-reduced over tp) and this rank uses rows
     ``rows[0]:rows[1]`` of its ``[out, in]`` form."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
-                 transposed: bool = False, expect_gathered: bool = False, rows: tuple[int, int] | None = None,
-                 name: str = "") -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        axis: Axis,
+        region: ParallelRegion,
+        transposed: bool = False,
+        expect_gathered: bool = False,
+        rows: tuple[int, int] | None = None,
+        name: str = "",
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
         self.axis, self.region, self.transposed = axis, region, transposed
         self.expect_gathered, self.rows, self.name = expect_gathered, rows, name
 
-    @torch.compiler.disable   # region bookkeeping and collectives stay eager in compiled blocks
+    @torch.compiler.disable  # region bookkeeping and collectives stay eager in compiled blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, source, gathered = self.region.enter(x, self.name, self.expect_gathered)
         w, b = self.weight, self.bias
@@ -121,22 +131,32 @@ class RowParallelLinear(nn.Module):
     sequence shard (reduce-scatter forward, all-gather backward; the bias then goes through
     CopyToAxis because it sees only this rank's tokens)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
-                 transposed: bool = False, sequence_parallel: bool = False, pieces: int = 1,
-                 name: str = "") -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        axis: Axis,
+        region: ParallelRegion,
+        transposed: bool = False,
+        sequence_parallel: bool = False,
+        pieces: int = 1,
+        name: str = "",
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
         self.axis, self.region, self.transposed = axis, region, transposed
         self.sequence_parallel, self.pieces, self.name = sequence_parallel, pieces, name
 
-    @torch.compiler.disable   # region bookkeeping and collectives stay eager in compiled blocks
+    @torch.compiler.disable  # region bookkeeping and collectives stay eager in compiled blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.region.clear()
         dtype = autocast_dtype(x)
         w = self.weight.t() if self.transposed else self.weight
-        y = row_parallel_linear(cast_to(x, dtype), cast_to(w, dtype), self.axis, self.sequence_parallel,
-                                self.pieces, self.name)
+        y = row_parallel_linear(
+            cast_to(x, dtype), cast_to(w, dtype), self.axis, self.sequence_parallel, self.pieces, self.name
+        )
         b = self.bias
         if b is not None and self.sequence_parallel:
             b = comm.CopyToAxis.apply(b, self.axis)
@@ -184,7 +204,8 @@ def _check_heads(name: str, n: int, k: int, p: int) -> None:
         raise ValueError(
             f"tensor parallelism ({MODE}): key/value heads (num_kv_heads of {name}) = {k} is smaller than tp = {p} "
             f"and does not divide it; kv heads are replicated only when tp is a multiple of num_kv_heads. "
-            f"Use a tp degree that is a multiple or a divisor of {k}.")
+            f"Use a tp degree that is a multiple or a divisor of {k}."
+        )
 
 
 def _linear_layout(module: nn.Module, name: str, role: str) -> tuple[bool, int, int]:
@@ -193,8 +214,10 @@ def _linear_layout(module: nn.Module, name: str, role: str) -> tuple[bool, int, 
         return False, module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
         return True, module.weight.shape[0], module.weight.shape[1]
-    raise ValueError(f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
-                     f"{name} is a {type(module).__name__}.")
+    raise ValueError(
+        f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
+        f"{name} is a {type(module).__name__}."
+    )
 
 
 def _spec(shape, dim: int, p: int, r: int, view=None, fused_dim: int = 0) -> ShardSpec:
@@ -250,16 +273,19 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
                     check_divisible(f"{width} (out features of {name})", fout, p, MODE)
             elif role == "colwise_fused3":
                 if fout % 3:
-                    raise ValueError(f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
-                                     f"features, not three equal q/k/v parts.")
+                    raise ValueError(
+                        f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
+                        f"features, not three equal q/k/v parts."
+                    )
                 check_divisible(f"hidden (each of q, k, v in {name})", fout // 3, p, MODE)
             else:
                 check_divisible(f"{width} (in features of {name})", fin, p, MODE)
             jobs.append((name, role, transposed, fin, fout, rows))
         elif role in ("embedding", "head"):
             if role == "embedding" and not isinstance(m, nn.Embedding):
-                raise ValueError(f"tensor-parallel role 'embedding' needs an nn.Embedding; {name} is a "
-                                 f"{type(m).__name__}.")
+                raise ValueError(
+                    f"tensor-parallel role 'embedding' needs an nn.Embedding; {name} is a {type(m).__name__}."
+                )
             if role == "embedding" and (m.max_norm is not None or m.sparse):
                 raise ValueError(f"vocab-parallel embedding {name}: max_norm and sparse are not supported.")
             if role == "head" and not isinstance(m, nn.Linear):
@@ -276,7 +302,8 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
                 raise ValueError(
                     f"sequence parallelism: parameter {pname} has no tensor-parallel role; inside the blocks every "
                     f"parameter must belong to a colwise/rowwise/norm module (otherwise its gradient would see "
-                    f"only this rank's tokens). Add it to tp_policy or use Plan(sequence_parallel=False).")
+                    f"only this rank's tokens). Add it to tp_policy or use Plan(sequence_parallel=False)."
+                )
 
     # ---- 2. one model on every tp rank (rank 0's weights)
     with torch.no_grad():
@@ -292,8 +319,10 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
             return None
         if id(old) in new:
             if get_spec(new[id(old)]) != spec:
-                raise ValueError(f"a tied weight is used by two layers with different tensor-parallel layouts "
-                                 f"({get_spec(new[id(old)])} and {spec}); untie it or give both the same role.")
+                raise ValueError(
+                    f"a tied weight is used by two layers with different tensor-parallel layouts "
+                    f"({get_spec(new[id(old)])} and {spec}); untie it or give both the same role."
+                )
             return new[id(old)]
         t = nn.Parameter(shard_tensor(old.detach(), spec), requires_grad=old.requires_grad)
         new[id(old)] = set_spec(t, spec)
@@ -315,22 +344,40 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
                 view = (fin, 3, h) if transposed else (3, h, fin)
                 w = shard(w, _spec(w.shape, 2 if transposed else 1, p, r, view, 1 if transposed else 0))
                 b = shard(b, _spec(b.shape, 1, p, r, (3, h), 0)) if b is not None else None
-            new_m = ColumnParallelLinear(w, b, axis=axis, region=region, transposed=transposed,
-                                         expect_gathered=in_blocks(name), rows=rows, name=name)
+            new_m = ColumnParallelLinear(
+                w,
+                b,
+                axis=axis,
+                region=region,
+                transposed=transposed,
+                expect_gathered=in_blocks(name),
+                rows=rows,
+                name=name,
+            )
         elif role == "rowwise":
             w = shard(w, _spec(w.shape, 0 if transposed else 1, p, r))
             _replicated(b)
-            new_m = RowParallelLinear(w, b, axis=axis, region=region, transposed=transposed,
-                                      sequence_parallel=in_blocks(name), pieces=plan.tp_overlap, name=name)
+            new_m = RowParallelLinear(
+                w,
+                b,
+                axis=axis,
+                region=region,
+                transposed=transposed,
+                sequence_parallel=in_blocks(name),
+                pieces=plan.tp_overlap,
+                name=name,
+            )
         elif role == "embedding":
             w = shard(w, _spec(w.shape, 0, p, r))
-            new_m = VocabParallelEmbedding(w, axis=axis, vocab_start=r * (fout // p), vocab_size=fout,
-                                           padding_idx=m.padding_idx)
+            new_m = VocabParallelEmbedding(
+                w, axis=axis, vocab_start=r * (fout // p), vocab_size=fout, padding_idx=m.padding_idx
+            )
         elif role == "head":
             w = shard(w, _spec(w.shape, 0, p, r))
             b = shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
-            new_m = head = VocabParallelHead(w, b, axis=axis, region=region, vocab_start=r * (fout // p),
-                                             vocab_size=fout, name=name)
+            new_m = head = VocabParallelHead(
+                w, b, axis=axis, region=region, vocab_start=r * (fout // p), vocab_size=fout, name=name
+            )
         else:  # norm, pos_embedding: replicated; a norm inside sequence-parallel blocks runs on the shard
             for prm in m.parameters(recurse=False):
                 _replicated(prm)
@@ -344,8 +391,10 @@ def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallel
         localize_heads(modules[name], n, k, d, p)
     for pname, prm in model.named_parameters(remove_duplicate=False):
         if id(prm) in new:
-            raise ValueError(f"{pname} still holds the serial weight that another layer sharded (a tied weight "
-                             f"whose other user has no tensor-parallel role); give it a role in tp_policy.")
+            raise ValueError(
+                f"{pname} still holds the serial weight that another layer sharded (a tied weight "
+                f"whose other user has no tensor-parallel role); give it a role in tp_policy."
+            )
     _install_hooks(model, axis, region, sp)
     return Parallelized(replaced=new, head=head)
 
@@ -362,8 +411,9 @@ def _install_hooks(model: nn.Module, axis: Axis, region: ParallelRegion, sp: boo
         if sp:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-                check_divisible("sequence length (dim 1 of the input)", ids.shape[SEQ_DIM], p,
-                                f"{MODE} with sequence_parallel")
+                check_divisible(
+                    "sequence length (dim 1 of the input)", ids.shape[SEQ_DIM], p, f"{MODE} with sequence_parallel"
+                )
         return None
 
     model.register_forward_pre_hook(begin, with_kwargs=True)

@@ -39,6 +39,7 @@ parameter gradients, ledger bytes).
 Shape legend: B batch of the tp group, S sequence, H hidden, V vocab; lower case is this
 rank's block (b = B/(d*q), h = H/q, v = V/q).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,9 +52,18 @@ from ...comm import Axis
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 
 __all__ = [
-    "Grid", "grid_of", "summa_linear_bytes", "activation_spec_2d", "split_batch_2d",
-    "split_activation_2d", "gather_batch_2d", "gather_activation_2d", "Linear2D", "LayerNorm2D",
-    "RMSNorm2D", "parallelize",
+    "Grid",
+    "grid_of",
+    "summa_linear_bytes",
+    "activation_spec_2d",
+    "split_batch_2d",
+    "split_activation_2d",
+    "gather_batch_2d",
+    "gather_activation_2d",
+    "Linear2D",
+    "LayerNorm2D",
+    "RMSNorm2D",
+    "parallelize",
 ]
 
 
@@ -105,14 +115,24 @@ def grid_of(mesh, mode: str, who: str) -> Grid:
     mesh's tp_mode is not ``mode``."""
     if mesh.plan.tp_mode != mode:
         other = {"1d": "tp1d", "2d": "tp2d", "2.5d": "tp2p5d", "3d": "tp3d"}.get(mesh.plan.tp_mode, "?")
-        raise ValueError(f"{who} needs a mesh with tp_mode={mode!r}; got tp_mode={mesh.plan.tp_mode!r}. "
-                         f"Use the layers of behemoth.parallel.tensor.{other} for that mesh.")
+        raise ValueError(
+            f"{who} needs a mesh with tp_mode={mode!r}; got tp_mode={mesh.plan.tp_mode!r}. "
+            f"Use the layers of behemoth.parallel.tensor.{other} for that mesh."
+        )
     row, col, depth = mesh.axis("tp_row"), mesh.axis("tp_col"), mesh.axis("tp_depth")
     return Grid(mode, row.size, depth.size, row.rank, col.rank, depth.rank, row, col, depth, mesh.axis("tp"))
 
 
-def summa_linear_bytes(tokens: int, in_features: int, out_features: int, q: int, *, depth: int = 1,
-                       bias: bool = False, element_size: int = 4) -> int:
+def summa_linear_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    depth: int = 1,
+    bias: bool = False,
+    element_size: int = 4,
+) -> int:
     """Payload bytes one rank moves for one SUMMA Linear, forward + backward, as the ledger
     counts them (every member of a broadcast or reduce books the block's size).
 
@@ -227,7 +247,7 @@ class _Summa(torch.autograd.Function):
         g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
 
-        def fetch(k):   # the blocks step k multiplies by
+        def fetch(k):  # the blocks step k multiplies by
             return (_bcast(w, g.row_axis, k) if need_x else None, _bcast(x, g.col_axis, k) if need_w else None)
 
         dx = dw = None
@@ -255,7 +275,7 @@ class _Summa(torch.autograd.Function):
                 xk = cur[1].wait()
                 part = (xk.t() @ dy) if in_out else (dy.t() @ xk)
                 reduces.append((k, "w", comm.reduce(part, g.row_axis, k, async_op=True)))
-            settle(4)   # two steps' reduces in flight
+            settle(4)  # two steps' reduces in flight
         settle(0)
         return dx, dw, None, None
 
@@ -286,38 +306,60 @@ class Linear2D(nn.Module):
 
     MODE = "2d"
 
-    def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True, fused: int = 1,
-                 weight_layout: str = "out_in", device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh,
+        *,
+        bias: bool = True,
+        fused: int = 1,
+        weight_layout: str = "out_in",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
         if weight_layout not in ("out_in", "in_out"):
-            raise ValueError(f"{type(self).__name__}: weight_layout={weight_layout!r} must be 'out_in' "
-                             f"(nn.Linear) or 'in_out' (transformers Conv1D).")
+            raise ValueError(
+                f"{type(self).__name__}: weight_layout={weight_layout!r} must be 'out_in' "
+                f"(nn.Linear) or 'in_out' (transformers Conv1D)."
+            )
         name = type(self).__name__
         check_divisible(f"{name} in_features", in_features, g.q, g.mode)
         check_divisible(f"{name} out_features", out_features, fused, g.mode)
         part = f"{name} out_features/{fused} (per fused part)" if fused > 1 else f"{name} out_features"
         check_divisible(part, out_features // fused, g.q, g.mode)
         self.in_features, self.out_features, self.fused, self.weight_layout = (
-            in_features, out_features, fused, weight_layout)
+            in_features,
+            out_features,
+            fused,
+            weight_layout,
+        )
         kw = dict(device=device, dtype=dtype)
         in_io = weight_layout == "in_out"
-        o, i_ = (1, 0) if in_io else (0, 1)                     # serial dims of out and in
+        o, i_ = (1, 0) if in_io else (0, 1)  # serial dims of out and in
         full = (in_features, out_features) if in_io else (out_features, in_features)
         if fused == 1:
             dims = (DimShard(o, g.q, g.col, ("tp_col",)), DimShard(i_, g.q, g.row, ("tp_row",)))
             view = None
         else:  # the view splits the out dim into (fused, out/fused); block the per-part dim
-            view = ((in_features, fused, out_features // fused) if in_io
-                    else (fused, out_features // fused, in_features))
-            dims = ((DimShard(2, g.q, g.col, ("tp_col",)), DimShard(0, g.q, g.row, ("tp_row",))) if in_io
-                    else (DimShard(1, g.q, g.col, ("tp_col",)), DimShard(2, g.q, g.row, ("tp_row",))))
+            view = (in_features, fused, out_features // fused) if in_io else (fused, out_features // fused, in_features)
+            dims = (
+                (DimShard(2, g.q, g.col, ("tp_col",)), DimShard(0, g.q, g.row, ("tp_row",)))
+                if in_io
+                else (DimShard(1, g.q, g.col, ("tp_col",)), DimShard(2, g.q, g.row, ("tp_row",)))
+            )
         wspec = ShardSpec(full, dims, g.weight_replicas, view, fused_dim=o)
         self.weight = set_spec(nn.Parameter(torch.zeros(wspec.local_shape(), **kw)), wspec)
         if bias:
             bview = (fused, out_features // fused) if fused > 1 else None
-            bspec = ShardSpec((out_features,), (DimShard(1 if fused > 1 else 0, g.q, g.col, ("tp_col",)),),
-                              ("tp_row",) * (g.q > 1) + g.weight_replicas, bview)
+            bspec = ShardSpec(
+                (out_features,),
+                (DimShard(1 if fused > 1 else 0, g.q, g.col, ("tp_col",)),),
+                ("tp_row",) * (g.q > 1) + g.weight_replicas,
+                bview,
+            )
             self.bias = set_spec(nn.Parameter(torch.zeros(bspec.local_shape(), **kw)), bspec)
         else:
             self.register_parameter("bias", None)
@@ -332,16 +374,26 @@ class Linear2D(nn.Module):
         else:
             raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
         w = module.weight
-        layer = cls(in_f, out_f, mesh, bias=module.bias is not None, fused=fused, weight_layout=layout,
-                    device=w.device, dtype=w.dtype)
+        layer = cls(
+            in_f,
+            out_f,
+            mesh,
+            bias=module.bias is not None,
+            fused=fused,
+            weight_layout=layout,
+            device=w.device,
+            dtype=w.dtype,
+        )
         _copy_shards(layer, module)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, n_in = self.grid, self.in_features // self.grid.q
         if x.shape[-1] != n_in:
-            raise ValueError(f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
-                             f"block in_features/q = {self.in_features}/{g.q} = {n_in} (layout [b/q, s, h/q]).")
+            raise ValueError(
+                f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
+                f"block in_features/q = {self.in_features}/{g.q} = {n_in} (layout [b/q, s, h/q])."
+            )
         w = _replicate_on(self.weight, g, rows=False)
         dt = _autocast_dtype(x)
         if dt is not None:  # cast the shards before they travel: half the bytes
@@ -353,8 +405,10 @@ class Linear2D(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, q={self.grid.q}, depth={self.grid.depth_size}, "
-                f"fused={self.fused}, bias={self.bias is not None}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, q={self.grid.q}, depth={self.grid.depth_size}, "
+            f"fused={self.fused}, bias={self.bias is not None}"
+        )
 
 
 @torch.no_grad()
@@ -426,14 +480,24 @@ class _Norm2D(nn.Module):
     MODE = "2d"
     RMS = False
 
-    def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, weight: bool = True, bias: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        mesh,
+        *,
+        eps: float | None = 1e-5,
+        weight: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
         check_divisible(f"{type(self).__name__} hidden size", hidden, g.q, g.mode)
         self.hidden, self.eps = hidden, eps
-        spec = ShardSpec((hidden,), (DimShard(0, g.q, g.col, ("tp_col",)),),
-                         ("tp_row",) * (g.q > 1) + g.weight_replicas)
+        spec = ShardSpec(
+            (hidden,), (DimShard(0, g.q, g.col, ("tp_col",)),), ("tp_row",) * (g.q > 1) + g.weight_replicas
+        )
         kw = dict(device=device, dtype=dtype)
         self.weight = set_spec(nn.Parameter(torch.ones(hidden // g.q, **kw)), spec) if weight else None
         self.bias = set_spec(nn.Parameter(torch.zeros(hidden // g.q, **kw)), spec) if bias else None
@@ -441,8 +505,10 @@ class _Norm2D(nn.Module):
     def forward(self, x_bSh: torch.Tensor) -> torch.Tensor:
         g = self.grid
         if x_bSh.shape[-1] != self.hidden // g.q:
-            raise ValueError(f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected "
-                             f"hidden/q = {self.hidden}/{g.q} = {self.hidden // g.q}.")
+            raise ValueError(
+                f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected "
+                f"hidden/q = {self.hidden}/{g.q} = {self.hidden // g.q}."
+            )
         w = None if self.weight is None else _replicate_on(self.weight, g, rows=True)
         b = None if self.bias is None else _replicate_on(self.bias, g, rows=True)
         eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
@@ -461,11 +527,19 @@ class LayerNorm2D(_Norm2D):
     @classmethod
     def from_serial(cls, module: nn.LayerNorm, mesh):
         if len(module.normalized_shape) != 1:
-            raise ValueError(f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}.")
+            raise ValueError(
+                f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}."
+            )
         p = next(module.parameters(), None)
         kw = dict(device=p.device, dtype=p.dtype) if p is not None else {}
-        layer = cls(module.normalized_shape[0], mesh, eps=module.eps, weight=module.weight is not None,
-                    bias=module.bias is not None, **kw)
+        layer = cls(
+            module.normalized_shape[0],
+            mesh,
+            eps=module.eps,
+            weight=module.weight is not None,
+            bias=module.bias is not None,
+            **kw,
+        )
         _copy_shards(layer, module)
         return layer
 
@@ -492,4 +566,5 @@ class RMSNorm2D(_Norm2D):
 def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):
     """Rewrite ``model`` in place for 2D tensor parallelism; see :mod:`.apply2d`."""
     from .apply2d import parallelize_grid
+
     return parallelize_grid(model, mesh, plan, roles)

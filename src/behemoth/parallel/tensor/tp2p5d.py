@@ -24,30 +24,44 @@ backward: ``3 (B S h_in / d + h_in h_out) / q + h_in h_out / q**2`` elements
 Tested in tests/dist/test_tp2d_layers.py (tp=8 with depth 2 against the serial layers; depth 1
 against the 2D layers).
 """
+
 from __future__ import annotations
 
 import torch
 
 from . import tp2d
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D, _vocab_parallel_ce
-from .tp2d import _activation_spec, _gather_activation, _gather_batch, grid_of
 from .layout import ShardSpec, shard_tensor
+from .tp2d import _activation_spec, _gather_activation, _gather_batch, grid_of
 
 __all__ = [
-    "tesseract_linear_bytes", "activation_spec_25d", "split_batch_25d", "split_activation_25d",
-    "gather_batch_25d", "gather_activation_25d", "Linear25D", "LayerNorm25D", "RMSNorm25D", "Embedding25D",
-    "PositionEmbedding25D", "VocabParallelHead25D", "vocab_parallel_cross_entropy_25d", "parallelize",
+    "tesseract_linear_bytes",
+    "activation_spec_25d",
+    "split_batch_25d",
+    "split_activation_25d",
+    "gather_batch_25d",
+    "gather_activation_25d",
+    "Linear25D",
+    "LayerNorm25D",
+    "RMSNorm25D",
+    "Embedding25D",
+    "PositionEmbedding25D",
+    "VocabParallelHead25D",
+    "vocab_parallel_cross_entropy_25d",
+    "parallelize",
 ]
 
 MODE = "2.5d"
 
 
-def tesseract_linear_bytes(tokens: int, in_features: int, out_features: int, q: int, depth: int, *,
-                           bias: bool = False, element_size: int = 4) -> int:
+def tesseract_linear_bytes(
+    tokens: int, in_features: int, out_features: int, q: int, depth: int, *, bias: bool = False, element_size: int = 4
+) -> int:
     """Payload bytes one rank moves for one Tesseract Linear, forward + backward; see
     :func:`.tp2d.summa_linear_bytes` (the same formula, which takes ``depth``)."""
-    return tp2d.summa_linear_bytes(tokens, in_features, out_features, q, depth=depth, bias=bias,
-                                   element_size=element_size)
+    return tp2d.summa_linear_bytes(
+        tokens, in_features, out_features, q, depth=depth, bias=bias, element_size=element_size
+    )
 
 
 def activation_spec_25d(full_shape, mesh, *, hidden: bool = True) -> ShardSpec:
@@ -114,17 +128,20 @@ class VocabParallelHead25D(VocabParallelHead2D):
     MODE = MODE
 
 
-def vocab_parallel_cross_entropy_25d(logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *,
-                                     ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+def vocab_parallel_cross_entropy_25d(
+    logits_bSv: torch.Tensor, labels_bS: torch.Tensor, mesh, *, ignore_index: int = -100, reduction: str = "sum"
+) -> torch.Tensor:
     """As :func:`.embed2d.vocab_parallel_cross_entropy_2d`; the tp group's total loss is the sum
     over ``tp_row`` and ``tp_depth`` of the per-rank sums."""
     g = grid_of(mesh, MODE, "vocab_parallel_cross_entropy_25d")
-    return _vocab_parallel_ce(logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q,
-                              ignore_index=ignore_index, reduction=reduction)
+    return _vocab_parallel_ce(
+        logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q, ignore_index=ignore_index, reduction=reduction
+    )
 
 
 def parallelize(model, mesh, plan, roles: dict[str, str]):
     """Rewrite ``model`` in place for 2.5D tensor parallelism; see :mod:`.apply2d` (the same
     rewrite as 2D, with these layers and the batch split over ``tp_depth`` and ``tp_row``)."""
     from .apply2d import parallelize_grid
+
     return parallelize_grid(model, mesh, plan, roles)

@@ -62,6 +62,7 @@ and whole models in tests/dist/test_tp3d.py.
 Shape legend: B, S, H, V of the tp group; lower case is this rank's block (b = B/q**2,
 h = H/q, v = V/q); M tokens, K in-features, N out-features.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,9 +76,20 @@ from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .tp2d import _autocast_dtype, _copy_shards, _LayerNorm2DFn, grid_of
 
 __all__ = [
-    "Cube", "Layout", "cube_of", "linear3d_bytes", "activation_spec_3d", "split_batch_3d",
-    "split_activation_3d", "gather_batch_3d", "gather_activation_3d", "Linear3D", "LayerNorm3D",
-    "RMSNorm3D", "INPUT_BATCH_AXES", "parallelize",
+    "Cube",
+    "Layout",
+    "cube_of",
+    "linear3d_bytes",
+    "activation_spec_3d",
+    "split_batch_3d",
+    "split_activation_3d",
+    "gather_batch_3d",
+    "gather_activation_3d",
+    "Linear3D",
+    "LayerNorm3D",
+    "RMSNorm3D",
+    "INPUT_BATCH_AXES",
+    "parallelize",
 ]
 
 MODE = "3d"
@@ -136,13 +148,24 @@ def _weight_spec(lay: Layout, out_f: int, in_f: int, fused: int, in_out: bool) -
     else:
         full, view = (out_f, in_f), ((fused, out_f // fused, in_f) if fused > 1 else None)
         o_dim, i_dim = (1, 2) if fused > 1 else (0, 1)
-    dims = (DimShard(o_dim, q * q, lay.inner.rank * q + lay.depth.rank, (lay.inner.name, lay.depth.name)),
-            DimShard(i_dim, q, lay.hidden.rank, (lay.hidden.name,)))
+    dims = (
+        DimShard(o_dim, q * q, lay.inner.rank * q + lay.depth.rank, (lay.inner.name, lay.depth.name)),
+        DimShard(i_dim, q, lay.hidden.rank, (lay.hidden.name,)),
+    )
     return ShardSpec(full, dims, (), view, fused_dim=1 if in_out else 0)
 
 
-def linear3d_bytes(tokens: int, in_features: int, out_features: int, q: int, *, bias: bool = False,
-                   input_grad: bool = True, element_size: int = 4, wire: bool = False) -> float:
+def linear3d_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    bias: bool = False,
+    input_grad: bool = True,
+    element_size: int = 4,
+    wire: bool = False,
+) -> float:
     """Bytes one rank moves for one :class:`Linear3D`, forward + backward; pure.
 
     ``tokens`` = B*S of the whole tp group (T), K = in, N = out. Payload, as the ledger's
@@ -289,8 +312,11 @@ def _replicated(p: torch.Tensor, *axes: Axis) -> torch.Tensor:
 
 
 def _layout_name(swapped: bool) -> str:
-    return "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]" if swapped else \
-        "canonical [B/q^2 over (tp_depth, tp_row), S, H/q over tp_col]"
+    return (
+        "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]"
+        if swapped
+        else "canonical [B/q^2 over (tp_depth, tp_row), S, H/q over tp_col]"
+    )
 
 
 class Linear3D(nn.Module):
@@ -307,14 +333,28 @@ class Linear3D(nn.Module):
     Build with :meth:`from_serial`; ``__init__`` zero-fills the shards.
     """
 
-    def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True, swapped: bool = False,
-                 fused: int = 1, overlap: int = 1, weight_layout: str = "out_in", device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh,
+        *,
+        bias: bool = True,
+        swapped: bool = False,
+        fused: int = 1,
+        overlap: int = 1,
+        weight_layout: str = "out_in",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         name = type(self).__name__
         cube = self.cube = cube_of(mesh, name)
         if weight_layout not in ("out_in", "in_out"):
-            raise ValueError(f"{name}: weight_layout={weight_layout!r} must be 'out_in' (nn.Linear) or "
-                             f"'in_out' (transformers Conv1D).")
+            raise ValueError(
+                f"{name}: weight_layout={weight_layout!r} must be 'out_in' (nn.Linear) or "
+                f"'in_out' (transformers Conv1D)."
+            )
         if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
             raise ValueError(f"{name}: overlap={overlap!r} must be an integer >= 1 (1 = no over-decomposition).")
         q = cube.q
@@ -330,9 +370,12 @@ class Linear3D(nn.Module):
         wspec = _weight_spec(lay, out_features, in_features, fused, weight_layout == "in_out")
         self.weight = set_spec(nn.Parameter(torch.zeros(wspec.local_shape(), **kw)), wspec)
         if bias:
-            bspec = ShardSpec((out_features,), (DimShard(int(fused > 1), q, lay.inner.rank, (lay.inner.name,)),),
-                              (lay.depth.name, lay.hidden.name) if q > 1 else (),
-                              (fused, out_features // fused) if fused > 1 else None)
+            bspec = ShardSpec(
+                (out_features,),
+                (DimShard(int(fused > 1), q, lay.inner.rank, (lay.inner.name,)),),
+                (lay.depth.name, lay.hidden.name) if q > 1 else (),
+                (fused, out_features // fused) if fused > 1 else None,
+            )
             self.bias = set_spec(nn.Parameter(torch.zeros(bspec.local_shape(), **kw)), bspec)
         else:
             self.register_parameter("bias", None)
@@ -347,20 +390,34 @@ class Linear3D(nn.Module):
         else:
             raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
         w = module.weight
-        layer = cls(in_f, out_f, mesh, bias=module.bias is not None, swapped=swapped, fused=fused, overlap=overlap,
-                    weight_layout=layout, device=w.device, dtype=w.dtype)
+        layer = cls(
+            in_f,
+            out_f,
+            mesh,
+            bias=module.bias is not None,
+            swapped=swapped,
+            fused=fused,
+            overlap=overlap,
+            weight_layout=layout,
+            device=w.device,
+            dtype=w.dtype,
+        )
         _copy_shards(layer, module)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay, name, n_in = self.in_layout, type(self).__name__, self.in_features // self.cube.q
         if x.shape[-1] != n_in:
-            raise ValueError(f"{name}: input's last dim is {x.shape[-1]}; expected the hidden block in_features/q "
-                             f"= {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)}).")
+            raise ValueError(
+                f"{name}: input's last dim is {x.shape[-1]}; expected the hidden block in_features/q "
+                f"= {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)})."
+            )
         rows = x.numel() // n_in
         if rows % self.overlap:
-            raise ValueError(f"{name}: tokens per rank (local batch x sequence) = {rows} is not divisible by "
-                             f"overlap = {self.overlap}; choose an overlap that divides it.")
+            raise ValueError(
+                f"{name}: tokens per rank (local batch x sequence) = {rows} is not divisible by "
+                f"overlap = {self.overlap}; choose an overlap that divides it."
+            )
         w = self.weight.t() if self.weight_layout == "in_out" else self.weight
         dt = _autocast_dtype(x)
         if dt is not None:  # cast the shards before they travel: half the bytes
@@ -372,24 +429,39 @@ class Linear3D(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, q={self.cube.q}, swapped={self.swapped}, "
-                f"fused={self.fused}, overlap={self.overlap}, bias={self.bias is not None}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, q={self.cube.q}, swapped={self.swapped}, "
+            f"fused={self.fused}, overlap={self.overlap}, bias={self.bias is not None}"
+        )
 
 
 # --------------------------------------------------------------------------- norms
 class _Norm3D(nn.Module):
     RMS = False
 
-    def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, weight: bool = True, bias: bool = True,
-                 swapped: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        mesh,
+        *,
+        eps: float | None = 1e-5,
+        weight: bool = True,
+        bias: bool = True,
+        swapped: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         name = type(self).__name__
         cube = self.cube = cube_of(mesh, name)
         check_divisible(f"{name} hidden size", hidden, cube.q, MODE)
         lay = self.layout = cube.layout(swapped)
         self.hidden, self.eps, self.swapped = hidden, eps, swapped
-        spec = ShardSpec((hidden,), (DimShard(0, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
-                         (lay.depth.name, lay.inner.name) if cube.q > 1 else ())
+        spec = ShardSpec(
+            (hidden,),
+            (DimShard(0, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
+            (lay.depth.name, lay.inner.name) if cube.q > 1 else (),
+        )
         kw = dict(device=device, dtype=dtype)
         self.weight = set_spec(nn.Parameter(torch.ones(hidden // cube.q, **kw)), spec) if weight else None
         self.bias = set_spec(nn.Parameter(torch.zeros(hidden // cube.q, **kw)), spec) if bias else None
@@ -397,8 +469,10 @@ class _Norm3D(nn.Module):
     def forward(self, x_bSh: torch.Tensor) -> torch.Tensor:
         lay, n = self.layout, self.hidden // self.cube.q
         if x_bSh.shape[-1] != n:
-            raise ValueError(f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected hidden/q = "
-                             f"{self.hidden}/{self.cube.q} = {n} (layout {_layout_name(self.swapped)}).")
+            raise ValueError(
+                f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected hidden/q = "
+                f"{self.hidden}/{self.cube.q} = {n} (layout {_layout_name(self.swapped)})."
+            )
         w = None if self.weight is None else _replicated(self.weight, lay.inner, lay.depth)
         b = None if self.bias is None else _replicated(self.bias, lay.inner, lay.depth)
         eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
@@ -418,12 +492,20 @@ class LayerNorm3D(_Norm3D):
     @classmethod
     def from_serial(cls, module: nn.LayerNorm, mesh, *, swapped: bool = False):
         if len(module.normalized_shape) != 1:
-            raise ValueError(f"{cls.__name__}: only a 1-D normalized_shape is supported; "
-                             f"got {module.normalized_shape}.")
+            raise ValueError(
+                f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}."
+            )
         p = next(module.parameters(), None)
         kw = dict(device=p.device, dtype=p.dtype) if p is not None else {}
-        layer = cls(module.normalized_shape[0], mesh, eps=module.eps, weight=module.weight is not None,
-                    bias=module.bias is not None, swapped=swapped, **kw)
+        layer = cls(
+            module.normalized_shape[0],
+            mesh,
+            eps=module.eps,
+            weight=module.weight is not None,
+            bias=module.bias is not None,
+            swapped=swapped,
+            **kw,
+        )
         _copy_shards(layer, module)
         return layer
 
@@ -434,8 +516,9 @@ class RMSNorm3D(_Norm3D):
 
     RMS = True
 
-    def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, swapped: bool = False,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden: int, mesh, *, eps: float | None = 1e-5, swapped: bool = False, device=None, dtype=None
+    ) -> None:
         super().__init__(hidden, mesh, eps=eps, weight=True, bias=False, swapped=swapped, device=device, dtype=dtype)
 
     @classmethod
@@ -451,4 +534,5 @@ class RMSNorm3D(_Norm3D):
 def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):
     """Rewrite ``model`` in place for 3D tensor parallelism; see :mod:`.apply3d`."""
     from .apply3d import parallelize_cube
+
     return parallelize_cube(model, mesh, plan, roles)

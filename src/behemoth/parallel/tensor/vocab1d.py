@@ -7,6 +7,7 @@ all-reduces per token row, so no rank materialises the full logits.
 
 Test: tests/dist/test_tp1d.py (layers against serial in float64, whole models).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ class VocabParallelEmbedding(nn.Module):
     ``[vocab_start, vocab_start + V/p)`` look up zeros, then ``g`` (all-reduce forward,
     identity backward) sums the ranks' partial embeddings. ids [B, S] -> [B, S, H] complete."""
 
-    def __init__(self, weight: nn.Parameter, *, axis: Axis, vocab_start: int, vocab_size: int,
-                 padding_idx: int | None = None) -> None:
+    def __init__(
+        self, weight: nn.Parameter, *, axis: Axis, vocab_start: int, vocab_size: int, padding_idx: int | None = None
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.axis, self.vocab_start = axis, vocab_start
@@ -49,8 +51,17 @@ class VocabParallelHead(nn.Module):
     full logits; ``gather_output=True`` (set by the engine for a user ``loss_fn``) all-gathers
     them on the vocabulary instead (GatherFromAxis: slice backward)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, axis: Axis, region: ParallelRegion,
-                 vocab_start: int, vocab_size: int, name: str = "") -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        axis: Axis,
+        region: ParallelRegion,
+        vocab_start: int,
+        vocab_size: int,
+        name: str = "",
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
@@ -72,10 +83,12 @@ class VocabParallelHead(nn.Module):
         """Sum of next-token cross-entropy over the labelled positions (fp32), the same on
         every tp rank; ``logits`` are this head's output, ``labels`` the serial ``[B, S]``."""
         if self.gather_output:
-            return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        return vocab_parallel_cross_entropy(logits.float().flatten(0, -2), labels.flatten(), self.axis,
-                                            self.vocab_start).sum()
+            return F.cross_entropy(
+                logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        return vocab_parallel_cross_entropy(
+            logits.float().flatten(0, -2), labels.flatten(), self.axis, self.vocab_start
+        ).sum()
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -111,8 +124,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: Axis, vocab_start: int,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, axis: Axis, vocab_start: int, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Per-token losses ``[N]`` (0 where ``target == ignore_index``) of logits ``[N, V/p]``
     holding vocabulary rows ``[vocab_start, vocab_start + V/p)``; see VocabParallelCrossEntropy."""
     return VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)

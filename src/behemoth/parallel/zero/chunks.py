@@ -26,14 +26,23 @@ Rules of the layout:
 
 Tested in tests/unit/test_zero_chunks.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "Chunk", "ParamSlot", "ShardSlice", "ChunkLayout", "pack_chunks", "search_chunk_size",
-    "ChunkSizeRow", "ZeroMemory", "zero_memory_bytes", "round_up",
+    "Chunk",
+    "ParamSlot",
+    "ShardSlice",
+    "ChunkLayout",
+    "pack_chunks",
+    "search_chunk_size",
+    "ChunkSizeRow",
+    "ZeroMemory",
+    "zero_memory_bytes",
+    "round_up",
 ]
 
 DEFAULT_MIN_CHUNKS = 4
@@ -94,8 +103,9 @@ class Chunk:
     def shard(self, rank: int) -> tuple[int, int]:
         """``(offset, length)`` of ``rank``'s shard of this chunk."""
         if not 0 <= rank < self.dp:
-            raise ValueError(f"rank {rank} is outside group {self.group}'s dp size {self.dp}; "
-                             f"pass a rank in [0, {self.dp})")
+            raise ValueError(
+                f"rank {rank} is outside group {self.group}'s dp size {self.dp}; pass a rank in [0, {self.dp})"
+            )
         return rank * self.shard_size, self.shard_size
 
 
@@ -169,8 +179,10 @@ def _resolve_dp(dp: int | Mapping[int, int], groups: Sequence[int]) -> dict[int,
     if isinstance(dp, Mapping):
         missing = [g for g in names if g not in dp]
         if missing:
-            raise ValueError(f"dp={dict(dp)} has no size for group(s) {missing}; every group in `groups` "
-                             f"needs one: pass dp={{group: size, ...}} covering {names}")
+            raise ValueError(
+                f"dp={dict(dp)} has no size for group(s) {missing}; every group in `groups` "
+                f"needs one: pass dp={{group: size, ...}} covering {names}"
+            )
         sizes = {g: dp[g] for g in names}
     else:
         sizes = {g: dp for g in names}
@@ -180,8 +192,9 @@ def _resolve_dp(dp: int | Mapping[int, int], groups: Sequence[int]) -> dict[int,
     return sizes
 
 
-def pack_chunks(param_sizes: Sequence[int], chunk_size: int, dp: int | Mapping[int, int], *,
-                groups: Sequence[int] | None = None) -> ChunkLayout:
+def pack_chunks(
+    param_sizes: Sequence[int], chunk_size: int, dp: int | Mapping[int, int], *, groups: Sequence[int] | None = None
+) -> ChunkLayout:
     """Pack parameters (numel, in execution order) into chunks of ``chunk_size`` elements.
 
     ``dp`` is the data-parallel size, or a dict ``group -> size`` when ``groups`` (one int per
@@ -197,8 +210,9 @@ def pack_chunks(param_sizes: Sequence[int], chunk_size: int, dp: int | Mapping[i
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (elements per chunk)")
     grp = [0] * len(sizes) if groups is None else list(groups)
     if len(grp) != len(sizes):
-        raise ValueError(f"groups has {len(grp)} entries but param_sizes has {len(sizes)}; "
-                         f"pass one group per parameter")
+        raise ValueError(
+            f"groups has {len(grp)} entries but param_sizes has {len(sizes)}; pass one group per parameter"
+        )
     dps = _resolve_dp(dp, grp if (grp or isinstance(dp, Mapping)) else [0])
     group_size = {g: round_up(chunk_size, d) for g, d in dps.items()}
 
@@ -208,7 +222,8 @@ def pack_chunks(param_sizes: Sequence[int], chunk_size: int, dp: int | Mapping[i
             raise ValueError(
                 f"parameter {i} has {n} elements, more than chunk_size={chunk_size} (rounded to "
                 f"{group_size[g]} for group {g}, dp={dps[g]}); a parameter is never split across chunks: "
-                f"pass chunk_size >= {need} (the largest parameter of group {g} rounded up to dp)")
+                f"pass chunk_size >= {need} (the largest parameter of group {g} rounded up to dp)"
+            )
 
     chunks: list[dict] = []
     open_chunk: dict[int, int] = {}
@@ -222,8 +237,10 @@ def pack_chunks(param_sizes: Sequence[int], chunk_size: int, dp: int | Mapping[i
         slots.append(ParamSlot(c, chunks[c]["used"], n))
         chunks[c]["params"].append(i)
         chunks[c]["used"] += n
-    out = tuple(Chunk(k, c["group"], group_size[c["group"]], dps[c["group"]], tuple(c["params"]), c["used"])
-                for k, c in enumerate(chunks))
+    out = tuple(
+        Chunk(k, c["group"], group_size[c["group"]], dps[c["group"]], tuple(c["params"]), c["used"])
+        for k, c in enumerate(chunks)
+    )
     return ChunkLayout(out, tuple(slots), chunk_size, dict(dps), tuple(grp))
 
 
@@ -238,10 +255,15 @@ class ChunkSizeRow:
     padding_pct: float
 
 
-def search_chunk_size(param_sizes: Sequence[int], dp: int | Mapping[int, int], *,
-                      groups: Sequence[int] | None = None, candidates: Sequence[int] | None = None,
-                      min_size: int | None = None, max_size: int | None = None
-                      ) -> tuple[int, list[ChunkSizeRow]]:
+def search_chunk_size(
+    param_sizes: Sequence[int],
+    dp: int | Mapping[int, int],
+    *,
+    groups: Sequence[int] | None = None,
+    candidates: Sequence[int] | None = None,
+    min_size: int | None = None,
+    max_size: int | None = None,
+) -> tuple[int, list[ChunkSizeRow]]:
     """Pick the chunk size with the least padding waste; ties go to the larger size (fewer collectives).
 
     Candidates default to the powers of two and the multiples of the largest parameter in
@@ -257,29 +279,32 @@ def search_chunk_size(param_sizes: Sequence[int], dp: int | Mapping[int, int], *
     lo = max(largest, 1) if min_size is None else max(min_size, largest, 1)
     hi = max(lo, sum(sizes) // DEFAULT_MIN_CHUNKS) if max_size is None else max_size
     if hi < lo:
-        raise ValueError(f"max_size={max_size} is below the smallest valid chunk size {lo} (the largest "
-                         f"parameter, or min_size); pass max_size >= {lo}")
+        raise ValueError(
+            f"max_size={max_size} is below the smallest valid chunk size {lo} (the largest "
+            f"parameter, or min_size); pass max_size >= {lo}"
+        )
     if candidates is None:
         cand = {lo, hi}
         p = 1 << max(lo - 1, 0).bit_length()
         while p <= hi:
             cand.add(p)
             p <<= 1
-        k = max(1, -(-lo // max(largest, 1)))
-        for k in range(k, k + 64):  # at most 64 multiples: the table stays readable
+        first = max(1, -(-lo // max(largest, 1)))
+        for k in range(first, first + 64):  # at most 64 multiples: the table stays readable
             if not largest or k * largest > hi:
                 break
             cand.add(k * largest)
     else:
         cand = {c for c in candidates if c >= max(largest, 1)}
         if not cand:
-            raise ValueError(f"no candidate in {list(candidates)} holds the largest parameter ({largest} "
-                             f"elements); pass candidates >= {largest}")
+            raise ValueError(
+                f"no candidate in {list(candidates)} holds the largest parameter ({largest} "
+                f"elements); pass candidates >= {largest}"
+            )
     table = []
     for size in sorted(cand):
         layout = pack_chunks(sizes, size, dp, groups=groups)
-        table.append(ChunkSizeRow(size, layout.num_chunks, layout.padding_elements,
-                                  100.0 * layout.padding_fraction))
+        table.append(ChunkSizeRow(size, layout.num_chunks, layout.padding_elements, 100.0 * layout.padding_fraction))
     best = min(table, key=lambda r: (r.padding_elements, -r.size))
     return best.size, table
 
@@ -300,9 +325,16 @@ class ZeroMemory:
         return self.params + self.grads + self.master + self.optim_states
 
 
-def zero_memory_bytes(layout: ChunkLayout, stage: int, dp: int | Mapping[int, int] | None = None, *,
-                      param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4,
-                      optim_state_bytes: int = 8) -> ZeroMemory:
+def zero_memory_bytes(
+    layout: ChunkLayout,
+    stage: int,
+    dp: int | Mapping[int, int] | None = None,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    master_bytes: int = 4,
+    optim_state_bytes: int = 8,
+) -> ZeroMemory:
     """Per-rank model-data bytes under ZeRO ``stage`` for ``layout`` (every rank holds the same bytes).
 
     Every quantity is stored in chunks, so counts are padded chunk elements ``E_g`` per group.
@@ -314,13 +346,17 @@ def zero_memory_bytes(layout: ChunkLayout, stage: int, dp: int | Mapping[int, in
     must match the layout's (the shards are fixed when packing).
     """
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage; pass 0 (replicated), 1 (optimizer state), "
-                         f"2 (+ gradients) or 3 (+ parameters)")
+        raise ValueError(
+            f"stage={stage!r} is not a ZeRO stage; pass 0 (replicated), 1 (optimizer state), "
+            f"2 (+ gradients) or 3 (+ parameters)"
+        )
     if dp is not None:
         want = _resolve_dp(dp, list(layout.dp))
         if want != dict(layout.dp):
-            raise ValueError(f"dp={dp!r} does not match the layout's dp={dict(layout.dp)}; shards are fixed by "
-                             f"pack_chunks: repack with the dp you want, or pass dp=None")
+            raise ValueError(
+                f"dp={dp!r} does not match the layout's dp={dict(layout.dp)}; shards are fixed by "
+                f"pack_chunks: repack with the dp you want, or pass dp=None"
+            )
     tot = {"params": 0, "grads": 0, "master": 0, "optim_states": 0, "padding": 0}
     for g, d in layout.dp.items():
         cs = layout.group_chunks(g)
@@ -329,9 +365,12 @@ def zero_memory_bytes(layout: ChunkLayout, stage: int, dp: int | Mapping[int, in
         shard = full // d
         # Padding sits at each chunk's end, i.e. in its last shards: charge the worst rank's share.
         shard_pad = sum(min(c.padding, c.shard_size) for c in cs)
-        for key, nbytes, sharded in (("params", param_bytes, stage >= 3), ("grads", grad_bytes, stage >= 2),
-                                     ("master", master_bytes, stage >= 1),
-                                     ("optim_states", optim_state_bytes, stage >= 1)):
+        for key, nbytes, sharded in (
+            ("params", param_bytes, stage >= 3),
+            ("grads", grad_bytes, stage >= 2),
+            ("master", master_bytes, stage >= 1),
+            ("optim_states", optim_state_bytes, stage >= 1),
+        ):
             tot[key] += nbytes * (shard if sharded else full)
             tot["padding"] += nbytes * (shard_pad if sharded else pad)
     return ZeroMemory(**tot)

@@ -13,6 +13,7 @@ release it when the working set moves on, and prefetch what the last step used n
 
 Activation checkpointing needs nothing special: the recomputed forward runs the pre-hooks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ def _tensors(obj):
     elif isinstance(obj, (tuple, list)):
         for v in obj:
             yield from _tensors(v)
-    elif hasattr(obj, "to_tuple"):   # transformers ModelOutput
+    elif hasattr(obj, "to_tuple"):  # transformers ModelOutput
         yield from _tensors(obj.to_tuple())
 
 
@@ -42,10 +43,10 @@ class GatherHooks:
     def __init__(self, model: torch.nn.Module, store: ChunkStore, prefetch: int = 2) -> None:
         self.store, self.depth = store, prefetch
         self._handles: list[RemovableHandle] = []
-        self.trace: list[int] = []        # chunk indices in gather order, this step
-        self._last: list[int] = []        # the previous step's trace
+        self.trace: list[int] = []  # chunk indices in gather order, this step
+        self._last: list[int] = []  # the previous step's trace
         self._active: list[set[int]] = []  # chunks of the modules whose forward is running
-        self.probe = None                  # called at every hook (offload='auto''s warm-up measures)
+        self.probe = None  # called at every hook (offload='auto''s warm-up measures)
         for module in model.modules():
             chunks = []
             for p in module.parameters(recurse=False):
@@ -67,8 +68,8 @@ class GatherHooks:
         for st in chunks:
             pos = len(self.trace)
             self.trace.append(st.index)
-            if self.depth and self._last[pos:pos + 1] == [st.index]:
-                for nxt in self._last[pos + 1:pos + 1 + self.depth]:
+            if self.depth and self._last[pos : pos + 1] == [st.index]:
+                for nxt in self._last[pos + 1 : pos + 1 + self.depth]:
                     ahead = store.chunks[nxt]
                     if not ahead.resident and ahead.pending is None:
                         store.gather(ahead, async_op=True)
@@ -76,7 +77,7 @@ class GatherHooks:
 
     def _evict_others(self, keep: set[int]) -> None:
         pos = len(self.trace)
-        window = set(self._last[pos:pos + self.depth]) if self.depth else set()
+        window = set(self._last[pos : pos + self.depth]) if self.depth else set()
         for st in self.store.chunks:
             if st.resident and st.index not in keep and st.index not in window:
                 self.store.release(st)
@@ -86,6 +87,7 @@ class GatherHooks:
             self._use(chunks)
             self._active.append({st.index for st in chunks})
             self._evict_others(set().union(*self._active))
+
         return hook
 
     def _post_forward(self, chunks: list[ChunkState]):
@@ -97,12 +99,14 @@ class GatherHooks:
                     if t.requires_grad:
                         t.register_hook(self._pre_backward(chunks))
             return None
+
         return hook
 
     def _pre_backward(self, chunks: list[ChunkState]):
         def hook(grad):
             self._use(chunks)
             return None
+
         return hook
 
     def remove(self) -> None:

@@ -3,14 +3,14 @@ the CPU optimizer's update rate and the host's available memory (:class:`~.optim
 feeds them to :func:`~.placement.static_split`), and the warm-up step's peak of non-model device
 memory (:class:`OtherPeak`); and the memory tracer (:func:`memory_report`): model data vs
 other data per device."""
+
 from __future__ import annotations
 
 import time
 
 import torch
 
-__all__ = ["OtherPeak", "cpu_update_rate", "host_available", "host_bandwidth", "memory_report",
-           "optimizer_state_bytes"]
+__all__ = ["OtherPeak", "cpu_update_rate", "host_available", "host_bandwidth", "memory_report", "optimizer_state_bytes"]
 
 
 class OtherPeak:
@@ -109,8 +109,12 @@ def host_bandwidth(device: torch.device) -> float:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
     """Bytes of ``optimizer``'s state tensors on ``device_type``."""
-    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.device.type == device_type)
+    return sum(
+        v.numel() * v.element_size()
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.device.type == device_type
+    )
 
 
 def memory_report(model_bytes, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:

@@ -25,6 +25,7 @@ guess (60% of the device) for the warm-up step, whose measured peak of non-model
 gives the real budget: before the first optimizer step the chunks are re-placed.
 ``explain()`` says what was chosen and why.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,7 @@ from ...comm import Axis
 from ..tensor import _copies, get_spec, is_sharded
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
-from .measure import (OtherPeak, cpu_update_rate, host_available, host_bandwidth, memory_report,
-                      optimizer_state_bytes)
+from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth, memory_report, optimizer_state_bytes
 from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
 from .state import state_to
@@ -48,8 +48,17 @@ __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop")
 _FUSED_CPU = ("SGD", "Adam", "AdamW", "Adagrad")
-_STATE_BYTES = {"SGD": 4, "Adam": 8, "AdamW": 8, "Adagrad": 4, "Adamax": 8, "NAdam": 8, "RAdam": 8,
-                "RMSprop": 8, "Rprop": 8}
+_STATE_BYTES = {
+    "SGD": 4,
+    "Adam": 8,
+    "AdamW": 8,
+    "Adagrad": 4,
+    "Adamax": 8,
+    "NAdam": 8,
+    "RAdam": 8,
+    "RMSprop": 8,
+    "Rprop": 8,
+}
 """Optimizer-state bytes per element (momentum buffers and moments), for the placement search."""
 
 
@@ -59,16 +68,29 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
         raise ValueError(
             f"Plan.zero={stage}: ZeRO updates flat shards of several parameters at once, which is exact only "
             f"for element-wise optimizers (torch.optim {', '.join(ELEMENTWISE_OPTIMIZERS)}); got {name} from "
-            f"{type(optimizer).__module__}. Use one of those, or zero=0.")
+            f"{type(optimizer).__module__}. Use one of those, or zero=0."
+        )
 
 
 class ZeroOptimizer:
     """ZeRO over ``axis`` for the trainable parameters of ``model`` held by ``optimizer``."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, tp: Axis, *,
-                 stage: int, offload: str | None, device: torch.device, chunk_mb: float | None = None,
-                 budget_bytes: int | None = None, prefetch: int = 2, world: Axis | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        axis: Axis,
+        tp: Axis,
+        *,
+        stage: int,
+        offload: str | None,
+        device: torch.device,
+        chunk_mb: float | None = None,
+        budget_bytes: int | None = None,
+        prefetch: int = 2,
+        world: Axis | None = None,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         _check_optimizer(optimizer, stage)
         self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
         self.budget_bytes = budget_bytes
@@ -80,70 +102,93 @@ class ZeroOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if id(p) not in group_of:
-                raise ValueError(f"Plan.zero={stage}: a trainable parameter of shape {tuple(p.shape)} is not in the "
-                                 f"optimizer; ZeRO shards every trainable parameter. Add it to the optimizer or "
-                                 f"set requires_grad=False on it before bh.boost.")
+                raise ValueError(
+                    f"Plan.zero={stage}: a trainable parameter of shape {tuple(p.shape)} is not in the "
+                    f"optimizer; ZeRO shards every trainable parameter. Add it to the optimizer or "
+                    f"set requires_grad=False on it before bh.boost."
+                )
         self.params = params
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         accepted = inspect.signature(self.cls.__init__).parameters
         self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         sizes = [p.numel() for p in params]
         groups = [group_of[id(p)] for p in params]
-        if chunk_mb is None:   # least padding among 256 sizes from the largest parameter up to 1/32 of the
+        if chunk_mb is None:  # least padding among 256 sizes from the largest parameter up to 1/32 of the
             # model (or twice the largest): fine enough to place a model between GPU and host, to prefetch
             # and to overlap reductions (GPT-13B: 41 chunks, 0.5% padding)
             lo = max(max(sizes, default=1), 1)
             hi = max(2 * lo, sum(sizes) // 32)
             cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
-            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, axis.size, groups=groups,
-                                                                   candidates=cands)
+            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, axis.size, groups=groups, candidates=cands)
         else:
             self.chunk_elems, self.chunk_table = max(1, int(chunk_mb * 2**20 // 4)), []
         largest = max(sizes, default=0)
-        _raise_everywhere(world, None if self.chunk_elems >= largest else ValueError(
-            f"Plan.chunk_mb={chunk_mb!r} holds {self.chunk_elems} fp32 elements, but a parameter has {largest} and a "
-            f"parameter is never split across chunks: set chunk_mb >= {largest * 4 / 2**20:.4g}, or None to search "
-            f"the size with the least padding."), "Plan.chunk_mb")
+        _raise_everywhere(
+            world,
+            None
+            if self.chunk_elems >= largest
+            else ValueError(
+                f"Plan.chunk_mb={chunk_mb!r} holds {self.chunk_elems} fp32 elements, but a parameter has {largest} and a "
+                f"parameter is never split across chunks: set chunk_mb >= {largest * 4 / 2**20:.4g}, or None to search "
+                f"the size with the least padding."
+            ),
+            "Plan.chunk_mb",
+        )
         self.layout = pack_chunks(sizes, self.chunk_elems, axis.size, groups=groups)
         n = self.layout.num_chunks
         largest_shard = 4 * max(c.shard_size for c in self.layout.chunks)
-        _raise_everywhere(world, None if not (offload == "auto" and budget_bytes is not None and
-                                              budget_bytes < largest_shard) else ValueError(
-            f"Plan.offload_budget_gb={(budget_bytes or 0) / 2**30:.3g} cannot hold the largest chunk's shard "
-            f"({largest_shard} bytes), which must be on the GPU while it is used: raise it to >= "
-            f"{largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb."), "Plan.offload_budget_gb")
+        _raise_everywhere(
+            world,
+            None
+            if not (offload == "auto" and budget_bytes is not None and budget_bytes < largest_shard)
+            else ValueError(
+                f"Plan.offload_budget_gb={(budget_bytes or 0) / 2**30:.3g} cannot hold the largest chunk's shard "
+                f"({largest_shard} bytes), which must be on the GPU while it is used: raise it to >= "
+                f"{largest_shard / 2**30:.3g} GiB, or set a smaller chunk_mb."
+            ),
+            "Plan.offload_budget_gb",
+        )
         self.split: StaticSplit | None = None
         self._stage12_split: tuple[int, int, int] | None = None
         self.bandwidth = host_bandwidth(device) if offload == "auto" else 0.0
         self.cpu_rate = cpu_update_rate(self.cls, self.defaults, _FUSED_CPU) if offload == "auto" else 0.0
-        self._guess = 0   # the budget an out-of-memory retry halves: the first guess, then the measured one
-        if offload == "auto":   # placed once here (no double host allocation), re-placed after warm-up
+        self._guess = 0  # the budget an out-of-memory retry halves: the first guess, then the measured one
+        if offload == "auto":  # placed once here (no double host allocation), re-placed after warm-up
             self._guess = self._auto_budget(measured=False)
             keep_p, keep_o = self._decide(self._guess)
         else:
             keep_p, keep_o = n, (n if offload is None else 0)
         self._check_host_memory(keep_p, keep_o)
-        self.store = ChunkStore(params, self.layout, axis, stage, device,
-                                param_on_gpu=[k < keep_p or stage < 3 for k in range(n)],
-                                optim_on_gpu=[k < keep_o for k in range(n)], param_dtype=param_dtype)
+        self.store = ChunkStore(
+            params,
+            self.layout,
+            axis,
+            stage,
+            device,
+            param_on_gpu=[k < keep_p or stage < 3 for k in range(n)],
+            optim_on_gpu=[k < keep_o for k in range(n)],
+            param_dtype=param_dtype,
+        )
         self.hooks = GatherHooks(model, self.store, prefetch) if stage == 3 else None
         self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
-        self._warmup = offload == "auto" and budget_bytes is None   # measure, then re-place, at step 1
+        self._warmup = offload == "auto" and budget_bytes is None  # measure, then re-place, at step 1
         # The warm-up step's peak of non-model device memory: read between the gather hooks at
         # stage 3; stages 1-2 have no hooks, so one segment: the step's peak less the model data
         # at its start (gradients counted as other data: on the safe side).
         self._other = None
-        self.warmup_other_peak: int | None = None   # set by offload="auto"'s warm-up step
+        self.warmup_other_peak: int | None = None  # set by offload="auto"'s warm-up step
         if self._warmup and device.type == "cuda":
-            self._other = OtherPeak(lambda: sum(self.store.bytes_on("cuda").values()),
-                                    lambda: torch.cuda.max_memory_allocated(device),
-                                    lambda: torch.cuda.reset_peak_memory_stats(device))
+            self._other = OtherPeak(
+                lambda: sum(self.store.bytes_on("cuda").values()),
+                lambda: torch.cuda.max_memory_allocated(device),
+                lambda: torch.cuda.reset_peak_memory_stats(device),
+            )
             if self.hooks is not None:
                 self.hooks.probe = self._other.sample
-        self.oom_retries = 0   # warm-up steps run again with less model data on the device
-        self._probation = False   # the first step after the re-placement: retried too, no early update
+        self.oom_retries = 0  # warm-up steps run again with less model data on the device
+        self._probation = False  # the first step after the re-placement: retried too, no early update
         self.store.norm_of = self.norm_sq
         self.host_update = HostUpdate(self.store, device, self.cls, self.defaults, self.norm_sq)
         self.optimizer = self._build_optimizer()
@@ -200,8 +245,13 @@ class ZeroOptimizer:
         offload='auto''s warm-up step, which re-places the chunks before its update, nor in the step
         after it, which may run again after an out-of-memory error (an update made during the
         failed attempt would then be made twice)."""
-        ok = (self.offload is not None and max_grad_norm is None and scaler is None and not self._warmup
-              and not self._probation)
+        ok = (
+            self.offload is not None
+            and max_grad_norm is None
+            and scaler is None
+            and not self._warmup
+            and not self._probation
+        )
         self.host_update.arm(self.optimizer if ok else None)
         if self._warmup and self._other is not None:
             self._other.start()
@@ -240,13 +290,19 @@ class ZeroOptimizer:
         if self.offload != "auto":
             return exc
         kept = sum(v for k, v in self.memory_report()[self.device.type].items() if k != "other") / 2**30
-        source = ("a first guess for the warm-up step, which measures the rest" if self._warmup
-                  else "Plan.offload_budget_gb" if self.budget_bytes is not None else "measured in the warm-up step")
+        source = (
+            "a first guess for the warm-up step, which measures the rest"
+            if self._warmup
+            else "Plan.offload_budget_gb"
+            if self.budget_bytes is not None
+            else "measured in the warm-up step"
+        )
         return type(exc)(
             f"{exc}\n\nbehemoth: offload='auto' kept {kept:.2f} GiB of model data on the device ({source}), and this "
             f"step's other data (activations, gathered chunks, the loss) did not fit beside it. Set "
             f"Plan.offload_budget_gb below {kept:.1f} (for example {kept / 2:.1f}) to offload more, or lower the "
-            f"micro-batch size, or enable activation_checkpointing.")
+            f"micro-batch size, or enable activation_checkpointing."
+        )
 
     @property
     def early_updates(self) -> int:
@@ -272,7 +328,7 @@ class ZeroOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The serial model's gradient 2-norm (a collective over the data axis and tp)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for st in self.store.chunks:   # parts read as the reductions landed (store) or by the CPU-update worker
+        for st in self.store.chunks:  # parts read as the reductions landed (store) or by the CPU-update worker
             if st.grad_acc is not None:
                 sq += (st.norm_sq if st.norm_sq is not None else self.norm_sq(st, st.grad_acc)).to(self.device)
         comm.all_reduce(sq, self.axis)
@@ -287,12 +343,14 @@ class ZeroOptimizer:
         # (on the host: fresh pages to fault in for every offloaded chunk, every step).
         if self._weights is None:
             return torch.linalg.vector_norm(g).square()
-        return sum((torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w
-                    for off, n, w in self._weights[st.index]), torch.zeros((), device=g.device))
+        return sum(
+            (torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w for off, n, w in self._weights[st.index]),
+            torch.zeros((), device=g.device),
+        )
 
     def _all_finite(self, masters: list[torch.Tensor]) -> bool:
         local = all(bool(torch.isfinite(m.grad).all()) for m in masters)
-        finite = comm.all_agree(local, self.axis)   # every rank calls every vote (no short-circuit)
+        finite = comm.all_agree(local, self.axis)  # every rank calls every vote (no short-circuit)
         for ax in self._norm_axes:
             finite = comm.all_agree(finite, ax)
         return finite
@@ -300,7 +358,7 @@ class ZeroOptimizer:
     def step(self, max_grad_norm: float | None, scaler=None) -> torch.Tensor | float:
         """Unscale (fp16), clip, update the shards and publish them; returns the grad norm."""
         early = {st.index for st in self.wait_early()}
-        self._probation = False   # this step's forward-backward fitted
+        self._probation = False  # this step's forward-backward fitted
         if self._warmup:
             self._place_after_warmup()
         masters = self._masters()
@@ -312,13 +370,13 @@ class ZeroOptimizer:
                 return float("inf")
             for dev in {m.device for m in masters}:
                 torch._foreach_mul_([m.grad for m in masters if m.device == dev], inv)
-            for st in self.store.chunks:   # norms read before the unscaling are stale
+            for st in self.store.chunks:  # norms read before the unscaling are stale
                 st.norm_sq = None
         norm = self.grad_norm()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm, foreach=True)
         for st in self.store.chunks:
-            if st.index in early:   # updated during the backward: the optimizer skips a master without grad
+            if st.index in early:  # updated during the backward: the optimizer skips a master without grad
                 st.master.grad = None
         self.optimizer.step()
         for m in masters:
@@ -339,12 +397,12 @@ class ZeroOptimizer:
         if self.device.type != "cuda":
             return sum(shards) * (4 + _STATE_BYTES[self.name]) // 8
         free, total = torch.cuda.mem_get_info(self.device)
-        if not measured:   # 60% of the device, or more (up to 85%) if the host could not hold the rest
-            model = sum(shards) * (8 + _STATE_BYTES[self.name]) // 4   # parameter + gradient + state
+        if not measured:  # 60% of the device, or more (up to 85%) if the host could not hold the rest
+            model = sum(shards) * (8 + _STATE_BYTES[self.name]) // 4  # parameter + gradient + state
             host = self._host_room()
             squeeze = model - int(0.75 * host) if host is not None else 0
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
-        if other_peak is None:   # a warm-up step not measured by OtherPeak (not started through arm_early_update)
+        if other_peak is None:  # a warm-up step not measured by OtherPeak (not started through arm_early_update)
             model_now = sum(self.store.bytes_on("cuda").values())
             other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - model_now)
         # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
@@ -364,24 +422,32 @@ class ZeroOptimizer:
         """Whether keeping ``keep_p`` chunks' parameters and ``keep_o`` chunks' optimizer state on the
         GPU differs from where the chunks are now."""
         chunks = self.store.chunks
-        return ([st.param_on_gpu for st in chunks], [st.optim_on_gpu for st in chunks]) != \
-            ([k < keep_p or self.stage < 3 for k in range(len(chunks))], [k < keep_o for k in range(len(chunks))])
+        return ([st.param_on_gpu for st in chunks], [st.optim_on_gpu for st in chunks]) != (
+            [k < keep_p or self.stage < 3 for k in range(len(chunks))],
+            [k < keep_o for k in range(len(chunks))],
+        )
 
     def _split_for(self, budget: int) -> tuple[int, int, StaticSplit | tuple[int, int, int]]:
         """How many chunks (a prefix, in execution order) keep their parameters and how many also their
         optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir), and why."""
-        shard_bytes, ratio, host_bytes = split_costs([c.shard_size for c in self.layout.chunks],
-                                                     _STATE_BYTES[self.name], self.param_bytes)
+        shard_bytes, ratio, host_bytes = split_costs(
+            [c.shard_size for c in self.layout.chunks], _STATE_BYTES[self.name], self.param_bytes
+        )
         n = len(shard_bytes)
         bw = self.bandwidth or 25e9
         if self.stage == 3:
             host = self._host_room()
             try:
-                split = static_split(shard_bytes, ratio, max(budget, max(shard_bytes)), h2d_bandwidth=bw,
-                                     d2h_bandwidth=bw, host_bytes=host_bytes,
-                                     cpu_update_bandwidth=self.cpu_rate or None,
-                                     host_budget_bytes=None if host is None or self.device.type != "cuda"
-                                     else int(0.9 * host))
+                split = static_split(
+                    shard_bytes,
+                    ratio,
+                    max(budget, max(shard_bytes)),
+                    h2d_bandwidth=bw,
+                    d2h_bandwidth=bw,
+                    host_bytes=host_bytes,
+                    cpu_update_bandwidth=self.cpu_rate or None,
+                    host_budget_bytes=None if host is None or self.device.type != "cuda" else int(0.9 * host),
+                )
             except ValueError as e:
                 raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
             return split.num_param_chunks, split.num_optim_chunks, split
@@ -399,14 +465,15 @@ class ZeroOptimizer:
         if self.offload is None or self.device.type != "cuda":
             return
         need = sum(c.shard_size * (8 + _STATE_BYTES[self.name]) for c in self.layout.chunks[keep_o:])
-        need += sum(c.shard_size * (4 - self.param_bytes) for c in self.layout.chunks[keep_p:])   # bf16 host copies
+        need += sum(c.shard_size * (4 - self.param_bytes) for c in self.layout.chunks[keep_p:])  # bf16 host copies
         avail = self._host_room()
         if avail is not None and need > 0.9 * avail:
             raise MemoryError(
                 f"Plan(zero={self.stage}, offload={self.offload!r}) needs {need / 2**30:.1f} GiB of host memory for the "
                 f"offloaded chunks (fp32 master, gradient and {self.name} state, {8 + _STATE_BYTES[self.name]} B per "
                 f"element) but this host has {avail / 2**30:.1f} GiB available (per rank: divide by the ranks on a "
-                f"host). Use more GPUs (a larger dp shards it further), a smaller model, or a host with more memory.")
+                f"host). Use more GPUs (a larger dp shards it further), a smaller model, or a host with more memory."
+            )
 
     def _host_room(self) -> int | None:
         """Host bytes available to offloaded chunks: MemAvailable, plus the parameters still on the
@@ -414,7 +481,7 @@ class ZeroOptimizer:
         avail = host_available()
         if avail is not None:
             avail += sum(p.numel() * p.element_size() for p in self.params if p.device.type == "cpu")
-            if getattr(self, "store", None) is not None:   # re-placing: what we hold on the host is ours to move
+            if getattr(self, "store", None) is not None:  # re-placing: what we hold on the host is ours to move
                 avail += sum(self.store.bytes_on("cpu").values())
                 avail += optimizer_state_bytes(self.optimizer, "cpu")
         return avail
@@ -437,9 +504,10 @@ class ZeroOptimizer:
         self.optimizer = self._build_optimizer()
         for st in chunks:
             if old_state.get(st.index):
-                self.optimizer.state[st.master] = {k: state_to(v, st.master.device, self.optimizer)
-                                                   for k, v in old_state[st.index].items()}
-        if hasattr(torch._C, "_host_emptyCache"):   # freed pinned blocks go back to the OS
+                self.optimizer.state[st.master] = {
+                    k: state_to(v, st.master.device, self.optimizer) for k, v in old_state[st.index].items()
+                }
+        if hasattr(torch._C, "_host_emptyCache"):  # freed pinned blocks go back to the OS
             torch._C._host_emptyCache()
 
     def _place_after_warmup(self) -> None:
@@ -448,7 +516,7 @@ class ZeroOptimizer:
         self.warmup_other_peak = other_peak
         if self.hooks is not None:
             self.hooks.probe = None
-        self._guess = self._auto_budget(measured=True, other_peak=other_peak)   # what a retry halves
+        self._guess = self._auto_budget(measured=True, other_peak=other_peak)  # what a retry halves
         self._place(self._guess)
         self._probation = True
 
@@ -458,8 +526,10 @@ class ZeroOptimizer:
             return self.split.explain()
         if self._stage12_split is not None:
             o, n, budget = self._stage12_split
-            return (f"ZeRO-{self.stage}: parameters stay on the GPU; optimizer state of {o}/{n} chunks kept on the "
-                    f"GPU within a budget of {budget / 2**30:.2f} GiB, the rest updated on the CPU.")
+            return (
+                f"ZeRO-{self.stage}: parameters stay on the GPU; optimizer state of {o}/{n} chunks kept on the "
+                f"GPU within a budget of {budget / 2**30:.2f} GiB, the rest updated on the CPU."
+            )
         return ""
 
     # ------------------------------------------------------------------ state (checkpoints: see .state)
@@ -493,7 +563,9 @@ def _raise_everywhere(world: Axis | None, error: Exception | None, field: str) -
     """Raise ``error`` here and an error on every other rank of ``world`` too (pipeline stages hold
     different parameters, so only some ranks may find a problem): nobody is left waiting."""
     if world is not None and not comm.all_agree(error is None, world) and error is None:
-        raise ValueError(f"{field}: another rank (a pipeline stage with other parameters) rejected it; its error "
-                         f"names the value and the fix.")
+        raise ValueError(
+            f"{field}: another rank (a pipeline stage with other parameters) rejected it; its error "
+            f"names the value and the fix."
+        )
     if error is not None:
         raise error

@@ -15,6 +15,7 @@ is identical. The worker issues no collective: the order of collectives stays th
 rank. Tested in tests/dist/test_zero.py (bit-identical to the update after the backward);
 benchmarks/gpu_check.py checks the GPU streams.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,48 +33,57 @@ class HostUpdate:
     """Updates of ``store``'s offloaded chunks during the backward, by the optimizer class ``cls``
     built with ``defaults``."""
 
-    def __init__(self, store: ChunkStore, device: torch.device, cls, defaults: dict,
-                 norm_sq: Callable[[ChunkState, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        device: torch.device,
+        cls,
+        defaults: dict,
+        norm_sq: Callable[[ChunkState, torch.Tensor], torch.Tensor],
+    ) -> None:
         self.store, self.device, self.cls, self.defaults = store, device, cls, defaults
-        self.norm_sq = norm_sq                          # a chunk's part of the squared gradient norm
-        self.count = 0                                  # chunks updated during a backward, in all
-        self.busy_s = self.waited_s = 0.0               # worker's time updating, step()'s time waiting: in all
+        self.norm_sq = norm_sq  # a chunk's part of the squared gradient norm
+        self.count = 0  # chunks updated during a backward, in all
+        self.busy_s = self.waited_s = 0.0  # worker's time updating, step()'s time waiting: in all
         self._optimizer: torch.optim.Optimizer | None = None
         self._group_of: dict[int, dict] = {}
         self._pending: list[tuple[ChunkState, Future]] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._h2d: torch.cuda.Stream | None = None      # the worker's uploads (GPU)
+        self._h2d: torch.cuda.Stream | None = None  # the worker's uploads (GPU)
 
     def arm(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Before a step's forward-backward: update offloaded chunks with ``optimizer``'s state and
         hyper-parameters as their gradients arrive (``None``: not this step)."""
         self._optimizer = optimizer
-        self._group_of = {} if optimizer is None else {
-            id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self._group_of = {} if optimizer is None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.store.on_final = self.submit if optimizer is not None else None
 
     def submit(self, st: ChunkState) -> None:
         if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
             return
-        event = st.host_grad_ready   # the end of the gradient's device->host copy (GPU)
+        event = st.host_grad_ready  # the end of the gradient's device->host copy (GPU)
         hyper = {k: v for k, v in self._group_of[id(st.master)].items() if k != "params"}
         if self._h2d is None and self.device.type == "cuda":
             self._h2d = torch.cuda.Stream(self.device)
         if self._pool is None:
             # A new thread starts with OpenMP's default thread count: give it this thread's. The same
             # count, so the process-wide pools it also sets (MKL, pthreadpool) keep their size.
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="behemoth-cpu-update",
-                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+            self._pool = ThreadPoolExecutor(
+                1,
+                thread_name_prefix="behemoth-cpu-update",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
         self._pending.append((st, self._pool.submit(self._update, st, event, hyper, self._optimizer.state)))
 
     def _update(self, st: ChunkState, event, hyper: dict, state) -> None:
         if event is not None:
             event.synchronize()
         t0 = time.perf_counter()
-        if st.norm_sq is None:   # a gradient summed over micro-batches on the host: its norm, here
-            st.norm_sq = self.norm_sq(st, st.grad_acc)   # rather than in step(), after the backward
+        if st.norm_sq is None:  # a gradient summed over micro-batches on the host: its norm, here
+            st.norm_sq = self.norm_sq(st, st.grad_acc)  # rather than in step(), after the backward
         one = self.cls([{**hyper, "params": [st.master]}], **self.defaults)
-        one.state = state   # the same state entry the full optimizer would update
+        one.state = state  # the same state entry the full optimizer would update
         st.master.grad = st.grad_acc
         try:
             one.step()
@@ -98,7 +108,7 @@ class HostUpdate:
         for _, fut in pending:
             fut.result()
         self.waited_s += time.perf_counter() - t0
-        if pending and self._h2d is not None:   # the next forward reads what the worker uploaded
+        if pending and self._h2d is not None:  # the next forward reads what the worker uploaded
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)
         self.count += len(pending)
         return [st for st, _ in pending]

@@ -7,18 +7,19 @@ host so). Offloaded chunks are few, large and live for the whole run, so behemot
 as anonymous memory maps of their size, page-locks them with ``cudaHostRegister`` and unlocks
 them when the last tensor on them is freed. Small buffers, and a registration the driver refuses,
 go to torch's pinned allocator; without a GPU nothing is pinned."""
+
 from __future__ import annotations
 
 import mmap
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["empty", "zeros", "ExactPinned"]
 
-MIN_BYTES = 64 * 2**20   # below this the power-of-two rounding wastes little: torch's allocator
-locked_bytes = 0         # bytes locked by this module now (diagnostics; benchmarks/gpu_check.py)
+MIN_BYTES = 64 * 2**20  # below this the power-of-two rounding wastes little: torch's allocator
+locked_bytes = 0  # bytes locked by this module now (diagnostics; benchmarks/gpu_check.py)
 _count_lock = threading.Lock()
 
 
@@ -54,7 +55,7 @@ class ExactPinned(mmap.mmap):
             try:
                 type(self).unregister(ptr)
                 _count(-len(self))
-            except Exception:   # interpreter shutdown: the process's pages go with it
+            except Exception:  # interpreter shutdown: the process's pages go with it
                 pass
 
 
@@ -65,28 +66,26 @@ def _exact(n: int, dtype: torch.dtype, register: Callable[[int, int], bool]) -> 
     if nbytes < MIN_BYTES:
         return None
     buf = ExactPinned(-1, nbytes)
-    t = torch.frombuffer(buf, dtype=dtype)   # the tensor's storage keeps ``buf`` alive
+    t = torch.frombuffer(buf, dtype=dtype)  # the tensor's storage keeps ``buf`` alive
     return t if buf.lock(register, t.data_ptr()) else None
 
 
 def _host(n: int, dtype: torch.dtype, pin: bool, zero: bool, register: Callable[[int, int], bool]) -> torch.Tensor:
     if pin:
-        t = _exact(n, dtype, register)   # a memory map is zero-filled already
+        t = _exact(n, dtype, register)  # a memory map is zero-filled already
         if t is not None:
             return t
         return _torch_pinned(n, dtype, zero)
     return (torch.zeros if zero else torch.empty)(n, dtype=dtype)
 
 
-def empty(n: int, dtype: torch.dtype, pin: bool, *,
-          register: Callable[[int, int], bool] = _register) -> torch.Tensor:
+def empty(n: int, dtype: torch.dtype, pin: bool, *, register: Callable[[int, int], bool] = _register) -> torch.Tensor:
     """``n`` elements of ``dtype`` in host memory, page-locked when ``pin`` (exactly their bytes:
     see the module docstring)."""
     return _host(n, dtype, pin, False, register)
 
 
-def zeros(n: int, dtype: torch.dtype, pin: bool, *,
-          register: Callable[[int, int], bool] = _register) -> torch.Tensor:
+def zeros(n: int, dtype: torch.dtype, pin: bool, *, register: Callable[[int, int], bool] = _register) -> torch.Tensor:
     """:func:`empty`, zero-filled."""
     return _host(n, dtype, pin, True, register)
 

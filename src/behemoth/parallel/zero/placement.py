@@ -17,6 +17,7 @@ add host->device and device->host seconds (no duplex overlap assumed: a conserva
 
 Tested in tests/unit/test_zero_placement.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -61,13 +62,20 @@ def _size_of(chunk_bytes: Sequence[int] | Mapping[int, int], c: int) -> int:
     try:
         return chunk_bytes[c]
     except (KeyError, IndexError):
-        raise ValueError(f"chunk {c} appears in access_order but chunk_bytes has no size for it; "
-                         f"pass chunk_bytes covering every chunk id in the trace") from None
+        raise ValueError(
+            f"chunk {c} appears in access_order but chunk_bytes has no size for it; "
+            f"pass chunk_bytes covering every chunk id in the trace"
+        ) from None
 
 
-def plan_placement(access_order: Sequence[int], chunk_bytes: Sequence[int] | Mapping[int, int],
-                   budget_bytes: int, *, evict_writes_back: bool = True,
-                   resident: Sequence[int] = ()) -> PlacementPlan:
+def plan_placement(
+    access_order: Sequence[int],
+    chunk_bytes: Sequence[int] | Mapping[int, int],
+    budget_bytes: int,
+    *,
+    evict_writes_back: bool = True,
+    resident: Sequence[int] = (),
+) -> PlacementPlan:
     """Replay ``access_order`` under a GPU budget with Belady/OPT eviction.
 
     ``chunk_bytes`` maps chunk id -> bytes (list or dict). All chunks start on the host,
@@ -81,9 +89,11 @@ def plan_placement(access_order: Sequence[int], chunk_bytes: Sequence[int] | Map
     largest = max((_size_of(chunk_bytes, c) for c in used), default=0)
     if largest > budget_bytes:
         big = max(used, key=lambda c: _size_of(chunk_bytes, c))
-        raise ValueError(f"budget_bytes={budget_bytes} cannot hold chunk {big} of {largest} bytes; every chunk "
-                         f"must fit on the GPU when used: raise the budget to >= {largest} bytes, or repack "
-                         f"with a smaller chunk_size")
+        raise ValueError(
+            f"budget_bytes={budget_bytes} cannot hold chunk {big} of {largest} bytes; every chunk "
+            f"must fit on the GPU when used: raise the budget to >= {largest} bytes, or repack "
+            f"with a smaller chunk_size"
+        )
     # next_use[i] = index of the next access of order[i]'s chunk after i (inf if none).
     next_use: list[float] = [_NEVER] * len(order)
     last_seen: dict[int, int] = {}
@@ -93,8 +103,10 @@ def plan_placement(access_order: Sequence[int], chunk_bytes: Sequence[int] | Map
     nxt: dict[int, float] = {c: last_seen.get(c, _NEVER) for c in resident}  # chunk -> its next use
     load = sum(_size_of(chunk_bytes, c) for c in nxt)
     if load > budget_bytes:
-        raise ValueError(f"resident chunks {sorted(nxt)} take {load} bytes, over budget_bytes={budget_bytes}; "
-                         f"pass fewer resident chunks or a larger budget")
+        raise ValueError(
+            f"resident chunks {sorted(nxt)} take {load} bytes, over budget_bytes={budget_bytes}; "
+            f"pass fewer resident chunks or a larger budget"
+        )
     peak, h2d, d2h, actions = load, 0, 0, []
     for i, c in enumerate(order):
         if c in nxt:
@@ -144,7 +156,7 @@ class StaticSplit:
 
     def explain(self) -> str:
         """A human-readable account of the choice (what ``behemoth plan --memory`` prints)."""
-        gib = 2.0 ** 30
+        gib = 2.0**30
         n, p, o = self.num_chunks, self.num_param_chunks, self.num_optim_chunks
         lines = [
             f"GPU budget for model data: {self.budget_bytes / gib:.2f} GiB; {n} chunks, parameters "
@@ -157,8 +169,10 @@ class StaticSplit:
         else:
             off = []
             if p < n:
-                off.append(f"parameters of {n - p} chunks (fetched host->device for forward and for backward, "
-                           f"gradients sent device->host)")
+                off.append(
+                    f"parameters of {n - p} chunks (fetched host->device for forward and for backward, "
+                    f"gradients sent device->host)"
+                )
             off.append(f"optimizer state of {n - o} chunks (updated on CPU by CPU Adam)")
             lines.append("Offloaded: " + ", ".join(off) + ".")
             transfer = self.h2d_bytes / self.h2d_bandwidth + self.d2h_bytes / self.d2h_bandwidth
@@ -166,23 +180,40 @@ class StaticSplit:
             lines.append(
                 f"Predicted transfer per step: {self.h2d_bytes / gib:.2f} GiB host->device at "
                 f"{self.h2d_bandwidth / 1e9:.1f} GB/s + {self.d2h_bytes / gib:.2f} GiB device->host at "
-                f"{self.d2h_bandwidth / 1e9:.1f} GB/s = {transfer:.3f} s" +
-                (f", plus {cpu:.3f} s of CPU optimizer update: {self.predicted_seconds:.3f} s." if cpu > 1e-9 else "."))
-            lines.append("Why: each chunk kept with its parameters saves 2 fetches and 1 gradient copy; "
-                         "keeping its optimizer state too saves the gradient copy, the updated-parameter "
-                         "upload and its CPU update, but costs the optimizer state's bytes.")
+                f"{self.d2h_bandwidth / 1e9:.1f} GB/s = {transfer:.3f} s"
+                + (
+                    f", plus {cpu:.3f} s of CPU optimizer update: {self.predicted_seconds:.3f} s."
+                    if cpu > 1e-9
+                    else "."
+                )
+            )
+            lines.append(
+                "Why: each chunk kept with its parameters saves 2 fetches and 1 gradient copy; "
+                "keeping its optimizer state too saves the gradient copy, the updated-parameter "
+                "upload and its CPU update, but costs the optimizer state's bytes."
+            )
             chosen = (p, o)
             runner = sorted((a for a in self.alternatives if a[:2] != chosen), key=lambda a: a[2])[:3]
             if runner:
-                lines.append("Next best (param chunks, optim chunks, seconds): " +
-                             ", ".join(f"({a}, {b}, {s:.3f})" for a, b, s in runner))
+                lines.append(
+                    "Next best (param chunks, optim chunks, seconds): "
+                    + ", ".join(f"({a}, {b}, {s:.3f})" for a, b, s in runner)
+                )
         return "\n".join(lines)
 
 
-def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | float, budget_bytes: int, *,
-                 h2d_bandwidth: float, d2h_bandwidth: float, buffer_chunks: int = 1,
-                 host_bytes: Sequence[int] | None = None, host_budget_bytes: int | None = None,
-                 cpu_update_bandwidth: float | None = None) -> StaticSplit:
+def static_split(
+    chunk_bytes: Sequence[int],
+    optim_state_bytes: Sequence[int] | float,
+    budget_bytes: int,
+    *,
+    h2d_bandwidth: float,
+    d2h_bandwidth: float,
+    buffer_chunks: int = 1,
+    host_bytes: Sequence[int] | None = None,
+    host_budget_bytes: int | None = None,
+    cpu_update_bandwidth: float | None = None,
+) -> StaticSplit:
     """Choose how many chunks keep parameters, and how many optimizer state, on the GPU.
 
     ``chunk_bytes[i]``: parameter bytes of chunk ``i`` (gradients have the same size and live
@@ -218,16 +249,22 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
     else:
         opt = list(optim_state_bytes)
         if len(opt) != n:
-            raise ValueError(f"optim_state_bytes has {len(opt)} entries for {n} chunks; pass one per chunk "
-                             f"or a single ratio to chunk_bytes")
+            raise ValueError(
+                f"optim_state_bytes has {len(opt)} entries for {n} chunks; pass one per chunk "
+                f"or a single ratio to chunk_bytes"
+            )
     if h2d_bandwidth <= 0 or d2h_bandwidth <= 0:
-        raise ValueError(f"h2d_bandwidth={h2d_bandwidth}, d2h_bandwidth={d2h_bandwidth}: bandwidths must be "
-                         f"positive bytes/second (pinned PCIe 4 x16 is ~25e9)")
+        raise ValueError(
+            f"h2d_bandwidth={h2d_bandwidth}, d2h_bandwidth={d2h_bandwidth}: bandwidths must be "
+            f"positive bytes/second (pinned PCIe 4 x16 is ~25e9)"
+        )
     largest = max(sizes, default=0)
     if largest > budget_bytes:
-        raise ValueError(f"budget_bytes={budget_bytes} cannot hold the largest chunk ({largest} bytes); a chunk "
-                         f"must be on the GPU while used: raise the budget to >= {largest} bytes, or repack with "
-                         f"a smaller chunk_size")
+        raise ValueError(
+            f"budget_bytes={budget_bytes} cannot hold the largest chunk ({largest} bytes); a chunk "
+            f"must be on the GPU while used: raise the budget to >= {largest} bytes, or repack with "
+            f"a smaller chunk_size"
+        )
     # Prefix sums and suffix maxima (largest offloaded chunk when the first p are kept).
     pre_c, pre_o = [0], [0]
     for s, o in zip(sizes, opt):
@@ -257,26 +294,45 @@ def static_split(chunk_bytes: Sequence[int], optim_state_bytes: Sequence[int] | 
         while o > 0 and pre_o[o] > room:
             o -= 1
         if host_budget_bytes is not None and host_bytes is not None and sum(host_bytes[o:]) > host_budget_bytes:
-            continue   # the host cannot hold what this choice offloads
+            continue  # the host cannot hold what this choice offloads
         h2d, d2h, sec = cost(p, o)
         alternatives.append((p, o, sec))
         key = (sec, -p, -o)
         if best is None or key < best[0]:
             best = (key, p, o, h2d, d2h, sec, buf)
     if best is None and host_budget_bytes is not None and alternatives == []:
-        raise ValueError(f"no split fits both budgets: the GPU's {budget_bytes} bytes and the host's "
-                         f"{host_budget_bytes} bytes cannot hold the model data ({pre_c[n] + pre_o[n]} bytes); "
-                         f"use more devices, a smaller model or more memory")
+        raise ValueError(
+            f"no split fits both budgets: the GPU's {budget_bytes} bytes and the host's "
+            f"{host_budget_bytes} bytes cannot hold the model data ({pre_c[n] + pre_o[n]} bytes); "
+            f"use more devices, a smaller model or more memory"
+        )
     if best is None:  # p = 0 needs only the buffer, which the largest-chunk check allows for buffer_chunks=1
-        raise ValueError(f"budget_bytes={budget_bytes} cannot hold {buffer_chunks} fetch buffers of {largest} "
-                         f"bytes; raise the budget to >= {buffer_chunks * largest} bytes or pass buffer_chunks=1")
+        raise ValueError(
+            f"budget_bytes={budget_bytes} cannot hold {buffer_chunks} fetch buffers of {largest} "
+            f"bytes; raise the budget to >= {buffer_chunks * largest} bytes or pass buffer_chunks=1"
+        )
     _, p, o, h2d, d2h, sec, buf = best
-    return StaticSplit(p, o, pre_c[p] + pre_o[o] + buf, buf, h2d, d2h, sec, budget_bytes, n, pre_c[n], pre_o[n],
-                       h2d_bandwidth, d2h_bandwidth, tuple(alternatives))
+    return StaticSplit(
+        p,
+        o,
+        pre_c[p] + pre_o[o] + buf,
+        buf,
+        h2d,
+        d2h,
+        sec,
+        budget_bytes,
+        n,
+        pre_c[n],
+        pre_o[n],
+        h2d_bandwidth,
+        d2h_bandwidth,
+        tuple(alternatives),
+    )
 
 
-def split_costs(shard_sizes: Sequence[int], optim_state_bytes: int, param_bytes: int = 4
-                ) -> tuple[list[int], float, list[int]]:
+def split_costs(
+    shard_sizes: Sequence[int], optim_state_bytes: int, param_bytes: int = 4
+) -> tuple[list[int], float, list[int]]:
     """The inputs of :func:`static_split` for chunk shards of ``shard_sizes`` elements:
     ``(device bytes of each chunk's parameters, device bytes of its optimizer side per
     parameter byte, host bytes of an offloaded chunk)``. fp32 parameters (``param_bytes=4``)
@@ -287,5 +343,8 @@ def split_costs(shard_sizes: Sequence[int], optim_state_bytes: int, param_bytes:
         raise ValueError(f"param_bytes={param_bytes!r}: 4 (fp32 parameters) or 2 (bf16 copies).")
     copy = param_bytes != 4
     ratio = (4 + optim_state_bytes + (4 if copy else 0)) / param_bytes
-    return ([n * param_bytes for n in shard_sizes], ratio,
-            [n * (8 + optim_state_bytes + (param_bytes if copy else 0)) for n in shard_sizes])
+    return (
+        [n * param_bytes for n in shard_sizes],
+        ratio,
+        [n * (8 + optim_state_bytes + (param_bytes if copy else 0)) for n in shard_sizes],
+    )

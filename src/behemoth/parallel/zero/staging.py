@@ -8,6 +8,7 @@ copies that buffer as is on the current stream. A buffer is reused only once its
 has run (a CUDA event), so the next conversion overlaps this copy. Used by the chunk store
 (:mod:`.store`) from the main thread and from the CPU-update worker (:mod:`.overlap`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,7 +25,7 @@ class PinnedStaging:
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
-        self._slots: list[list] = []   # [pinned buffer, event of its last copy or None]
+        self._slots: list[list] = []  # [pinned buffer, event of its last copy or None]
         self._turn = 0
         self._lock = threading.Lock()
 
@@ -37,7 +38,7 @@ class PinnedStaging:
             self._turn ^= 1
             if slot[1] is not None:
                 slot[1].synchronize()
-            buf = slot[0][:src.numel()]
+            buf = slot[0][: src.numel()]
             buf.copy_(src)
             dst.copy_(buf, non_blocking=True)
             slot[1] = torch.cuda.Event()

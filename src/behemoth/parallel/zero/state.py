@@ -2,6 +2,7 @@
 the parameter), gathered from every rank's chunk shards and cut back into them, the masters
 reloaded from parameters a checkpoint wrote, and where an optimizer wants a loaded state tensor
 (shared with the plain optimizer's checkpoint path)."""
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,7 @@ def param_states(zero) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
                 comm.all_gather_into(full, v.to(zero.device), zero.axis)
                 full = full.cpu()
                 for p, off in zip(st.params, st.offsets):
-                    out.setdefault(p, {})[key] = full[off:off + p.numel()].view(p.shape).clone()
+                    out.setdefault(p, {})[key] = full[off : off + p.numel()].view(p.shape).clone()
             else:
                 for p in st.params:
                     out.setdefault(p, {})[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -55,8 +56,8 @@ def load_param_states(zero, states: dict[torch.nn.Parameter, dict[str, torch.Ten
                 full = torch.zeros(st.size, dtype=sample.dtype)
                 for p, off in zip(st.params, st.offsets):
                     if key in states.get(p, {}):
-                        full[off:off + p.numel()] = states[p][key].reshape(-1).cpu()
-                state[key] = full[st.start:st.start + st.shard_size].to(st.master.device).clone()
+                        full[off : off + p.numel()] = states[p][key].reshape(-1).cpu()
+                state[key] = full[st.start : st.start + st.shard_size].to(st.master.device).clone()
             else:
                 state[key] = sample
         zero.optimizer.state[st.master] = {k: state_to(v, st.master.device, zero.optimizer) for k, v in state.items()}

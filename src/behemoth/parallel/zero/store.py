@@ -40,6 +40,7 @@ Collectives (axis ``data_axis``, all in one fixed order on every rank): one redu
 per chunk per reduced micro-batch, issued in reverse chunk order (the order backward finishes
 chunks); one all-gather per chunk after the optimizer step (stages 1-2) or per use (stage 3).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -69,36 +70,53 @@ def _alloc(t: torch.Tensor) -> None:
 class ChunkState:
     """One chunk on this rank: its buffers and where each lives."""
 
-    def __init__(self, index: int, group: int, size: int, start: int, shard_size: int,
-                 params: list[torch.nn.Parameter], offsets: list[int]) -> None:
+    def __init__(
+        self,
+        index: int,
+        group: int,
+        size: int,
+        start: int,
+        shard_size: int,
+        params: list[torch.nn.Parameter],
+        offsets: list[int],
+    ) -> None:
         self.index, self.group, self.size = index, group, size
         self.start, self.shard_size = start, shard_size
         self.params, self.offsets = params, offsets
-        self.used = max((off + p.numel() for p, off in zip(params, offsets)), default=0)   # then padding
-        self.full: torch.Tensor | None = None       # E elements on the device (storage freed when released)
-        self.low: torch.Tensor | None = None        # s-element low-precision shard (param_dtype; stages 1-2: in full)
-        self.low_host: torch.Tensor | None = None   # the same in pinned host memory (offloaded parameters)
-        self.low_full: torch.Tensor | None = None   # the low-precision ``full`` while an exact gather is out
-        self.shard: torch.Tensor | None = None      # s elements gathered from (device), None if host-only
-        self.master: torch.Tensor | None = None     # s elements the optimizer updates (device or pinned host)
+        self.used = max((off + p.numel() for p, off in zip(params, offsets)), default=0)  # then padding
+        self.full: torch.Tensor | None = None  # E elements on the device (storage freed when released)
+        self.low: torch.Tensor | None = None  # s-element low-precision shard (param_dtype; stages 1-2: in full)
+        self.low_host: torch.Tensor | None = None  # the same in pinned host memory (offloaded parameters)
+        self.low_full: torch.Tensor | None = None  # the low-precision ``full`` while an exact gather is out
+        self.shard: torch.Tensor | None = None  # s elements gathered from (device), None if host-only
+        self.master: torch.Tensor | None = None  # s elements the optimizer updates (device or pinned host)
         self.grad_full: torch.Tensor | None = None  # E-element gradient chunk (stage 1 persistent)
-        self.grad_acc: torch.Tensor | None = None   # s-element reduced gradient, on the master's device
+        self.grad_acc: torch.Tensor | None = None  # s-element reduced gradient, on the master's device
         self.param_on_gpu = True
         self.optim_on_gpu = True
-        self.resident = True                        # ``full`` holds the current parameters
-        self.pending = None                         # in-flight gather handle (stage 3 prefetch)
-        self.ready = 0                              # gradients arrived in this micro-batch
-        self.reduced_once = False                   # grad_acc holds this step's first reduction
-        self.host_grad_ready = None                 # CUDA event: grad_acc's copy to the host is done
-        self.norm_sq = None                         # this step's part of the squared gradient norm, once read
+        self.resident = True  # ``full`` holds the current parameters
+        self.pending = None  # in-flight gather handle (stage 3 prefetch)
+        self.ready = 0  # gradients arrived in this micro-batch
+        self.reduced_once = False  # grad_acc holds this step's first reduction
+        self.host_grad_ready = None  # CUDA event: grad_acc's copy to the host is done
+        self.norm_sq = None  # this step's part of the squared gradient norm, once read
 
 
 class ChunkStore:
     """Chunks of ``params`` over ``axis`` for ZeRO ``stage``; see the module docstring."""
 
-    def __init__(self, params: list[torch.nn.Parameter], layout: ChunkLayout, axis: Axis, stage: int,
-                 device: torch.device, *, param_on_gpu: list[bool], optim_on_gpu: list[bool],
-                 param_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: ChunkLayout,
+        axis: Axis,
+        stage: int,
+        device: torch.device,
+        *,
+        param_on_gpu: list[bool],
+        optim_on_gpu: list[bool],
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
         self.param_dtype = param_dtype
         self.host = torch.device("cpu")
@@ -109,8 +127,9 @@ class ChunkStore:
         for ch in layout.chunks:
             start, shard_size = ch.shard(axis.rank)
             ps = [params[i] for i in ch.params]
-            st = ChunkState(ch.index, ch.group, ch.size, start, shard_size, ps,
-                            [layout.params[i].offset for i in ch.params])
+            st = ChunkState(
+                ch.index, ch.group, ch.size, start, shard_size, ps, [layout.params[i].offset for i in ch.params]
+            )
             self.chunks.append(st)
             for p, off in zip(ps, st.offsets):
                 self.chunk_of[id(p)] = st
@@ -123,15 +142,15 @@ class ChunkStore:
         # parameters (param_dtype) need bf16 gradients, which are added into it instead
         self._in_place = stage == 1 and param_dtype is None
         self._sync = self._open = False
-        self._order: list[ChunkState] = list(reversed(self.chunks))   # reduction order
+        self._order: list[ChunkState] = list(reversed(self.chunks))  # reduction order
         self._next = 0
-        self._inflight: list[tuple[ChunkState, object, bool]] = []   # (chunk, handle, of the last micro-batch)
+        self._inflight: list[tuple[ChunkState, object, bool]] = []  # (chunk, handle, of the last micro-batch)
         self.hooks_fired = 0
         self.launch_log: list[tuple[int, int]] = []
-        self.on_final = None   # called with a chunk once its reduced gradient of the step is in grad_acc
+        self.on_final = None  # called with a chunk once its reduced gradient of the step is in grad_acc
         # (chunk, gradient shard) -> the chunk's part of the squared gradient norm (the ZeRO optimizer's)
         self.norm_of: Callable[[ChunkState, torch.Tensor], torch.Tensor] | None = None
-        self._d2h: torch.cuda.Stream | None = None   # gradients' device->host copies (GPU)
+        self._d2h: torch.cuda.Stream | None = None  # gradients' device->host copies (GPU)
         # a host master into its bf16 device copy: converted on the host, half the bytes uploaded
         self._staging = PinnedStaging(max((st.shard_size for st in self.chunks), default=0))
         self._hooks = post_accumulate_hooks([p for st in self.chunks for p in st.params], self._on_grad)
@@ -150,32 +169,35 @@ class ChunkStore:
         full = torch.zeros(st.size, dtype=torch.float32, device=self.device)
         for p, off in zip(st.params, st.offsets):
             if p.dtype != torch.float32:
-                raise ValueError(f"ZeRO chunks hold fp32 master parameters; a parameter has dtype {p.dtype}. "
-                                 f"Keep parameters in fp32 and use Plan(precision='bf16').")
-            full[off:off + p.numel()].copy_(p.data.reshape(-1))
-            p.data = full[off:off + p.numel()].view(p.shape)   # frees the original (host) storage
+                raise ValueError(
+                    f"ZeRO chunks hold fp32 master parameters; a parameter has dtype {p.dtype}. "
+                    f"Keep parameters in fp32 and use Plan(precision='bf16')."
+                )
+            full[off : off + p.numel()].copy_(p.data.reshape(-1))
+            p.data = full[off : off + p.numel()].view(p.shape)  # frees the original (host) storage
             p.grad = None
-        comm.broadcast(full, self.axis, 0)   # every replica starts from data rank 0's weights
+        comm.broadcast(full, self.axis, 0)  # every replica starts from data rank 0's weights
         st.full = full
-        if self.param_dtype is not None:   # the model's parameters become low-precision views
+        if self.param_dtype is not None:  # the model's parameters become low-precision views
             st.full = full.to(self.param_dtype)
             self._point(st)
-        self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, full[st.start:st.start + st.shard_size])
+        self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, full[st.start : st.start + st.shard_size])
         if self.stage == 3:
-            self.release(st)   # (not a chunk that is its own shard)
+            self.release(st)  # (not a chunk that is its own shard)
 
     @staticmethod
     def own_slot(st: ChunkState) -> torch.Tensor:
         """This rank's shard-sized slot of ``st.full`` (stages 1-2 all-gather ``full`` in place)."""
-        return st.full[st.start:st.start + st.shard_size]
+        return st.full[st.start : st.start + st.shard_size]
 
     def _point(self, st: ChunkState) -> None:
         """Make every parameter of ``st`` a view into ``st.full`` (allocated)."""
         for p, off in zip(st.params, st.offsets):
-            p.data = st.full[off:off + p.numel()].view(p.shape)
+            p.data = st.full[off : off + p.numel()].view(p.shape)
 
-    def place(self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool, current: torch.Tensor | None = None
-              ) -> None:
+    def place(
+        self, st: ChunkState, param_on_gpu: bool, optim_on_gpu: bool, current: torch.Tensor | None = None
+    ) -> None:
         """(Re)place the shard: on the device (``param_on_gpu``) and/or as a host master. Only
         before the optimizer has state for it (the engine re-plans after its warm-up step)."""
         if current is None:
@@ -193,7 +215,7 @@ class ChunkStore:
                 st.shard.copy_(current)
             st.resident, st.pending = True, None
         elif param_on_gpu:
-            st.shard = current.to(self.device, copy=True)   # ``full`` is freed between uses
+            st.shard = current.to(self.device, copy=True)  # ``full`` is freed between uses
         else:
             st.shard = None
         if optim_on_gpu:
@@ -201,8 +223,8 @@ class ChunkStore:
         else:
             st.master = self._host_tensor(st.shard_size)
             st.master.copy_(current)
-        if self.param_dtype is not None:   # gathers read a low-precision copy; fp32 on the device only as master
-            if self.stage < 3:   # gathered in place: the bf16 shard is this rank's slot of ``full``
+        if self.param_dtype is not None:  # gathers read a low-precision copy; fp32 on the device only as master
+            if self.stage < 3:  # gathered in place: the bf16 shard is this rank's slot of ``full``
                 st.low = self.own_slot(st)
                 st.low.copy_(current)
             else:
@@ -239,9 +261,15 @@ class ChunkStore:
                 st.resident = True
             return
         _alloc(st.full)
-        src = st.low if st.low is not None else \
-            st.low_host.to(self.device, non_blocking=True) if st.low_host is not None else \
-            st.shard if st.shard is not None else st.master.to(self.device, non_blocking=True)
+        src = (
+            st.low
+            if st.low is not None
+            else st.low_host.to(self.device, non_blocking=True)
+            if st.low_host is not None
+            else st.shard
+            if st.shard is not None
+            else st.master.to(self.device, non_blocking=True)
+        )
         handle = comm.all_gather_into(st.full, src, self.axis, async_op=async_op)
         if async_op:
             st.pending = handle
@@ -249,12 +277,12 @@ class ChunkStore:
             st.resident = True
 
     def release(self, st: ChunkState) -> None:
-        if st.low_full is not None:   # end of an exact gather: the masters may have been reloaded
+        if st.low_full is not None:  # end of an exact gather: the masters may have been reloaded
             st.full, st.low_full = st.low_full, None
             self._refresh_low(st)
             _alloc(st.full)
             self._point(st)
-            if self.stage < 3:   # stages 1-2 keep every chunk gathered: refresh it from the masters
+            if self.stage < 3:  # stages 1-2 keep every chunk gathered: refresh it from the masters
                 comm.all_gather_into(st.full, st.low, self.axis)
                 return
             _free(st.full)
@@ -269,8 +297,9 @@ class ChunkStore:
         st.resident = False
 
     def _persistent(self, st: ChunkState) -> bool:
-        return st.shard is not None and st.shard.data_ptr() == st.full.data_ptr() and \
-            st.full.untyped_storage().size() > 0
+        return (
+            st.shard is not None and st.shard.data_ptr() == st.full.data_ptr() and st.full.untyped_storage().size() > 0
+        )
 
     def release_all(self) -> None:
         for st in self.chunks:
@@ -304,18 +333,18 @@ class ChunkStore:
         written by its first gradient of the micro-batch, or zeroed by :meth:`_flush` if none came."""
         if st.grad_full is None:
             st.grad_full = torch.empty(st.size, dtype=torch.float32, device=self.device)
-            st.grad_full[st.used:].zero_()
+            st.grad_full[st.used :].zero_()
         return st.grad_full
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         st = self.chunk_of[id(p)]
         off = self._offset[id(p)]
-        view = self._grad_chunk(st)[off:off + p.numel()]
+        view = self._grad_chunk(st)[off : off + p.numel()]
         if id(p) in self._fresh:
             view.copy_(p.grad.reshape(-1))
             self._fresh.discard(id(p))
-        elif not self._in_place:   # stage 1 with param_dtype: a later micro-batch's gradient (stages 2-3:
-            view.add_(p.grad.reshape(-1))   # a second gradient in one micro-batch, which one backward never gives)
+        elif not self._in_place:  # stage 1 with param_dtype: a later micro-batch's gradient (stages 2-3:
+            view.add_(p.grad.reshape(-1))  # a second gradient in one micro-batch, which one backward never gives)
         # stage 1: after the first copy the grad is a view of the chunk: autograd accumulates in place
         p.grad = view.view(p.shape) if self._in_place else None
         if self.stage == 1 and not self._sync:
@@ -325,20 +354,21 @@ class ChunkStore:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self._order) and (force or self._order[self._next].ready == len(
-                self._order[self._next].params)):
+        while self._next < len(self._order) and (
+            force or self._order[self._next].ready == len(self._order[self._next].params)
+        ):
             st = self._order[self._next]
             self.launch_log.append((st.index, self.hooks_fired))
-            if st.grad_full is None:   # no parameter of the chunk got a gradient: reduce zeros
+            if st.grad_full is None:  # no parameter of the chunk got a gradient: reduce zeros
                 self._grad_chunk(st).zero_()
             handle = comm.reduce_scatter_async(st.grad_full, self.axis)
             self._inflight.append((st, handle, self._sync))
             if self.stage >= 2:
-                st.grad_full = None   # the handle keeps the buffer alive until the reduce is done
+                st.grad_full = None  # the handle keeps the buffer alive until the reduce is done
                 if self.stage == 3 and st.pending is None:
                     self.release(st)  # its gradients are complete: backward needs it no more
             self._next += 1
-            while len(self._inflight) > 2:   # bound memory: at most 2 chunk reductions in flight
+            while len(self._inflight) > 2:  # bound memory: at most 2 chunk reductions in flight
                 self._complete(*self._inflight.pop(0))
 
     def _complete(self, st: ChunkState, handle, final: bool) -> None:
@@ -360,14 +390,14 @@ class ChunkStore:
             self._d2h.wait_stream(torch.cuda.current_stream(reduced.device))
             with torch.cuda.stream(self._d2h):
                 st.grad_acc.copy_(reduced, non_blocking=True)
-            reduced.record_stream(self._d2h)   # not reused before the copy has read it
+            reduced.record_stream(self._d2h)  # not reused before the copy has read it
             st.host_grad_ready = torch.cuda.Event()
             st.host_grad_ready.record(self._d2h)
             st.reduced_once = True
         else:
             st.grad_acc.copy_(reduced, non_blocking=True)
             st.reduced_once = True
-        if final and self.on_final is not None:   # reduced in the step's last micro-batch: the gradient is final
+        if final and self.on_final is not None:  # reduced in the step's last micro-batch: the gradient is final
             self.on_final(st)
 
     def _flush(self) -> None:
@@ -376,7 +406,7 @@ class ChunkStore:
         for st in self.chunks:
             for p, off in zip(st.params, st.offsets):
                 if id(p) in self._fresh:
-                    view = self._grad_chunk(st)[off:off + p.numel()]
+                    view = self._grad_chunk(st)[off : off + p.numel()]
                     view.zero_()
                     p.grad = view.view(p.shape) if self._in_place else None
         self._fresh.clear()
@@ -392,7 +422,7 @@ class ChunkStore:
         if self.stage == 3:
             self.release_all()
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()   # host gradient copies are complete
+            torch.cuda.current_stream().synchronize()  # host gradient copies are complete
         for st in self.chunks:
             self._wait_host_grad(st)
         self._sync = False
@@ -425,7 +455,7 @@ class ChunkStore:
         """Stage 1: ``p.grad`` as its gradient-chunk view (zeros if no gradient arrived yet), so a
         caller may add into it in place before the reduction (pipelines sum tied copies)."""
         st, off = self.chunk_of[id(p)], self._offset[id(p)]
-        view = self._grad_chunk(st)[off:off + p.numel()]
+        view = self._grad_chunk(st)[off : off + p.numel()]
         if id(p) in self._fresh:
             view.zero_()
             self._fresh.discard(id(p))
@@ -476,14 +506,19 @@ class ChunkStore:
         for st in self.chunks:
             if self.device.type == device_type and st.full.untyped_storage().size():
                 out["params"] += st.size * st.full.element_size()
-            if (self.stage == 3 or self.param_dtype is not None) and st.shard is not None and \
-                    st.shard.device.type == device_type and not self._persistent(st):
+            if (
+                (self.stage == 3 or self.param_dtype is not None)
+                and st.shard is not None
+                and st.shard.device.type == device_type
+                and not self._persistent(st)
+            ):
                 out["params"] += st.shard_size * 4
-            for low in (st.low if self.stage == 3 else None, st.low_host):   # stages 1-2: a slot of ``full``
+            for low in (st.low if self.stage == 3 else None, st.low_host):  # stages 1-2: a slot of ``full``
                 if low is not None and low.device.type == device_type:
                     out["params"] += low.numel() * low.element_size()
-            if st.master.device.type == device_type and (st.shard is None or
-                                                         st.master.data_ptr() != st.shard.data_ptr()):
+            if st.master.device.type == device_type and (
+                st.shard is None or st.master.data_ptr() != st.shard.data_ptr()
+            ):
                 out["masters"] += st.shard_size * 4
             if st.grad_full is not None and self.device.type == device_type:
                 out["grads"] += st.size * 4
