@@ -23,12 +23,11 @@ from behemoth.parallel.pipeline.schedules import (
     interleaved,
     make_schedule,
     one_f_one_b,
-    render,
-    simulate,
     stage_of,
     transfers,
     zero_bubble,
 )
+from behemoth.parallel.pipeline.simulate import render, simulate
 from behemoth.plan import SCHEDULES as PLAN_SCHEDULES
 
 NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")

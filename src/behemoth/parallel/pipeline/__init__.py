@@ -41,7 +41,6 @@ from .schedules import (
     Action,
     B,
     F,
-    SimResult,
     Transfer,
     check_schedule,
     get_schedule,
@@ -50,12 +49,11 @@ from .schedules import (
     make_schedule,
     one_f_one_b,
     rank_chunk_of,
-    render,
-    simulate,
     stage_of,
     transfers,
     zero_bubble,
 )
+from .simulate import SimResult, render, simulate
 
 __all__ = [
     "PIPELINE_LAYOUTS",

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (their simulator, re-exported here, lives in simulate.py).
+"""Pipeline schedules as data (their simulator lives in simulate.py, which imports this module).
 
 Implements four schedules, one pure function each, chosen by the Plan's name through
 :func:`get_schedule`:
@@ -49,11 +49,11 @@ is a FIFO channel: :func:`check_schedule` verifies that the receiver consumes th
 messages of every channel in the order the sender produces them, so a runtime may match
 messages by (peer, kind) in order, with no per-message tag.
 
-Deadlock freedom. :func:`simulate` executes all ranks in order with sends that never
+Deadlock freedom. :func:`~.simulate.simulate` executes all ranks in order with sends that never
 block the sender (``isend``) and receives that wait for their message; it raises on the
 first dependency violation or deadlock. A runtime that follows the same rule (post each
 receive before its action and wait on it, never wait on a send before the step ends)
-cannot hang because of a schedule that :func:`simulate` accepts. Every schedule here is
+cannot hang because of a schedule that :func:`~.simulate.simulate` accepts. Every schedule here is
 accepted for every ``pp <= 8, m <= 16, v <= 4`` swept (``m < pp`` included; the tests
 sweep ``pp <= 6, m <= 12`` and ``pp = 8, m < 8``), and the simulation is cheap
 (O(pp m v) actions) enough to run in ``boost`` for the actual configuration.
@@ -81,7 +81,7 @@ Simulated bubble fractions (``t_f=1, t_b=2, t_bi=t_bw=1``, no comm; interleaved 
    4   8  0.2727   0.2727   0.1579       0.1111
 ====  ==  =======  =======  ===========  ===========
 
-Activation memory (peaks per rank, counted by :func:`simulate`): GPipe holds ``m``
+Activation memory (peaks per rank, counted by :func:`~.simulate.simulate`): GPipe holds ``m``
 micro-batches, 1F1B and ZB-H1 ``min(pp - rank, m)`` un-backpropagated ones; ZB-H1 also
 holds, until their ``BW``, up to ``rank`` micro-batches whose input gradient is done
 (weight-gradient inputs only), so at most ``min(pp, m)`` on any rank -- 1F1B's peak on rank
@@ -107,7 +107,6 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Transfer",
-    "SimResult",
     "gpipe",
     "one_f_one_b",
     "interleaved",
@@ -118,8 +117,7 @@ __all__ = [
     "rank_chunk_of",
     "transfers",
     "check_schedule",
-    "simulate",
-    "render",
+    "check_fifo",
 ]
 
 F, B, BI, BW = "F", "B", "BI", "BW"
@@ -390,11 +388,11 @@ def check_schedule(actions: Sequence[Sequence[Action]], pp: int, *, fifo: bool =
                     f"(step {back[1]}); the weight gradient needs the output gradient."
                 )
     if fifo:
-        _check_fifo(actions, pp, v)
+        check_fifo(actions, pp, v)
     return m, v
 
 
-def _check_fifo(actions: Sequence[Sequence[Action]], pp: int, v: int) -> None:
+def check_fifo(actions: Sequence[Sequence[Action]], pp: int, v: int) -> None:
     sent: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
     recvd: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
     for r, acts in enumerate(actions):
@@ -411,6 +409,3 @@ def _check_fifo(actions: Sequence[Sequence[Action]], pp: int, v: int) -> None:
                 f"but rank {dst} receives {recvd.get(key, [])[:8]}...; a runtime matching messages in order "
                 f"would pair them wrongly. Reorder the receiver's actions or tag messages by micro-batch."
             )
-
-
-from .simulate import SimResult, render, simulate  # noqa: E402  (re-exported: the simulator of these schedules)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import BI, BW, Action, B, F, _check_fifo, check_schedule, stage_of
+from .schedules import BI, BW, Action, B, F, check_fifo, check_schedule, stage_of
 
 __all__ = ["SimResult", "simulate", "render"]
 
@@ -112,7 +112,7 @@ def simulate(
             "schedule deadlocks: " + "; ".join(lines) + ". Every rank's order must let each "
             "awaited action run first; give the ranks more warm-up forwards or reorder."
         )
-    _check_fifo(actions, pp, v)
+    check_fifo(actions, pp, v)
     makespan = max(clock)
     busy = tuple(sum(e - b for _, b, e in tl) for tl in timeline)
     idle = tuple(makespan - x for x in busy)
