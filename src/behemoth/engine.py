@@ -15,10 +15,10 @@ row blocks and this rank runs the model on block ``ravel(coords)``; the loss sum
 over dp *and* those axes (the token count needs no extra collective: every tp rank holds
 its dp rank's whole batch). 1D and pure data parallelism split nothing here.
 
-Sequence parallelism (``Plan.sp``) cuts every micro-batch along the sequence instead
-(``self.sequence``, from :mod:`behemoth.parallel.sequence.apply`): each sp rank runs the
+Context parallelism (``Plan.cp``) cuts every micro-batch along the sequence instead
+(``self.context_parallel``, from :mod:`behemoth.parallel.context.apply`): each cp rank runs the
 model on its share of the tokens with their global position ids, so loss sums and parameter
-gradients are partial over ``sp`` as well and are summed over ``dp_sp`` (``data_axis``).
+gradients are partial over ``cp`` as well and are summed over ``dp_cp`` (``data_axis``).
 
 Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
 rebuilt over the engine's parameters with the user's class and hyper-parameters.
@@ -46,7 +46,7 @@ from .precision import LossScaler, autocast_context
 from .styles import (
     apply_activation_checkpointing,
     apply_compile,
-    apply_sequence_parallel,
+    apply_context_parallel,
     apply_tensor_parallel,
     prepare_model,
 )
@@ -108,9 +108,9 @@ def boost(
     ``loss_fn(outputs, batch) -> scalar`` replaces the default token-level cross-entropy;
     it must return the *mean* over its (micro-)batch, and micro-batches must be the same
     size on every rank for the global mean to be exact. Under tensor parallelism it gets
-    the full logits (gathered over tp); the default loss never builds them. Under sequence
+    the full logits (gathered over tp); the default loss never builds them. Under context
     parallelism it gets this rank's share of the sequence (outputs, and the batch split
-    alike), and its mean is averaged over the sp shares.
+    alike), and its mean is averaged over the cp shares.
 
     ``tp_policy`` (``{module-name pattern: role}``, see :mod:`behemoth.policies`) says how
     to shard a model class that behemoth has no table for.
@@ -183,9 +183,9 @@ class Engine:
                 "the optimizer already has state; under tensor parallelism or ZeRO build the engine "
                 "before the first optimizer step (its state would not match the parameter shards)."
             )
-        # ZeRO-3 without tp/sp moves parameters to the device chunk by chunk (a model built on the
+        # ZeRO-3 without tp/cp moves parameters to the device chunk by chunk (a model built on the
         # host may be larger than the device); everything else moves the whole model now.
-        chunked_build = plan.zero == 3 and plan.tp == 1 and plan.sp == 1 and plan.pp == 1
+        chunked_build = plan.zero == 3 and plan.tp == 1 and plan.cp == 1 and plan.pp == 1
         self.model = prepare_model(model, self.device, keep_params=chunked_build)
         self.tensor_parallel = apply_tensor_parallel(self.model, mesh, plan, tp_policy)
         self.vocab_head = self.tensor_parallel.head  # vocab-sharded logits: the loss goes through it
@@ -195,11 +195,11 @@ class Engine:
             self.batch_parts, self.batch_index = self.batch_parts * ax.size, self.batch_index * ax.size + ax.rank
         if self.vocab_head is not None and loss_fn is not None:
             self.vocab_head.gather_output = True
-        self.sequence = apply_sequence_parallel(self.model, mesh, plan)  # None unless sp > 1
-        # The axis the global batch's tokens are spread over (dp; with sp, dp x sp: each sp rank
+        self.context_parallel = apply_context_parallel(self.model, mesh, plan)  # None unless cp > 1
+        # The axis the global batch's tokens are spread over (dp; with cp, dp x cp: each cp rank
         # holds part of every sequence): loss sums, token counts and the gradients of the
         # parameters (replicated over it) are summed over it.
-        self.data_axis = mesh.axis("dp_sp" if plan.sp > 1 else "dp")
+        self.data_axis = mesh.axis("dp_cp" if plan.cp > 1 else "dp")
         if plan.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.compile:
@@ -261,7 +261,7 @@ class Engine:
         it runs before the dp weight sync and the gradient buckets, which see the stage's parameters."""
 
     def _sync_initial_params(self) -> None:
-        """Make every data-parallel (and sequence-parallel) replica start from rank 0's weights
+        """Make every data-parallel (and context-parallel) replica start from rank 0's weights
         (users who seed differently per rank still train one model)."""
         dp = self.data_axis
         params = [] if self.plan.zero else list(self.model.parameters())  # ZeRO broadcasts whole chunks
@@ -271,8 +271,8 @@ class Engine:
 
     # ---------------------------------------------------------------- step
     def _check_batch(self, batch) -> None:
-        if self.sequence is not None:  # sequence length vs sp: every rank, before any collective
-            self.sequence.check_batch(batch)
+        if self.context_parallel is not None:  # sequence length vs cp: every rank, before any collective
+            self.context_parallel.check_batch(batch)
         if self.loss_fn is None:
             if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
                 raise ValueError(
@@ -347,7 +347,7 @@ class Engine:
 
     def _loss_normaliser(self, batch, num_micro: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(global token count, factor)``: each micro-batch's loss sum times ``factor`` adds up to
-        the global mean. The count stays on the device (no host sync before backward); every sp
+        the global mean. The count stays on the device (no host sync before backward); every cp
         and tp rank holds its dp rank's whole batch, so it is summed over dp only. A user's
         ``loss_fn`` returns means: their mean over micro-batches and data ranks."""
         if self.loss_fn is None:
@@ -369,15 +369,15 @@ class Engine:
         for i, mb in enumerate(micro):
             self.buckets.begin(sync=i == len(micro) - 1)
             local, kwargs = self._batch_block(mb), {}
-            if self.sequence is not None:  # this rank's share of the sequence, and its positions
-                local, kwargs = self.sequence.split(local)
+            if self.context_parallel is not None:  # this rank's share of the sequence, and its positions
+                local, kwargs = self.context_parallel.split(local)
             # param_dtype: the model computes in its (bf16) parameters' dtype, as FSDP2 and DeepSpeed's bf16 do
             with autocast_context(
                 "fp32" if self.plan.param_dtype else self.plan.precision, self.device, cache=self.plan.zero < 3
             ):
                 out = self.model(*self._model_inputs(local), **kwargs)
-            if self.loss_fn is not None:  # gets the gathered outputs: the whole micro-batch (sp: its share)
-                loss = self.loss_fn(out, mb if self.sequence is None else local)
+            if self.loss_fn is not None:  # gets the gathered outputs: the whole micro-batch (cp: its share)
+                loss = self.loss_fn(out, mb if self.context_parallel is None else local)
             elif self.vocab_head is not None:
                 loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), local["labels"])
             else:

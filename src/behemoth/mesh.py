@@ -1,6 +1,6 @@
 """ParallelMesh: the one object that names every axis of a job and owns its process groups.
 
-Rank layout, outermost to innermost: ``pp, dp, sp, tp`` (tp innermost so its heavy
+Rank layout, outermost to innermost: ``pp, dp, cp, tp`` (tp innermost so its heavy
 traffic stays inside a node). ``dp`` is split into ``ep_dp x ep`` (experts are
 sharded over the inner ``ep`` part), and ``tp`` into sub-axes by its mode:
 
@@ -33,7 +33,7 @@ from .plan import Plan
 def atomic_dims(plan: Plan) -> list[tuple[str, int]]:
     """The finest decomposition of the world, outermost first, as (name, size) pairs."""
     assert plan.dp is not None, "resolve the plan for a world size first"
-    dims = [("pp", plan.pp), ("ep_dp", plan.dp // plan.ep), ("ep", plan.ep), ("sp", plan.sp)]
+    dims = [("pp", plan.pp), ("ep_dp", plan.dp // plan.ep), ("ep", plan.ep), ("cp", plan.cp)]
     q = plan.tp
     if plan.tp_mode == "1d":
         dims.append(("tp", plan.tp))
@@ -57,10 +57,10 @@ def named_axes(plan: Plan) -> dict[str, tuple[str, ...]]:
         "dp": ("ep_dp", "ep"),
         "ep": ("ep",),
         "ep_dp": ("ep_dp",),
-        "sp": ("sp",),
+        "cp": ("cp",),
         "tp": tp_parts,
-        "dp_sp": ("ep_dp", "ep", "sp"),
-        "world": ("pp", "ep_dp", "ep", "sp") + tp_parts,
+        "dp_cp": ("ep_dp", "ep", "cp"),
+        "world": ("pp", "ep_dp", "ep", "cp") + tp_parts,
     }
     if plan.tp_mode != "1d":
         axes.update({"tp_depth": ("tp_depth",), "tp_row": ("tp_row",), "tp_col": ("tp_col",)})
@@ -163,7 +163,7 @@ class ParallelMesh:
             raise KeyError(f"mesh has no axis {name!r}; axes: {sorted(self._axes)}") from None
 
     def coord(self, dim: str) -> int:
-        """This rank's coordinate on an atomic dim (pp, ep_dp, ep, sp, tp, tp_row, ...)."""
+        """This rank's coordinate on an atomic dim (pp, ep_dp, ep, cp, tp, tp_row, ...)."""
         return self._coords[dim]
 
     @property

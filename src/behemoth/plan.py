@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-SP_MODES = ("ulysses", "ring")
+CP_MODES = ("ulysses", "ring")
 OFFLOADS = (None, "cpu", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -43,7 +43,7 @@ def _icbrt(n: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How one training job is parallelised. Degrees multiply to the world size:
-    ``dp * pp * tp * sp == world_size`` (``ep`` subdivides ``dp``).
+    ``dp * pp * tp * cp == world_size`` (``ep`` subdivides ``dp``).
 
     All fields are keyword-only; ``dp=None`` means "whatever the world size leaves".
     """
@@ -71,9 +71,9 @@ class Plan:
     """Pipeline schedule: 'gpipe', '1f1b', 'interleaved', 'zero-bubble'."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank for the interleaved schedule."""
-    sp: int = 1
-    """Sequence-parallel degree (context parallelism)."""
-    sp_mode: str = "ulysses"
+    cp: int = 1
+    """Context-parallel degree: devices that split every sequence (Ulysses or ring attention)."""
+    cp_mode: str = "ulysses"
     """'ulysses' (all-to-all over heads) or 'ring' (ring attention)."""
     ep: int = 1
     """Expert-parallel degree, a subdivision of the data-parallel axis."""
@@ -106,7 +106,7 @@ class Plan:
     """Compile each transformer block with torch.compile (after activation checkpointing)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "sp", "ep"):
+        for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Plan.{name}={v!r}: must be an integer >= 1; set {name}=1 to disable it.")
@@ -114,7 +114,7 @@ class Plan:
             raise ValueError(f"Plan.dp={self.dp!r}: must be an integer >= 1, or None to fill the world size.")
         _choice("tp_mode", self.tp_mode, TP_MODES)
         _choice("schedule", self.schedule, SCHEDULES)
-        _choice("sp_mode", self.sp_mode, SP_MODES)
+        _choice("cp_mode", self.cp_mode, CP_MODES)
         _choice("offload", self.offload, OFFLOADS)
         _choice("precision", self.precision, PRECISIONS)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -125,7 +125,7 @@ class Plan:
         if self.sequence_parallel and (self.tp_mode != "1d" or self.tp == 1):
             raise ValueError(
                 f"Plan.sequence_parallel=True needs 1D tensor parallelism with tp > 1; got tp={self.tp}, "
-                f"tp_mode={self.tp_mode!r}. Use tp_mode='1d' with tp >= 2, or sp=... for sequence parallelism."
+                f"tp_mode={self.tp_mode!r}. Use tp_mode='1d' with tp >= 2, or cp=... for context parallelism."
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(
@@ -190,8 +190,8 @@ class Plan:
     # -- degrees -----------------------------------------------------------------------
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that hold one replica of the model: pp * tp * sp."""
-        return self.pp * self.tp * self.sp
+        """Ranks that hold one replica of the model: pp * tp * cp."""
+        return self.pp * self.tp * self.cp
 
     def resolve(self, world_size: int) -> Plan:
         """Return this plan with ``dp`` filled in for ``world_size``; check the degrees multiply to it."""
@@ -201,13 +201,13 @@ class Plan:
         if self.dp is None:
             if world_size % mp:
                 raise ValueError(
-                    f"world size {world_size} is not divisible by pp*tp*sp = {self.pp}*{self.tp}*{self.sp} = {mp}; "
+                    f"world size {world_size} is not divisible by pp*tp*cp = {self.pp}*{self.tp}*{self.cp} = {mp}; "
                     f"launch a multiple of {mp} processes or lower those degrees."
                 )
             return dataclasses.replace(self, dp=world_size // mp)
         if self.dp * mp != world_size:
             raise ValueError(
-                f"Plan degrees dp*pp*tp*sp = {self.dp}*{self.pp}*{self.tp}*{self.sp} = {self.dp * mp} "
+                f"Plan degrees dp*pp*tp*cp = {self.dp}*{self.pp}*{self.tp}*{self.cp} = {self.dp * mp} "
                 f"must equal the world size {world_size}; set dp={world_size // mp if world_size % mp == 0 else 'None'} "
                 f"or launch {self.dp * mp} processes."
             )
@@ -215,7 +215,7 @@ class Plan:
 
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
-        self._check_sequence_composes()
+        self._check_context_composes()
         self._check_pipeline_composes()
         pending = []
         if self.ep > 1:
@@ -226,13 +226,13 @@ class Plan:
             raise NotImplementedError(
                 f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
                 f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d', '2.5d' and '3d' (and "
-                f"tp_overlap), sp (sp_mode 'ulysses' or 'ring', with dp and 1D tp), zero 1-3 with offload None/'cpu'/"
+                f"tp_overlap), cp (cp_mode 'ulysses' or 'ring', with dp and 1D tp), zero 1-3 with offload None/'cpu'/"
                 f"'auto', microbatches (gradient accumulation), precision, activation_checkpointing."
             )
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, 1D and 2D tp, activation checkpointing and bf16.
-        (sp x pp is refused in :meth:`_check_sequence_composes`; micro-batches < pp run correctly.)"""
+        (cp x pp is refused in :meth:`_check_context_composes`; micro-batches < pp run correctly.)"""
         if self.pp == 1:
             if self.virtual_stages > 1:
                 raise NotImplementedError(
@@ -283,20 +283,20 @@ class Plan:
             if bad:
                 raise NotImplementedError(f"Plan.{value} with pp={self.pp}: {rule}; {fix}.")
 
-    def _check_sequence_composes(self) -> None:
-        """Sequence parallelism composes with dp and 1D tp only (sp x tp x dp on one mesh)."""
-        if self.sp == 1:
+    def _check_context_composes(self) -> None:
+        """Context parallelism composes with dp and 1D tp only (cp x tp x dp on one mesh)."""
+        if self.cp == 1:
             return
         if self.tp > 1 and self.tp_mode != "1d":
             raise NotImplementedError(
-                f"Plan.sp={self.sp} with tp={self.tp}, tp_mode={self.tp_mode!r}: sequence parallelism composes with "
+                f"Plan.cp={self.cp} with tp={self.tp}, tp_mode={self.tp_mode!r}: context parallelism composes with "
                 f"1D tensor parallelism only (2D/2.5D/3D tensor parallelism split the batch and hidden dims inside "
-                f"attention's operands, which sequence parallelism does not handle yet). Use tp_mode='1d', or sp=1."
+                f"attention's operands, which context parallelism does not handle yet). Use tp_mode='1d', or cp=1."
             )
         if self.pp > 1:
             raise NotImplementedError(
-                f"Plan.sp={self.sp} with pp={self.pp}: sequence parallelism does not compose with pipeline "
-                f"parallelism yet. Use pp=1, or sp=1."
+                f"Plan.cp={self.cp} with pp={self.pp}: context parallelism does not compose with pipeline "
+                f"parallelism yet. Use pp=1, or cp=1."
             )
 
     def describe(self) -> str:

@@ -1,6 +1,6 @@
 """Rewrites of a serial model into the form a plan runs, applied in one documented order:
 
-    tensor/sequence parallel -> activation checkpointing -> compile -> pipeline split -> zero/offload
+    tensor/context parallel -> activation checkpointing -> compile -> pipeline split -> zero/offload
 
 Only the steps built so far live here; each is a small ``apply_*`` function.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .parallel.sequence import apply as sequence_apply
+from .parallel.context import apply as context_apply
 from .parallel.tensor import Parallelized
 from .policies import resolve_tp_policy, transformer_blocks
 
@@ -63,15 +63,15 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] |
     return parallelize(model, mesh, plan, roles)
 
 
-def apply_sequence_parallel(model: nn.Module, mesh, plan):
-    """Step 1 (after tensor parallelism, whose local head counts it sees): plug sequence-
-    parallel attention (``plan.sp_mode``) over ``mesh.axis('sp')`` into ``model``'s attention
-    modules and return the :class:`~behemoth.parallel.sequence.apply.SequenceParallelized`
-    record the engine splits batches with; ``None`` when ``plan.sp == 1`` (nothing changes).
+def apply_context_parallel(model: nn.Module, mesh, plan):
+    """Step 1 (after tensor parallelism, whose local head counts it sees): plug context-
+    parallel attention (``plan.cp_mode``) over ``mesh.axis('cp')`` into ``model``'s attention
+    modules and return the :class:`~behemoth.parallel.context.apply.ContextParallelized`
+    record the engine splits batches with; ``None`` when ``plan.cp == 1`` (nothing changes).
     Checks run on every rank before anything changes; no collective is issued."""
-    if plan.sp == 1:
+    if plan.cp == 1:
         return None
-    return sequence_apply.parallelize(model, mesh, plan)
+    return context_apply.parallelize(model, mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

@@ -23,7 +23,7 @@ def _refusals_world(rank: int, world: int) -> None:
                  kind=NotImplementedError)
     expect_error(lambda: boost(model, opt, bh.Plan(pp=2, compile=True)), "compile=True with pp=2",
                  kind=NotImplementedError)
-    expect_error(lambda: boost(model, opt, bh.Plan(pp=2, sp=1, dp=1, zero=3)), "zero=3 with pp=2",
+    expect_error(lambda: boost(model, opt, bh.Plan(pp=2, cp=1, dp=1, zero=3)), "zero=3 with pp=2",
                  kind=NotImplementedError)
     expect_error(lambda: boost(model, opt, bh.Plan(dp=2, virtual_stages=2, schedule="interleaved")),
                  "virtual_stages=2", "pp=1", kind=NotImplementedError)

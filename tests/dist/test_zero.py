@@ -59,13 +59,13 @@ def _check(engine, losses, family, opt_name, clip, precision, what):
     assert torch.equal(t, ref), f"{what}: ranks disagree on the loss or the grad norm"
 
 
-def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1, tp_depth=1):
+def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1):
     torch.manual_seed(rank)
     batches = global_batches(STEPS, BATCH)
     for family, opt_name, stage, offload, micro, clip, precision in scenarios:
-        what = f"dp={world // tp // sp} tp={tp}/{tp_mode} sp={sp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
+        what = f"dp={world // tp // cp} tp={tp}/{tp_mode} cp={cp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
         model = build(family)
-        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, sp=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
+        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, cp=cp, zero=stage, offload=offload, microbatches=micro, precision=precision,
                        chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
@@ -84,7 +84,7 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", sp=1, tp_depth=1):
         if offload == "cpu":   # masters and optimizer state really are the host copies
             assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
                                                            st.shard.data_ptr()) for st in engine.zero.store.chunks)
-        if world // tp // sp > 1 and sp == 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
+        if world // tp // cp > 1 and cp == 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
             dp = engine.comm_stats()["dp"]
             reduced = micro if stage >= 2 else 1
             assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.zero.layout.num_chunks, (what, dp)
@@ -113,8 +113,8 @@ def test_zero_with_3d_and_2p5d_tensor_parallel(mode, depth):
     bh.spawn(_parity_world, 8, [("gpt", "adamw", 3, None, 1, 0.5, "fp32")], 8, mode, 1, depth, timeout=600)
 
 
-def test_zero_with_sequence_parallel():
-    """Under sp the gradients are summed over dp x sp: ZeRO shards over that axis."""
+def test_zero_with_context_parallel():
+    """Under cp the gradients are summed over dp x cp: ZeRO shards over that axis."""
     scen = [("gpt", "adamw", 3, None, 1, 1.0, "fp32"), ("hf-llama", "sgd", 2, "cpu", 2, None, "fp32")]
     bh.spawn(_parity_world, 4, scen, 1, "1d", 2, timeout=600)
 
@@ -385,7 +385,7 @@ def test_zero_cpu_update_during_backward_is_exact():
 def _collected_world(rank, world):
     """A dropped engine frees its model: gradient hooks live in C++ autograd state Python's
     collector cannot walk, so they must not hold the engine (or its buffers) strongly."""
-    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(sp=2, dp=1), bh.Plan(pp=2, dp=1, microbatches=2),
+    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(cp=2, dp=1), bh.Plan(pp=2, dp=1, microbatches=2),
                  bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
                  bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)):
         model = build("gpt")

@@ -5,7 +5,7 @@ gradients that are scaled in another order (the engine sums token losses, then s
 dp 2 and 4 the gradient sums split differently too, so both within bf16 tolerance; the model's parameters really are bf16 and
 the gathered chunks half the bytes; ``full_state_dict`` and checkpoints hold the fp32 masters,
 never bf16-rounded values, and a checkpoint resumes exactly; it composes with CPU and
-automatic offload (offloaded chunks gathered from bf16 host copies), 1D and 2D tp and sp;
+automatic offload (offloaded chunks gathered from bf16 host copies), 1D and 2D tp and cp;
 bad plans are refused."""
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def test_zero12_bf16_params_accumulate_micro_batches():
 
 
 def _composes_world(rank, world, extra):
-    """With 1D tp (dp 2 x tp 2), 2D tp (tp 4) and Ulysses sp (dp 2 x sp 2): the tensor- and
-    sequence-parallel layers compute on bf16 parameter shards like on fp32 ones."""
+    """With 1D tp (dp 2 x tp 2), 2D tp (tp 4) and Ulysses cp (dp 2 x cp 2): the tensor- and
+    context-parallel layers compute on bf16 parameter shards like on fp32 ones."""
     batches = global_batches(STEPS, BATCH)
     for family in ("gpt", "llama"):
         what = f"param_dtype=bf16 {extra} {family}/sgd"
@@ -158,8 +158,8 @@ def test_zero_bf16_params_with_offload():
     bh.spawn(_offload_world, 2, timeout=300)
 
 
-def test_zero_bf16_params_compose_with_tensor_and_sequence_parallel():
-    for extra in (dict(tp=2), dict(tp=4, tp_mode="2d"), dict(sp=2), dict(tp=2, zero=1), dict(tp=4, zero=2)):
+def test_zero_bf16_params_compose_with_tensor_and_context_parallel():
+    for extra in (dict(tp=2), dict(tp=4, tp_mode="2d"), dict(cp=2), dict(tp=2, zero=1), dict(tp=4, zero=2)):
         bh.spawn(_composes_world, 4, extra, timeout=300)
 
 

@@ -132,6 +132,20 @@ def test_unknown_names_are_named_with_the_valid_ones(override, names):
         assert n in str(e.value)
 
 
+def test_renamed_plan_keys_name_their_new_name(tmp_path):
+    """plan.sp / plan.sp_mode became plan.cp / plan.cp_mode (context parallelism)."""
+    for source in ("file", "override"):
+        for old, new, value in (("sp", "cp", "2"), ("sp_mode", "cp_mode", '"ring"')):
+            with pytest.raises(ConfigError) as e:
+                if source == "file":
+                    load_config(write(tmp_path, f"[plan]\n{old} = {value}\n"))
+                else:
+                    load_config(DEMO, [f"--plan.{old}={value}"])
+            assert f"'plan.{old}' is now 'plan.{new}'" in str(e.value), (source, str(e.value))
+    cfg = load_config(write(tmp_path, '[plan]\ncp = 2\ncp_mode = "ring"\n'))
+    assert (cfg.plan.cp, cfg.plan.cp_mode) == (2, "ring")
+
+
 def test_unknown_section_or_key_in_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config section 'trainer'.*Valid sections"):
         load_config(write(tmp_path, "[trainer]\nsteps = 1\n"))

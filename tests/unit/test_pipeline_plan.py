@@ -34,7 +34,7 @@ def test_pipeline_plans_are_supported(kwargs):
         (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
         (dict(pp=2, zero=2), ("zero=2 with pp=2", "use zero=1")),
         (dict(pp=2, zero=1, offload="cpu"), ("offload='cpu' with pp=2",)),
-        (dict(pp=2, sp=2), ("sp=2 with pp=2",)),
+        (dict(pp=2, cp=2), ("cp=2 with pp=2",)),
         (dict(schedule="interleaved", virtual_stages=2), ("virtual_stages=2", "pp=1", "set pp >= 2")),
     ],
 )

@@ -17,7 +17,7 @@ from behemoth.plan import Plan
         (dict(tp=12, tp_mode="2.5d", tp_depth=2), "tp/tp_depth=6 is not a square"),
         (dict(tp_mode="4d"), "Plan.tp_mode='4d' is not one of"),
         (dict(schedule="magic"), "Plan.schedule='magic' is not one of"),
-        (dict(sp_mode="rings"), "Plan.sp_mode='rings'"),
+        (dict(cp_mode="rings"), "Plan.cp_mode='rings'"),
         (dict(precision="fp8"), "Plan.precision='fp8'"),
         (dict(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
         (dict(offload="cpu"), "needs ZeRO sharding; got zero=0"),
@@ -53,20 +53,20 @@ def test_good_plans_validate():
 def test_resolve_world_size():
     assert Plan(tp=2, pp=2).resolve(8).dp == 2
     assert Plan(dp=2, tp=2).resolve(4).dp == 2
-    with pytest.raises(ValueError, match=r"dp\*pp\*tp\*sp = 2\*1\*2\*1 = 4 must equal the world size 8"):
+    with pytest.raises(ValueError, match=r"dp\*pp\*tp\*cp = 2\*1\*2\*1 = 4 must equal the world size 8"):
         Plan(dp=2, tp=2).resolve(8)
-    with pytest.raises(ValueError, match="world size 6 is not divisible by pp\\*tp\\*sp"):
+    with pytest.raises(ValueError, match="world size 6 is not divisible by pp\\*tp\\*cp"):
         Plan(tp=4).resolve(6)
 
 
 def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, microbatches=4, precision="bf16", activation_checkpointing=True).check_supported()
-    Plan(sp=2, sp_mode="ring", tp=2).check_supported()  # sequence parallelism is built (with dp and 1D tp)
+    Plan(cp=2, cp_mode="ring", tp=2).check_supported()  # context parallelism is built (with dp and 1D tp)
     Plan(pp=2, microbatches=4, schedule="zero-bubble", tp=4, tp_mode="2d").check_supported()  # pipelines are built
     Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()  # ZeRO and offload are built
     for kwargs, name in [
         (dict(pp=2, tp=8, tp_mode="3d"), "pipeline stages compose"),
-        (dict(sp=2, tp=4, tp_mode="2d"), "sequence parallelism composes"),
+        (dict(cp=2, tp=4, tp_mode="2d"), "context parallelism composes"),
         (dict(dp=2, ep=2), "expert"),
     ]:
         with pytest.raises(NotImplementedError, match=name):
@@ -87,7 +87,7 @@ def test_axis_groups_1d():
     plan = Plan(dp=2, pp=2, tp=2).resolve(8)
     dims = atomic_dims(plan)
     axes = named_axes(plan)
-    # layout pp, dp, sp, tp with tp innermost: rank = pp*4 + dp*2 + tp
+    # layout pp, dp, cp, tp with tp innermost: rank = pp*4 + dp*2 + tp
     assert axis_groups(dims, axes["tp"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axis_groups(dims, axes["dp"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert axis_groups(dims, axes["pp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -100,7 +100,7 @@ def test_axis_groups_1d():
         (dict(tp=4, tp_mode="2d", dp=2), 8),
         (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
         (dict(tp=8, tp_mode="3d"), 8),
-        (dict(dp=4, ep=2, sp=2), 8),
+        (dict(dp=4, ep=2, cp=2), 8),
     ],
 )
 def test_every_axis_partitions_the_world(kwargs, world):

@@ -59,16 +59,16 @@ learned position table all-gathers its position ids over tp_col and all-reduces 
 over tp_row and tp_depth; the head is a 3D Linear; the loss all-reduces ``[T/q**2]`` maxima
 and ``[2, T/q**2]`` sums over tp_row. Checked against the ledger in tests/dist/test_tp3d.py.
 
-Sequence parallelism (behemoth.parallel.sequence; the ledger's ``sp`` axis). Per attention
+Context parallelism (behemoth.parallel.context; the ledger's ``cp`` axis). Per attention
 layer, with the heads of one tensor-parallel rank (``N/tp`` query heads; ``K/tp`` kv heads, or
 one replicated head when ``K < tp``): Ulysses all-to-alls q/k/v and the output forward and
-the inverse pair backward, ``b (s/sp) d (2n + 2 lcm(k, sp))`` elements each way of payload --
-the issue's ``4 b s h/sp`` for multi-head attention -- ``(sp-1)/sp`` of it on the wire; ring
-attention shifts K/V ``sp-1`` times forward, ``2 (sp-1) b (s/sp) h_kv`` elements, and backward
-``sp-1`` K/V shifts plus ``sp`` shifts of the dK/dV buffer (fp32 for 16-bit inputs); a shift's
+the inverse pair backward, ``b (s/cp) d (2n + 2 lcm(k, cp))`` elements each way of payload --
+the issue's ``4 b s h/cp`` for multi-head attention -- ``(cp-1)/cp`` of it on the wire; ring
+attention shifts K/V ``cp-1`` times forward, ``2 (cp-1) b (s/cp) h_kv`` elements, and backward
+``cp-1`` K/V shifts plus ``cp`` shifts of the dK/dV buffer (fp32 for 16-bit inputs); a shift's
 payload is its wire. The exact per-layer counts are ``ulysses_bytes`` / ``ring_bytes`` in
-the cores, reused here. The gradient all-reduce then runs over ``dp_sp`` (the data-parallel
-formula with ``dp * sp`` ranks). Checked in tests/dist/test_sequence_parallel.py.
+the cores, reused here. The gradient all-reduce then runs over ``dp_cp`` (the data-parallel
+formula with ``dp * cp`` ranks). Checked in tests/dist/test_context_parallel.py.
 """
 
 from __future__ import annotations
@@ -607,13 +607,13 @@ def model_traffic(mode: str, shape: TransformerShape, **kwargs) -> Traffic:
     raise ValueError(f"tp_mode={mode!r}: one of '1d', '2d', '2.5d', '3d'.")
 
 
-# ----------------------------------------------------------------------------- sequence parallelism
+# ------------------------------------------------------------------------------ context parallelism
 def _local_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
     """Query and kv heads of one 1D tensor-parallel rank (kv heads replicated when K < tp)."""
     return num_heads // tp, (num_kv_heads // tp if num_kv_heads >= tp else 1)
 
 
-def sp_attention_traffic(
+def cp_attention_traffic(
     mode: str,
     *,
     batch: int,
@@ -621,53 +621,53 @@ def sp_attention_traffic(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    sp: int,
+    cp: int,
     dtype_bytes: int = 2,
     wire: bool = True,
 ) -> Traffic:
-    """One sequence-parallel attention layer (``mode`` 'ulysses' or 'ring'), forward + backward,
-    per rank, on the ``sp`` axis. ``batch``: sequences of this rank's data-parallel share;
+    """One context-parallel attention layer (``mode`` 'ulysses' or 'ring'), forward + backward,
+    per rank, on the ``cp`` axis. ``batch``: sequences of this rank's data-parallel share;
     ``seq``: the whole sequence; head counts are this rank's (after tensor parallelism);
     ``dtype_bytes``: q/k/v's element size (2 under bf16 autocast). ``wire=False`` gives the
     payload (the ledger's ``bytes``); ring shifts move their payload, so both agree there."""
-    if sp == 1:
+    if cp == 1:
         return Traffic()
-    from ..parallel.sequence import ring_bytes, ulysses_bytes  # the cores' own exact counts
+    from ..parallel.context import ring_bytes, ulysses_bytes  # the cores' own exact counts
 
     if mode == "ulysses":
-        one = ulysses_bytes(batch, seq, num_heads, num_kv_heads, head_dim, sp, dtype_bytes, wire=wire)
+        one = ulysses_bytes(batch, seq, num_heads, num_kv_heads, head_dim, cp, dtype_bytes, wire=wire)
         return Traffic(float(one), float(one))
     if mode == "ring":
         return Traffic(
-            float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes)),
-            float(ring_bytes(batch, seq, num_kv_heads, head_dim, sp, dtype_bytes, backward=True)),
+            float(ring_bytes(batch, seq, num_kv_heads, head_dim, cp, dtype_bytes)),
+            float(ring_bytes(batch, seq, num_kv_heads, head_dim, cp, dtype_bytes, backward=True)),
         )
-    raise ValueError(f"sp_mode={mode!r}: 'ulysses' or 'ring'.")
+    raise ValueError(f"cp_mode={mode!r}: 'ulysses' or 'ring'.")
 
 
-def sp_model_traffic(
+def cp_model_traffic(
     shape: TransformerShape,
     *,
     batch: int,
     seq: int,
-    sp: int,
+    cp: int,
     mode: str,
     tp: int = 1,
     dtype_bytes: int = 2,
     wire: bool = True,
 ) -> Traffic:
-    """A whole forward + backward on the ``sp`` axis: every layer's attention, with the heads of
-    one 1D tensor-parallel rank when ``tp > 1``. Nothing else crosses ``sp`` (parameter
-    gradients are reduced over ``dp_sp``, and counted with data parallelism)."""
+    """A whole forward + backward on the ``cp`` axis: every layer's attention, with the heads of
+    one 1D tensor-parallel rank when ``tp > 1``. Nothing else crosses ``cp`` (parameter
+    gradients are reduced over ``dp_cp``, and counted with data parallelism)."""
     n, k = _local_heads(shape.num_heads, shape.num_kv_heads, tp)
-    return shape.num_layers * sp_attention_traffic(
+    return shape.num_layers * cp_attention_traffic(
         mode,
         batch=batch,
         seq=seq,
         num_heads=n,
         num_kv_heads=k,
         head_dim=shape.head_dim,
-        sp=sp,
+        cp=cp,
         dtype_bytes=dtype_bytes,
         wire=wire,
     )

@@ -380,7 +380,20 @@ def _field_types(cls) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# Keys that were renamed: the old name gets an error that names the new one.
+_RENAMED_KEYS = {
+    "plan.sp": "plan.cp",
+    "plan.sp_mode": "plan.cp_mode",
+}
+
+
 def _unknown(kind: str, name: str, valid, prefix: str = "") -> str:
+    if name in _RENAMED_KEYS:
+        new = _RENAMED_KEYS[name]
+        return (
+            f"config {kind} {name!r} is now {new!r} (context parallelism: Ulysses or ring attention; "
+            f"plan.sequence_parallel is Megatron's, inside 1D tp). Rename {name!r} to {new!r}."
+        )
     names = [prefix + k for k in valid]
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""

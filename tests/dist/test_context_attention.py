@@ -1,12 +1,12 @@
-"""Both sequence-parallel attention cores against full causal attention, at sp = 2 and 4.
+"""Both context-parallel attention cores against full causal attention, at cp = 2 and 4.
 
 For Ulysses (contiguous split) and ring attention (zigzag split): the output and dq, dk, dv,
 gathered back to natural sequence order, equal F.scaled_dot_product_attention(is_causal=True)
 on the full sequence in float64, for multi-head and grouped-query attention (kv heads split,
-and replicated when there are fewer kv heads than sp ranks) and a custom scale; the ledger's
+and replicated when there are fewer kv heads than cp ranks) and a custom scale; the ledger's
 bytes equal ``ulysses_bytes`` / ``ring_bytes`` (and their ratio to the issue's formulas is
-what the docstrings state); ring attention saves O(S/sp) per rank, not O(S^2). One spawned
-world per sp degree runs every case.
+what the docstrings state); ring attention saves O(S/cp) per rank, not O(S^2). One spawned
+world per cp degree runs every case.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import behemoth as bh
 from behemoth import comm
 from behemoth.distributed import device_for_rank
 from behemoth.mesh import ParallelMesh
-from behemoth.parallel.sequence import (
+from behemoth.parallel.context import (
     gather_sequence, ring_attention, ring_bytes, split_sequence, ulysses_attention, ulysses_bytes,
     ulysses_kv_heads,
 )
 
 B, S, D = 2, 16, 4
-# (query heads, kv heads, scale): MHA; GQA with 2 kv heads (split at sp=2, replicated at sp=4);
-# 2 query heads per kv head per rank at sp=4; multi-query (replicated at every sp).
+# (query heads, kv heads, scale): MHA; GQA with 2 kv heads (split at cp=2, replicated at cp=4);
+# 2 query heads per kv head per rank at cp=4; multi-query (replicated at every cp).
 CASES = [(4, 4, None), (4, 2, 0.3), (8, 2, None), (4, 1, 0.5)]
 CORES = {"ulysses": ulysses_attention, "ring": ring_attention}
 
@@ -54,46 +54,46 @@ def _gather(t, axis, mode):
 def _run(mode, axis, q, k, v, w, scale):
     """One forward + backward on this rank's share; returns local results and the ledger
     bytes of the forward and of the backward."""
-    sp, r, dev = axis.size, axis.rank, device_for_rank()
-    ql, kl, vl = (split_sequence(t, 2, sp, r, mode).to(dev, copy=True).requires_grad_() for t in (q, k, v))
-    wl = split_sequence(w, 2, sp, r, mode).to(dev)
+    cp, r, dev = axis.size, axis.rank, device_for_rank()
+    ql, kl, vl = (split_sequence(t, 2, cp, r, mode).to(dev, copy=True).requires_grad_() for t in (q, k, v))
+    wl = split_sequence(w, 2, cp, r, mode).to(dev)
     axis.ledger.reset()
     out = CORES[mode](ql, kl, vl, axis, scale=scale)
-    fwd = axis.ledger.stats().get("sp", {"bytes": 0, "ops": {}})
+    fwd = axis.ledger.stats().get("cp", {"bytes": 0, "ops": {}})
     axis.ledger.reset()
     (out * wl).sum().backward()
-    bwd = axis.ledger.stats().get("sp", {"bytes": 0, "ops": {}})
+    bwd = axis.ledger.stats().get("cp", {"bytes": 0, "ops": {}})
     return out, ql.grad, kl.grad, vl.grad, fwd, bwd
 
 
 def _parity(axis, mode, n, k_heads, scale, seed):
-    sp = axis.size
+    cp = axis.size
     q, k, v, w = _full(n, k_heads, seed)
     want = _reference(q, k, v, w, scale)
     *got, fwd, bwd = _run(mode, axis, q, k, v, w, scale)
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(_gather(g, axis, mode), ref, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"{mode} sp={sp} N={n} K={k_heads} scale={scale} {name}: {m}")
+                                   msg=lambda m: f"{mode} cp={cp} N={n} K={k_heads} scale={scale} {name}: {m}")
     e = 8
     if mode == "ulysses":
-        formula = ulysses_bytes(B, S, n, k_heads, D, sp, e)
+        formula = ulysses_bytes(B, S, n, k_heads, D, cp, e)
         assert fwd["bytes"] == formula and fwd["ops"] == {"all_to_all": 2}, (fwd, formula)
         assert bwd["bytes"] == formula and bwd["ops"] == {"all_to_all": 2}, (bwd, formula)
-        # vs the issue's 4*b*s*h/sp: exact for MHA, (N + K')/(2N) with grouped-query attention.
-        issue = 4 * B * S * n * D // sp * e
-        assert formula / issue == (n + ulysses_kv_heads(k_heads, sp)) / (2 * n)
+        # vs the issue's 4*b*s*h/cp: exact for MHA, (N + K')/(2N) with grouped-query attention.
+        issue = 4 * B * S * n * D // cp * e
+        assert formula / issue == (n + ulysses_kv_heads(k_heads, cp)) / (2 * n)
     else:
-        formula = ring_bytes(B, S, k_heads, D, sp, e)
-        assert fwd["bytes"] == formula and fwd["ops"] == {"ring_shift": sp - 1}, (fwd, formula)
-        back = ring_bytes(B, S, k_heads, D, sp, e, backward=True)
-        assert bwd["bytes"] == back and bwd["ops"] == {"ring_shift": 2 * sp - 1}, (bwd, back)
-        # the issue's 2*(sp-1)*b*(s/sp)*h_kv, exactly.
-        assert formula == 2 * (sp - 1) * B * (S // sp) * k_heads * D * e
+        formula = ring_bytes(B, S, k_heads, D, cp, e)
+        assert fwd["bytes"] == formula and fwd["ops"] == {"ring_shift": cp - 1}, (fwd, formula)
+        back = ring_bytes(B, S, k_heads, D, cp, e, backward=True)
+        assert bwd["bytes"] == back and bwd["ops"] == {"ring_shift": 2 * cp - 1}, (bwd, back)
+        # the issue's 2*(cp-1)*b*(s/cp)*h_kv, exactly.
+        assert formula == 2 * (cp - 1) * B * (S // cp) * k_heads * D * e
 
 
 def _low_precision_ring(axis):
     """bf16 inputs: fp32 accumulation inside, dK/dV buffers travel in fp32 (as ring_bytes says)."""
-    sp = axis.size
+    cp = axis.size
     n, k_heads = 4, 2
     q, k, v, w = _full(n, k_heads, 99, dtype=torch.bfloat16)
     want = _reference(*(t.double() for t in (q, k, v, w)), None)
@@ -101,9 +101,9 @@ def _low_precision_ring(axis):
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == torch.bfloat16, name
         torch.testing.assert_close(_gather(g, axis, "ring").double(), ref, rtol=3e-2, atol=3e-2,
-                                   msg=lambda m: f"bf16 ring sp={sp} {name}: {m}")
-    assert fwd["bytes"] == ring_bytes(B, S, k_heads, D, sp, 2)
-    assert bwd["bytes"] == ring_bytes(B, S, k_heads, D, sp, 2, backward=True)
+                                   msg=lambda m: f"bf16 ring cp={cp} {name}: {m}")
+    assert fwd["bytes"] == ring_bytes(B, S, k_heads, D, cp, 2)
+    assert bwd["bytes"] == ring_bytes(B, S, k_heads, D, cp, 2, backward=True)
 
 
 def _saved_bytes(fn, *args, **kwargs):
@@ -120,23 +120,23 @@ def _saved_bytes(fn, *args, **kwargs):
 
 
 def _ring_memory(axis):
-    """Saved activations of ring attention per rank are O(S/sp): within 1.25x of the serial
-    saved q, k, v, out divided by sp (a saved S x S score matrix would be several times that)."""
-    sp, r = axis.size, axis.rank
+    """Saved activations of ring attention per rank are O(S/cp): within 1.25x of the serial
+    saved q, k, v, out divided by cp (a saved S x S score matrix would be several times that)."""
+    cp, r = axis.size, axis.rank
     s, n = 64, 2
     q, k, v, _ = _full(n, n, 7, s=s)
-    ql, kl, vl = (split_sequence(t, 2, sp, r, "ring").to(device_for_rank()).requires_grad_() for t in (q, k, v))
+    ql, kl, vl = (split_sequence(t, 2, cp, r, "ring").to(device_for_rank()).requires_grad_() for t in (q, k, v))
     out, saved = _saved_bytes(ring_attention, ql, kl, vl, axis)
     serial_qkvo = sum(t.numel() * t.element_size() for t in (q, k, v, q))
     scores = B * n * s * s * 8
-    assert saved <= 1.25 * serial_qkvo / sp, (saved, serial_qkvo / sp)
-    assert saved < scores / sp / 2, (saved, scores / sp)
+    assert saved <= 1.25 * serial_qkvo / cp, (saved, serial_qkvo / cp)
+    assert saved < scores / cp / 2, (saved, scores / cp)
     out.sum().backward()  # still differentiable from what was saved
 
 
-def _sp_world(rank, world):
-    mesh = ParallelMesh(bh.Plan(sp=world, dp=1), rank, world)
-    axis = mesh.axis("sp")
+def _cp_world(rank, world):
+    mesh = ParallelMesh(bh.Plan(cp=world, dp=1), rank, world)
+    axis = mesh.axis("cp")
     assert axis.size == world
     for mode in CORES:
         for i, (n, k_heads, scale) in enumerate(CASES):
@@ -145,9 +145,9 @@ def _sp_world(rank, world):
     _ring_memory(axis)
 
 
-def test_sequence_attention_sp2():
-    bh.spawn(_sp_world, 2, timeout=180)
+def test_context_attention_cp2():
+    bh.spawn(_cp_world, 2, timeout=180)
 
 
-def test_sequence_attention_sp4():
-    bh.spawn(_sp_world, 4, timeout=180)
+def test_context_attention_cp4():
+    bh.spawn(_cp_world, 4, timeout=180)

@@ -1,9 +1,9 @@
 """Ring attention with the zigzag causal balance (Liu et al. 2023, arXiv:2310.01889; the
 zigzag split of Llama 3 context parallelism and ring-flash-attention).
 
-Each ``sp`` rank holds two of ``2*sp`` sequence chunks of length ``C``: chunk ``r`` and chunk
-``2*sp-1-r`` (local positions increase). Its queries stay home; K/V blocks travel one hop
-around the ring per step (``sp-1`` shifts), the next block's shift is issued before the
+Each ``cp`` rank holds two of ``2*cp`` sequence chunks of length ``C``: chunk ``r`` and chunk
+``2*cp-1-r`` (local positions increase). Its queries stay home; K/V blocks travel one hop
+around the ring per step (``cp-1`` shifts), the next block's shift is issued before the
 current block is computed, and each block's partial attention is merged into the running
 output by log-sum-exp (online softmax). Against the block from rank ``src`` only one
 rectangle of the ``2C x 2C`` score block is causally live (:func:`ring_step_block`), so
@@ -20,8 +20,8 @@ block from      queries x keys                     mask
 Backward (:class:`RingAttentionFunction`) runs its own ring: the K/V blocks circulate again,
 each rank recomputes the block's probabilities from the saved log-sum-exp (nothing
 per-block is saved) and adds the block's dK/dV into a buffer that travels with it and
-arrives home after ``sp`` shifts; dQ accumulates locally. Memory per rank: the saved
-``q, k, v, out, lse`` of its share (O(S/sp)), one visiting K/V block plus the next one in
+arrives home after ``cp`` shifts; dQ accumulates locally. Memory per rank: the saved
+``q, k, v, out, lse`` of its share (O(S/cp)), one visiting K/V block plus the next one in
 flight, and one ``2C x 2C`` score block at a time; never ``S x S`` or the full K/V.
 
 Block kernels (:data:`BLOCK_KERNEL`). Each block is computed either by
@@ -40,10 +40,10 @@ Block kernels (:data:`BLOCK_KERNEL`). Each block is computed either by
   use to check the fused path's bookkeeping without a GPU;
 * **plain PyTorch** (matmul + masked softmax, fp32 accumulation for 16-bit inputs) --
   everything else, CPU and float64 included, so the CPU parity tests check the math
-  itself. It materialises one block's scores, ``B*N*(S/sp)^2/2`` floats.
+  itself. It materialises one block's scores, ``B*N*(S/cp)^2/2`` floats.
 
-Tested in ``tests/dist/test_sequence_attention.py`` against full causal attention; the GPU
-paths by ``benchmarks/bench_sp.py --check`` (ring with each kernel vs one GPU's full SDPA,
+Tested in ``tests/dist/test_context_attention.py`` against full causal attention; the GPU
+paths by ``benchmarks/bench_cp.py --check`` (ring with each kernel vs one GPU's full SDPA,
 bf16, outputs and gradients, and timings).
 """
 
@@ -65,13 +65,13 @@ KERNELS = ("auto", "plain", "flash", "cudnn")
 # dim; ``kv_2BKLD`` is k and v stacked (one message per shift).
 
 
-def ring_step_block(sp: int, rank: int, src: int, local_len: int) -> tuple[slice, slice, bool]:
+def ring_step_block(cp: int, rank: int, src: int, local_len: int) -> tuple[slice, slice, bool]:
     """The causally live rectangle when rank ``rank``'s queries meet the K/V block of rank
     ``src`` (zigzag layout, ``local_len = 2C`` tokens each): ``(query rows, key columns,
     causal)``, where ``causal`` means a lower-triangular mask on that (square) rectangle and
     otherwise every pair is live. Pure."""
-    zigzag_chunks(sp, rank)  # range checks
-    zigzag_chunks(sp, src)
+    zigzag_chunks(cp, rank)  # range checks
+    zigzag_chunks(cp, src)
     c = local_len // 2
     if src == rank:
         return slice(0, local_len), slice(0, local_len), True
@@ -80,20 +80,20 @@ def ring_step_block(sp: int, rank: int, src: int, local_len: int) -> tuple[slice
     return slice(c, local_len), slice(0, local_len), False  # only my second chunk sees its block
 
 
-def ring_bytes(b: int, s: int, k_heads: int, d: int, sp: int, element_size: int, *, backward: bool = False) -> int:
-    """Bytes one rank sends on the ``sp`` axis (ledger payload = wire) for one ring attention.
+def ring_bytes(b: int, s: int, k_heads: int, d: int, cp: int, element_size: int, *, backward: bool = False) -> int:
+    """Bytes one rank sends on the ``cp`` axis (ledger payload = wire) for one ring attention.
 
-    Forward: ``sp-1`` shifts of the local K and V, ``2*(sp-1)*b*(s/sp)*k_heads*d*element_size``:
-    exactly the issue's ``2*(sp-1)*b*(s/sp)*h_kv`` with ``h_kv = k_heads*d``. With
-    ``backward=True``, the backward instead: ``sp-1`` K/V shifts again plus ``sp`` shifts
+    Forward: ``cp-1`` shifts of the local K and V, ``2*(cp-1)*b*(s/cp)*k_heads*d*element_size``:
+    exactly the issue's ``2*(cp-1)*b*(s/cp)*h_kv`` with ``h_kv = k_heads*d``. With
+    ``backward=True``, the backward instead: ``cp-1`` K/V shifts again plus ``cp`` shifts
     of the dK/dV buffer (its last hop brings it home), which is kept in fp32 for 16-bit
-    inputs: ``2*b*(s/sp)*k_heads*d*((sp-1)*element_size + sp*max(element_size, 4))``."""
-    if sp == 1:
+    inputs: ``2*b*(s/cp)*k_heads*d*((cp-1)*element_size + cp*max(element_size, 4))``."""
+    if cp == 1:
         return 0
-    kv = 2 * b * (s // sp) * k_heads * d
+    kv = 2 * b * (s // cp) * k_heads * d
     if not backward:
-        return (sp - 1) * kv * element_size
-    return (sp - 1) * kv * element_size + sp * kv * max(element_size, 4)
+        return (cp - 1) * kv * element_size
+    return (cp - 1) * kv * element_size + cp * kv * max(element_size, 4)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -230,9 +230,9 @@ def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
 class RingAttentionFunction(torch.autograd.Function):
     """Causal ring attention over ``axis`` on zigzag-split q, k, v (see :func:`ring_attention`).
 
-    Forward: ``sp-1`` ring shifts (``comm.ring_shift_async``) of the stacked K/V block, each
-    issued before the current block is computed. Backward: ``sp-1`` shifts of the K/V block
-    again, and ``sp`` shifts of the dK/dV buffer that travels with it back home; dQ local.
+    Forward: ``cp-1`` ring shifts (``comm.ring_shift_async``) of the stacked K/V block, each
+    issued before the current block is computed. Backward: ``cp-1`` shifts of the K/V block
+    again, and ``cp`` shifts of the dK/dV buffer that travels with it back home; dQ local.
     Saves ``q, k, v, out, lse`` only."""
 
     @staticmethod
@@ -323,17 +323,17 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
-            f"ring_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
+            f"ring_attention expects q [B, N, S/cp, D] and k, v [B, K, S/cp, D] of one shape; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(
             f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, local sequence or head dim."
         )
-    check_sequence(q.shape[2] * sp, sp, "ring", num_heads=q.shape[1], num_kv_heads=k.shape[1])
+    check_sequence(q.shape[2] * cp, cp, "ring", num_heads=q.shape[1], num_kv_heads=k.shape[1])
 
 
 def ring_attention(
@@ -341,9 +341,9 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's zigzag share against the whole sequence.
 
-    Layout: ``q [B, N, S/sp, D]``, ``k, v [B, K, S/sp, D]`` (``K`` divides ``N``, query head
-    ``n`` reads kv head ``n // (N/K)``) hold chunks ``r`` and ``2*sp-1-r`` of ``2*sp`` (split
-    with ``split_sequence(..., mode="ring")``); returns ``[B, N, S/sp, D]`` in the same
+    Layout: ``q [B, N, S/cp, D]``, ``k, v [B, K, S/cp, D]`` (``K`` divides ``N``, query head
+    ``n`` reads kv head ``n // (N/K)``) hold chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` (split
+    with ``split_sequence(..., mode="ring")``); returns ``[B, N, S/cp, D]`` in the same
     layout, equal to the matching rows of ``F.scaled_dot_product_attention(q, k, v,
     is_causal=True, scale=scale, enable_gqa=True)`` on the full sequence. ``scale``
     defaults to ``1/sqrt(D)``; no dropout.

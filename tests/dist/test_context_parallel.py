@@ -1,18 +1,18 @@
-"""Sequence parallelism end to end matches serial training (DESIGN.md's parity law).
+"""Context parallelism end to end matches serial training (DESIGN.md's parity law).
 
 * whole models -- behemoth's GPT (learned positions) and Llama (RoPE, GQA), transformers'
-  GPT2LMHeadModel and LlamaForCausalLM -- under ``Plan(sp=2|4, sp_mode='ulysses'|'ring')``,
-  alone, with dp=2 and with 1D tp=2 (with and without Megatron sequence parallelism), through
+  GPT2LMHeadModel and LlamaForCausalLM -- under ``Plan(cp=2|4, cp_mode='ulysses'|'ring')``,
+  alone, with dp=2 and with 1D tp=2 (with and without Megatron context parallelism), through
   the unchanged ``engine.step(batch)`` on full sequences: losses and ``full_state_dict()``
   within rtol 1e-4, AdamW and SGD, clipping, micro-batches, activation checkpointing,
   compiled blocks, a user ``loss_fn``;
 * the ring's fused-kernel seam (``ring.BLOCK_KERNEL = "flash"``: on CPU the CPU flash op)
   against full attention and in a whole model, so the GPU path's bookkeeping is checked here;
-* the ledger's ``sp`` bytes against ``behemoth.planner.traffic.sp_model_traffic`` (and the
-  issue's forward formulas: Ulysses ``4 b s h / sp`` per layer, ring ``2 (sp-1) b (s/sp) h_kv``);
+* the ledger's ``cp`` bytes against ``behemoth.planner.traffic.cp_model_traffic`` (and the
+  issue's forward formulas: Ulysses ``4 b s h / cp`` per layer, ring ``2 (cp-1) b (s/cp) h_kv``);
 * per-rank saved activation bytes of one training step at sequence 1024 within 1.25x of the
-  serial model's divided by sp, both modes;
-* a checkpoint saved under sp=2 loads under dp=2 and keeps matching serial;
+  serial model's divided by cp, both modes;
+* a checkpoint saved under cp=2 loads under dp=2 and keeps matching serial;
 * clear errors, on every rank and before any collective hangs.
 
 Two spawned worlds (2 and 4 ranks) run every scenario.
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
-from behemoth.parallel.sequence import ring
-from behemoth.planner.traffic import TransformerShape, sp_model_traffic
+from behemoth.parallel.context import ring
+from behemoth.planner.traffic import TransformerShape, cp_model_traffic
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     serial_train, shard)
 
@@ -64,47 +64,47 @@ def _check_plan(family, plan, *, opt="adamw", clip=1.0, what=""):
     ref = t.clone()
     torch.distributed.broadcast(ref, 0)
     assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
-    assert engine.comm_stats()["sp"]["calls"] > 0, f"{what}: no sequence-parallel traffic"
+    assert engine.comm_stats()["cp"]["calls"] > 0, f"{what}: no context-parallel traffic"
     return engine
 
 
 # ----------------------------------------------------------------------------- traffic
 def _check_traffic(family, plan):
-    """Ledger bytes on ``sp`` for one forward, and for a forward + backward, against the formulas."""
+    """Ledger bytes on ``cp`` for one forward, and for a forward + backward, against the formulas."""
     model = _build_hf(family)
     shape = TransformerShape.from_config(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
-    b, s, sp, tp = batch["input_ids"].shape[0], SEQ, plan.sp, plan.tp
-    kw = dict(batch=b, seq=s, sp=sp, mode=plan.sp_mode, tp=tp, dtype_bytes=4)
+    b, s, cp, tp = batch["input_ids"].shape[0], SEQ, plan.cp, plan.tp
+    kw = dict(batch=b, seq=s, cp=cp, mode=plan.cp_mode, tp=tp, dtype_bytes=4)
     what = f"{engine.plan.describe()} {family}"
     # forward only
     engine.reset_comm_stats()
-    local, extra = engine.sequence.split(batch)
+    local, extra = engine.context_parallel.split(batch)
     with torch.no_grad():
         engine.model(local["input_ids"], **extra)
-    fwd = engine.comm_stats()["sp"]
-    want = sp_model_traffic(shape, wire=False, **kw).forward
+    fwd = engine.comm_stats()["cp"]
+    want = cp_model_traffic(shape, wire=False, **kw).forward
     assert abs(fwd["bytes"] - want) <= 0.1 * want, f"{what}: forward ledger {fwd['bytes']} B vs formula {want:.0f} B"
     # the issue's per-layer forward formulas (fp32: 4 bytes), multi-head attention exactly
     n_loc = shape.num_heads // tp
     k_loc = shape.num_kv_heads // tp if shape.num_kv_heads >= tp else 1
     h_loc, hkv_loc = n_loc * shape.head_dim, k_loc * shape.head_dim
-    if plan.sp_mode == "ulysses":
-        issue = 4 * b * s * h_loc // sp * 4
+    if plan.cp_mode == "ulysses":
+        issue = 4 * b * s * h_loc // cp * 4
         if k_loc == n_loc:
             assert fwd["bytes"] == shape.num_layers * issue, (what, fwd, issue)
     else:
-        issue = 2 * (sp - 1) * b * (s // sp) * hkv_loc * 4
+        issue = 2 * (cp - 1) * b * (s // cp) * hkv_loc * 4
         assert fwd["bytes"] == shape.num_layers * issue, (what, fwd, issue)
     # forward + backward, payload and wire
     engine.reset_comm_stats()
     engine.forward_backward(batch)
-    got = engine.comm_stats()["sp"]
+    got = engine.comm_stats()["cp"]
     for key, wire in (("bytes", False), ("wire_bytes", True)):
-        want = sp_model_traffic(shape, wire=wire, **kw).total
+        want = cp_model_traffic(shape, wire=wire, **kw).total
         assert abs(got[key] - want) <= 0.1 * want, f"{what}: ledger {key} {got[key]} vs formula {want:.0f}"
-    assert set(got["ops"]) == ({"all_to_all"} if plan.sp_mode == "ulysses" else {"ring_shift"}), (what, got)
+    assert set(got["ops"]) == ({"all_to_all"} if plan.cp_mode == "ulysses" else {"ring_shift"}), (what, got)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -143,7 +143,7 @@ class _SavedBytes:
         self._ctx.__exit__(*exc)
 
 
-def _check_memory(family, mode, sp):
+def _check_memory(family, mode, cp):
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, VOCAB, (1, LONG + 1), generator=g)
     batch = {"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()}
@@ -153,12 +153,12 @@ def _check_memory(family, mode, sp):
         logits = out if isinstance(out, torch.Tensor) else out.logits
         F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum").backward()
     model = _long_model(family)
-    engine = bh.boost(model, make_optimizer("sgd", model), bh.Plan(sp=sp, sp_mode=mode))
+    engine = bh.boost(model, make_optimizer("sgd", model), bh.Plan(cp=cp, cp_mode=mode))
     with _SavedBytes(engine.model) as saved:
         engine.step(batch)
-    ratio = saved.total / (serial_saved.total / sp)
-    assert ratio <= 1.25, (f"sp={sp} {mode} {family}: {saved.total} B saved per rank vs serial "
-                           f"{serial_saved.total} B / sp = {serial_saved.total / sp:.0f} B (ratio {ratio:.3f})")
+    ratio = saved.total / (serial_saved.total / cp)
+    assert ratio <= 1.25, (f"cp={cp} {mode} {family}: {saved.total} B saved per rank vs serial "
+                           f"{serial_saved.total} B / cp = {serial_saved.total / cp:.0f} B (ratio {ratio:.3f})")
     return ratio
 
 
@@ -167,14 +167,14 @@ def _fused_seam(axis):
     """Ring attention with ``BLOCK_KERNEL = "flash"`` (on CPU: aten's CPU flash op and its
     backward, fed the merged out/lse) equals full attention in float64 and bf16: the GPU
     path's bookkeeping (lse merge, global out/lse in the backward, row/column slices)."""
-    import test_sequence_attention as core
+    import test_context_attention as core
     old = ring.BLOCK_KERNEL
     ring.BLOCK_KERNEL = "flash"
     try:
         for i, (n, k_heads, scale) in enumerate(core.CASES):
             core._parity(axis, "ring", n, k_heads, scale, seed=500 + i)
         core._low_precision_ring(axis)
-        _check_plan("gpt", bh.Plan(sp=axis.size, sp_mode="ring"), what="ring, fused-kernel seam")
+        _check_plan("gpt", bh.Plan(cp=axis.size, cp_mode="ring"), what="ring, fused-kernel seam")
     finally:
         ring.BLOCK_KERNEL = old
 
@@ -190,7 +190,7 @@ def _check_loss_fn():
         batches.append({"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()})
     want_losses, want_state = serial_train("hf-gpt2", "adamw", batches, max_grad_norm=1.0)
     loss_fn = lambda out, b: F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten())  # noqa: E731
-    for plan in (bh.Plan(sp=2, sp_mode="ring"), bh.Plan(sp=2, microbatches=2)):
+    for plan in (bh.Plan(cp=2, cp_mode="ring"), bh.Plan(cp=2, microbatches=2)):
         model = _build_hf("hf-gpt2")
         engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0, loss_fn=loss_fn)
         losses = [engine.step(b) for b in batches]
@@ -201,9 +201,9 @@ def _check_loss_fn():
 # ----------------------------------------------------------------------------- checkpoints
 def _checkpoint(root):
     batches = global_batches(4, BATCH)
-    path = os.path.join(root, "sp2", "step-2")
+    path = os.path.join(root, "cp2", "step-2")
     model = _build_hf("hf-gpt2")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(sp=2, sp_mode="ring"), max_grad_norm=1.0)
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(cp=2, cp_mode="ring"), max_grad_norm=1.0)
     for b in batches[:2]:
         engine.step(b)
     engine.save(path)
@@ -212,8 +212,8 @@ def _checkpoint(root):
     engine.load(path)
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
     want_losses, want_state = _serial("hf-gpt2", "adamw", 1.0, batches, key="ckpt")
-    assert_losses_close(losses, want_losses[2:], what="sp=2 checkpoint -> dp=2")
-    assert_state_close(engine.full_state_dict(), want_state, what="sp=2 checkpoint -> dp=2")
+    assert_losses_close(losses, want_losses[2:], what="cp=2 checkpoint -> dp=2")
+    assert_state_close(engine.full_state_dict(), want_state, what="cp=2 checkpoint -> dp=2")
 
 
 # ----------------------------------------------------------------------------- errors
@@ -234,26 +234,26 @@ def _gpt(plan, **cfg):
 
 
 def _errors(world):
-    sp = world
-    _expect(ValueError, lambda: _gpt(bh.Plan(sp=sp), num_heads=3, hidden=24),
-            "sp_mode='ulysses'", "num_heads=3", f"sp={sp}", "sp_mode='ring'")
-    _expect(ValueError, lambda: _gpt(bh.Plan(sp=sp, sp_mode="ring"), dropout=0.1), "dropout=0.1")
+    cp = world
+    _expect(ValueError, lambda: _gpt(bh.Plan(cp=cp), num_heads=3, hidden=24),
+            "cp_mode='ulysses'", "num_heads=3", f"cp={cp}", "cp_mode='ring'")
+    _expect(ValueError, lambda: _gpt(bh.Plan(cp=cp, cp_mode="ring"), dropout=0.1), "dropout=0.1")
     batch = global_batches(1, 2)[0]
-    ring_engine = _gpt(bh.Plan(sp=sp, sp_mode="ring"))
-    crop = SEQ - 2   # 14: not a multiple of 2*sp
+    ring_engine = _gpt(bh.Plan(cp=cp, cp_mode="ring"))
+    crop = SEQ - 2   # 14: not a multiple of 2*cp
     _expect(ValueError, lambda: ring_engine.step({k: v[:, :crop] for k, v in batch.items()}),
-            f"seq_len={crop}", f"2*sp={2 * sp}")
-    uly_engine = _gpt(bh.Plan(sp=sp))
+            f"seq_len={crop}", f"2*cp={2 * cp}")
+    uly_engine = _gpt(bh.Plan(cp=cp))
     _expect(ValueError, lambda: uly_engine.step({k: v[:, :SEQ - 1] for k, v in batch.items()}),
-            f"seq_len={SEQ - 1}", f"sp={sp}")
+            f"seq_len={SEQ - 1}", f"cp={cp}")
     long = {k: torch.cat([v, v], 1) for k, v in batch.items()}
     _expect(ValueError, lambda: uly_engine.step(long), f"sequence length {2 * SEQ}", f"{SEQ} positions")
     from transformers import GPT2Config, GPT2LMHeadModel
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4,
                                     bos_token_id=0, eos_token_id=0))   # stock attn_pdrop=0.1
-    _expect(ValueError, lambda: bh.boost(hf, make_optimizer("sgd", hf), bh.Plan(sp=sp)), "attn_pdrop=0.1")
+    _expect(ValueError, lambda: bh.boost(hf, make_optimizer("sgd", hf), bh.Plan(cp=cp)), "attn_pdrop=0.1")
     if world == 4:
-        _expect(NotImplementedError, lambda: _gpt(bh.Plan(sp=2, pp=2)), "pipeline")
+        _expect(NotImplementedError, lambda: _gpt(bh.Plan(cp=2, pp=2)), "pipeline")
     # the engines still train after the refused batches, and every rank is alive
     ring_engine.step(batch)
     t = torch.ones(1)
@@ -262,39 +262,39 @@ def _errors(world):
 
 
 def test_plans_that_do_not_compose_are_refused():
-    """Pure: what bh.boost calls (Plan.check_supported) refuses sp with 2D/2.5D/3D tp and pp."""
-    for plan in (bh.Plan(sp=2, tp=4, tp_mode="2d", dp=1), bh.Plan(sp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
-                 bh.Plan(sp=2, tp=8, tp_mode="3d", dp=1)):
+    """Pure: what bh.boost calls (Plan.check_supported) refuses cp with 2D/2.5D/3D tp and pp."""
+    for plan in (bh.Plan(cp=2, tp=4, tp_mode="2d", dp=1), bh.Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
+                 bh.Plan(cp=2, tp=8, tp_mode="3d", dp=1)):
         with pytest.raises(NotImplementedError, match="composes with 1D tensor parallelism only"):
             plan.check_supported()
     with pytest.raises(NotImplementedError, match="pipeline"):
-        bh.Plan(sp=2, pp=2, dp=1).check_supported()
-    for plan in (bh.Plan(sp=4), bh.Plan(sp=2, tp=2, dp=2, sp_mode="ring"), bh.Plan(sp=2, tp=2, sequence_parallel=True)):
+        bh.Plan(cp=2, pp=2, dp=1).check_supported()
+    for plan in (bh.Plan(cp=4), bh.Plan(cp=2, tp=2, dp=2, cp_mode="ring"), bh.Plan(cp=2, tp=2, sequence_parallel=True)):
         plan.check_supported()
 
 
 def test_traffic_formulas_are_the_issues():
-    """Pure: per-layer forward payloads equal the issue's formulas (Ulysses 4bsh/sp for
-    multi-head attention, ring 2(sp-1) b (s/sp) h_kv), Ulysses moves the same backward, the
-    ring's backward adds the dK/dV buffer's sp shifts, and sp=1 moves nothing."""
+    """Pure: per-layer forward payloads equal the issue's formulas (Ulysses 4bsh/cp for
+    multi-head attention, ring 2(cp-1) b (s/cp) h_kv), Ulysses moves the same backward, the
+    ring's backward adds the dK/dV buffer's cp shifts, and cp=1 moves nothing."""
     shape = TransformerShape(hidden=64, ffn_hidden=256, num_layers=3, num_heads=8, num_kv_heads=2, vocab_size=100,
                              norm_params=64, linear_bias=False)
     mha = TransformerShape(hidden=64, ffn_hidden=256, num_layers=3, num_heads=8, num_kv_heads=8, vocab_size=100,
                            norm_params=64, linear_bias=False)
     b, s, e = 2, 64, 2
-    for sp in (2, 4):
-        u = sp_model_traffic(mha, batch=b, seq=s, sp=sp, mode="ulysses", dtype_bytes=e, wire=False)
-        assert u.forward == u.backward == 3 * 4 * b * s * 64 // sp * e
-        assert sp_model_traffic(mha, batch=b, seq=s, sp=sp, mode="ulysses", dtype_bytes=e).forward == \
-            u.forward * (sp - 1) / sp
-        r = sp_model_traffic(shape, batch=b, seq=s, sp=sp, mode="ring", dtype_bytes=e)
-        kv = b * (s // sp) * 2 * 8   # h_kv = 2 kv heads x head dim 8
-        assert r.forward == 3 * 2 * (sp - 1) * kv * e
-        assert r.backward == 3 * (2 * (sp - 1) * kv * e + 2 * sp * kv * 4)
+    for cp in (2, 4):
+        u = cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", dtype_bytes=e, wire=False)
+        assert u.forward == u.backward == 3 * 4 * b * s * 64 // cp * e
+        assert cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", dtype_bytes=e).forward == \
+            u.forward * (cp - 1) / cp
+        r = cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", dtype_bytes=e)
+        kv = b * (s // cp) * 2 * 8   # h_kv = 2 kv heads x head dim 8
+        assert r.forward == 3 * 2 * (cp - 1) * kv * e
+        assert r.backward == 3 * (2 * (cp - 1) * kv * e + 2 * cp * kv * 4)
         # with tp=2: 4 query heads and 1 kv head per rank
-        assert sp_model_traffic(shape, batch=b, seq=s, sp=sp, mode="ring", tp=2, dtype_bytes=e).forward == \
+        assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=2, dtype_bytes=e).forward == \
             r.forward / 2
-    assert sp_model_traffic(shape, batch=b, seq=s, sp=1, mode="ring").total == 0
+    assert cp_model_traffic(shape, batch=b, seq=s, cp=1, mode="ring").total == 0
 
 
 # ----------------------------------------------------------------------------- worlds
@@ -303,19 +303,19 @@ def _world2(rank, world, root):
     for i, family in enumerate(FAMILIES):
         for j, mode in enumerate(("ulysses", "ring")):
             opt, clip = ("adamw", 1.0) if (i + j) % 2 == 0 else ("sgd", None)
-            _check_plan(family, bh.Plan(sp=2, sp_mode=mode), opt=opt, clip=clip)
-    _check_plan("llama", bh.Plan(sp=2, sp_mode="ring", microbatches=2, activation_checkpointing=True),
-                what="sp=2 ring, microbatches=2, activation checkpointing")
-    _check_plan("hf-gpt2", bh.Plan(sp=2, microbatches=2), opt="sgd", clip=0.5, what="sp=2 ulysses, microbatches=2")
-    _check_plan("gpt", bh.Plan(sp=2, sp_mode="ring", compile=True), what="sp=2 ring, compiled blocks")
+            _check_plan(family, bh.Plan(cp=2, cp_mode=mode), opt=opt, clip=clip)
+    _check_plan("llama", bh.Plan(cp=2, cp_mode="ring", microbatches=2, activation_checkpointing=True),
+                what="cp=2 ring, microbatches=2, activation checkpointing")
+    _check_plan("hf-gpt2", bh.Plan(cp=2, microbatches=2), opt="sgd", clip=0.5, what="cp=2 ulysses, microbatches=2")
+    _check_plan("gpt", bh.Plan(cp=2, cp_mode="ring", compile=True), what="cp=2 ring, compiled blocks")
     _check_loss_fn()
     for family in ("gpt", "llama", "hf-llama"):
         for mode in ("ulysses", "ring"):
-            _check_traffic(family, bh.Plan(sp=2, sp_mode=mode))
+            _check_traffic(family, bh.Plan(cp=2, cp_mode=mode))
     ratios = {(f, m): _check_memory(f, m, 2) for f in ("gpt", "hf-llama") for m in ("ulysses", "ring")}
     if rank == 0:
-        print("saved activations per rank / (serial / sp):", {f"{f}/{m}": round(r, 3) for (f, m), r in ratios.items()})
-    mesh_axis = ParallelMesh(bh.Plan(sp=2, dp=1), rank, world).axis("sp")
+        print("saved activations per rank / (serial / cp):", {f"{f}/{m}": round(r, 3) for (f, m), r in ratios.items()})
+    mesh_axis = ParallelMesh(bh.Plan(cp=2, dp=1), rank, world).axis("cp")
     _fused_seam(mesh_axis)
     _checkpoint(root)
     _errors(world)
@@ -323,30 +323,30 @@ def _world2(rank, world, root):
 
 def _world4(rank, world):
     torch.manual_seed(rank)
-    for i, family in enumerate(FAMILIES):   # Llama's 2 kv heads < sp=4: Ulysses replicates them
+    for i, family in enumerate(FAMILIES):   # Llama's 2 kv heads < cp=4: Ulysses replicates them
         for j, mode in enumerate(("ulysses", "ring")):
-            _check_plan(family, bh.Plan(sp=4, sp_mode=mode), opt="adamw" if (i + j) % 2 else "sgd")
+            _check_plan(family, bh.Plan(cp=4, cp_mode=mode), opt="adamw" if (i + j) % 2 else "sgd")
     for i, family in enumerate(FAMILIES):
         mode = ("ring", "ulysses")[i % 2]
-        _check_plan(family, bh.Plan(dp=2, sp=2, sp_mode=mode), opt="adamw" if i % 2 else "sgd", clip=1.0)
-        _check_plan(family, bh.Plan(sp=2, tp=2, sp_mode=("ulysses", "ring")[i % 2],
+        _check_plan(family, bh.Plan(dp=2, cp=2, cp_mode=mode), opt="adamw" if i % 2 else "sgd", clip=1.0)
+        _check_plan(family, bh.Plan(cp=2, tp=2, cp_mode=("ulysses", "ring")[i % 2],
                                     sequence_parallel=family.startswith("hf")), opt="adamw")
-    _check_plan("gpt", bh.Plan(dp=2, sp=2, sp_mode="ring", microbatches=2), opt="adamw", clip=0.5,
-                what="dp=2 x sp=2 ring, microbatches=2")
-    for family, plan in (("llama", bh.Plan(sp=4, sp_mode="ulysses")), ("hf-gpt2", bh.Plan(sp=4, sp_mode="ring")),
-                         ("llama", bh.Plan(sp=2, tp=2, sp_mode="ulysses")),
-                         ("hf-llama", bh.Plan(sp=2, tp=2, sp_mode="ring", sequence_parallel=True)),
-                         ("gpt", bh.Plan(dp=2, sp=2, sp_mode="ulysses"))):
+    _check_plan("gpt", bh.Plan(dp=2, cp=2, cp_mode="ring", microbatches=2), opt="adamw", clip=0.5,
+                what="dp=2 x cp=2 ring, microbatches=2")
+    for family, plan in (("llama", bh.Plan(cp=4, cp_mode="ulysses")), ("hf-gpt2", bh.Plan(cp=4, cp_mode="ring")),
+                         ("llama", bh.Plan(cp=2, tp=2, cp_mode="ulysses")),
+                         ("hf-llama", bh.Plan(cp=2, tp=2, cp_mode="ring", sequence_parallel=True)),
+                         ("gpt", bh.Plan(dp=2, cp=2, cp_mode="ulysses"))):
         _check_traffic(family, plan)
     ratios = {m: _check_memory("gpt", m, 4) for m in ("ulysses", "ring")}
     if rank == 0:
-        print("sp=4 saved activations per rank / (serial / sp):", {m: round(r, 3) for m, r in ratios.items()})
+        print("cp=4 saved activations per rank / (serial / cp):", {m: round(r, 3) for m, r in ratios.items()})
     _errors(world)
 
 
-def test_sp2_models_traffic_memory_checkpoint_errors(tmp_path):
+def test_cp2_models_traffic_memory_checkpoint_errors(tmp_path):
     bh.spawn(_world2, 2, str(tmp_path), timeout=240)
 
 
-def test_sp4_dp2_sp2_sp2_tp2():
+def test_cp4_dp2_cp2_cp2_tp2():
     bh.spawn(_world4, 4, timeout=300)

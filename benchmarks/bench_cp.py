@@ -1,4 +1,4 @@
-"""GPU benchmark of behemoth's sequence parallelism (issue 6), one RESULT json line per run.
+"""GPU benchmark of behemoth's context parallelism (issue 6), one RESULT json line per run.
 
 Two modes:
 
@@ -8,19 +8,19 @@ Two modes:
   gathered back to sequence order and compared with an fp32 reference (SDPA in fp32) next to
   bf16 SDPA's own error, then timed (forward + backward, median of ``--iters``)::
 
-      torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp.py --check --seq 8192
+      torchrun --standalone --nproc-per-node 2 benchmarks/bench_cp.py --check --seq 8192
 
 * training (default) -- behemoth's GPT (``--size``, default gpt-1.3b) with bf16 autocast,
-  fp32 master weights and fused AdamW under ``Plan(sp=--sp, sp_mode=--mode)`` (dp = world /
-  sp), ``--mbs`` sequences of ``--seq`` tokens per data-parallel rank::
+  fp32 master weights and fused AdamW under ``Plan(cp=--cp, cp_mode=--mode)`` (dp = world /
+  cp), ``--mbs`` sequences of ``--seq`` tokens per data-parallel rank::
 
-      torchrun --standalone --nproc-per-node 1 benchmarks/bench_sp.py --sp 1 --seq 16384
-      torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp.py --sp 2 --mode ring --seq 32768
+      torchrun --standalone --nproc-per-node 1 benchmarks/bench_cp.py --cp 1 --seq 16384
+      torchrun --standalone --nproc-per-node 2 benchmarks/bench_cp.py --cp 2 --mode ring --seq 32768
 
   ``--probe-max-seq`` instead finds the longest sequence that trains 2 steps on every rank,
   climbing from ``--seq`` (x ``--probe-growth``, rounded to ``--seq-step``) to the first failure.
 
-tokens/s/GPU = mbs * seq / step / sp (an sp group shares its sequences). TFLOP/s and MFU use
+tokens/s/GPU = mbs * seq / step / cp (a cp group shares its sequences). TFLOP/s and MFU use
 the PaLM convention (6*N + 12*L*h*s FLOPs per token, s the whole sequence) against
 ``--peak`` (989 TFLOP/s dense bf16, H100/H200 SXM), so throughput at different sequence
 lengths compares at equal work through TFLOP/s/GPU.
@@ -73,12 +73,12 @@ def _median_time(fn, iters: int, warmup: int = 3) -> float:
 def check(a) -> None:
     from behemoth import comm
     from behemoth.mesh import ParallelMesh
-    from behemoth.parallel.sequence import gather_sequence, ring, sequence_attention, split_sequence
+    from behemoth.parallel.context import context_attention, gather_sequence, ring, split_sequence
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     dev = bh.distributed.device_for_rank()
-    mesh = ParallelMesh(bh.Plan(sp=world, dp=1), rank, world)
-    axis = mesh.axis("sp")
+    mesh = ParallelMesh(bh.Plan(cp=world, dp=1), rank, world)
+    axis = mesh.axis("cp")
     B, N, K, S, D = a.mbs, a.heads, a.kv_heads or a.heads, a.seq, a.head_dim
     g = torch.Generator(device=dev).manual_seed(0)  # the same full tensors on every rank
     q32 = torch.randn(B, N, S, D, device=dev, generator=g)
@@ -111,7 +111,7 @@ def check(a) -> None:
         ring.BLOCK_KERNEL = kernel
         ql, kl, vl, wl = local(torch.bfloat16, mode)
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-        out = sequence_attention(ql, kl, vl, axis, mode=mode)
+        out = context_attention(ql, kl, vl, axis, mode=mode)
         (out.float() * wl.float()).sum().backward()
         got = [gather(t, mode) for t in (out, ql.grad, kl.grad, vl.grad)]
         err = [(x - r).abs().max().item() for x, r in zip(got, ref)]
@@ -119,7 +119,7 @@ def check(a) -> None:
 
         def step():
             qq, kk, vv = (t.detach().requires_grad_() for t in (ql, kl, vl))
-            o = sequence_attention(qq, kk, vv, axis, mode=mode)
+            o = context_attention(qq, kk, vv, axis, mode=mode)
             o.backward(wl)
 
         ms = _median_time(step, a.iters) * 1e3
@@ -150,7 +150,7 @@ def check(a) -> None:
     flags = torch.tensor([float(all(r["ok"] for r in results.values()))], device=dev)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
     if rank == 0:
-        for r in results.values():  # ideal: full_ms / sp (each rank does 1/sp of the causal work)
+        for r in results.values():  # ideal: full_ms / cp (each rank does 1/cp of the causal work)
             r["speedup_vs_one_gpu_full_sdpa"] = round(full_ms / r["fwd_bwd_ms"], 3)
         print(
             "RESULT "
@@ -182,19 +182,19 @@ def _engine(a, seq: int, dev):
     counts = model.num_params(), model.flops_per_token(seq)  # serial counts
     world = torch.distributed.get_world_size()
     plan = bh.Plan(
-        dp=world // a.sp, sp=a.sp, sp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt, zero=a.zero
+        dp=world // a.cp, cp=a.cp, cp_mode=a.mode, precision="bf16", activation_checkpointing=a.ckpt, zero=a.zero
     )
     return bh.boost(model, opt, plan), counts
 
 
 def _batch(a, seq: int, engine, dev):
-    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # sp ranks share their dp rank's batch
+    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # cp ranks share their dp rank's batch
     x = torch.randint(0, a.vocab, (a.mbs, seq + 1), device=dev, generator=g)
     return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
 
 
 def _label(a) -> str:
-    return ("behemoth-1gpu" if a.sp == 1 else f"behemoth-sp{a.sp}-{a.mode}") + (f"-zero{a.zero}" if a.zero else "")
+    return ("behemoth-1gpu" if a.cp == 1 else f"behemoth-cp{a.cp}-{a.mode}") + (f"-zero{a.zero}" if a.zero else "")
 
 
 def train(a) -> None:
@@ -212,13 +212,13 @@ def train(a) -> None:
         times.append(time.perf_counter() - t)
     warm = times[3:] or times
     dt = sorted(warm)[len(warm) // 2]
-    tok_per_gpu = a.mbs * a.seq / dt / a.sp
+    tok_per_gpu = a.mbs * a.seq / dt / a.cp
     if rank == 0:
         r = dict(
             size=a.size,
             mode=_label(a),
             gpus=world,
-            sp=a.sp,
+            cp=a.cp,
             mbs=a.mbs,
             seq=a.seq,
             ckpt=a.ckpt,
@@ -262,7 +262,7 @@ def probe_max_seq(a) -> None:
     after the failure: once a candidate has run out of memory, the process fails candidates
     that train in a fresh one (measured on H200: 45,056 trained as a first candidate, failed
     after 51,200 had run out), so the search only climbs; start near the answer and use
-    --probe-growth 1 for a --seq-step resolution. sp ranks hold equal shapes, so they run
+    --probe-growth 1 for a --seq-step resolution. cp ranks hold equal shapes, so they run
     out of memory at the same operation."""
     rank = torch.distributed.get_rank()
     dev = bh.distributed.device_for_rank()
@@ -287,7 +287,7 @@ def probe_max_seq(a) -> None:
                 dict(
                     size=a.size,
                     mode=_label(a),
-                    sp=a.sp,
+                    cp=a.cp,
                     mbs=a.mbs,
                     ckpt=a.ckpt,
                     zero=a.zero,
@@ -304,14 +304,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--check", action="store_true", help="check and time the attention cores instead of training")
     p.add_argument("--size", default="gpt-1.3b")
-    p.add_argument("--sp", type=int, default=2, help="sequence-parallel degree (1 = one GPU, no sp)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel degree (1 = one GPU, no cp)")
     p.add_argument("--mode", default="ring", choices=("ring", "ulysses"))
     p.add_argument("--seq", type=int, default=32768, help="tokens per sequence (the whole sequence)")
     p.add_argument("--mbs", type=int, default=1, help="sequences per data-parallel rank per step (--check: batch)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
-    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp x sp (frees model data for activations)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp x cp (frees model data for activations)")
     p.add_argument("--tied", action="store_true", help="tie input/output embeddings (peer_baseline's are untied)")
     p.add_argument(
         "--probe-max-seq",

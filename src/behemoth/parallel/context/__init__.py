@@ -1,4 +1,4 @@
-"""Sequence parallelism: the sequence is split over the ``sp`` mesh axis everywhere except
+"""Context parallelism: the sequence is split over the ``cp`` mesh axis everywhere except
 inside attention, which is one of two exact cores:
 
 * :func:`ulysses_attention` (DeepSpeed-Ulysses, Jacobs et al. 2023, ``ulysses.py``): two
@@ -10,25 +10,25 @@ Layouts (tensors ``[B, N, S_local, D]`` like ``F.scaled_dot_product_attention``;
 engine splits ``input_ids``/``labels`` with the same helpers along dim 1):
 
 =========  ===============================================================
-mode       what rank ``r`` of ``sp`` holds of a sequence of length ``S``
+mode       what rank ``r`` of ``cp`` holds of a sequence of length ``S``
 =========  ===============================================================
-ulysses    the contiguous chunk ``[r*S/sp, (r+1)*S/sp)``
-ring       zigzag: the sequence cut into ``2*sp`` chunks of ``C = S/(2*sp)``;
-           chunk ``r`` then chunk ``2*sp-1-r`` (so every rank does the same
+ulysses    the contiguous chunk ``[r*S/cp, (r+1)*S/cp)``
+ring       zigzag: the sequence cut into ``2*cp`` chunks of ``C = S/(2*cp)``;
+           chunk ``r`` then chunk ``2*cp-1-r`` (so every rank does the same
            causal work; local positions stay increasing)
 =========  ===============================================================
 
 Everything in this file is pure (ints and tensor shapes; no process group) and
-unit-tested in ``tests/unit/test_sequence_layout.py``; the attention cores are tested
-against full causal attention in ``tests/dist/test_sequence_attention.py``.
+unit-tested in ``tests/unit/test_context_layout.py``; the attention cores are tested
+against full causal attention in ``tests/dist/test_context_attention.py``.
 
 Integration (``apply.py`` plugs the cores into a model; the engine does the rest): split
 each batch with :func:`split_sequence` (``dim=1`` for ``[B, S]``), feed :func:`position_ids_for` to RoPE or
-learned position embeddings, call :func:`sequence_attention` (or the mode's function) in
-place of the model's causal SDPA with the mesh's ``sp`` axis, and sum the loss over the
-``sp`` axis as over ``dp`` (every token lives on exactly one sp rank). Parameter gradients
-are partial sums over ``sp`` (each rank saw part of the sequence) and must be all-reduced
-over ``dp_sp``, not just ``dp``.
+learned position embeddings, call :func:`context_attention` (or the mode's function) in
+place of the model's causal SDPA with the mesh's ``cp`` axis, and sum the loss over the
+``cp`` axis as over ``dp`` (every token lives on exactly one cp rank). Parameter gradients
+are partial sums over ``cp`` (each rank saw part of the sequence) and must be all-reduced
+over ``dp_cp``, not just ``dp``.
 """
 
 from __future__ import annotations
@@ -42,31 +42,31 @@ MODES = ("ulysses", "ring")
 
 # ----------------------------------------------------------------------------- validation
 def check_sequence(
-    seq_len: int, sp: int, mode: str, num_heads: int | None = None, num_kv_heads: int | None = None
+    seq_len: int, cp: int, mode: str, num_heads: int | None = None, num_kv_heads: int | None = None
 ) -> None:
     """Raise ``ValueError`` (naming the numbers, the rule and a fix) when a sequence of
-    ``seq_len`` tokens and the given head counts cannot be split ``sp`` ways in ``mode``.
+    ``seq_len`` tokens and the given head counts cannot be split ``cp`` ways in ``mode``.
 
-    Rules: ``sp >= 1``; ulysses needs ``seq_len % sp == 0`` and ``num_heads % sp == 0``; ring
-    needs ``seq_len % (2*sp) == 0``; grouped-query attention needs
-    ``num_heads % num_kv_heads == 0`` in both modes. Fewer kv heads than ``sp`` is legal
+    Rules: ``cp >= 1``; ulysses needs ``seq_len % cp == 0`` and ``num_heads % cp == 0``; ring
+    needs ``seq_len % (2*cp) == 0``; grouped-query attention needs
+    ``num_heads % num_kv_heads == 0`` in both modes. Fewer kv heads than ``cp`` is legal
     (Ulysses replicates them). Pure; call it on every rank before any collective."""
     if mode not in MODES:
-        raise ValueError(f"sequence-parallel mode {mode!r} is not one of {list(MODES)}.")
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        raise ValueError(f"sp={sp!r}: the sequence-parallel degree must be an integer >= 1.")
+        raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp={cp!r}: the context-parallel degree must be an integer >= 1.")
     if seq_len < 1:
         raise ValueError(f"sequence length {seq_len} must be >= 1.")
-    if mode == "ulysses" and seq_len % sp:
+    if mode == "ulysses" and seq_len % cp:
         raise ValueError(
-            f"sp_mode='ulysses' needs the sequence length divisible by sp; got seq_len={seq_len}, "
-            f"sp={sp} (remainder {seq_len % sp}). Pad or crop to a multiple of {sp}."
+            f"cp_mode='ulysses' needs the sequence length divisible by cp; got seq_len={seq_len}, "
+            f"cp={cp} (remainder {seq_len % cp}). Pad or crop to a multiple of {cp}."
         )
-    if mode == "ring" and seq_len % (2 * sp):
+    if mode == "ring" and seq_len % (2 * cp):
         raise ValueError(
-            f"sp_mode='ring' needs the sequence length divisible by 2*sp={2 * sp} (zigzag chunks); "
-            f"got seq_len={seq_len}, sp={sp} (remainder {seq_len % (2 * sp)}). "
-            f"Pad or crop to a multiple of {2 * sp}."
+            f"cp_mode='ring' needs the sequence length divisible by 2*cp={2 * cp} (zigzag chunks); "
+            f"got seq_len={seq_len}, cp={cp} (remainder {seq_len % (2 * cp)}). "
+            f"Pad or crop to a multiple of {2 * cp}."
         )
     if num_heads is not None and num_kv_heads is not None:
         if num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -74,69 +74,69 @@ def check_sequence(
                 f"grouped-query attention needs num_heads divisible by num_kv_heads; got "
                 f"num_heads={num_heads}, num_kv_heads={num_kv_heads}."
             )
-    if mode == "ulysses" and num_heads is not None and num_heads % sp:
+    if mode == "ulysses" and num_heads is not None and num_heads % cp:
         raise ValueError(
-            f"sp_mode='ulysses' splits attention heads over sp; got num_heads={num_heads}, sp={sp} "
-            f"(remainder {num_heads % sp}). Use an sp that divides {num_heads}, or sp_mode='ring'."
+            f"cp_mode='ulysses' splits attention heads over cp; got num_heads={num_heads}, cp={cp} "
+            f"(remainder {num_heads % cp}). Use a cp that divides {num_heads}, or cp_mode='ring'."
         )
 
 
-def _check_rank(sp: int, rank: int) -> None:
-    if not 0 <= rank < sp:
-        raise ValueError(f"rank={rank} is out of range for sp={sp} (0 <= rank < {sp}).")
+def _check_rank(cp: int, rank: int) -> None:
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is out of range for cp={cp} (0 <= rank < {cp}).")
 
 
 # ----------------------------------------------------------------------------- positions
-def zigzag_chunks(sp: int, rank: int) -> tuple[int, int]:
-    """The two chunk indices (of ``2*sp``) that ring rank ``rank`` holds, in local order."""
-    _check_rank(sp, rank)
-    return rank, 2 * sp - 1 - rank
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunk indices (of ``2*cp``) that ring rank ``rank`` holds, in local order."""
+    _check_rank(cp, rank)
+    return rank, 2 * cp - 1 - rank
 
 
-def zigzag_indices(seq_len: int, sp: int, rank: int) -> torch.Tensor:
-    """Global positions (int64, increasing) of the ``seq_len/sp`` tokens ring rank ``rank`` holds:
-    chunk ``rank`` then chunk ``2*sp-1-rank`` of ``2*sp`` equal chunks."""
-    check_sequence(seq_len, sp, "ring")
-    c = seq_len // (2 * sp)
-    a, b = zigzag_chunks(sp, rank)
+def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions (int64, increasing) of the ``seq_len/cp`` tokens ring rank ``rank`` holds:
+    chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp`` equal chunks."""
+    check_sequence(seq_len, cp, "ring")
+    c = seq_len // (2 * cp)
+    a, b = zigzag_chunks(cp, rank)
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
-def position_ids_for(seq_len: int, sp: int, rank: int, mode: str) -> torch.Tensor:
-    """Global positions (int64, ``[seq_len/sp]``) of this rank's local tokens in ``mode``'s layout;
+def position_ids_for(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
+    """Global positions (int64, ``[seq_len/cp]``) of this rank's local tokens in ``mode``'s layout;
     what RoPE or a learned position embedding must see instead of ``arange(S_local)``."""
-    check_sequence(seq_len, sp, mode)
-    _check_rank(sp, rank)
+    check_sequence(seq_len, cp, mode)
+    _check_rank(cp, rank)
     if mode == "ring":
-        return zigzag_indices(seq_len, sp, rank)
-    n = seq_len // sp
+        return zigzag_indices(seq_len, cp, rank)
+    n = seq_len // cp
     return torch.arange(rank * n, (rank + 1) * n)
 
 
 # ----------------------------------------------------------------------------- split / gather
-def split_sequence(x: torch.Tensor, dim: int, sp: int, rank: int, mode: str) -> torch.Tensor:
+def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int, mode: str) -> torch.Tensor:
     """This rank's share of ``x`` along its sequence dim ``dim``: the contiguous chunk for
-    ``"ulysses"`` (a view), chunks ``rank`` and ``2*sp-1-rank`` concatenated for ``"ring"``.
+    ``"ulysses"`` (a view), chunks ``rank`` and ``2*cp-1-rank`` concatenated for ``"ring"``.
     Differentiable (slicing only); no communication."""
     s = x.shape[dim]
-    check_sequence(s, sp, mode)
-    _check_rank(sp, rank)
+    check_sequence(s, cp, mode)
+    _check_rank(cp, rank)
     if mode == "ulysses":
-        n = s // sp
+        n = s // cp
         return x.narrow(dim, rank * n, n)
-    c = s // (2 * sp)
-    a, b = zigzag_chunks(sp, rank)
+    c = s // (2 * cp)
+    a, b = zigzag_chunks(cp, rank)
     return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
 
 
 def gather_sequence(parts: Sequence[torch.Tensor], dim: int, mode: str) -> torch.Tensor:
-    """Inverse of :func:`split_sequence`: ``parts[r]`` is rank ``r``'s share (``sp = len(parts)``);
+    """Inverse of :func:`split_sequence`: ``parts[r]`` is rank ``r``'s share (``cp = len(parts)``);
     returns the full sequence in natural order along ``dim``. Pure; the caller gathers the
     parts (e.g. ``comm.all_gather``) when they live on different ranks."""
     if mode not in MODES:
-        raise ValueError(f"sequence-parallel mode {mode!r} is not one of {list(MODES)}.")
-    sp = len(parts)
-    if sp == 0:
+        raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
+    cp = len(parts)
+    if cp == 0:
         raise ValueError("gather_sequence needs at least one part.")
     if mode == "ulysses":
         return torch.cat(list(parts), dim=dim)
@@ -146,10 +146,10 @@ def gather_sequence(parts: Sequence[torch.Tensor], dim: int, mode: str) -> torch
             f"gather_sequence(mode='ring'): each part holds two zigzag chunks, so its length "
             f"along dim {dim} must be even; got {s_local}."
         )
-    chunks: list[torch.Tensor | None] = [None] * (2 * sp)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
     for r, p in enumerate(parts):
         first, second = p.chunk(2, dim=dim)
-        a, b = zigzag_chunks(sp, r)
+        a, b = zigzag_chunks(cp, r)
         chunks[a], chunks[b] = first, second
     return torch.cat(chunks, dim=dim)
 
@@ -159,7 +159,7 @@ from .ring import ring_attention, ring_bytes, ring_step_block  # noqa: E402
 from .ulysses import ulysses_attention, ulysses_bytes, ulysses_kv_heads  # noqa: E402
 
 
-def sequence_attention(
+def context_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, *, mode: str, scale: float | None = None
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``axis`` in ``mode``'s layout; a drop-in for
@@ -169,7 +169,7 @@ def sequence_attention(
         return ulysses_attention(q, k, v, axis, scale=scale)
     if mode == "ring":
         return ring_attention(q, k, v, axis, scale=scale)
-    raise ValueError(f"sequence-parallel mode {mode!r} is not one of {list(MODES)}.")
+    raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
 
 
 __all__ = [
@@ -186,5 +186,5 @@ __all__ = [
     "ring_attention",
     "ring_bytes",
     "ring_step_block",
-    "sequence_attention",
+    "context_attention",
 ]

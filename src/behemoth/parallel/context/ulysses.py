@@ -1,18 +1,18 @@
-"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509).
+"""Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509).
 
-Each ``sp`` rank holds a contiguous sequence chunk with every head. One all-to-all trades
+Each ``cp`` rank holds a contiguous sequence chunk with every head. One all-to-all trades
 the sequence split for a head split (q, k and v travel in one fused exchange), each rank
-runs ordinary causal attention on the whole sequence for ``N/sp`` query heads, and a
+runs ordinary causal attention on the whole sequence for ``N/cp`` query heads, and a
 second all-to-all trades back. Exact: attention never mixes heads, and each rank sees the
 full sequence of its heads.
 
 Grouped-query attention: query head ``n`` reads kv head ``n // (N/K)``. The kv heads are
-repeat-interleaved to ``K' = lcm(K, sp)`` before the exchange (``K' = K`` when ``sp``
+repeat-interleaved to ``K' = lcm(K, cp)`` before the exchange (``K' = K`` when ``cp``
 divides ``K``), which keeps that grouping and gives every rank exactly the kv heads its
-query heads read: with ``K < sp`` each kv head is replicated on the ``sp/K`` ranks of
+query heads read: with ``K < cp`` each kv head is replicated on the ``cp/K`` ranks of
 its query group. The repeat's backward sums the replicas' gradients.
 
-Tested in ``tests/dist/test_sequence_attention.py`` against full causal attention.
+Tested in ``tests/dist/test_context_attention.py`` against full causal attention.
 """
 
 from __future__ import annotations
@@ -26,44 +26,44 @@ from ... import comm
 from . import check_sequence
 
 # Shape legend: B batch, N query heads, K kv heads (K' after replication), S full sequence,
-# L = S/sp local sequence, D head dim, P = sp; lower case n, k = N/P, K'/P heads of one rank;
+# L = S/cp local sequence, D head dim, P = cp; lower case n, k = N/P, K'/P heads of one rank;
 # H = n + 2k, the fused q/k/v heads one rank sends to (and receives from) each member.
 
 
-def ulysses_kv_heads(num_kv_heads: int, sp: int) -> int:
-    """How many kv heads travel through the all-to-all: ``lcm(K, sp)`` (``K`` when sp divides it)."""
-    return num_kv_heads * sp // math.gcd(num_kv_heads, sp)
+def ulysses_kv_heads(num_kv_heads: int, cp: int) -> int:
+    """How many kv heads travel through the all-to-all: ``lcm(K, cp)`` (``K`` when cp divides it)."""
+    return num_kv_heads * cp // math.gcd(num_kv_heads, cp)
 
 
 def ulysses_bytes(
-    b: int, s: int, n: int, k_heads: int, d: int, sp: int, element_size: int, *, wire: bool = False
+    b: int, s: int, n: int, k_heads: int, d: int, cp: int, element_size: int, *, wire: bool = False
 ) -> int:
-    """Payload bytes one rank's ledger books on the ``sp`` axis for one Ulysses attention
+    """Payload bytes one rank's ledger books on the ``cp`` axis for one Ulysses attention
     forward (the backward moves exactly the same: the two inverse all-to-alls).
 
-    Forward = the fused q/k/v all-to-all of ``[B, N + 2K', S/sp, D]`` plus the output's of
-    ``[B, N, S/sp, D]``: ``b*(s/sp)*d*(2n + 2K')*element_size`` with ``K' = lcm(k_heads, sp)``.
-    For multi-head attention (``K = N``, ``h = N*d``) that is the issue's ``4*b*s*h/sp``
+    Forward = the fused q/k/v all-to-all of ``[B, N + 2K', S/cp, D]`` plus the output's of
+    ``[B, N, S/cp, D]``: ``b*(s/cp)*d*(2n + 2K')*element_size`` with ``K' = lcm(k_heads, cp)``.
+    For multi-head attention (``K = N``, ``h = N*d``) that is the issue's ``4*b*s*h/cp``
     elements exactly; with grouped-query attention it is ``(N + K')/(2N)`` of it. With
-    ``wire=True``: the bytes a rank actually sends, ``(sp-1)/sp`` of the payload. ``sp = 1``
+    ``wire=True``: the bytes a rank actually sends, ``(cp-1)/cp`` of the payload. ``cp = 1``
     moves nothing (0)."""
-    if sp == 1:
+    if cp == 1:
         return 0
-    payload = b * (s // sp) * d * (2 * n + 2 * ulysses_kv_heads(k_heads, sp)) * element_size
-    return payload * (sp - 1) // sp if wire else payload
+    payload = b * (s // cp) * d * (2 * n + 2 * ulysses_kv_heads(k_heads, cp)) * element_size
+    return payload * (cp - 1) // cp if wire else payload
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
-            f"ulysses_attention expects q [B, N, S/sp, D] and k, v [B, K, S/sp, D] of one shape; "
+            f"ulysses_attention expects q [B, N, S/cp, D] and k, v [B, K, S/cp, D] of one shape; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
     if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(
             f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, local sequence or head dim."
         )
-    check_sequence(q.shape[2] * sp, sp, "ulysses", num_heads=q.shape[1], num_kv_heads=k.shape[1])
+    check_sequence(q.shape[2] * cp, cp, "ulysses", num_heads=q.shape[1], num_kv_heads=k.shape[1])
 
 
 def ulysses_attention(
@@ -71,16 +71,16 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's contiguous sequence chunk against the whole sequence.
 
-    Layout: ``q [B, N, S/sp, D]``, ``k, v [B, K, S/sp, D]`` (``K`` divides ``N``) hold rank
-    ``r``'s contiguous chunk ``[r*S/sp, (r+1)*S/sp)`` with all heads (split with
-    ``split_sequence(..., mode="ulysses")``); returns ``[B, N, S/sp, D]`` in the same layout,
+    Layout: ``q [B, N, S/cp, D]``, ``k, v [B, K, S/cp, D]`` (``K`` divides ``N``) hold rank
+    ``r``'s contiguous chunk ``[r*S/cp, (r+1)*S/cp)`` with all heads (split with
+    ``split_sequence(..., mode="ulysses")``); returns ``[B, N, S/cp, D]`` in the same layout,
     equal to the matching slice of ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
     scale=scale, enable_gqa=True)`` on the full sequence.
 
     Communication over ``axis`` (via :class:`comm.AllToAllAxis`): forward, one all-to-all of
     q/k/v fused (sequence split -> head split) and one of the output (head split ->
     sequence split); backward, the two inverse all-to-alls. Bytes: :func:`ulysses_bytes`.
-    Raises ``ValueError`` (on every rank, before any collective) if ``N % sp`` or ``N % K``.
+    Raises ``ValueError`` (on every rank, before any collective) if ``N % cp`` or ``N % K``.
     """
     P = axis.size
     _check_inputs(q, k, v, P)
