@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .parallel.context import apply as context_apply
 from .parallel.tensor import Parallelized
-from .policies import resolve_tp_policy, transformer_blocks
+from .policies import resolve_tp_policy
+from .specs import transformer_blocks
 
 # tp_mode -> module of behemoth.parallel.tensor that provides parallelize(model, mesh, plan, roles)
 _TP_MODULES = {"1d": "tp1d", "2d": "tp2d", "2.5d": "tp2p5d", "3d": "tp3d"}

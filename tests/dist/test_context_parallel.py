@@ -29,6 +29,7 @@ import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.context import ring
 from behemoth.planner.traffic import TransformerShape, cp_model_traffic
+from behemoth.specs import shape_of
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     serial_train, shard)
 
@@ -72,7 +73,7 @@ def _check_plan(family, plan, *, opt="adamw", clip=1.0, what=""):
 def _check_traffic(family, plan):
     """Ledger bytes on ``cp`` for one forward, and for a forward + backward, against the formulas."""
     model = _build_hf(family)
-    shape = TransformerShape.from_config(model.config)
+    shape = shape_of(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     b, s, cp, tp = batch["input_ids"].shape[0], SEQ, plan.cp, plan.tp

@@ -28,7 +28,8 @@ import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import tp1d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, set_spec, shard_tensor
-from behemoth.planner.traffic import TransformerShape, tp1d_model_traffic
+from behemoth.planner.traffic import tp1d_model_traffic
+from behemoth.specs import shape_of
 from common import expect_error, train_and_save
 from common import (SEQ, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     serial_train, shard)
@@ -386,7 +387,7 @@ def test_column_backward_overlaps_its_collective_with_the_weight_gradient():
 # ----------------------------------------------------------------------------- traffic
 def _check_traffic(family, plan):
     model = build(family)
-    shape = TransformerShape.from_config(model.config)
+    shape = shape_of(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     engine.reset_comm_stats()

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp2d, tp2p5d
-from behemoth.planner.traffic import TransformerShape, tp2d_model_traffic
+from behemoth.planner.traffic import tp2d_model_traffic
+from behemoth.specs import shape_of
 from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     shard)
@@ -102,7 +103,7 @@ def _loss_fn(out, b):
 # ----------------------------------------------------------------------------- traffic
 def _check_traffic(family, plan):
     model = _build(family)
-    shape = TransformerShape.from_config(model.config)
+    shape = shape_of(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     engine.reset_comm_stats()

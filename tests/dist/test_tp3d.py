@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp3d
-from behemoth.planner.traffic import TransformerShape, tp3d_model_traffic
+from behemoth.planner.traffic import tp3d_model_traffic
+from behemoth.specs import shape_of
 from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
                     shard)
@@ -143,7 +144,7 @@ def _check_positions(family):
 # ----------------------------------------------------------------------------- traffic
 def _check_traffic(family, plan):
     model = build(family)
-    shape = TransformerShape.from_config(model.config)
+    shape = shape_of(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = global_batches(1, BATCH)[0]
     engine.reset_comm_stats()

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from behemoth.models.gpt import GPT, GPTConfig
 from behemoth.models.llama import Llama, LlamaConfig
 from behemoth.parallel.pipeline.partition import (
-    PIPELINE_LAYOUTS,
     balance_stages,
     estimate_block_costs,
     find_tied_parameters,
@@ -24,7 +22,7 @@ from behemoth.parallel.pipeline.partition import (
     validate_stages,
     virtual_partition,
 )
-from behemoth.policies import BLOCK_LISTS
+from behemoth.specs import spec_for
 
 
 def brute_force(costs, pp, first_extra=0.0, last_extra=0.0):
@@ -132,8 +130,9 @@ def test_estimate_block_costs():
     d = 16
     assert estimate_block_costs(lc).blocks == (2.0 * (h * d * (8 + 4) + 3 * h * 160) + 4 * 64 * h,) * 3
     assert estimate_block_costs(lc).first_extra == pytest.approx(2.0 * 500 * h / 64)  # RoPE: no table
-    # transformers' configs by their attribute names (no transformers import needed)
-    hf = SimpleNamespace(n_embd=64, n_inner=None, n_layer=4, n_head=4, vocab_size=1000, n_positions=128)
+    # transformers' configs, read by their family's spec (behemoth.specs)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2Config(n_embd=64, n_inner=None, n_layer=4, n_head=4, vocab_size=1000, n_positions=128)
     assert estimate_block_costs(hf) == c
     # per-block parameter counts for any other model
     pc = estimate_block_costs(block_params=[10, 20, 30], head_params=100, embedding_params=64, seq_len=32)
@@ -151,10 +150,9 @@ def test_layouts_of_behemoth_models():
         (Llama(LlamaConfig(num_kv_heads=1, **tiny)), []),
         (Llama(LlamaConfig(num_kv_heads=1, tie_embeddings=True, **tiny)), [("embed.weight", "lm_head.weight")]),
     ):
-        cls = type(model).__name__
-        layout = PIPELINE_LAYOUTS[cls]
+        layout = spec_for(model).pipeline
         check_layout(model, layout)
-        assert layout.blocks == BLOCK_LISTS[cls]
+        assert layout.blocks == spec_for(model).blocks
         assert find_tied_parameters(model) == tied
         assert all(pair in layout.tied for pair in tied)  # every real tie is a listed candidate
 
@@ -199,9 +197,9 @@ def test_layouts_of_transformers_models():
         )
     )
     for model in (gpt2, llama):
-        layout = PIPELINE_LAYOUTS[type(model).__name__]
+        layout = spec_for(model).pipeline
         check_layout(model, layout)
-        assert layout.blocks == BLOCK_LISTS[type(model).__name__]
+        assert layout.blocks == spec_for(model).blocks
     assert find_tied_parameters(gpt2) == [("transformer.wte.weight", "lm_head.weight")]
     assert find_tied_parameters(llama) == []
     assert (
@@ -211,9 +209,13 @@ def test_layouts_of_transformers_models():
 
 
 def test_tied_parameter_ranks():
-    gpt2 = PIPELINE_LAYOUTS["GPT2LMHeadModel"]
+    from behemoth.specs.gpt import GPT as GPT_SPEC
+    from behemoth.specs.hf_gpt2 import HF_GPT2
+    from behemoth.specs.llama import LLAMA
+
+    gpt2 = HF_GPT2.pipeline
     assert tied_parameter_ranks(gpt2, 4) == [("transformer.wte.weight", 0, "lm_head.weight", 3)]
     assert tied_parameter_ranks(gpt2, 1) == [("transformer.wte.weight", 0, "lm_head.weight", 0)]  # no sync
-    assert tied_parameter_ranks(PIPELINE_LAYOUTS["Llama"], 2, tied=[]) == []
+    assert tied_parameter_ranks(LLAMA.pipeline, 2, tied=[]) == []
     with pytest.raises(ValueError, match="'blocks.0.attn.qkv.weight' is in neither"):
-        tied_parameter_ranks(PIPELINE_LAYOUTS["GPT"], 2, tied=[("wte.weight", "blocks.0.attn.qkv.weight")])
+        tied_parameter_ranks(GPT_SPEC.pipeline, 2, tied=[("wte.weight", "blocks.0.attn.qkv.weight")])

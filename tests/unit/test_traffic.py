@@ -9,6 +9,7 @@ import pytest
 
 from behemoth.planner import traffic as tr
 from behemoth.planner.traffic import Traffic, TransformerShape
+from behemoth.specs import shape_of
 
 GPT = TransformerShape(
     hidden=32,
@@ -95,15 +96,15 @@ def test_shape_from_configs():
 
     from behemoth.models import GPTConfig, LlamaConfig
 
-    g = TransformerShape.from_config(GPTConfig(vocab_size=96, seq_len=16, num_layers=2, num_heads=4, hidden=32))
+    g = shape_of(GPTConfig(vocab_size=96, seq_len=16, num_layers=2, num_heads=4, hidden=32))
     assert g == GPT
-    ll = TransformerShape.from_config(
+    ll = shape_of(
         LlamaConfig(vocab_size=96, seq_len=16, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32, ffn_hidden=96)
     )
     assert ll == GQA
-    hg = TransformerShape.from_config(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4))
+    hg = shape_of(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4))
     assert hg == dataclasses.replace(GPT, max_positions=1024)
-    hl = TransformerShape.from_config(
+    hl = shape_of(
         HFLlamaConfig(
             vocab_size=96,
             hidden_size=32,

@@ -207,7 +207,7 @@ def _attention_modules(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module
     if seams:
         return "seam", seams
     if _is_transformers(model):
-        from ...policies import transformer_blocks_name
+        from ...specs import transformer_blocks_name
 
         blocks = transformer_blocks_name(model)
         found = [

@@ -7,8 +7,8 @@ Pure foundation (no process group):
   implies; a simulator that checks a schedule for dependency violations and deadlocks and
   reports its makespan, bubble and peak in-flight micro-batches.
 * ``partition.py`` -- cost estimates per block, balanced (or user-given) contiguous stage
-  partitions, the virtual-stage partition for interleaving, and which modules of known
-  architectures go to the first, every and the last stage (tied embeddings reported).
+  partitions, the virtual-stage partition for interleaving, and which modules of a family's
+  ``PipelineLayout`` (``behemoth.specs``) go to the first, every and the last stage.
 
 Runtime (what ``bh.boost`` builds when ``pp > 1``):
 
@@ -21,9 +21,7 @@ tests/dist/test_pipeline_parity.py, test_pipeline_checkpoint.py, test_pipeline_f
 """
 
 from .partition import (
-    PIPELINE_LAYOUTS,
     ModelCosts,
-    PipelineLayout,
     balance_stages,
     estimate_block_costs,
     find_tied_parameters,
@@ -56,9 +54,7 @@ from .schedules import (
 from .simulate import SimResult, render, simulate
 
 __all__ = [
-    "PIPELINE_LAYOUTS",
     "ModelCosts",
-    "PipelineLayout",
     "balance_stages",
     "estimate_block_costs",
     "find_tied_parameters",

@@ -11,11 +11,10 @@ Pure functions of numbers and names (no torch, no process group):
 * :func:`validate_stages` -- a user's ``stages=[(start, end), ...]`` override, checked;
 * :func:`virtual_partition` -- either of the two mapped onto ``pp`` ranks x ``v`` chunks
   (stage ``s`` is chunk ``s // pp`` of rank ``s % pp``, as in ``schedules.py``);
-* :data:`PIPELINE_LAYOUTS` -- for known model classes, which modules go before the
-  blocks (first stage), which after (last stage), which every stage needs, and which
-  parameters are tied across the first and last stage; :func:`stage_modules` and
-  :func:`tied_parameter_ranks` turn a layout and a partition into module names per stage
-  and the ranks that must keep each tied pair in sync.
+* :func:`stage_modules` and :func:`tied_parameter_ranks` turn a model family's
+  :class:`~behemoth.specs.PipelineLayout` (``spec_for(model).pipeline``: which modules go
+  before the blocks, which after, which every stage needs, which parameters may be tied) and
+  a partition into module names per stage and the ranks that must keep each tied pair in sync.
 
 Ranges are half-open, like Python slices: ``(start, end)`` holds blocks ``start .. end-1``.
 
@@ -28,6 +27,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ...specs import PipelineLayout, TransformerShape, shape_of
+
 __all__ = [
     "ModelCosts",
     "estimate_block_costs",
@@ -35,8 +36,6 @@ __all__ = [
     "validate_stages",
     "virtual_partition",
     "stage_costs",
-    "PipelineLayout",
-    "PIPELINE_LAYOUTS",
     "stage_modules",
     "tied_parameter_ranks",
     "find_tied_parameters",
@@ -94,9 +93,7 @@ def estimate_block_costs(
             )
         tokens = tokens_per_microbatch or seq_len or 1
         return ModelCosts(tuple(2.0 * n for n in block_params), 2.0 * embedding_params / tokens, 2.0 * head_params)
-    from behemoth.planner.traffic import TransformerShape  # pure; shared with the traffic formulas
-
-    shape = config if isinstance(config, TransformerShape) else TransformerShape.from_config(config)
+    shape = config if isinstance(config, TransformerShape) else shape_of(config)
     s = seq_len or _config_seq_len(config)
     if not s:
         raise ValueError(f"estimate_block_costs: {type(config).__name__} has no sequence length; pass seq_len=.")
@@ -258,47 +255,6 @@ def virtual_partition(
 
 
 # -- model layouts -------------------------------------------------------------------------
-class PipelineLayout(NamedTuple):
-    """Where a model's parts go in a pipeline (module names as in ``named_modules()``)."""
-
-    pre: tuple[str, ...]
-    """Modules that run before the blocks, on the first stage (embeddings, input dropout)."""
-    blocks: str
-    """The ``nn.ModuleList`` of transformer blocks, split across stages."""
-    post: tuple[str, ...]
-    """Modules that run after the blocks, on the last stage (final norm, head)."""
-    shared: tuple[str, ...] = ()
-    """Parameter-free helpers every stage needs (rotary embedding tables)."""
-    tied: tuple[tuple[str, str], ...] = ()
-    """Parameter pairs that *may* be one tensor (tied embeddings): the first on the first
-    stage, the second on the last. Whether they are tied in a given model is decided by
-    identity (:func:`find_tied_parameters`); when they are and the two stages differ, each
-    keeps a copy and their gradients are summed between the two ranks every step."""
-
-
-PIPELINE_LAYOUTS: dict[str, PipelineLayout] = {
-    "GPT": PipelineLayout(
-        pre=("wte", "wpe", "drop"), blocks="blocks", post=("ln_f", "lm_head"), tied=(("wte.weight", "lm_head.weight"),)
-    ),
-    "Llama": PipelineLayout(
-        pre=("embed",), blocks="layers", post=("norm", "lm_head"), tied=(("embed.weight", "lm_head.weight"),)
-    ),
-    "GPT2LMHeadModel": PipelineLayout(
-        pre=("transformer.wte", "transformer.wpe", "transformer.drop"),
-        blocks="transformer.h",
-        post=("transformer.ln_f", "lm_head"),
-        tied=(("transformer.wte.weight", "lm_head.weight"),),
-    ),
-    "LlamaForCausalLM": PipelineLayout(
-        pre=("model.embed_tokens",),
-        blocks="model.layers",
-        post=("model.norm", "lm_head"),
-        shared=("model.rotary_emb",),
-        tied=(("model.embed_tokens.weight", "lm_head.weight"),),
-    ),
-}
-
-
 def stage_modules(layout: PipelineLayout, partition: Sequence[Sequence[tuple[int, int]]]) -> list[list[list[str]]]:
     """Module names each stage holds: ``result[rank][chunk]``, from a :func:`virtual_partition`.
 

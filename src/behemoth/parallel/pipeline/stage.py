@@ -15,8 +15,8 @@ rewriting any model's ``forward`` (STYLE.md #1): the model keeps running its own
   its hidden state where the serial model returns logits.
 
 Works for any model whose ``forward`` is "embeddings -> blocks -> norm -> head" with the
-modules named in :data:`~behemoth.parallel.pipeline.partition.PIPELINE_LAYOUTS` (behemoth's
-GPT and Llama, transformers' GPT2LMHeadModel and LlamaForCausalLM), after tensor
+modules named in its family's ``PipelineLayout`` (``behemoth.specs``: behemoth's GPT and
+Llama, transformers' GPT2LMHeadModel and LlamaForCausalLM, and subclasses), after tensor
 parallelism and activation checkpointing have rewritten it (their layouts travel through).
 
 Communication (pipeline axis ``pp``, through ``comm.py``): :meth:`PipelineSplit.distribute`
@@ -36,10 +36,9 @@ from torch import nn
 
 from ... import comm
 from ...comm import Axis
+from ...specs import PipelineLayout, find_spec
 from ..tensor.layout import get_spec
 from .partition import (
-    PIPELINE_LAYOUTS,
-    PipelineLayout,
     estimate_block_costs,
     find_tied_parameters,
     stage_modules,
@@ -94,14 +93,17 @@ class Skip(nn.Module):
 def partition_for(model: nn.Module, pp: int, v: int, stages=None) -> tuple[PipelineLayout, list]:
     """``(layout, partition[rank][chunk] = (start, end))`` for ``model``: balanced by estimated
     cost, or the user's ``stages`` (validated). Pure: raises ValueError before any collective."""
-    family = type(model).__name__
-    if family not in PIPELINE_LAYOUTS:
+    spec = find_spec(model)
+    if spec is None:
+        from ...specs import SPECS
+
+        known = ", ".join(c for s in SPECS for c in s.classes)
         raise ValueError(
-            f"pipeline parallelism: no pipeline layout for {family}; known: {sorted(PIPELINE_LAYOUTS)}. "
-            f"Add a PipelineLayout (embeddings, block list, norm and head names) to "
-            f"behemoth.parallel.pipeline.PIPELINE_LAYOUTS."
+            f"pipeline parallelism: no pipeline layout for {type(model).__name__}; known: {known} (and their "
+            f"subclasses). Describe the family (embeddings, block list, norm and head names) in a ModelSpec "
+            f"file under behemoth/specs/ and add it to behemoth.specs.SPECS."
         )
-    layout = PIPELINE_LAYOUTS[family]
+    layout = spec.pipeline
     config = getattr(model, "config", None)
     try:
         costs = estimate_block_costs(config)

@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from ... import comm
 from ...comm import Axis
-from ...policies import transformer_blocks, transformer_blocks_name
+from ...specs import transformer_blocks, transformer_blocks_name
 from . import Parallelized, attention_heads, localize_heads
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .region1d import ParallelRegion, autocast_dtype, cast_to, column_parallel_linear, row_parallel_linear
