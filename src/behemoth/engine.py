@@ -16,7 +16,7 @@ over dp *and* those axes (the token count needs no extra collective: every tp ra
 its dp rank's whole batch). 1D and pure data parallelism split nothing here.
 
 Context parallelism (``Plan.cp``) cuts every micro-batch along the sequence instead
-(``self.context_parallel``, from :mod:`behemoth.parallel.context.apply`): each cp rank runs the
+(``self.context_parallel``, from :mod:`behemoth.parallel.context.style`): each cp rank runs the
 model on its share of the tokens with their global position ids, so loss sums and parameter
 gradients are partial over ``cp`` as well and are summed over ``dp_cp`` (``data_axis``).
 

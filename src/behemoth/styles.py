@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .parallel.context import apply as context_apply
+from .parallel.context import ContextParallelized, parallelize_context
 from .parallel.tensor import Parallelized
 from .policies import resolve_tp_policy
 from .specs import transformer_blocks
@@ -64,15 +64,16 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] |
     return parallelize(model, mesh, plan, roles)
 
 
-def apply_context_parallel(model: nn.Module, mesh, plan):
-    """Step 1 (after tensor parallelism, whose local head counts it sees): plug context-
-    parallel attention (``plan.cp_mode``) over ``mesh.axis('cp')`` into ``model``'s attention
-    modules and return the :class:`~behemoth.parallel.context.apply.ContextParallelized`
-    record the engine splits batches with; ``None`` when ``plan.cp == 1`` (nothing changes).
-    Checks run on every rank before anything changes; no collective is issued."""
+def apply_context_parallel(model: nn.Module, mesh, plan) -> ContextParallelized | None:
+    """Step 2 (after tensor parallelism, whose local head counts it sees): the style
+    :class:`~behemoth.parallel.context.ContextParallelAttention` (``plan.cp_mode``, over
+    ``mesh.axis('cp')``) on every attention module of ``model``; returns the
+    :class:`~behemoth.parallel.context.ContextParallelized` record the engine splits batches
+    with, or ``None`` when ``plan.cp == 1`` (nothing changes). Checks run on every rank before
+    anything changes; no collective is issued."""
     if plan.cp == 1:
         return None
-    return context_apply.parallelize(model, mesh, plan)
+    return parallelize_context(model, mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

@@ -12,6 +12,8 @@
   issue's forward formulas: Ulysses ``4 b s h / cp`` per layer, ring ``2 (cp-1) b (s/cp) h_kv``);
 * per-rank saved activation bytes of one training step at sequence 1024 within 1.25x of the
   serial model's divided by cp, both modes;
+* the style ``ContextParallelAttention`` alone (``apply_styles``) and
+  ``parallelize_context`` given a pattern, against the serial model's logits and gradients;
 * a checkpoint saved under cp=2 loads under dp=2 and keeps matching serial;
 * clear errors, on every rank and before any collective hangs.
 
@@ -199,6 +201,59 @@ def _check_loss_fn():
         assert_state_close(engine.full_state_dict(), want_state, what=f"loss_fn {plan.describe()}")
 
 
+# ----------------------------------------------------------------------------- the style alone
+def _check_style(rank, world):
+    """ContextParallelAttention on its own (no engine): applied through apply_styles to the
+    attention modules of GPT and transformers' GPT-2, the model run on this rank's share of
+    the sequence with its global position ids gives the serial logits' share, and the
+    parameter gradients summed over cp are the serial ones. Bad modes and modules are refused
+    before anything changes."""
+    from behemoth.parallel.context import (ContextParallelAttention, ContextSDPA, parallelize_context,
+                                           position_ids_for, split_sequence)
+    from behemoth.parallel.style import apply_styles
+    batch = global_batches(1, 4)[0]
+    ids, labels = batch["input_ids"], batch["labels"]
+    for family, pattern, kwarg in (("gpt", "blocks.*.attn", "position_ids_BS"),
+                                   ("hf-gpt2", "transformer.h.*.attn", "position_ids")):
+        for mode in ("ulysses", "ring"):
+            what = f"style {family}/{mode}"
+            serial, model = build(family), build(family)
+            out = serial(ids)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+            mesh = ParallelMesh(bh.Plan(cp=world, cp_mode=mode, dp=1), rank, world)
+            if family == "gpt":   # the style through the generic plan mechanism
+                apply_styles(model, {pattern: ContextParallelAttention(mode)}, mesh)
+                assert all(isinstance(m.attention_fn, ContextSDPA) for m in (b.attn for b in model.blocks)), what
+            else:                 # the function the engine calls, given the pattern
+                record = parallelize_context(model, mesh, mesh.plan, attention=pattern)
+                assert record.attention == ("transformer.h.0.attn", "transformer.h.1.attn"), record.attention
+            positions = position_ids_for(SEQ, world, rank, mode).unsqueeze(0)
+            out = model(split_sequence(ids, 1, world, rank, mode), **{kwarg: positions})
+            got = out if isinstance(out, torch.Tensor) else out.logits
+            torch.testing.assert_close(got, split_sequence(logits, 1, world, rank, mode), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{what} logits: {m}")
+            loss = F.cross_entropy(got.flatten(0, 1), split_sequence(labels, 1, world, rank, mode).flatten(),
+                                   reduction="sum")
+            loss.backward()
+            for (n, p), (_, q) in zip(model.named_parameters(), serial.named_parameters()):
+                g = p.grad.clone()
+                torch.distributed.all_reduce(g)
+                torch.testing.assert_close(g, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} grad {n}: {m}")
+    _expect(ValueError, lambda: ContextParallelAttention("rings"), "mode='rings'", "ulysses")
+    model = build("gpt")
+    mesh = ParallelMesh(bh.Plan(cp=world, dp=1), rank, world)
+    _expect(ValueError, lambda: apply_styles(model, {"blocks.*.mlp.fc": ContextParallelAttention()}, mesh),
+            "Linear", "attention_fn")
+    _expect(ValueError, lambda: parallelize_context(model, mesh, mesh.plan, attention="blocks.*.atn"),
+            "'blocks.*.atn'", "matches no module")
+    hf = build("hf-gpt2")
+    hf.transformer.h[1].attn.is_causal = False
+    _expect(ValueError, lambda: parallelize_context(hf, mesh, mesh.plan), "transformer.h.1.attn",
+            "not causal self-attention")
+    assert hf.config._attn_implementation != "behemoth_context_parallel", "a refused plan changed the model"
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def _checkpoint(root):
     batches = global_batches(4, BATCH)
@@ -318,6 +373,7 @@ def _world2(rank, world, root):
         print("saved activations per rank / (serial / cp):", {f"{f}/{m}": round(r, 3) for (f, m), r in ratios.items()})
     mesh_axis = ParallelMesh(bh.Plan(cp=2, dp=1), rank, world).axis("cp")
     _fused_seam(mesh_axis)
+    _check_style(rank, world)
     _checkpoint(root)
     _errors(world)
 

@@ -6,171 +6,46 @@ inside attention, which is one of two exact cores:
 * :func:`ring_attention` (Ring Attention, Liu et al. 2023, blockwise online softmax,
   ``ring.py``): K/V blocks circulate around the ring, merged by log-sum-exp.
 
-Layouts (tensors ``[B, N, S_local, D]`` like ``F.scaled_dot_product_attention``; the
-engine splits ``input_ids``/``labels`` with the same helpers along dim 1):
+Modules, each depending only on those above it:
 
-=========  ===============================================================
-mode       what rank ``r`` of ``cp`` holds of a sequence of length ``S``
-=========  ===============================================================
-ulysses    the contiguous chunk ``[r*S/cp, (r+1)*S/cp)``
-ring       zigzag: the sequence cut into ``2*cp`` chunks of ``C = S/(2*cp)``;
-           chunk ``r`` then chunk ``2*cp-1-r`` (so every rank does the same
-           causal work; local positions stay increasing)
-=========  ===============================================================
+================  ================================================================
+``layout.py``     which tokens rank ``r`` holds in each mode: split, gather, position
+                  ids, validation (pure)
+``ulysses.py``    the Ulysses core and its exact byte count
+``ring.py``       the ring core (zigzag balance, its own backward ring), byte count
+``attention.py``  :func:`context_attention` (either core by mode) as a drop-in for the
+                  call a model makes: ``F.scaled_dot_product_attention``
+                  (:class:`ContextSDPA`) or a transformers attention function
+``style.py``      the style :class:`ContextParallelAttention` (``apply(module, mesh)``)
+                  and :func:`parallelize_context`, which applies it to a model's
+                  attention modules and returns the :class:`ContextParallelized`
+                  record the engine splits batches with
+================  ================================================================
 
-Everything in this file is pure (ints and tensor shapes; no process group) and
-unit-tested in ``tests/unit/test_context_layout.py``; the attention cores are tested
-against full causal attention in ``tests/dist/test_context_attention.py``.
+The engine does the rest: it splits each batch with :func:`split_sequence` (``dim=1`` for
+``[B, S]``), passes :func:`position_ids_for` to the model, and sums the loss over the ``cp``
+axis as over ``dp`` (every token lives on exactly one cp rank). Parameter gradients are
+partial sums over ``cp`` (each rank saw part of the sequence) and are all-reduced over
+``dp_cp``, not just ``dp``.
 
-Integration (``apply.py`` plugs the cores into a model; the engine does the rest): split
-each batch with :func:`split_sequence` (``dim=1`` for ``[B, S]``), feed :func:`position_ids_for` to RoPE or
-learned position embeddings, call :func:`context_attention` (or the mode's function) in
-place of the model's causal SDPA with the mesh's ``cp`` axis, and sum the loss over the
-``cp`` axis as over ``dp`` (every token lives on exactly one cp rank). Parameter gradients
-are partial sums over ``cp`` (each rank saw part of the sequence) and must be all-reduced
-over ``dp_cp``, not just ``dp``.
+Tests: ``tests/unit/test_context_layout.py`` (layouts), ``tests/dist/test_context_attention.py``
+(the cores against full causal attention), ``tests/dist/test_context_parallel.py`` (whole
+models against serial training).
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
-
-import torch
-
-MODES = ("ulysses", "ring")
-
-
-# ----------------------------------------------------------------------------- validation
-def check_sequence(
-    seq_len: int, cp: int, mode: str, num_heads: int | None = None, num_kv_heads: int | None = None
-) -> None:
-    """Raise ``ValueError`` (naming the numbers, the rule and a fix) when a sequence of
-    ``seq_len`` tokens and the given head counts cannot be split ``cp`` ways in ``mode``.
-
-    Rules: ``cp >= 1``; ulysses needs ``seq_len % cp == 0`` and ``num_heads % cp == 0``; ring
-    needs ``seq_len % (2*cp) == 0``; grouped-query attention needs
-    ``num_heads % num_kv_heads == 0`` in both modes. Fewer kv heads than ``cp`` is legal
-    (Ulysses replicates them). Pure; call it on every rank before any collective."""
-    if mode not in MODES:
-        raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp={cp!r}: the context-parallel degree must be an integer >= 1.")
-    if seq_len < 1:
-        raise ValueError(f"sequence length {seq_len} must be >= 1.")
-    if mode == "ulysses" and seq_len % cp:
-        raise ValueError(
-            f"cp_mode='ulysses' needs the sequence length divisible by cp; got seq_len={seq_len}, "
-            f"cp={cp} (remainder {seq_len % cp}). Pad or crop to a multiple of {cp}."
-        )
-    if mode == "ring" and seq_len % (2 * cp):
-        raise ValueError(
-            f"cp_mode='ring' needs the sequence length divisible by 2*cp={2 * cp} (zigzag chunks); "
-            f"got seq_len={seq_len}, cp={cp} (remainder {seq_len % (2 * cp)}). "
-            f"Pad or crop to a multiple of {2 * cp}."
-        )
-    if num_heads is not None and num_kv_heads is not None:
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"grouped-query attention needs num_heads divisible by num_kv_heads; got "
-                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}."
-            )
-    if mode == "ulysses" and num_heads is not None and num_heads % cp:
-        raise ValueError(
-            f"cp_mode='ulysses' splits attention heads over cp; got num_heads={num_heads}, cp={cp} "
-            f"(remainder {num_heads % cp}). Use a cp that divides {num_heads}, or cp_mode='ring'."
-        )
-
-
-def _check_rank(cp: int, rank: int) -> None:
-    if not 0 <= rank < cp:
-        raise ValueError(f"rank={rank} is out of range for cp={cp} (0 <= rank < {cp}).")
-
-
-# ----------------------------------------------------------------------------- positions
-def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunk indices (of ``2*cp``) that ring rank ``rank`` holds, in local order."""
-    _check_rank(cp, rank)
-    return rank, 2 * cp - 1 - rank
-
-
-def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Global positions (int64, increasing) of the ``seq_len/cp`` tokens ring rank ``rank`` holds:
-    chunk ``rank`` then chunk ``2*cp-1-rank`` of ``2*cp`` equal chunks."""
-    check_sequence(seq_len, cp, "ring")
-    c = seq_len // (2 * cp)
-    a, b = zigzag_chunks(cp, rank)
-    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-
-
-def position_ids_for(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
-    """Global positions (int64, ``[seq_len/cp]``) of this rank's local tokens in ``mode``'s layout;
-    what RoPE or a learned position embedding must see instead of ``arange(S_local)``."""
-    check_sequence(seq_len, cp, mode)
-    _check_rank(cp, rank)
-    if mode == "ring":
-        return zigzag_indices(seq_len, cp, rank)
-    n = seq_len // cp
-    return torch.arange(rank * n, (rank + 1) * n)
-
-
-# ----------------------------------------------------------------------------- split / gather
-def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int, mode: str) -> torch.Tensor:
-    """This rank's share of ``x`` along its sequence dim ``dim``: the contiguous chunk for
-    ``"ulysses"`` (a view), chunks ``rank`` and ``2*cp-1-rank`` concatenated for ``"ring"``.
-    Differentiable (slicing only); no communication."""
-    s = x.shape[dim]
-    check_sequence(s, cp, mode)
-    _check_rank(cp, rank)
-    if mode == "ulysses":
-        n = s // cp
-        return x.narrow(dim, rank * n, n)
-    c = s // (2 * cp)
-    a, b = zigzag_chunks(cp, rank)
-    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
-
-
-def gather_sequence(parts: Sequence[torch.Tensor], dim: int, mode: str) -> torch.Tensor:
-    """Inverse of :func:`split_sequence`: ``parts[r]`` is rank ``r``'s share (``cp = len(parts)``);
-    returns the full sequence in natural order along ``dim``. Pure; the caller gathers the
-    parts (e.g. ``comm.all_gather``) when they live on different ranks."""
-    if mode not in MODES:
-        raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
-    cp = len(parts)
-    if cp == 0:
-        raise ValueError("gather_sequence needs at least one part.")
-    if mode == "ulysses":
-        return torch.cat(list(parts), dim=dim)
-    s_local = parts[0].shape[dim]
-    if s_local % 2:
-        raise ValueError(
-            f"gather_sequence(mode='ring'): each part holds two zigzag chunks, so its length "
-            f"along dim {dim} must be even; got {s_local}."
-        )
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, p in enumerate(parts):
-        first, second = p.chunk(2, dim=dim)
-        a, b = zigzag_chunks(cp, r)
-        chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)
-
-
-# Imported last: the cores use the helpers above.
-from .ring import ring_attention, ring_bytes, ring_step_block  # noqa: E402
-from .ulysses import ulysses_attention, ulysses_bytes, ulysses_kv_heads  # noqa: E402
-
-
-def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, *, mode: str, scale: float | None = None
-) -> torch.Tensor:
-    """Causal attention over the sequence split on ``axis`` in ``mode``'s layout; a drop-in for
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=...)``
-    on this rank's share. See :func:`ulysses_attention` and :func:`ring_attention`."""
-    if mode == "ulysses":
-        return ulysses_attention(q, k, v, axis, scale=scale)
-    if mode == "ring":
-        return ring_attention(q, k, v, axis, scale=scale)
-    raise ValueError(f"context-parallel mode {mode!r} is not one of {list(MODES)}.")
-
+from .attention import CP_ATTENTION_IMPL, ContextSDPA, context_attention, transformers_context_attention
+from .layout import (
+    MODES,
+    check_sequence,
+    gather_sequence,
+    position_ids_for,
+    split_sequence,
+    zigzag_chunks,
+    zigzag_indices,
+)
+from .ring import ring_attention, ring_bytes, ring_step_block
+from .style import ContextParallelAttention, ContextParallelized, check_attention_module, parallelize_context
+from .ulysses import ulysses_attention, ulysses_bytes, ulysses_kv_heads
 
 __all__ = [
     "MODES",
@@ -187,4 +62,11 @@ __all__ = [
     "ring_bytes",
     "ring_step_block",
     "context_attention",
+    "ContextSDPA",
+    "CP_ATTENTION_IMPL",
+    "transformers_context_attention",
+    "ContextParallelAttention",
+    "ContextParallelized",
+    "check_attention_module",
+    "parallelize_context",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from ... import comm
-from . import check_sequence, zigzag_chunks
+from .layout import check_sequence, zigzag_chunks
 
 BLOCK_KERNEL = "auto"
 """How ring attention computes each block (read at each call): ``"auto"`` (the fused kernel

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import comm
-from . import check_sequence
+from .layout import check_sequence
 
 # Shape legend: B batch, N query heads, K kv heads (K' after replication), S full sequence,
 # L = S/cp local sequence, D head dim, P = cp; lower case n, k = N/P, K'/P heads of one rank;

@@ -1,30 +1,36 @@
-"""Plugging context-parallel attention into a model, without rewriting its forward.
+"""Context parallelism as a style: context-parallel attention plugged into a model's attention
+modules, without rewriting its forward.
 
-A serial decoder computes everything but attention token by token, so under sequence
+A serial decoder computes everything but attention token by token, so under context
 parallelism every rank can run the model's own code on its share of the sequence
 (:func:`~behemoth.parallel.context.split_sequence`) as long as two things change:
 
 * **attention** sees the whole sequence: the model's core causal attention call is replaced
   by :func:`~behemoth.parallel.context.context_attention` over the mesh's ``cp`` axis
-  (Ulysses or ring, ``Plan.cp_mode``);
+  (Ulysses or ring, ``Plan.cp_mode``) -- the style :class:`ContextParallelAttention`, applied
+  to each attention module;
 * **positions** are global: the model is given ``position_ids`` of its local tokens
   (:func:`~behemoth.parallel.context.position_ids_for`), so a learned position table
-  embeds each rank's own positions and RoPE rotates by global positions.
+  embeds each rank's own positions and RoPE rotates by global positions -- the record
+  :class:`ContextParallelized` that :func:`parallelize_context` returns splits each batch.
 
-How the attention is plugged in, per kind of model (no model code is copied or rewritten):
+How the style plugs attention in, per kind of attention module (no model code is copied or
+rewritten):
 
 ===========================  ===========================================================
-model                        seam
+module                       seam
 ===========================  ===========================================================
-behemoth's GPT / Llama (or   the attention module's ``attention_fn`` attribute, called like
+behemoth's GPT / Llama (or   the module's ``attention_fn`` attribute, called like
 any module with an           ``F.scaled_dot_product_attention`` (its default): set, on
-``attention_fn``)            each instance, to a :class:`ContextAttention`
-transformers models          transformers' attention-interface registry: one function,
+``attention_fn``)            the instance, to a :class:`~.attention.ContextSDPA`
+transformers attention       transformers' attention-interface registry: one function,
                              ``behemoth_context_parallel``, registered in
-                             ``AttentionInterface``; the model's ``_attn_implementation``
-                             is set to it and each attention module carries its
-                             :class:`ContextAttention` (transformers builds no mask for an
-                             implementation it does not know, so the call gets none)
+                             ``AttentionInterface``; the module's config's
+                             ``_attn_implementation`` is set to it (transformers picks the
+                             function by config, so every module sharing that config
+                             switches: apply the style to all of them) and the module carries
+                             its :class:`~.attention.ContextSDPA` (transformers builds no mask
+                             for an implementation it does not know, so the call gets none)
 ===========================  ===========================================================
 
 The engine (``engine.py``) asks the returned :class:`ContextParallelized` to check each
@@ -32,9 +38,9 @@ batch (sequence length vs ``cp``, on every rank before any collective), to split
 micro-batch along dim 1, and for the model keyword that carries the position ids; it sums
 loss, token counts and gradients over the ``dp_cp`` axis.
 
-Validated at boost, on every rank, before any collective: the model has an attention seam
-and a position-ids argument, Ulysses' head split (``num_heads / tp`` divisible by ``cp``),
-no attention dropout (the cores have none), no cross-attention.
+Validated by :func:`parallelize_context`, on every rank, before anything changes: the model
+has attention modules and a position-ids argument, Ulysses' head split (``num_heads / tp``
+divisible by ``cp``), no attention dropout (the cores have none), no cross-attention.
 
 Tested in ``tests/dist/test_context_parallel.py`` (whole models against serial training).
 """
@@ -48,89 +54,71 @@ import torch
 from torch import nn
 
 from ...comm import Axis
-from . import check_sequence, context_attention, position_ids_for, split_sequence
-
-CP_ATTENTION_IMPL = "behemoth_context_parallel"
-"""The name under which behemoth's attention is registered in transformers' AttentionInterface."""
+from ...specs import find_spec, transformer_blocks_name
+from ..style import apply_styles, match_plan
+from .attention import CP_ATTENTION_IMPL, ContextSDPA, transformers_context_attention
+from .layout import MODES, check_sequence, position_ids_for, split_sequence
 
 _POSITION_KWARGS = ("position_ids", "position_ids_BS")
 
 
-class ContextAttention:
-    """A drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=...,
-    enable_gqa=...)`` on this rank's share of the sequence (``[B, N, S/cp, D]``, the
-    layout of ``mode``): :func:`context_attention` over ``axis``. Communication: that of
-    the mode's core (Ulysses: two all-to-alls forward, two backward; ring: K/V shifts).
-    Masks, non-causal attention and dropout are refused (``ValueError``). Runs eagerly inside
-    ``torch.compile``'d blocks (a graph break around attention): the cores are Python loops
-    of collectives and autograd Functions with their own backward."""
+@dataclass(frozen=True)
+class ContextParallelAttention:
+    """The context-parallel style of one causal self-attention module.
 
-    def __init__(self, axis: Axis, mode: str) -> None:
-        self.axis, self.mode = axis, mode
+    ``apply(module, mesh)`` makes the module's core attention :func:`context_attention` over
+    ``mesh.axis('cp')`` in ``mode``'s layout (``'ulysses'`` or ``'ring'``); the module then
+    takes this rank's share of the sequence (``[B, S/cp, ...]``) and returns its share.
+    Parameters are untouched (replicated over ``cp``). No collective is issued here; the
+    attention's own are those of :func:`context_attention`. Raises ``ValueError`` for a
+    module that is not causal self-attention or has no attention seam (see the module
+    docstring), before changing it."""
 
-    @torch.compiler.disable
-    def __call__(
-        self,
-        query,
-        key,
-        value,
-        attn_mask=None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        if attn_mask is not None or not is_causal:
+    mode: str = "ulysses"
+    """``'ulysses'`` (all-to-all over heads) or ``'ring'`` (ring attention)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ContextParallelAttention(mode={self.mode!r}): the mode is one of {list(MODES)}.")
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        kind = check_attention_module(module)
+        sdpa = ContextSDPA(mesh.axis("cp"), self.mode)
+        if kind == "seam":
+            module.attention_fn = sdpa
+            return module
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(CP_ATTENTION_IMPL, transformers_context_attention)
+        module._behemoth_context_attention = sdpa
+        module.config._attn_implementation = CP_ATTENTION_IMPL
+        return module
+
+
+def check_attention_module(module: nn.Module, name: str = "") -> str:
+    """``'seam'`` for a module with an ``attention_fn``, ``'transformers'`` for a transformers
+    causal self-attention module; ``ValueError`` (naming the module and the fix) otherwise. Pure."""
+    label = f"{name} ({type(module).__name__})" if name else type(module).__name__
+    if hasattr(module, "attention_fn"):
+        return "seam"
+    if hasattr(getattr(module, "config", None), "_attn_implementation") and hasattr(module, "is_causal"):
+        if not module.is_causal or getattr(module, "is_cross_attention", False):
             raise ValueError(
-                f"context parallelism ({self.mode}) computes causal attention without a mask; the "
-                f"model asked for attn_mask={'a tensor' if attn_mask is not None else None}, "
-                f"is_causal={is_causal}."
+                f"context parallelism: {label} is not causal self-attention "
+                f"(cross-attention or bidirectional); only causal decoders are supported."
             )
-        if dropout_p:
-            raise ValueError(
-                f"context parallelism ({self.mode}) has no attention dropout; the model asked for "
-                f"dropout_p={dropout_p}. Set the model's attention dropout to 0."
-            )
-        return context_attention(query, key, value, self.axis, mode=self.mode, scale=scale)
-
-    def __repr__(self) -> str:
-        return f"ContextAttention(mode={self.mode!r}, cp={self.axis.size})"
-
-
-def transformers_context_attention(
-    module: nn.Module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-):
-    """The function registered as ``behemoth_context_parallel`` in transformers'
-    ``AttentionInterface``: same signature and return as its ``sdpa_attention_forward``
-    (``query [B, N, S/cp, D]`` -> ``([B, S/cp, N, D], None)``), computed by the module's
-    :class:`ContextAttention` (set by :func:`apply_context_parallel`)."""
-    seam = getattr(module, "_behemoth_context_attention", None)
-    if seam is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs attn_implementation={CP_ATTENTION_IMPL!r} but bh.boost did "
-            f"not prepare it for context parallelism; build the engine with bh.boost(model, ...)."
-        )
-    if attention_mask is not None:
-        raise ValueError(
-            "context parallelism: transformers passed an attention mask (padding or packed "
-            "sequences); behemoth's context-parallel attention is plain causal attention. Pass "
-            "unpadded batches (labels -100 where no loss is wanted) instead of an attention_mask."
-        )
-    out = seam(query, key, value, dropout_p=dropout, is_causal=True if is_causal is None else is_causal, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+        return "transformers"
+    raise ValueError(
+        f"context parallelism cannot plug its attention into {label}: it has no `attention_fn` "
+        f"attribute (called like F.scaled_dot_product_attention; behemoth's models have one) and is not a "
+        f"transformers attention module. Give it an `attention_fn = staticmethod(F.scaled_dot_product_attention)` "
+        f"and call it."
+    )
 
 
 @dataclass
 class ContextParallelized:
-    """What :func:`apply_context_parallel` did, and the per-step work it leaves to the engine."""
+    """What :func:`parallelize_context` did, and the per-step work it leaves to the engine."""
 
     axis: Axis
     """The ``cp`` axis the sequence is split over."""
@@ -201,28 +189,21 @@ def _position_kwarg(model: nn.Module) -> str:
     )
 
 
-def _attention_modules(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """('seam', modules with attention_fn) or ('transformers', attention modules in the blocks)."""
-    seams = [(n, m) for n, m in model.named_modules() if hasattr(m, "attention_fn")]
+def _attention_modules(model: nn.Module) -> list[str]:
+    """Names of the model's attention modules: those with an ``attention_fn``, else (a
+    transformers model) the modules named ``*Attention`` with ``is_causal`` inside its blocks."""
+    seams = [n for n, m in model.named_modules() if hasattr(m, "attention_fn")]
     if seams:
-        return "seam", seams
+        return seams
     if _is_transformers(model):
-        from ...specs import transformer_blocks_name
-
         blocks = transformer_blocks_name(model)
         found = [
-            (n, m)
+            n
             for n, m in model.named_modules()
             if n.startswith(blocks + ".") and type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")
         ]
-        for n, m in found:
-            if not m.is_causal or getattr(m, "is_cross_attention", False):
-                raise ValueError(
-                    f"context parallelism: {n} ({type(m).__name__}) is not causal self-attention "
-                    f"(cross-attention or bidirectional); only causal decoders are supported."
-                )
         if found:
-            return "transformers", found
+            return found
     raise ValueError(
         f"context parallelism cannot plug its attention into {type(model).__name__}: no module has an "
         f"`attention_fn` attribute (called like F.scaled_dot_product_attention; behemoth's models have "
@@ -269,43 +250,48 @@ def _check_model(model: nn.Module, plan) -> int | None:
 
 
 # ----------------------------------------------------------------------------- apply
-def parallelize(model: nn.Module, mesh, plan) -> ContextParallelized:
-    """Plug context-parallel attention over ``mesh.axis('cp')`` into ``model``, in place.
+def parallelize_context(model: nn.Module, mesh, plan, *, attention: str | None = None) -> ContextParallelized:
+    """Apply :class:`ContextParallelAttention` (``plan.cp_mode``, over ``mesh.axis('cp')``) to
+    every attention module of ``model``, in place, and return the record the engine splits
+    batches with.
 
-    Runs after tensor parallelism (head counts are then local). Every check runs first, on
-    every rank, before anything changes; no collective is issued here. State-dict keys and
-    parameters are untouched: parameters stay replicated over ``cp`` (their gradients are
-    partial sums, which the engine all-reduces over ``dp_cp``)."""
+    ``attention`` is the ``fnmatch`` pattern of the attention modules
+    (``"blocks.*.attn"``); ``None`` takes the pattern of the model family's
+    :class:`~behemoth.specs.ModelSpec`, and for a model no spec describes finds them (modules
+    with an ``attention_fn``, or a transformers model's attention modules in its blocks). Runs after tensor parallelism (head counts are
+    then local). Every check runs first, on every rank, before anything changes; no
+    collective is issued here. State-dict keys and parameters are untouched: parameters stay
+    replicated over ``cp`` (their gradients are partial sums, which the engine all-reduces
+    over ``dp_cp``)."""
     axis = mesh.axis("cp")
-    mode = plan.cp_mode
     position_kwarg = _position_kwarg(model)
-    kind, modules = _attention_modules(model)
+    if attention is None and (spec := find_spec(model)) is not None:
+        attention = spec.attention
+    names = (
+        _attention_modules(model)
+        if attention is None
+        else list(match_plan(model, {attention: "attention"}, what="attention"))
+    )
+    for n in names:
+        check_attention_module(model.get_submodule(n), n)
     max_positions = _check_model(model, plan)
-    seam = ContextAttention(axis, mode)
-    if kind == "seam":
-        for _, m in modules:
-            m.attention_fn = seam
-    else:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(CP_ATTENTION_IMPL, transformers_context_attention)
-        for _, m in modules:
-            m._behemoth_context_attention = seam
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(CP_ATTENTION_IMPL)
-        else:
-            model.config._attn_implementation = CP_ATTENTION_IMPL
-        for n, m in modules:
-            impl = getattr(getattr(m, "config", model.config), "_attn_implementation", None)
-            if impl != CP_ATTENTION_IMPL:
-                raise ValueError(
-                    f"context parallelism: {n} still uses attn_implementation={impl!r} after "
-                    f"switching the model to {CP_ATTENTION_IMPL!r}."
-                )
+    style = ContextParallelAttention(plan.cp_mode)
+    apply_styles(model, {n: style for n in names}, mesh, what="context-parallel attention")
+    for n in names:
+        m = model.get_submodule(n)
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", CP_ATTENTION_IMPL)
+        if not isinstance(getattr(m, "attention_fn", None), ContextSDPA) and impl != CP_ATTENTION_IMPL:
+            raise ValueError(
+                f"context parallelism: {n} still uses attn_implementation={impl!r} after "
+                f"switching it to {CP_ATTENTION_IMPL!r}."
+            )
     return ContextParallelized(
         axis=axis,
-        mode=mode,
+        mode=plan.cp_mode,
         position_kwarg=position_kwarg,
         max_positions=max_positions,
-        attention=tuple(n for n, _ in modules),
+        attention=tuple(names),
     )
+
+
+__all__ = ["ContextParallelAttention", "ContextParallelized", "check_attention_module", "parallelize_context"]
