@@ -26,7 +26,6 @@ rebuilt over the engine's parameters with the user's class and hyper-parameters.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -37,10 +36,8 @@ import torch.nn.functional as F
 from . import comm
 from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
-from .parallel.data import GradBuckets
-from .parallel.tensor import full_state_dict, global_grad_norm
-from .parallel.zero.measure import memory_report
-from .parallel.zero.optimizer import ZeroOptimizer
+from .parallel.tensor import full_state_dict
+from .parallel.zero.sync import build_grad_sync
 from .plan import Plan
 from .precision import LossScaler, autocast_context
 from .styles import (
@@ -208,26 +205,12 @@ class Engine:
         self._sync_initial_params()
         replaced = self.tensor_parallel.replaced
         optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
-        self.zero: ZeroOptimizer | None = None
-        if plan.zero:  # the optimizer over chunk shards; it also reduces the gradients
-            budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
-            self.zero = ZeroOptimizer(
-                self.model,
-                optimizer,
-                self.data_axis,
-                mesh.axis("tp"),
-                stage=plan.zero,
-                offload=plan.offload,
-                device=self.device,
-                chunk_mb=plan.chunk_mb,
-                budget_bytes=budget,
-                world=mesh.axis("world") if plan.pp > 1 else None,
-                param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
-            )
-            self.buckets = self.zero
-        else:
-            self.buckets = GradBuckets(list(self.model.parameters()), self.data_axis, plan.bucket_mb)
-            self._optimizer = optimizer
+        # gradient reduction over the data axis, norm, clipping and the update (ZeRO stage 0-3)
+        self.grad_sync = build_grad_sync(
+            self.model, optimizer, plan, mesh, device=self.device, data_axis=self.data_axis
+        )
+        self.zero = self.grad_sync if plan.zero else None
+        self.buckets = self.grad_sync if plan.zero else self.grad_sync.buckets
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_count = 0
         self._grad_norm: torch.Tensor | float = float("nan")
@@ -237,7 +220,7 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer that updates this rank's parameters (under ZeRO: over its chunk shards)."""
-        return self.zero.optimizer if self.zero is not None else self._optimizer
+        return self.grad_sync.optimizer
 
     @property
     def dp_rank(self) -> int:
@@ -397,53 +380,10 @@ class Engine:
 
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
-        self.buckets.start_step()
-        if self.zero is not None:  # then unscale, norm, clip and update on the shards
-            loss = self._zero_forward_backward(batch)
-            self._grad_norm = self.zero.step(self.max_grad_norm, self.scaler)
-            self.step_count += 1
-            return loss
-        loss = self.forward_backward(batch)
-        params = self.buckets.params
-        if self.scaler is not None:
-            tp = self.mesh.axis("tp")
-            if not tp.trivial and not comm.all_agree(all(bool(torch.isfinite(p.grad).all()) for p in params), tp):
-                params[0].grad.fill_(float("inf"))  # one overflow skips the step on every tp rank
-            finite = self.scaler.unscale_and_check(params)  # grads are identical on every dp rank
-            if not finite:
-                self._grad_norm = float("inf")
-                self.step_count += 1
-                return loss
-        if self.max_grad_norm is not None:
-            norm = self._global_grad_norm()
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
-            self._grad_norm = norm  # a tensor, read lazily: no host sync on the hot path
-        elif not self.mesh.axis("tp").trivial:
-            self._grad_norm = self._global_grad_norm()  # a collective over tp: every rank, now
-        else:
-            self._grad_norm = None  # computed on first read, from the gradients still held
-        self.optimizer.step()
+        loss = self.grad_sync.run(lambda: self.forward_backward(batch), self.max_grad_norm, self.scaler)
+        self._grad_norm = self.grad_sync.step(self.max_grad_norm, self.scaler)
         self.step_count += 1
         return loss
-
-    def _zero_forward_backward(self, batch) -> float:
-        """forward_backward under ZeRO: offloaded chunks may be updated on the host while the backward
-        runs; offload='auto''s warm-up step, out of device memory in a single-process job, runs again
-        with half the model data on the device (its first guess cannot know the activations)."""
-        while True:
-            self.zero.arm_early_update(self.max_grad_norm, self.scaler)
-            try:
-                return self.forward_backward(batch)
-            except torch.OutOfMemoryError as exc:
-                self.zero.wait_early()
-                if not self.zero.may_retry():
-                    raise self.zero.out_of_memory(exc) from exc
-            except BaseException:
-                self.zero.wait_early()
-                raise
-            # out of the except block: the failed attempt's frames (and their tensors) are gone
-            self.zero.shrink_for_retry()
-            self.buckets.start_step()
 
     # ---------------------------------------------------------------- state
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -451,22 +391,12 @@ class Engine:
         ({'cuda': ..., 'cpu': ...}; parameters, gradients, fp32 masters held apart from the
         parameters, optimizer state) and, on a GPU, ``other`` = allocated - model data
         (activations, workspaces). Call it between steps, or from a hook mid-step."""
-        if self.zero is not None:
-            return self.zero.memory_report()
-
-        def model_bytes(dev: str) -> dict[str, int]:
-            return {
-                "params": sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == dev),
-                "grads": sum(b.numel() * b.element_size() for b in self.buckets.buffers if b.device.type == dev),
-                "masters": 0,
-            }
-
-        return memory_report(model_bytes, self.optimizer)
+        return self.grad_sync.memory_report()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, shapes and values), on CPU; tensor-parallel
         shards are all-gathered over tp (a collective: call it on every rank)."""
-        with self.zero.gathered() if self.zero is not None else contextlib.nullcontext():
+        with self.grad_sync.gathered():
             return full_state_dict(self.model, self.mesh)
 
     def save(self, path: str, extra: dict | None = None) -> None:
@@ -484,7 +414,7 @@ class Engine:
     def _global_grad_norm(self) -> torch.Tensor:
         # The serial model's norm: replicated params once, tp shards summed over tp (a collective
         # when tp > 1, so every rank must read it: step() does when clipping).
-        return global_grad_norm(self.buckets.params, self.mesh)
+        return self.grad_sync.grad_norm()
 
     @property
     def last_grad_norm(self) -> float:

@@ -19,12 +19,16 @@ is pre-scaled by the engine to ``sum / global_tokens``, so the sum *is* the glob
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from .. import comm
 from ..comm import Axis
+from .tensor import global_grad_norm
+from .zero.measure import memory_report
+from .zero.state import state_to
 
 
 def post_accumulate_hooks(params, method) -> list:
@@ -156,3 +160,111 @@ class GradBuckets:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class DataParallelSync:
+    """The gradient sync of plain data parallelism (see :mod:`.zero.sync`): :class:`GradBuckets`
+    over the model's trainable parameters, the optimizer over the full parameters."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        axis: Axis,
+        mesh,
+        bucket_mb: float,
+        *,
+        names: dict[int, str],
+    ) -> None:
+        self.buckets = GradBuckets(list(model.parameters()), axis, bucket_mb)
+        self.params = self.buckets.params
+        self.optimizer, self.axis, self.mesh, self.names = optimizer, axis, mesh, names
+        self.tp = mesh.axis("tp")
+        self._norm_axes: list[Axis] = []
+        self._norm_params = self.params
+
+    # the bucket protocol
+    def start_step(self) -> None:
+        self.buckets.start_step()
+
+    def begin(self, sync: bool) -> None:
+        self.buckets.begin(sync)
+
+    def finish(self) -> None:
+        self.buckets.finish()
+
+    def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        if p.grad is None:
+            p.grad = self.buckets.grad_view(p).zero_()
+        return p.grad
+
+    def attach_grads(self) -> None:
+        self.buckets.attach_grads()
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self.buckets.buffers
+
+    @property
+    def launch_log(self) -> list[tuple[int, int]]:
+        return self.buckets.launch_log
+
+    def configure_norm(self, extra_axes: list[Axis], skip: list[torch.nn.Parameter]) -> None:
+        self._norm_axes = [a for a in extra_axes if not a.trivial]
+        skipped = {id(p) for p in skip}
+        self._norm_params = [p for p in self.params if id(p) not in skipped]
+
+    # the step
+    def run(self, forward_backward, max_grad_norm, scaler) -> float:
+        self.start_step()
+        return forward_backward()
+
+    def grad_norm(self) -> torch.Tensor:
+        norm = global_grad_norm(self._norm_params, self.mesh)
+        if not self._norm_axes:
+            return norm
+        sq = norm.float().square().reshape(1)
+        for ax in self._norm_axes:
+            comm.all_reduce(sq, ax)
+        return sq.sqrt()[0]
+
+    def step(self, max_grad_norm, scaler):
+        params = self.params
+        if scaler is not None:
+            tp = self.tp
+            if not tp.trivial and not comm.all_agree(all(bool(torch.isfinite(p.grad).all()) for p in params), tp):
+                params[0].grad.fill_(float("inf"))  # one overflow skips the step on every tp rank
+            if not scaler.unscale_and_check(params):  # grads are identical on every dp rank
+                return float("inf")
+        norm = None  # read on demand from the gradients still held (a collective only over tp/pp)
+        if max_grad_norm is not None:
+            norm = self.grad_norm()
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm, foreach=True)
+        elif not self.tp.trivial or self._norm_axes:
+            norm = self.grad_norm()  # a collective: every rank, now
+        self.optimizer.step()
+        return norm
+
+    # state
+    def gathered(self, writable: bool = False):
+        return contextlib.nullcontext()
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        def model_bytes(dev: str) -> dict[str, int]:
+            return {
+                "params": sum(p.numel() * p.element_size() for p in self.params if p.device.type == dev),
+                "grads": sum(b.numel() * b.element_size() for b in self.buffers if b.device.type == dev),
+                "masters": 0,
+            }
+
+        return memory_report(model_bytes, self.optimizer)
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {self.names[id(p)]: dict(st) for p, st in self.optimizer.state.items()}
+
+    def load_state_dict(self, state) -> None:
+        self.optimizer.state.clear()
+        for p in (p for g in self.optimizer.param_groups for p in g["params"]):
+            for key, v in state.get(self.names[id(p)], {}).items():
+                self.optimizer.state[p][key] = state_to(v, p.device, self.optimizer)
+        self.buckets.attach_grads()

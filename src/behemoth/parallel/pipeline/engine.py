@@ -43,7 +43,6 @@ import torch
 from ... import comm
 from ...engine import Engine, _rows, logits_of, rebuild_optimizer, token_loss_sum
 from ...precision import autocast_context
-from ..tensor import global_grad_norm
 from .p2p import StageChannels, pipeline_channels
 from .partition import stage_modules
 from .schedules import BI, BW, B, F, make_schedule, simulate
@@ -93,9 +92,10 @@ class PipelineEngine(Engine):
             # ZeRO-1: accumulate through the schedule, add the tied copies' local gradients, then
             # reduce-scatter every chunk (reduction is linear: the same sums as reduce-then-add).
             self._sync_at = None
-            kept = {id(p) for p in self.split.norm_parameters()}
-            self.zero.configure_norm([self.pp_axis], [p for p in self.zero.params if id(p) not in kept])
-        self._norm: torch.Tensor | None = None
+        # The serial model's norm: summed over pp, a tied copy counted on the first stage only;
+        # computed in every step on every rank, so reading ``last_grad_norm`` is never a collective.
+        kept = {id(p) for p in self.split.norm_parameters()}
+        self.grad_sync.configure_norm([self.pp_axis], [p for p in self.grad_sync.params if id(p) not in kept])
 
     # ---------------------------------------------------------------- set-up
     def _apply_pipeline(self) -> None:
@@ -184,7 +184,7 @@ class PipelineEngine(Engine):
         if self.zero is not None:  # tied copies summed before the reduce-scatter; the norm comes with the step
             for a, ra, b, rb in split.tied:
                 if split.rank in (ra, rb):
-                    self.zero.store.ensure_grad(self.model.get_parameter(a if split.rank == ra else b))
+                    self.grad_sync.ensure_grad(self.model.get_parameter(a if split.rank == ra else b))
             split.sync_tied_grads()
             self.buckets.begin(sync=True)
             self.buckets.finish()
@@ -193,7 +193,6 @@ class PipelineEngine(Engine):
                 self.buckets.begin(sync=True)  # interleaved: reduce every bucket now
             self.buckets.finish()
             split.sync_tied_grads()
-            self._norm = self._stage_grad_norm()
         comm.all_reduce(total, dp)
         if self.loss_fn is None:
             for ax in self.batch_axes:
@@ -206,21 +205,6 @@ class PipelineEngine(Engine):
         return loss_val
 
     # ---------------------------------------------------------------- gradients and state
-    def _stage_grad_norm(self) -> torch.Tensor:
-        """The serial model's gradient norm: this stage's (tp-aware, a tied copy counted on the
-        first stage only), squared and summed over pp. Computed in every step on every rank, so
-        reading ``last_grad_norm`` on one rank only is never a collective."""
-        sq = global_grad_norm(self.split.norm_parameters(), self.mesh).float().square().reshape(1)
-        comm.all_reduce(sq, self.pp_axis)
-        return sq.sqrt()[0]
-
-    def _global_grad_norm(self) -> torch.Tensor:
-        if self.zero is not None:  # ZeRO's step computed it (over dp, tp and pp)
-            return self._grad_norm
-        if self._norm is None:
-            raise RuntimeError("no gradient norm yet: call engine.step(batch) first.")
-        return self._norm
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict on every rank: each stage's entries (tp-gathered)
         broadcast over pp. A collective: call it on every rank."""

@@ -41,7 +41,7 @@ from .hooks import GatherHooks
 from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth, memory_report, optimizer_state_bytes
 from .overlap import HostUpdate
 from .placement import StaticSplit, split_costs, static_split
-from .state import state_to
+from .state import load_param_states, param_states, reload_from_params, state_to
 from .store import ChunkStore
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
@@ -90,8 +90,10 @@ class ZeroOptimizer:
         prefetch: int = 2,
         world: Axis | None = None,
         param_dtype: torch.dtype | None = None,
+        names: dict[int, str] | None = None,
     ) -> None:
         _check_optimizer(optimizer, stage)
+        self.names = dict(names) if names is not None else {id(p): n for n, p in model.named_parameters()}
         self.stage, self.offload, self.axis, self.tp, self.device = stage, offload, axis, tp, device
         self.budget_bytes = budget_bytes
         # Device bytes per element of a chunk's parameters: a bf16 copy under param_dtype (its fp32
@@ -256,6 +258,27 @@ class ZeroOptimizer:
         if self._warmup and self._other is not None:
             self._other.start()
 
+    def run(self, forward_backward, max_grad_norm: float | None, scaler) -> float:
+        """One step's forward and backward (see :class:`.sync.GradSync`): offloaded chunks may be updated
+        on the host while the backward runs; offload='auto''s warm-up step (and the step after its
+        re-placement), out of device memory in a single-process job, runs again with half the model
+        data on the device (its first guess cannot know the activations)."""
+        self.start_step()
+        while True:
+            self.arm_early_update(max_grad_norm, scaler)
+            try:
+                return forward_backward()
+            except torch.OutOfMemoryError as exc:
+                self.wait_early()
+                if not self.may_retry():
+                    raise self.out_of_memory(exc) from exc
+            except BaseException:
+                self.wait_early()
+                raise
+            # out of the except block: the failed attempt's frames (and their tensors) are gone
+            self.shrink_for_retry()
+            self.start_step()
+
     def wait_early(self) -> list:
         """Wait for the updates made during this step's backward; the chunks they updated."""
         return self.host_update.wait()
@@ -314,6 +337,9 @@ class ZeroOptimizer:
 
     def attach_grads(self) -> None:
         """Nothing to re-attach: ZeRO gradients live in the chunk store."""
+
+    def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self.store.ensure_grad(p)
 
     # ------------------------------------------------------------------ the step
     def _masters(self) -> list[torch.Tensor]:
@@ -534,19 +560,32 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ state (checkpoints: see .state)
     @contextlib.contextmanager
-    def gathered(self):
+    def gathered(self, writable: bool = False):
         """Every chunk gathered (stage 3) for the duration, parameters holding the fp32 masters
         (with ``param_dtype``, fp32 copies, at every stage: a checkpoint is never rounded to bf16):
-        full_state_dict, checkpoints."""
+        full_state_dict, checkpoints. ``writable``: what was written into the parameters becomes
+        this rank's shards and masters on exit."""
         if self.stage < 3 and self.store.param_dtype is None:
             yield
+            if writable:
+                reload_from_params(self.store)
             return
         for st in self.store.chunks:
             self.store.gather(st, exact=True)
         try:
             yield
+            if writable:
+                reload_from_params(self.store)
         finally:
             self.store.release_all()
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state per parameter name, gathered from the shards (see :mod:`.state`)."""
+        return {self.names[id(p)]: st for p, st in param_states(self).items()}
+
+    def load_state_dict(self, state) -> None:
+        by_name = {self.names[id(p)]: p for p in self.params}
+        load_param_states(self, {by_name[n]: dict(v) for n, v in state.items() if n in by_name})
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Model data (parameters, gradients, masters, optimizer state) per device type, and on the GPU
