@@ -4,13 +4,22 @@
 Backend: NCCL when CUDA is available, gloo otherwise. Every group gets a bounded
 timeout (``BEHEMOTH_TIMEOUT`` seconds, default 300) so a dead peer turns into an error,
 never a hang; ``spawn`` additionally kills the survivors as soon as one child fails.
+
+Under torchrun (or ``behemoth run``) a worker dies with its agent (``PR_SET_PDEATHSIG``), so
+killing the launcher never leaves ranks training. After an elastic restart the new workers
+meet in the same agent store the dead ones used; torch keys the process group's bootstrap
+(gloo peer addresses, the NCCL unique id) by group name only, so a new worker could read a
+dead one's address and fail with "Connection refused". ``init`` therefore keys every
+attempt apart (:func:`attempt_prefix`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import faulthandler
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -33,11 +42,40 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
+def attempt_prefix(env: dict | None = None) -> str | None:
+    """The store prefix that keeps one torchelastic worker group's bootstrap keys apart from
+    the previous attempts' (None outside torchelastic's agent store).
+
+    The agent's store outlives its workers; a restart (``TORCHELASTIC_RESTART_COUNT``) or a
+    membership change (a new ``WORLD_SIZE``) starts a new group in it."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return f"behemoth/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/world-{env['WORLD_SIZE']}"
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent (torchrun's agent) dies, so killing
+    the launcher, even with SIGKILL, stops every rank (Linux; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: nothing to arm
+        return
+    if os.getppid() == 1:  # the agent died before the request was armed
+        os._exit(1)
+
+
 def init(backend: str | None = None) -> None:
     """Initialise the default process group once (idempotent).
 
     Reads torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; with none of
     them set, a lone process becomes a world of one, so the same code runs everywhere.
+    Under torchrun the process also dies with its agent (:func:`die_with_parent`), and an
+    elastic restart's group bootstraps under its own store prefix (:func:`attempt_prefix`).
     """
     if dist.is_initialized():
         return
@@ -46,9 +84,22 @@ def init(backend: str | None = None) -> None:
         torch.cuda.set_device(dev)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            die_with_parent()
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = dev
+        prefix = attempt_prefix()
+        if prefix is not None:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world_size,
+                is_master=False,
+                timeout=default_timeout(),
+            )
+            kwargs.update(store=dist.PrefixStore(prefix, agent_store), rank=rank, world_size=world_size)
         dist.init_process_group(backend, timeout=default_timeout(), **kwargs)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=default_timeout())
