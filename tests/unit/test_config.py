@@ -20,7 +20,7 @@ from behemoth.train.config import (
     load_config,
     parse_overrides,
 )
-from behemoth.train.trainer import lr_at, prune_checkpoints
+from behemoth.train.trainer import lr_at
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "src", "behemoth", "configs", "demo.toml")
@@ -36,8 +36,9 @@ def write(tmp_path, text: str) -> str:
 def test_demo_config_loads():
     cfg = load_config(DEMO)
     assert cfg.model.name == "gpt-mini" and cfg.data.source == "default" and cfg.data.tokenizer == "byte"
-    assert cfg.plan == Plan(dp=4)
-    assert cfg.train.global_batch_size % cfg.plan.dp == 0
+    assert cfg.plan == Plan()  # dp fills the world size: one process, `make train NPROC=2`, the default 4
+    for world_size in (1, 2, 4):
+        assert cfg.resolved(world_size=world_size).plan.dp == world_size
 
 
 def test_toml_sections_and_defaults(tmp_path):
@@ -182,14 +183,14 @@ def test_unknown_section_or_key_in_the_file(tmp_path):
 )
 def test_bad_values_name_the_value_and_the_rule(override, fragment):
     with pytest.raises(ConfigError) as e:
-        cfg = load_config(DEMO, [override])
+        cfg = load_config(DEMO, ["--plan.dp=4", override])  # the demo's own dp fills the world size
         cfg.resolved(world_size=4)
     assert fragment in str(e.value)
 
 
 def test_resolve_checks_the_world_size():
     with pytest.raises(ConfigError, match="must equal the world size 2"):
-        load_config(DEMO).resolved(world_size=2)
+        load_config(DEMO, ["--plan.dp=4"]).resolved(world_size=2)
 
 
 def test_sections_are_keyword_only_and_frozen():
@@ -208,15 +209,3 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert lrs[-1] == pytest.approx(0.1)
     const = OptimSection(lr=0.5, schedule="constant")
     assert {lr_at(s, const, 10) for s in range(10)} == {0.5}
-
-
-def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
-    for n in (1, 2, 3, 4):
-        (tmp_path / f"step-{n}").mkdir()
-        (tmp_path / f"step-{n}" / "meta.json").write_text("{}")
-    (tmp_path / "step-5.partial").mkdir()  # an interrupted save: not ours to touch
-    (tmp_path / "step-0").mkdir()  # incomplete (no meta.json): left alone
-    deleted = prune_checkpoints(str(tmp_path), keep_last=2)
-    assert sorted(os.path.basename(p) for p in deleted) == ["step-1", "step-2"]
-    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-3", "step-4", "step-5.partial"]
-    assert prune_checkpoints(str(tmp_path), keep_last=0) == []

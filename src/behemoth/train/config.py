@@ -127,8 +127,8 @@ class DataSection:
     """"byte" (UTF-8 bytes, vocab 257, no dependencies) or "gpt2" (GPT-2 BPE, vocab 50257)."""
     bin_dtype: str = "uint16"
     """Element type of a .bin source: "uint16" or "uint32"."""
-    cache_dir: str = "runs/cache"
-    """Where tokenized .txt/.jsonl sources are cached as .bin files."""
+    cache_dir: str | None = None
+    """Where tokenized .txt/.jsonl sources are cached as .bin files; "none": train.out_dir/cache."""
     default_corpus_bytes: int = 2_000_000
     """How many bytes of stdlib source the "default" corpus holds."""
 
@@ -250,9 +250,15 @@ class TrainSection:
     out_dir: str = "runs/demo"
     """Directory of checkpoints/, metrics.jsonl, tensorboard/, loss.png and summary.json."""
     resume: bool = True
-    """Continue from the newest complete checkpoint in out_dir/checkpoints if there is one."""
+    """Continue from the newest complete checkpoint in out_dir/checkpoints if there is one. With false,
+    an out_dir that holds another run is refused (see overwrite)."""
+    overwrite: bool = False
+    """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3
     """Complete checkpoints to keep (older ones are deleted); 0 keeps all."""
+    hang_timeout: float = 120.0
+    """Seconds without a heartbeat from a rank before the job stops and names it (stopped, hung in native
+    code, or its host gone); 0 turns the watchdog off."""
 
     def __post_init__(self) -> None:
         for key, low in (("steps", 1), ("global_batch_size", 1), ("log_every", 1), ("save_every", 0), ("keep_last", 0)):
@@ -263,7 +269,13 @@ class TrainSection:
             isinstance(self.out_dir, str) and self.out_dir != "",
             f"train.out_dir={self.out_dir!r}: must be a non-empty directory path.",
         )
-        _require(isinstance(self.resume, bool), f"train.resume={self.resume!r}: must be true or false.")
+        for key in ("resume", "overwrite"):
+            v = getattr(self, key)
+            _require(isinstance(v, bool), f"train.{key}={v!r}: must be true or false.")
+        _require(
+            _is_number(self.hang_timeout) and self.hang_timeout >= 0,
+            f"train.hang_timeout={self.hang_timeout!r}: must be a number of seconds >= 0 (0 turns the watchdog off).",
+        )
 
 
 SECTIONS: dict[str, type] = {
@@ -355,7 +367,8 @@ class Config:
 
     def resolved(self, *, world_size: int | None = None) -> Config:
         """Every "none" that can be known here filled in: the vocabulary from the tokenizer, the
-        model shape from its preset, and (given ``world_size``) the plan's dp degree."""
+        model shape from its preset, the token cache directory, and (given ``world_size``) the
+        plan's dp degree."""
         from behemoth.models import build_config
 
         vocab = self.model.vocab_size or TOKENIZER_VOCAB[self.data.tokenizer]
@@ -365,13 +378,16 @@ class Config:
         model = dataclasses.replace(
             self.model, vocab_size=vocab, num_layers=shape.num_layers, num_heads=shape.num_heads, hidden=shape.hidden
         )
+        data = self.data
+        if data.cache_dir is None:
+            data = dataclasses.replace(data, cache_dir=os.path.join(self.train.out_dir, "cache"))
         plan = self.plan
         if world_size is not None:
             try:
                 plan = plan.resolve(world_size)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        return dataclasses.replace(self, model=model, plan=plan)
+        return dataclasses.replace(self, model=model, data=data, plan=plan)
 
 
 # ------------------------------------------------------------------ typing helpers

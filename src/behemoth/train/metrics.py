@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-__all__ = ["MetricsLogger", "peak_flops", "memory_mib", "format_step", "log"]
+__all__ = ["MetricsLogger", "peak_flops", "memory_mib", "format_step", "format_count", "format_duration", "log"]
 
 # Dense bf16 peak per card (no sparsity), for MFU in the PaLM convention.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -61,6 +61,26 @@ def memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
+def format_count(n: int) -> str:
+    """A parameter (or token) count people read at a glance: 840 -> "840", 837_888 -> "0.84M",
+    124_439_808 -> "124.4M", 1_315_575_808 -> "1.32B"."""
+    if n < 10_000:
+        return f"{n:,}"
+    if n < 1e8:
+        return f"{n / 1e6:.2f}M"
+    if n < 1e9:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e9:.2f}B"
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss`` (or ``m:ss`` under an hour)."""
+    s = max(0, int(round(seconds)))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 def format_step(m: dict, total_steps: int) -> str:
     """The per-step log line."""
     parts = [
@@ -83,6 +103,8 @@ def format_step(m: dict, total_steps: int) -> str:
             mem += f", on host {m['host_model_data_mib']:,.0f}"
         mem += ")"
     parts.append(mem)
+    if "elapsed_s" in m:
+        parts.append(f"{format_duration(m['elapsed_s'])} elapsed, eta {format_duration(m.get('eta_s', 0.0))}")
     return " | ".join(parts)
 
 

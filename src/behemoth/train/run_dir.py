@@ -1,0 +1,122 @@
+"""A run's directory, ``train.out_dir``: what a new run finds there and what it may do with it.
+
+Layout::
+
+    checkpoints/step-N/   complete checkpoints (the newest ``train.keep_last`` kept)
+    metrics.jsonl         one record per step of this run's lineage (resumes included)
+    tensorboard/, loss.png, summary.json
+
+A job either continues the run its ``out_dir`` holds (``train.resume``, the default) or starts
+a new one. A new run never writes beside another run's files, where keep-last pruning would
+delete its own checkpoints against the old run's newer ones and the logs would mix: it is
+refused with the fix (:func:`check_out_dir`), or, with ``train.overwrite``, the old run's
+files are deleted first (:func:`clear_run`). A resumed run drops the records past its
+checkpoint from ``metrics.jsonl`` (:func:`truncate_metrics`), so no step appears twice.
+
+Everything here is file-system work for rank 0 (or, for the checks, every rank); nothing
+communicates. Test: ``pytest tests/unit/test_run_dir.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from behemoth.train.config import ConfigError, TrainSection
+
+__all__ = ["RUN_FILES", "previous_run", "check_out_dir", "clear_run", "prune_checkpoints", "truncate_metrics"]
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json")
+"""What a run writes under its out_dir (the token cache is not the run's: it survives an overwrite)."""
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _steps(ckpt_dir: str) -> list[int]:
+    """Steps of the complete ``step-N`` checkpoints under ``ckpt_dir``, ascending."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(
+        int(m.group(1))
+        for name in os.listdir(ckpt_dir)
+        if (m := _STEP_DIR.match(name)) and os.path.isfile(os.path.join(ckpt_dir, name, "meta.json"))
+    )
+
+
+def previous_run(out_dir: str) -> list[str]:
+    """The run files ``out_dir`` already holds, for messages: e.g. ``["checkpoints (step-40)", "metrics.jsonl"]``.
+    An empty ``checkpoints/`` counts as nothing."""
+    found = []
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if name == "checkpoints":
+            if os.path.isdir(path) and os.listdir(path):
+                steps = _steps(path)
+                found.append(f"checkpoints (newest step-{steps[-1]})" if steps else "checkpoints (incomplete)")
+        elif os.path.exists(path):
+            found.append(name)
+    return found
+
+
+def check_out_dir(train: TrainSection) -> None:
+    """Refuse a new run (``resume = false``) into an out_dir that holds another run's files,
+    unless ``overwrite`` says to delete them. Pure file-system reads: call it on every rank."""
+    if train.resume or train.overwrite:
+        return
+    found = previous_run(train.out_dir)
+    if found:
+        raise ConfigError(
+            f"train.out_dir={train.out_dir!r} already holds a run ({', '.join(found)}) and train.resume=false "
+            f"would start a new one beside it (mixed logs; keep-last would prune against the old checkpoints). "
+            f"Continue that run with --train.resume=true, choose another --train.out_dir, or pass "
+            f"--train.overwrite=true to delete its files and start over."
+        )
+
+
+def clear_run(out_dir: str) -> list[str]:
+    """Delete the run files (:data:`RUN_FILES`) under ``out_dir``; returns what was deleted."""
+    deleted = []
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        else:
+            continue
+        deleted.append(path)
+    return deleted
+
+
+def prune_checkpoints(ckpt_dir: str, keep_last: int, *, newest: int | None = None) -> list[str]:
+    """Delete complete ``step-N`` checkpoints beyond the newest ``keep_last`` (0 keeps all).
+
+    ``newest`` (the step just saved) bounds what counts: a checkpoint of a later step is not
+    this run's, and the one just saved is never deleted. Incomplete directories are left to
+    the checkpoint module. Returns the deleted paths."""
+    if keep_last <= 0:
+        return []
+    steps = [s for s in _steps(ckpt_dir) if newest is None or s <= newest]
+    doomed = [os.path.join(ckpt_dir, f"step-{s}") for s in steps[:-keep_last]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Keep only the records of ``metrics.jsonl`` at ``path`` with ``step <= last_step`` (the
+    checkpoint a run resumes from), rewritten atomically. Returns how many were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(lines) - len(kept)

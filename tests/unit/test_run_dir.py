@@ -1,0 +1,107 @@
+"""A run's directory (behemoth.train.run_dir): a new run never lands beside an old one, pruning
+sees only this run's checkpoints, a resumed run's metrics hold each step once; the step line's
+counts and durations (behemoth.train.metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from behemoth.train.config import ConfigError, TrainSection
+from behemoth.train.metrics import format_count, format_duration, format_step
+from behemoth.train.run_dir import check_out_dir, clear_run, previous_run, prune_checkpoints, truncate_metrics
+
+
+def _checkpoint(ckpt_dir, step: int, complete: bool = True) -> None:
+    d = ckpt_dir / f"step-{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "meta.json").write_text("{}")
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    for n in (1, 2, 3, 4):
+        (tmp_path / f"step-{n}").mkdir()
+        (tmp_path / f"step-{n}" / "meta.json").write_text("{}")
+    (tmp_path / "step-5.partial").mkdir()  # an interrupted save: not ours to touch
+    (tmp_path / "step-0").mkdir()  # incomplete (no meta.json): left alone
+    deleted = prune_checkpoints(str(tmp_path), keep_last=2)
+    assert sorted(os.path.basename(p) for p in deleted) == ["step-1", "step-2"]
+    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-3", "step-4", "step-5.partial"]
+    assert prune_checkpoints(str(tmp_path), keep_last=0) == []
+
+
+def test_prune_never_deletes_the_checkpoint_just_saved(tmp_path):
+    """A later step's checkpoint is not this run's: the one just saved (step 3) survives keep_last=1."""
+    for n in (3, 20, 40):
+        _checkpoint(tmp_path, n)
+    assert prune_checkpoints(str(tmp_path), keep_last=1, newest=3) == []
+    assert sorted(os.listdir(tmp_path)) == ["step-20", "step-3", "step-40"]
+    _checkpoint(tmp_path, 6)
+    deleted = prune_checkpoints(str(tmp_path), keep_last=1, newest=6)
+    assert [os.path.basename(p) for p in deleted] == ["step-3"]
+
+
+def test_a_new_run_into_an_old_runs_directory_is_refused_with_the_fix(tmp_path):
+    out = tmp_path / "run"
+    fresh = TrainSection(out_dir=str(out), resume=False)
+    check_out_dir(fresh)  # nothing there yet
+    (out / "checkpoints").mkdir(parents=True)
+    check_out_dir(fresh)  # an empty checkpoints/ is no run
+    _checkpoint(out / "checkpoints", 40)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert previous_run(str(out)) == ["checkpoints (newest step-40)", "metrics.jsonl"]
+    with pytest.raises(ConfigError) as e:
+        check_out_dir(fresh)
+    msg = str(e.value)
+    assert "step-40" in msg and "--train.resume=true" in msg and "--train.overwrite=true" in msg
+    check_out_dir(TrainSection(out_dir=str(out), resume=True))  # continuing it is fine
+    check_out_dir(TrainSection(out_dir=str(out), resume=False, overwrite=True))
+
+    (out / "cache").mkdir()
+    deleted = clear_run(str(out))
+    assert sorted(os.path.basename(p) for p in deleted) == ["checkpoints", "metrics.jsonl"]
+    assert os.listdir(out) == ["cache"]  # the token cache is not the run's
+    check_out_dir(fresh)
+
+
+def test_truncate_metrics_keeps_the_lineage_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)))
+    assert truncate_metrics(str(path), 7) == 0
+    assert truncate_metrics(str(path), 5) == 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert truncate_metrics(str(path), 0) == 5 and path.read_text() == ""
+    assert truncate_metrics(str(tmp_path / "absent.jsonl"), 3) == 0
+
+
+def test_train_section_validates_the_new_fields():
+    with pytest.raises(ConfigError, match="train.overwrite"):
+        TrainSection(overwrite="yes")
+    with pytest.raises(ConfigError, match="train.hang_timeout"):
+        TrainSection(hang_timeout=-1)
+    assert TrainSection().hang_timeout == 120.0 and TrainSection().overwrite is False
+
+
+def test_counts_and_durations_read_at_a_glance():
+    assert format_count(840) == "840"
+    assert format_count(837_888) == "0.84M"  # gpt-mini: not "0.00B"
+    assert format_count(124_439_808) == "124.4M"
+    assert format_count(1_315_575_808) == "1.32B"
+    assert format_duration(59.6) == "1:00" and format_duration(3725) == "1:02:05" and format_duration(-1) == "0:00"
+    line = format_step(
+        {
+            "step": 5,
+            "loss": 2.0,
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            "tokens_per_s": 1000.0,
+            "memory_mib": 10.0,
+            "elapsed_s": 65.0,
+            "eta_s": 130.0,
+        },
+        10,
+    )
+    assert line.endswith("| 1:05 elapsed, eta 2:10"), line
