@@ -2,8 +2,10 @@
 
     behemoth config CONFIG [--section.key=value ...]     print the fully resolved config
     behemoth train  CONFIG [--section.key=value ...]     train (one process, or one rank under torchrun)
-    behemoth run --nproc N [--] train CONFIG [...]       launch N local ranks through torchrun
+    behemoth run --nproc N [--max-restarts R] [--] train CONFIG [...]   N local ranks through torchrun
+    behemoth run --nproc N [--] SCRIPT.py [ARGS ...]     N local ranks of your own script
     behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
+    behemoth --version
 
 ``train`` reads its rank and world from torchrun's environment (``bh.init()``), so the
 same command scales to several nodes through torchrun's c10d rendezvous::
@@ -14,6 +16,8 @@ same command scales to several nodes through torchrun's c10d rendezvous::
 Errors in the configuration or the job (``ValueError``, missing files or packages,
 unsupported plan fields) print one line and exit with status 2; set ``BEHEMOTH_TRACEBACK=1``
 for the full traceback. Any other failure keeps its traceback and exits with status 1.
+Ctrl-C exits with status 130 and one line. Under ``behemoth run`` each worker that ends
+abnormally also leaves a status record for the launcher's summary (``behemoth.launcher``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
+    p.add_argument("--version", action="version", version=f"behemoth {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan}")
     for name, text in (
         ("train", "train (one process, or one rank under torchrun)"),
@@ -48,11 +53,18 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="path of a .toml job file (e.g. src/behemoth/configs/demo.toml)")
     r = sub.add_parser(
         "run",
-        help="launch N local processes with torchrun, each running a behemoth command",
-        description="launch N local processes (torchrun --standalone) running `behemoth ARGS...`",
+        help="launch N local processes with torchrun, each running a behemoth command or your script",
+        description="launch N local processes (torchrun --standalone) running `behemoth train|config ...` "
+        "or `python SCRIPT.py ARGS...`; a failed rank restarts the group up to --max-restarts times (the "
+        "trainer resumes from its newest checkpoint)",
     )
     r.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...]")
+    r.add_argument(
+        "--max-restarts", type=int, default=0, help="restart the whole group this many times after a failure"
+    )
+    r.add_argument(
+        "args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...] | SCRIPT.py [ARGS ...]"
+    )
     m = sub.add_parser(
         "plan",
         help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
@@ -60,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         "does not fit, the GPU/host split offload='auto' would choose",
     )
     m.add_argument("--memory", action="store_true", required=True, help="plan memory (the only planner so far)")
-    m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-7b")
+    m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
     m.add_argument("--vocab", type=int, default=50304)
     m.add_argument("--seq", type=int, default=2048)
     m.add_argument("--dp", type=int, default=1, help="data-parallel ranks ZeRO shards over")
@@ -69,9 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
     m.add_argument(
         "--param-dtype",
-        default=None,
-        choices=[None, "bf16"],
-        help="Plan.param_dtype: bf16 parameter copies of the fp32 masters (under zero=3, offloaded ones on the host)",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="parameter copies the model runs on: fp32 (Plan.param_dtype=None, the default) or bf16 copies of "
+        "the fp32 masters (Plan.param_dtype='bf16'; under zero=3, offloaded ones on the host)",
     )
     m.add_argument(
         "--activations-gb",
@@ -96,7 +109,7 @@ def cmd_plan(a) -> int:
         gpu_bytes=int(a.gpu_gb * gib),
         host_bytes=int(a.host_gb * gib),
         activation_bytes=int(a.activations_gb * gib),
-        param_bytes=2 if a.param_dtype else 4,
+        param_bytes=2 if a.param_dtype == "bf16" else 4,
     )
     print(plan.text)
     return 0
@@ -124,10 +137,12 @@ def cmd_train(path: str, overrides: list[str]) -> int:
 
     import behemoth as bh
     from behemoth.train.config import format_config
+    from behemoth.train.run_dir import check_out_dir
     from behemoth.train.trainer import train
 
     config = _load(path, overrides, _env_world_size())  # fails before any process group exists
     config.plan.check_supported()
+    check_out_dir(config.train)
     bh.init()
     config = config.resolved(world_size=dist.get_world_size())
     if dist.get_rank() == 0:
@@ -141,38 +156,20 @@ def cmd_train(path: str, overrides: list[str]) -> int:
     return 0
 
 
-def cmd_run(nproc: int, args: list[str]) -> int:
+def cmd_run(nproc: int, args: list[str], max_restarts: int = 0) -> int:
+    from behemoth import launcher
+
     if args and args[0] == "--":
         args = args[1:]
-    if nproc < 1:
-        raise ValueError(f"--nproc {nproc}: must be >= 1.")
-    if len(args) < 2 or args[0] not in ("train", "config"):
-        raise ValueError(
-            f"behemoth run needs a command to launch, e.g. `behemoth run --nproc {nproc} train "
-            f"CONFIG`; got {' '.join(args) or 'nothing'!r}."
-        )
-    # Check the job here, before starting N processes that would all fail the same way.
-    config = _load(args[1], _split_overrides(args[2:]), nproc)
-    if args[0] == "train":
-        config.plan.check_supported()
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    if len(args) >= 2 and args[0] in ("train", "config"):
+        # Check the job here, before starting N processes that would all fail the same way.
+        config = _load(args[1], _split_overrides(args[2:]), nproc)
+        if args[0] == "train":
+            config.plan.check_supported()
+            from behemoth.train.run_dir import check_out_dir
 
-    # N ranks share this machine's cores; torchrun would otherwise set 1 thread (with a warning).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun_args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "behemoth", *args])
-    try:
-        run(torchrun_args)
-    except ChildFailedError as e:
-        first = min(e.failures.items())
-        rank, failure = first
-        print(
-            f"behemoth run: {len(e.failures)} of {nproc} processes failed; first: rank {rank} "
-            f"exited with code {failure.exitcode} (its error is printed above).",
-            file=sys.stderr,
-        )
-        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
-    return 0
+            check_out_dir(config.train)
+    return launcher.run(nproc, args, max_restarts=max_restarts)
 
 
 def _split_overrides(rest: list[str]) -> list[str]:
@@ -200,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def _version() -> str:
+    from behemoth import __version__
+
+    return __version__
+
+
 def _main(argv: list[str]) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
@@ -210,7 +213,7 @@ def _main(argv: list[str]) -> int:
                     f"unexpected argument(s) {' '.join(rest)} before the launched command; "
                     f"write `behemoth run --nproc N train CONFIG ...`."
                 )
-            return cmd_run(args.nproc, args.args)
+            return cmd_run(args.nproc, args.args, args.max_restarts)
         if args.command == "plan":
             if rest:
                 raise ValueError(f"unexpected argument(s) {' '.join(rest)}; see `behemoth plan --help`.")
@@ -218,6 +221,7 @@ def _main(argv: list[str]) -> int:
         overrides = _split_overrides(rest)
         return cmd_config(args.config, overrides) if args.command == "config" else cmd_train(args.config, overrides)
     except USER_ERRORS as e:
+        _record_exit(e)
         if os.environ.get("BEHEMOTH_TRACEBACK"):
             raise
         rank = os.environ.get("RANK")
@@ -225,5 +229,49 @@ def _main(argv: list[str]) -> int:
         print(f"behemoth: error{where}: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
+        _record_exit(None)
         print("behemoth: interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:
+        if isinstance(e, SystemExit):
+            raise
+        _record_exit(e)
+        if _lost_peer_under_launcher(e):
+            print(
+                f"behemoth: rank {os.environ.get('RANK')} lost a peer ({_first_line(e)}); "
+                f"the launcher names the rank that failed first.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        raise
+
+
+def _lost_peer_under_launcher(e: BaseException) -> bool:
+    """A collective failing because another rank died, in a worker of ``behemoth run``: its
+    traceback says nothing the launcher's summary does not (``BEHEMOTH_TRACEBACK=1`` keeps it)."""
+    from behemoth import launcher
+
+    return (
+        launcher.STATUS_ENV in os.environ
+        and not os.environ.get("BEHEMOTH_TRACEBACK")
+        and launcher.is_comm_error(e)
+        and not isinstance(e, USER_ERRORS)
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    from behemoth import launcher
+
+    return launcher.first_line(e)
+
+
+def _record_exit(e: BaseException | None) -> None:
+    """Tell ``behemoth run`` (if it launched this process) how it is ending."""
+    from behemoth import launcher
+
+    if e is None:
+        launcher.write_status("interrupted")
+    else:
+        kind = "comm_error" if launcher.is_comm_error(e) else "error"
+        launcher.write_status(kind, message=launcher.first_line(e))

@@ -2,9 +2,10 @@
 
 ``train`` builds everything from a :class:`~behemoth.train.config.Config` (tokenizer,
 model, optimizer, engine, data, sampler), resumes from the newest complete checkpoint
-under ``out_dir/checkpoints``, runs ``train_step`` until ``train.steps`` and saves at
-``save_every`` and at the end. It runs the same on every rank (launched by torchrun or
-``behemoth run``); only rank 0 prints and writes metrics.
+under ``out_dir/checkpoints`` (or starts a new run there, see ``behemoth.train.run_dir``),
+runs ``train_step`` until ``train.steps`` and saves at ``save_every``, at the end, and when
+SIGTERM asks it to stop (``behemoth.train.lifecycle``). It runs the same on every rank
+(launched by torchrun or ``behemoth run``); only rank 0 prints and writes metrics.
 
 Distributed contract: every rank builds the same model (the engine broadcasts rank 0's
 weights anyway); each dp rank's :class:`BatchSampler` yields its rows of the same global
@@ -20,24 +21,25 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import shutil
+import signal
 import time
 
 import torch
 
 import behemoth as bh
 from behemoth import comm
+from behemoth.launcher import write_status
 from behemoth.models import build_model
-from behemoth.train.checkpoint import is_complete, latest_checkpoint
+from behemoth.train.checkpoint import latest_checkpoint
 from behemoth.train.config import Config, DataSection, OptimSection, format_config
 from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
-from behemoth.train.metrics import MetricsLogger, format_step, log, memory_mib, peak_flops
+from behemoth.train.lifecycle import StopRequest, Watchdog
+from behemoth.train.metrics import MetricsLogger, format_count, format_step, log, memory_mib, peak_flops
+from behemoth.train.run_dir import check_out_dir, clear_run, prune_checkpoints, truncate_metrics
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 
-__all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset", "prune_checkpoints"]
+__all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset"]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 ENTROPY_SAMPLE_TOKENS = 10_000_000  # unigram entropy is measured on at most this many tokens
 
 
@@ -77,22 +79,6 @@ def build_dataset(data: DataSection, tokenizer: Tokenizer) -> TokenDataset:
     if data.paths[0].endswith(".bin"):
         return TokenDataset.from_bin(data.paths[0], data.bin_dtype, vocab_size=tokenizer.vocab_size)
     return TokenDataset.from_files(list(data.paths), tokenizer, cache_dir=data.cache_dir)
-
-
-def prune_checkpoints(ckpt_dir: str, keep_last: int) -> list[str]:
-    """Delete complete ``step-N`` checkpoints beyond the newest ``keep_last`` (0 keeps all).
-    Incomplete directories are left to the checkpoint module. Returns the deleted paths."""
-    if keep_last <= 0 or not os.path.isdir(ckpt_dir):
-        return []
-    found = sorted(
-        (int(m.group(1)), name)
-        for name in os.listdir(ckpt_dir)
-        if (m := _STEP_DIR.match(name)) and is_complete(os.path.join(ckpt_dir, name))
-    )
-    doomed = [os.path.join(ckpt_dir, name) for _, name in found[:-keep_last]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
 
 
 def _rank0_first(fn, world: comm.Axis):
@@ -168,14 +154,30 @@ def train(config: Config) -> dict:
 
     Returns the run's summary on every rank: ``first_loss``, ``final_loss``,
     ``unigram_entropy`` (rank 0 only; None elsewhere), ``start_step``, ``steps``,
-    ``tokens_per_s``, ``wall_seconds``, ``checkpoint`` and ``num_params``.
+    ``last_step`` (the step it stopped at: ``steps``, or earlier when SIGTERM stopped it),
+    ``stopped_by`` (None, or the signal's name), ``tokens_per_s``, ``wall_seconds``,
+    ``checkpoint`` and ``num_params``.
     """
     t_start = time.perf_counter()
+    stop = StopRequest().install()
+    try:
+        return _train(config, stop, t_start)
+    finally:
+        stop.restore()
+
+
+def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
+    check_out_dir(config.train)  # every rank, before any collective
     bh.init()
     world_size = torch.distributed.get_world_size()
     config = config.resolved(world_size=world_size)
     mc, tc = config.model, config.train
     ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
+    watchdog = Watchdog.for_torchelastic(
+        rank=torch.distributed.get_rank(), world_size=world_size, timeout=tc.hang_timeout
+    )
+    if watchdog is not None:
+        watchdog.start()
 
     tokenizer = get_tokenizer(config.data.tokenizer)
     model = build_model(
@@ -190,6 +192,11 @@ def train(config: Config) -> dict:
     torch.manual_seed(tc.seed + engine.dp_rank)  # dropout masks differ per dp rank
 
     world = engine.mesh.axis("world")
+    if tc.overwrite:  # rank 0 deletes the old run; nobody looks for checkpoints before it is done
+        cleared = clear_run(tc.out_dir) if rank0 else []
+        comm.all_agree(True, world)
+        if cleared:
+            log(f"train.overwrite: deleted the previous run's {', '.join(os.path.basename(p) for p in cleared)}")
     if config.data.source == "default" or config.data.paths[0].endswith(".bin"):
         dataset = build_dataset(config.data, tokenizer)
     else:
@@ -205,14 +212,14 @@ def train(config: Config) -> dict:
     )
     entropy = unigram_entropy(dataset.tokens[:ENTROPY_SAMPLE_TOKENS]) if rank0 else None
 
-    resumed_from = latest_checkpoint(ckpt_dir) if tc.resume else None
+    resumed_from = latest_checkpoint(ckpt_dir) if tc.resume and not tc.overwrite else None
     if resumed_from:
         extra = engine.load(resumed_from)
         sampler.load_state_dict(extra["sampler"])
     start = engine.step_count
     if rank0:
         log(
-            f"model {mc.name}: {num_params / 1e6:.2f}M parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
+            f"model {mc.name}: {format_count(num_params)} parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
             f"seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
             f"{engine.device.type} | data: {len(dataset):,} {tokenizer.name} tokens, "
             f"{sampler.steps_per_epoch} steps/epoch"
@@ -221,8 +228,18 @@ def train(config: Config) -> dict:
             f"unigram entropy of the training tokens: {entropy:.4f} nats (the loss must fall below this "
             f"to show the model learned more than token frequencies)"
         )
+        if config.optim.warmup_steps >= tc.steps:
+            log(
+                f"warning: optim.warmup_steps={config.optim.warmup_steps} >= train.steps={tc.steps}: the learning "
+                f"rate never reaches optim.lr={config.optim.lr:g} (it ends at "
+                f"{lr_at(tc.steps - 1, config.optim, tc.steps):.2e}); lower the warm-up or train longer."
+            )
         if resumed_from:
             log(f"resumed from {resumed_from} at step {start}")
+        # The log holds this run's lineage only: steps past the checkpoint are about to be redone.
+        dropped = truncate_metrics(os.path.join(tc.out_dir, "metrics.jsonl"), start)
+        if dropped:
+            log(f"metrics.jsonl: dropped {dropped} record(s) past step {start} (they are trained again)")
 
     logger = MetricsLogger(tc.out_dir, enabled=rank0, start_step=start)
     logger.log_text("config", format_config(config))
@@ -231,6 +248,7 @@ def train(config: Config) -> dict:
 
     losses, seconds, tokens = [], 0.0, 0
     last_saved = start if resumed_from else None
+    last_step, loop_start = start, time.perf_counter()
     for step in range(start + 1, tc.steps + 1):
         lr = lr_at(step - 1, config.optim, tc.steps)
         out = train_step(engine, sampler, lr)
@@ -241,18 +259,31 @@ def train(config: Config) -> dict:
                 f"optim.max_grad_norm."
             )
         losses.append(out["loss"])
+        last_step = step
         if step > start + 1:  # the first step pays one-off costs (allocator, thread pools)
             seconds, tokens = seconds + out["seconds"], tokens + out["tokens"]
         metrics = _step_metrics(
             step, lr, out, flops_per_token=flops_per_token, world_size=world_size, peak=peak, device=engine.device
         )
+        metrics["elapsed_s"] = time.perf_counter() - loop_start
+        done = step - start
+        metrics["eta_s"] = metrics["elapsed_s"] / done * (tc.steps - step)
         logger.log_step(metrics)
         if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps):
             log(format_step(metrics, tc.steps))
-        if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+        stopping = stop.agreed(world)
+        if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or stopping:
             _save(engine, sampler, config, ckpt_dir, step, rank0)
             last_saved = step
+        if stopping:
+            break
 
+    if watchdog is not None:
+        watchdog.stop()
+    stopped_by = None
+    if stop.signum is not None:
+        stopped_by = signal.Signals(stop.signum).name
+        write_status("stopped", step=last_step)
     final_ckpt = os.path.join(ckpt_dir, f"step-{last_saved}") if last_saved is not None else None
     png = logger.close(unigram_entropy=entropy, title=f"behemoth {mc.name} on {world_size} process(es)")
     summary = {
@@ -262,6 +293,8 @@ def train(config: Config) -> dict:
         "unigram_entropy": entropy,
         "start_step": start,
         "steps": tc.steps,
+        "last_step": last_step,
+        "stopped_by": stopped_by,
         "tokens_per_s": tokens / seconds if seconds else None,
         "wall_seconds": time.perf_counter() - t_start,
         "checkpoint": final_ckpt,
@@ -280,7 +313,7 @@ def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool
     t0 = time.perf_counter()
     engine.save(path, extra={"sampler": sampler.state_dict(), "config": config.to_dict()})
     if rank0:
-        pruned = prune_checkpoints(ckpt_dir, config.train.keep_last)
+        pruned = prune_checkpoints(ckpt_dir, config.train.keep_last, newest=step)
         note = f" (removed {len(pruned)} older)" if pruned else ""
         log(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f} s{note}")
 
@@ -288,18 +321,23 @@ def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool
 def _report(summary: dict, out_dir: str) -> None:
     import json
 
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    if summary["final_loss"] is None:
+    if summary["final_loss"] is None:  # nothing trained: the previous summary stays
         log(
             f"nothing to do: the checkpoint is at step {summary['start_step']} >= train.steps="
             f"{summary['steps']}; raise --train.steps to train further."
         )
         return
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     tps = f"{summary['tokens_per_s']:,.0f} tok/s" if summary["tokens_per_s"] else "n/a tok/s"
     verdict = "below" if summary["final_loss_mean10"] < summary["unigram_entropy"] else "NOT below"
+    if summary["stopped_by"]:
+        log(
+            f"stopped by {summary['stopped_by']} after step {summary['last_step']} of {summary['steps']}: checkpoint "
+            f"{summary['checkpoint']} saved; run the same command again to resume."
+        )
     log(
-        f"done: steps {summary['start_step'] + 1}-{summary['steps']} | loss {summary['first_loss']:.4f} -> "
+        f"done: steps {summary['start_step'] + 1}-{summary['last_step']} | loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} the "
         f"unigram entropy {summary['unigram_entropy']:.4f}) | {tps} | {summary['wall_seconds']:.1f} s"
     )

@@ -1,0 +1,264 @@
+"""End to end: how a run starts beside an old one, and how it ends when the world around it does.
+
+A new run into an old run's directory is refused (or overwrites it when asked); SIGKILL of
+`behemoth run` takes its workers with it; Ctrl-C is one line, no traceback; SIGTERM saves a
+checkpoint and exits 0; a SIGKILLed rank is named in the summary with its signal; a stopped
+(SIGSTOP) rank is found by the heartbeat and named; `behemoth run` launches a user's script.
+
+Tiny models, few steps, gloo on CPU; every process tree runs in its own session and is
+killed on timeout, so a hang fails the test instead of freezing CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(REPO, "src", "behemoth", "configs", "demo.toml")
+TINY = [
+    "--model.name=gpt-tiny",
+    "--model.seq_len=32",
+    "--train.global_batch_size=4",
+    "--optim.warmup_steps=0",
+    "--train.log_every=1",
+    "--data.default_corpus_bytes=50000",
+]
+
+
+class Job:
+    """A `python -m behemoth ...` process tree in its own session, its output collected as it comes."""
+
+    def __init__(self, *args: str, cwd, env: dict | None = None) -> None:
+        full_env = dict(os.environ, BEHEMOTH_TIMEOUT="60", PYTHONUNBUFFERED="1", **(env or {}))
+        # this tree's behemoth, whatever the interpreter has installed
+        full_env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])
+        full_env.pop("BEHEMOTH_TRACEBACK", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "behemoth", *args],
+            cwd=cwd,
+            env=full_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out) + "\n--- stderr:\n" + "".join(self.err)
+
+    def wait_for(self, pattern: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if re.search(pattern, "".join(self.out), re.M):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"no {pattern!r} within {timeout} s\n{self.text}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"did not finish within {timeout} s\n{self.text}")
+        for t in self._readers:
+            t.join(5)
+        return rc
+
+    def workers(self) -> dict[int, int]:
+        """``{rank: pid}`` of the launcher's worker processes."""
+        out = {}
+        for child in _children(self.proc.pid):
+            try:
+                with open(f"/proc/{child}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            if b"RANK" in env:
+                out[int(env[b"RANK"])] = child
+        return out
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _steps(out_dir) -> list[int]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(240)
+def test_a_new_run_into_an_old_runs_directory_is_refused_or_overwritten(tmp_path):
+    """One process (the demo's dp follows the world size): run 6 steps; a `resume=false` run into the
+    same out_dir is refused in one line and changes nothing; with `overwrite=true` the old run's files
+    go and the new run's step-2 checkpoint survives keep_last=1 (it was pruned against step-6 before)."""
+    out = tmp_path / "run"
+    common = [*TINY, f"--train.out_dir={out}", "--train.keep_last=1"]
+    job = Job("train", DEMO, *common, "--train.steps=6", "--train.save_every=3", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    assert os.listdir(out / "checkpoints") == ["step-6"] and _steps(out) == [1, 2, 3, 4, 5, 6]
+
+    job = Job("train", DEMO, *common, "--train.steps=2", "--train.resume=false", cwd=tmp_path)
+    assert job.wait(60) == 2, job.text
+    err = "".join(job.err).strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0] and "--train.overwrite=true" in err[0], job.text
+    assert os.listdir(out / "checkpoints") == ["step-6"] and _steps(out) == [1, 2, 3, 4, 5, 6]
+
+    job = Job("train", DEMO, *common, "--train.steps=2", "--train.resume=false", "--train.overwrite=true", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    assert os.listdir(out / "checkpoints") == ["step-2"] and _steps(out) == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["checkpoint"].endswith("step-2")
+
+    # Nothing left to do: the summary of the finished run stays (not overwritten with nulls).
+    job = Job("train", DEMO, *common, "--train.steps=2", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    assert "nothing to do" in "".join(job.out)
+    assert json.loads((out / "summary.json").read_text())["final_loss"] is not None
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_saves_a_checkpoint_and_exits_0_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    common = [*TINY, f"--train.out_dir={out}", "--train.save_every=0"]
+    job = Job("run", "--nproc", "2", "train", DEMO, *common, "--train.steps=100000", cwd=tmp_path)
+    job.wait_for(r"^step +3/", 150)
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 0, job.text
+    assert time.monotonic() - sent < 30, job.text  # before torchrun's SIGKILL
+    m = re.search(r"^stopped by SIGTERM after step (\d+) of 100000: checkpoint (\S+) saved", "".join(job.out), re.M)
+    assert m, job.text
+    step = int(m.group(1))
+    assert "every rank saved a checkpoint at step" in "".join(job.err), job.text
+    assert os.listdir(out / "checkpoints") == [f"step-{step}"] and _steps(out) == list(range(1, step + 1))
+
+    job = Job("run", "--nproc", "2", "train", DEMO, *common, f"--train.steps={step + 2}", cwd=tmp_path)
+    assert job.wait(150) == 0, job.text
+    assert re.search(rf"^resumed from .*step-{step} at step {step}$", "".join(job.out), re.M), job.text
+    assert _steps(out) == list(range(1, step + 3))
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path):
+    job = Job("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=100000", cwd=tmp_path)
+    job.wait_for(r"^step +2/", 150)
+    workers = job.workers()
+    assert sorted(workers) == [0, 1], workers
+    job.proc.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
+    job.wait(10)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in workers.values() if _alive(p)]
+    job.kill()
+    assert not alive, f"workers {alive} outlived their launcher"
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_is_one_line_per_process_without_a_traceback(tmp_path):
+    job = Job("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=100000", cwd=tmp_path)
+    job.wait_for(r"^step +2/", 150)
+    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+    assert job.wait(60) == 130, job.text
+    err = "".join(job.err)
+    assert "Traceback" not in err, err
+    assert "behemoth run: SIGINT: stopped the 2 worker(s)" in err, err
+    assert len(err.strip().splitlines()) <= 4, err
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    job = Job("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=100000", cwd=tmp_path)
+    job.wait_for(r"^step +2/", 150)
+    os.kill(job.workers()[1], signal.SIGKILL)
+    assert job.wait(90) == 1, job.text
+    err = "".join(job.err)
+    assert "behemoth run: rank 1 was killed by signal SIGKILL and printed no error" in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_found_by_the_heartbeat_and_named(tmp_path):
+    job = Job(
+        "run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=100000", "--train.hang_timeout=5", cwd=tmp_path
+    )
+    job.wait_for(r"^step +2/", 150)
+    stopped = job.workers()[1]
+    os.kill(stopped, signal.SIGSTOP)
+    sent = time.monotonic()
+    try:
+        rc = job.wait(120)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    err = "".join(job.err)
+    assert rc == 1, job.text
+    assert "behemoth: rank 1 sent no heartbeat for" in err and "noticed by rank 0" in err, err
+    assert "behemoth run: rank 1 stopped responding: no heartbeat for" in err, err
+    # detection takes hang_timeout plus a beat; torchrun then waits up to 30 s for the stopped rank
+    assert time.monotonic() - sent < 5 + 30 + 30, job.text
+
+
+@pytest.mark.timeout(120)
+def test_run_launches_a_users_script(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist, behemoth as bh\n"
+        "bh.init()\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: {t.item():g} {sys.argv[1:]}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    job = Job("run", "--nproc", "2", str(script), "--flag", "x", cwd=tmp_path)
+    assert job.wait(90) == 0, job.text
+    out = "".join(job.out)
+    assert "rank 0 of 2: 3 ['--flag', 'x']" in out and "rank 1 of 2: 3 ['--flag', 'x']" in out, job.text
