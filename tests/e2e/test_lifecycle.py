@@ -40,7 +40,8 @@ class Job:
     def __init__(self, *args: str, cwd, env: dict | None = None) -> None:
         full_env = dict(os.environ, BEHEMOTH_TIMEOUT="60", PYTHONUNBUFFERED="1", **(env or {}))
         # this tree's behemoth, whatever the interpreter has installed
-        full_env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])
+        paths = [(env or {}).get("PYTHONPATH", ""), os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         full_env.pop("BEHEMOTH_TRACEBACK", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "behemoth", *args],
@@ -262,3 +263,78 @@ def test_run_launches_a_users_script(tmp_path):
     assert job.wait(90) == 0, job.text
     out = "".join(job.out)
     assert "rank 0 of 2: 3 ['--flag', 'x']" in out and "rank 1 of 2: 3 ['--flag', 'x']" in out, job.text
+
+
+# Loaded by every worker of the faulty run (through PYTHONPATH): on the first attempt, rank 2
+# SIGKILLs itself as its 23rd backward begins -- in step 23, after the forward, before any
+# gradient is reduced. Restarted workers (TORCHELASTIC_RESTART_COUNT > 0) run untouched.
+_KILL_IN_BACKWARD = """
+import os
+if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import signal
+    import torch
+
+    _backward, _calls = torch.Tensor.backward, [0]
+
+    def backward(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 23:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+"""
+
+
+def _weights(checkpoint) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = str(checkpoint) + ".pt"
+    dcp_to_torch_save(str(checkpoint), flat)
+    return torch.load(flat, weights_only=True)
+
+
+@pytest.mark.timeout(600)
+def test_a_restart_resumes_exactly(tmp_path):
+    """4 gloo ranks, 40 steps, a checkpoint every 10; rank 2 SIGKILLed in step 23's backward. Under
+    `behemoth run --max-restarts 1` the group restarts, resumes from step-20, and every logged loss,
+    gradient norm and learning rate and the final weights are bit-identical to an uninterrupted run."""
+    job_args = [*TINY, "--optim.schedule=cosine", "--train.steps=40", "--train.save_every=10", "--train.keep_last=0"]
+    ref = tmp_path / "ref"
+    job = Job("run", "--nproc", "4", "train", DEMO, *job_args, f"--train.out_dir={ref}", cwd=tmp_path)
+    assert job.wait(240) == 0, job.text
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_IN_BACKWARD)
+    faulty = tmp_path / "faulty"
+    job = Job(
+        "run",
+        "--nproc",
+        "4",
+        "--max-restarts",
+        "1",
+        "train",
+        DEMO,
+        *job_args,
+        f"--train.out_dir={faulty}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(hook)},
+    )
+    assert job.wait(360) == 0, job.text
+    out = "".join(job.out)
+    assert re.search(r"^resumed from .*step-20 at step 20$", out, re.M), job.text
+    assert re.search(r"^metrics.jsonl: dropped \d+ record\(s\) past step 20", out, re.M), job.text
+
+    def records(out_dir):
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = records(faulty), records(ref)
+    assert [r["step"] for r in got] == list(range(1, 41))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    got_w, want_w = _weights(faulty / "checkpoints" / "step-40"), _weights(ref / "checkpoints" / "step-40")
+    assert sorted(got_w) == sorted(want_w)
+    for name, tensor in want_w.items():
+        assert hasattr(tensor, "equal") and tensor.equal(got_w[name]), name
