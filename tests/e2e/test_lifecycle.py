@@ -338,3 +338,27 @@ def test_a_restart_resumes_exactly(tmp_path):
     assert sorted(got_w) == sorted(want_w)
     for name, tensor in want_w.items():
         assert hasattr(tensor, "equal") and tensor.equal(got_w[name]), name
+
+
+@pytest.mark.timeout(300)
+def test_resume_refuses_a_changed_batch_and_resume_from_rewinds_exactly(tmp_path):
+    out = tmp_path / "run"
+    common = [*TINY, f"--train.out_dir={out}", "--train.save_every=2", "--train.keep_last=0"]
+    job = Job("train", DEMO, *common, "--train.steps=4", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    job = Job("train", DEMO, *common, "--train.steps=6", "--train.global_batch_size=8", cwd=tmp_path)
+    assert job.wait(60) == 2, job.text
+    err = "".join(job.err).strip().splitlines()
+    assert len(err) == 1 and "train.global_batch_size 4 -> 8" in err[0], job.text
+
+    step2 = out / "checkpoints" / "step-2"
+    job = Job("train", DEMO, *common, "--train.steps=4", f"--train.resume_from={step2}", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    text = "".join(job.out)
+    assert re.search(r"^resumed from .*step-2 at step 2$", text, re.M), job.text
+    assert "rewinds the run to step 2: deleted step-4" in text, job.text
+    again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]

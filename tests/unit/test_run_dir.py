@@ -9,9 +9,18 @@ import os
 
 import pytest
 
-from behemoth.train.config import ConfigError, TrainSection
+from behemoth.train.config import ConfigError, TrainSection, load_config
 from behemoth.train.metrics import format_count, format_duration, format_step
-from behemoth.train.run_dir import check_out_dir, clear_run, previous_run, prune_checkpoints, truncate_metrics
+from behemoth.train.run_dir import (
+    check_out_dir,
+    check_resume,
+    clear_run,
+    previous_run,
+    prune_checkpoints,
+    rewind,
+    skipped_checkpoints,
+    truncate_metrics,
+)
 
 
 def _checkpoint(ckpt_dir, step: int, complete: bool = True) -> None:
@@ -105,3 +114,58 @@ def test_counts_and_durations_read_at_a_glance():
         10,
     )
     assert line.endswith("| 1:05 elapsed, eta 2:10"), line
+
+
+def _saved_run(ckpt_dir, step: int, config) -> None:
+    d = ckpt_dir / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": step, "extra": {"config": config.to_dict()}}))
+
+
+def test_resume_refuses_changes_to_what_the_checkpoint_means_and_names_the_rest(tmp_path):
+    base = load_config(None, ["--train.global_batch_size=8", "--optim.lr=1e-3"])
+    _saved_run(tmp_path, 3, base)
+    ckpt = str(tmp_path / "step-3")
+    assert check_resume(ckpt, base) == []
+    same_meaning = load_config(
+        None, ["--train.global_batch_size=8", "--optim.lr=5e-4", "--plan.zero=1", "--train.out_dir=elsewhere"]
+    )
+    assert check_resume(ckpt, same_meaning) == ["optim.lr 0.001 -> 0.0005", "plan.zero 0 -> 1"]
+    for override, change in (
+        ("--train.global_batch_size=16", "train.global_batch_size 8 -> 16"),
+        ("--data.source=other.bin", "data.source 'default' -> 'other.bin'"),
+        ("--model.hidden=96", "model.hidden"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_resume(ckpt, load_config(None, ["--train.global_batch_size=8", override]))
+        assert change in str(e.value) and "--train.overwrite=true" in str(e.value), str(e.value)
+    (tmp_path / "step-3" / "meta.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is damaged: its meta.json cannot be read"):
+        check_resume(ckpt, base)
+
+
+def test_resume_from_and_rewind(tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    for n in (10, 20, 30):
+        _checkpoint(ckpts, n)
+    (ckpts / "step-40.partial").mkdir()
+    (ckpts / "step-40").mkdir()  # no meta.json: damaged, or a save interrupted between renames
+    assert skipped_checkpoints(str(ckpts), str(ckpts / "step-30")) == ["step-40"]
+    assert skipped_checkpoints(str(ckpts), None) == ["step-40"]
+    deleted = rewind(str(ckpts), 20)
+    assert sorted(os.path.basename(p) for p in deleted) == ["step-30", "step-40", "step-40.partial"]
+    assert sorted(os.listdir(ckpts)) == ["step-10", "step-20"]
+
+    # resume_from: a checkpoint of this run is fine; another run's only into an empty out_dir (or overwrite)
+    check_out_dir(TrainSection(out_dir=str(out), resume_from=str(ckpts / "step-10")))
+    other = tmp_path / "other"
+    _checkpoint(other / "checkpoints", 5)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_out_dir(TrainSection(out_dir=str(out), resume_from=str(other / "checkpoints" / "step-5")))
+    check_out_dir(TrainSection(out_dir=str(out), resume_from=str(other / "checkpoints" / "step-5"), overwrite=True))
+    check_out_dir(TrainSection(out_dir=str(tmp_path / "new"), resume_from=str(other / "checkpoints" / "step-5")))
+    with pytest.raises(ConfigError, match="would delete train.resume_from"):
+        check_out_dir(TrainSection(out_dir=str(out), resume_from=str(ckpts / "step-10"), overwrite=True))
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        check_out_dir(TrainSection(out_dir=str(out), resume_from=str(ckpts / "step-40")))

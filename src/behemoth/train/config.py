@@ -252,6 +252,10 @@ class TrainSection:
     resume: bool = True
     """Continue from the newest complete checkpoint in out_dir/checkpoints if there is one. With false,
     an out_dir that holds another run is refused (see overwrite)."""
+    resume_from: str | None = None
+    """Resume from this checkpoint directory instead of the newest in out_dir/checkpoints (a checkpoint of
+    this run's own out_dir rewinds it: newer checkpoints are deleted); a group restarted by torchrun
+    continues from its newest checkpoint instead."""
     overwrite: bool = False
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3
@@ -272,6 +276,10 @@ class TrainSection:
         for key in ("resume", "overwrite"):
             v = getattr(self, key)
             _require(isinstance(v, bool), f"train.{key}={v!r}: must be true or false.")
+        _require(
+            self.resume_from is None or (isinstance(self.resume_from, str) and self.resume_from != ""),
+            f'train.resume_from={self.resume_from!r}: must be a checkpoint directory, or "none".',
+        )
         _require(
             _is_number(self.hang_timeout) and self.hang_timeout >= 0,
             f"train.hang_timeout={self.hang_timeout!r}: must be a number of seconds >= 0 (0 turns the watchdog off).",

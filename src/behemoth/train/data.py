@@ -50,12 +50,16 @@ __all__ = [
     "shard_slice",
     "epoch_permutation",
     "BatchSampler",
+    "shift_labels",
+    "IGNORE_INDEX",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _TEXT_SUFFIXES = (".txt", ".jsonl")
 _CACHE_FORMAT = 1  # bump when the cache file layout or key changes
+IGNORE_INDEX = -100
+"""A label that adds no loss (the engine's and transformers' convention)."""
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -324,6 +328,22 @@ def unigram_entropy(tokens) -> float:
     counts = np.bincount(arr.astype(np.int64, copy=False))
     p = counts[counts > 0] / arr.size
     return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """transformers-style labels (``labels = input_ids``, shifted inside the model's loss) as
+    behemoth takes them: ``out[:, i] = labels[:, i + 1]``, the last position ``ignore_index``.
+
+    behemoth's loss pairs ``logits[:, i]`` with ``labels[:, i]``, so the same batch trains the
+    same next-token objective as transformers' ``model(input_ids, labels=input_ids)``."""
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [B, S], got shape {tuple(labels.shape)}")
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
 
 
 # ----------------------------------------------------------------------------- sampling math

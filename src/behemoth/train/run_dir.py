@@ -6,8 +6,10 @@ Layout::
     metrics.jsonl         one record per step of this run's lineage (resumes included)
     tensorboard/, loss.png, summary.json
 
-A job either continues the run its ``out_dir`` holds (``train.resume``, the default) or starts
-a new one. A new run never writes beside another run's files, where keep-last pruning would
+A job either continues the run its ``out_dir`` holds (``train.resume``, the default; or from
+a chosen checkpoint, ``train.resume_from``) or starts a new one. A resume keeps what the
+saved weights and data position mean (:func:`check_resume`: the model, the data, the batch
+size and the data seed), and names every other setting that changed. A new run never writes beside another run's files, where keep-last pruning would
 delete its own checkpoints against the old run's newer ones and the logs would mix: it is
 refused with the fix (:func:`check_out_dir`), or, with ``train.overwrite``, the old run's
 files are deleted first (:func:`clear_run`). A resumed run drops the records past its
@@ -24,9 +26,21 @@ import os
 import re
 import shutil
 
-from behemoth.train.config import ConfigError, TrainSection
+from behemoth.train.config import Config, ConfigError, TrainSection
 
-__all__ = ["RUN_FILES", "previous_run", "check_out_dir", "clear_run", "prune_checkpoints", "truncate_metrics"]
+__all__ = [
+    "RUN_FILES",
+    "FIXED_ON_RESUME",
+    "previous_run",
+    "check_out_dir",
+    "clear_run",
+    "prune_checkpoints",
+    "rewind",
+    "truncate_metrics",
+    "skipped_checkpoints",
+    "resume_changes",
+    "check_resume",
+]
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json")
 """What a run writes under its out_dir (the token cache is not the run's: it survives an overwrite)."""
@@ -63,6 +77,30 @@ def previous_run(out_dir: str) -> list[str]:
 def check_out_dir(train: TrainSection) -> None:
     """Refuse a new run (``resume = false``) into an out_dir that holds another run's files,
     unless ``overwrite`` says to delete them. Pure file-system reads: call it on every rank."""
+    if train.resume_from is not None and not os.path.isfile(os.path.join(train.resume_from, "meta.json")):
+        raise ConfigError(
+            f"train.resume_from={train.resume_from!r} is not a complete checkpoint (no meta.json); pass a "
+            f"checkpoint directory such as {os.path.join(train.out_dir, 'checkpoints', 'step-N')}."
+        )
+    own = os.path.abspath(os.path.join(train.out_dir, "checkpoints"))
+    if (
+        train.resume_from is not None
+        and train.overwrite
+        and os.path.abspath(train.resume_from).startswith(os.path.abspath(train.out_dir) + os.sep)
+    ):
+        raise ConfigError(
+            f"train.overwrite=true would delete train.resume_from={train.resume_from!r}, which lies in "
+            f"train.out_dir; copy the checkpoint elsewhere first, or drop one of the two."
+        )
+    if train.resume_from is not None and os.path.dirname(os.path.abspath(train.resume_from)) != own:
+        found = [] if train.overwrite else previous_run(train.out_dir)
+        if found:
+            raise ConfigError(
+                f"train.resume_from={train.resume_from!r} is another run's checkpoint, but train.out_dir="
+                f"{train.out_dir!r} already holds a run ({', '.join(found)}). Choose another --train.out_dir, or "
+                f"pass --train.overwrite=true to delete that run first."
+            )
+        return
     if train.resume or train.overwrite:
         return
     found = previous_run(train.out_dir)
@@ -88,6 +126,21 @@ def clear_run(out_dir: str) -> list[str]:
             continue
         deleted.append(path)
     return deleted
+
+
+def rewind(ckpt_dir: str, step: int) -> list[str]:
+    """Delete every ``step-N`` (complete or not) past ``step``: a run resumed from an earlier
+    checkpoint of its own must not find its abandoned future on a later restart."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    doomed = [
+        os.path.join(ckpt_dir, name)
+        for name in sorted(os.listdir(ckpt_dir))
+        if (m := re.match(r"^step-(\d+)(\.partial|\.old)?$", name)) and int(m.group(1)) > step
+    ]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def prune_checkpoints(ckpt_dir: str, keep_last: int, *, newest: int | None = None) -> list[str]:
@@ -120,3 +173,68 @@ def truncate_metrics(path: str, last_step: int) -> int:
         f.writelines(kept)
     os.replace(tmp, path)
     return len(lines) - len(kept)
+
+
+def skipped_checkpoints(ckpt_dir: str, newest: str | None) -> list[str]:
+    """Directories under ``ckpt_dir`` named like a checkpoint newer than ``newest`` but not
+    complete (no meta.json: an interrupted save, or a damaged checkpoint), for a warning."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    m = _STEP_DIR.match(os.path.basename(newest)) if newest else None
+    floor = int(m.group(1)) if m else -1
+    return sorted(
+        name
+        for name in os.listdir(ckpt_dir)
+        if (n := _STEP_DIR.match(name))
+        and int(n.group(1)) > floor
+        and not os.path.isfile(os.path.join(ckpt_dir, name, "meta.json"))
+    )
+
+
+FIXED_ON_RESUME = {
+    "model": ("name", "vocab_size", "seq_len", "num_layers", "num_heads", "hidden"),
+    "data": ("source", "tokenizer", "bin_dtype", "default_corpus_bytes"),
+    "optim": ("name",),
+    "train": ("global_batch_size", "seed"),
+}
+"""Settings a resume must keep: the saved weights and data position mean nothing under others."""
+
+_NOT_NOTED = {("train", k) for k in ("out_dir", "resume", "overwrite", "resume_from")} | {("data", "cache_dir")}
+
+
+def resume_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """``(refused, noted)``: each changed setting as ``"section.key old -> new"``, split by
+    :data:`FIXED_ON_RESUME`. ``saved`` and ``current`` are ``Config.to_dict()`` forms."""
+    refused, noted = [], []
+    for section, values in current.items():
+        for key, value in values.items():
+            old = saved.get(section, {}).get(key, value)
+            if old == value or (section, key) in _NOT_NOTED:
+                continue
+            change = f"{section}.{key} {old!r} -> {value!r}"
+            (refused if key in FIXED_ON_RESUME.get(section, ()) else noted).append(change)
+    return refused, noted
+
+
+def check_resume(checkpoint: str, config: Config) -> list[str]:
+    """Refuse to resume ``checkpoint`` under a config that changes what its weights or data
+    position mean; return the other changes (to log). Reads its meta.json: call on every rank."""
+    path = os.path.join(checkpoint, "meta.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f).get("extra", {}).get("config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(
+            f"checkpoint {checkpoint!r} is damaged: its meta.json cannot be read ({e}). Move the directory "
+            f"away to resume from the previous checkpoint, or pass --train.resume_from=PATH."
+        ) from None
+    if not isinstance(saved, dict):
+        return []
+    refused, noted = resume_changes(saved, config.to_dict())
+    if refused:
+        raise ConfigError(
+            f"cannot resume {checkpoint!r}: it was trained with other settings ({'; '.join(refused)}), and its "
+            f"weights and data position belong to those. Resume with the checkpoint's values, or start a new run "
+            f"(another --train.out_dir, or --train.overwrite=true)."
+        )
+    return noted

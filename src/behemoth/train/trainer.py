@@ -35,7 +35,15 @@ from behemoth.train.config import Config, DataSection, OptimSection, format_conf
 from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
 from behemoth.train.lifecycle import StopRequest, Watchdog
 from behemoth.train.metrics import MetricsLogger, format_count, format_step, log, memory_mib, peak_flops
-from behemoth.train.run_dir import check_out_dir, clear_run, prune_checkpoints, truncate_metrics
+from behemoth.train.run_dir import (
+    check_out_dir,
+    check_resume,
+    clear_run,
+    prune_checkpoints,
+    rewind,
+    skipped_checkpoints,
+    truncate_metrics,
+)
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset"]
@@ -173,6 +181,14 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     config = config.resolved(world_size=world_size)
     mc, tc = config.model, config.train
     ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
+    resumed_from = None
+    # A restarted group (torchrun's restart count > 0) continues from its newest checkpoint, not
+    # from resume_from again.
+    if tc.resume_from is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        resumed_from = os.path.abspath(tc.resume_from)
+    elif tc.resume and not tc.overwrite:
+        resumed_from = latest_checkpoint(ckpt_dir)
+    changes = check_resume(resumed_from, config) if resumed_from else []  # every rank, before any collective
     watchdog = Watchdog.for_torchelastic(
         rank=torch.distributed.get_rank(), world_size=world_size, timeout=tc.hang_timeout
     )
@@ -212,7 +228,6 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     )
     entropy = unigram_entropy(dataset.tokens[:ENTROPY_SAMPLE_TOKENS]) if rank0 else None
 
-    resumed_from = latest_checkpoint(ckpt_dir) if tc.resume and not tc.overwrite else None
     if resumed_from:
         extra = engine.load(resumed_from)
         sampler.load_state_dict(extra["sampler"])
@@ -234,8 +249,21 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
                 f"rate never reaches optim.lr={config.optim.lr:g} (it ends at "
                 f"{lr_at(tc.steps - 1, config.optim, tc.steps):.2e}); lower the warm-up or train longer."
             )
+        skipped = skipped_checkpoints(ckpt_dir, resumed_from)
+        if skipped:
+            log(
+                f"warning: {', '.join(skipped)} in {ckpt_dir} has no meta.json (an interrupted save, or a damaged "
+                f"checkpoint) and is not used"
+            )
         if resumed_from:
             log(f"resumed from {resumed_from} at step {start}")
+        if changes:
+            log(f"changed since the checkpoint (applied from now on): {'; '.join(changes)}")
+        rewound = rewind(ckpt_dir, start) if resumed_from and tc.resume_from is not None else []
+        if rewound:
+            log(
+                f"train.resume_from rewinds the run to step {start}: deleted {', '.join(map(os.path.basename, rewound))}"
+            )
         # The log holds this run's lineage only: steps past the checkpoint are about to be redone.
         dropped = truncate_metrics(os.path.join(tc.out_dir, "metrics.jsonl"), start)
         if dropped:
