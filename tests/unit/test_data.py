@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from behemoth.train.data import (
+    IGNORE_INDEX,
     BatchSampler,
     TokenDataset,
     check_vocab,
@@ -18,6 +19,7 @@ from behemoth.train.data import (
     epoch_permutation,
     num_windows,
     shard_slice,
+    shift_labels,
     unigram_entropy,
     write_bin,
 )
@@ -301,3 +303,22 @@ def test_sampler_validation_errors():
         s.load_state_dict({"epoch": 0, "step_in_epoch": 12, "seed": 0, "samples_seen": 0})
     with pytest.raises(ValueError, match="lacks keys"):
         s.load_state_dict({"epoch": 0})
+
+
+def test_shift_labels_trains_transformers_own_objective():
+    """transformers' loss with labels = input_ids equals behemoth's loss (logits[:, i] against
+    labels[:, i]) on shift_labels(input_ids): the same next-token objective, not a copy task."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 61, (3, 16))
+    with torch.no_grad():
+        theirs = model(ids, labels=ids).loss
+        logits = model(ids).logits
+    labels = shift_labels(ids)
+    assert labels[:, -1].tolist() == [IGNORE_INDEX] * 3 and torch.equal(labels[:, :-1], ids[:, 1:])
+    ours = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"labels must be \[B, S\]"):
+        shift_labels(ids[0])
