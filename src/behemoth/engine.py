@@ -109,8 +109,8 @@ def boost(
     parallelism it gets this rank's share of the sequence (outputs, and the batch split
     alike), and its mean is averaged over the cp shares.
 
-    ``tp_policy`` (``{module-name pattern: role}``, see :mod:`behemoth.policies`) says how
-    to shard a model class that behemoth has no table for.
+    ``tp_policy`` (``{module-name pattern: role or style}``, see :mod:`behemoth.specs` and
+    :mod:`behemoth.parallel.tensor`) says how to shard a model class that no spec describes.
 
     ``stages`` (pipeline parallelism only) overrides the stage balance: ``pp * virtual_stages``
     half-open ranges ``(start, end)`` of transformer blocks, in stage order.

@@ -8,19 +8,14 @@ Only the steps built so far live here; each is a small ``apply_*`` function.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .parallel.context import ContextParallelized, parallelize_context
-from .parallel.tensor import Parallelized
-from .policies import resolve_tp_policy
+from .parallel.tensor import Parallelized, parallelize_tensor
 from .specs import transformer_blocks
-
-# tp_mode -> module of behemoth.parallel.tensor that provides parallelize(model, mesh, plan, roles)
-_TP_MODULES = {"1d": "tp1d", "2d": "tp2d", "2.5d": "tp2p5d", "3d": "tp3d"}
 
 
 def prepare_model(model: nn.Module, device: torch.device, *, keep_params: bool = False) -> nn.Module:
@@ -40,28 +35,11 @@ def prepare_model(model: nn.Module, device: torch.device, *, keep_params: bool =
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, plan, policy: dict[str, str] | None = None) -> Parallelized:
-    """Step 1: rewrite ``model`` in place for ``plan.tp_mode`` over ``mesh.axis('tp')``.
-
-    ``policy`` is ``{module-name pattern: role}`` (behemoth.policies documents the roles);
-    ``None`` uses the table of the model's class. Shapes are validated on every rank before
-    any collective. Returns what changed (replaced parameters, the vocab-parallel head);
-    with ``plan.tp == 1`` nothing changes and nothing is returned but an empty record.
-    """
-    if plan.tp == 1:
-        return Parallelized()
-    roles = resolve_tp_policy(model, policy)
-    try:
-        module = importlib.import_module(f"behemoth.parallel.tensor.{_TP_MODULES[plan.tp_mode]}")
-    except ModuleNotFoundError:
-        module = None
-    parallelize = getattr(module, "parallelize", None)
-    if parallelize is None:
-        raise NotImplementedError(
-            f"tp_mode={plan.tp_mode!r}: behemoth.parallel.tensor.{_TP_MODULES[plan.tp_mode]} "
-            f"has no parallelize(model, mesh, plan, roles) yet."
-        )
-    return parallelize(model, mesh, plan, roles)
+def apply_tensor_parallel(model: nn.Module, mesh, plan, policy=None) -> Parallelized:
+    """Step 1: rewrite ``model`` in place for ``plan.tp_mode`` over ``mesh.axis('tp')``;
+    ``policy`` is ``{module-name pattern: role or style}`` (``None``: the model family's plan).
+    See :func:`behemoth.parallel.tensor.parallelize_tensor`."""
+    return parallelize_tensor(model, mesh, plan, policy)
 
 
 def apply_context_parallel(model: nn.Module, mesh, plan) -> ContextParallelized | None:

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
-from behemoth.parallel.tensor import tp1d
+from behemoth.parallel.tensor import tp1d, vocab1d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, set_spec, shard_tensor
 from behemoth.planner.traffic import tp1d_model_traffic
 from behemoth.specs import shape_of
@@ -187,8 +187,8 @@ def _layers(rank, world):
         espec = _spec(emb.shape, 0, p, r)
         E = _param(emb, espec)
         region = tp1d.ParallelRegion(ax)
-        embed = tp1d.VocabParallelEmbedding(E, axis=ax, vocab_start=r * V // p, vocab_size=V)
-        head = tp1d.VocabParallelHead(E, None, axis=ax, region=region, vocab_start=r * V // p, vocab_size=V)
+        embed = vocab1d.VocabParallelEmbedding(E, axis=ax, vocab_start=r * V // p, vocab_size=V)
+        head = vocab1d.VocabParallelHead(E, None, axis=ax, region=region, vocab_start=r * V // p, vocab_size=V)
         xp = x.clone().requires_grad_()
         logits = head(embed(ids) + xp)
         assert logits.shape == (B, S, V // p)
@@ -423,6 +423,9 @@ def _errors(world):
                   "'blocks.*.attn.qkvv'", "matches no module")
     expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkv": "columnwise"}),
                   "not a tensor-parallel role")
+    from behemoth.parallel.tensor import ColwiseParallel2D
+    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.mlp.fc": ColwiseParallel2D()}),
+                 "tp_mode='2d' style", "use ColwiseParallel1D or the role string 'colwise'")
     # Every rank got here without a collective hanging; prove all are alive.
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -463,7 +466,7 @@ TINY_POLICY = {"tok": "embedding", "stack.*.norm": "norm", "stack.*.up": "colwis
                "out": "head"}
 
 
-def _check_user_model(world, sp):
+def _check_user_model(world, sp, policy=TINY_POLICY):
     batches = global_batches(STEPS, BATCH)
     ref = TinyLM()
     opt = make_optimizer("adamw", ref)
@@ -476,7 +479,7 @@ def _check_user_model(world, sp):
         want.append(loss.item())
     model = TinyLM()
     engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(tp=world, sequence_parallel=sp),
-                      tp_policy=TINY_POLICY)
+                      tp_policy=policy)
     got = [engine.step(b) for b in batches]
     assert_losses_close(got, want, what=f"TinyLM tp={world} sp={sp}")
     assert_state_close(engine.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()},
@@ -518,6 +521,11 @@ def _world_tp2(rank, world, root):
         _check_plan(family, bh.Plan(tp=2, sequence_parallel=sp, tp_overlap=2))
     _check_user_model(world, sp=False)
     _check_user_model(world, sp=True)
+    # Style objects in place of role strings, with their own layout (the row layers in 2 pieces).
+    from behemoth.parallel import tensor as tp
+    styles = {"tok": tp.EmbeddingParallel1D(), "stack.*.norm": "norm", "stack.*.up": tp.ColwiseParallel1D(),
+              "stack.*.down": tp.RowwiseParallel1D(pieces=2), "out": tp.HeadParallel1D()}
+    _check_user_model(world, sp=True, policy=styles)
     for family, sp in (("gpt", False), ("gpt", True), ("llama", True), ("hf-gpt2", True)):
         _check_traffic(family, bh.Plan(tp=2, sequence_parallel=sp))
     _check_traffic("gpt", bh.Plan(tp=2, sequence_parallel=True, tp_overlap=2))   # the same bytes

@@ -2,7 +2,7 @@
 
 ``build_model("gpt-125m", vocab_size=50257, seq_len=1024)`` picks the preset
 shape from ``GPT_PRESETS`` or ``LLAMA_PRESETS`` and returns a seeded,
-initialised model. Parallel policies shard these models by module name.
+initialised model. behemoth.specs describes how to shard them, by module name.
 """
 
 from __future__ import annotations

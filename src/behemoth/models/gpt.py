@@ -8,7 +8,7 @@ an LM head tied to the token embedding. Initialisation follows GPT-2: normal
 1/sqrt(2 * num_layers).
 
 This file holds no collectives and takes no process group; how the model is
-sharded lives in the parallel policies, which match on the module names used
+sharded lives in its spec (behemoth/specs/gpt.py), which matches on the module names used
 here (``wte``, ``wpe``, ``blocks.N.attn.qkv``, ``blocks.N.attn.proj``,
 ``blocks.N.mlp.fc``, ``blocks.N.mlp.proj``, ``lm_head``...). Modules read head
 counts from their own ``num_heads`` attribute so that a tensor-parallel policy

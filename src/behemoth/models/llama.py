@@ -6,8 +6,8 @@ Models" (Touvron et al., 2023) with grouped-query attention from "GQA"
 Su et al., 2021) in the rotate-half convention used by Hugging Face Llama,
 SwiGLU MLP (Shazeer, 2020) and no biases.
 
-This file holds no collectives and takes no process group; parallel policies
-match on the module names used here (``embed``, ``layers.N.attn.q/k/v/o``,
+This file holds no collectives and takes no process group; its spec
+(behemoth/specs/llama.py) matches on the module names used here (``embed``, ``layers.N.attn.q/k/v/o``,
 ``layers.N.mlp.gate/up/down``, ``lm_head``...). Attention reads its head counts
 from its ``num_heads`` / ``num_kv_heads`` attributes so that a tensor-parallel
 policy can shrink them to the local counts. RoPE tables are computed on the

@@ -27,7 +27,7 @@ bf16 autocast; ``f`` acts on the column input already cast, as Megatron's does),
 scatter/gather around the blocks acts), ``param_bytes`` that of parameters and their
 gradients (and of the embedding output).
 
-2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.tp2d, tp2p5d, apply2d. p = d q**2
+2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.grid, tp2d, tp2p5d, styles2d. p = d q**2
 on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. A broadcast or a reduce
 books the block's bytes on every member (as the ledger does: a pipelined broadcast/reduce
 moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
@@ -45,7 +45,7 @@ backward --; a learned position table all-reduces its gradient over ``tp_row``; 
 vocab-parallel loss all-reduces ``[T/(d q)]`` maxima and ``[2, T/(d q)]`` sums over ``tp_col``.
 
 3D (Bian et al. / Colossal-AI 3D with Tensor3D over-decomposition; behemoth.parallel.tensor.tp3d,
-apply3d). p = q**3 on a q x q x q cube; each rank holds ``T/q**2`` tokens and ``h/q`` hidden. Per
+styles3d). p = q**3 on a q x q x q cube; each rank holds ``T/q**2`` tokens and ``h/q`` hidden. Per
 Linear, forward: all-gather X over the input axis, W over tp_depth, reduce-scatter Y over the
 output axis; backward: all-gather dY, re-gather X and W (only shards are saved), reduce-scatter
 dX and dW -- ``(3 T h_in + 3 h_in h_out + 2 T h_out) / q**2`` elements of payload
@@ -258,7 +258,7 @@ def tp2d_linear_traffic(
 def _kv_replicated2d(
     tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int, param_bytes: int
 ) -> Traffic:
-    """A k or v projection with K < q kv heads (apply2d.KVReplicatedLinear2D): SUMMA with a
+    """A k or v projection with K < q kv heads (tp2d.KVReplicatedLinear2D): SUMMA with a
     ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
     ``tp_col`` and depth (and of a bias over the whole grid)."""
     q, k, d = grid_side(tp, depth), shape.num_kv_heads, shape.head_dim

@@ -1,6 +1,5 @@
 """2D (Optimus) model edges: the token and position embeddings, the vocabulary-parallel LM
-head and cross-entropy, in :mod:`.tp2d`'s grid layouts (also used by 2.5D and, for the loss,
-by 3D).
+head and its loss, in :mod:`.grid`'s layouts (2.5D subclasses them with a depth axis).
 
 The token embedding and the head share the Linear2D weight layout (vocab over ``tp_col``),
 so tied embeddings are one Parameter. The embedding looks up its vocab block for the tp
@@ -18,40 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
-from ...comm import Axis
+from .functional import vocab_parallel_cross_entropy
+from .grid import Grid, activation_spec, gather_activation, grid_of, replicate_on
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .tp2d import (
-    Grid,
-    Linear2D,
-    _activation_spec,
-    _compute_dtype,
-    _copy_shards,
-    _gather_activation,
-    _replicate_on,
-    grid_of,
-)
+from .serial import copy_shards, embedding_from_serial
+from .tp2d import Linear2D
 
-__all__ = ["Embedding2D", "PositionEmbedding2D", "VocabParallelHead2D", "vocab_parallel_cross_entropy_2d"]
+__all__ = [
+    "Embedding2D",
+    "PositionEmbedding2D",
+    "VocabParallelHead2D",
+    "grid_cross_entropy",
+    "vocab_parallel_cross_entropy_2d",
+]
 
 
 # --------------------------------------------------------------------------- embeddings
-def embedding_from_serial(cls, module: nn.Embedding, mesh):
-    """``cls(...)`` (a 2D or 3D vocab-parallel embedding) holding this rank's shard of ``module``."""
-    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-        raise ValueError(f"{cls.__name__}: max_norm, scale_grad_by_freq and sparse are not supported.")
-    w = module.weight
-    layer = cls(
-        module.num_embeddings,
-        module.embedding_dim,
-        mesh,
-        padding_idx=module.padding_idx,
-        device=w.device,
-        dtype=w.dtype,
-    )
-    _copy_shards(layer, module)
-    return layer
-
-
 class Embedding2D(nn.Module):
     """Vocab-parallel token embedding: ids ``[B, S]`` of the whole tp group (the same on every
     tp rank) -> ``[b, s, h]`` in the 2D layout.
@@ -111,7 +92,7 @@ class Embedding2D(nn.Module):
         local = local.masked_fill(outside, 0)
         pad = self.padding_idx
         pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
-        e = F.embedding(local, _replicate_on(self.weight, g, rows=False), padding_idx=pad)
+        e = F.embedding(local, replicate_on(self.weight, g, rows=False), padding_idx=pad)
         e = e.masked_fill(outside[..., None], 0.0)
         e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)  # batch block c, hidden block k
         return comm.ExchangeWithPeer.apply(e, g.tp_axis, g.transpose_peer)
@@ -144,11 +125,11 @@ class PositionEmbedding2D(nn.Module):
     def from_serial(cls, module: nn.Embedding, mesh):
         w = module.weight
         layer = cls(module.num_embeddings, module.embedding_dim, mesh, device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
+        copy_shards(layer, module)
         return layer
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return F.embedding(pos, _replicate_on(self.weight, self.grid, rows=True))
+        return F.embedding(pos, replicate_on(self.weight, self.grid, rows=True))
 
 
 # --------------------------------------------------------------------------- LM head + loss
@@ -170,7 +151,7 @@ class VocabParallelHead2D(Linear2D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
-        return _gather_activation(logits, self.grid) if self.gather_output else logits
+        return gather_activation(logits, self.grid) if self.gather_output else logits
 
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``,
@@ -182,9 +163,9 @@ class VocabParallelHead2D(Linear2D):
         if self.gather_output:
             return F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(), reduction="sum")
         if self.local_labels:
-            return _vocab_parallel_ce(logits, labels_BS, g, self.out_features)
-        local = _vocab_parallel_ce(
-            logits, shard_tensor(labels_BS, _activation_spec(labels_BS.shape, g, False)), g, self.out_features
+            return grid_cross_entropy(logits, labels_BS, g, self.out_features)
+        local = grid_cross_entropy(
+            logits, shard_tensor(labels_BS, activation_spec(labels_BS.shape, g, False)), g, self.out_features
         )
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
 
@@ -202,45 +183,14 @@ class VocabParallelHead2D(Linear2D):
         return layer
 
     def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
-        return _vocab_parallel_ce(logits_bSv, labels_bS, self.grid, self.out_features, **kw)
+        return grid_cross_entropy(logits_bSv, labels_bS, self.grid, self.out_features, **kw)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over ``axis`` on the vocab dim. Forward:
-    all-reduce (max) of the row max, then one all-reduce (sum) of [target logit, sum exp].
-    Backward: local, ``(softmax - onehot) * dloss``."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, axis: Axis, vocab_start: int, ignore_index: int):
-        z = logits.to(_compute_dtype(logits))
-        v = z.shape[-1]
-        zmax = comm.all_reduce(z.max(-1).values, axis, op=torch.distributed.ReduceOp.MAX)
-        z = z - zmax[..., None]
-        local = labels - vocab_start
-        mine = (local >= 0) & (local < v) & (labels != ignore_index)
-        local = local.masked_fill(~mine, 0)
-        target = z.gather(-1, local[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
-        probs = z.exp_()
-        sums = comm.all_reduce(torch.stack([target, probs.sum(-1)]), axis)
-        valid = labels != ignore_index
-        loss = (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
-        probs.div_(sums[1][..., None])
-        ctx.save_for_backward(probs, local, mine, valid)
-        ctx.in_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        probs, local, mine, valid = ctx.saved_tensors
-        grad = probs.clone()
-        grad.scatter_add_(-1, local[..., None], -mine[..., None].to(grad.dtype))
-        grad.mul_((dloss * valid)[..., None].to(grad.dtype))
-        return grad.to(ctx.in_dtype), None, None, None, None
-
-
-def _vocab_parallel_ce(
+def grid_cross_entropy(
     logits, labels, g: Grid, vocab: int, *, ignore_index: int = -100, reduction: str = "sum"
 ) -> torch.Tensor:
+    """Cross-entropy of grid logits ``[b, s, V/q]`` (vocab over ``tp_col``) against this rank's
+    labels block; ``reduction`` ``"sum"`` (this block's sum) or ``"none"`` (per token)."""
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"vocab-parallel cross-entropy ({g.mode}): labels {tuple(labels.shape)} must be this rank's "
@@ -251,7 +201,7 @@ def _vocab_parallel_ce(
             f"vocab-parallel cross-entropy ({g.mode}): logits' last dim {logits.shape[-1]} is not "
             f"vocab/q = {vocab}/{g.q}."
         )
-    loss = _VocabParallelCE.apply(logits, labels, g.col_axis, g.col * (vocab // g.q), ignore_index)
+    loss = vocab_parallel_cross_entropy(logits, labels, g.col_axis, g.col * (vocab // g.q), ignore_index)
     if reduction == "none":
         return loss
     if reduction != "sum":
@@ -268,6 +218,6 @@ def vocab_parallel_cross_entropy_2d(
     every rank of a grid row, to be backpropagated once per rank; the tp group's total is
     the sum over ``tp_row`` (and depth). ``"none"``: per-token losses ``[b, s]``."""
     g = grid_of(mesh, "2d", "vocab_parallel_cross_entropy_2d")
-    return _vocab_parallel_ce(
+    return grid_cross_entropy(
         logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q, ignore_index=ignore_index, reduction=reduction
     )

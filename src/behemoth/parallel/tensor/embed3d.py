@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
-from .embed2d import _VocabParallelCE, embedding_from_serial
+from .functional import replicated, vocab_parallel_cross_entropy
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .tp2d import _copy_shards
-from .tp3d import MODE, Layout, Linear3D, _act_spec, _gather_activation, _replicated, _weight_spec, cube_of
+from .serial import copy_shards, embedding_from_serial
+from .tp3d import MODE, Layout, Linear3D, activation_spec, cube_of, gather_activation, weight_spec
 
 __all__ = ["Embedding3D", "PositionEmbedding3D", "VocabParallelHead3D", "vocab_parallel_cross_entropy_3d"]
 
@@ -61,7 +61,7 @@ class Embedding3D(nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.local_ids = local_ids
         self.layout = cube.layout(False)
-        spec = _weight_spec(self.layout, num_embeddings, embedding_dim, 1, False)
+        spec = weight_spec(self.layout, num_embeddings, embedding_dim, 1, False)
         self.vocab_start = spec.dims[0].index * (num_embeddings // cube.q**2)
         self.weight = set_spec(nn.Parameter(torch.zeros(spec.local_shape(), device=device, dtype=dtype)), spec)
 
@@ -130,14 +130,14 @@ class PositionEmbedding3D(nn.Module):
     def from_serial(cls, module: nn.Embedding, mesh, *, swapped: bool = False):
         w = module.weight
         layer = cls(module.num_embeddings, module.embedding_dim, mesh, swapped=swapped, device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
+        copy_shards(layer, module)
         return layer
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         if self.local_positions and pos.dim() >= 2:  # input rows (d*q + c) -> residual rows (d*q + r)
             cube = self.cube
             pos = comm.all_gather(pos.contiguous(), cube.col, 0).chunk(cube.q, 0)[cube.row.rank]
-        return F.embedding(pos, _replicated(self.weight, self.layout.inner, self.layout.depth))
+        return F.embedding(pos, replicated(self.weight, self.layout.inner, self.layout.depth))
 
 
 # --------------------------------------------------------------------------- LM head + loss
@@ -161,7 +161,7 @@ class VocabParallelHead3D(Linear3D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
-        return _gather_activation(logits, self.out_layout) if self.gather_output else logits
+        return gather_activation(logits, self.out_layout) if self.gather_output else logits
 
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``
@@ -174,9 +174,9 @@ class VocabParallelHead3D(Linear3D):
             return F.cross_entropy(z.flatten(0, -2), labels_BS.flatten(), reduction="sum")
         lay = self.out_layout
         if self.local_labels:
-            return _vocab_parallel_ce(logits, labels_BS, lay, self.out_features)
-        labels = shard_tensor(labels_BS, _act_spec(labels_BS.shape, lay, False))
-        local = _vocab_parallel_ce(logits, labels, lay, self.out_features)
+            return cube_cross_entropy(logits, labels_BS, lay, self.out_features)
+        labels = shard_tensor(labels_BS, activation_spec(labels_BS.shape, lay, False))
+        local = cube_cross_entropy(logits, labels, lay, self.out_features)
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, lay.inner), lay.depth)
 
     @classmethod
@@ -193,12 +193,14 @@ class VocabParallelHead3D(Linear3D):
         return layer
 
     def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
-        return _vocab_parallel_ce(logits_bSv, labels_bS, self.out_layout, self.out_features, **kw)
+        return cube_cross_entropy(logits_bSv, labels_bS, self.out_layout, self.out_features, **kw)
 
 
-def _vocab_parallel_ce(
+def cube_cross_entropy(
     logits, labels, lay: Layout, vocab: int, *, ignore_index: int = -100, reduction: str = "sum"
 ) -> torch.Tensor:
+    """Cross-entropy of logits ``[b, s, V/q]`` in layout ``lay`` (vocab over its hidden axis)
+    against this rank's labels block; ``reduction`` ``"sum"`` or ``"none"``."""
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"vocab-parallel cross-entropy (3d): labels {tuple(labels.shape)} must be this rank's batch "
@@ -210,7 +212,7 @@ def _vocab_parallel_ce(
         )
     if reduction not in ("sum", "none"):
         raise ValueError(f"reduction={reduction!r}: must be 'sum' or 'none'.")
-    loss = _VocabParallelCE.apply(logits, labels, lay.hidden, lay.hidden.rank * (vocab // lay.q), ignore_index)
+    loss = vocab_parallel_cross_entropy(logits, labels, lay.hidden, lay.hidden.rank * (vocab // lay.q), ignore_index)
     return loss.sum() if reduction == "sum" else loss
 
 
@@ -230,6 +232,6 @@ def vocab_parallel_cross_entropy_3d(
     of the vocab axis; the tp group's total is its sum over the two batch axes. ``"none"``:
     per-token losses ``[b, s]``."""
     lay = cube_of(mesh, "vocab_parallel_cross_entropy_3d").layout(swapped)
-    return _vocab_parallel_ce(
+    return cube_cross_entropy(
         logits_bSv, labels_bS, lay, logits_bSv.shape[-1] * lay.q, ignore_index=ignore_index, reduction=reduction
     )

@@ -1,4 +1,6 @@
-"""Pure shard math shared by every tensor-parallel mode (1D, 2D, 2.5D, 3D).
+"""Pure shard math shared by every tensor-parallel mode (1D, 2D, 2.5D, 3D): where a rank's
+shard sits in the serial tensor (:func:`shard_blocks`, :func:`shard_rectangles`), how to cut it
+(:func:`shard_tensor`) and put it back (:func:`place_shard`).
 
 A sharded parameter carries a :class:`ShardSpec` (``param._bh_shard``) that says how its
 local tensor sits inside the serial tensor: for each sharded dim, which mesh axes split it
@@ -19,6 +21,7 @@ Contract for every tensor-parallel layer (all modes):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -105,3 +108,73 @@ def set_spec(param: torch.nn.Parameter, spec: ShardSpec) -> torch.nn.Parameter:
 
 def get_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, "_bh_shard", None)
+
+
+def is_sharded(spec: ShardSpec | None) -> bool:
+    """Whether ``spec`` splits any dim (a parameter without a spec, or with no dims, is replicated)."""
+    return spec is not None and len(spec.dims) > 0
+
+
+def shard_blocks(spec: ShardSpec) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the local block along every dim of the (view of the) serial
+    tensor; several DimShards on one dim nest, outermost first (as ``shard_tensor`` applies them)."""
+    shape = list(spec.view_shape or spec.full_shape)
+    blocks = [(0, s) for s in shape]
+    for d in spec.dims:
+        off, size = blocks[d.dim]
+        if size % d.parts:
+            raise ValueError(f"ShardSpec {spec}: dim {d.dim} of size {size} is not divisible by {d.parts}")
+        size //= d.parts
+        blocks[d.dim] = (off + d.index * size, size)
+    return blocks
+
+
+def shard_rectangles(spec: ShardSpec) -> list[tuple[tuple, tuple[int, ...], tuple[int, ...]]]:
+    """The local shard as rectangles of the *serial* tensor: ``(local_index, offsets, sizes)``
+    where ``local.reshape(spec.local_view_shape())[local_index]`` is the rectangle's data.
+
+    Without a view the shard is one rectangle. A fused view (``view_shape``, ``fused_dim``)
+    merges view dims ``fused_dim .. fused_dim+m-1`` into serial dim ``fused_dim``; the shard
+    is then one rectangle per index of the merged dims but the innermost (e.g. q, k and v
+    rows of a fused QKV weight: three rectangles)."""
+    blocks = shard_blocks(spec)
+    if spec.view_shape is None:
+        return [((), tuple(o for o, _ in blocks), tuple(s for _, s in blocks))]
+    view, full, f = list(spec.view_shape), list(spec.full_shape), spec.fused_dim
+    m = len(view) - len(full) + 1
+    merged = list(range(f, f + m))
+    if m < 1 or view[:f] != full[:f] or view[f + m :] != full[f + 1 :] or math.prod(view[f : f + m]) != full[f]:
+        raise ValueError(f"ShardSpec {spec}: view_shape does not split serial dim {f} of {tuple(full)}")
+    rects = []
+    outer = [range(blocks[d][0], blocks[d][0] + blocks[d][1]) for d in merged[:-1]]
+    for idx in itertools.product(*outer):
+        # Linear index, in serial dim f, of (idx..., block start of the innermost merged dim).
+        lin = 0
+        for d, i in zip(merged, list(idx) + [blocks[merged[-1]][0]]):
+            lin = lin * view[d] + i
+        offsets = [o for o, _ in blocks[:f]] + [lin] + [o for o, _ in blocks[f + m :]]
+        sizes = [s for _, s in blocks[:f]] + [blocks[merged[-1]][1]] + [s for _, s in blocks[f + m :]]
+        local_index = tuple(slice(None) for _ in range(f)) + tuple(i - blocks[d][0] for d, i in zip(merged, idx))
+        rects.append((local_index, tuple(offsets), tuple(sizes)))
+    return rects
+
+
+def place_shard(full: torch.Tensor, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Write ``local`` (a shard under ``spec``) into the serial tensor ``full``, in place."""
+    local_view = local.reshape(spec.local_view_shape())
+    for local_index, offsets, sizes in shard_rectangles(spec):
+        dst = full
+        for dim, (o, s) in enumerate(zip(offsets, sizes)):
+            dst = dst.narrow(dim, o, s)
+        dst.copy_(local_view[local_index])
+
+
+def with_indices(spec: ShardSpec, indices: list[int]) -> ShardSpec:
+    """``spec`` as another rank holds it: the same blocking, block ``indices[i]`` along ``spec.dims[i]``."""
+    dims = tuple(DimShard(d.dim, d.parts, i, d.axes) for d, i in zip(spec.dims, indices))
+    return ShardSpec(spec.full_shape, dims, spec.replicated_on, spec.view_shape, spec.fused_dim)
+
+
+def shard_copies(spec: ShardSpec, tp_size: int) -> int:
+    """How many tp ranks hold this same shard (tp_size / number of distinct shards)."""
+    return max(1, tp_size // math.prod(d.parts for d in spec.dims))

@@ -24,20 +24,10 @@ import torch.nn.functional as F
 
 from ... import comm
 from ...comm import Axis
+from .functional import autocast_dtype, cast_to
 
 MODE = "1d"
 SEQ_DIM = 1
-
-
-def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a Linear in on ``t``'s device, or None when it is off."""
-    dev = t.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-
-
-def cast_to(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``t`` in ``dtype`` (an autograd op) if both are given and ``t`` is floating point."""
-    return t.to(dtype) if t is not None and dtype is not None and t.is_floating_point() else t
 
 
 class ColumnInput:

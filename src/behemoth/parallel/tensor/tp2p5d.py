@@ -16,7 +16,8 @@ mesh.coord("tp_row")``, ``j = mesh.coord("tp_col")``; tp rank ``(depth*q + i)*q 
   slab itself, :func:`split_batch_25d` gives this rank's labels.
 
 Every SUMMA step, norm statistic and vocab-parallel reduction runs inside one depth layer,
-exactly as in :mod:`.tp2d`; this module is those layers with a depth axis (with d = 1 a
+exactly as in :mod:`.tp2d` (the grid code both share is :mod:`.grid`); this module is those
+layers with a depth axis (with d = 1 a
 Tesseract layer is exactly the Optimus layer, bit for bit). Per Linear per device, forward +
 backward: ``3 (B S h_in / d + h_in h_out) / q + h_in h_out / q**2`` elements
 (:func:`tesseract_linear_bytes`).
@@ -30,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from . import tp2d
-from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D, _vocab_parallel_ce
+from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D, grid_cross_entropy
+from .grid import activation_spec, gather_activation, gather_batch, grid_of
 from .layout import ShardSpec, shard_tensor
-from .tp2d import _activation_spec, _gather_activation, _gather_batch, grid_of
 
 __all__ = [
     "tesseract_linear_bytes",
@@ -48,7 +49,6 @@ __all__ = [
     "PositionEmbedding25D",
     "VocabParallelHead25D",
     "vocab_parallel_cross_entropy_25d",
-    "parallelize",
 ]
 
 MODE = "2.5d"
@@ -67,7 +67,7 @@ def tesseract_linear_bytes(
 def activation_spec_25d(full_shape, mesh, *, hidden: bool = True) -> ShardSpec:
     """ShardSpec of a tp-group activation: batch over (``tp_depth``, ``tp_row``), index
     ``depth*q + i``; with ``hidden``, the last dim over ``tp_col``."""
-    return _activation_spec(full_shape, grid_of(mesh, MODE, "activation_spec_25d"), hidden)
+    return activation_spec(full_shape, grid_of(mesh, MODE, "activation_spec_25d"), hidden)
 
 
 def split_batch_25d(x_B: torch.Tensor, mesh) -> torch.Tensor:
@@ -82,12 +82,12 @@ def split_activation_25d(x_BSH: torch.Tensor, mesh) -> torch.Tensor:
 
 def gather_batch_25d(x_b: torch.Tensor, mesh) -> torch.Tensor:
     """Inverse of :func:`split_batch_25d`: all-gather over ``tp_row`` then ``tp_depth``."""
-    return _gather_batch(x_b, grid_of(mesh, MODE, "gather_batch_25d"))
+    return gather_batch(x_b, grid_of(mesh, MODE, "gather_batch_25d"))
 
 
 def gather_activation_25d(x_bSh: torch.Tensor, mesh) -> torch.Tensor:
     """Inverse of :func:`split_activation_25d`: all-gather over ``tp_col``, ``tp_row``, ``tp_depth``."""
-    return _gather_activation(x_bSh, grid_of(mesh, MODE, "gather_activation_25d"))
+    return gather_activation(x_bSh, grid_of(mesh, MODE, "gather_activation_25d"))
 
 
 class Linear25D(tp2d.Linear2D):
@@ -134,14 +134,6 @@ def vocab_parallel_cross_entropy_25d(
     """As :func:`.embed2d.vocab_parallel_cross_entropy_2d`; the tp group's total loss is the sum
     over ``tp_row`` and ``tp_depth`` of the per-rank sums."""
     g = grid_of(mesh, MODE, "vocab_parallel_cross_entropy_25d")
-    return _vocab_parallel_ce(
+    return grid_cross_entropy(
         logits_bSv, labels_bS, g, logits_bSv.shape[-1] * g.q, ignore_index=ignore_index, reduction=reduction
     )
-
-
-def parallelize(model, mesh, plan, roles: dict[str, str]):
-    """Rewrite ``model`` in place for 2.5D tensor parallelism; see :mod:`.apply2d` (the same
-    rewrite as 2D, with these layers and the batch split over ``tp_depth`` and ``tp_row``)."""
-    from .apply2d import parallelize_grid
-
-    return parallelize_grid(model, mesh, plan, roles)

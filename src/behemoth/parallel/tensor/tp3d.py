@@ -45,7 +45,7 @@ can be tied; the embedding reduce-scatters its partial lookups over tp_depth the
 cross-entropy all-reduces max, target logit and sum-exp over the vocab axis (tp_row for the
 head's swapped logits); no rank ever holds full logits.
 
-Model level (:mod:`.apply3d`, ``parallelize`` below): the engine gives each rank the rows of
+Model level (:mod:`.styles3d`): the engine gives each rank the rows of
 its *swapped*-layout batch block, ``d*q + c`` (:data:`INPUT_BATCH_AXES` = tp_depth, tp_col), of
 every input tensor -- the rows its attention and its logits hold, so model-derived masks,
 position ids and RoPE tables line up with the heads, and the labels with the logits, with no
@@ -54,7 +54,7 @@ communication. ``local_ids`` (Embedding3D) all-gathers those int64 ids into the 
 of the residual stream; ``local_labels`` (the head) takes the labels block as it is.
 
 Modules: this one (cube, layouts, Linear3D, norms), :mod:`.embed3d` (embeddings, LM head,
-vocab-parallel cross-entropy), :mod:`.apply3d` (the model rewrite).
+vocab-parallel loss), :mod:`.styles3d` (one style per role and the model-level checks).
 
 Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64,
 and whole models in tests/dist/test_tp3d.py.
@@ -72,8 +72,10 @@ from torch import nn
 
 from ... import comm
 from ...comm import Axis
+from .base import require_mode
+from .functional import ShardedNormFn, autocast_dtype, replicated
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .tp2d import _autocast_dtype, _copy_shards, _LayerNorm2DFn, grid_of
+from .serial import copy_shards
 
 __all__ = [
     "Cube",
@@ -89,7 +91,6 @@ __all__ = [
     "LayerNorm3D",
     "RMSNorm3D",
     "INPUT_BATCH_AXES",
-    "parallelize",
 ]
 
 MODE = "3d"
@@ -133,11 +134,12 @@ class Cube:
 
 def cube_of(mesh, who: str) -> Cube:
     """The :class:`Cube` of a tp_mode='3d' mesh (``who`` is named in the error otherwise)."""
-    g = grid_of(mesh, MODE, who)
-    return Cube(g.q, g.depth_axis, g.row_axis, g.col_axis)
+    require_mode(mesh, MODE, who)
+    row = mesh.axis("tp_row")
+    return Cube(row.size, mesh.axis("tp_depth"), row, mesh.axis("tp_col"))
 
 
-def _weight_spec(lay: Layout, out_f: int, in_f: int, fused: int, in_out: bool) -> ShardSpec:
+def weight_spec(lay: Layout, out_f: int, in_f: int, fused: int, in_out: bool) -> ShardSpec:
     """Weight of a Linear reading layout ``lay``: out block ``i*q + w`` of q**2 over (I, W) =
     (lay.inner, tp_depth), in block ``o`` of q over O = lay.hidden. ``fused`` views the out
     dim as ``(fused, out/fused)`` and blocks the per-part dim; ``in_out`` is Conv1D's [in, out]."""
@@ -194,7 +196,7 @@ def linear3d_bytes(
 
 
 # --------------------------------------------------------------------------- activation layout
-def _act_spec(full_shape, lay: Layout, hidden: bool) -> ShardSpec:
+def activation_spec(full_shape, lay: Layout, hidden: bool) -> ShardSpec:
     full_shape, q = tuple(full_shape), lay.q
     check_divisible("batch size", full_shape[0], q * q, MODE)
     dims = [DimShard(0, q * q, lay.batch_index, (lay.depth.name, lay.inner.name))]
@@ -208,7 +210,7 @@ def activation_spec_3d(full_shape, mesh, *, hidden: bool = True, swapped: bool =
     """ShardSpec of a tp-group activation ``[B, ..., H]``: batch block ``d*q + r`` over
     (tp_depth, tp_row) and hidden block c over tp_col; ``swapped`` exchanges tp_row and tp_col.
     Without ``hidden`` (ids, labels, per-token losses) the block is replicated over the hidden axis."""
-    return _act_spec(full_shape, cube_of(mesh, "activation_spec_3d").layout(swapped), hidden)
+    return activation_spec(full_shape, cube_of(mesh, "activation_spec_3d").layout(swapped), hidden)
 
 
 def split_batch_3d(x_B: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
@@ -221,24 +223,24 @@ def split_activation_3d(x_BSH: torch.Tensor, mesh, *, swapped: bool = False) -> 
     return shard_tensor(x_BSH, activation_spec_3d(x_BSH.shape, mesh, swapped=swapped))
 
 
-def _gather_batch(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+def gather_batch(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return comm.GatherFromAxis.apply(comm.GatherFromAxis.apply(x, lay.inner, 0), lay.depth, 0)
 
 
-def _gather_activation(x: torch.Tensor, lay: Layout) -> torch.Tensor:
-    return _gather_batch(comm.GatherFromAxis.apply(x, lay.hidden, x.dim() - 1), lay)
+def gather_activation(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return gather_batch(comm.GatherFromAxis.apply(x, lay.hidden, x.dim() - 1), lay)
 
 
 def gather_batch_3d(x_b: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
     """Inverse of :func:`split_batch_3d`: all-gather over the inner batch axis, then tp_depth;
     backward keeps this rank's slice of the gradient."""
-    return _gather_batch(x_b, cube_of(mesh, "gather_batch_3d").layout(swapped))
+    return gather_batch(x_b, cube_of(mesh, "gather_batch_3d").layout(swapped))
 
 
 def gather_activation_3d(x_bSh: torch.Tensor, mesh, *, swapped: bool = False) -> torch.Tensor:
     """Inverse of :func:`split_activation_3d`: ``[B/q**2, S, H/q] -> [B, S, H]`` on every rank
     (all-gather over the hidden axis, the inner batch axis, tp_depth); slice backward."""
-    return _gather_activation(x_bSh, cube_of(mesh, "gather_activation_3d").layout(swapped))
+    return gather_activation(x_bSh, cube_of(mesh, "gather_activation_3d").layout(swapped))
 
 
 # --------------------------------------------------------------------------- the 3D matmul
@@ -304,13 +306,6 @@ class _Linear3DFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _replicated(p: torch.Tensor, *axes: Axis) -> torch.Tensor:
-    """Route a parameter replicated over ``axes`` through CopyToAxis, so its gradient is summed there."""
-    for a in axes:
-        p = comm.CopyToAxis.apply(p, a)
-    return p
-
-
 def _layout_name(swapped: bool) -> str:
     return (
         "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]"
@@ -367,7 +362,7 @@ class Linear3D(nn.Module):
         lay = self.in_layout = cube.layout(swapped)
         self.out_layout = cube.layout(not swapped)
         kw = dict(device=device, dtype=dtype)
-        wspec = _weight_spec(lay, out_features, in_features, fused, weight_layout == "in_out")
+        wspec = weight_spec(lay, out_features, in_features, fused, weight_layout == "in_out")
         self.weight = set_spec(nn.Parameter(torch.zeros(wspec.local_shape(), **kw)), wspec)
         if bias:
             bspec = ShardSpec(
@@ -402,7 +397,7 @@ class Linear3D(nn.Module):
             device=w.device,
             dtype=w.dtype,
         )
-        _copy_shards(layer, module)
+        copy_shards(layer, module)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -419,13 +414,13 @@ class Linear3D(nn.Module):
                 f"overlap = {self.overlap}; choose an overlap that divides it."
             )
         w = self.weight.t() if self.weight_layout == "in_out" else self.weight
-        dt = _autocast_dtype(x)
+        dt = autocast_dtype(x)
         if dt is not None:  # cast the shards before they travel: half the bytes
             x, w = x.to(dt), w.to(dt)
         y = _Linear3DFn.apply(x.reshape(-1, n_in), w, (lay.inner, lay.depth, lay.hidden), self.fused, self.overlap)
         y = y.view(*x.shape[:-1], y.shape[-1])
         if self.bias is not None:
-            y = y + _replicated(self.bias, lay.hidden, lay.depth).to(y.dtype)
+            y = y + replicated(self.bias, lay.hidden, lay.depth).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
@@ -473,11 +468,11 @@ class _Norm3D(nn.Module):
                 f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected hidden/q = "
                 f"{self.hidden}/{self.cube.q} = {n} (layout {_layout_name(self.swapped)})."
             )
-        w = None if self.weight is None else _replicated(self.weight, lay.inner, lay.depth)
-        b = None if self.bias is None else _replicated(self.bias, lay.inner, lay.depth)
+        w = None if self.weight is None else replicated(self.weight, lay.inner, lay.depth)
+        b = None if self.bias is None else replicated(self.bias, lay.inner, lay.depth)
         eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
-        y = _LayerNorm2DFn.apply(x_bSh, w, b, eps, lay.hidden, self.hidden, self.RMS)
-        keep_fp32 = not self.RMS and _autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
+        y = ShardedNormFn.apply(x_bSh, w, b, eps, lay.hidden, self.hidden, self.RMS)
+        keep_fp32 = not self.RMS and autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
         return y if keep_fp32 else y.to(x_bSh.dtype)
 
     def extra_repr(self) -> str:
@@ -506,7 +501,7 @@ class LayerNorm3D(_Norm3D):
             swapped=swapped,
             **kw,
         )
-        _copy_shards(layer, module)
+        copy_shards(layer, module)
         return layer
 
 
@@ -527,12 +522,5 @@ class RMSNorm3D(_Norm3D):
         eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
         w = module.weight
         layer = cls(w.shape[0], mesh, eps=eps, swapped=swapped, device=w.device, dtype=w.dtype)
-        _copy_shards(layer, module)
+        copy_shards(layer, module)
         return layer
-
-
-def parallelize(model: nn.Module, mesh, plan, roles: dict[str, str]):
-    """Rewrite ``model`` in place for 3D tensor parallelism; see :mod:`.apply3d`."""
-    from .apply3d import parallelize_cube
-
-    return parallelize_cube(model, mesh, plan, roles)

@@ -1,9 +1,10 @@
-"""Vocabulary-parallel embedding, output head and cross-entropy for 1D tensor parallelism.
+"""Vocabulary-parallel embedding and output head for 1D tensor parallelism.
 
 Megatron's (Shoeybi et al. 2019): the vocabulary rows are split over tp; the embedding looks
 up its rows and all-reduces, the head produces this rank's ``[.., V/p]`` logits (its ``f``
-overlapped with its weight gradient, :mod:`.region1d`), and the loss needs only two small
-all-reduces per token row, so no rank materialises the full logits.
+overlapped with its weight gradient, :mod:`.region1d`), and the loss
+(:class:`.functional.VocabParallelCrossEntropy`) needs only two small all-reduces per token
+row, so no rank materialises the full logits.
 
 Test: tests/dist/test_tp1d.py (layers against serial in float64, whole models).
 """
@@ -16,9 +17,8 @@ import torch.nn.functional as F
 
 from ... import comm
 from ...comm import Axis
-from .region1d import ParallelRegion, autocast_dtype, cast_to, column_parallel_linear
-
-IGNORE_INDEX = -100
+from .functional import IGNORE_INDEX, autocast_dtype, cast_to, vocab_parallel_cross_entropy
+from .region1d import ParallelRegion, column_parallel_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,44 +89,3 @@ class VocabParallelHead(nn.Module):
         return vocab_parallel_cross_entropy(
             logits.float().flatten(0, -2), labels.flatten(), self.axis, self.vocab_start
         ).sum()
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocabulary-sharded logits ``[N, V/p]`` (fp32), complete on
-    every tp rank. Forward: all-reduce (max) of the row maxima ``[N]``, then one all-reduce
-    (sum) of ``[target logit, sum of exp]`` ``[2, N]``. Backward: no communication --
-    ``(softmax - one_hot) * grad`` on this rank's vocabulary slice."""
-
-    @staticmethod
-    def forward(ctx, logits, target, axis: Axis, vocab_start: int, ignore_index: int):
-        row_max = logits.max(dim=-1).values
-        comm.all_reduce(row_max, axis, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(-1)
-        local = target - vocab_start
-        hit = (local >= 0) & (local < logits.shape[-1])
-        local = local.masked_fill(~hit, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~hit, 0.0)
-        exp = shifted.exp_()
-        sums = torch.stack([target_logit, exp.sum(-1)])
-        comm.all_reduce(sums, axis)
-        valid = target != ignore_index
-        loss = (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
-        softmax = exp.div_(sums[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, hit & valid, valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, hit, valid = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, axis: Axis, vocab_start: int, ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Per-token losses ``[N]`` (0 where ``target == ignore_index``) of logits ``[N, V/p]``
-    holding vocabulary rows ``[vocab_start, vocab_start + V/p)``; see VocabParallelCrossEntropy."""
-    return VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)

@@ -35,7 +35,7 @@ import torch
 
 from ... import comm
 from ...comm import Axis
-from ..tensor import _copies, get_spec, is_sharded
+from ..tensor import get_spec, is_sharded, shard_copies
 from .chunks import pack_chunks, search_chunk_size
 from .hooks import GatherHooks
 from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth, memory_report, optimizer_state_bytes
@@ -219,7 +219,7 @@ class ZeroOptimizer:
             for sl in self.layout.shard_slices(st.index, self.axis.rank):
                 p = self.params[sl.param]
                 spec = get_spec(p)
-                w = 1.0 / (_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
+                w = 1.0 / (shard_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
                 runs.append((sl.shard_offset, sl.length, 0.0 if id(p) in self._norm_skip else w))
             out.append(runs)
         return out

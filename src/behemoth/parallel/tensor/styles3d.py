@@ -1,6 +1,7 @@
-"""Model-level 3D tensor parallelism (Bian et al., arXiv 2105.14450, with Tensor3D's
-over-decomposition, arXiv 2305.13525): rewrite a serial model, module by role, into the cube
-layers of :mod:`.tp3d`. ``tp3d.parallelize`` lands here.
+"""3D tensor parallelism as styles (Bian et al., arXiv 2105.14450, with Tensor3D's
+over-decomposition, arXiv 2305.13525): one class per role (``ColwiseParallel3D``, ...), each
+building the cube layers of :mod:`.tp3d` / :mod:`.embed3d` from a serial module, and the
+model-level checks (:func:`prepare`) and hooks (:func:`finish`) around them.
 
 What the rewritten model computes on rank (d, r, c) of the q x q x q cube (tp = q**3):
 
@@ -40,18 +41,148 @@ Tested in tests/dist/test_tp3d.py (whole models against serial training).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from . import Parallelized, attention_heads, localize_heads, replace_modules
-from .apply2d import _is_rms, _linear_shape
+from .base import TensorStyle
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
+from .serial import attention_heads, is_rms_norm, linear_shape, localize_heads
 from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 
 
+# --------------------------------------------------------------------------- styles
+@dataclass(frozen=True, kw_only=True)
+class ColwiseParallel3D(TensorStyle):
+    """``nn.Linear`` / ``Conv1D`` -> :class:`~.tp3d.Linear3D` reading the canonical layout and
+    writing the swapped one; ``overlap`` pieces of over-decomposition (``None``: ``Plan.tp_overlap``)."""
+
+    role = "colwise"
+    mode = MODE
+    overlap: int | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        return Linear3D.from_serial(module, mesh, swapped=False, overlap=self.overlap or mesh.plan.tp_overlap)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedQKVParallel3D(TensorStyle):
+    """A fused ``[q; k; v]`` ``nn.Linear`` / ``Conv1D`` -> :class:`~.tp3d.Linear3D` (canonical ->
+    swapped) whose local output is ``[q_i | k_i | v_i]`` of heads block i."""
+
+    role = "colwise_fused3"
+    mode = MODE
+    overlap: int | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        overlap = self.overlap or mesh.plan.tp_overlap
+        return Linear3D.from_serial(module, mesh, swapped=False, fused=3, overlap=overlap)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseParallel3D(TensorStyle):
+    """``nn.Linear`` / ``Conv1D`` -> :class:`~.tp3d.Linear3D` reading the swapped layout and
+    writing the canonical one, so a column/row pair returns to the residual layout."""
+
+    role = "rowwise"
+    mode = MODE
+    overlap: int | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        return Linear3D.from_serial(module, mesh, swapped=True, overlap=self.overlap or mesh.plan.tp_overlap)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormParallel3D(TensorStyle):
+    """``nn.LayerNorm`` or an RMS norm -> :class:`~.tp3d.LayerNorm3D` / :class:`~.tp3d.RMSNorm3D`
+    on the canonical layout."""
+
+    role = "norm"
+    mode = MODE
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        return (LayerNorm3D if isinstance(module, nn.LayerNorm) else RMSNorm3D).from_serial(module, mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingParallel3D(TensorStyle):
+    """``nn.Embedding`` -> :class:`~.embed3d.Embedding3D`, taking this rank's input ids block."""
+
+    role = "embedding"
+    mode = MODE
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        layer = Embedding3D.from_serial(module, mesh)
+        layer.local_ids = True
+        return layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class PositionEmbeddingParallel3D(TensorStyle):
+    """A learned position table -> :class:`~.embed3d.PositionEmbedding3D`, re-indexing this
+    rank's input rows onto the residual stream's (``local_positions``)."""
+
+    role = "pos_embedding"
+    mode = MODE
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        layer = PositionEmbedding3D.from_serial(module, mesh)
+        layer.local_positions = True
+        return layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadParallel3D(TensorStyle):
+    """``nn.Linear`` to the vocabulary -> :class:`~.embed3d.VocabParallelHead3D` (logits in the
+    swapped layout), whose loss sums over this rank's labels block (``local_labels``)."""
+
+    role = "head"
+    mode = MODE
+    overlap: int | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        layer = VocabParallelHead3D.from_serial(module, mesh, overlap=self.overlap or mesh.plan.tp_overlap)
+        layer.local_labels = True
+        return layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionParallel3D(TensorStyle):
+    """An attention module keeps its code and gets this rank's head counts, heads split by q
+    over tp_row; ``heads = (N, K, D)`` are its serial counts (``None``: read them)."""
+
+    role = "attention"
+    mode = MODE
+    heads: tuple[int, int, int | None] | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        n, k, d = self.heads or attention_heads(module, type(module).__name__)
+        localize_heads(module, n, k, d, cube_of(mesh, type(self).__name__).q)
+        return module
+
+
+STYLES: dict[str, type[TensorStyle]] = {
+    s.role: s
+    for s in (
+        ColwiseParallel3D,
+        FusedQKVParallel3D,
+        RowwiseParallel3D,
+        NormParallel3D,
+        EmbeddingParallel3D,
+        PositionEmbeddingParallel3D,
+        HeadParallel3D,
+        AttentionParallel3D,
+    )
+}
+"""Role -> 3D style class."""
+
+
+# --------------------------------------------------------------------------- model level
 def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) -> dict:
     """Every check, pure and identical on every rank. Returns ``{attention name: (N, K, D)}``."""
 
@@ -83,7 +214,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
     for name, role in roles.items():
         m = modules[name]
         if role in _LINEAR_ROLES:
-            fin, fout = _linear_shape(m, name, role)
+            fin, fout = linear_shape(m, name, role)[:2]
             need(f"in features of {name}", fin)
             if role == "colwise_fused3":
                 if fout % 3:
@@ -112,7 +243,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             need(f"vocab_size (out features of {name}, split over {qq})", m.out_features, q * q)
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
-            if not (isinstance(m, nn.LayerNorm) or _is_rms(m)):
+            if not (isinstance(m, nn.LayerNorm) or is_rms_norm(m)):
                 raise ValueError(
                     f"tensor parallelism ({MODE}): norm {name} is a {type(m).__name__}; the norm role "
                     f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
@@ -132,29 +263,27 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             raise ValueError(
                 f"tensor parallelism ({MODE}): parameter {pname} has no tensor-parallel role. In {MODE} every "
                 f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
-                f"the data; give its module a role in tp_policy (see behemoth.policies)."
+                f"the data; give its module a role in tp_policy (see behemoth.specs)."
             )
     return attention
 
 
-def _build(m: nn.Module, role: str, mesh, overlap: int) -> nn.Module:
-    if role in ("colwise", "colwise_fused3"):
-        return Linear3D.from_serial(m, mesh, swapped=False, fused=3 if role == "colwise_fused3" else 1, overlap=overlap)
-    if role == "rowwise":
-        return Linear3D.from_serial(m, mesh, swapped=True, overlap=overlap)
-    if role == "norm":
-        return (LayerNorm3D if isinstance(m, nn.LayerNorm) else RMSNorm3D).from_serial(m, mesh)
-    if role == "embedding":
-        layer = Embedding3D.from_serial(m, mesh)
-        layer.local_ids = True
-        return layer
-    if role == "pos_embedding":
-        layer = PositionEmbedding3D.from_serial(m, mesh)
-        layer.local_positions = True
-        return layer
-    layer = VocabParallelHead3D.from_serial(m, mesh, overlap=overlap)
-    layer.local_labels = True
-    return layer
+def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str, TensorStyle]:
+    """Check every module of ``styles`` (``{module name: 3D style}``) and the model (an
+    embedding and a head, every parameter owned by a style), pure and identical on every rank;
+    return the styles with ``Plan.tp_overlap`` and the serial head counts filled in."""
+    cube = cube_of(mesh, f"tensor parallelism ({MODE})")
+    modules = dict(model.named_modules())
+    attention = _validate(model, modules, {n: s.role for n, s in styles.items()}, cube.q)
+    out = {}
+    for name, style in styles.items():
+        fields = {f.name for f in dataclasses.fields(style)}
+        if "overlap" in fields and style.overlap is None:
+            style = dataclasses.replace(style, overlap=mesh.plan.tp_overlap)
+        if "heads" in fields and style.heads is None:
+            style = dataclasses.replace(style, heads=attention[name])
+        out[name] = style
+    return out
 
 
 def _check_tokens_hook(overlap: int):
@@ -176,24 +305,11 @@ def _check_tokens_hook(overlap: int):
     return check
 
 
-def parallelize_cube(model: nn.Module, mesh, plan, roles: dict[str, str]) -> Parallelized:
-    """Rewrite ``model`` in place for ``plan.tp_mode == '3d'`` (module docstring).
-
-    ``roles`` is ``{module name: role}`` (:mod:`behemoth.policies`). Order: validate every
-    shape (pure); broadcast the serial weights from tp rank 0 (one model, however each rank
-    was seeded); replace each role's module by its cube layer holding this rank's shards (a
-    weight two modules share stays one Parameter); give attention modules their local head
-    counts. Returns the replaced parameters, the head and the input batch axes."""
-    cube = cube_of(mesh, f"tensor parallelism ({MODE})")
-    overlap = plan.tp_overlap
-    modules = dict(model.named_modules())
-    attention = _validate(model, modules, roles, cube.q)
-
-    new, head = replace_modules(
-        model, roles, lambda name, m, role: _build(m, role, mesh, overlap), MODE, tp_axis=mesh.axis("tp")
-    )
-    for name, (n, k, d) in attention.items():
-        localize_heads(modules[name], n, k, d, cube.q)
+def finish(model: nn.Module, mesh, styles: dict[str, TensorStyle], replaced: dict) -> tuple[str, ...]:
+    """With ``Plan.tp_overlap`` > 1, check at every forward (before the first collective) that
+    the rank's tokens split into that many pieces. Returns the input batch axes,
+    :data:`~.tp3d.INPUT_BATCH_AXES`."""
+    overlap = mesh.plan.tp_overlap
     if overlap > 1:
         model.register_forward_pre_hook(_check_tokens_hook(overlap), with_kwargs=True)
-    return Parallelized(replaced=new, head=head, batch_axes=INPUT_BATCH_AXES)
+    return INPUT_BATCH_AXES
