@@ -12,7 +12,7 @@ base :class:`~behemoth.engine.Engine` with three things changed:
   the stage's parameters only;
 * ``forward_backward``: split this dp rank's batch into ``microbatches``, run this rank's
   action list of the schedule (``schedules.make_schedule``; checked deadlock-free by
-  ``schedules.simulate`` at build time), sum tied-weight gradients between the first and the
+  ``simulate.simulate`` at build time), sum tied-weight gradients between the first and the
   last stage, and return the global mean loss, the same float on every rank;
 * ``full_state_dict`` / the gradient norm: gathered (broadcast) / summed over ``pp`` too.
 
@@ -45,7 +45,8 @@ from ...engine import Engine, _rows, logits_of, rebuild_optimizer, token_loss_su
 from ...precision import autocast_context
 from .p2p import StageChannels, pipeline_channels
 from .partition import stage_modules
-from .schedules import BI, BW, B, F, make_schedule, simulate
+from .schedules import BI, BW, B, F, make_schedule
+from .simulate import simulate
 from .stage import PipelineSplit, partition_for
 
 __all__ = ["PipelineEngine"]
