@@ -35,16 +35,17 @@ TINY = [
 
 
 class Job:
-    """A `python -m behemoth ...` process tree in its own session, its output collected as it comes."""
+    """A `python -m MODULE ...` process tree (MODULE: behemoth, or torchrun's torch.distributed.run)
+    in its own session, its output collected as it comes."""
 
-    def __init__(self, *args: str, cwd, env: dict | None = None) -> None:
+    def __init__(self, *args: str, cwd, env: dict | None = None, module: str = "behemoth") -> None:
         full_env = dict(os.environ, BEHEMOTH_TIMEOUT="60", PYTHONUNBUFFERED="1", **(env or {}))
         # this tree's behemoth, whatever the interpreter has installed
         paths = [(env or {}).get("PYTHONPATH", ""), os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         full_env.pop("BEHEMOTH_TRACEBACK", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "behemoth", *args],
+            [sys.executable, "-m", module, *args],
             cwd=cwd,
             env=full_env,
             text=True,
@@ -362,3 +363,80 @@ def test_resume_refuses_a_changed_batch_and_resume_from_rewinds_exactly(tmp_path
     again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in again] == [1, 2, 3, 4]
     assert [r["loss"] for r in again] == [r["loss"] for r in first]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_on_one_machine_train_like_one_node(tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on loopback, 2 ranks each) train a dp=2 x tp=2
+    plan spanning both to the same losses as one node of 4 ranks."""
+    train_args = [*TINY, "--model.vocab_size=258", "--plan.dp=2", "--plan.tp=2", "--train.steps=5"]
+    one = tmp_path / "one"
+    job = Job("run", "--nproc", "4", "train", DEMO, *train_args, f"--train.out_dir={one}", cwd=tmp_path)
+    assert job.wait(240) == 0, job.text
+
+    two = tmp_path / "two"
+    port = _free_port()
+    node = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
+    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]
+    command = [*node, "-m", "behemoth", "train", DEMO, *train_args, f"--train.out_dir={two}"]
+    agents = [
+        Job(*command, cwd=tmp_path, module="torch.distributed.run", env={"OMP_NUM_THREADS": "1"}) for _ in range(2)
+    ]
+    for agent in agents:
+        assert agent.wait(240) == 0, agent.text
+
+    def losses(out_dir):
+        return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(two)) == 5 and losses(two) == losses(one)
+
+
+@pytest.mark.timeout(600)
+def test_elastic_scale_down_continues_from_the_last_checkpoint(tmp_path):
+    """Two agents (--nnodes 1:2, 2 ranks each, tp=2 and dp filling the world); one agent is SIGKILLed
+    (its ranks die with it). The other restarts at world size 2 (dp=1), resumes from the last checkpoint
+    with the same global batch, and every loss equals the uninterrupted 4-rank run's within 1e-5."""
+    steps = 70  # at most 30 steps at the new world size: fp32 reduction order drifts ~1e-5 in 50
+    train_args = [*TINY, "--model.vocab_size=258", "--plan.tp=2", f"--train.steps={steps}", "--train.save_every=20"]
+    ref = tmp_path / "ref"
+    job = Job("run", "--nproc", "4", "train", DEMO, *train_args, f"--train.out_dir={ref}", cwd=tmp_path)
+    assert job.wait(240) == 0, job.text
+
+    out = tmp_path / "elastic"
+    node = ["--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d"]
+    node += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "scale-down"]
+    command = [*node, "-m", "behemoth", "train", DEMO, *train_args, f"--train.out_dir={out}"]
+    env = {"OMP_NUM_THREADS": "1"}
+    host = Job(*command, cwd=tmp_path, module="torch.distributed.run", env=env)  # binds the rendezvous port
+    time.sleep(3)
+    leaver = Job(*command, cwd=tmp_path, module="torch.distributed.run", env=env)
+    deadline = time.monotonic() + 200
+    while not any(re.search(r"^step +5\d/", "".join(j.out), re.M) for j in (host, leaver)):
+        if time.monotonic() > deadline or host.proc.poll() is not None:
+            leaver.kill()
+            host.kill()
+            pytest.fail(f"no step 50 in time\n{host.text}\n{leaver.text}")
+        time.sleep(0.1)
+    leaver.proc.send_signal(signal.SIGKILL)  # the agent; its workers die with it
+    leaver.wait(30)
+    assert host.wait(300) == 0, host.text
+    text = "".join(host.out)
+    assert "Plan(dp=1, tp=2) on 2 process(es)" in text, host.text
+    m = re.search(r"^resumed from .*step-(\d+) at step (\d+)$", text, re.M)
+    assert m and int(m.group(1)) >= 40, host.text
+
+    def records(out_dir):
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = records(out), records(ref)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5, rel=0), (g["step"], g["loss"], w["loss"])
