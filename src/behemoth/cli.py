@@ -70,11 +70,14 @@ def _parser() -> argparse.ArgumentParser:
         help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
         description="print the chunk layout, per-rank model data per ZeRO stage and, when the model "
         "does not fit, the GPU/host split offload='auto' would choose",
+        epilog="examples:\n  behemoth plan --memory --model gpt-1.3b --dp 8\n"
+        "  behemoth plan --memory --model gpt-13b --gpu-gb 80 --host-gb 256 --param-dtype bf16 --activations-gb 15",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m.add_argument("--memory", action="store_true", required=True, help="plan memory (the only planner so far)")
     m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
-    m.add_argument("--vocab", type=int, default=50304)
-    m.add_argument("--seq", type=int, default=2048)
+    m.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default 50304)")
+    m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     m.add_argument("--dp", type=int, default=1, help="data-parallel ranks ZeRO shards over")
     m.add_argument("--zero", type=int, default=3, choices=[1, 2, 3])
     m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")

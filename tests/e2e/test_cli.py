@@ -173,3 +173,23 @@ def test_zero3_offload_checkpoint_resumes_under_zero1(tmp_path):
     assert re.search(r"^resumed from .*step-3 at step 3$", r.stdout, re.M), r.stdout
     assert "zero=1, offload='auto'" in r.stdout, r.stdout
     assert_same(metrics(resumed), metrics(ref)[3:])
+
+
+def test_version_and_the_plan_help_examples_work(capsys):
+    from behemoth import __version__
+    from behemoth.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"behemoth {__version__}"
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    examples = [
+        line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  behemoth ")
+    ]
+    assert len(examples) == 2
+    for example in examples:
+        assert main(example.split()) == 0, example
+        assert re.match(r"^[\d,]+ parameters in \d+ chunks", capsys.readouterr().out), example
+    assert main(["plan", "--memory", "--model", "gpt-mini", "--vocab", "257", "--seq", "128"]) == 0
+    assert capsys.readouterr().out.startswith("842,624 parameters")  # not "0.00B"

@@ -76,7 +76,7 @@ def memory_plan(
     room = gpu_bytes - activation_bytes
     fits = per_stage[stage] * GIB <= room
     lines = [
-        f"{sum(sizes) / 1e9:.2f}B parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
+        f"{sum(sizes):,} parameters in {layout.num_chunks} chunks of {chunk / 1e6:.1f}M elements "
         f"({100 * layout.padding_fraction:.2f}% padding), dp={dp}.",
         "Per-rank model data ("
         + ("bf16 parameters + fp32 masters" if masters else "fp32 parameters")
