@@ -440,3 +440,40 @@ def test_elastic_scale_down_continues_from_the_last_checkpoint(tmp_path):
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-5, rel=0), (g["step"], g["loss"], w["loss"])
+
+
+@pytest.mark.timeout(300)
+def test_validation_loss_is_the_serial_models_loss_on_the_held_out_split(tmp_path):
+    """2 ranks (dp=2), data.eval_fraction=0.1, eval_every=2: the logged validation loss at step 4 equals
+    the loss of the step-4 weights on the last 10% of the tokens, recomputed here serially."""
+    import torch
+
+    from behemoth.models import build_model
+    from behemoth.train.data import TokenDataset, default_corpus_text
+    from behemoth.train.tokenizer import get_tokenizer
+
+    out = tmp_path / "run"
+    args = [*TINY, "--data.eval_fraction=0.1", "--train.eval_every=2", "--train.eval_batches=2", "--train.steps=4"]
+    job = Job("run", "--nproc", "2", "train", DEMO, *args, f"--train.out_dir={out}", cwd=tmp_path)
+    assert job.wait(180) == 0, job.text
+    assert re.search(r"^step 4/4 \| loss [\d.]+ \(val [\d.]+\)", "".join(job.out), re.M), job.text
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert [s for s in records if "val_loss" in records[s]] == [2, 4]
+
+    seq, batch = 32, 4
+    tokens = TokenDataset.from_texts([default_corpus_text(50000)], get_tokenizer("byte")).tokens
+    windows = (len(tokens) - 1) // seq
+    cut = (windows - round(windows * 0.1)) * seq
+    held = torch.from_numpy(tokens[cut + 1 :].astype("int64"))
+    rows = torch.stack([held[i * seq : i * seq + seq + 1] for i in range(2 * batch)])
+    state = {
+        k[len("model/") :]: v for k, v in _weights(out / "checkpoints" / "step-4").items() if k.startswith("model/")
+    }
+    model = build_model("gpt-tiny", vocab_size=257, seq_len=seq)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        logits = model(rows[:, :-1])
+        want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+    assert records[4]["val_loss"] == pytest.approx(want, rel=1e-6)
+    assert json.loads((out / "summary.json").read_text())["val_loss"] == records[4]["val_loss"]

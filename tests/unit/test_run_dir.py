@@ -169,3 +169,20 @@ def test_resume_from_and_rewind(tmp_path):
         check_out_dir(TrainSection(out_dir=str(out), resume_from=str(ckpts / "step-10"), overwrite=True))
     with pytest.raises(ConfigError, match="is not a complete checkpoint"):
         check_out_dir(TrainSection(out_dir=str(out), resume_from=str(ckpts / "step-40")))
+
+
+def test_held_out_split_shares_no_token_and_eval_every_needs_it():
+    import numpy as np
+
+    from behemoth.train.data import TokenDataset
+    from behemoth.train.evaluate import split_held_out
+
+    data = TokenDataset(np.arange(101, dtype=np.uint16), vocab_size=200)  # 10 windows of 10 + 1 tokens
+    train, held = split_held_out(data, 0.2, 10)
+    assert train.tokens.tolist() == list(range(81)) and held.tokens.tolist() == list(range(81, 101))
+    assert train.vocab_size == held.vocab_size == 200
+    with pytest.raises(ValueError, match="leaves nothing to train on"):
+        split_held_out(data, 1.0, 10)
+    with pytest.raises(ConfigError, match="needs a held-out split; set data.eval_fraction"):
+        load_config(None, ["--train.eval_every=10"])
+    assert load_config(None, ["--train.eval_every=10", "--data.eval_fraction=0.05"]).train.eval_every == 10

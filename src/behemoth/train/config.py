@@ -131,6 +131,8 @@ class DataSection:
     """Where tokenized .txt/.jsonl sources are cached as .bin files; "none": train.out_dir/cache."""
     default_corpus_bytes: int = 2_000_000
     """How many bytes of stdlib source the "default" corpus holds."""
+    eval_fraction: float = 0.0
+    """Fraction of the tokens (the end of the stream) held out of training for train.eval_every; 0: none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.source, list):
@@ -145,6 +147,10 @@ class DataSection:
         _require(
             _is_int(self.default_corpus_bytes) and self.default_corpus_bytes > 0,
             f"data.default_corpus_bytes={self.default_corpus_bytes!r}: must be a positive integer, e.g. 2000000.",
+        )
+        _require(
+            _is_number(self.eval_fraction) and 0 <= self.eval_fraction <= 0.5,
+            f"data.eval_fraction={self.eval_fraction!r}: must be a number in [0, 0.5], e.g. 0.05.",
         )
         paths = self.paths
         _require(
@@ -260,12 +266,24 @@ class TrainSection:
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3
     """Complete checkpoints to keep (older ones are deleted); 0 keeps all."""
+    eval_every: int = 0
+    """Measure the loss on the held-out split (data.eval_fraction) every this many steps and at the end; 0: never."""
+    eval_batches: int = 4
+    """Global batches of held-out windows each evaluation reads (the same ones every time)."""
     hang_timeout: float = 120.0
     """Seconds without a heartbeat from a rank before the job stops and names it (stopped, hung in native
     code, or its host gone); 0 turns the watchdog off."""
 
     def __post_init__(self) -> None:
-        for key, low in (("steps", 1), ("global_batch_size", 1), ("log_every", 1), ("save_every", 0), ("keep_last", 0)):
+        for key, low in (
+            ("steps", 1),
+            ("global_batch_size", 1),
+            ("log_every", 1),
+            ("save_every", 0),
+            ("keep_last", 0),
+            ("eval_every", 0),
+            ("eval_batches", 1),
+        ):
             v = getattr(self, key)
             _require(_is_int(v) and v >= low, f"train.{key}={v!r}: must be an integer >= {low}.")
         _require(_is_int(self.seed), f"train.seed={self.seed!r}: must be an integer.")
@@ -311,6 +329,11 @@ class Config:
     """Run length, batch, logging and checkpoints."""
 
     def __post_init__(self) -> None:
+        _require(
+            not self.train.eval_every or self.data.eval_fraction > 0,
+            f"train.eval_every={self.train.eval_every} needs a held-out split; set data.eval_fraction, e.g. "
+            f"--data.eval_fraction=0.05 (the end of the token stream, never trained on).",
+        )
         vocab = TOKENIZER_VOCAB[self.data.tokenizer]
         v = self.model.vocab_size
         _require(

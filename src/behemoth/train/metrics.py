@@ -85,7 +85,7 @@ def format_step(m: dict, total_steps: int) -> str:
     """The per-step log line."""
     parts = [
         f"step {m['step']:>{len(str(total_steps))}}/{total_steps}",
-        f"loss {m['loss']:.4f}",
+        f"loss {m['loss']:.4f}" + (f" (val {m['val_loss']:.4f})" if m.get("val_loss") is not None else ""),
         f"grad {m['grad_norm']:.3f}",
         f"lr {m['lr']:.2e}",
         f"{m['tokens_per_s']:,.0f} tok/s",
@@ -190,6 +190,9 @@ def plot_loss(history: list[dict], path: str, *, unigram_entropy: float | None, 
     losses = [h["loss"] for h in history]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, losses, lw=1.4, label="training loss (global batch mean)")
+    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", lw=1.4, ms=3, label="validation loss (held-out split)")
     if unigram_entropy is not None:
         ax.axhline(
             unigram_entropy,

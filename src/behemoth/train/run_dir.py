@@ -193,7 +193,7 @@ def skipped_checkpoints(ckpt_dir: str, newest: str | None) -> list[str]:
 
 FIXED_ON_RESUME = {
     "model": ("name", "vocab_size", "seq_len", "num_layers", "num_heads", "hidden"),
-    "data": ("source", "tokenizer", "bin_dtype", "default_corpus_bytes"),
+    "data": ("source", "tokenizer", "bin_dtype", "default_corpus_bytes", "eval_fraction"),
     "optim": ("name",),
     "train": ("global_batch_size", "seed"),
 }

@@ -33,6 +33,7 @@ from behemoth.models import build_model
 from behemoth.train.checkpoint import latest_checkpoint
 from behemoth.train.config import Config, DataSection, OptimSection, format_config
 from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
+from behemoth.train.evaluate import Validation, split_held_out
 from behemoth.train.lifecycle import StopRequest, Watchdog
 from behemoth.train.metrics import MetricsLogger, format_count, format_step, log, memory_mib, peak_flops
 from behemoth.train.run_dir import (
@@ -196,9 +197,7 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         watchdog.start()
 
     tokenizer = get_tokenizer(config.data.tokenizer)
-    model = build_model(
-        mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed, dropout=mc.dropout, **mc.shape_overrides()
-    )
+    model = _build_model(mc)
     # Serial counts, taken before boost shards the model in place (tensor parallelism).
     num_params, flops_per_token = model.num_params(), model.flops_per_token(mc.seq_len)
     engine = bh.boost(
@@ -218,6 +217,18 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     else:
         dataset = _rank0_first(lambda: build_dataset(config.data, tokenizer), world)
     check_vocab(dataset, mc.vocab_size)
+    validation = None
+    if config.data.eval_fraction > 0:
+        dataset, held_out = split_held_out(dataset, config.data.eval_fraction, mc.seq_len)
+        if tc.eval_every:
+            validation = Validation(
+                held_out,
+                seq_len=mc.seq_len,
+                batch_size=tc.global_batch_size,
+                num_batches=tc.eval_batches,
+                build_model=lambda: _build_model(mc),
+                rank=engine.mesh.rank,
+            )
     sampler = BatchSampler(
         dataset,
         seq_len=mc.seq_len,
@@ -276,7 +287,7 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
 
     losses, seconds, tokens = [], 0.0, 0
     last_saved = start if resumed_from else None
-    last_step, loop_start = start, time.perf_counter()
+    last_step, last_val, loop_start = start, None, time.perf_counter()
     for step in range(start + 1, tc.steps + 1):
         lr = lr_at(step - 1, config.optim, tc.steps)
         out = train_step(engine, sampler, lr)
@@ -293,11 +304,13 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         metrics = _step_metrics(
             step, lr, out, flops_per_token=flops_per_token, world_size=world_size, peak=peak, device=engine.device
         )
+        if validation is not None and (step % tc.eval_every == 0 or step == tc.steps):
+            metrics["val_loss"] = last_val = validation.loss(engine)  # rank 0's number; None elsewhere
         metrics["elapsed_s"] = time.perf_counter() - loop_start
         done = step - start
         metrics["eta_s"] = metrics["elapsed_s"] / done * (tc.steps - step)
         logger.log_step(metrics)
-        if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps):
+        if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps or "val_loss" in metrics):
             log(format_step(metrics, tc.steps))
         stopping = stop.agreed(world)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or stopping:
@@ -318,6 +331,7 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "final_loss_mean10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "val_loss": last_val,
         "unigram_entropy": entropy,
         "start_step": start,
         "steps": tc.steps,
@@ -334,6 +348,12 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     if rank0:
         _report(summary, tc.out_dir)
     return summary
+
+
+def _build_model(mc) -> torch.nn.Module:
+    return build_model(
+        mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed, dropout=mc.dropout, **mc.shape_overrides()
+    )
 
 
 def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool) -> None:
@@ -367,7 +387,9 @@ def _report(summary: dict, out_dir: str) -> None:
     log(
         f"done: steps {summary['start_step'] + 1}-{summary['last_step']} | loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} the "
-        f"unigram entropy {summary['unigram_entropy']:.4f}) | {tps} | {summary['wall_seconds']:.1f} s"
+        f"unigram entropy {summary['unigram_entropy']:.4f})"
+        + (f" | validation loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "")
+        + f" | {tps} | {summary['wall_seconds']:.1f} s"
     )
     log(
         f"outputs: {summary['checkpoint']} | {os.path.join(out_dir, 'metrics.jsonl')} | "
