@@ -21,6 +21,7 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh, ravel, unravel
 from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
+from behemoth.planner.traffic import summa_linear_bytes
 from common import saved_activation_bytes
 
 B, S, H, V = 4, 3, 8, 16
@@ -252,7 +253,7 @@ def layer_scenarios(mesh, L):
         layer(xl).sum().backward()
         stats = mesh.ledger.stats()
         got = sum(stats.get(a, {}).get("bytes", 0) for a in TP_AXES)
-        want = tp2d.summa_linear_bytes(B * S, H, 2 * H, q, depth=d, bias=bias, element_size=8)
+        want = summa_linear_bytes(B * S, H, 2 * H, q, depth=d, bias=bias, element_size=8)
         assert got == want, f"ledger {got} B vs formula {want} B (bias={bias})"  # exact, so within 10%
 
     # Errors, raised on every rank before any collective.
@@ -358,5 +359,5 @@ def test_pure_layout_and_errors():
         tp2d.Linear2D(8, 8, mesh)
     with pytest.raises(ValueError, match="Linear25D out_features = 9 is not divisible by 2"):
         tp2p5d.Linear25D(8, 9, mesh)
-    assert tp2d.summa_linear_bytes(64, 16, 32, 2) == 4 * 3 * (64 * 16 + 16 * 32) // 2
-    assert tp2p5d.tesseract_linear_bytes(64, 16, 32, 2, 2) == 4 * (3 * (32 * 16 + 16 * 32) // 2 + 16 * 32 // 4)
+    assert summa_linear_bytes(64, 16, 32, 2) == 4 * 3 * (64 * 16 + 16 * 32) // 2
+    assert summa_linear_bytes(64, 16, 32, 2, depth=2) == 4 * (3 * (32 * 16 + 16 * 32) // 2 + 16 * 32 // 4)

@@ -24,6 +24,7 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import embed3d, tp3d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
+from behemoth.planner.traffic import linear3d_bytes
 from common import saved_activation_bytes
 from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
 
@@ -151,8 +152,8 @@ def block_scenarios(mesh):
     block_bytes, ops = tp_bytes(mesh), {o for a in TP_AXES for o in mesh.ledger.stats().get(a, {}).get("ops", {})}
     mesh.ledger.reset()
     par.norm(xl).sum().backward()
-    linears = tp3d.linear3d_bytes(T, H, 4 * H, q, bias=True, element_size=8) + \
-        tp3d.linear3d_bytes(T, 4 * H, H, q, bias=True, element_size=8)
+    linears = linear3d_bytes(T, H, 4 * H, q, bias=True, element_size=8) + \
+        linear3d_bytes(T, 4 * H, H, q, bias=True, element_size=8)
     assert block_bytes == tp_bytes(mesh) + linears, (block_bytes, tp_bytes(mesh), linears)
     assert ops <= {"all_gather", "reduce_scatter", "all_reduce"}, ops
     # Saved activations: only shards (the Linears re-gather in backward).
@@ -240,7 +241,7 @@ def ledger_scenarios(mesh):
         mesh.ledger.reset()
         layer(xl).sum().backward()
         for wire in (False, True):
-            want = tp3d.linear3d_bytes(B * S, H, 2 * H, q, bias=bias, input_grad=in_grad, element_size=8, wire=wire)
+            want = linear3d_bytes(B * S, H, 2 * H, q, bias=bias, input_grad=in_grad, element_size=8, wire=wire)
             got = tp_bytes(mesh, wire)
             assert abs(got - want) <= 0.1 * want and abs(got - want) <= 1, (swapped, bias, in_grad, wire, got, want)
 
@@ -317,10 +318,10 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     assert get_spec(emb.weight) == get_spec(head.weight) and emb.vocab_start == 12
     assert get_spec(tp3d.LayerNorm3D(8, mesh, swapped=True).weight).dims == (DimShard(0, 2, 1, ("tp_row",)),)
     # traffic: (3 T K + 3 K N + 2 T N) / q^2 elements, bias 2 N / q
-    assert tp3d.linear3d_bytes(64, 16, 32, 2) == 4 * (3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4
+    assert linear3d_bytes(64, 16, 32, 2) == 4 * (3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4
     want = 2 * ((3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4 + 32)
-    assert tp3d.linear3d_bytes(64, 16, 32, 2, bias=True, element_size=2) == want
-    assert tp3d.linear3d_bytes(64, 16, 32, 1) == 0
+    assert linear3d_bytes(64, 16, 32, 2, bias=True, element_size=2) == want
+    assert linear3d_bytes(64, 16, 32, 1) == 0
 
     msg = "tensor parallelism \\(3d\\): "
     with pytest.raises(ValueError, match=msg + "Linear3D in_features = 7 is not divisible by 2"):

@@ -118,8 +118,6 @@ def test_shape_from_configs():
 
 
 def test_2d_linear_is_summa_and_matches_the_layer_formula():
-    from behemoth.parallel.tensor.tp2d import summa_linear_bytes
-
     for depth in (1, 2):
         for bias in (False, True):
             got = tr.tp2d_linear_traffic(
@@ -133,7 +131,7 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
                 param_bytes=4,
             )
             # q = d = 2: an all-reduce moves its payload, so wire bytes = the layer's payload bytes.
-            assert got.total == summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
+            assert got.total == tr.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
             assert got.backward >= 2 * got.forward
     # DESIGN.md: 3 (bsh + h h_o) / q per Linear per device.
     assert (
@@ -165,8 +163,6 @@ def test_2d_model_traffic_by_hand():
 
 
 def test_3d_linear_matches_the_layer_formula():
-    from behemoth.parallel.tensor.tp3d import linear3d_bytes
-
     for q in (2, 3):
         for bias in (False, True):
             for input_grad in (False, True):
@@ -174,7 +170,7 @@ def test_3d_linear_matches_the_layer_formula():
                 got = tr.tp3d_linear_traffic(
                     tokens=36 * 16, in_features=18, out_features=36, tp=q**3, dtype_bytes=4, param_bytes=4, **kw
                 )
-                assert got.total == pytest.approx(linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
+                assert got.total == pytest.approx(tr.linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
                 assert got.backward >= got.forward
     # Payload (3 T K + 3 K N + 2 T N) / q^2; q = 2 puts half of each gather/reduce-scatter on the wire.
     assert (

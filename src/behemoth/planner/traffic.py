@@ -33,7 +33,7 @@ books the block's bytes on every member (as the ledger does: a pipelined broadca
 moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
 X block and of a W block, ``(T h_in / d + h_in h_out) / q`` elements; backward twice that
 (re-broadcasts plus reduces of the dX and dW partials): DESIGN.md's ``3 (bsh + h h_o)/q``
-(the same expression as ``tp2d.summa_linear_bytes``). 2.5D adds the all-reduce of dW over
+(:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
 depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
 ``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
 over ``tp_col`` and all-reduce their weight gradients over it; norms all-gather (LayerNorm:
@@ -49,7 +49,7 @@ styles3d). p = q**3 on a q x q x q cube; each rank holds ``T/q**2`` tokens and `
 Linear, forward: all-gather X over the input axis, W over tp_depth, reduce-scatter Y over the
 output axis; backward: all-gather dY, re-gather X and W (only shards are saved), reduce-scatter
 dX and dW -- ``(3 T h_in + 3 h_in h_out + 2 T h_out) / q**2`` elements of payload
-(``tp3d.linear3d_bytes``), ``(q-1)/q`` of it on the wire; a bias all-reduces its gradient
+(:func:`linear3d_bytes`), ``(q-1)/q`` of it on the wire; a bias all-reduces its gradient
 over the output axis and depth. Over-decomposition (``tp_overlap``) overlaps the same bytes
 with compute. Every Linear gathers its own input (q, k and v each gather X). Norms as 2D (over
 the layout's hidden axis), their parameters replicated over tp_row and tp_depth. Model level:
@@ -109,6 +109,11 @@ def all_gather_bytes(full_nbytes: float, p: int) -> float:
 
 
 reduce_scatter_bytes = all_gather_bytes
+
+
+def _payload(nbytes: float, p: int) -> float:
+    """An all-reduce's payload as the ledger's ``bytes`` counts it (nothing on a trivial axis)."""
+    return nbytes if p > 1 else 0.0
 
 
 # ----------------------------------------------------------------------------- 1D
@@ -240,19 +245,54 @@ def tp2d_linear_traffic(
     bias: bool = False,
     dtype_bytes: int = 2,
     param_bytes: int = 4,
+    wire: bool = True,
 ) -> Traffic:
-    """One SUMMA Linear (2D; 2.5D with ``depth`` > 1), forward + backward, per rank.
-    ``tokens``: B*S of the tp group. Blocks travel in ``dtype_bytes`` (the autocast dtype);
-    the depth all-reduce of dW and the bias gradient's all-reduces in ``param_bytes``."""
+    """One SUMMA Linear (2D; 2.5D with ``depth`` > 1; ``behemoth.parallel.tensor.tp2d.Linear2D``),
+    forward + backward, per rank. ``tokens``: B*S of the tp group. Each of the q steps
+    broadcasts an X block ``tokens/(d q) * in/q`` and a W block ``in/q * out/q``; forward once,
+    backward twice (re-broadcast + reduce of the partials): ``3 (tokens*in/d + in*out) / q``
+    elements, in ``dtype_bytes`` (the autocast dtype). Tesseract adds the all-reduce of dW over
+    depth, ``in*out/q**2``; a bias the all-reduce of its gradient over ``tp_row`` (and depth),
+    ``out/q`` each; both in ``param_bytes``. A broadcast or reduce books the block on every
+    member in payload and wire alike; ``wire=False`` counts an all-reduce's payload (the
+    ledger's ``bytes``) instead of its ring wire bytes."""
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
+    reduce = all_reduce_bytes if wire else _payload
     fwd = (tokens * in_features / depth + in_features * out_features) / q * dtype_bytes
-    bwd = 2 * fwd + all_reduce_bytes(in_features * out_features / q**2 * param_bytes, depth)
+    bwd = 2 * fwd + reduce(in_features * out_features / q**2 * param_bytes, depth)
     if bias:
         b = out_features / q * param_bytes
-        bwd += all_reduce_bytes(b, q) + all_reduce_bytes(b, depth)
+        bwd += reduce(b, q) + reduce(b, depth)
     return Traffic(fwd, bwd)
+
+
+def summa_linear_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    depth: int = 1,
+    bias: bool = False,
+    element_size: int = 4,
+) -> int:
+    """Payload bytes one rank moves for one SUMMA Linear, forward + backward, as the ledger's
+    ``bytes`` counts them: :func:`tp2d_linear_traffic` with ``wire=False`` and one element size.
+    d = 1 is Optimus (``3 (tokens*in + in*out) / q`` elements), d > 1 Tesseract."""
+    t = tp2d_linear_traffic(
+        tokens=tokens,
+        in_features=in_features,
+        out_features=out_features,
+        tp=depth * q * q,
+        depth=depth,
+        bias=bias,
+        dtype_bytes=element_size,
+        param_bytes=element_size,
+        wire=False,
+    )
+    return round(t.total)
 
 
 def _kv_replicated2d(
@@ -397,6 +437,7 @@ def tp3d_linear_traffic(
     input_grad: bool = True,
     dtype_bytes: int = 2,
     param_bytes: int = 4,
+    wire: bool = True,
 ) -> Traffic:
     """One 3D Linear (behemoth.parallel.tensor.tp3d.Linear3D), forward + backward, per rank;
     ``tokens``: B*S of the tp group (T). Forward: all-gather X over the input axis (``T K/q**2``
@@ -406,17 +447,45 @@ def tp3d_linear_traffic(
     elements of payload in all, ``(q-1)/q`` of it on the wire, in ``dtype_bytes`` (shards are
     cast before they travel). A bias all-reduces its ``N/q`` gradient over the output axis and
     tp_depth, in ``param_bytes``. Over-decomposition (``tp_overlap``) moves the same bytes.
-    Equals ``tp3d.linear3d_bytes(..., wire=True)`` when the element sizes agree."""
+    ``wire=False``: the payload (the ledger's ``bytes``) instead of the wire bytes."""
     q = cube_side(tp)
     if q == 1:
         return Traffic()
     t, k, n = tokens, in_features, out_features
-    ring = (q - 1) / q / q**2
+    ring = ((q - 1) / q if wire else 1.0) / q**2
     fwd = (t * k + k * n + t * n) * ring * dtype_bytes
     bwd = (t * n + t * k + k * n + ((t * k + k * n) if input_grad else 0)) * ring * dtype_bytes
     if bias:
-        bwd += 2 * all_reduce_bytes(n / q * param_bytes, q)
+        bwd += 2 * (all_reduce_bytes if wire else _payload)(n / q * param_bytes, q)
     return Traffic(fwd, bwd)
+
+
+def linear3d_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    bias: bool = False,
+    input_grad: bool = True,
+    element_size: int = 4,
+    wire: bool = False,
+) -> float:
+    """Bytes one rank moves for one 3D Linear, forward + backward, in one element size: the
+    payload as the ledger's ``bytes`` counts it (an int), or with ``wire=True`` its
+    ``wire_bytes``; :func:`tp3d_linear_traffic`. q = 1 moves nothing."""
+    t = tp3d_linear_traffic(
+        tokens=tokens,
+        in_features=in_features,
+        out_features=out_features,
+        tp=q**3,
+        bias=bias,
+        input_grad=input_grad,
+        dtype_bytes=element_size,
+        param_bytes=element_size,
+        wire=wire,
+    )
+    return t.total if wire else round(t.total)
 
 
 def tp3d_block_traffic(

@@ -47,3 +47,57 @@ def require_mode(mesh, mode: str, who: str) -> None:
             f"{who} needs a mesh with tp_mode={mode!r}; got tp_mode={mesh.plan.tp_mode!r}. "
             f"Use the layers of behemoth.parallel.tensor.{other} for that mesh."
         )
+
+
+# --------------------------------------------------------------------------- checks every mode shares
+def check_fused3(name: str, out_features: int, mode: str) -> None:
+    """A ``colwise_fused3`` module must compute three equal q, k, v parts."""
+    if out_features % 3:
+        raise ValueError(
+            f"tensor parallelism ({mode}): colwise_fused3 {name} has {out_features} output "
+            f"features, not three equal q/k/v parts."
+        )
+
+
+def check_norm(module: nn.Module, name: str, mode: str) -> int:
+    """A ``norm`` module of a mode that shards the hidden dim must be a LayerNorm over the last
+    dim or an RMS norm; returns its hidden size."""
+    from .serial import is_rms_norm
+
+    if not (isinstance(module, nn.LayerNorm) or is_rms_norm(module)):
+        raise ValueError(
+            f"tensor parallelism ({mode}): norm {name} is a {type(module).__name__}; the norm role "
+            f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
+        )
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        raise ValueError(
+            f"tensor parallelism ({mode}): norm {name} normalizes over {module.normalized_shape}; "
+            f"only the last (hidden) dim is supported."
+        )
+    return module.weight.shape[0] if module.weight is not None else module.normalized_shape[0]
+
+
+def check_enters_and_leaves(model: nn.Module, roles: dict[str, str], mode: str, where: str) -> None:
+    """For a mode that splits the batch and the hidden dim of every activation (2D, 2.5D, 3D):
+    the model enters ``where`` (the grid, the cube) through an ``embedding`` and leaves through
+    a ``head``."""
+    present = set(roles.values())
+    if "embedding" not in present or "head" not in present:
+        raise ValueError(
+            f"tensor parallelism ({mode}) splits the batch and the hidden dim of every activation, so the model "
+            f"must enter the {where} through an 'embedding' role and leave it through a 'head' role; the tp_policy "
+            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'."
+        )
+
+
+def check_every_parameter_owned(model: nn.Module, roles: dict[str, str], mode: str) -> None:
+    """For 2D, 2.5D, 3D: every parameter belongs to a module with a role (a serial one would see
+    a hidden block of a batch block and silently train wrong)."""
+    owned = {n for n, r in roles.items() if r != "attention"}
+    for pname, _ in model.named_parameters(remove_duplicate=False):
+        if pname.rpartition(".")[0] not in owned:
+            raise ValueError(
+                f"tensor parallelism ({mode}): parameter {pname} has no tensor-parallel role. In {mode} every "
+                f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
+                f"the data; give its module a role in tp_policy (see behemoth.specs)."
+            )

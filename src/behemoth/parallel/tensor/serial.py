@@ -1,7 +1,7 @@
 """Reading the serial modules a tensor-parallel style replaces, the same way in every mode.
 
-* :func:`linear_shape`: ``(in_features, out_features, transposed)`` of an ``nn.Linear`` or a
-  transformers ``Conv1D`` (GPT-2's, whose weight is ``[in, out]``);
+* :func:`linear_layout` / :func:`linear_shape`: ``(in_features, out_features, transposed)`` of an
+  ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's, whose weight is ``[in, out]``);
 * :func:`is_rms_norm`: an RMS-style norm (a weight, no bias, an eps attribute);
 * :func:`attention_heads` / :func:`localize_heads`: an attention module's head counts
   (behemoth's, GPT-2's, transformers Llama's attribute names), and setting them to a rank's;
@@ -18,15 +18,23 @@ from torch import nn
 from .layout import get_spec, shard_tensor
 
 
-def linear_shape(module: nn.Module, name: str, role: str) -> tuple[int, int, bool]:
+def linear_layout(module: nn.Module) -> tuple[int, int, bool] | None:
     """``(in_features, out_features, transposed)`` of an ``nn.Linear`` (``transposed=False``:
     weight ``[out, in]``) or a transformers ``Conv1D`` (``transposed=True``: weight ``[in, out]``,
-    ``nf`` output features). Anything else is a ``ValueError`` naming ``name`` and ``role``."""
+    ``nf`` output features); None for anything else. The one place a Conv1D is recognised."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
     w = getattr(module, "weight", None)
     if hasattr(module, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == module.nf:
         return w.shape[0], module.nf, True
+    return None
+
+
+def linear_shape(module: nn.Module, name: str, role: str) -> tuple[int, int, bool]:
+    """:func:`linear_layout`, or a ``ValueError`` naming ``name`` and the plan ``role``."""
+    shape = linear_layout(module)
+    if shape is not None:
+        return shape
     raise ValueError(
         f"tensor-parallel role {role!r} needs an nn.Linear or a transformers Conv1D; "
         f"{name} is a {type(module).__name__}."

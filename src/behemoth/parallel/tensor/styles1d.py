@@ -34,7 +34,7 @@ import torch.nn as nn
 from ... import comm
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
-from .base import TensorStyle, owner_of
+from .base import TensorStyle, check_fused3, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .region1d import ParallelRegion
 from .serial import attention_heads, linear_shape, localize_heads
@@ -319,11 +319,7 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
                 else:
                     check_divisible(f"{width} (out features of {name})", fout, p, MODE)
             elif role == "colwise_fused3":
-                if fout % 3:
-                    raise ValueError(
-                        f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
-                        f"features, not three equal q/k/v parts."
-                    )
+                check_fused3(name, fout, MODE)
                 check_divisible(f"hidden (each of q, k, v in {name})", fout // 3, p, MODE)
             else:
                 check_divisible(f"{width} (in features of {name})", fin, p, MODE)

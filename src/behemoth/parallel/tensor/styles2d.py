@@ -41,11 +41,11 @@ from typing import ClassVar
 
 from torch import nn
 
-from .base import TensorStyle, owner_of
+from .base import TensorStyle, check_enters_and_leaves, check_every_parameter_owned, check_fused3, check_norm, owner_of
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
 from .grid import grid_of
 from .layout import check_divisible
-from .serial import attention_heads, is_rms_norm, linear_shape, localize_heads
+from .serial import attention_heads, linear_shape, localize_heads
 from .tp2d import KVReplicatedLinear2D, LayerNorm2D, Linear2D, RMSNorm2D
 from .tp2p5d import Embedding25D, LayerNorm25D, Linear25D, PositionEmbedding25D, RMSNorm25D, VocabParallelHead25D
 
@@ -269,13 +269,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
     def need(what: str, size: int) -> None:
         check_divisible(what, size, q, mode)
 
-    present = set(roles.values())
-    if "embedding" not in present or "head" not in present:
-        raise ValueError(
-            f"tensor parallelism ({mode}) splits the batch and the hidden dim of every activation, so the model "
-            f"must enter the grid through an 'embedding' role and leave it through a 'head' role; the tp_policy "
-            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'."
-        )
+    check_enters_and_leaves(model, roles, mode, "grid")
     attention = {}
     for name, role in roles.items():
         if role != "attention":
@@ -298,11 +292,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
             if _replicated_kv(name, m, role, attention, q):
                 continue
             if role == "colwise_fused3":
-                if fout % 3:
-                    raise ValueError(
-                        f"tensor parallelism ({mode}): colwise_fused3 {name} has {fout} output features, "
-                        f"not three equal q/k/v parts."
-                    )
+                check_fused3(name, fout, mode)
                 need(f"hidden (each of q, k, v in {name})", fout // 3)
             else:
                 need(f"out features of {name}", fout)
@@ -320,23 +310,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
             need(f"vocab_size (out features of {name})", m.out_features)
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
-            if not (isinstance(m, nn.LayerNorm) or is_rms_norm(m)):
-                raise ValueError(
-                    f"tensor parallelism ({mode}): norm {name} is a {type(m).__name__}; the norm role "
-                    f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
-                )
-            need(
-                f"hidden (normalized size of {name})",
-                m.weight.shape[0] if m.weight is not None else m.normalized_shape[0],
-            )
-    owned = {n for n, r in roles.items() if r != "attention"}
-    for pname, _ in model.named_parameters(remove_duplicate=False):
-        if pname.rpartition(".")[0] not in owned:
-            raise ValueError(
-                f"tensor parallelism ({mode}): parameter {pname} has no tensor-parallel role. In {mode} every "
-                f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
-                f"the data; give its module a role in tp_policy (see behemoth.specs)."
-            )
+            need(f"hidden (normalized size of {name})", check_norm(m, name, mode))
+    check_every_parameter_owned(model, roles, mode)
     return attention
 
 

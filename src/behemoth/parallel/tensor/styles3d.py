@@ -47,10 +47,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import TensorStyle
+from .base import TensorStyle, check_enters_and_leaves, check_every_parameter_owned, check_fused3, check_norm
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
-from .serial import attention_heads, is_rms_norm, linear_shape, localize_heads
+from .serial import attention_heads, linear_shape, localize_heads
 from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
@@ -190,13 +190,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
         check_divisible(what, size, parts, MODE)
 
     qq = f"q**2 = {q * q} (tp_row x tp_depth)"
-    present = set(roles.values())
-    if "embedding" not in present or "head" not in present:
-        raise ValueError(
-            f"tensor parallelism ({MODE}) splits the batch and the hidden dim of every activation, so the model "
-            f"must enter the cube through an 'embedding' role and leave it through a 'head' role; the tp_policy "
-            f"for {type(model).__name__} has {sorted(present)}. Add them, or use tp_mode='1d'."
-        )
+    check_enters_and_leaves(model, roles, MODE, "cube")
     attention = {}
     for name, role in roles.items():
         if role != "attention":
@@ -217,11 +211,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             fin, fout = linear_shape(m, name, role)[:2]
             need(f"in features of {name}", fin)
             if role == "colwise_fused3":
-                if fout % 3:
-                    raise ValueError(
-                        f"tensor parallelism ({MODE}): colwise_fused3 {name} has {fout} output "
-                        f"features, not three equal q/k/v parts."
-                    )
+                check_fused3(name, fout, MODE)
                 need(f"hidden (each of q, k, v in {name}; its weight rows are split over {qq})", fout // 3, q * q)
             else:
                 need(f"out features of {name} (its weight rows are split over {qq})", fout, q * q)
@@ -243,28 +233,8 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             need(f"vocab_size (out features of {name}, split over {qq})", m.out_features, q * q)
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
-            if not (isinstance(m, nn.LayerNorm) or is_rms_norm(m)):
-                raise ValueError(
-                    f"tensor parallelism ({MODE}): norm {name} is a {type(m).__name__}; the norm role "
-                    f"supports nn.LayerNorm and RMS norms (a weight, no bias, an eps attribute)."
-                )
-            if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
-                raise ValueError(
-                    f"tensor parallelism ({MODE}): norm {name} normalizes over {m.normalized_shape}; "
-                    f"only the last (hidden) dim is supported."
-                )
-            need(
-                f"hidden (normalized size of {name})",
-                m.weight.shape[0] if m.weight is not None else m.normalized_shape[0],
-            )
-    owned = {n for n, r in roles.items() if r != "attention"}
-    for pname, _ in model.named_parameters(remove_duplicate=False):
-        if pname.rpartition(".")[0] not in owned:
-            raise ValueError(
-                f"tensor parallelism ({MODE}): parameter {pname} has no tensor-parallel role. In {MODE} every "
-                f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
-                f"the data; give its module a role in tp_policy (see behemoth.specs)."
-            )
+            need(f"hidden (normalized size of {name})", check_norm(m, name, MODE))
+    check_every_parameter_owned(model, roles, MODE)
     return attention
 
 

@@ -19,9 +19,10 @@ mesh.coord("tp_row")`` and ``j = mesh.coord("tp_col")``, tp rank ``i*q + j``. Th
 Communication per layer (all through ``comm``): a Linear is q SUMMA steps -- forward
 broadcasts X(i, k) along the grid row and W(k, j) down the grid column; backward re-broadcasts
 them and reduces dX partials along the row and dW partials down the column. Per device that
-is ``3 (bsh + h h_o) / q`` elements (:func:`summa_linear_bytes`). Norms all-gather their
-per-shard statistics over ``tp_col`` forward and all-reduce two sums backward. The
-embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its vocab block for the tp group's batch, reduce-scatters over
+is ``3 (bsh + h h_o) / q`` elements (``behemoth.planner.traffic.summa_linear_bytes``). Norms
+all-gather their per-shard statistics over ``tp_col`` forward and all-reduce two sums
+backward. The embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its
+vocab block for the tp group's batch, reduce-scatters over
 ``tp_col`` and swaps with the transposed grid rank; the cross-entropy all-reduces max,
 target logit and sum-exp over ``tp_col``: no rank ever holds full logits.
 
@@ -50,10 +51,9 @@ from ... import comm
 from .functional import ShardedNormFn, autocast_dtype
 from .grid import SummaFn, activation_spec, gather_activation, gather_batch, grid_of, replicate_on
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .serial import copy_shards
+from .serial import copy_shards, linear_layout
 
 __all__ = [
-    "summa_linear_bytes",
     "activation_spec_2d",
     "split_batch_2d",
     "split_activation_2d",
@@ -64,35 +64,6 @@ __all__ = [
     "RMSNorm2D",
     "KVReplicatedLinear2D",
 ]
-
-
-def summa_linear_bytes(
-    tokens: int,
-    in_features: int,
-    out_features: int,
-    q: int,
-    *,
-    depth: int = 1,
-    bias: bool = False,
-    element_size: int = 4,
-) -> int:
-    """Payload bytes one rank moves for one SUMMA Linear, forward + backward, as the ledger
-    counts them (every member of a broadcast or reduce books the block's size).
-
-    ``tokens`` = B*S of the whole tp group. Each of the q steps broadcasts an X block
-    ``tokens/(d q) * in/q`` and a W block ``in/q * out/q``; forward once, backward twice
-    (re-broadcast + reduce of the partials): ``3 (tokens*in/d + in*out) / q``. Tesseract
-    (depth d > 1) adds the all-reduce of dW over depth, ``in*out/q**2``; a bias adds its
-    gradient's all-reduce over ``tp_row`` (and depth), ``out/q`` each. d = 1 is Optimus.
-    """
-    act = tokens * in_features // depth
-    w = in_features * out_features
-    n = 3 * (act + w) // q
-    if depth > 1:
-        n += w // q**2
-    if bias:
-        n += out_features // q * (2 if depth > 1 else 1)
-    return n * element_size
 
 
 # --------------------------------------------------------------------------- activation layout (2D)
@@ -200,12 +171,11 @@ class Linear2D(nn.Module):
     @classmethod
     def from_serial(cls, module: nn.Module, mesh, *, fused: int = 1):
         """Shard an ``nn.Linear`` (or a transformers ``Conv1D``, weight ``[in, out]``)."""
-        if isinstance(module, nn.Linear):
-            out_f, in_f, layout = module.out_features, module.in_features, "out_in"
-        elif hasattr(module, "nf") and module.weight.dim() == 2 and module.weight.shape[1] == module.nf:
-            in_f, out_f, layout = module.weight.shape[0], module.nf, "in_out"
-        else:
+        shape = linear_layout(module)
+        if shape is None:
             raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
+        in_f, out_f, transposed = shape
+        layout = "in_out" if transposed else "out_in"
         w = module.weight
         layer = cls(
             in_f,

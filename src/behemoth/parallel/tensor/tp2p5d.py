@@ -20,7 +20,7 @@ exactly as in :mod:`.tp2d` (the grid code both share is :mod:`.grid`); this modu
 layers with a depth axis (with d = 1 a
 Tesseract layer is exactly the Optimus layer, bit for bit). Per Linear per device, forward +
 backward: ``3 (B S h_in / d + h_in h_out) / q + h_in h_out / q**2`` elements
-(:func:`tesseract_linear_bytes`).
+(``behemoth.planner.traffic.summa_linear_bytes`` with ``depth``).
 
 Tested in tests/dist/test_tp2d_layers.py (tp=8 with depth 2 against the serial layers; depth 1
 against the 2D layers).
@@ -36,7 +36,6 @@ from .grid import activation_spec, gather_activation, gather_batch, grid_of
 from .layout import ShardSpec, shard_tensor
 
 __all__ = [
-    "tesseract_linear_bytes",
     "activation_spec_25d",
     "split_batch_25d",
     "split_activation_25d",
@@ -52,16 +51,6 @@ __all__ = [
 ]
 
 MODE = "2.5d"
-
-
-def tesseract_linear_bytes(
-    tokens: int, in_features: int, out_features: int, q: int, depth: int, *, bias: bool = False, element_size: int = 4
-) -> int:
-    """Payload bytes one rank moves for one Tesseract Linear, forward + backward; see
-    :func:`.tp2d.summa_linear_bytes` (the same formula, which takes ``depth``)."""
-    return tp2d.summa_linear_bytes(
-        tokens, in_features, out_features, q, depth=depth, bias=bias, element_size=element_size
-    )
 
 
 def activation_spec_25d(full_shape, mesh, *, hidden: bool = True) -> ShardSpec:

@@ -30,7 +30,7 @@ saved, so saved activations are ``B S H / p``), reduce-scatter dX over I and dW 
 Biases: block N(i), replicated over (W, O); their gradients are all-reduced there.
 
 Per rank, one Linear forward + backward moves ``(3 T K + 3 K N + 2 T N) / q**2`` elements
-(T = B*S of the tp group; :func:`linear3d_bytes`).
+(T = B*S of the tp group; ``behemoth.planner.traffic.linear3d_bytes``).
 
 Over-decomposition (``overlap=k``): the rank's tokens are cut into k pieces; piece p+1's
 gathers are in flight while piece p's GEMM runs, and piece p's reduce-scatter while piece
@@ -75,13 +75,12 @@ from ...comm import Axis
 from .base import require_mode
 from .functional import ShardedNormFn, autocast_dtype, replicated
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .serial import copy_shards
+from .serial import copy_shards, linear_layout
 
 __all__ = [
     "Cube",
     "Layout",
     "cube_of",
-    "linear3d_bytes",
     "activation_spec_3d",
     "split_batch_3d",
     "split_activation_3d",
@@ -155,44 +154,6 @@ def weight_spec(lay: Layout, out_f: int, in_f: int, fused: int, in_out: bool) ->
         DimShard(i_dim, q, lay.hidden.rank, (lay.hidden.name,)),
     )
     return ShardSpec(full, dims, (), view, fused_dim=1 if in_out else 0)
-
-
-def linear3d_bytes(
-    tokens: int,
-    in_features: int,
-    out_features: int,
-    q: int,
-    *,
-    bias: bool = False,
-    input_grad: bool = True,
-    element_size: int = 4,
-    wire: bool = False,
-) -> float:
-    """Bytes one rank moves for one :class:`Linear3D`, forward + backward; pure.
-
-    ``tokens`` = B*S of the whole tp group (T), K = in, N = out. Payload, as the ledger's
-    ``bytes`` counts it (every all-gather books the gathered tensor, every reduce-scatter
-    its full input), in elements:
-
-    * forward: all-gather X over I ``T K/q^2``, all-gather W over W ``K N/q^2``,
-      reduce-scatter Y over O ``T N/q^2``;
-    * backward: all-gather dY over O ``T N/q^2``, re-gather X ``T K/q^2``, reduce-scatter dW
-      over W ``K N/q^2``; with ``input_grad`` also re-gather W ``K N/q^2`` and reduce-scatter
-      dX over I ``T K/q^2``;
-
-    i.e. ``(3 T K + 3 K N + 2 T N) / q^2``; a bias adds the all-reduce of its gradient over O
-    and over tp_depth, ``N/q`` each. ``overlap`` does not change it. ``wire=True`` gives the
-    ledger's ``wire_bytes`` instead (ring algorithms): ``(q-1)/q`` of each gather or
-    reduce-scatter payload, ``2 (q-1)/q`` of each all-reduce's. q = 1 moves nothing.
-    """
-    if q == 1:
-        return 0
-    T, K, N = tokens, in_features, out_features
-    gathers = (2 * T * K + 2 * K * N + 2 * T * N + (T * K + K * N if input_grad else 0)) // q**2
-    reduces = 2 * N // q if bias else 0
-    if wire:
-        return element_size * (gathers * (q - 1) / q + reduces * 2 * (q - 1) / q)
-    return element_size * (gathers + reduces)
 
 
 # --------------------------------------------------------------------------- activation layout
@@ -378,12 +339,11 @@ class Linear3D(nn.Module):
     @classmethod
     def from_serial(cls, module: nn.Module, mesh, *, swapped: bool = False, fused: int = 1, overlap: int = 1):
         """Shard an ``nn.Linear`` (or a transformers ``Conv1D``, weight ``[in, out]``)."""
-        if isinstance(module, nn.Linear):
-            out_f, in_f, layout = module.out_features, module.in_features, "out_in"
-        elif hasattr(module, "nf") and module.weight.dim() == 2 and module.weight.shape[1] == module.nf:
-            in_f, out_f, layout = module.weight.shape[0], module.nf, "in_out"
-        else:
+        shape = linear_layout(module)
+        if shape is None:
             raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
+        in_f, out_f, transposed = shape
+        layout = "in_out" if transposed else "out_in"
         w = module.weight
         layer = cls(
             in_f,
