@@ -58,3 +58,21 @@ def test_plan_errors_before_any_collective():
         tp.parallelize_tensor(
             Tiny(), ParallelMesh(plan3, rank=0, world_size=3, create_groups=False), plan3, {"up": "colwise"}
         )
+
+
+def test_layer_modules_do_not_import_their_rewriters():
+    """The layers (tp1d, grid, tp2d, tp3d, ...) know nothing of the styles that build them from a
+    serial model, nor of the entry that applies a plan (read from the source with ast)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(tp.__file__).parent
+    rewriters = {"styles1d", "styles2d", "styles3d", "apply"}
+    layers = [p for p in root.glob("*.py") if p.stem not in rewriters | {"__init__"}]
+    assert {"tp1d", "vocab1d", "grid", "tp2d", "embed2d", "tp2p5d", "tp3d", "embed3d"} <= {p.stem for p in layers}
+    for path in layers:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {a.name for a in node.names}
+        assert not imported & rewriters, f"{path.name} imports {sorted(imported & rewriters)}"

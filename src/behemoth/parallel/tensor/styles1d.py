@@ -2,18 +2,18 @@
 :mod:`.tp1d` and :mod:`.vocab1d` built from a serial module, and the model-level checks
 (:func:`prepare`) and hooks (:func:`finish`) around them.
 
-==============================  ==================  ========================================
-style                           role                replaces the module by
-==============================  ==================  ========================================
-:class:`ColwiseParallel1D`      ``colwise``         ColumnParallelLinear (output rows split)
-:class:`FusedQKVParallel1D`     ``colwise_fused3``  ColumnParallelLinear (q, k, v rows split)
-:class:`RowwiseParallel1D`      ``rowwise``         RowParallelLinear (input columns split)
-:class:`NormParallel1D`         ``norm``            itself, replicated (SP: on the shard)
-:class:`EmbeddingParallel1D`    ``embedding``       VocabParallelEmbedding
-:class:`PositionEmbeddingPar..  ``pos_embedding``   itself, replicated
-:class:`HeadParallel1D`         ``head``            VocabParallelHead
-:class:`AttentionParallel1D`    ``attention``       itself, with this rank's head counts
-==============================  ==================  ========================================
+=====================================  ==================  =================================
+style                                  role                replaces the module by
+=====================================  ==================  =================================
+:class:`ColwiseParallel1D`             ``colwise``         ColumnParallelLinear (out split)
+:class:`FusedQKVParallel1D`            ``colwise_fused3``  ColumnParallelLinear (q, k, v)
+:class:`RowwiseParallel1D`             ``rowwise``         RowParallelLinear (in split)
+:class:`NormParallel1D`                ``norm``            itself (SP: on the shard)
+:class:`EmbeddingParallel1D`           ``embedding``       VocabParallelEmbedding
+:class:`PositionEmbeddingParallel1D`   ``pos_embedding``   itself, replicated
+:class:`HeadParallel1D`                ``head``            VocabParallelHead
+:class:`AttentionParallel1D`           ``attention``       itself, with local head counts
+=====================================  ==================  =================================
 
 The column layers, the row layers, the head and the sequence-parallel norms of one model share
 one :class:`~.region1d.ParallelRegion` (``region``), which :func:`prepare` creates. Layout
