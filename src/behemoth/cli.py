@@ -140,10 +140,10 @@ def cmd_train(path: str, overrides: list[str]) -> int:
 
     import behemoth as bh
     from behemoth.train.config import format_config
-    from behemoth.train.run_dir import check_out_dir
+    from behemoth.train.run_dir import check_out_dir, restarted
     from behemoth.train.trainer import train
 
-    config = _load(path, overrides, _env_world_size())  # fails before any process group exists
+    config = restarted(_load(path, overrides, _env_world_size()))  # fails before any process group exists
     config.plan.check_supported()
     check_out_dir(config.train)
     bh.init()

@@ -319,6 +319,7 @@ def test_a_restart_resumes_exactly(tmp_path):
         "train",
         DEMO,
         *job_args,
+        "--train.resume=false",  # a fresh run; its restarted group must still continue it
         f"--train.out_dir={faulty}",
         cwd=tmp_path,
         env={"PYTHONPATH": str(hook)},

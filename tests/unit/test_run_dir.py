@@ -17,6 +17,7 @@ from behemoth.train.run_dir import (
     clear_run,
     previous_run,
     prune_checkpoints,
+    restarted,
     rewind,
     skipped_checkpoints,
     truncate_metrics,
@@ -186,3 +187,19 @@ def test_held_out_split_shares_no_token_and_eval_every_needs_it():
     with pytest.raises(ConfigError, match="needs a held-out split; set data.eval_fraction"):
         load_config(None, ["--train.eval_every=10"])
     assert load_config(None, ["--train.eval_every=10", "--data.eval_fraction=0.05"]).train.eval_every == 10
+
+
+def test_a_restarted_group_continues_its_own_run(tmp_path):
+    out = tmp_path / "run"
+    other = tmp_path / "other" / "checkpoints" / "step-5"
+    fresh = load_config(None, [f"--train.out_dir={out}", "--train.resume=false", "--train.overwrite=true"])
+    assert restarted(fresh, 0) is fresh  # the first attempt runs as configured
+    again = restarted(fresh, 1).train
+    assert again.resume and not again.overwrite  # no second overwrite of the first attempt's progress
+    check_out_dir(again)
+    from_other = load_config(None, [f"--train.out_dir={out}", f"--train.resume_from={other}"])
+    assert restarted(from_other, 1).train.resume_from == str(other)  # nothing saved yet: start there again
+    _checkpoint(out / "checkpoints", 10)
+    assert restarted(from_other, 1).train.resume_from is None  # its own newest checkpoint now
+    plain = load_config(None, [f"--train.out_dir={out}"])
+    assert restarted(plain, 3) is plain

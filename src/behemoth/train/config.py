@@ -260,8 +260,8 @@ class TrainSection:
     an out_dir that holds another run is refused (see overwrite)."""
     resume_from: str | None = None
     """Resume from this checkpoint directory instead of the newest in out_dir/checkpoints (a checkpoint of
-    this run's own out_dir rewinds it: newer checkpoints are deleted); a group restarted by torchrun
-    continues from its newest checkpoint instead."""
+    this run's own out_dir rewinds it: newer checkpoints are deleted). A group restarted by torchrun
+    continues from its own newest checkpoint instead (and neither overwrites nor refuses its out_dir)."""
     overwrite: bool = False
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3

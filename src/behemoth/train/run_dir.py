@@ -21,6 +21,7 @@ communicates. Test: ``pytest tests/unit/test_run_dir.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,6 +34,7 @@ __all__ = [
     "FIXED_ON_RESUME",
     "previous_run",
     "check_out_dir",
+    "restarted",
     "clear_run",
     "prune_checkpoints",
     "rewind",
@@ -72,6 +74,20 @@ def previous_run(out_dir: str) -> list[str]:
         elif os.path.exists(path):
             found.append(name)
     return found
+
+
+def restarted(config: Config, restart_count: int | None = None) -> Config:
+    """The config a group restarted by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) runs: it
+    continues its own progress from the newest checkpoint in out_dir (``resume_from`` only if
+    there is none yet), with no second overwrite and no refusal of its own run's files."""
+    if restart_count is None:
+        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    train = config.train
+    if restart_count == 0 or (train.resume and not train.overwrite and train.resume_from is None):
+        return config
+    own = _steps(os.path.join(train.out_dir, "checkpoints"))
+    train = dataclasses.replace(train, resume=True, overwrite=False, resume_from=None if own else train.resume_from)
+    return dataclasses.replace(config, train=train)
 
 
 def check_out_dir(train: TrainSection) -> None:

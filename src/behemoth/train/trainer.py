@@ -41,6 +41,7 @@ from behemoth.train.run_dir import (
     check_resume,
     clear_run,
     prune_checkpoints,
+    restarted,
     rewind,
     skipped_checkpoints,
     truncate_metrics,
@@ -168,6 +169,7 @@ def train(config: Config) -> dict:
     ``checkpoint`` and ``num_params``.
     """
     t_start = time.perf_counter()
+    config = restarted(config)
     stop = StopRequest().install()
     try:
         return _train(config, stop, t_start)
@@ -183,9 +185,7 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     mc, tc = config.model, config.train
     ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
     resumed_from = None
-    # A restarted group (torchrun's restart count > 0) continues from its newest checkpoint, not
-    # from resume_from again.
-    if tc.resume_from is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if tc.resume_from is not None:
         resumed_from = os.path.abspath(tc.resume_from)
     elif tc.resume and not tc.overwrite:
         resumed_from = latest_checkpoint(ckpt_dir)
