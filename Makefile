@@ -1,4 +1,5 @@
-# behemoth: `make train` runs the CPU demo, `make test` the test suite.
+# behemoth: `make train` runs the CPU demo (NPROC=4 processes, RESTARTS=0 group restarts after a
+# failure), `make test` the test suite.
 # Both build .venv once (only the system's python3 is reused), then reuse it.
 
 PYTHON ?= python3
@@ -7,6 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.behemoth-installed
 TORCH  := torch==2.13.0
 NPROC  ?= 4
+RESTARTS ?= 0
 CONFIG ?= src/behemoth/configs/demo.toml
 
 .PHONY: venv train test config clean-runs
@@ -20,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/behemoth run --nproc $(NPROC) train $(CONFIG)
+	$(VENV)/bin/behemoth run --nproc $(NPROC) --max-restarts $(RESTARTS) train $(CONFIG)
 
 config: $(STAMP)
 	$(VENV)/bin/behemoth config $(CONFIG)

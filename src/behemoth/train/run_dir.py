@@ -241,8 +241,8 @@ def check_resume(checkpoint: str, config: Config) -> list[str]:
             saved = json.load(f).get("extra", {}).get("config")
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(
-            f"checkpoint {checkpoint!r} is damaged: its meta.json cannot be read ({e}). Move the directory "
-            f"away to resume from the previous checkpoint, or pass --train.resume_from=PATH."
+            f"checkpoint {checkpoint!r} is damaged: its meta.json cannot be read ({e}). Move it away to resume "
+            f"from the previous checkpoint, or pass --train.resume_from=PATH."
         ) from None
     if not isinstance(saved, dict):
         return []
