@@ -43,6 +43,7 @@ __all__ = [
     "PipelineLayout",
     "TransformerShape",
     "find_spec",
+    "known_classes",
     "shape_of",
     "spec_for",
     "tensor_plan",
@@ -77,6 +78,11 @@ def _lookup(cls: type, field: str) -> ModelSpec | None:
     return None
 
 
+def known_classes() -> str:
+    """The model classes :data:`SPECS` describes, for error messages."""
+    return ", ".join(c for s in SPECS for c in s.classes)
+
+
 def find_spec(model) -> ModelSpec | None:
     """The spec of ``model``'s class or of its nearest base class that has one; None if none."""
     return _lookup(type(model), "classes")
@@ -86,9 +92,8 @@ def spec_for(model) -> ModelSpec:
     """:func:`find_spec`, or a ``ValueError`` that says how to add the family."""
     spec = find_spec(model)
     if spec is None:
-        known = ", ".join(c for s in SPECS for c in s.classes)
         raise ValueError(
-            f"no ModelSpec describes {type(model).__name__} (nor any of its base classes); known: {known}. "
+            f"no ModelSpec describes {type(model).__name__} (nor any of its base classes); known: {known_classes()}. "
             f"Add a file to behemoth/specs/ defining a ModelSpec (blocks, tp_plan, attention, pipeline, shape) "
             f"and a line in behemoth.specs.SPECS, or pass tp_policy={{module-name pattern: role}} to bh.boost."
         )

@@ -36,7 +36,7 @@ from torch import nn
 
 from ... import comm
 from ...comm import Axis
-from ...specs import PipelineLayout, find_spec
+from ...specs import PipelineLayout, find_spec, known_classes
 from ..tensor.layout import get_spec
 from .partition import (
     estimate_block_costs,
@@ -95,11 +95,8 @@ def partition_for(model: nn.Module, pp: int, v: int, stages=None) -> tuple[Pipel
     cost, or the user's ``stages`` (validated). Pure: raises ValueError before any collective."""
     spec = find_spec(model)
     if spec is None:
-        from ...specs import SPECS
-
-        known = ", ".join(c for s in SPECS for c in s.classes)
         raise ValueError(
-            f"pipeline parallelism: no pipeline layout for {type(model).__name__}; known: {known} (and their "
+            f"pipeline parallelism: no pipeline layout for {type(model).__name__}; known: {known_classes()} (and their "
             f"subclasses). Describe the family (embeddings, block list, norm and head names) in a ModelSpec "
             f"file under behemoth/specs/ and add it to behemoth.specs.SPECS."
         )

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ... import comm
-from ...specs import SPECS, TP_ROLES, tensor_plan
+from ...specs import TP_ROLES, known_classes, tensor_plan
 from ..style import match_plan
 from . import styles1d, styles2d, styles3d
 from .base import TensorStyle
@@ -108,7 +108,7 @@ def parallelize_tensor(
             raise ValueError(
                 f"tensor parallelism has no policy for {type(model).__name__}; pass tp_policy={{module-name pattern: "
                 f"role}} to bh.boost, e.g. {{'layers.*.attn.q': 'colwise', 'layers.*.attn.o': 'rowwise', ...}}. "
-                f"Roles: {', '.join(TP_ROLES)}. Known classes: {', '.join(c for s in SPECS for c in s.classes)}."
+                f"Roles: {', '.join(TP_ROLES)}. Known classes: {known_classes()}."
             )
     if not isinstance(tp_plan, Mapping) or not tp_plan:
         raise ValueError(f"tp_policy must be a non-empty dict {{module-name pattern: role}}; got {tp_plan!r}.")

@@ -101,3 +101,15 @@ def check_every_parameter_owned(model: nn.Module, roles: dict[str, str], mode: s
                 f"activation is a (batch block, hidden block) shard, so a serial parameter would see only part of "
                 f"the data; give its module a role in tp_policy (see behemoth.specs)."
             )
+
+
+def check_kind(module: nn.Module, name: str, role: str) -> None:
+    """The module class a role needs, in every mode: ``embedding`` and ``pos_embedding`` an
+    ``nn.Embedding`` (a vocab-parallel one without ``max_norm``, ``scale_grad_by_freq`` or
+    ``sparse``), ``head`` an ``nn.Linear``. Other roles are checked where their shapes are read."""
+    if role in ("embedding", "pos_embedding") and not isinstance(module, nn.Embedding):
+        raise ValueError(f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a {type(module).__name__}.")
+    if role == "embedding" and (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
+        raise ValueError(f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse are not supported.")
+    if role == "head" and not isinstance(module, nn.Linear):
+        raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(module).__name__}.")

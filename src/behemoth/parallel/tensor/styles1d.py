@@ -34,7 +34,7 @@ import torch.nn as nn
 from ... import comm
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
-from .base import TensorStyle, check_fused3, owner_of
+from .base import TensorStyle, check_fused3, check_kind, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .region1d import ParallelRegion
 from .serial import attention_heads, linear_shape, localize_heads
@@ -324,14 +324,7 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
             else:
                 check_divisible(f"{width} (in features of {name})", fin, p, MODE)
         elif role in ("embedding", "head"):
-            if role == "embedding" and not isinstance(m, nn.Embedding):
-                raise ValueError(
-                    f"tensor-parallel role 'embedding' needs an nn.Embedding; {name} is a {type(m).__name__}."
-                )
-            if role == "embedding" and (m.max_norm is not None or m.sparse):
-                raise ValueError(f"vocab-parallel embedding {name}: max_norm and sparse are not supported.")
-            if role == "head" and not isinstance(m, nn.Linear):
-                raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(m).__name__}.")
+            check_kind(m, name, role)
             vocab = m.num_embeddings if role == "embedding" else m.out_features
             check_divisible(f"vocab_size (rows of {name})", vocab, p, MODE)
         out[name] = _fill(

@@ -41,7 +41,15 @@ from typing import ClassVar
 
 from torch import nn
 
-from .base import TensorStyle, check_enters_and_leaves, check_every_parameter_owned, check_fused3, check_norm, owner_of
+from .base import (
+    TensorStyle,
+    check_enters_and_leaves,
+    check_every_parameter_owned,
+    check_fused3,
+    check_kind,
+    check_norm,
+    owner_of,
+)
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
 from .grid import grid_of
 from .layout import check_divisible
@@ -297,16 +305,12 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
             else:
                 need(f"out features of {name}", fout)
         elif role in ("embedding", "pos_embedding"):
-            if not isinstance(m, nn.Embedding):
-                raise ValueError(
-                    f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a {type(m).__name__}."
-                )
+            check_kind(m, name, role)
             if role == "embedding":
                 need(f"vocab_size (rows of {name})", m.num_embeddings)
             need(f"hidden (embedding dim of {name})", m.embedding_dim)
         elif role == "head":
-            if not isinstance(m, nn.Linear):
-                raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(m).__name__}.")
+            check_kind(m, name, role)
             need(f"vocab_size (out features of {name})", m.out_features)
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":

@@ -47,7 +47,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import TensorStyle, check_enters_and_leaves, check_every_parameter_owned, check_fused3, check_norm
+from .base import (
+    TensorStyle,
+    check_enters_and_leaves,
+    check_every_parameter_owned,
+    check_fused3,
+    check_kind,
+    check_norm,
+)
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
 from .serial import attention_heads, linear_shape, localize_heads
@@ -216,20 +223,12 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             else:
                 need(f"out features of {name} (its weight rows are split over {qq})", fout, q * q)
         elif role in ("embedding", "pos_embedding"):
-            if not isinstance(m, nn.Embedding):
-                raise ValueError(
-                    f"tensor-parallel role {role!r} needs an nn.Embedding; {name} is a {type(m).__name__}."
-                )
+            check_kind(m, name, role)
             if role == "embedding":
-                if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-                    raise ValueError(
-                        f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse are not supported."
-                    )
                 need(f"vocab_size (rows of {name}, split over {qq})", m.num_embeddings, q * q)
             need(f"hidden (embedding dim of {name})", m.embedding_dim)
         elif role == "head":
-            if not isinstance(m, nn.Linear):
-                raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(m).__name__}.")
+            check_kind(m, name, role)
             need(f"vocab_size (out features of {name}, split over {qq})", m.out_features, q * q)
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
