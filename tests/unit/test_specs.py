@@ -10,6 +10,7 @@ from behemoth.specs import (
     SPECS,
     TP_ROLES,
     find_spec,
+    max_seq_len_of,
     shape_of,
     spec_for,
     tensor_plan,
@@ -113,3 +114,5 @@ def test_shapes_of_configs_and_subclasses():
     assert shape_of(LlamaConfig(num_kv_heads=1, **TINY)).num_kv_heads == 1
     _, model = _hf_llama()
     assert shape_of(model.config).num_kv_heads == 2 and shape_of(model.config).rms_norm
+    assert max_seq_len_of(model.config) == model.config.max_position_embeddings
+    assert max_seq_len_of(MyConfig(**TINY)) == 16 and max_seq_len_of(LlamaConfig(num_kv_heads=1, **TINY)) == 16

@@ -44,6 +44,7 @@ __all__ = [
     "TransformerShape",
     "find_spec",
     "known_classes",
+    "max_seq_len_of",
     "shape_of",
     "spec_for",
     "tensor_plan",
@@ -100,9 +101,7 @@ def spec_for(model) -> ModelSpec:
     return spec
 
 
-def shape_of(config) -> TransformerShape:
-    """The :class:`TransformerShape` of a known family's config (behemoth's ``GPTConfig`` /
-    ``LlamaConfig``, transformers' ``GPT2Config`` / ``LlamaConfig``, or a subclass)."""
+def _config_spec(config) -> ModelSpec:
     spec = _lookup(type(config), "config_classes")
     if spec is None:
         known = ", ".join(c for s in SPECS for c in s.config_classes)
@@ -110,7 +109,18 @@ def shape_of(config) -> TransformerShape:
             f"no ModelSpec reads a {type(config).__name__}; known configs: {known}. Build a TransformerShape "
             f"by hand, or add the family to behemoth.specs.SPECS."
         )
-    return spec.shape(config)
+    return spec
+
+
+def shape_of(config) -> TransformerShape:
+    """The :class:`TransformerShape` of a known family's config (behemoth's ``GPTConfig`` /
+    ``LlamaConfig``, transformers' ``GPT2Config`` / ``LlamaConfig``, or a subclass)."""
+    return _config_spec(config).shape(config)
+
+
+def max_seq_len_of(config) -> int:
+    """The longest sequence a known family's config allows (``seq_len``, ``n_positions``, ...)."""
+    return _config_spec(config).max_seq_len(config)
 
 
 def tensor_plan(model) -> dict[str, str] | None:

@@ -43,4 +43,5 @@ GPT = ModelSpec(
         pre=("wte", "wpe", "drop"), blocks="blocks", post=("ln_f", "lm_head"), tied=(("wte.weight", "lm_head.weight"),)
     ),
     shape=_shape,
+    max_seq_len=lambda c: c.seq_len,
 )

@@ -47,4 +47,5 @@ HF_GPT2 = ModelSpec(
         tied=(("transformer.wte.weight", "lm_head.weight"),),
     ),
     shape=_shape,
+    max_seq_len=lambda c: c.n_positions,
 )

@@ -52,5 +52,6 @@ HF_LLAMA = ModelSpec(
         tied=(("model.embed_tokens.weight", "lm_head.weight"),),
     ),
     shape=_shape,
+    max_seq_len=lambda c: c.max_position_embeddings,
     config_tp_plan=True,
 )

@@ -46,4 +46,5 @@ LLAMA = ModelSpec(
         pre=("embed",), blocks="layers", post=("norm", "lm_head"), tied=(("embed.weight", "lm_head.weight"),)
     ),
     shape=_shape,
+    max_seq_len=lambda c: c.seq_len,
 )

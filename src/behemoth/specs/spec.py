@@ -88,6 +88,8 @@ class ModelSpec:
     """Which modules go before, between and after the blocks in a pipeline."""
     shape: Callable[[object], TransformerShape]
     """The family's config (an instance of one of :attr:`config_classes`) -> its shape."""
+    max_seq_len: Callable[[object], int]
+    """The family's config -> the longest sequence the model takes (its default for cost estimates)."""
     config_tp_plan: bool = False
     """Take the plan's ``colwise`` / ``rowwise`` entries from the model's own
     ``config.base_model_tp_plan`` (transformers' styles, relative to ``model.base_model_prefix``)

@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ...specs import PipelineLayout, TransformerShape, shape_of
+from ...specs import PipelineLayout, TransformerShape, max_seq_len_of, shape_of
 
 __all__ = [
     "ModelCosts",
@@ -94,7 +94,7 @@ def estimate_block_costs(
         tokens = tokens_per_microbatch or seq_len or 1
         return ModelCosts(tuple(2.0 * n for n in block_params), 2.0 * embedding_params / tokens, 2.0 * head_params)
     shape = config if isinstance(config, TransformerShape) else shape_of(config)
-    s = seq_len or _config_seq_len(config)
+    s = seq_len or (None if isinstance(config, TransformerShape) else max_seq_len_of(config))
     if not s:
         raise ValueError(f"estimate_block_costs: {type(config).__name__} has no sequence length; pass seq_len=.")
     h, d = shape.hidden, shape.head_dim
@@ -104,13 +104,6 @@ def estimate_block_costs(
     tokens = tokens_per_microbatch or s
     embedding = 2.0 * (shape.vocab_size + shape.max_positions) * h / tokens
     return ModelCosts((block,) * shape.num_layers, embedding, 2.0 * shape.vocab_size * h)
-
-
-def _config_seq_len(c) -> int | None:
-    for name in ("seq_len", "n_positions", "max_position_embeddings"):
-        if getattr(c, name, None):
-            return int(getattr(c, name))
-    return None
 
 
 # -- balancing -----------------------------------------------------------------------------
