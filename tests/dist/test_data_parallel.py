@@ -1,5 +1,6 @@
 """Data parallelism matches serial training (DESIGN.md's parity law), for behemoth's
-models and transformers' models, with accumulation, clipping, AdamW and SGD; the
+models and transformers' models, with accumulation, clipping, AdamW and SGD, and a user
+loss_fn: losses, weights and every step's gradient norm; the ledger's bytes exactly; the
 bucketed all-reduce really overlaps backward; bad plans fail on every rank."""
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 import behemoth as bh
-from common import (assert_losses_close, assert_state_close, build, global_batches, make_optimizer,
-                    serial_train, shard)
+import torch.nn.functional as F
+
+from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, full_label_batches,
+                    global_batches, make_optimizer, serial_run, serial_train, shard, train_steps)
 
 STEPS, BATCH = 3, 16
 
@@ -37,26 +40,57 @@ def _parity_world(rank: int, world: int, scenarios) -> None:
                           bh.Plan(dp=world, microbatches=micro, precision=precision,
                                   activation_checkpointing=ckpt, bucket_mb=0.01),
                           max_grad_norm=clip)
-        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
-        want_losses, want_state = serial_train(family, opt_name, batches, max_grad_norm=clip, precision=precision)
+        losses, norms = train_steps(engine, batches)
+        want = serial_run(family, opt_name, batches, max_grad_norm=clip, precision=precision)
         if precision != "fp32":  # low-precision matmuls on differently split batches round differently
-            assert_losses_close(losses, want_losses, rtol=2e-2, what=what)
-            assert_state_close(engine.full_state_dict(), want_state, rtol=2e-2, atol=2e-3, what=what)
+            assert_losses_close(losses, want.losses, rtol=2e-2, what=what)
+            assert_state_close(engine.full_state_dict(), want.state, rtol=2e-2, atol=2e-3, what=what)
+            assert_grad_norms_close(norms, want.grad_norms, rtol=2e-2, what=what)
         else:
-            assert_losses_close(losses, want_losses, what=what)
-            assert_state_close(engine.full_state_dict(), want_state, what=what)
+            assert_losses_close(losses, want.losses, what=what)
+            assert_state_close(engine.full_state_dict(), want.state, what=what)
+            assert_grad_norms_close(norms, want.grad_norms, what=what)
         # The loss is the same float on every rank.
         t = torch.tensor(losses, dtype=torch.float64)
         ref = t.clone()
         torch.distributed.broadcast(ref, 0)
         assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
-        # Ledger: one all-reduce per bucket per step, plus two scalar all-reduces.
+        # Ledger: rank 0's parameters and buffers broadcast once at boost, one call each; per step
+        # one all-reduce per bucket (fp32 gradients) plus two float64 scalars (the global token
+        # count and the loss sum).
         if world > 1:
             dp = engine.comm_stats()["dp"]
-            nb = len(engine.buckets.buckets)
-            assert dp["ops"]["all_reduce"] == STEPS * (nb + 2), (what, dp, nb)
-            grad_bytes = 4 * sum(p.numel() for p in engine.buckets.params)
-            assert dp["bytes"] >= STEPS * grad_bytes
+            nb, params = len(engine.buckets.buckets), engine.buckets.params
+            synced = list(engine.model.parameters()) + list(engine.model.buffers())
+            assert dp["ops"] == {"broadcast": len(synced), "all_reduce": STEPS * (nb + 2)}, (what, dp, nb)
+            sync_bytes = sum(t.numel() * t.element_size() for t in synced)
+            grad_bytes = 4 * sum(p.numel() for p in params)
+            assert dp["bytes"] == sync_bytes + STEPS * (grad_bytes + 2 * 8), (what, dp, sync_bytes, grad_bytes)
+    _check_loss_fn(world)
+
+
+def _mean_ce(out, b):
+    """A user loss: the mean cross-entropy of its micro-batch."""
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
+
+
+def _check_loss_fn(world):
+    """A user loss_fn returns its micro-batch's mean; the engine averages those over micro-batches
+    and data-parallel ranks. With every label counted and equal micro-batches that is the
+    serial mean: losses, gradient norms (SGD without clipping: a gradient off by the dp factor
+    moves every weight by it) and weights match serial training."""
+    batches = full_label_batches(STEPS, BATCH)
+    for family, opt_name, micro, clip in (("gpt", "sgd", 2, None), ("hf-gpt2", "adamw", 1, 1.0)):
+        what = f"dp={world} loss_fn {family}/{opt_name}/micro={micro}/clip={clip}"
+        model = build(family)
+        engine = bh.boost(model, make_optimizer(opt_name, model), bh.Plan(dp=world, microbatches=micro),
+                          loss_fn=_mean_ce, max_grad_norm=clip)
+        losses, norms = train_steps(engine, batches)
+        want = serial_run(family, opt_name, batches, max_grad_norm=clip)
+        assert_losses_close(losses, want.losses, what=what)
+        assert_grad_norms_close(norms, want.grad_norms, what=what)
+        assert_state_close(engine.full_state_dict(), want.state, what=what)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

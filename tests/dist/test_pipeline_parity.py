@@ -4,7 +4,8 @@
   pp = 2 and pp = 4, with 4 and 8 micro-batches, for behemoth's GPT and Llama and
   transformers' GPT2LMHeadModel (tied embeddings split across the first and last stage)
   and LlamaForCausalLM: losses (the same float on every rank), ``full_state_dict()`` and
-  the clipped global gradient norm against plain PyTorch, AdamW with clipping;
+  every step's global gradient norm (before clipping) against plain PyTorch's
+  ``clip_grad_norm_``, AdamW with clipping;
 * fewer micro-batches than stages (m = 1 at pp = 2, m = 2 at pp = 4), a user's stage split,
   activation checkpointing, bf16, SGD, a custom loss_fn;
 * point-to-point traffic: m activations and m gradients per stage boundary per step, shape
@@ -18,7 +19,8 @@ from __future__ import annotations
 import torch
 
 import behemoth as bh
-from common import assert_losses_close, assert_state_close, build, global_batches, make_optimizer, serial_train, shard
+from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,
+                    make_optimizer, serial_run, shard, train_steps)
 
 STEPS, BATCH = 2, 8
 FAMILIES = ("gpt", "llama", "hf-gpt2", "hf-llama")
@@ -29,8 +31,8 @@ _SERIAL: dict = {}
 def _serial(family, layers, opt="adamw", clip=1.0, precision="fp32"):
     key = (family, layers, opt, clip, precision)
     if key not in _SERIAL:
-        _SERIAL[key] = serial_train(family, opt, global_batches(STEPS, BATCH), max_grad_norm=clip,
-                                    precision=precision, num_layers=layers)
+        _SERIAL[key] = serial_run(family, opt, global_batches(STEPS, BATCH), max_grad_norm=clip,
+                                  precision=precision, num_layers=layers)
     return _SERIAL[key]
 
 
@@ -45,16 +47,18 @@ def _check(family, plan, layers, *, opt="adamw", clip=1.0, stages=None, loss_fn=
     model = build(family, num_layers=layers)
     engine = bh.boost(model, make_optimizer(opt, model), plan, max_grad_norm=clip, stages=stages, loss_fn=loss_fn)
     engine.reset_comm_stats()
-    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in global_batches(STEPS, BATCH)]
-    want_losses, want_state = _serial(family, layers, opt, clip, plan.precision)
+    losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
+    want = _serial(family, layers, opt, clip, plan.precision)
     what = f"{what}{engine.plan.describe()} {family}/{opt}"
     if plan.precision == "bf16":   # bf16 matmuls on differently split operands round differently
-        assert_losses_close(losses, want_losses, rtol=2e-2, what=what)
-        assert_state_close(engine.full_state_dict(), want_state, rtol=2e-2, atol=2e-3, what=what)
+        assert_losses_close(losses, want.losses, rtol=2e-2, what=what)
+        assert_state_close(engine.full_state_dict(), want.state, rtol=2e-2, atol=2e-3, what=what)
+        assert_grad_norms_close(norms, want.grad_norms, rtol=2e-2, what=what)
     else:
-        assert_losses_close(losses, want_losses, what=what)
-        assert_state_close(engine.full_state_dict(), want_state, what=what)
-    _agree(losses + [engine.last_grad_norm], what)
+        assert_losses_close(losses, want.losses, what=what)
+        assert_state_close(engine.full_state_dict(), want.state, what=what)
+        assert_grad_norms_close(norms, want.grad_norms, what=what)
+    _agree(losses, what)
     return engine
 
 
@@ -88,7 +92,13 @@ def _pp_world(rank: int, world: int) -> None:
     # A user's stage split instead of the balance by cost.
     eng = _check("llama", bh.Plan(pp=2, microbatches=4), 4, stages=[(0, 1), (1, 4)])
     assert eng.stage_ranges == [[(0, 1)], [(1, 4)]]
-    assert sum(1 for _ in eng.model.parameters()) > 0
+    # this rank holds exactly its stage of the serial model: the embedding and block 0, or
+    # blocks 1-3, the final norm and the head
+    first = eng.pp_axis.rank == 0
+    mine = ("embed.", "layers.0.") if first else ("layers.1.", "layers.2.", "layers.3.", "norm.", "lm_head.")
+    serial = build("llama", num_layers=4)
+    want = sum(p.numel() for n, p in serial.named_parameters() if n.startswith(mine))
+    assert sum(p.numel() for p in eng.model.parameters()) == want, (first, want)
     # Activation checkpointing (also under zero-bubble's split backward), SGD, no clipping.
     _check("gpt", bh.Plan(pp=2, microbatches=4, schedule="zero-bubble", activation_checkpointing=True), 4)
     _check("hf-llama", bh.Plan(pp=2, microbatches=4, activation_checkpointing=True), 4, opt="sgd", clip=None)

@@ -243,7 +243,8 @@ def ledger_scenarios(mesh):
         for wire in (False, True):
             want = linear3d_bytes(B * S, H, 2 * H, q, bias=bias, input_grad=in_grad, element_size=8, wire=wire)
             got = tp_bytes(mesh, wire)
-            assert abs(got - want) <= 0.1 * want and abs(got - want) <= 1, (swapped, bias, in_grad, wire, got, want)
+            # payload exactly; wire within the one byte the ledger's int() of its float sum can drop
+            assert got == want if not wire else abs(got - want) <= 1, (swapped, bias, in_grad, wire, got, want)
 
 
 def helper_scenarios(mesh):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import behemoth as bh
-from common import (assert_losses_close, assert_state_close, build, expect_error, global_batches, make_optimizer,
-                    serial_train, shard, train_and_save)
+from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, expect_error,
+                    global_batches, make_optimizer, serial_run, serial_train, shard, train_and_save, train_steps)
 
 STEPS, BATCH = 3, 8
 CHUNK_MB = 0.02   # ~5k elements: the tiny models span several chunks (and one chunk straddles shards)
@@ -46,17 +46,17 @@ SCENARIOS_4 = [
 ]
 
 
-def _check(engine, losses, family, opt_name, clip, precision, what):
-    want_losses, want_state = serial_train(family, opt_name, global_batches(STEPS, BATCH), max_grad_norm=clip,
-                                           precision=precision)
+def _check(engine, losses, norms, family, opt_name, clip, precision, what):
+    want = serial_run(family, opt_name, global_batches(STEPS, BATCH), max_grad_norm=clip, precision=precision)
     tol = {} if precision == "fp32" else {"rtol": 2e-2}
-    assert_losses_close(losses, want_losses, what=what, **tol)
-    assert_state_close(engine.full_state_dict(), want_state, what=what,
+    assert_losses_close(losses, want.losses, what=what, **tol)
+    assert_state_close(engine.full_state_dict(), want.state, what=what,
                        **({} if precision == "fp32" else {"rtol": 2e-2, "atol": 2e-3}))
-    t = torch.tensor(losses + [engine.last_grad_norm], dtype=torch.float64)
+    assert_grad_norms_close(norms, want.grad_norms, what=what, **tol)
+    t = torch.tensor(losses, dtype=torch.float64)
     ref = t.clone()
     torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree on the loss or the grad norm"
+    assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
 
 
 def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1):
@@ -69,8 +69,8 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1):
                        chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
-        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
-        _check(engine, losses, family, opt_name, clip, precision, what)
+        losses, norms = train_steps(engine, batches)
+        _check(engine, losses, norms, family, opt_name, clip, precision, what)
         if offload == "auto":
             assert engine.zero.explain(), what
         if offload is not None and clip is None and precision != "fp16":   # nothing global before the

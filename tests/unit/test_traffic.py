@@ -132,7 +132,13 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
             )
             # q = d = 2: an all-reduce moves its payload, so wire bytes = the layer's payload bytes.
             assert got.total == tr.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
-            assert got.backward >= 2 * got.forward
+            # forward: q steps each broadcast an X block (64/(d q) x 16/q) and a W block (16/q x 32/q);
+            # backward: the same twice, the depth all-reduce of dW (16/q x 32/q) and the bias
+            # gradient's all-reduces over tp_row and depth (32/q each); fp32, q = 2
+            assert got.forward == (64 * 16 / depth + 16 * 32) / 2 * 4
+            dw = 16 * 32 / 4 * 4 if depth > 1 else 0
+            db = 32 / 2 * 4 * (2 if depth > 1 else 1) if bias else 0
+            assert got.backward == 2 * got.forward + dw + db
     # DESIGN.md: 3 (bsh + h h_o) / q per Linear per device.
     assert (
         tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total
@@ -171,7 +177,16 @@ def test_3d_linear_matches_the_layer_formula():
                     tokens=36 * 16, in_features=18, out_features=36, tp=q**3, dtype_bytes=4, param_bytes=4, **kw
                 )
                 assert got.total == pytest.approx(tr.linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
-                assert got.backward >= got.forward
+                # forward: gather X and W, reduce-scatter Y; backward: gather dY, re-gather X,
+                # reduce-scatter dW (+ re-gather W, reduce-scatter dX with input_grad; + the bias
+                # gradient's two all-reduces of 36/q); (q-1)/q of each on the wire (2 (q-1)/q for
+                # an all-reduce); fp32
+                T, K, N = 36 * 16, 18, 36
+                fwd = (T * K + K * N + T * N) / q**2 * (q - 1) / q * 4
+                extra = (K * N + T * K) / q**2 * (q - 1) / q * 4 if input_grad else 0
+                extra += 2 * N / q * 2 * (q - 1) / q * 4 if bias else 0
+                assert got.forward == pytest.approx(fwd, rel=1e-12)
+                assert got.backward == pytest.approx(fwd + extra, rel=1e-12)
     # Payload (3 T K + 3 K N + 2 T N) / q^2; q = 2 puts half of each gather/reduce-scatter on the wire.
     assert (
         tr.linear_traffic("3d", tokens=64, in_features=16, out_features=32, tp=8, dtype_bytes=1).total
