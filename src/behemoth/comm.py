@@ -1,17 +1,28 @@
 """The only home of collectives in behemoth.
 
-Every collective goes through an :class:`Axis` (one mesh axis's process group, seen
-from this rank) and is recorded in that axis's :class:`Ledger`: calls, payload bytes,
-wire bytes (what a ring algorithm sends per rank) and blocking time. ``engine.comm_stats()``
-reports the ledger, and tests compare it with the traffic formulas of DESIGN.md.
+Every collective goes through an :class:`Axis` (one mesh axis's process group, seen from
+this rank) and is booked in that axis's :class:`~behemoth.ledger.Ledger` when it is issued:
+calls, payload bytes, wire bytes (what a bandwidth-optimal ring algorithm sends per rank)
+and blocking time. ``engine.comm_stats()`` reports the ledger, and the tests compare it
+with the traffic formulas of :mod:`behemoth.planner.traffic`.
 
-Two kinds of API:
-* plain functions (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``all_to_all``, ``barrier``) for engine-level work such as gradient buckets;
+The module, by kind of operation:
+
+* :class:`Axis`, and :class:`AsyncCollective`: the one handle every asynchronous call
+  returns (``wait()`` blocks, books the blocked time, returns the result);
+* collectives as plain functions, for engine-level work (gradient buckets, ZeRO chunks,
+  SUMMA's steps): :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter`,
+  :func:`broadcast`, :func:`reduce`, :func:`all_to_all`, :func:`all_gather_into`, and
+  :func:`all_gather_async`, :func:`reduce_scatter_async` that return a handle;
+* scalar helpers: :func:`all_reduce_scalars`, :func:`all_agree`;
 * named autograd Functions for model-level communication, each docstring stating the
-  forward and the backward operation (Megatron's f/g mappings and their relatives).
+  forward and the backward operation (Megatron's f/g mappings and their relatives);
+* point-to-point: :func:`exchange` (and its autograd Function :class:`ExchangeWithPeer`),
+  :func:`ring_shift_async`, :func:`send_async`, :func:`recv_async`.
 
 An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
+Collectives run eagerly even inside ``torch.compile``'d blocks: the ledger's clock readings
+would otherwise become graph guards and force a recompile on every call.
 """
 
 from __future__ import annotations
@@ -28,22 +39,18 @@ __all__ = [
     "AxisTraffic",
     "Ledger",
     "Axis",  # the ledger classes live in ledger.py, re-exported here
+    "AsyncCollective",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
     "broadcast",
-    "all_to_all",
     "reduce",
-    "exchange",
-    "all_reduce_scalars",
-    "all_agree",
+    "all_to_all",
     "all_gather_into",
-    "AsyncCollective",
     "all_gather_async",
     "reduce_scatter_async",
-    "ring_shift_async",
-    "send_async",
-    "recv_async",
+    "all_reduce_scalars",
+    "all_agree",
     "CopyToAxis",
     "ReduceFromAxis",
     "GatherFromAxis",
@@ -52,10 +59,20 @@ __all__ = [
     "ReduceScatterToAxis",
     "AllToAllAxis",
     "ExchangeWithPeer",
+    "exchange",
+    "ring_shift_async",
+    "send_async",
+    "recv_async",
 ]
 
+_eager = torch.compiler.disable
 
-# --------------------------------------------------------------------------- axis
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --------------------------------------------------------------------------- axis and handle
 @dataclass(frozen=True)
 class Axis:
     """One mesh axis as seen from this rank: its group, size, this rank's index in it."""
@@ -77,44 +94,43 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class _Pending:
-    """An in-flight asynchronous collective; ``wait()`` books the blocked time."""
+class AsyncCollective:
+    """An in-flight collective or point-to-point transfer: issue it, compute something else,
+    then ``wait()``. ``wait()`` blocks until every request in ``work`` (one request, a list of
+    them, or None for a call that moved nothing) is done, books the blocked time in the axis's
+    ledger (the bytes were booked when the call was issued), and returns ``finish()``: the
+    output tensor, or the tensor worked on in place. Later calls return the same result. The
+    handle keeps ``keep`` (the buffers in flight) alive until then."""
 
-    def __init__(self, work, axis: Axis, after=None) -> None:
-        self._work, self._axis, self._after = work, axis, after
+    def __init__(self, work, axis: Axis | None, finish, *keep) -> None:
+        self._works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
+        self._axis, self._finish, self._keep = axis, finish, keep
+        self._result = None
 
-    def wait(self) -> None:
-        if self._work is not None:
-            t0 = time.perf_counter()
-            self._work.wait()
-            self._axis.ledger.add_time(self._axis.name, time.perf_counter() - t0)
-            self._work = None
-        if self._after is not None:
-            self._after()
-            self._after = None
-
-
-_DONE = _Pending(None, None)  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------- functional
-# Collectives run eagerly even inside torch.compile'd blocks: the ledger's clock readings
-# would otherwise become graph guards and force a recompile on every call.
-_eager = torch.compiler.disable
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            if self._works:
+                t0 = time.perf_counter()
+                for w in self._works:
+                    w.wait()
+                self._axis.ledger.add_time(self._axis.name, time.perf_counter() - t0)
+            self._result, self._works, self._finish, self._keep = self._finish(), [], None, ()
+        return self._result
 
 
+# --------------------------------------------------------------------------- collectives
 @_eager
 def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async."""
     if axis.trivial:
-        return _DONE if async_op else t
+        return AsyncCollective(None, axis, lambda: t) if async_op else t
     n = axis.size
     t0 = time.perf_counter()
     work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
     axis.ledger.record(
         axis.name, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), 0.0 if async_op else time.perf_counter() - t0
     )
-    return _Pending(work, axis) if async_op else t
+    return AsyncCollective(work, axis, lambda: t, t) if async_op else t
 
 
 @_eager
@@ -175,6 +191,20 @@ def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = 
 
 
 @_eager
+def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
+    the result only there (other members' ``t`` is left unspecified). SUMMA's backward
+    step. ``async_op``: returns an :class:`AsyncCollective` whose ``wait()`` returns ``t``.
+    Ledger: payload = ``t``'s bytes on every member, wire = the same (each sends once)."""
+    if axis.trivial:
+        return AsyncCollective(None, axis, lambda: t) if async_op else t
+    t0 = time.perf_counter()
+    work = dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group, async_op=async_op)
+    axis.ledger.record(axis.name, "reduce", _nbytes(t), _nbytes(t), 0.0 if async_op else time.perf_counter() - t0)
+    return AsyncCollective(work, axis, lambda: t, t) if async_op else t
+
+
+@_eager
 def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``t`` along ``scatter_dim`` into ``size`` parts, send part i to member i, and
     concatenate what arrives along ``gather_dim``."""
@@ -189,6 +219,75 @@ def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     return torch.cat(outs, dim=gather_dim)
 
 
+@_eager
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Gather every member's 1-D ``shard`` into ``out`` (member ``i``'s at ``[i*n, (i+1)*n)``).
+    ``shard`` may be ``out``'s own slot (in place, as ZeRO stages 1-2 gather updated shards).
+    Returns a handle with ``wait()`` when ``async_op``. Ledger: payload = ``out``, wire =
+    ``(size-1)`` shards."""
+    if axis.trivial:
+        if shard.data_ptr() != out.data_ptr():
+            out.copy_(shard)
+        return AsyncCollective(None, axis, lambda: out) if async_op else out
+    n = axis.size
+    if out.numel() != n * shard.numel():
+        raise ValueError(
+            f"all_gather_into over {axis.name!r}: out has {out.numel()} elements, expected {n} x {shard.numel()}."
+        )
+    if dist.get_backend(axis.group) == "gloo" and out.data_ptr() <= shard.data_ptr() < out.data_ptr() + _nbytes(out):
+        shard = shard.clone()  # gloo does not promise aliasing-safe all-gather
+    t0 = time.perf_counter()
+    work = _all_gather_single(out, shard, group=axis.group, async_op=async_op)
+    axis.ledger.record(
+        axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(shard), 0.0 if async_op else time.perf_counter() - t0
+    )
+    return AsyncCollective(work, axis, lambda: out, out, shard) if async_op else out
+
+
+@_eager
+def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
+    """Start :func:`all_gather` (concatenate every member's ``t`` along ``dim``); the handle's
+    ``wait()`` returns the result. Ledger as :func:`all_gather`: payload = the gathered
+    tensor, wire = ``(size-1)`` local shards."""
+    if axis.trivial:
+        return AsyncCollective(None, axis, lambda: t)
+    n = axis.size
+    src = t.movedim(dim, 0).contiguous()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
+    work = _all_gather_single(out, src, group=axis.group, async_op=True)
+    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(src))
+    return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
+
+
+@_eager
+def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
+    """Start :func:`reduce_scatter` (sum over the axis, keep this member's ``1/size`` slice
+    along ``dim``); the handle's ``wait()`` returns the slice. ``t`` is never modified.
+    Ledger as :func:`reduce_scatter`: payload = ``t``, wire = ``(size-1)/size`` of it."""
+    if axis.trivial:
+        return AsyncCollective(None, axis, lambda: t)
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+            f"is not divisible by the axis size {n}."
+        )
+    inp = t.movedim(dim, 0).contiguous()
+    if dist.get_backend(axis.group) == "gloo":
+        # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.
+        inp = inp.clone() if inp.data_ptr() == t.data_ptr() else inp
+        work = dist.all_reduce(inp, group=axis.group, async_op=True)
+        finish = lambda: inp.chunk(n, 0)[axis.rank].movedim(0, dim)  # noqa: E731
+        out = inp
+    else:
+        out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
+        work = _reduce_scatter_single(out, inp, group=axis.group, async_op=True)
+        finish = lambda: out.movedim(0, dim)  # noqa: E731
+    axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
+    return AsyncCollective(work, axis, finish, inp, out)
+
+
+# --------------------------------------------------------------------------- scalars
 def _scalar_device(axis: Axis) -> torch.device:
     """Where a small tensor must live to travel over ``axis`` (NCCL moves only GPU memory)."""
     if not axis.trivial and dist.get_backend(axis.group) == "nccl":
@@ -210,7 +309,7 @@ def all_agree(flag: bool, axis: Axis) -> bool:
     return t.item() == 0.0
 
 
-# --------------------------------------------------------------------------- autograd
+# --------------------------------------------------------------------------- autograd Functions
 class CopyToAxis(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward. Megatron's ``f``."""
 
@@ -308,21 +407,22 @@ class AllToAllAxis(torch.autograd.Function):
         return all_to_all(g, ctx.axis, gd, s), None, None, None
 
 
-# --------------------------------------------------------------------------- 2D / 2.5D additions
-@_eager
-def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
-    the result only there (other members' ``t`` is left unspecified). SUMMA's backward
-    step. ``async_op``: returns an :class:`AsyncCollective` whose ``wait()`` returns ``t``.
-    Ledger: payload = ``t``'s bytes on every member, wire = the same (each sends once)."""
-    if axis.trivial:
-        return AsyncCollective(None, axis, lambda: t) if async_op else t
-    t0 = time.perf_counter()
-    work = dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group, async_op=async_op)
-    axis.ledger.record(axis.name, "reduce", _nbytes(t), _nbytes(t), 0.0 if async_op else time.perf_counter() - t0)
-    return AsyncCollective(work, axis, lambda: t, t) if async_op else t
+class ExchangeWithPeer(torch.autograd.Function):
+    """Point-to-point swap with the axis member ``peer_index`` forward; the same swap of the
+    gradient backward (the pairing is symmetric, so the swap is its own inverse). 2D's
+    grid transpose: member (i, j) of a q x q grid swaps with (j, i)."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, peer_index: int):
+        ctx.axis, ctx.peer = axis, peer_index
+        return exchange(x, axis, peer_index)
+
+    @staticmethod
+    def backward(ctx, g):
+        return exchange(g, ctx.axis, ctx.peer), None, None
 
 
+# --------------------------------------------------------------------------- point-to-point
 @_eager
 def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
     """Send ``t`` to the axis member ``peer_index`` and return the same-shaped tensor it sends
@@ -344,102 +444,6 @@ def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
         dist.send(t, peer, group=axis.group)
     axis.ledger.record(axis.name, "exchange", _nbytes(t), _nbytes(t), time.perf_counter() - t0)
     return out
-
-
-class ExchangeWithPeer(torch.autograd.Function):
-    """Point-to-point swap with the axis member ``peer_index`` forward; the same swap of the
-    gradient backward (the pairing is symmetric, so the swap is its own inverse). 2D's
-    grid transpose: member (i, j) of a q x q grid swaps with (j, i)."""
-
-    @staticmethod
-    def forward(ctx, x, axis: Axis, peer_index: int):
-        ctx.axis, ctx.peer = axis, peer_index
-        return exchange(x, axis, peer_index)
-
-    @staticmethod
-    def backward(ctx, g):
-        return exchange(g, ctx.axis, ctx.peer), None, None
-
-
-# --------------------------------------------------------------------------- 3D additions: asynchronous collectives
-# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class AsyncCollective:
-    """An in-flight collective whose result is a tensor (Tensor3D over-decomposition: issue,
-    compute something else, then ``wait()``). ``wait()`` blocks, books the blocked time in
-    the ledger (the bytes were booked when the call was issued) and returns the result;
-    later calls return it again. The handle keeps its buffers alive until then."""
-
-    def __init__(self, work, axis: Axis | None, finish, *keep) -> None:
-        self._work, self._axis, self._finish, self._keep = work, axis, finish, keep
-        self._result = None
-
-    def wait(self) -> torch.Tensor:
-        if self._finish is not None:
-            if self._work is not None:
-                t0 = time.perf_counter()
-                self._work.wait()
-                self._axis.ledger.add_time(self._axis.name, time.perf_counter() - t0)
-            self._result, self._work, self._finish, self._keep = self._finish(), None, None, ()
-        return self._result
-
-
-@_eager
-def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
-    """Start :func:`all_gather` (concatenate every member's ``t`` along ``dim``); the handle's
-    ``wait()`` returns the result. Ledger as :func:`all_gather`: payload = the gathered
-    tensor, wire = ``(size-1)`` local shards."""
-    if axis.trivial:
-        return AsyncCollective(None, axis, lambda: t)
-    n = axis.size
-    src = t.movedim(dim, 0).contiguous()
-    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
-    work = _all_gather_single(out, src, group=axis.group, async_op=True)
-    axis.ledger.record(axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(src))
-    return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
-
-
-@_eager
-def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
-    """Start :func:`reduce_scatter` (sum over the axis, keep this member's ``1/size`` slice
-    along ``dim``); the handle's ``wait()`` returns the slice. ``t`` is never modified.
-    Ledger as :func:`reduce_scatter`: payload = ``t``, wire = ``(size-1)/size`` of it."""
-    if axis.trivial:
-        return AsyncCollective(None, axis, lambda: t)
-    n = axis.size
-    if t.shape[dim] % n:
-        raise ValueError(
-            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-            f"is not divisible by the axis size {n}."
-        )
-    inp = t.movedim(dim, 0).contiguous()
-    if dist.get_backend(axis.group) == "gloo":
-        # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.
-        inp = inp.clone() if inp.data_ptr() == t.data_ptr() else inp
-        work = dist.all_reduce(inp, group=axis.group, async_op=True)
-        finish = lambda: inp.chunk(n, 0)[axis.rank].movedim(0, dim)  # noqa: E731
-        out = inp
-    else:
-        out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
-        work = _reduce_scatter_single(out, inp, group=axis.group, async_op=True)
-        finish = lambda: out.movedim(0, dim)  # noqa: E731
-    axis.ledger.record(axis.name, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
-    return AsyncCollective(work, axis, finish, inp, out)
-
-
-# --------------------------------------------------------------------------- sequence-parallel additions: ring exchange
-class _Works:
-    """Several in-flight point-to-point requests waited as one."""
-
-    def __init__(self, works) -> None:
-        self._works = list(works)
-
-    def wait(self) -> None:
-        for w in self._works:
-            w.wait()
 
 
 @_eager
@@ -466,10 +470,9 @@ def ring_shift_async(t: torch.Tensor, axis: Axis, shift: int = 1) -> AsyncCollec
     ]
     works = dist.batch_isend_irecv(ops)
     axis.ledger.record(axis.name, "ring_shift", _nbytes(src), _nbytes(src))
-    return AsyncCollective(_Works(works), axis, lambda: out, src, out)
+    return AsyncCollective(works, axis, lambda: out, src, out)
 
 
-# --------------------------------------------------------------------------- pipeline additions: point-to-point
 @_eager
 def send_async(t: torch.Tensor, axis: Axis, peer_index: int, tag: int = 0) -> AsyncCollective:
     """Start sending ``t`` to the axis member ``peer_index`` (``isend``); never blocks.
@@ -509,29 +512,3 @@ def recv_async(
     work = dist.irecv(out, axis.ranks[peer_index], group=axis.group, tag=tag)
     axis.ledger.record(axis.name, "recv", _nbytes(out), 0)
     return AsyncCollective(work, axis, lambda: out, out)
-
-
-# --------------------------------------------------------------------------- ZeRO additions: chunk gather
-@_eager
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
-    """Gather every member's 1-D ``shard`` into ``out`` (member ``i``'s at ``[i*n, (i+1)*n)``).
-    ``shard`` may be ``out``'s own slot (in place, as ZeRO stages 1-2 gather updated shards).
-    Returns a handle with ``wait()`` when ``async_op``. Ledger: payload = ``out``, wire =
-    ``(size-1)`` shards."""
-    if axis.trivial:
-        if shard.data_ptr() != out.data_ptr():
-            out.copy_(shard)
-        return _DONE if async_op else out
-    n = axis.size
-    if out.numel() != n * shard.numel():
-        raise ValueError(
-            f"all_gather_into over {axis.name!r}: out has {out.numel()} elements, expected {n} x {shard.numel()}."
-        )
-    if dist.get_backend(axis.group) == "gloo" and out.data_ptr() <= shard.data_ptr() < out.data_ptr() + _nbytes(out):
-        shard = shard.clone()  # gloo does not promise aliasing-safe all-gather
-    t0 = time.perf_counter()
-    work = _all_gather_single(out, shard, group=axis.group, async_op=async_op)
-    axis.ledger.record(
-        axis.name, "all_gather", _nbytes(out), (n - 1) * _nbytes(shard), 0.0 if async_op else time.perf_counter() - t0
-    )
-    return _Pending(work, axis, after=lambda: shard) if async_op else out
