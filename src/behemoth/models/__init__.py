@@ -14,6 +14,7 @@ from torch import nn
 
 from behemoth.models.gpt import GPT, GPT_PRESETS, GPTBlock, GPTConfig
 from behemoth.models.llama import LLAMA_PRESETS, Llama, LlamaBlock, LlamaConfig, RMSNorm
+from behemoth.models.moe import MoEFeedForward, auxiliary_loss
 
 __all__ = [
     "GPT",
@@ -25,7 +26,9 @@ __all__ = [
     "LlamaBlock",
     "LlamaConfig",
     "MODEL_PRESETS",
+    "MoEFeedForward",
     "RMSNorm",
+    "auxiliary_loss",
     "build_config",
     "build_model",
 ]

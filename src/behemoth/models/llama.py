@@ -14,6 +14,11 @@ policy can shrink them to the local counts. RoPE tables are computed on the
 fly from position ids, so they are never in the state_dict and an offset
 slice of a sequence only needs its position ids.
 
+With ``num_experts > 0`` the MLP of every ``moe_every``-th block is a mixture of experts
+(:class:`~behemoth.models.moe.MoEFeedForward`, Mixtral's top-k routed SwiGLU experts);
+:meth:`Llama.aux_loss` then returns the router losses of the last forward, which a training
+loop adds to the task loss.
+
 Tested in tests/unit/test_models.py against ``transformers.LlamaForCausalLM``
 with the weights copied over (which pins the RoPE convention) and against
 itself with key/value heads repeated (which pins the GQA grouping).
@@ -39,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .moe import MoEFeedForward, auxiliary_loss
+
 __all__ = [
     "LLAMA_PRESETS",
     "Llama",
@@ -56,6 +63,13 @@ LLAMA_PRESETS: dict[str, dict] = {
     "llama-tiny": dict(num_layers=2, num_heads=4, num_kv_heads=2, hidden=64),
     "llama-mini": dict(num_layers=4, num_heads=4, num_kv_heads=2, hidden=128),
     "llama-1b": dict(num_layers=16, num_heads=32, num_kv_heads=8, hidden=2048, ffn_hidden=8192),
+    # mixtures of experts: Mixtral's routing (top-2 of 8) at two sizes
+    "llama-moe-tiny": dict(
+        num_layers=2, num_heads=4, num_kv_heads=2, hidden=64, num_experts=4, experts_top_k=2, expert_ffn_hidden=64
+    ),
+    "mixtral-4b": dict(
+        num_layers=16, num_heads=16, num_kv_heads=8, hidden=2048, ffn_hidden=5632, num_experts=8, experts_top_k=2
+    ),
 }
 
 
@@ -91,6 +105,18 @@ class LlamaConfig:
     """Share one tensor between ``embed.weight`` and ``lm_head.weight``."""
     seed: int = 0
     """Seed of the private generator that initialises the weights."""
+    num_experts: int = 0
+    """Experts E of each mixture-of-experts MLP; 0 keeps every MLP dense."""
+    experts_top_k: int = 2
+    """Experts each token is routed to (k, 1 <= k <= num_experts)."""
+    moe_every: int = 1
+    """Block i's MLP is a mixture of experts when (i + 1) % moe_every == 0 (1: every block)."""
+    expert_ffn_hidden: int | None = None
+    """Inner width I of each expert; None means ``resolved_ffn_hidden``."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of each MoE layer's load-balancing loss in :meth:`Llama.aux_loss`."""
+    router_z_loss_coef: float = 0.0
+    """Weight of each MoE layer's router z-loss in :meth:`Llama.aux_loss`."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads", "hidden"):
@@ -129,6 +155,25 @@ class LlamaConfig:
             self.norm_eps > 0.0,
             f"LlamaConfig.norm_eps={self.norm_eps!r}: must be > 0; pass e.g. 1e-5.",
         )
+
+        if self.num_experts:
+            _require(
+                isinstance(self.num_experts, int) and self.num_experts > 0,
+                f"LlamaConfig.num_experts={self.num_experts!r}: must be a positive int, or 0 for dense MLPs.",
+            )
+            _require(
+                1 <= self.experts_top_k <= self.num_experts,
+                f"LlamaConfig.experts_top_k={self.experts_top_k!r}: must be in [1, num_experts={self.num_experts}].",
+            )
+            _require(
+                isinstance(self.moe_every, int) and 1 <= self.moe_every <= self.num_layers,
+                f"LlamaConfig.moe_every={self.moe_every!r}: must be in [1, num_layers={self.num_layers}] so that "
+                f"at least one block has experts.",
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
 
     def _default_ffn_hidden(self) -> int:
         return -(-int(8 * self.hidden / 3) // 64) * 64
@@ -240,14 +285,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x))."""
+    """Pre-RMSNorm block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x)); the MLP of block
+    ``index`` is a :class:`MoEFeedForward` when ``config.is_moe_layer(index)``."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden, eps=config.norm_eps)
         self.attn = LlamaAttention(config)
         self.mlp_norm = RMSNorm(config.hidden, eps=config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        if config.is_moe_layer(index):
+            self.mlp = MoEFeedForward(
+                config.hidden,
+                config.expert_ffn_hidden or config.resolved_ffn_hidden,
+                config.num_experts,
+                config.experts_top_k,
+                aux_loss_coef=config.router_aux_loss_coef,
+                z_loss_coef=config.router_z_loss_coef,
+            )
+        else:
+            self.mlp = LlamaMLP(config)
 
     def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), position_ids_BS)
@@ -275,7 +331,7 @@ class Llama(nn.Module):
         self.config = config
         with torch.device("meta"):
             self.embed = nn.Embedding(config.vocab_size, config.hidden)
-            self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if dtype is not None:
@@ -299,19 +355,20 @@ class Llama(nn.Module):
         Parameters are visited in ``named_parameters`` order (a tied weight
         once): normal(0, 0.02) for Linear and Embedding weights,
         normal(0, 0.02 / sqrt(2 * num_layers)) for the residual outputs
-        ``attn.o`` and ``mlp.down``, ones for RMSNorm weights. Values are drawn
+        ``attn.o``, ``mlp.down`` and the experts' ``down_proj``, ones for RMSNorm weights. Values are drawn
         on CPU in float32, so they do not depend on device or dtype.
         """
         generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for module_name, module in self.named_modules():
-            for _, param in module.named_parameters(recurse=False):
+            for param_name, param in module.named_parameters(recurse=False):
                 if self.config.tie_embeddings and module is self.lm_head:
                     continue  # same tensor as embed.weight, drawn there
                 if isinstance(module, RMSNorm):
                     param.fill_(1.0)
                     continue
-                std = residual_std if module_name.endswith(("attn.o", "mlp.down")) else 0.02
+                residual = module_name.endswith(("attn.o", "mlp.down")) or param_name == "down_proj"
+                std = residual_std if residual else 0.02
                 if param.device.type == "cpu" and param.dtype == torch.float32:
                     param.normal_(0.0, std, generator=generator)  # same draws, no temporary
                 else:
@@ -341,6 +398,12 @@ class Llama(nn.Module):
             x_BSH = layer(x_BSH, position_ids_BS)
         return self.lm_head(self.norm(x_BSH))
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """The MoE layers' router losses (balancing and z-loss, weighted by the config's
+        coefficients) from the last forward, summed over layers; None for a dense model.
+        Training adds it to the task loss; reading it clears it."""
+        return auxiliary_loss(self)
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, a tied weight counted once.
 
@@ -353,7 +416,13 @@ class Llama(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, PaLM convention: 6 * N + 12 * L * H * S,
-        with N = ``num_params()``."""
+        """Training FLOPs per token, PaLM convention: 6 * N + 12 * L * H * S, with N =
+        ``num_params()`` less the experts a token does not visit (each MoE layer counts k of
+        its E experts)."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.num_layers * c.hidden * seq_len
+        idle = sum(
+            (m.gate_up_proj.numel() + m.down_proj.numel()) * (m.num_experts - m.top_k) // m.num_experts
+            for m in self.modules()
+            if isinstance(m, MoEFeedForward)
+        )
+        return 6 * (self.num_params() - idle) + 12 * c.num_layers * c.hidden * seq_len
