@@ -12,7 +12,8 @@ The module, by kind of operation:
   returns (``wait()`` blocks, books the blocked time, returns the result);
 * collectives as plain functions, for engine-level work (gradient buckets, ZeRO chunks,
   SUMMA's steps): :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter`,
-  :func:`broadcast`, :func:`reduce`, :func:`all_to_all`, :func:`all_gather_into`, and
+  :func:`broadcast`, :func:`reduce`, :func:`all_to_all`, :func:`all_to_all_single` (uneven
+  splits), :func:`all_gather_into`, and
   :func:`all_gather_async`, :func:`reduce_scatter_async` that return a handle;
 * scalar helpers: :func:`all_reduce_scalars`, :func:`all_agree`;
 * named autograd Functions for model-level communication, each docstring stating the
@@ -27,6 +28,7 @@ would otherwise become graph guards and force a recompile on every call.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -46,6 +48,7 @@ __all__ = [
     "broadcast",
     "reduce",
     "all_to_all",
+    "all_to_all_single",
     "all_gather_into",
     "all_gather_async",
     "reduce_scatter_async",
@@ -58,6 +61,7 @@ __all__ = [
     "AllGatherToAxis",
     "ReduceScatterToAxis",
     "AllToAllAxis",
+    "AllToAllSingleAxis",
     "ExchangeWithPeer",
     "exchange",
     "ring_shift_async",
@@ -217,6 +221,25 @@ def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     dist.all_to_all(outs, parts, group=axis.group)
     axis.ledger.record(axis.name, "all_to_all", _nbytes(t), (n - 1) / n * _nbytes(t), time.perf_counter() - t0)
     return torch.cat(outs, dim=gather_dim)
+
+
+@_eager
+def all_to_all_single(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: the first ``send_sizes[0]`` rows of ``t`` go to member 0,
+    the next ``send_sizes[1]`` to member 1, ...; what arrives is concatenated in member order,
+    ``recv_sizes[i]`` rows from member i (the sizes must match the senders'; exchange them
+    first). Any size may be 0. Ledger: payload = the bytes sent, wire = those leaving this rank."""
+    if axis.trivial:
+        return t
+    out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
+    row = t.element_size() * math.prod(t.shape[1:])
+    t0 = time.perf_counter()
+    dist.all_to_all_single(
+        out, t.contiguous(), output_split_sizes=list(recv_sizes), input_split_sizes=list(send_sizes), group=axis.group
+    )
+    sent = sum(send_sizes) * row
+    axis.ledger.record(axis.name, "all_to_all", sent, sent - send_sizes[axis.rank] * row, time.perf_counter() - t0)
+    return out
 
 
 @_eager
@@ -405,6 +428,22 @@ class AllToAllAxis(torch.autograd.Function):
     def backward(ctx, g):
         s, gd = ctx.dims
         return all_to_all(g, ctx.axis, gd, s), None, None, None
+
+
+class AllToAllSingleAxis(torch.autograd.Function):
+    """Uneven all-to-all of rows forward (``send_sizes`` out, ``recv_sizes`` in, see
+    :func:`all_to_all_single`); the reverse all-to-all of the gradient backward (``recv_sizes``
+    out, ``send_sizes`` in). Expert parallelism's dispatch and combine."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, send_sizes: list[int], recv_sizes: list[int]):
+        ctx.axis, ctx.sizes = axis, (send_sizes, recv_sizes)
+        return all_to_all_single(x, axis, send_sizes, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        send_sizes, recv_sizes = ctx.sizes
+        return all_to_all_single(g.contiguous(), ctx.axis, recv_sizes, send_sizes), None, None, None
 
 
 class ExchangeWithPeer(torch.autograd.Function):

@@ -1,0 +1,62 @@
+"""Expert parallelism's pure parts on one process: the permutation math of dispatch, the
+grouped expert GEMMs, and the ExpertParallel style on trivial axes (it must compute exactly
+what the serial MoE layer computes)."""
+
+from __future__ import annotations
+
+import torch
+
+from behemoth.comm import Axis, Ledger
+from behemoth.models.moe import MoEFeedForward, swiglu_expert
+from behemoth.parallel.expert import ExpertParallel, grouped_swiglu
+from behemoth.parallel.expert.dispatch import local_order, sort_by_expert
+
+
+class OneRankMesh:
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+
+    def axis(self, name: str) -> Axis:
+        return Axis(name, 1, 0, (0,), None, self.ledger)
+
+
+def test_sort_by_expert_and_local_order():
+    experts_TK = torch.tensor([[2, 0], [1, 2], [0, 3]])
+    order, counts = sort_by_expert(experts_TK, 4)
+    assert order.tolist() == [1, 4, 2, 0, 3, 5] and counts.tolist() == [2, 1, 2, 1]
+    # 2 senders x 3 local experts: sender 0 sent [2, 0, 1] rows, sender 1 sent [1, 2, 0]
+    perm = local_order(torch.tensor([[2, 0, 1], [1, 2, 0]]))
+    # received rows 0,1 (s0,e0) 2 (s0,e2) 3 (s1,e0) 4,5 (s1,e1): grouped e0: 0,1,3; e1: 4,5; e2: 2
+    assert perm.tolist() == [0, 1, 3, 4, 5, 2]
+    assert local_order(torch.zeros(2, 3, dtype=torch.int64)).tolist() == []
+
+
+def test_grouped_swiglu_equals_each_expert():
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(3, 10, 8, generator=g), torch.randn(3, 8, 5, generator=g)
+    counts = [4, 0, 3]
+    x = torch.randn(7, 8, generator=g)
+    expected = torch.cat([swiglu_expert(x[:4], gate_up[0], down[0]), swiglu_expert(x[4:], gate_up[2], down[2])])
+    torch.testing.assert_close(grouped_swiglu(x, counts, gate_up, down), expected, rtol=0, atol=0)
+    empty = torch.randn(0, 8, requires_grad=True)
+    out = grouped_swiglu(empty, [0, 0, 0], gate_up, down)
+    assert out.shape == (0, 8) and out.grad_fn is not None  # stays in the graph
+
+
+def test_expert_parallel_on_one_rank_equals_serial():
+    torch.manual_seed(0)
+    serial = MoEFeedForward(16, 12, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p.normal_(0, 0.5)
+    parallel = MoEFeedForward(16, 12, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    parallel.load_state_dict(serial.state_dict())
+    assert ExpertParallel().apply(parallel, OneRankMesh()) is parallel
+    x = torch.randn(2, 5, 16)
+    y_s, y_p = serial(x), parallel(x)
+    torch.testing.assert_close(y_p, y_s, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parallel.aux_loss, serial.aux_loss, rtol=1e-6, atol=0)
+    (y_s.square().sum() + serial.aux_loss).backward()
+    (y_p.square().sum() + parallel.aux_loss).backward()
+    for (name, a), b in zip(serial.named_parameters(), parallel.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
