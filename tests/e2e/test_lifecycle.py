@@ -245,8 +245,9 @@ def test_a_stopped_rank_is_found_by_the_heartbeat_and_named(tmp_path):
     assert rc == 1, job.text
     assert "behemoth: rank 1 sent no heartbeat for" in err and "noticed by rank 0" in err, err
     assert "behemoth run: rank 1 stopped responding: no heartbeat for" in err, err
-    # detection takes hang_timeout plus a beat; torchrun then waits up to 30 s for the stopped rank
-    assert time.monotonic() - sent < 5 + 30 + 30, job.text
+    # detection takes hang_timeout plus a beat; the watcher kills the stopped rank, so torchrun's 30 s
+    # grace for it does not apply
+    assert time.monotonic() - sent < 5 + 20, job.text
 
 
 @pytest.mark.timeout(120)

@@ -53,3 +53,31 @@ def test_a_hung_rank_found_by_the_watchdog_is_the_cause():
 def test_comm_errors_are_recognised():
     assert is_comm_error(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
     assert not is_comm_error(ValueError("labels must be [B, S]"))
+
+
+def test_the_watchdog_names_a_peer_that_never_beat_again_and_spares_one_that_left():
+    """No processes: a HashStore stands in for the agent store, rank 1's beats are written by hand."""
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    from behemoth.train.lifecycle import Watchdog
+
+    def watch(value: str | None, seconds: float = 1.2):
+        store = dist.HashStore()
+        if value is not None:
+            store.set("1", value)
+        dog = Watchdog(store, rank=0, world_size=2, timeout=0.5)
+        found = []
+        dog._hung = lambda rank, secs, beat: (found.append((rank, beat)), dog._stop.set())
+        dog.start()
+        time.sleep(seconds)
+        dog.stop()
+        return found, store.get("0")
+
+    host = socket.gethostname()
+    found, mine = watch(f"0:{host}:0")  # stopped right after its first (start) beat
+    assert found == [(1, f"0:{host}:0".encode())] and mine == b"done"
+    assert watch(None)[0] == [(1, None)]  # never beat at all
+    assert watch("done")[0] == []  # left on purpose

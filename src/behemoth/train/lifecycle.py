@@ -10,6 +10,8 @@
   moved for ``train.hang_timeout`` seconds means that process is stopped (SIGSTOP), hung in
   native code holding the interpreter, or gone with its host: the watcher prints one line
   naming it, leaves a status record for the launcher and exits, and the agent stops the rest.
+  A hung process on the watcher's own host is SIGKILLed first (each beat carries host and pid):
+  a stopped process would otherwise hold up the agent's shutdown (and a restart) by 30 s.
   A slow step is not a hang (the beating thread runs during it); a rank that waits forever
   in a collective is caught by the collective timeout (``BEHEMOTH_TIMEOUT``) instead.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -73,6 +76,7 @@ class Watchdog:
     def __init__(self, store, *, rank: int, world_size: int, timeout: float) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
         self.interval = min(5.0, max(0.2, self.timeout / 10))
+        self._me = f"{socket.gethostname()}:{os.getpid()}"  # where a hung beat comes from
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="behemoth-watchdog", daemon=True)
 
@@ -99,7 +103,7 @@ class Watchdog:
         return cls(dist.PrefixStore(prefix + "/heartbeat", client), rank=rank, world_size=world_size, timeout=timeout)
 
     def start(self) -> Watchdog:
-        self.store.set(str(self.rank), "0")
+        self.store.set(str(self.rank), f"0:{self._me}")
         self._thread.start()
         return self
 
@@ -118,17 +122,23 @@ class Watchdog:
         try:
             while not self._stop.wait(self.interval):
                 beat += 1
-                self.store.set(str(self.rank), str(beat))
+                self.store.set(str(self.rank), f"{beat}:{self._me}")
                 value = self.store.get(watched) if self.store.check([watched]) else None
                 now = time.monotonic()
                 if value == b"done" or value != last:
                     last, since = value, now
                 elif now - since > self.timeout:
-                    self._hung(int(watched), now - since)
+                    self._hung(int(watched), now - since, value)
         except Exception:  # the store went away with the agent: the launcher handles that
             return
 
-    def _hung(self, rank: int, seconds: float) -> None:
+    def _hung(self, rank: int, seconds: float, beat: bytes | None) -> None:
+        parts = (beat or b"").decode(errors="replace").split(":")
+        if len(parts) == 3 and parts[1] == socket.gethostname() and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), signal.SIGKILL)
+            except OSError:  # already gone, or not ours to kill
+                pass
         print(
             f"behemoth: rank {rank} sent no heartbeat for {seconds:.0f} s (train.hang_timeout={self.timeout:g}): "
             f"it is stopped (SIGSTOP), hung in native code, or its host is gone; stopping the job "
