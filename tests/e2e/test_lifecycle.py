@@ -479,3 +479,52 @@ def test_validation_loss_is_the_serial_models_loss_on_the_held_out_split(tmp_pat
         want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
     assert records[4]["val_loss"] == pytest.approx(want, rel=1e-6)
     assert json.loads((out / "summary.json").read_text())["val_loss"] == records[4]["val_loss"]
+
+
+def _damage(kind: str, ckpt) -> str:
+    """Damage checkpoint ``ckpt`` one way; returns what the message must name."""
+    if kind == "truncated shard":
+        shard = next(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+        return f"{shard.name} is truncated"
+    if kind == "truncated rng":
+        rng = ckpt / "rng-rank0.pt"
+        rng.write_bytes(rng.read_bytes()[:50])
+        return "rng-rank0.pt"
+    if kind == "garbage meta":
+        (ckpt / "meta.json").write_text("{\n")
+        return "meta.json cannot be read"
+    (ckpt / ".metadata").unlink()
+    return ".metadata"
+
+
+@pytest.mark.timeout(400)
+def test_a_damaged_checkpoint_is_named_with_the_fix(tmp_path):
+    """Each damage of the newest checkpoint (a truncated shard or RNG file, a garbage meta.json, a missing
+    tensor index) is one line naming the checkpoint, the file and the fix; a step-N without meta.json is
+    warned about and the previous checkpoint resumed."""
+    import shutil
+
+    run = tmp_path / "run"
+    common = [*TINY, "--train.save_every=2", "--train.keep_last=0"]
+    job = Job("train", DEMO, *common, "--train.steps=4", f"--train.out_dir={run}", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    for kind in ("truncated shard", "truncated rng", "garbage meta", "missing index"):
+        out = tmp_path / kind.replace(" ", "-")
+        shutil.copytree(run, out)
+        needle = _damage(kind, out / "checkpoints" / "step-4")
+        job = Job("train", DEMO, *common, "--train.steps=6", f"--train.out_dir={out}", cwd=tmp_path)
+        assert job.wait(120) == 2, job.text
+        err = "".join(job.err).strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in job.text, job.text
+        assert "step-4" in err[0] and "damaged" in err[0] and needle in err[0], (kind, err[0])
+        assert "--train.resume_from" in err[0] and "move it away" in err[0].lower(), err[0]
+
+    out = tmp_path / "no-meta"
+    shutil.copytree(run, out)
+    (out / "checkpoints" / "step-4" / "meta.json").unlink()
+    job = Job("train", DEMO, *common, "--train.steps=6", f"--train.out_dir={out}", cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    text = "".join(job.out)
+    assert "warning: step-4 in" in text and "has no meta.json" in text, job.text
+    assert re.search(r"^resumed from .*step-2 at step 2$", text, re.M), job.text

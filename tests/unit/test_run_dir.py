@@ -118,8 +118,13 @@ def test_counts_and_durations_read_at_a_glance():
 
 
 def _saved_run(ckpt_dir, step: int, config) -> None:
+    """A real (one-tensor) checkpoint: DCP files, an RNG archive, meta.json with the job's config."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     d = ckpt_dir / f"step-{step}"
-    d.mkdir(parents=True)
+    dcp.save({"model/w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    torch.save({"torch": torch.get_rng_state()}, d / "rng-rank0.pt")
     (d / "meta.json").write_text(json.dumps({"step": step, "extra": {"config": config.to_dict()}}))
 
 
@@ -140,8 +145,24 @@ def test_resume_refuses_changes_to_what_the_checkpoint_means_and_names_the_rest(
         with pytest.raises(ConfigError) as e:
             check_resume(ckpt, load_config(None, ["--train.global_batch_size=8", override]))
         assert change in str(e.value) and "--train.overwrite=true" in str(e.value), str(e.value)
+    shard = next(p for p in (tmp_path / "step-3").iterdir() if p.name.endswith(".distcp"))
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])
+    with pytest.raises(ConfigError, match=rf"is damaged: {shard.name} is truncated \(100 bytes; its index needs"):
+        check_resume(ckpt, base)
+    shard.write_bytes(whole)
+    rng = tmp_path / "step-3" / "rng-rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:40])
+    with pytest.raises(ConfigError, match="is damaged: rng-rank0.pt is not a whole archive"):
+        check_resume(ckpt, base)
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=r"is damaged: its tensor index .metadata cannot be read"):
+        check_resume(ckpt, base)
+    (tmp_path / "step-3" / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"is damaged: its tensor index .metadata is missing"):
+        check_resume(ckpt, base)
     (tmp_path / "step-3" / "meta.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="is damaged: its meta.json cannot be read"):
+    with pytest.raises(ConfigError, match="is damaged: its meta.json cannot be read.*--train.resume_from"):
         check_resume(ckpt, base)
 
 

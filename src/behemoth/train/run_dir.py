@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 
 from behemoth.train.config import Config, ConfigError, TrainSection
 
@@ -41,6 +42,7 @@ __all__ = [
     "truncate_metrics",
     "skipped_checkpoints",
     "resume_changes",
+    "check_files",
     "check_resume",
 ]
 
@@ -232,18 +234,58 @@ def resume_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return refused, noted
 
 
+def _damaged(checkpoint: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {checkpoint!r} is damaged: {what}. Move it away to resume from the previous checkpoint, "
+        f"or pass --train.resume_from=PATH."
+    )
+
+
+def check_files(checkpoint: str) -> None:
+    """Every file a load of ``checkpoint`` reads is whole: the tensor index (.metadata) unpickles
+    (safely), each shard file is as long as the index says, each rng-rank*.pt is a whole archive.
+    Reads sizes and small files only; call on every rank, so all refuse together before loading."""
+    from behemoth.train.checkpoint import SafeFileSystemReader
+
+    if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
+        raise _damaged(checkpoint, "its tensor index .metadata is missing")
+    try:
+        index = SafeFileSystemReader(checkpoint).read_metadata()
+    except Exception as e:  # any unreadable index is damage: name it, whatever the unpickler raised
+        raise _damaged(checkpoint, f"its tensor index .metadata cannot be read ({type(e).__name__}: {e})") from None
+    need: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            raise _damaged(checkpoint, f"{name} is missing")
+        if os.path.getsize(path) < size:
+            raise _damaged(
+                checkpoint, f"{name} is truncated ({os.path.getsize(path):,} bytes; its index needs {size:,})"
+            )
+    for name in sorted(os.listdir(checkpoint)):
+        if name.startswith("rng-rank") and name.endswith(".pt"):
+            try:
+                with zipfile.ZipFile(os.path.join(checkpoint, name)) as z:
+                    bad = z.testzip()
+            except (zipfile.BadZipFile, OSError) as e:
+                bad = str(e)
+            if bad is not None:
+                raise _damaged(checkpoint, f"{name} is not a whole archive ({bad})")
+
+
 def check_resume(checkpoint: str, config: Config) -> list[str]:
-    """Refuse to resume ``checkpoint`` under a config that changes what its weights or data
-    position mean; return the other changes (to log). Reads its meta.json: call on every rank."""
+    """Refuse to resume ``checkpoint`` when it is damaged (:func:`check_files`) or under a config
+    that changes what its weights or data position mean; return the other changes (to log).
+    Reads its files: call on every rank."""
     path = os.path.join(checkpoint, "meta.json")
     try:
         with open(path) as f:
             saved = json.load(f).get("extra", {}).get("config")
     except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(
-            f"checkpoint {checkpoint!r} is damaged: its meta.json cannot be read ({e}). Move it away to resume "
-            f"from the previous checkpoint, or pass --train.resume_from=PATH."
-        ) from None
+        raise _damaged(checkpoint, f"its meta.json cannot be read ({e})") from None
+    check_files(checkpoint)
     if not isinstance(saved, dict):
         return []
     refused, noted = resume_changes(saved, config.to_dict())
