@@ -124,9 +124,10 @@ def main_run(a) -> None:
             file=sys.stderr,
             flush=True,
         )
-    if engine.zero is not None and rank == 0 and dev.type == "cuda":
+    zero = _zero_of(engine)
+    if zero is not None and rank == 0 and dev.type == "cuda":
         print(f"after boost: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
-        print(engine.zero.explain(), flush=True)
+        print(_placement(zero).explain(), flush=True)
     if a.probe_max_mbs:
         return probe_max_mbs(engine, a, dev, rank)
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)  # tp ranks share their dp rank's batch
@@ -134,7 +135,7 @@ def main_run(a) -> None:
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
     times = []
     # (hasattr: the same script also times older checkouts of src/ in A/B runs; see RESULTS.md)
-    hu = engine.zero.host_update if engine.zero is not None and hasattr(engine.zero, "host_update") else None
+    hu = zero.host_update if zero is not None and hasattr(zero, "host_update") else None
     cpu_log = []  # (worker busy, step() waited) after each step, in all
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -161,11 +162,11 @@ def main_run(a) -> None:
             )
             if len(times) == 1 and a.offload == "auto":  # the placement the warm-up step measured for
                 held = {k: round(v / 2**30, 2) for k, v in engine.memory_report()["cuda"].items()}
-                other = getattr(engine.zero, "warmup_other_peak", None)
+                other = getattr(_placement(zero), "warmup_other_peak", None)
                 other = "not measured" if other is None else f"{other / 2**30:.2f} GiB"
                 print(
                     f"after step 1: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, model data on the "
-                    f"GPU {held}, warm-up peak of other data {other}\n{engine.zero.explain()}",
+                    f"GPU {held}, warm-up peak of other data {other}\n{_placement(zero).explain()}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -196,16 +197,16 @@ def main_run(a) -> None:
             loss=round(loss, 3),
             comm={k: v["seconds"] for k, v in engine.comm_stats().items()},
         )
-        if engine.zero is not None:
+        if zero is not None:
             gib = lambda d: {k: round(v / 2**30, 2) for k, v in d.items()}  # noqa: E731
             r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
-            r["chunks"] = engine.zero.layout.num_chunks
-            r["padding_pct"] = round(100 * engine.zero.layout.padding_fraction, 2)
+            r["chunks"] = zero.layout.num_chunks
+            r["padding_pct"] = round(100 * zero.layout.padding_fraction, 2)
             if hu.count and len(cpu_log) > 3:  # CPU updates during the backward: the worker's time and
                 per = [(b1 - b0, w1 - w0) for (b0, w0), (b1, w1) in zip(cpu_log[2:], cpu_log[3:])]
                 r["cpu_update_s"] = round(sorted(b for b, _ in per)[len(per) // 2], 3)  # step()'s wait, per
                 r["cpu_wait_s"] = round(sorted(w for _, w in per)[len(per) // 2], 3)  # warm step (median)
-            print(engine.zero.explain(), flush=True)
+            print(_placement(zero).explain(), flush=True)
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
 
@@ -254,6 +255,19 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
     print("PROFILE compute by kind: " + ", ".join(f"{k} {v:.4f} s" for k, v in split.items()), flush=True)
     for e in sorted(ev, key=us, reverse=True)[:14]:
         print(f"PROFILE {us(e) / steps / 1e3:9.2f} ms/step  x{e.count // steps:<5d} {e.key[:90]}", flush=True)
+
+
+def _zero_of(engine):
+    """The ZeRO gradient sync of ``engine``, None without ZeRO (older source trees timed in A/B runs
+    call it ``engine.zero``)."""
+    if not engine.plan.zero:
+        return None
+    return getattr(engine, "grad_sync", None) or engine.zero
+
+
+def _placement(zero):
+    """What offload='auto' chose (older source trees keep it in the ZeRO optimizer itself)."""
+    return getattr(zero, "placement", zero)
 
 
 def _mode(a) -> str:

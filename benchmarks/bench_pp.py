@@ -75,7 +75,7 @@ def time_stage_alone(engine, batch, steps, dev):
     stage, last = split.stage(0), split.num_stages - 1
     key = tuple(tuple(t.shape) for t in engine._model_inputs(micro[0]) if isinstance(t, torch.Tensor))
     x_shape, x_dtype = engine.channels.shapes[(stage - 1, key)] if stage > 0 else (None, None)
-    params = engine.buckets.params
+    params = engine.grad_sync.params
     times = []
     for _ in range(steps):
         _sync(dev)

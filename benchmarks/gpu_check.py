@@ -36,7 +36,7 @@ def train(plan: bh.Plan, clip: float | None, batches: list[dict]) -> tuple[list[
     losses = []
     for b in batches:  # the loss and the gradient norm of every step (parts read as reductions land)
         losses += [engine.step(b), float(engine.last_grad_norm)]
-    return losses, engine.full_state_dict(), engine.zero.early_updates, pinned.locked_bytes
+    return losses, engine.full_state_dict(), engine.grad_sync.early_updates, pinned.locked_bytes
 
 
 def main() -> int:

@@ -20,13 +20,13 @@ Context parallelism (``Plan.cp``) cuts every micro-batch along the sequence inst
 model on its share of the tokens with their global position ids, so loss sums and parameter
 gradients are partial over ``cp`` as well and are summed over ``dp_cp`` (``data_axis``).
 
-Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; the optimizer is
-rebuilt over the engine's parameters with the user's class and hyper-parameters.
+Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; gradients are reduced,
+clipped and applied by the gradient sync (:mod:`behemoth.parallel.zero.sync`), which re-targets
+the user's optimizer, in place, at this rank's parameters or shards.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -99,8 +99,8 @@ def boost(
     tp_policy: dict[str, str] | None = None,
     stages: list[tuple[int, int]] | None = None,
 ) -> Engine:
-    """Shard and wrap ``model`` for ``plan``, rebuild ``optimizer`` over its shards, and
-    return the :class:`Engine` that trains it.
+    """Shard and wrap ``model`` for ``plan``, re-target ``optimizer`` (the same object, in place)
+    at its shards, and return the :class:`Engine` that trains it.
 
     ``loss_fn(outputs, batch) -> scalar`` replaces the default token-level cross-entropy;
     it must return the *mean* over its (micro-)batch, and micro-batches must be the same
@@ -141,20 +141,16 @@ def boost(
     return Engine(model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy)
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, params_of: Callable) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and hyper-parameters, whose param groups hold
-    ``params_of(group_params)``; existing optimizer state is carried over."""
-    groups = []
+def retarget_optimizer(optimizer: torch.optim.Optimizer, params_of: Callable) -> torch.optim.Optimizer:
+    """Point each of ``optimizer``'s param groups at ``params_of(group_params)``, in place: the same
+    optimizer object and the same group dicts, so a learning-rate scheduler attached to it keeps
+    working. State of a parameter that stays is kept; state of one that goes is dropped."""
     for g in optimizer.param_groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**hyper, "params": params_of(g["params"])})
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    new = cls(groups, **defaults)
-    if optimizer.state:
-        new.load_state_dict(optimizer.state_dict())
-    return new
+        g["params"] = list(params_of(g["params"]))
+    kept = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for p in [p for p in optimizer.state if id(p) not in kept]:
+        del optimizer.state[p]
+    return optimizer
 
 
 class Engine:
@@ -204,13 +200,11 @@ class Engine:
         self._apply_pipeline()
         self._sync_initial_params()
         replaced = self.tensor_parallel.replaced
-        optimizer = rebuild_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
+        retarget_optimizer(optimizer, lambda ps: [replaced.get(id(p), p) for p in ps])
         # gradient reduction over the data axis, norm, clipping and the update (ZeRO stage 0-3)
         self.grad_sync = build_grad_sync(
             self.model, optimizer, plan, mesh, device=self.device, data_axis=self.data_axis
         )
-        self.zero = self.grad_sync if plan.zero else None
-        self.buckets = self.grad_sync if plan.zero else self.grad_sync.buckets
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_count = 0
         self._grad_norm: torch.Tensor | float = float("nan")
@@ -219,7 +213,9 @@ class Engine:
     # ---------------------------------------------------------------- identity
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that updates this rank's parameters (under ZeRO: over its chunk shards)."""
+        """The optimizer passed to :func:`boost`, the very object: it updates this rank's parameters
+        (under ZeRO: its param groups hold the chunk shards), so a learning-rate scheduler attached
+        to it steps the real learning rate."""
         return self.grad_sync.optimizer
 
     @property
@@ -247,7 +243,8 @@ class Engine:
         """Make every data-parallel (and context-parallel) replica start from rank 0's weights
         (users who seed differently per rank still train one model)."""
         dp = self.data_axis
-        params = [] if self.plan.zero else list(self.model.parameters())  # ZeRO broadcasts whole chunks
+        # the gradient sync broadcasts the trainable parameters chunk by chunk
+        params = [] if self.plan.zero else [p for p in self.model.parameters() if not p.requires_grad]
         with torch.no_grad():
             for t in params + list(self.model.buffers()):
                 comm.broadcast(t.data, dp, 0)
@@ -350,7 +347,7 @@ class Engine:
         loss_scale = self.scaler.scale if self.scaler else 1.0
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
-            self.buckets.begin(sync=i == len(micro) - 1)
+            self.grad_sync.begin(sync=i == len(micro) - 1)
             local, kwargs = self._batch_block(mb), {}
             if self.context_parallel is not None:  # this rank's share of the sequence, and its positions
                 local, kwargs = self.context_parallel.split(local)
@@ -367,7 +364,7 @@ class Engine:
                 loss = token_loss_sum(out, local)
             total += loss.detach().double()
             (loss.float() * (scale * loss_scale).float()).backward()
-        self.buckets.finish()
+        self.grad_sync.finish()
         comm.all_reduce(total, dp)
         if self.loss_fn is None:  # sums over this rank's row block: add the other blocks
             for ax in self.batch_axes:
@@ -411,14 +408,11 @@ class Engine:
 
         return load_checkpoint(self, path)
 
-    def _global_grad_norm(self) -> torch.Tensor:
-        # The serial model's norm: replicated params once, tp shards summed over tp (a collective
-        # when tp > 1, so every rank must read it: step() does when clipping).
-        return self.grad_sync.grad_norm()
-
     @property
     def last_grad_norm(self) -> float:
-        """Global gradient norm of the last step, before clipping (inf for a skipped fp16 step)."""
+        """Global gradient norm of the last step, before clipping (inf for a skipped fp16 step).
+        The gradient sync's step computes it wherever it is a collective (sharded gradients, tp,
+        pipelines); else it is read here, from the gradients still held."""
         if self._grad_norm is None:
-            self._grad_norm = self._global_grad_norm()
+            self._grad_norm = self.grad_sync.grad_norm()
         return float(self._grad_norm)

@@ -3,8 +3,9 @@
 Parameters, gradients and optimizer state stay fp32 (the master copy); autocast runs
 matmuls in the low precision. fp16 adds a dynamic loss scale: gradients are unscaled
 after the data-parallel reduction, a step whose gradients overflowed is skipped and the
-scale halved, and after ``growth_interval`` clean steps the scale doubles. The decision
-needs no extra collective because reduced gradients are identical on every dp rank.
+scale halved, and after ``growth_interval`` clean steps the scale doubles. The gradient sync
+(:mod:`behemoth.parallel.zero.optimizer`) takes the overflow vote over every rank that holds
+part of the gradients and reports it to :meth:`LossScaler.update`.
 """
 
 from __future__ import annotations
@@ -41,14 +42,6 @@ class LossScaler:
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self._good_steps = 0
         self.skipped_steps = 0
-
-    def unscale_and_check(self, params) -> bool:
-        """Divide gradients by the scale; return False (and back off) if any is inf/nan."""
-        grads = [p.grad for p in params if p.grad is not None]
-        inv = 1.0 / self.scale
-        torch._foreach_mul_(grads, inv)
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-        return self.update(finite)
 
     def update(self, finite: bool) -> bool:
         """Record one step's overflow check: back off and return False, or count a clean step."""

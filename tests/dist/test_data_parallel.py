@@ -55,14 +55,16 @@ def _parity_world(rank: int, world: int, scenarios) -> None:
         ref = t.clone()
         torch.distributed.broadcast(ref, 0)
         assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
-        # Ledger: rank 0's parameters and buffers broadcast once at boost, one call each; per step
+        # Ledger: rank 0's parameters and buffers broadcast once at boost, one call per bucket of
+        # trainable parameters and one per other tensor; per step
         # one all-reduce per bucket (fp32 gradients) plus two float64 scalars (the global token
         # count and the loss sum).
         if world > 1:
             dp = engine.comm_stats()["dp"]
-            nb, params = len(engine.buckets.buckets), engine.buckets.params
+            nb, params = engine.grad_sync.layout.num_chunks, engine.grad_sync.params  # plain dp = ZeRO stage 0
             synced = list(engine.model.parameters()) + list(engine.model.buffers())
-            assert dp["ops"] == {"broadcast": len(synced), "all_reduce": STEPS * (nb + 2)}, (what, dp, nb)
+            calls = nb + len(synced) - len(params)   # a bucket of trainable parameters is one call
+            assert dp["ops"] == {"broadcast": calls, "all_reduce": STEPS * (nb + 2)}, (what, dp, nb)
             sync_bytes = sum(t.numel() * t.element_size() for t in synced)
             grad_bytes = 4 * sum(p.numel() for p in params)
             assert dp["bytes"] == sync_bytes + STEPS * (grad_bytes + 2 * 8), (what, dp, sync_bytes, grad_bytes)
@@ -101,17 +103,18 @@ def test_dp_matches_serial(world):
 def _overlap_world(rank: int, world: int) -> None:
     model = build("gpt")
     engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=world, bucket_mb=0.005))
-    nparams = len(engine.buckets.params)
-    assert len(engine.buckets.buckets) > 2
+    store = engine.grad_sync.store   # plain dp = ZeRO stage 0: buckets are unsharded chunks
+    nparams = len(engine.grad_sync.params)
+    assert len(store.chunks) > 2
     engine.step(shard(global_batches(1, 4)[0], engine.dp_rank, engine.dp_size))
-    log = engine.buckets.launch_log
-    assert [b for b, _ in log] == list(range(len(engine.buckets.buckets))), log
+    log = engine.grad_sync.reducer.launch_log   # the fixed order: the last chunk (the last parameters' gradients) first
+    assert [b for b, _ in log] == list(reversed(range(len(store.chunks)))), log
     first_bucket, hooks_when_launched = log[0]
     # The first bucket's collective started while backward still had gradients to produce.
     assert hooks_when_launched < nparams, (log, nparams)
     # Gradients live inside the reduced buffers (no copies): .grad is a view of a bucket.
-    ptrs = {p.grad.data_ptr() for p in engine.buckets.params}
-    inside = [any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() * 4 for buf in engine.buckets.buffers)
+    ptrs = {p.grad.data_ptr() for p in engine.grad_sync.params}
+    inside = [any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() * 4 for buf in engine.grad_sync.reducer.grads())
               for ptr in ptrs]
     assert all(inside)
 

@@ -154,9 +154,9 @@ def _zero_world(rank: int, world: int) -> None:
                                      ("hf-gpt2", "interleaved", 2, "sgd"), ("llama", "gpipe", 1, "adamw")):
         plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=1, chunk_mb=0.02)
         engine = _check(family, plan, 4, opt=opt)
-        assert engine.zero is not None and engine.zero.layout.num_chunks >= 2
+        assert engine.grad_sync.stage == 1 and engine.grad_sync.layout.num_chunks >= 2
         dp = engine.comm_stats()["dp"]["ops"]
-        assert dp["reduce_scatter"] == STEPS * engine.zero.layout.num_chunks, dp
+        assert dp["reduce_scatter"] == STEPS * engine.grad_sync.layout.num_chunks, dp
 
 
 def test_pipeline_with_zero1_matches_serial():

@@ -15,7 +15,8 @@ import torch
 
 import behemoth as bh
 from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, expect_error,
-                    global_batches, make_optimizer, serial_run, serial_train, shard, train_and_save, train_steps)
+                    global_batches, make_optimizer, serial_loss, serial_run, serial_train, shard, train_and_save,
+                    train_steps)
 
 STEPS, BATCH = 3, 8
 CHUNK_MB = 0.02   # ~5k elements: the tiny models span several chunks (and one chunk straddles shards)
@@ -68,26 +69,26 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1):
         plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, cp=cp, zero=stage, offload=offload, microbatches=micro, precision=precision,
                        chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
-        assert engine.zero is not None and engine.zero.layout.num_chunks >= 3, what
+        assert engine.grad_sync.stage == stage and engine.grad_sync.layout.num_chunks >= 3, what
         losses, norms = train_steps(engine, batches)
         _check(engine, losses, norms, family, opt_name, clip, precision, what)
         if offload == "auto":
-            assert engine.zero.explain(), what
+            assert engine.grad_sync.placement.explain(), what
         if offload is not None and clip is None and precision != "fp16":   # nothing global before the
             # update: every offloaded chunk was updated on the host during the backward (under auto not
             # in the warm-up step, nor in the step after it, which may run again after out of memory)
-            offloaded = sum(not st.optim_on_gpu for st in engine.zero.store.chunks)
+            offloaded = sum(not st.optim_on_gpu for st in engine.grad_sync.store.chunks)
             want = STEPS * offloaded if offload == "cpu" else (STEPS - 2) * offloaded
-            assert offloaded and engine.zero.early_updates == want, (what, engine.zero.early_updates, want)
+            assert offloaded and engine.grad_sync.early_updates == want, (what, engine.grad_sync.early_updates, want)
         elif offload is not None:
-            assert engine.zero.early_updates == 0, what
+            assert engine.grad_sync.early_updates == 0, what
         if offload == "cpu":   # masters and optimizer state really are the host copies
             assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
-                                                           st.shard.data_ptr()) for st in engine.zero.store.chunks)
+                                                           st.shard.data_ptr()) for st in engine.grad_sync.store.chunks)
         if world // tp // cp > 1 and cp == 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
             dp = engine.comm_stats()["dp"]
             reduced = micro if stage >= 2 else 1
-            assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.zero.layout.num_chunks, (what, dp)
+            assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.grad_sync.layout.num_chunks, (what, dp)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -123,19 +124,19 @@ def test_zero_with_context_parallel():
 def _overlap_memory_errors_world(rank, world):
     model = build("gpt")
     engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, chunk_mb=CHUNK_MB))
-    n_params = len(engine.zero.params)
+    n_params = len(engine.grad_sync.params)
     engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
-    log = engine.zero.store.launch_log
-    assert [c for c, _ in log] == list(reversed(range(engine.zero.layout.num_chunks))), log
+    log = engine.grad_sync.reducer.launch_log
+    assert [c for c, _ in log] == list(reversed(range(engine.grad_sync.layout.num_chunks))), log
     assert log[0][1] < n_params, f"the first reduce-scatter waited for every gradient: {log}"
     # Between steps ZeRO-3 holds no gathered chunk.
-    assert not any(st.resident for st in engine.zero.store.chunks)
+    assert not any(st.resident for st in engine.grad_sync.store.chunks)
 
     # Model data at rest under ZeRO-3: parameters, gradients and AdamW state are sharded.
     serial = sum(p.numel() for p in build("gpt").parameters())
     mem = engine.memory_report()["cpu"]
     held = mem["params"] + mem["grads"] + mem["masters"] + mem["optimizer"]
-    layout = engine.zero.layout
+    layout = engine.grad_sync.layout
     padding = 16 * (layout.total_elements - layout.param_elements) // world
     # fp32 parameter + gradient + Adam's two moments = 16 B per element, plus AdamW's 4-byte step
     # counter per shard (serial AdamW keeps one per parameter: more).
@@ -167,9 +168,9 @@ def _overlap_memory_errors_world(rank, world):
                  "offload_budget_gb", "largest chunk")
     expect_error(lambda: bh.Plan(offload="cpu"), "zero=0")
     # A problem only one rank sees (pipeline stages hold different parameters) fails every rank.
-    from behemoth.parallel.zero.optimizer import _raise_everywhere
+    from behemoth.parallel.zero.auto import raise_everywhere
     mine = ValueError("Plan.chunk_mb=1: too small") if rank == 0 else None
-    expect_error(lambda: _raise_everywhere(engine.mesh.axis("world"), mine, "Plan.chunk_mb"), "Plan.chunk_mb")
+    expect_error(lambda: raise_everywhere(engine.mesh.axis("world"), mine, "Plan.chunk_mb"), "Plan.chunk_mb")
     expect_error(lambda: bh.Plan(zero=1, offload_budget_gb=4), "offload='auto'")
     m = build("gpt")
     frozen = [p for n, p in m.named_parameters() if "wte" not in n]
@@ -211,18 +212,21 @@ def test_zero_checkpoints_load_under_other_plans(tmp_path):
 
 # ----------------------------------------------------------------------------- offload="auto" re-placement
 def _replace_keeps_hyper_world(rank, world):
-    """The re-placement after offload='auto''s warm-up rebuilds the optimizer over the moved masters
-    inside step 1; the step must still use the learning rate set on ``engine.optimizer`` before it."""
+    """The re-placement after offload='auto''s warm-up re-targets the user's optimizer at the moved
+    masters inside step 1 (the same object); the step must still use the learning rate set on
+    ``engine.optimizer`` before it."""
     model = build("gpt")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
-    zero, old = engine.zero, engine.optimizer
-    zero._auto_budget = lambda measured, other_peak=None: 0   # on CPU the measured budget is the guess: force a move
+    user = make_optimizer("adamw", model)
+    engine = bh.boost(model, user, bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
+    zero, old = engine.grad_sync, engine.optimizer
+    assert old is user, "bh.boost replaced the user's optimizer"
+    zero.placement._auto_budget = lambda measured, other_peak=None: 0   # on CPU the measured budget is the guess: force a move
     placed = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
     for g in old.param_groups:
         g["lr"] = 0.0    # AdamW with lr 0 leaves the weights exactly as they are (decay is lr * wd)
     before = engine.full_state_dict()
     engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
-    assert engine.optimizer is not old and [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks] != placed
+    assert engine.optimizer is user and [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks] != placed
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.0] * len(old.param_groups)
     after = engine.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "the rebuilt optimizer lost the lr set before step 1"
@@ -271,7 +275,7 @@ def _warmup_oom_world(rank, world):
     model = build("gpt")
     engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB),
                       max_grad_norm=1.0)
-    zero = engine.zero
+    zero = engine.grad_sync
     handle = _oom_after(model, 1)
     kept = sum(zero.store.bytes_on("cpu").values()) / 2**30
     on_device = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
@@ -280,13 +284,13 @@ def _warmup_oom_world(rank, world):
         # started by each attempt, sampled at every gather hook forward and backward, finished
         # by the re-placement, then no longer called.
         probe = _ProbeLog()
-        zero._other, zero.hooks.probe = probe, probe.sample
+        zero.placement.other = probe   # the gather hooks call placement.sample
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         assert probe.calls.count("start") == 2 and probe.calls[-1] == "finish", probe.calls
         retried = probe.calls[probe.calls.index("start", 1) + 1:-1]
         assert retried.count("sample") >= 2 * len(model.blocks) and set(retried) == {"sample"}, probe.calls
-        assert zero.oom_retries == 1, zero.oom_retries
-        assert sum(o for _, o in on_device) > 0 and zero._guess > 0, "the first guess kept nothing to move"
+        assert zero.placement.oom_retries == 1, zero.placement.oom_retries
+        assert sum(o for _, o in on_device) > 0 and zero.placement.guess > 0, "the first guess kept nothing to move"
         assert_losses_close(losses, want_losses, what="auto warm-up retried after out of memory")
         assert_state_close(engine.full_state_dict(), want_state, what="auto warm-up retried after out of memory")
         handle.remove()
@@ -299,21 +303,21 @@ def _warmup_oom_world(rank, world):
         engine2 = bh.boost(model2, make_optimizer("adamw", model2),
                            bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
         got = [engine2.step(batches[0])]
-        z2 = engine2.zero
+        z2 = engine2.grad_sync
         placed = [(st.param_on_gpu, st.optim_on_gpu) for st in z2.store.chunks]
         h2 = _oom_after(model2, 1)
         got += [engine2.step(b) for b in batches[1:]]
         h2.remove()
         # (which chunks move depends on the measured transfer and CPU-update rates, not checked here)
         now = [(st.param_on_gpu, st.optim_on_gpu) for st in z2.store.chunks]
-        assert z2.oom_retries == 1 and now != placed, (z2.oom_retries, placed, now)
+        assert z2.placement.oom_retries == 1 and now != placed, (z2.placement.oom_retries, placed, now)
         assert z2.early_updates > 0, "the steps after the retried one updated nothing early: the test lost its point"
         assert_losses_close(got, ref_losses, what="auto: step after the re-placement retried after out of memory")
         assert_state_close(engine2.full_state_dict(), ref_state,
                            what="auto: step after the re-placement retried after out of memory")
         handle = _oom_after(model, 1)   # after the warm-up: no retry
     for warmup in ((True, False) if world > 1 else (False,)):
-        zero._warmup = warmup
+        zero.placement.warmup = warmup
         try:
             engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
         except torch.OutOfMemoryError as exc:
@@ -324,7 +328,7 @@ def _warmup_oom_world(rank, world):
         assert "GiB of model data on the device" in msg and "Plan.offload_budget_gb below" in msg, msg
         assert ("first guess" in msg) == warmup, msg
         if world > 1 and warmup:
-            assert f"kept {kept:.2f} GiB" in msg and zero.oom_retries == 0, msg
+            assert f"kept {kept:.2f} GiB" in msg and zero.placement.oom_retries == 0, msg
         handle.remove()
         handle = _oom_after(model, 1)
     handle.remove()
@@ -368,10 +372,10 @@ def _early_update_world(rank, world):
             losses = []
             for b in batches:   # each step's loss and gradient norm (m2: the worker reads the host sum's)
                 losses += [engine.step(shard(b, engine.dp_rank, engine.dp_size)), float(engine.last_grad_norm)]
-            runs.append((losses, engine.full_state_dict(), engine.zero.early_updates))
+            runs.append((losses, engine.full_state_dict(), engine.grad_sync.early_updates))
         (l_early, s_early, n_early), (l_after, s_after, n_after) = runs
         what = f"zero={stage} m{micro} {opt_name} {extra}"
-        assert n_early == STEPS * engine.zero.layout.num_chunks and n_after == 0, (what, n_early, n_after)
+        assert n_early == STEPS * engine.grad_sync.layout.num_chunks and n_after == 0, (what, n_early, n_after)
         assert l_early == l_after, (what, l_early, l_after)
         for k in s_after:
             assert torch.equal(s_early[k], s_after[k]), (what, k)
@@ -399,3 +403,55 @@ def _collected_world(rank, world):
 
 def test_dropped_engines_are_collected():
     bh.spawn(_collected_world, 2, timeout=180)
+
+
+# ----------------------------------------------------------------------------- the user's optimizer stays the optimizer
+LR_FACTORS = (1.0, 0.3, 0.0, 1.5)   # lr 0 in step 3: AdamW leaves the weights where they are
+
+
+def _lr_schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: LR_FACTORS[min(step, len(LR_FACTORS) - 1)])
+
+
+def _scheduler_world(rank, world):
+    """A learning-rate scheduler attached to the user's optimizer before bh.boost steps the learning
+    rate the engine uses, exactly as in serial training with the same scheduler: ``engine.optimizer``
+    is the user's object, under ZeRO-3, under offload='auto' (re-placed after its warm-up, offloaded
+    chunks updated by the CPU optimizer during the backward), under offload='cpu' and under plain dp."""
+    batches = global_batches(len(LR_FACTORS), BATCH)
+    for plan, clip in ((bh.Plan(zero=3, chunk_mb=CHUNK_MB), 1.0), (bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB), None),
+                       (bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB), None), (bh.Plan(bucket_mb=0.01), 1.0)):
+        what = f"{plan.describe()} clip={clip}"
+        model = build("gpt")
+        ref = build("gpt")
+        ref_opt = make_optimizer("adamw", ref)
+        ref_sched = _lr_schedule(ref_opt)
+        want = []
+        for b in batches:
+            loss = serial_loss(ref, b)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            ref_opt.step()
+            ref_sched.step()
+            ref_opt.zero_grad()
+            want.append(loss.item())
+        opt = make_optimizer("adamw", model)
+        groups = list(opt.param_groups)
+        sched = _lr_schedule(opt)
+        engine = bh.boost(model, opt, plan, max_grad_norm=clip)
+        if plan.offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
+            engine.grad_sync.placement._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
+        got = []
+        for b in batches:
+            got.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
+            sched.step()
+            assert engine.optimizer is opt and all(g is h for g, h in zip(opt.param_groups, groups)), what
+        if plan.offload is not None:   # offloaded chunks were updated by the CPU optimizer during a backward
+            assert engine.grad_sync.early_updates > 0, what
+        assert_losses_close(got, want, what=what)
+        assert_state_close(engine.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()}, what=what)
+
+
+def test_lr_scheduler_on_the_users_optimizer_steps_the_real_learning_rate():
+    bh.spawn(_scheduler_world, 2, timeout=300)

@@ -60,7 +60,7 @@ def _parity_world(rank, world, zero):
     for family in ("gpt", "llama", "hf-gpt2"):
         what = f"param_dtype=bf16 zero={zero} dp={world} {family}/{opt_name}"
         engine = _engine(family, plan=bh.Plan(**{**BF16, "zero": zero}), opt_name=opt_name)
-        store = engine.zero.store
+        store = engine.grad_sync.store
         assert store.layout.num_chunks >= 3, what
         assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()), what
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
@@ -135,9 +135,9 @@ def _offload_world(rank, world):
     for family, offload, stage in (("gpt", "cpu", 3), ("llama", "auto", 3), ("gpt", "cpu", 2), ("llama", "auto", 1)):
         what = f"param_dtype=bf16 zero={stage} offload={offload} dp={world} {family}/sgd"
         engine = _engine(family, plan=bh.Plan(**{**BF16, "zero": stage}, offload=offload), opt_name="sgd")
-        zero = engine.zero
+        zero = engine.grad_sync
         if offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
-            zero._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
+            zero.placement._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         chunks = zero.store.chunks
         if offload == "cpu":   # parameters stay on the device as bf16 copies, masters on the host only
@@ -187,7 +187,7 @@ def _resume_world(rank, world, root, zero):
     plain.load(root)
     ref = _engine("gpt", plan=plan, seed=3)
     ref.load(root)
-    with ref.zero.gathered():   # the masters the checkpoint holds, as fp32 parameters
+    with ref.grad_sync.gathered():   # the masters the checkpoint holds, as fp32 parameters
         masters = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
     assert_state_close(plain.full_state_dict(), masters, what="param_dtype checkpoint -> plain", rtol=0, atol=0)
 

@@ -188,3 +188,17 @@ def test_memory_with_groups_and_errors():
         zero_memory_bytes(lay, 3, 4)
     with pytest.raises(ValueError, match="stage=4 is not a ZeRO stage"):
         zero_memory_bytes(lay, 4)
+
+
+def test_pack_buckets_packs_from_the_last_parameter_like_ddp():
+    from behemoth.parallel.zero.chunks import pack_buckets
+
+    # cap 10, from the back: [8] (+3 = 11 > 10), [5, 3] = 8 (+6 = 14), [4, 6] = 10 (+12), [12] alone
+    layout = pack_buckets([12, 4, 6, 5, 3, 8], 10)
+    assert [c.params for c in layout.chunks] == [(0,), (1, 2), (3, 4), (5,)]
+    assert [c.size for c in layout.chunks] == [12, 10, 8, 8] and layout.padding_elements == 0
+    assert [(s.chunk, s.offset) for s in layout.params] == [(0, 0), (1, 0), (1, 4), (2, 0), (2, 5), (3, 0)]
+    assert all(c.dp == 1 and c.shard(0) == (0, c.size) for c in layout.chunks)
+    assert pack_buckets([], 10).num_chunks == 0
+    with pytest.raises(ValueError, match="bucket_size=0"):
+        pack_buckets([1], 0)

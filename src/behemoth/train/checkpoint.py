@@ -34,7 +34,6 @@ pp = 2 checkpoints load under pp = 1 and the reverse.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -53,7 +52,6 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ..parallel.tensor import is_sharded, shard_rectangles
 from ..parallel.tensor.layout import ShardSpec, get_spec
-from ..parallel.zero import state as zero_state
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
@@ -199,11 +197,6 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 # ------------------------------------------------------------------ state <-> flat tensors
-def _gathered(engine):
-    """ZeRO-3 parameters are released between uses: gather them while a checkpoint reads or writes."""
-    return engine.zero.gathered() if engine.zero is not None else contextlib.nullcontext()
-
-
 def _param_names(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[int, str]:
     """``id(param) -> name`` keying its optimizer state. ``aliases`` renames a parameter to the
     serial model's name for it (a pipeline's last stage holds a copy of a tied embedding under
@@ -215,18 +208,31 @@ def _param_names(model: torch.nn.Module, aliases: dict[str, str] | None = None) 
     return {i: aliases.get(n, n) for i, n in names.items()}
 
 
+def _held_params(engine) -> dict[str, torch.nn.Parameter]:
+    """``checkpoint name -> parameter`` of the parameters whose optimizer state this rank holds."""
+    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
+    return {names[id(p)]: p for p in engine.grad_sync.params}
+
+
+def _to_checkpoint_names(engine) -> dict[str, str]:
+    """The gradient sync's parameter names (the model's) -> the checkpoint's (the serial model's)."""
+    aliases = getattr(engine, "serial_param_names", None) or {}
+    return {n: aliases.get(n, n) for n in _param_names(engine.model).values()}
+
+
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     """Optimizer state as flat ``optim/<param name>/<key>`` tensors (scalars become 0-d tensors);
     state shaped like a tensor-parallel shard is chunked like its parameter."""
-    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
+    rename, params = _to_checkpoint_names(engine), _held_params(engine)
     out = {}
     # ZeRO: the state of the chunk shards, gathered and cut back into per-parameter tensors.
-    states = zero_state.param_states(engine.zero) if engine.zero is not None else engine.optimizer.state
-    for p, state in states.items():
+    for name, state in engine.grad_sync.state_dict().items():
+        name = rename[name]
+        p = params[name]
         spec = get_spec(p)
         for k, v in state.items():
             v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            out[f"optim/{names[id(p)]}/{k}"] = _for_dcp(v, spec if v.shape == p.shape else None)
+            out[f"optim/{name}/{k}"] = _for_dcp(v, spec if v.shape == p.shape else None)
     return out
 
 
@@ -320,7 +326,7 @@ def save_checkpoint(engine, path: str, extra: dict) -> None:
             shutil.rmtree(partial)
         os.makedirs(partial)
     dist.barrier()
-    with _gathered(engine):
+    with engine.grad_sync.gathered():
         state = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         state.update(optimizer_tensors(engine))
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
@@ -383,13 +389,7 @@ def load_checkpoint(engine, path: str) -> dict:
             f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume."
         )
     # Optimizer state: allocate what the checkpoint holds, for the parameters we hold.
-    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
-    held = (
-        engine.zero.params
-        if engine.zero is not None
-        else [p for g in engine.optimizer.param_groups for p in g["params"]]
-    )
-    params = {names[id(p)]: p for p in held}
+    params = _held_params(engine)
     optim, reads = {}, {}
     for k, md in stored.items():
         if not k.startswith("optim/"):
@@ -403,24 +403,17 @@ def load_checkpoint(engine, path: str) -> dict:
                 optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
                 spec = None
             reads[k] = _for_dcp(optim[k], spec)
-    with _gathered(engine):
+    # the loaded parameters become the shards and masters (gradient sync) as the gather ends
+    with engine.grad_sync.gathered(writable=True):
         # Read inside the gather: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
         want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
         dcp.load({**want, **reads}, storage_reader=reader)
-        if engine.zero is not None:  # the loaded parameters become the shards and masters
-            zero_state.reload_from_params(engine.zero.store)
-    if engine.zero is not None:
-        states: dict = {}
-        for k, v in optim.items():
-            pname, key = k[len("optim/") :].rsplit("/", 1)
-            states.setdefault(params[pname], {})[key] = v
-        zero_state.load_param_states(engine.zero, states)
-    else:
-        engine.optimizer.state.clear()
-        for k, v in optim.items():
-            pname, key = k[len("optim/") :].rsplit("/", 1)
-            p = params[pname]
-            engine.optimizer.state[p][key] = zero_state.state_to(v, p.device, engine.optimizer)
+    from_checkpoint_name = {c: n for n, c in _to_checkpoint_names(engine).items()}
+    states: dict = {}
+    for k, v in optim.items():
+        pname, key = k[len("optim/") :].rsplit("/", 1)
+        states.setdefault(from_checkpoint_name[pname], {})[key] = v
+    engine.grad_sync.load_state_dict(states)
     for g, hyper in zip(engine.optimizer.param_groups, meta["param_groups"]):
         for k, v in hyper.items():
             if k in g:
@@ -431,5 +424,4 @@ def load_checkpoint(engine, path: str) -> dict:
     rng_file = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size() and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
-    engine.buckets.attach_grads()
     return meta["extra"]

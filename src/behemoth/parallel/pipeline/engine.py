@@ -8,7 +8,7 @@ base :class:`~behemoth.engine.Engine` with three things changed:
 * ``_apply_pipeline`` (step 4 of styles.py's order, after tensor parallelism, activation
   checkpointing): cut the model down to this rank's stage(s) (:mod:`.stage`), after rank 0
   has sent every stage its initial weights. The base engine then builds the dp weight sync,
-  the gradient buckets (``self.buckets``, which ZeRO replaces later) and the optimizer over
+  the gradient sync (``self.grad_sync``: buckets, or ZeRO's chunks) and the optimizer over
   the stage's parameters only;
 * ``forward_backward``: split this dp rank's batch into ``microbatches``, run this rank's
   action list of the schedule (``schedules.make_schedule``; checked deadlock-free by
@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ... import comm
-from ...engine import Engine, _rows, logits_of, rebuild_optimizer, token_loss_sum
+from ...engine import Engine, _rows, logits_of, retarget_optimizer, token_loss_sum
 from ...precision import autocast_context
 from .p2p import StageChannels, pipeline_channels
 from .partition import stage_modules
@@ -82,14 +82,14 @@ class PipelineEngine(Engine):
                 "the optimizer holds a parameter that is not in the model; build it over "
                 "model.parameters() (or groups of them) before bh.boost."
             )
-        optimizer = rebuild_optimizer(optimizer, lambda ps: [p for p in ps if id(p) in mine])
+        retarget_optimizer(optimizer, lambda ps: [p for p in ps if id(p) in mine])
         super().__init__(
             model, optimizer, plan, mesh, loss_fn=loss_fn, max_grad_norm=max_grad_norm, tp_policy=tp_policy
         )
         self.serial_param_names = self.split.serial_param_names  # checkpoints name tied copies serially
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
         self._sync_at = weight_steps[-1] if plan.virtual_stages == 1 else None
-        if self.zero is not None:
+        if plan.zero:
             # ZeRO-1: accumulate through the schedule, add the tied copies' local gradients, then
             # reduce-scatter every chunk (reduction is linear: the same sums as reduce-then-add).
             self._sync_at = None
@@ -167,7 +167,7 @@ class PipelineEngine(Engine):
                 x, y, _ = saved[key]
                 g = None if s == last else ch.recv_grad(y, nxt)
                 if a.kind == B:
-                    self.buckets.begin(sync=i == self._sync_at)
+                    self.grad_sync.begin(sync=i == self._sync_at)
                     torch.autograd.backward(y, g)
                     del saved[key]
                     if s > 0:
@@ -179,20 +179,20 @@ class PipelineEngine(Engine):
                     saved[key][2] = g
             else:  # BW: the same output gradient into this chunk's parameters only
                 _, y, g = saved.pop(key)
-                self.buckets.begin(sync=i == self._sync_at)
+                self.grad_sync.begin(sync=i == self._sync_at)
                 torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
         ch.finish()
-        if self.zero is not None:  # tied copies summed before the reduce-scatter; the norm comes with the step
+        if self.plan.zero:  # tied copies summed before the reduce-scatter; the norm comes with the step
             for a, ra, b, rb in split.tied:
                 if split.rank in (ra, rb):
                     self.grad_sync.ensure_grad(self.model.get_parameter(a if split.rank == ra else b))
             split.sync_tied_grads()
-            self.buckets.begin(sync=True)
-            self.buckets.finish()
+            self.grad_sync.begin(sync=True)
+            self.grad_sync.finish()
         else:
             if self._sync_at is None:
-                self.buckets.begin(sync=True)  # interleaved: reduce every bucket now
-            self.buckets.finish()
+                self.grad_sync.begin(sync=True)  # interleaved: reduce every bucket now
+            self.grad_sync.finish()
             split.sync_tied_grads()
         comm.all_reduce(total, dp)
         if self.loss_fn is None:

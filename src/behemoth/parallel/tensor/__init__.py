@@ -9,7 +9,7 @@ Modules, one concept each:
 
 * :mod:`.layout`: where a shard sits in the serial tensor (pure); every parameter carries a
   :class:`~.layout.ShardSpec`, and everything mode-agnostic reads only that;
-* :mod:`.state`: the serial model's state dict and gradient norm from the shards;
+* :mod:`.state`: the serial model's state dict from the shards;
 * :mod:`.serial`: reading serial modules (Linear / Conv1D, norms, attention head counts);
 * :mod:`.functional`: dtype rules, the sharded norm and the vocab-parallel cross-entropy;
 * 1D: :mod:`.tp1d` (Linear layers, sequence-parallel norm), :mod:`.region1d` (``f``/``g``),
@@ -28,7 +28,7 @@ the axes in ``Parallelized.batch_axes``.
 from .apply import MODE_STYLES, Parallelized, parallelize_tensor
 from .base import TensorStyle
 from .layout import ShardSpec, get_spec, is_sharded, place_shard, shard_copies, shard_rectangles
-from .state import full_state_dict, global_grad_norm
+from .state import full_state_dict
 from .styles1d import (
     AttentionParallel1D,
     ColwiseParallel1D,
@@ -75,7 +75,6 @@ __all__ = [
     "TensorStyle",
     "full_state_dict",
     "get_spec",
-    "global_grad_norm",
     "is_sharded",
     "parallelize_tensor",
     "place_shard",

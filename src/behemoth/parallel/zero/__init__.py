@@ -1,7 +1,13 @@
-"""ZeRO (stages 1-3) with chunked, heterogeneous (GPU + CPU) memory, after Gemini / Elixir.
+"""Data parallelism and ZeRO (stages 0-3) with chunked, heterogeneous (GPU + CPU) memory, after
+Gemini / Elixir. Plain data parallelism is stage 0: the same chunks, all-reduced.
 
-Pure foundations so far: :mod:`.chunks` (packing, chunk-size search, memory accounting) and
-:mod:`.placement` (OPT eviction, the static GPU/CPU split). The runtime builds on them.
+* :mod:`.sync` -- the gradient-sync protocol every engine drives, and its factory;
+* :mod:`.optimizer` -- the step over this rank's chunks (vote, norm, clip, update, publish);
+* :mod:`.auto` -- where chunks live, and how ``offload='auto'`` chooses it (warm-up, retries);
+* :mod:`.store` -- the chunks' buffers, gradient hooks and reductions; :mod:`.hooks` -- ZeRO-3's
+  gather/release module hooks; :mod:`.overlap` -- the CPU update during the backward;
+* pure foundations, re-exported here: :mod:`.chunks` (packing, chunk-size search, memory
+  accounting) and :mod:`.placement` (OPT eviction, the static GPU/CPU split).
 """
 
 from behemoth.parallel.zero.chunks import (

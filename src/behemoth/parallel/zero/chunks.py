@@ -7,6 +7,8 @@ Pure functions of ints (no torch, no process group):
 
 * :func:`pack_chunks` -- the layout: per parameter its chunk and offset, per chunk its size,
   used elements and padding, per rank its shard ``(offset, length)`` of every chunk;
+* :func:`pack_buckets` -- the layout of plain data parallelism (ZeRO stage 0): unsharded chunks
+  of about a bucket size each, exactly as large as their parameters (no padding);
 * :func:`search_chunk_size` -- the pre-run search: the chunk size with the least padding;
 * :func:`zero_memory_bytes` -- per-rank bytes of parameters, gradients, master weights and
   optimizer state under ZeRO stage 0-3, padding included.
@@ -37,6 +39,7 @@ __all__ = [
     "ParamSlot",
     "ShardSlice",
     "ChunkLayout",
+    "pack_buckets",
     "pack_chunks",
     "search_chunk_size",
     "ChunkSizeRow",
@@ -242,6 +245,38 @@ def pack_chunks(
         for k, c in enumerate(chunks)
     )
     return ChunkLayout(out, tuple(slots), chunk_size, dict(dps), tuple(grp))
+
+
+def pack_buckets(param_sizes: Sequence[int], bucket_size: int) -> ChunkLayout:
+    """The chunks of plain data parallelism: parameters (numel, in execution order) in unsharded
+    chunks (``dp=1``) that all-reduce as one bucket each. Packed from the *last* parameter back
+    (the order backward produces gradients, as DDP packs its buckets): a chunk is closed when the
+    next parameter would take it past ``bucket_size`` elements; a parameter larger than that gets a
+    chunk of its own. Each chunk is exactly as large as its parameters (no padding). Chunks are
+    numbered in execution order, so the chunk reduced first is the last one."""
+    sizes = list(param_sizes)
+    for i, n in enumerate(sizes):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"param_sizes[{i}]={n!r} is not a non-negative int; pass each parameter's numel")
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size={bucket_size!r} must be a positive int (elements per bucket)")
+    groups: list[list[int]] = []
+    used = 0
+    for i in reversed(range(len(sizes))):
+        if not groups or (groups[-1] and used + sizes[i] > bucket_size):
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += sizes[i]
+    chunks, slots = [], [ParamSlot(0, 0, 0)] * len(sizes)
+    for k, members in enumerate(reversed(groups)):
+        members.reverse()
+        off = 0
+        for i in members:
+            slots[i] = ParamSlot(k, off, sizes[i])
+            off += sizes[i]
+        chunks.append(Chunk(k, 0, off, 1, tuple(members), off))
+    return ChunkLayout(tuple(chunks), tuple(slots), bucket_size, {0: 1}, (0,) * len(sizes))
 
 
 @dataclass(frozen=True)

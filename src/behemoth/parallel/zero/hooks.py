@@ -38,15 +38,16 @@ def _tensors(obj):
 
 
 class GatherHooks:
-    """Stage-3 gathering for ``model``'s modules over ``store`` with ``prefetch`` chunks of look-ahead."""
+    """Stage-3 gathering for ``model``'s modules over ``store`` with ``prefetch`` chunks of look-ahead;
+    ``probe()``, if given, is called at every hook (offload='auto''s warm-up measures there)."""
 
-    def __init__(self, model: torch.nn.Module, store: ChunkStore, prefetch: int = 2) -> None:
+    def __init__(self, model: torch.nn.Module, store: ChunkStore, prefetch: int = 2, probe=None) -> None:
         self.store, self.depth = store, prefetch
         self._handles: list[RemovableHandle] = []
         self.trace: list[int] = []  # chunk indices in gather order, this step
         self._last: list[int] = []  # the previous step's trace
         self._active: list[set[int]] = []  # chunks of the modules whose forward is running
-        self.probe = None  # called at every hook (offload='auto''s warm-up measures)
+        self.probe = probe
         for module in model.modules():
             chunks = []
             for p in module.parameters(recurse=False):

@@ -3,7 +3,7 @@
 When a step needs nothing global before its update -- no gradient clipping, no fp16 loss
 scale -- each offloaded chunk is updated on the host by a worker thread as soon as its reduced
 gradient of the step's last micro-batch has landed there (the store calls :meth:`submit` from the
-backward), then uploaded to the device copies the model reads (on a side stream on a GPU); the
+backward, in the steps it was armed for), then uploaded to the device copies the model reads (on a side stream on a GPU); the
 chunk's part of the gradient norm is read there too where the store has not read it already
 (a gradient summed over micro-batches on the host). The CPU optimizer, the norm and the upload run
 beside the rest of the backward. :meth:`wait` (from the
@@ -24,24 +24,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .store import ChunkState, ChunkStore
+from .store import ChunkState
 
 __all__ = ["HostUpdate"]
 
 
 class HostUpdate:
-    """Updates of ``store``'s offloaded chunks during the backward, by the optimizer class ``cls``
-    built with ``defaults``."""
+    """Updates of offloaded chunks during the backward, by the optimizer class ``cls`` built with
+    ``defaults``; ``upload(chunk)`` copies an updated master into the copies the model reads (the
+    chunk store's :meth:`~.store.ChunkStore.upload`)."""
 
     def __init__(
         self,
-        store: ChunkStore,
+        upload: Callable[[ChunkState], None],
         device: torch.device,
         cls,
         defaults: dict,
         norm_sq: Callable[[ChunkState, torch.Tensor], torch.Tensor],
     ) -> None:
-        self.store, self.device, self.cls, self.defaults = store, device, cls, defaults
+        self.upload, self.device, self.cls, self.defaults = upload, device, cls, defaults
         self.norm_sq = norm_sq  # a chunk's part of the squared gradient norm
         self.count = 0  # chunks updated during a backward, in all
         self.busy_s = self.waited_s = 0.0  # worker's time updating, step()'s time waiting: in all
@@ -53,13 +54,15 @@ class HostUpdate:
 
     def arm(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Before a step's forward-backward: update offloaded chunks with ``optimizer``'s state and
-        hyper-parameters as their gradients arrive (``None``: not this step)."""
+        hyper-parameters (read from its param groups now, as set for this step) as their gradients
+        arrive (``None``: not this step)."""
         self._optimizer = optimizer
         self._group_of = {} if optimizer is None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        self.store.on_final = self.submit if optimizer is not None else None
 
     def submit(self, st: ChunkState) -> None:
-        if st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
+        """Chunk ``st``'s gradient of the step is final (called by the store): update it now if armed
+        and offloaded."""
+        if self._optimizer is None or st.optim_on_gpu or st.grad_acc is None or st.master.device.type != "cpu":
             return
         event = st.host_grad_ready  # the end of the gradient's device->host copy (GPU)
         hyper = {k: v for k, v in self._group_of[id(st.master)].items() if k != "params"}
@@ -93,10 +96,10 @@ class HostUpdate:
         # reads its parameters (on a GPU every kernel queued before the gradient's copy has run:
         # ``event`` followed them). wait() makes the compute stream wait for these copies.
         if self._h2d is None:
-            self.store.upload(st)
+            self.upload(st)
         else:
             with torch.cuda.stream(self._h2d):
-                self.store.upload(st)
+                self.upload(st)
         self.busy_s += time.perf_counter() - t0
 
     def wait(self) -> list[ChunkState]:

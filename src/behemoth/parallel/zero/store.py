@@ -1,4 +1,6 @@
-"""The chunk store: ZeRO's runtime memory of parameters and gradients (Gemini / Elixir).
+"""The chunk store: ZeRO's runtime memory of parameters and gradients (Gemini / Elixir), and the
+buffers of plain data parallelism (ZeRO stage 0). The gradient hooks and reductions over these
+chunks: :mod:`.reduce`.
 
 Parameters, in execution order, are packed by :func:`.chunks.pack_chunks` into fixed-size
 fp32 chunks; every parameter's ``.data`` is a view into its chunk's ``full`` buffer, so a
@@ -7,6 +9,10 @@ axis owns elements ``[r*n, (r+1)*n)`` of every chunk (its *shard*).
 
 Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
 
+* stage 0 (plain data parallelism): chunks are unsharded buckets of about ``Plan.bucket_mb``
+  (:func:`.chunks.pack_buckets`), ``full`` persistent and updated in place by the optimizer (the
+  parameters are its views); gradients are views into a persistent ``E``-element gradient chunk
+  (accumulated over micro-batches in place) all-reduced on the last micro-batch, as DDP does;
 * stage 1: ``full`` persistent; gradients are views into a persistent ``E``-element gradient
   chunk (accumulated over micro-batches in place) reduce-scattered on the last micro-batch;
 * stage 2: ``full`` persistent; a gradient chunk lives only from a chunk's first gradient
@@ -36,20 +42,16 @@ optimizer state; else both sit in pinned host memory, the reduced gradient is co
 host as soon as it is ready and the optimizer runs on the CPU). On a CPU-only run "host" and
 "device" are both the CPU: the same code path runs (that is how the tests exercise it).
 
-Collectives (axis ``data_axis``, all in one fixed order on every rank): one reduce-scatter
-per chunk per reduced micro-batch, issued in reverse chunk order (the order backward finishes
-chunks); one all-gather per chunk after the optimizer step (stages 1-2) or per use (stage 3).
+Collectives (axis ``data_axis``): one all-gather per chunk after the optimizer step (stages 1-2)
+or per use (stage 3); the reductions are :mod:`.reduce`'s.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from ... import comm
 from ...comm import Axis
-from ..data import post_accumulate_hooks
 from . import pinned
 from .chunks import ChunkLayout
 from .staging import PinnedStaging
@@ -103,7 +105,8 @@ class ChunkState:
 
 
 class ChunkStore:
-    """Chunks of ``params`` over ``axis`` for ZeRO ``stage``; see the module docstring."""
+    """Chunks of ``params`` over ``axis`` for ZeRO ``stage`` (0: unsharded buckets); see the module
+    docstring. Their gradients: :class:`.reduce.GradReducer`."""
 
     def __init__(
         self,
@@ -122,10 +125,10 @@ class ChunkStore:
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
         self.chunks: list[ChunkState] = []
-        self.chunk_of: dict[int, ChunkState] = {}
-        self._offset: dict[int, int] = {}
+        self.chunk_of: dict[int, ChunkState] = {}  # id(parameter) -> its chunk, and its offset in it:
+        self.offsets: dict[int, int] = {}
         for ch in layout.chunks:
-            start, shard_size = ch.shard(axis.rank)
+            start, shard_size = ch.shard(axis.rank if stage else 0)
             ps = [params[i] for i in ch.params]
             st = ChunkState(
                 ch.index, ch.group, ch.size, start, shard_size, ps, [layout.params[i].offset for i in ch.params]
@@ -133,33 +136,18 @@ class ChunkStore:
             self.chunks.append(st)
             for p, off in zip(ps, st.offsets):
                 self.chunk_of[id(p)] = st
-                self._offset[id(p)] = off
+                self.offsets[id(p)] = off
         with torch.no_grad():
             for st in self.chunks:
                 self._build(st, param_on_gpu[st.index], optim_on_gpu[st.index])
-        self._fresh: set[int] = set()
-        # stage 1 lets autograd accumulate micro-batches in place into the fp32 gradient chunk; bf16
-        # parameters (param_dtype) need bf16 gradients, which are added into it instead
-        self._in_place = stage == 1 and param_dtype is None
-        self._sync = self._open = False
-        self._order: list[ChunkState] = list(reversed(self.chunks))  # reduction order
-        self._next = 0
-        self._inflight: list[tuple[ChunkState, object, bool]] = []  # (chunk, handle, of the last micro-batch)
-        self.hooks_fired = 0
-        self.launch_log: list[tuple[int, int]] = []
-        self.on_final = None  # called with a chunk once its reduced gradient of the step is in grad_acc
-        # (chunk, gradient shard) -> the chunk's part of the squared gradient norm (the ZeRO optimizer's)
-        self.norm_of: Callable[[ChunkState, torch.Tensor], torch.Tensor] | None = None
-        self._d2h: torch.cuda.Stream | None = None  # gradients' device->host copies (GPU)
         # a host master into its bf16 device copy: converted on the host, half the bytes uploaded
         self._staging = PinnedStaging(max((st.shard_size for st in self.chunks), default=0))
-        self._hooks = post_accumulate_hooks([p for st in self.chunks for p in st.params], self._on_grad)
 
     # ------------------------------------------------------------------ set-up
     def _host_tensor(self, n: int) -> torch.Tensor:
         return pinned.zeros(n, torch.float32, self.pin)
 
-    def _grad_buffer(self, st: ChunkState) -> torch.Tensor:
+    def grad_buffer(self, st: ChunkState) -> torch.Tensor:
         """A zeroed fp32 gradient shard beside the master (page-locked on the host: copied into)."""
         if st.master.device.type == "cpu":
             return self._host_tensor(st.shard_size)
@@ -170,8 +158,8 @@ class ChunkStore:
         for p, off in zip(st.params, st.offsets):
             if p.dtype != torch.float32:
                 raise ValueError(
-                    f"ZeRO chunks hold fp32 master parameters; a parameter has dtype {p.dtype}. "
-                    f"Keep parameters in fp32 and use Plan(precision='bf16')."
+                    f"{'data-parallel buckets' if self.stage == 0 else 'ZeRO chunks'} hold fp32 master parameters; "
+                    f"a parameter has dtype {p.dtype}. Keep parameters in fp32 and use Plan(precision='bf16')."
                 )
             full[off : off + p.numel()].copy_(p.data.reshape(-1))
             p.data = full[off : off + p.numel()].view(p.shape)  # frees the original (host) storage
@@ -237,7 +225,7 @@ class ChunkStore:
                 st.shard = None
         if st.grad_acc is not None and st.grad_acc.device != st.master.device:
             # a re-plan between backward and the optimizer step keeps the gradient
-            old, st.grad_acc = st.grad_acc, self._grad_buffer(st)
+            old, st.grad_acc = st.grad_acc, self.grad_buffer(st)
             st.grad_acc.copy_(old)
 
     # ------------------------------------------------------------------ gather / release (stage 3)
@@ -305,169 +293,6 @@ class ChunkStore:
         for st in self.chunks:
             self.release(st)
 
-    # ------------------------------------------------------------------ gradients
-    def start_step(self) -> None:
-        for st in self.chunks:
-            st.reduced_once, st.norm_sq = False, None
-            for p in st.params:
-                p.grad = None
-        self._fresh = {id(p) for st in self.chunks for p in st.params}
-
-    def begin(self, sync: bool) -> None:
-        """Before each micro-batch's backward; ``sync`` marks the last one (stage 1 reduces only
-        then; stages 2-3 reduce every micro-batch, so the previous one is flushed first)."""
-        if self._open:
-            self._flush()
-        self._sync, self._open = sync, sync or self.stage >= 2
-        if self._open:
-            for st in self.chunks:
-                st.ready = 0
-            self._next = 0
-            self.hooks_fired = 0
-            self.launch_log = []
-        if self.stage >= 2:
-            self._fresh = {id(p) for st in self.chunks for p in st.params}
-
-    def _grad_chunk(self, st: ChunkState) -> torch.Tensor:
-        """The chunk's gradient buffer. Only the padding is zeroed here: every parameter's slice is
-        written by its first gradient of the micro-batch, or zeroed by :meth:`_flush` if none came."""
-        if st.grad_full is None:
-            st.grad_full = torch.empty(st.size, dtype=torch.float32, device=self.device)
-            st.grad_full[st.used :].zero_()
-        return st.grad_full
-
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        st = self.chunk_of[id(p)]
-        off = self._offset[id(p)]
-        view = self._grad_chunk(st)[off : off + p.numel()]
-        if id(p) in self._fresh:
-            view.copy_(p.grad.reshape(-1))
-            self._fresh.discard(id(p))
-        elif not self._in_place:  # stage 1 with param_dtype: a later micro-batch's gradient (stages 2-3:
-            view.add_(p.grad.reshape(-1))  # a second gradient in one micro-batch, which one backward never gives)
-        # stage 1: after the first copy the grad is a view of the chunk: autograd accumulates in place
-        p.grad = view.view(p.shape) if self._in_place else None
-        if self.stage == 1 and not self._sync:
-            return
-        self.hooks_fired += 1
-        st.ready += 1
-        self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self._order) and (
-            force or self._order[self._next].ready == len(self._order[self._next].params)
-        ):
-            st = self._order[self._next]
-            self.launch_log.append((st.index, self.hooks_fired))
-            if st.grad_full is None:  # no parameter of the chunk got a gradient: reduce zeros
-                self._grad_chunk(st).zero_()
-            handle = comm.reduce_scatter_async(st.grad_full, self.axis)
-            self._inflight.append((st, handle, self._sync))
-            if self.stage >= 2:
-                st.grad_full = None  # the handle keeps the buffer alive until the reduce is done
-                if self.stage == 3 and st.pending is None:
-                    self.release(st)  # its gradients are complete: backward needs it no more
-            self._next += 1
-            while len(self._inflight) > 2:  # bound memory: at most 2 chunk reductions in flight
-                self._complete(*self._inflight.pop(0))
-
-    def _complete(self, st: ChunkState, handle, final: bool) -> None:
-        reduced = handle.wait()
-        if final and not st.reduced_once and self.norm_of is not None:
-            # The step's whole gradient (no earlier micro-batch to add): its norm is read here, where
-            # it lies -- on a GPU, before the copy to the host (vector_norm ran at ~12 GB/s on a 16-core host).
-            st.norm_sq = self.norm_of(st, reduced)
-        if st.grad_acc is None:
-            st.grad_acc = self._grad_buffer(st)
-        if st.reduced_once:
-            self._wait_host_grad(st)
-            st.grad_acc.add_(reduced.to(st.grad_acc.device))
-        elif st.grad_acc.device.type == "cpu" and reduced.device.type == "cuda":
-            # Down to pinned memory on a side stream, after all that is queued on the compute
-            # stream: the backward's next kernels do not queue behind the copy.
-            if self._d2h is None:
-                self._d2h = torch.cuda.Stream(reduced.device)
-            self._d2h.wait_stream(torch.cuda.current_stream(reduced.device))
-            with torch.cuda.stream(self._d2h):
-                st.grad_acc.copy_(reduced, non_blocking=True)
-            reduced.record_stream(self._d2h)  # not reused before the copy has read it
-            st.host_grad_ready = torch.cuda.Event()
-            st.host_grad_ready.record(self._d2h)
-            st.reduced_once = True
-        else:
-            st.grad_acc.copy_(reduced, non_blocking=True)
-            st.reduced_once = True
-        if final and self.on_final is not None:  # reduced in the step's last micro-batch: the gradient is final
-            self.on_final(st)
-
-    def _flush(self) -> None:
-        """Close the current micro-batch: parameters that got no gradient count as zeros, every
-        chunk not yet reduced is issued (same order on every rank)."""
-        for st in self.chunks:
-            for p, off in zip(st.params, st.offsets):
-                if id(p) in self._fresh:
-                    view = self._grad_chunk(st)[off : off + p.numel()]
-                    view.zero_()
-                    p.grad = view.view(p.shape) if self._in_place else None
-        self._fresh.clear()
-        self._launch_ready(force=True)
-        self._open = False
-
-    def finish(self) -> None:
-        """After the step's last backward: reduce what is left and wait for every reduction."""
-        if self._open:
-            self._flush()
-        while self._inflight:
-            self._complete(*self._inflight.pop(0))
-        if self.stage == 3:
-            self.release_all()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # host gradient copies are complete
-        for st in self.chunks:
-            self._wait_host_grad(st)
-        self._sync = False
-
-    def abandon(self) -> None:
-        """After a forward or backward that raised: wait for the reductions and gathers in flight,
-        drop this step's gradients and release the gathered chunks (stage 3), so the step can run
-        again from the start."""
-        for _, handle, _ in self._inflight:
-            handle.wait()
-        self._inflight.clear()
-        for st in self.chunks:
-            self._wait_host_grad(st)
-            st.grad_full = st.grad_acc = None
-            st.ready, st.reduced_once = 0, False
-            for p in st.params:
-                p.grad = None
-        self._fresh.clear()
-        self._sync = self._open = False
-        if self.stage == 3:
-            self.release_all()
-
-    @staticmethod
-    def _wait_host_grad(st: ChunkState) -> None:
-        if st.host_grad_ready is not None:
-            st.host_grad_ready.synchronize()
-            st.host_grad_ready = None
-
-    def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """Stage 1: ``p.grad`` as its gradient-chunk view (zeros if no gradient arrived yet), so a
-        caller may add into it in place before the reduction (pipelines sum tied copies)."""
-        st, off = self.chunk_of[id(p)], self._offset[id(p)]
-        view = self._grad_chunk(st)[off : off + p.numel()]
-        if id(p) in self._fresh:
-            view.zero_()
-            self._fresh.discard(id(p))
-        p.grad = view.view(p.shape)
-        return p.grad
-
-    def attach_grads(self) -> None:
-        """Kept for the engine's checkpoint code: ZeRO gradients live in the store."""
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [st.grad_acc for st in self.chunks]
-
     # ------------------------------------------------------------------ after the optimizer step
     def upload(self, st: ChunkState) -> None:
         """The chunk's updated master into the copies the model reads: its device shard and the
@@ -478,7 +303,10 @@ class ChunkStore:
 
     def publish(self, uploaded: frozenset[int] = frozenset()) -> None:
         """Make the updated masters visible to the model: upload every chunk but ``uploaded`` (indices
-        of chunks the CPU-update worker uploaded), then (stages 1-2) all-gather every chunk in place."""
+        of chunks the CPU-update worker uploaded), then (stages 1-2) all-gather every chunk in place.
+        Nothing at stage 0: the optimizer updated the parameters themselves."""
+        if self.stage == 0:
+            return
         handles = []
         for st in self.chunks:
             if st.index not in uploaded:
@@ -525,7 +353,3 @@ class ChunkStore:
             if st.grad_acc is not None and st.grad_acc.device.type == device_type:
                 out["grads"] += st.shard_size * 4
         return out
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()

@@ -1,7 +1,10 @@
 """The gradient-sync protocol: how an engine's step executor hands gradients to data parallelism.
 
 Every plan's gradients go through one object built by :func:`build_grad_sync`: plain data
-parallelism (``Plan.zero=0``) and ZeRO stages 1-3 alike. The executor (a sequential loop, a
+parallelism is ZeRO stage 0 -- the same chunks, gradient hooks and reductions launched during the
+backward in a fixed order (:mod:`.store`), all-reducing unsharded buckets of ``Plan.bucket_mb``
+instead of reduce-scattering -- so every plan has one gradient path, one global norm and one fp16
+overflow vote (:class:`.optimizer.ZeroOptimizer`). The executor (a sequential loop, a
 pipeline schedule) runs forward and backward; the sync object owns what surrounds them -- the
 gradient hooks and their reductions over the data axis, the fp16 overflow vote, the global
 gradient norm, clipping, the optimizer update and publishing the updated parameters -- and the
@@ -25,7 +28,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ...comm import Axis
-from ..data import DataParallelSync
 from .optimizer import ZeroOptimizer
 
 __all__ = ["GradSync", "build_grad_sync"]
@@ -115,9 +117,6 @@ def build_grad_sync(
     data parallelism) for the trainable parameters of ``model``, updated by ``optimizer``.
     ``names`` (``id(param) -> name``, default: the model's own names) keys the optimizer state
     of :meth:`GradSync.state_dict`. Collective: every rank of ``data_axis`` builds it."""
-    names = dict(names) if names is not None else param_names(model)
-    if not plan.zero:
-        return DataParallelSync(model, optimizer, data_axis, mesh, plan.bucket_mb, names=names)
     budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
     return ZeroOptimizer(
         model,
@@ -128,8 +127,9 @@ def build_grad_sync(
         offload=plan.offload,
         device=device,
         chunk_mb=plan.chunk_mb,
+        bucket_mb=plan.bucket_mb,
         budget_bytes=budget,
         world=mesh.axis("world") if plan.pp > 1 else None,
         param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
-        names=names,
+        names=dict(names) if names is not None else param_names(model),
     )
