@@ -20,6 +20,11 @@ Context parallelism (``Plan.cp``) cuts every micro-batch along the sequence inst
 model on its share of the tokens with their global position ids, so loss sums and parameter
 gradients are partial over ``cp`` as well and are summed over ``dp_cp`` (``data_axis``).
 
+Mixture-of-experts models (``Plan.ep``, :mod:`behemoth.parallel.expert`): each MoE layer's
+router losses (its ``aux_loss`` after the forward, this rank's share of the global
+micro-batch's) are added to the objective with weight 1/microbatches and to the reported loss;
+expert gradients are summed over ``ep_dp`` by the gradient sync.
+
 Layers: ``step()`` -> ``forward_backward()`` -> ``_micro_step()``; gradients are reduced,
 clipped and applied by the gradient sync (:mod:`behemoth.parallel.zero.sync`), which re-targets
 the user's optimizer, in place, at this rank's parameters or shards.
@@ -36,6 +41,8 @@ import torch.nn.functional as F
 from . import comm
 from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
+from .models.moe import auxiliary_loss
+from .parallel.expert import check_experts, data_axis_of, gather_expert_state
 from .parallel.tensor import full_state_dict
 from .parallel.zero.sync import build_grad_sync
 from .plan import Plan
@@ -44,6 +51,7 @@ from .styles import (
     apply_activation_checkpointing,
     apply_compile,
     apply_context_parallel,
+    apply_expert_parallel,
     apply_tensor_parallel,
     prepare_model,
 )
@@ -176,6 +184,7 @@ class Engine:
                 "the optimizer already has state; under tensor parallelism or ZeRO build the engine "
                 "before the first optimizer step (its state would not match the parameter shards)."
             )
+        check_experts(model, plan)  # every rank, before any collective
         # ZeRO-3 without tp/cp moves parameters to the device chunk by chunk (a model built on the
         # host may be larger than the device); everything else moves the whole model now.
         chunked_build = plan.zero == 3 and plan.tp == 1 and plan.cp == 1 and plan.pp == 1
@@ -193,6 +202,7 @@ class Engine:
         # holds part of every sequence): loss sums, token counts and the gradients of the
         # parameters (replicated over it) are summed over it.
         self.data_axis = mesh.axis("dp_cp" if plan.cp > 1 else "dp")
+        self.moe_layers = apply_expert_parallel(self.model, mesh, plan)  # this rank's experts
         if plan.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.compile:
@@ -246,8 +256,8 @@ class Engine:
         # the gradient sync broadcasts the trainable parameters chunk by chunk
         params = [] if self.plan.zero else [p for p in self.model.parameters() if not p.requires_grad]
         with torch.no_grad():
-            for t in params + list(self.model.buffers()):
-                comm.broadcast(t.data, dp, 0)
+            for t in params + list(self.model.buffers()):  # an expert over ep_dp: each ep rank has its own
+                comm.broadcast(t.data, self.mesh.axis(data_axis_of(t, dp.name)), 0)
 
     # ---------------------------------------------------------------- step
     def _check_batch(self, batch) -> None:
@@ -345,7 +355,8 @@ class Engine:
         micro = self._split(batch)
         n_global, scale = self._loss_normaliser(batch, len(micro))
         loss_scale = self.scaler.scale if self.scaler else 1.0
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        # the loss sums, and with MoE layers their router losses
+        total = torch.zeros(2 if self.moe_layers else 1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.grad_sync.begin(sync=i == len(micro) - 1)
             local, kwargs = self._batch_block(mb), {}
@@ -362,14 +373,26 @@ class Engine:
                 loss = self.vocab_head.vocab_parallel_loss_sum(logits_of(out), local["labels"])
             else:
                 loss = token_loss_sum(out, local)
-            total += loss.detach().double()
-            (loss.float() * (scale * loss_scale).float()).backward()
+            total[0] += loss.detach().double().sum()
+            objective = loss.float() * (scale * loss_scale).float()
+            aux = auxiliary_loss(self.model) if self.moe_layers else None
+            if aux is not None:  # this rank's share of the global micro-batch's router losses
+                total[1] += aux.detach().double()
+                objective = objective + aux.float() * (loss_scale / len(micro))
+            objective.backward()
         self.grad_sync.finish()
         comm.all_reduce(total, dp)
         if self.loss_fn is None:  # sums over this rank's row block: add the other blocks
             for ax in self.batch_axes:
                 comm.all_reduce(total, ax)
-        loss_val, n = torch.cat([total * scale, n_global if n_global is not None else total.new_zeros(1)]).tolist()
+        loss_val, aux_val, n = torch.cat(
+            [
+                total[:1] * scale,
+                total[1:].sum().reshape(1) / len(micro),
+                n_global if n_global is not None else total.new_zeros(1),
+            ]
+        ).tolist()
+        loss_val += aux_val
         if self.loss_fn is None and n == 0:
             raise ValueError("the global batch has no labelled token (every label is -100).")
         self.last_tokens = int(n)
@@ -394,19 +417,28 @@ class Engine:
         """The serial model's state dict (same keys, shapes and values), on CPU; tensor-parallel
         shards are all-gathered over tp (a collective: call it on every rank)."""
         with self.grad_sync.gathered():
-            return full_state_dict(self.model, self.mesh)
+            return gather_expert_state(self.model, self.mesh, full_state_dict(self.model, self.mesh))
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
+        self._check_checkpointable()
         from .train.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, extra or {})
 
     def load(self, path: str) -> dict:
         """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
+        self._check_checkpointable()
         from .train.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
+
+    def _check_checkpointable(self) -> None:
+        if self.plan.ep > 1:
+            raise NotImplementedError(
+                f"engine.save/load with Plan.ep={self.plan.ep}: checkpoints of expert-sharded parameters are not "
+                f"built yet. Export engine.full_state_dict() (the serial model's state) instead, or train with ep=1."
+            )
 
     @property
     def last_grad_norm(self) -> float:

@@ -21,12 +21,8 @@ CP_MODES = ("ulysses", "ring")
 OFFLOADS = (None, "cpu", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
+
 # Capabilities that are specified but not built yet: field -> (issue, capability).
-_PENDING = {
-    "ep": "expert parallelism (mixture of experts), the expert-parallelism issue",
-}
-
-
 def _is_square(n: int) -> bool:
     r = math.isqrt(n)
     return r * r == n
@@ -217,18 +213,26 @@ class Plan:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         self._check_context_composes()
         self._check_pipeline_composes()
-        pending = []
-        if self.ep > 1:
-            pending.append(("ep", self.ep))
-        if pending:
-            name, value = pending[0]
-            need = _PENDING[name]
-            raise NotImplementedError(
-                f"Plan.{name}={value!r} needs {need}, which is not built yet in this version of behemoth. "
-                f"Supported today: dp, tp with tp_mode='1d' (and sequence_parallel), '2d', '2.5d' and '3d' (and "
-                f"tp_overlap), cp (cp_mode 'ulysses' or 'ring', with dp and 1D tp), zero 1-3 with offload None/'cpu'/"
-                f"'auto', microbatches (gradient accumulation), precision, activation_checkpointing."
-            )
+        self._check_experts_compose()
+
+    def _check_experts_compose(self) -> None:
+        """Expert parallelism composes with data parallelism (ep divides dp) and micro-batches."""
+        if self.ep == 1:
+            return
+        pending = [
+            (self.tp > 1, f"tp={self.tp}", "tensor parallelism inside experts"),
+            (self.cp > 1, f"cp={self.cp}", "context parallelism (expert gradients over ep_dp x cp)"),
+            (self.pp > 1, f"pp={self.pp}", "pipeline stages holding MoE layers"),
+            (self.zero > 0, f"zero={self.zero}", "ZeRO over expert-data-parallel chunks"),
+            (self.precision == "fp16", "precision='fp16'", "an fp16 overflow vote over the expert axis"),
+        ]
+        for bad, value, missing in pending:
+            if bad:
+                raise NotImplementedError(
+                    f"Plan.ep={self.ep} with {value}: expert parallelism with {missing} is not built yet. It "
+                    f"composes today with dp, microbatches, precision 'fp32'/'bf16' and activation checkpointing; "
+                    f"use ep=1 or drop {value.split('=')[0]}."
+                )
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, 1D and 2D tp, activation checkpointing and bf16.

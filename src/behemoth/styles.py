@@ -1,6 +1,7 @@
 """Rewrites of a serial model into the form a plan runs, applied in one documented order:
 
-    tensor/context parallel -> activation checkpointing -> compile -> pipeline split -> zero/offload
+    tensor/context parallel -> experts -> activation checkpointing -> compile -> pipeline split
+        -> zero/offload
 
 Only the steps built so far live here; each is a small ``apply_*`` function.
 """
@@ -14,6 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .parallel.context import ContextParallelized, parallelize_context
+from .parallel.expert import parallelize_experts
 from .parallel.tensor import Parallelized, parallelize_tensor
 from .specs import transformer_blocks
 
@@ -52,6 +54,13 @@ def apply_context_parallel(model: nn.Module, mesh, plan) -> ContextParallelized 
     if plan.cp == 1:
         return None
     return parallelize_context(model, mesh, plan)
+
+
+def apply_expert_parallel(model: nn.Module, mesh, plan) -> dict:
+    """Step 3: the style :class:`~behemoth.parallel.expert.ExpertParallel` on every MoE layer
+    (this rank keeps E/ep experts; router losses over the global batch). Returns the layers
+    (empty for a dense model). ``check_experts`` must have passed on every rank."""
+    return parallelize_experts(model, mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

@@ -44,6 +44,9 @@ def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
             gate_TI, up_TI = F.linear(x_NH[start : start + n], gate_up[e]).chunk(2, dim=-1)
             parts.append(F.linear(F.silu(gate_TI) * up_TI, down[e]))
         start += n
-    if not parts:  # no rows: stay in the graph, so the backward still reaches the dispatch's collective
-        return x_NH * 0
+    if not parts:
+        # No rows: stay in the graph of the input (the backward must still reach the dispatch's
+        # collective) and of the weights (their zero gradient arrives at the same point of the
+        # backward as on a rank with rows, so gradient buckets launch in the same order everywhere).
+        return x_NH * 0 + (gate_up.sum() + down.sum()) * 0
     return torch.cat(parts) if len(parts) > 1 else parts[0]

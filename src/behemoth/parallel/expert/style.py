@@ -52,6 +52,7 @@ __all__ = [
     "ExpertShard",
     "check_experts",
     "data_axis_of",
+    "expert_param_axes",
     "expert_shard",
     "gather_expert_state",
     "moe_layers",
@@ -81,6 +82,20 @@ def data_axis_of(p: torch.Tensor, default: str) -> str:
     initial value broadcast over it): ``ep_dp`` for a sharded expert parameter, else ``default``."""
     shard = expert_shard(p)
     return default if shard is None else shard.data_axis
+
+
+def expert_param_axes(model: nn.Module, mesh, data_axis: Axis):
+    """For the gradient sync: ``p -> (the axis p is replicated over, the axis it is sharded over or
+    None)`` -- ``(ep_dp, ep)`` for a sharded expert, ``(data_axis, None)`` for the rest -- or None
+    when ``model`` holds no sharded expert (every parameter then follows ``data_axis``)."""
+    if not any(expert_shard(p) is not None for p in model.parameters()):
+        return None
+
+    def axes(p: torch.Tensor) -> tuple[Axis, Axis | None]:
+        shard = expert_shard(p)
+        return (data_axis, None) if shard is None else (mesh.axis(shard.data_axis), mesh.axis(shard.axis))
+
+    return axes
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoEFeedForward]:

@@ -247,13 +247,15 @@ def pack_chunks(
     return ChunkLayout(out, tuple(slots), chunk_size, dict(dps), tuple(grp))
 
 
-def pack_buckets(param_sizes: Sequence[int], bucket_size: int) -> ChunkLayout:
+def pack_buckets(param_sizes: Sequence[int], bucket_size: int, kinds: Sequence[int] | None = None) -> ChunkLayout:
     """The chunks of plain data parallelism: parameters (numel, in execution order) in unsharded
     chunks (``dp=1``) that all-reduce as one bucket each. Packed from the *last* parameter back
     (the order backward produces gradients, as DDP packs its buckets): a chunk is closed when the
     next parameter would take it past ``bucket_size`` elements; a parameter larger than that gets a
     chunk of its own. Each chunk is exactly as large as its parameters (no padding). Chunks are
-    numbered in execution order, so the chunk reduced first is the last one."""
+    numbered in execution order, so the chunk reduced first is the last one. ``kinds`` (one int per
+    parameter) keeps parameters of different kinds in different chunks (a chunk is also closed where
+    the kind changes): experts, reduced over another axis than the dense parameters."""
     sizes = list(param_sizes)
     for i, n in enumerate(sizes):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -263,7 +265,8 @@ def pack_buckets(param_sizes: Sequence[int], bucket_size: int) -> ChunkLayout:
     groups: list[list[int]] = []
     used = 0
     for i in reversed(range(len(sizes))):
-        if not groups or (groups[-1] and used + sizes[i] > bucket_size):
+        new_kind = kinds is not None and groups and groups[-1] and kinds[i] != kinds[groups[-1][-1]]
+        if not groups or (groups[-1] and used + sizes[i] > bucket_size) or new_kind:
             groups.append([])
             used = 0
         groups[-1].append(i)

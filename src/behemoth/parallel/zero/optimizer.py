@@ -90,6 +90,7 @@ class ZeroOptimizer:
         world: Axis | None = None,
         param_dtype: torch.dtype | None = None,
         names: dict[int, str] | None = None,
+        param_axes: Callable[[torch.nn.Parameter], tuple[Axis, Axis | None]] | None = None,
     ) -> None:
         if stage:
             _check_optimizer(optimizer, stage)
@@ -112,9 +113,21 @@ class ZeroOptimizer:
         self.defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         sizes = [p.numel() for p in params]
         self.chunk_table: list = []
+        # param_axes(p) = (the axis p is replicated over, the axis it is sharded over or None): experts
+        # are replicated over ep_dp and sharded over ep, so their chunks reduce and count apart
+        axes = [param_axes(p) for p in params] if param_axes is not None else None
+        kinds = None
+        if axes is not None:
+            seen: dict[tuple, int] = {}
+            kinds = [seen.setdefault((a.name, s.name if s else None), len(seen)) for a, s in axes]
+            if stage and len(seen) > 1:
+                raise NotImplementedError(
+                    f"Plan.zero={stage} with parameters replicated over different axes (experts): ZeRO over "
+                    f"expert-data-parallel chunks is not built yet; use zero=0."
+                )
         if stage == 0:  # unsharded buckets, all-reduced (DDP's layout)
             self.chunk_elems = max(1, int(bucket_mb * 2**20 // 4))
-            self.layout = pack_buckets(sizes, self.chunk_elems)
+            self.layout = pack_buckets(sizes, self.chunk_elems, kinds)
         else:
             self.layout = self._pack(sizes, [group_of[id(p)] for p in params], chunk_mb, world)
         self.store: ChunkStore | None = None
@@ -137,6 +150,9 @@ class ZeroOptimizer:
         self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
+        chunk_axes = [axes[ch.params[0]] for ch in self.layout.chunks] if axes is not None and stage == 0 else None
+        # per chunk, the axis its parameters are sharded over (their squared norms are summed over it)
+        self._shard_axes = [s for _, s in chunk_axes] if chunk_axes else None
         self.host_update = HostUpdate(lambda st: self.store.upload(st), device, self.cls, self.defaults, self.norm_sq)
         on_gpu = self.placement.flags(self.placement.keep)
         self.store = ChunkStore(
@@ -148,6 +164,7 @@ class ZeroOptimizer:
             param_on_gpu=on_gpu[0],
             optim_on_gpu=on_gpu[1],
             param_dtype=param_dtype,
+            replica_axes=[a for a, _ in chunk_axes] if chunk_axes else None,
         )
         self.reducer = GradReducer(
             self.store,
@@ -323,9 +340,17 @@ class ZeroOptimizer:
         """The serial model's gradient 2-norm (a collective over the sharded data axis, tp and the
         axes of :meth:`configure_norm`)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        sharded: dict[str, tuple[Axis, torch.Tensor]] = {}  # stage 0's expert chunks: summed over their axis
+        for ax in self._shard_axes or ():
+            if ax is not None and not ax.trivial:
+                sharded.setdefault(ax.name, (ax, torch.zeros(1, dtype=torch.float32, device=self.device)))
         for st, g in zip(self.store.chunks, self.reducer.grads()):
             if g is not None:  # parts read as the reductions landed (store) or by the CPU-update worker
-                sq += (st.norm_sq if st.norm_sq is not None else self.norm_sq(st, g)).to(self.device)
+                ax = self._shard_axes[st.index] if self._shard_axes else None
+                acc = sharded[ax.name][1] if ax is not None and ax.name in sharded else sq
+                acc += (st.norm_sq if st.norm_sq is not None else self.norm_sq(st, g)).to(self.device)
+        for ax, part in sharded.values():
+            sq += comm.all_reduce(part, ax)
         if self.stage:
             comm.all_reduce(sq, self.axis)
         for ax in self._norm_axes:
@@ -369,7 +394,7 @@ class ZeroOptimizer:
             for st in self.store.chunks:  # norms read before the unscaling are stale
                 st.norm_sq = None
         norm = None
-        if self.stage or max_grad_norm is not None or self._norm_axes:
+        if self.stage or max_grad_norm is not None or self._norm_axes or self._shard_axes:
             norm = self.grad_norm()  # a collective: every rank, now
         if max_grad_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)

@@ -136,7 +136,8 @@ class GradReducer:
                 self._grad_chunk(st).zero_()
             self._next += 1
             if self.stage == 0:  # the gradient chunk itself, summed in place; waited for in finish()
-                self._inflight.append((st, comm.all_reduce(st.grad_full, self.axis, async_op=True), False))
+                handle = comm.all_reduce(st.grad_full, self.store.replica_axis(st), async_op=True)
+                self._inflight.append((st, handle, False))
                 continue
             handle = comm.reduce_scatter_async(st.grad_full, self.axis)
             self._inflight.append((st, handle, self._sync))

@@ -119,8 +119,10 @@ class ChunkStore:
         param_on_gpu: list[bool],
         optim_on_gpu: list[bool],
         param_dtype: torch.dtype | None = None,
+        replica_axes: list[Axis] | None = None,
     ) -> None:
         self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
+        self.replica_axes = replica_axes  # stage 0: per chunk, the axis its parameters are replicated over
         self.param_dtype = param_dtype
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
@@ -164,7 +166,7 @@ class ChunkStore:
             full[off : off + p.numel()].copy_(p.data.reshape(-1))
             p.data = full[off : off + p.numel()].view(p.shape)  # frees the original (host) storage
             p.grad = None
-        comm.broadcast(full, self.axis, 0)  # every replica starts from data rank 0's weights
+        comm.broadcast(full, self.replica_axis(st), 0)  # every replica starts from data rank 0's weights
         st.full = full
         if self.param_dtype is not None:  # the model's parameters become low-precision views
             st.full = full.to(self.param_dtype)
@@ -172,6 +174,11 @@ class ChunkStore:
         self.place(st, param_on_gpu or self.stage < 3, optim_on_gpu, full[st.start : st.start + st.shard_size])
         if self.stage == 3:
             self.release(st)  # (not a chunk that is its own shard)
+
+    def replica_axis(self, st: ChunkState) -> Axis:
+        """The axis chunk ``st``'s parameters are replicated over: the data axis, or at stage 0 the
+        one given for it (``replica_axes``: experts are replicated over ``ep_dp`` only)."""
+        return self.axis if self.replica_axes is None else self.replica_axes[st.index]
 
     @staticmethod
     def own_slot(st: ChunkState) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ...comm import Axis
+from ..expert import expert_param_axes
 from .optimizer import ZeroOptimizer
 
 __all__ = ["GradSync", "build_grad_sync"]
@@ -116,7 +117,9 @@ def build_grad_sync(
     """The gradient sync for ``plan``: ZeRO ``plan.zero`` over ``data_axis`` (stage 0 is plain
     data parallelism) for the trainable parameters of ``model``, updated by ``optimizer``.
     ``names`` (``id(param) -> name``, default: the model's own names) keys the optimizer state
-    of :meth:`GradSync.state_dict`. Collective: every rank of ``data_axis`` builds it."""
+    of :meth:`GradSync.state_dict`. Expert parameters sharded by
+    :class:`~behemoth.parallel.expert.ExpertParallel` are reduced and broadcast over ``ep_dp``
+    instead. Collective: every rank of ``data_axis`` builds it."""
     budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
     return ZeroOptimizer(
         model,
@@ -132,4 +135,5 @@ def build_grad_sync(
         world=mesh.axis("world") if plan.pp > 1 else None,
         param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
         names=dict(names) if names is not None else param_names(model),
+        param_axes=expert_param_axes(model, mesh, data_axis),  # experts: over ep_dp, not dp
     )
