@@ -1,7 +1,8 @@
 """Expert parallelism (Plan.ep) matches serial training of a mixture-of-experts Llama, the router
 losses (load balancing over the global batch, z-loss) included: losses, every step's gradient
 norm and ``full_state_dict()`` (experts reassembled to the serial ``[E, ...]`` shapes), for
-dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone; a step in which one ep rank's
+dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches, and bf16 autocast
+under SGD); a step in which one ep rank's
 experts get no token does not hang and still matches; what does not compose yet is refused on
 every rank before any collective."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import behemoth as bh
 from behemoth.models import Llama, LlamaConfig
 
 from common import (VOCAB, SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error,
-                    global_batches, train_steps)
+                    global_batches, shard, train_steps)
 
 STEPS, BATCH = 3, 8
 
@@ -30,24 +31,37 @@ def build_moe(seed: int = 0, frozen_router: bool = False) -> Llama:
     return model
 
 
-def optimizer_for(model):
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1, eps=1e-5)
+def optimizer_for(model, name="adamw"):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":  # linear in the gradient: bf16 rounding stays rounding (see test_data_parallel.py)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, eps=1e-5)
 
 
-def serial_moe_run(batches, clip, frozen_router=False):
+def serial_moe_run(batches, clip, frozen_router=False, world=1, micro=1, dtype=None, opt_name="adamw"):
+    """Plain PyTorch: the token loss's global mean plus the router losses. With ``micro`` > 1 the
+    router losses are those of each global micro-batch (micro-batch i of every data rank), averaged,
+    and the gradients accumulate."""
     model = build_moe(frozen_router=frozen_router)
-    opt = optimizer_for(model)
+    opt = optimizer_for(model, opt_name)
     losses, norms = [], []
     for b in batches:
-        logits = model(b["input_ids"])
-        ce = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-        loss = ce + model.aux_loss()
-        loss.backward()
+        n = (b["labels"] != -100).sum()
+        loss = 0.0
+        for i in range(micro):
+            g = {k: torch.cat([shard(b, r, world)[k].chunk(micro)[i] for r in range(world)]) for k in b}
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits = model(g["input_ids"])
+            ce = F.cross_entropy(logits.float().flatten(0, 1), g["labels"].flatten(), ignore_index=-100,
+                                 reduction="sum")
+            part = ce / n + model.aux_loss() / micro
+            part.backward()
+            loss += part.item()
         params = [p for p in model.parameters() if p.requires_grad]
         norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
@@ -84,6 +98,23 @@ def _parity_world(rank: int, world: int, eps) -> None:
         assert float(engine.model.layers[0].mlp.gate_up_proj.grad.abs().sum()) == 0.0
 
 
+def _micro_and_bf16_world(rank: int, world: int) -> None:
+    """Micro-batches (router losses per global micro-batch) and bf16 autocast under ep=2."""
+    batches = global_batches(STEPS, BATCH)
+    for micro, precision, opt_name in ((2, "fp32", "adamw"), (1, "bf16", "sgd")):
+        what = f"dp={world} ep=2 micro={micro} {precision} {opt_name}"
+        dtype = torch.bfloat16 if precision == "bf16" else None
+        want = serial_moe_run(batches, clip=1.0, world=world, micro=micro, dtype=dtype, opt_name=opt_name)
+        model = build_moe()
+        plan = bh.Plan(dp=world, ep=2, microbatches=micro, precision=precision)
+        engine = bh.boost(model, optimizer_for(model, opt_name), plan, max_grad_norm=1.0)
+        losses, norms = train_steps(engine, batches)
+        tol = dict(rtol=2e-2) if dtype else {}
+        assert_losses_close(losses, want[0], what=what, **tol)
+        assert_grad_norms_close(norms, want[2], what=what, **tol)
+        assert_state_close(engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if dtype else {}))
+
+
 def _refusals_world(rank: int, world: int) -> None:
     from common import build
 
@@ -109,3 +140,7 @@ def test_expert_parallel_matches_serial(world, eps):
 
 def test_expert_parallel_refusals():
     bh.spawn(_refusals_world, 2, timeout=300)
+
+
+def test_expert_parallel_microbatches_and_bf16():
+    bh.spawn(_micro_and_bf16_world, 2, timeout=600)
