@@ -42,7 +42,9 @@ class GradSync(Protocol):
     """This rank's trainable parameters, in model order."""
 
     optimizer: torch.optim.Optimizer
-    """The optimizer that updates them (under ZeRO: over this rank's chunk shards)."""
+    """The optimizer the user passed to ``bh.boost``, the same object for the engine's life: its own
+    param groups are re-targeted in place (under ZeRO 1-3 at this rank's chunk masters), and the
+    update reads their hyper-parameters at every step, so a learning-rate scheduler on it works."""
 
     def start_step(self) -> None:
         """Begin a step: this step's gradients start empty. :meth:`run` calls it."""
