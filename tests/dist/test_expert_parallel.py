@@ -1,8 +1,8 @@
 """Expert parallelism (Plan.ep) matches serial training of a mixture-of-experts Llama, the router
 losses (load balancing over the global batch, z-loss) included: losses, every step's gradient
 norm and ``full_state_dict()`` (experts reassembled to the serial ``[E, ...]`` shapes), for
-dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches, and bf16 autocast
-under SGD); a step in which one ep rank's
+dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches, and
+with bf16 autocast under SGD); the ep axis's ledger bytes exactly; a step in which one ep rank's
 experts get no token does not hang and still matches; what does not compose yet is refused on
 every rank before any collective."""
 from __future__ import annotations
@@ -65,6 +65,21 @@ def serial_moe_run(batches, clip, frozen_router=False, world=1, micro=1, dtype=N
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
+def check_ep_ledger(engine, world, what) -> None:
+    """The ep axis's traffic, exactly: per MoE layer and step, the split sizes (E int64 from every
+    rank) and four all-to-alls of T*K rows of H fp32 over all ranks (dispatch and combine, forward
+    and backward; which rank sends how many rows depends on the routing, their sum does not),
+    plus the gradient norm's one fp32 all-reduce per step."""
+    layers, experts, top_k, hidden = 2, 4, 2, 32
+    ep = engine.comm_stats()["ep"]
+    assert ep["ops"] == {"all_to_all": STEPS * layers * 5, "all_reduce": STEPS}, (what, ep)
+    sent = torch.tensor([float(ep["bytes"])], dtype=torch.float64)
+    torch.distributed.all_reduce(sent)
+    rows = BATCH * SEQ * top_k
+    want = STEPS * (layers * (world * experts * 8 + 4 * rows * hidden * 4) + world * 4)
+    assert sent.item() == want, (what, sent.item(), want)
+
+
 def _parity_world(rank: int, world: int, eps) -> None:
     torch.manual_seed(rank)
     batches = global_batches(STEPS, BATCH)
@@ -76,6 +91,8 @@ def _parity_world(rank: int, world: int, eps) -> None:
         experts = engine.model.layers[0].mlp.gate_up_proj
         assert experts.shape[0] == 4 // ep, (what, experts.shape)  # this rank keeps E/ep experts
         losses, norms = train_steps(engine, batches)
+        if ep > 1:
+            check_ep_ledger(engine, world, what)
         assert_losses_close(losses, want[0], what=what)
         assert_grad_norms_close(norms, want[2], what=what)
         assert_state_close(engine.full_state_dict(), want[1], what=what)
