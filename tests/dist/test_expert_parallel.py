@@ -1,8 +1,8 @@
 """Expert parallelism (Plan.ep) matches serial training of a mixture-of-experts Llama, the router
 losses (load balancing over the global batch, z-loss) included: losses, every step's gradient
 norm and ``full_state_dict()`` (experts reassembled to the serial ``[E, ...]`` shapes), for
-dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches, and
-with bf16 autocast under SGD); the ep axis's ledger bytes exactly; a step in which one ep rank's
+dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches and
+activation checkpointing, and with bf16 autocast under SGD); the ep axis's ledger bytes exactly; a step in which one ep rank's
 experts get no token does not hang and still matches; what does not compose yet is refused on
 every rank before any collective."""
 from __future__ import annotations
@@ -116,14 +116,15 @@ def _parity_world(rank: int, world: int, eps) -> None:
 
 
 def _micro_and_bf16_world(rank: int, world: int) -> None:
-    """Micro-batches (router losses per global micro-batch) and bf16 autocast under ep=2."""
+    """Micro-batches (router losses per global micro-batch) with activation checkpointing (the
+    recomputed blocks dispatch again, in backward), and bf16 autocast, under ep=2."""
     batches = global_batches(STEPS, BATCH)
-    for micro, precision, opt_name in ((2, "fp32", "adamw"), (1, "bf16", "sgd")):
-        what = f"dp={world} ep=2 micro={micro} {precision} {opt_name}"
+    for micro, precision, opt_name, ckpt in ((2, "fp32", "adamw", True), (1, "bf16", "sgd", False)):
+        what = f"dp={world} ep=2 micro={micro} {precision} {opt_name} ckpt={ckpt}"
         dtype = torch.bfloat16 if precision == "bf16" else None
         want = serial_moe_run(batches, clip=1.0, world=world, micro=micro, dtype=dtype, opt_name=opt_name)
         model = build_moe()
-        plan = bh.Plan(dp=world, ep=2, microbatches=micro, precision=precision)
+        plan = bh.Plan(dp=world, ep=2, microbatches=micro, precision=precision, activation_checkpointing=ckpt)
         engine = bh.boost(model, optimizer_for(model, opt_name), plan, max_grad_norm=1.0)
         losses, norms = train_steps(engine, batches)
         tol = dict(rtol=2e-2) if dtype else {}
