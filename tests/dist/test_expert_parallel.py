@@ -62,7 +62,8 @@ def serial_moe_run(batches, clip, frozen_router=False, world=1, micro=1, dtype=N
         opt.step()
         opt.zero_grad()
         losses.append(loss)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    counts = [layer.mlp.token_counts.tolist() for layer in model.layers]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, counts
 
 
 def check_ep_ledger(engine, world, what) -> None:
@@ -93,6 +94,8 @@ def _parity_world(rank: int, world: int, eps) -> None:
         losses, norms = train_steps(engine, batches)
         if ep > 1:
             check_ep_ledger(engine, world, what)
+        # the last step's tokens per expert, over the global batch: the serial model's
+        assert [layer.mlp.token_counts.tolist() for layer in engine.model.layers] == want[3], what
         assert_losses_close(losses, want[0], what=what)
         assert_grad_norms_close(norms, want[2], what=what)
         assert_state_close(engine.full_state_dict(), want[1], what=what)

@@ -77,7 +77,8 @@ class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts. x_BSH -> x_BSH, no communication.
 
     Parameters: ``router.weight [E, H]``, ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
-    ``aux_loss`` is set by every forward (see the module docstring).
+    ``aux_loss`` is set by every forward (see the module docstring), and ``token_counts``: the
+    top-k assignments per expert of that forward's tokens (float, detached).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class MoEFeedForward(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.aux_loss: torch.Tensor | None = None
+        self.token_counts: torch.Tensor | None = None
 
     def router_loss(self, counts_E, prob_sums_E, z_sum, num_tokens) -> torch.Tensor:
         """``aux_loss_coef * balance + z_loss_coef * z`` from the summed terms over
@@ -119,6 +121,7 @@ class MoEFeedForward(nn.Module):
             y_NH = swiglu_expert(x_TH[token_N], self.gate_up_proj[e], self.down_proj[e])
             y_TH = y_TH.index_add(0, token_N, (y_NH * weights_TK[token_N, slot_N, None]).to(y_TH.dtype))
         counts_E, prob_sums_E = balance_terms(probs_TE, experts_TK)
+        self.token_counts = counts_E.detach()
         self.aux_loss = self.router_loss(counts_E, prob_sums_E, z_loss_sum(logits_TE), x_TH.shape[0])
         return y_TH.view_as(x_BSH)
 

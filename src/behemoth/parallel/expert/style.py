@@ -21,7 +21,8 @@ serial model keeps them) and replaces the layer's forward (on the instance) by r
 :func:`~.dispatch.dispatch` -> local experts (:func:`~.grouped.grouped_swiglu`) ->
 :func:`~.dispatch.combine` over ``mesh.axis('ep')``. The router losses are those of the serial
 model on the *global* batch: the expert counts and the token count are summed over ``dp`` (one
-all-reduce of E + 1 numbers per layer), and each rank's ``aux_loss`` is its share (the router
+all-reduce of E + 1 numbers per layer; ``token_counts`` holds the global counts), and each rank's
+``aux_loss`` is its share (the router
 probabilities of its tokens), so the shares summed over ``dp`` are the serial layer's loss. The
 style is applied at ep = 1 too whenever the batch is spread over ranks, for that reason.
 
@@ -173,6 +174,7 @@ def _make_forward(ep: Axis, data: Axis):
         # the serial batch's counts and tokens (float64: exact integers at any scale)
         totals = comm.all_reduce(torch.cat([counts_E, counts_E.new_tensor([x_TH.shape[0]])]).double(), data)
         totals = totals.to(prob_sums_E.dtype)
+        self.token_counts = totals[:-1]  # the serial layer's: over the global batch
         self.aux_loss = self.router_loss(totals[:-1], prob_sums_E, z_loss_sum(logits_TE), totals[-1])
         return y_TH.view_as(x_BSH)
 
