@@ -35,7 +35,8 @@ import time
 import torch
 
 import behemoth as bh
-from behemoth.engine import logits_of, token_loss_sum
+from behemoth.batch import model_inputs, split_microbatches
+from behemoth.loss import logits_of, token_loss_sum
 from behemoth.models import build_model
 from behemoth.precision import autocast_context
 
@@ -70,11 +71,11 @@ def time_stage_alone(engine, batch, steps, dev):
     """This rank's stage doing its share of one step with no communication: m forwards and
     backwards of its modules (a random stand-in for the received activation and the output
     gradient, shapes and dtypes as the pipeline's own), then the optimizer step."""
-    split = engine.split
-    micro = engine._split(batch)
+    split, channels = engine.parallel.pipeline, engine.parallel.channels
+    micro = split_microbatches(batch, engine.plan.microbatches)
     stage, last = split.stage(0), split.num_stages - 1
-    key = tuple(tuple(t.shape) for t in engine._model_inputs(micro[0]) if isinstance(t, torch.Tensor))
-    x_shape, x_dtype = engine.channels.shapes[(stage - 1, key)] if stage > 0 else (None, None)
+    key = tuple(tuple(t.shape) for t in model_inputs(micro[0]) if isinstance(t, torch.Tensor))
+    x_shape, x_dtype = channels.shapes[(stage - 1, key)] if stage > 0 else (None, None)
     params = engine.grad_sync.params
     times = []
     for _ in range(steps):
@@ -86,7 +87,7 @@ def time_stage_alone(engine, batch, steps, dev):
             x = None if stage == 0 else torch.randn(x_shape, device=dev).to(x_dtype).requires_grad_()
             split.ctx.chunk, split.ctx.stash = 0, x
             with autocast_context(engine.plan.precision, dev):
-                out = engine.model(*engine._model_inputs(mb))
+                out = engine.model(*model_inputs(mb))
             split.ctx.chunk, split.ctx.stash = None, None
             if stage == last:
                 (token_loss_sum(out, mb) / mb["labels"].numel()).backward()

@@ -2,14 +2,27 @@
 
 import behemoth as bh
 bh.init()
-engine = bh.boost(model, optimizer, bh.Plan(dp=2))
+engine = bh.boost(model, optimizer, bh.Plan(dp=2))   # = bh.parallelize + gradient sync + step executor
 loss = engine.step(batch)
+
+model = bh.parallelize(model, bh.Plan(tp=2))          # no optimizer: evaluation, generation
 """
 
 from .distributed import init, spawn
 from .engine import Engine, boost
 from .mesh import ParallelMesh
+from .parallelize import Parallelization, parallelization, parallelize
 from .plan import Plan
 
-__all__ = ["init", "spawn", "boost", "Engine", "Plan", "ParallelMesh"]
+__all__ = [
+    "init",
+    "spawn",
+    "parallelize",
+    "parallelization",
+    "Parallelization",
+    "boost",
+    "Engine",
+    "Plan",
+    "ParallelMesh",
+]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import behemoth as bh
-from behemoth.train import checkpoint as ckpt
+from behemoth import checkpoint as ckpt
 from common import assert_losses_close, assert_state_close, build, global_batches, make_optimizer, serial_train, shard
 
 BATCH = 8

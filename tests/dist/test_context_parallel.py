@@ -100,7 +100,7 @@ def _check_traffic(family, plan):
     what = f"{engine.plan.describe()} {family}"
     # forward only
     engine.reset_comm_stats()
-    local, extra = engine.context_parallel.split(batch)
+    local, extra = engine.parallel.context.split(batch)
     with torch.no_grad():
         engine.model(local["input_ids"], **extra)
     fwd = engine.comm_stats()["cp"]
@@ -119,7 +119,7 @@ def _check_traffic(family, plan):
         assert fwd["bytes"] == shape.num_layers * issue, (what, fwd, issue)
     # forward + backward, payload and wire
     engine.reset_comm_stats()
-    engine.forward_backward(batch)
+    engine._forward_backward(batch)
     got = engine.comm_stats()["cp"]
     for key, wire in (("bytes", False), ("wire_bytes", True)):
         want = cp_model_traffic(shape, wire=wire, **kw).total

@@ -67,7 +67,7 @@ def _check_traffic(engine, pp, v, m):
     gradients (but the last), and sends as many the other way; the first step adds one
     shape header per activation channel; nothing else travels over pp but scalars."""
     ops, last = engine.comm_stats()["pp"]["ops"], pp * v - 1
-    stages = [c * pp + engine.pp_axis.rank for c in range(v)]
+    stages = [c * pp + engine.mesh.axis("pp").rank for c in range(v)]
     sends = sum((s < last) * (m * STEPS + 1) + (s > 0) * m * STEPS for s in stages)
     recvs = sum((s > 0) * (m * STEPS + 1) + (s < last) * m * STEPS for s in stages)
     assert (ops["send"], ops["recv"]) == (sends, recvs), (engine.plan.describe(), ops)
@@ -94,7 +94,7 @@ def _pp_world(rank: int, world: int) -> None:
     assert eng.stage_ranges == [[(0, 1)], [(1, 4)]]
     # this rank holds exactly its stage of the serial model: the embedding and block 0, or
     # blocks 1-3, the final norm and the head
-    first = eng.pp_axis.rank == 0
+    first = eng.mesh.axis("pp").rank == 0
     mine = ("embed.", "layers.0.") if first else ("layers.1.", "layers.2.", "layers.3.", "norm.", "lm_head.")
     serial = build("llama", num_layers=4)
     want = sum(p.numel() for n, p in serial.named_parameters() if n.startswith(mine))

@@ -388,7 +388,7 @@ def _check_traffic(family, plan):
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     engine.reset_comm_stats()
-    engine.forward_backward(batch)
+    engine._forward_backward(batch)
     got = engine.comm_stats()["tp"]["wire_bytes"]
     want = tp1d_model_traffic(shape, batch=batch["input_ids"].shape[0], seq=SEQ, tp=plan.tp,
                               sequence_parallel=plan.sequence_parallel, dtype_bytes=4, param_bytes=4).total

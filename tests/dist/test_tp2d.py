@@ -108,7 +108,7 @@ def _check_traffic(family, plan):
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     engine.reset_comm_stats()
-    engine.forward_backward(batch)
+    engine._forward_backward(batch)
     stats = engine.comm_stats()
     got = sum(stats.get(a, {}).get("wire_bytes", 0) for a in TP_AXES)
     mesh = engine.mesh

@@ -149,7 +149,7 @@ def _check_traffic(family, plan):
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = global_batches(1, BATCH)[0]
     engine.reset_comm_stats()
-    engine.forward_backward(batch)
+    engine._forward_backward(batch)
     stats = engine.comm_stats()
     got = sum(stats.get(a, {}).get("wire_bytes", 0) for a in TP_AXES)
     want = tp3d_model_traffic(shape, batch=BATCH, seq=SEQ, tp=plan.tp, dtype_bytes=4, param_bytes=4).total

@@ -245,7 +245,7 @@ def check_files(checkpoint: str) -> None:
     """Every file a load of ``checkpoint`` reads is whole: the tensor index (.metadata) unpickles
     (safely), each shard file is as long as the index says, each rng-rank*.pt is a whole archive.
     Reads sizes and small files only; call on every rank, so all refuse together before loading."""
-    from behemoth.train.checkpoint import SafeFileSystemReader
+    from behemoth.checkpoint import SafeFileSystemReader
 
     if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
         raise _damaged(checkpoint, "its tensor index .metadata is missing")

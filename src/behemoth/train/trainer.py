@@ -28,9 +28,9 @@ import torch
 
 import behemoth as bh
 from behemoth import comm
+from behemoth.checkpoint import latest_checkpoint
 from behemoth.launcher import write_status
 from behemoth.models import build_model
-from behemoth.train.checkpoint import latest_checkpoint
 from behemoth.train.config import Config, DataSection, OptimSection, format_config
 from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
 from behemoth.train.evaluate import Validation, split_held_out

@@ -10,11 +10,13 @@ Pure foundation (no process group):
   partitions, the virtual-stage partition for interleaving, and which modules of a family's
   ``PipelineLayout`` (``behemoth.specs``) go to the first, every and the last stage.
 
-Runtime (what ``bh.boost`` builds when ``pp > 1``):
+Runtime (what ``bh.parallelize`` and ``bh.boost`` build when ``pp > 1``):
 
 * ``stage.py`` -- cut a model down to one rank's stage(s) in place, gate chunks, tied weights;
 * ``p2p.py`` -- activation / gradient transfers with shapes cached after the first step;
-* ``engine.py`` -- :class:`PipelineEngine`, the Engine that runs a schedule per step.
+* ``forward.py`` -- the split model's forward outside a schedule (evaluation, generation);
+* ``executor.py`` -- :class:`~.executor.PipelineExecutor`, the engine's step executor that runs
+  a schedule per step.
 
 Tests: tests/unit/test_pipeline_schedules.py, tests/unit/test_pipeline_partition.py (pure);
 tests/dist/test_pipeline_parity.py, test_pipeline_checkpoint.py, test_pipeline_faults.py.

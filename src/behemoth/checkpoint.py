@@ -1,5 +1,12 @@
 """Checkpoints that lose nothing: sharded (torch.distributed.checkpoint), atomic, safe to load.
 
+A checkpoint knows only a state-dict interface (:class:`Stateful`, as DCP's): whatever holds
+state -- the model's shards, the gradient sync's optimizer state, the engine's step counter and
+loss scaler, this process's RNG -- is handed in as a named component with ``state_dict()`` and
+``load_state_dict()``. A component's tensors go to DCP as ``<component>/<key>``; its other values
+(JSON) go to ``meta.json`` under their own keys. A tensor carrying a tensor-parallel ShardSpec
+(``parallel.tensor.layout.get_spec``) is written as its rectangles of the serial tensor.
+
 Layout of one checkpoint directory ``step-N/``::
 
     .metadata, __*_*.distcp    DCP: model tensors and optimizer-state tensors, keyed by the
@@ -28,8 +35,10 @@ its rectangles.
 Pipeline stages: each rank's model holds only its stage's tensors, under the serial names,
 so each stage writes (and reads) just those; the tensors of all stages together are the
 serial model's. A tied embedding held by the last stage as the head's weight keeps its
-optimizer state under the serial model's first name (``engine.serial_param_names``), so
-pp = 2 checkpoints load under pp = 1 and the reverse.
+optimizer state under the serial model's first name, so pp = 2 checkpoints load under
+pp = 1 and the reverse.
+
+Tested in tests/dist/test_checkpoint.py and tests/dist/test_pipeline_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -50,8 +61,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..parallel.tensor import is_sharded, shard_rectangles
-from ..parallel.tensor.layout import ShardSpec, get_spec
+from .parallel.tensor import is_sharded, shard_rectangles
+from .parallel.tensor.layout import ShardSpec, get_spec
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
@@ -196,61 +207,47 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, max(found)[2]) if found else None
 
 
-# ------------------------------------------------------------------ state <-> flat tensors
-def _param_names(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[int, str]:
-    """``id(param) -> name`` keying its optimizer state. ``aliases`` renames a parameter to the
-    serial model's name for it (a pipeline's last stage holds a copy of a tied embedding under
-    the head's name; it is saved and loaded as the serial model's first name, so any plan loads it)."""
-    names = {}
-    for name, p in model.named_parameters():  # tied weights: first name wins
-        names.setdefault(id(p), name)
-    aliases = aliases or {}
-    return {i: aliases.get(n, n) for i, n in names.items()}
+# ------------------------------------------------------------------ the component interface
+@runtime_checkable
+class Stateful(Protocol):
+    """A part of a job that holds state (DCP's ``Stateful``). ``state_dict()`` returns tensors
+    (written to DCP; a load reads into those same tensors in place) and JSON values (``meta.json``);
+    ``load_state_dict(state)`` gets back its tensors, as read, and every value of ``meta.json``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def _held_params(engine) -> dict[str, torch.nn.Parameter]:
-    """``checkpoint name -> parameter`` of the parameters whose optimizer state this rank holds."""
-    names = _param_names(engine.model, getattr(engine, "serial_param_names", None))
-    return {names[id(p)]: p for p in engine.grad_sync.params}
+@runtime_checkable
+class LazyStateful(Stateful, Protocol):
+    """A :class:`Stateful` whose tensors may not exist before a load (optimizer state is created by
+    the first step): it says where to read what the checkpoint holds of it."""
+
+    def load_targets(self, stored: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors to read, by key, for the checkpoint's tensors of this component ``stored``
+        (``key -> DCP TensorStorageMetadata``: ``size``, ``properties.dtype``). Raises ValueError,
+        before anything is read, for a checkpoint this component cannot load."""
+        ...
 
 
-def _to_checkpoint_names(engine) -> dict[str, str]:
-    """The gradient sync's parameter names (the model's) -> the checkpoint's (the serial model's)."""
-    aliases = getattr(engine, "serial_param_names", None) or {}
-    return {n: aliases.get(n, n) for n in _param_names(engine.model).values()}
+def with_spec(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """An alias of ``t`` (same storage) that a checkpoint writes and reads as the shard ``spec`` of
+    the serial tensor (optimizer state shaped like a tensor-parallel parameter)."""
+    alias = t.detach()
+    if is_sharded(spec):
+        alias._bh_shard = spec
+    return alias
 
 
-def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
-    """Optimizer state as flat ``optim/<param name>/<key>`` tensors (scalars become 0-d tensors);
-    state shaped like a tensor-parallel shard is chunked like its parameter."""
-    rename, params = _to_checkpoint_names(engine), _held_params(engine)
-    out = {}
-    # ZeRO: the state of the chunk shards, gathered and cut back into per-parameter tensors.
-    for name, state in engine.grad_sync.state_dict().items():
-        name = rename[name]
-        p = params[name]
-        spec = get_spec(p)
-        for k, v in state.items():
-            v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            out[f"optim/{name}/{k}"] = _for_dcp(v, spec if v.shape == p.shape else None)
-    return out
+class RNGState:
+    """This process's RNG states (torch, Python, NumPy, CUDA): a per-rank component."""
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return _rng_state()
 
-def _hyper_params(optimizer) -> list[dict]:
-    groups = []
-    for g in optimizer.param_groups:
-        d = {}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, torch.Tensor):
-                v = v.item()
-            if isinstance(v, tuple):
-                v = list(v)
-            if isinstance(v, (int, float, bool, str, list)) or v is None:
-                d[k] = v
-        groups.append(d)
-    return groups
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        _set_rng_state(dict(state))
 
 
 def _rng_state() -> dict:
@@ -312,8 +309,11 @@ def _commit(partial: str, final: str, meta: dict) -> None:
         shutil.rmtree(old)
 
 
-def save_checkpoint(engine, path: str, extra: dict) -> None:
-    """Save ``engine`` to directory ``path`` atomically (collective over all ranks)."""
+def save_checkpoint(
+    path: str, state: Mapping[str, Stateful], *, extra: dict, rank_state: Mapping[str, Stateful] | None = None
+) -> None:
+    """Save every component of ``state`` (and this rank's ``rank_state``, one file per rank) to
+    directory ``path`` atomically, with the caller's JSON ``extra`` (collective over all ranks)."""
     path = os.path.abspath(path.rstrip("/"))
     partial = path + ".partial"
     rank = dist.get_rank()
@@ -326,23 +326,19 @@ def save_checkpoint(engine, path: str, extra: dict) -> None:
             shutil.rmtree(partial)
         os.makedirs(partial)
     dist.barrier()
-    with engine.grad_sync.gathered():
-        state = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
-        state.update(optimizer_tensors(engine))
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
-    torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
+    tensors, meta = {}, {}
+    for name, component in state.items():
+        for k, v in component.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{name}/{k}"] = _for_dcp(v, get_spec(v))
+            else:
+                meta[k] = v
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial))
+    for name, component in (rank_state or {}).items():
+        torch.save(component.state_dict(), os.path.join(partial, f"{name}-rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": engine.step_count,
-            "world_size": dist.get_world_size(),
-            "plan": repr(engine.plan),
-            "optimizer": type(engine.optimizer).__name__,
-            "param_groups": _hyper_params(engine.optimizer),
-            "scaler": engine.scaler.state_dict() if engine.scaler else None,
-            "extra": extra,
-        }
+        meta.update({"format": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": extra})
         _commit(partial, path, meta)
     dist.barrier()
 
@@ -354,7 +350,7 @@ def read_meta(path: str) -> dict:
     if not is_complete(path):
         raise ValueError(
             f"checkpoint {path!r} is incomplete (no {META}): its save was interrupted. "
-            f"Load the newest complete one instead (behemoth.train.checkpoint.latest_checkpoint)."
+            f"Load the newest complete one instead (behemoth.checkpoint.latest_checkpoint)."
         )
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
@@ -365,63 +361,43 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def load_checkpoint(engine, path: str) -> dict:
-    """Load model, optimizer state, step, scaler and (same world size) RNG states into ``engine``.
-    Returns the ``extra`` dict given at save time."""
+def load_checkpoint(
+    path: str, state: Mapping[str, Stateful], *, rank_state: Mapping[str, Stateful] | None = None
+) -> dict:
+    """Load every component of ``state`` from checkpoint ``path`` (saved under any plan), and
+    ``rank_state`` when the world size is the one it was saved at. Returns the ``extra`` given at
+    save time. Every check runs before anything is read."""
     path = os.path.abspath(path.rstrip("/"))
     meta = read_meta(path)
     reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata
-    model_sd = engine.model.state_dict(keep_vars=True)
-    missing = [f"model/{k}" for k in model_sd if f"model/{k}" not in stored]
-    if missing:
-        raise ValueError(
-            f"checkpoint {path!r} lacks model tensors {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model."
-        )
-    for k, v in model_sd.items():
-        shape = tuple(stored[f"model/{k}"].size)
-        if shape != _full_shape(v):
-            raise ValueError(f"checkpoint tensor model/{k} has shape {shape}, the model's is {_full_shape(v)}.")
-    if meta["optimizer"] != type(engine.optimizer).__name__:
-        raise ValueError(
-            f"checkpoint {path!r} holds {meta['optimizer']} state; the engine's optimizer is "
-            f"{type(engine.optimizer).__name__}. Build the same optimizer class to resume."
-        )
-    # Optimizer state: allocate what the checkpoint holds, for the parameters we hold.
-    params = _held_params(engine)
-    optim, reads = {}, {}
-    for k, md in stored.items():
-        if not k.startswith("optim/"):
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    for name, component in state.items():
+        prefix = name + "/"
+        if isinstance(component, LazyStateful):
+            mine = {k[len(prefix) :]: md for k, md in stored.items() if k.startswith(prefix)}
+            targets[name] = component.load_targets(mine, meta)
             continue
-        pname, key = k[len("optim/") :].rsplit("/", 1)
-        if pname in params:
-            spec = get_spec(params[pname])
-            if is_sharded(spec) and tuple(md.size) == spec.full_shape:  # state shaped like the shard
-                optim[k] = torch.empty(spec.local_shape(), dtype=md.properties.dtype, device=params[pname].device)
-            else:
-                optim[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                spec = None
-            reads[k] = _for_dcp(optim[k], spec)
-    # the loaded parameters become the shards and masters (gradient sync) as the gather ends
-    with engine.grad_sync.gathered(writable=True):
-        # Read inside the gather: a gathered parameter may be another tensor (ZeRO-3 param_dtype's fp32 copies).
-        want = {f"model/{k}": _for_dcp(v, get_spec(v)) for k, v in engine.model.state_dict(keep_vars=True).items()}
-        dcp.load({**want, **reads}, storage_reader=reader)
-    from_checkpoint_name = {c: n for n, c in _to_checkpoint_names(engine).items()}
-    states: dict = {}
-    for k, v in optim.items():
-        pname, key = k[len("optim/") :].rsplit("/", 1)
-        states.setdefault(from_checkpoint_name[pname], {})[key] = v
-    engine.grad_sync.load_state_dict(states)
-    for g, hyper in zip(engine.optimizer.param_groups, meta["param_groups"]):
-        for k, v in hyper.items():
-            if k in g:
-                g[k] = tuple(v) if isinstance(g[k], tuple) else v
-    engine.step_count = int(meta["step"])
-    if engine.scaler is not None and meta.get("scaler"):
-        engine.scaler.load_state_dict(meta["scaler"])
-    rng_file = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
-    if meta["world_size"] == dist.get_world_size() and os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        want = {k: v for k, v in component.state_dict().items() if isinstance(v, torch.Tensor)}
+        missing = [prefix + k for k in want if prefix + k not in stored]
+        if missing:
+            raise ValueError(
+                f"checkpoint {path!r} lacks {name} tensors {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}: it was saved from a different model."
+            )
+        for k, v in want.items():
+            shape = tuple(stored[prefix + k].size)
+            if shape != _full_shape(v):
+                raise ValueError(f"checkpoint tensor {prefix}{k} has shape {shape}, the model's is {_full_shape(v)}.")
+        targets[name] = want
+    reads = {f"{name}/{k}": _for_dcp(v, get_spec(v)) for name, ts in targets.items() for k, v in ts.items()}
+    dcp.load(reads, storage_reader=reader)
+    values = {k: v for k, v in meta.items() if k not in ("format", "world_size", "extra")}
+    for name, component in state.items():
+        component.load_state_dict({**values, **targets[name]})
+    if meta["world_size"] == dist.get_world_size():
+        for name, component in (rank_state or {}).items():
+            rank_file = os.path.join(path, f"{name}-rank{dist.get_rank()}.pt")
+            if os.path.exists(rank_file):
+                component.load_state_dict(torch.load(rank_file, weights_only=True))
     return meta["extra"]

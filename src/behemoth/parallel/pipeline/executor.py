@@ -1,0 +1,143 @@
+"""The pipeline step executor: one step's micro-batches through a schedule.
+
+Implements GPipe (Huang et al. 2019), 1F1B / PipeDream-Flush (Narayanan et al. 2021),
+interleaved 1F1B (Narayanan et al., SC'21) and ZB-H1 zero-bubble (Qi et al., ICLR 2024)
+behind the same ``engine.step(batch)`` as every other plan. The engine
+(:mod:`behemoth.engine`) splits the batch and owns the gradient sync; this executor runs this
+rank's action list of the schedule (``schedules.make_schedule``; checked deadlock-free by
+``simulate.simulate`` before anything is built) over the stage(s) :class:`~.stage.PipelineSplit` cut,
+sums tied-weight gradients between the first and the last stage, and sums the loss over ``pp``.
+
+Loss: every micro-batch's loss on the last stage is its token-loss sum times the engine's
+factor (1 / global token count), so gradients summed over micro-batches, stages' dp replicas
+and tied copies are exactly the serial model's. Zero-bubble splits each backward for real:
+``BI`` is ``autograd.grad`` of the stage output w.r.t. the stage input only (graph retained),
+``BW`` later backpropagates the same output gradient into the stage's parameters only
+(``backward(inputs=params)``), as ``torch.distributed.pipelining``'s stage_backward_input /
+stage_backward_weight do; the gradients equal a full backward's.
+
+Gradient sync: tied copies are summed into the gradients the sync reduces (reduction is linear:
+the same sums as reducing first), then the sync reduces every gradient. With one chunk per rank
+and no tied copy on this rank, the last weight-gradient action of the step (B or BW of the last
+micro-batch) touches every parameter of the stage, so the sync launches its reductions during
+it, overlapped with the backward; otherwise it reduces after the schedule.
+
+Failure: a rank that raises, or dies, leaves its peers waiting in a receive, which the
+process group's timeout (``BEHEMOTH_TIMEOUT``) turns into an error on every rank.
+
+Tested in tests/dist/test_pipeline_parity.py and tests/dist/test_pipeline_faults.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import comm
+from ...batch import model_inputs, row_block
+from ...loss import MicroBatchLoss, logits_of
+from ...precision import autocast_context
+from .p2p import StageChannels
+from .schedules import BI, BW, B, F
+from .stage import PipelineSplit
+
+__all__ = ["PipelineExecutor"]
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of ``schedule`` (``schedules.make_schedule``'s per-rank action
+    lists, checked by ``simulate.simulate``) for one step (``run``)."""
+
+    def __init__(
+        self,
+        model,
+        split: PipelineSplit,
+        channels: StageChannels,
+        schedule,
+        plan,
+        loss: MicroBatchLoss,
+        *,
+        batch_parts: int,
+        batch_index: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.split, self.channels, self.loss = model, split, channels, loss
+        self.precision, self.device = plan.precision, device
+        self.batch_parts, self.batch_index = batch_parts, batch_index
+        self.schedule, self.actions = schedule, schedule[split.rank]
+        weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
+        holds_tied = any(split.rank in (ra, rb) for _, ra, _, rb in split.tied)
+        # the action whose backward completes every gradient of the stage: reductions overlap it
+        self.sync_at = weight_steps[-1] if plan.virtual_stages == 1 and not holds_tied else None
+
+    def configure(self, grad_sync) -> None:
+        """The serial model's gradient norm: summed over pp, a tied copy counted on the first stage only."""
+        kept = {id(p) for p in self.split.norm_parameters()}
+        grad_sync.configure_norm([self.split.axis], [p for p in grad_sync.params if id(p) not in kept])
+
+    def check_batch(self, rows: int | None, microbatches: int) -> None:
+        if rows is None or rows % microbatches:
+            raise ValueError(
+                f"pipeline parallelism: this rank's batch of {rows} rows cannot be split into "
+                f"Plan.microbatches={microbatches} micro-batches; use a per-rank batch that is a multiple of "
+                f"{microbatches}."
+            )
+
+    def run(self, micro: list, scale: torch.Tensor, loss_scale: float, grad_sync) -> torch.Tensor:
+        """This rank's actions on the step's micro-batches (backward of each loss times ``scale``;
+        ``loss_scale`` is 1: pipelines refuse fp16);
+        gradients left reduced in ``grad_sync``. Returns the loss sum of the step's micro-batches
+        (float64 ``[1]``, not times ``scale``), summed over ``pp`` (the last stage holds it)."""
+        split, ch = self.split, self.channels
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        pp, rank, last = split.pp, split.rank, split.num_stages - 1
+        nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+        saved: dict[tuple[int, int], list] = {}  # (micro-batch, chunk) -> [stage input, output, output grad]
+        for i, a in enumerate(self.actions):
+            s, key = split.stage(a.chunk), (a.microbatch, a.chunk)
+            if a.kind == F:
+                local = row_block(micro[a.microbatch], self.batch_parts, self.batch_index)
+                inputs = model_inputs(local)
+                shape = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
+                x = None if s == 0 else ch.recv_activation(s - 1, shape, prv).requires_grad_()
+                split.ctx.chunk, split.ctx.stash = a.chunk, x
+                try:
+                    with autocast_context(self.precision, self.device):
+                        out = self.model(*inputs)
+                finally:
+                    split.ctx.chunk, split.ctx.stash = None, None
+                if s == last:
+                    loss = self.loss(out, micro[a.microbatch], local)
+                    total += loss.detach().double()
+                    y = loss.float() * (scale * loss_scale).float()
+                else:
+                    y = logits_of(out)
+                    ch.send_activation(y, s, shape, nxt)
+                saved[key] = [x, y, None]
+            elif a.kind in (B, BI):
+                x, y, _ = saved[key]
+                g = None if s == last else ch.recv_grad(y, nxt)
+                if a.kind == B:
+                    grad_sync.begin(sync=i == self.sync_at)
+                    torch.autograd.backward(y, g)
+                    del saved[key]
+                    if s > 0:
+                        ch.send_grad(x.grad, prv)
+                else:  # input gradient only; the graph is kept for BW
+                    if s > 0:
+                        (gx,) = torch.autograd.grad(y, (x,), g, retain_graph=True)
+                        ch.send_grad(gx, prv)
+                    saved[key][2] = g
+            else:  # BW: the same output gradient into this chunk's parameters only
+                _, y, g = saved.pop(key)
+                grad_sync.begin(sync=i == self.sync_at)
+                torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
+        ch.finish()
+        if self.sync_at is None:  # tied copies summed before the reduction, which runs now
+            for a, ra, b, rb in split.tied:
+                if rank in (ra, rb):
+                    grad_sync.ensure_grad(self.model.get_parameter(a if rank == ra else b))
+            split.sync_tied_grads()
+            grad_sync.begin(sync=True)
+        grad_sync.finish()
+        comm.all_reduce(total, split.axis)  # only the last stage holds a non-zero sum
+        return total
