@@ -116,7 +116,7 @@ def _check_traffic(family, plan):
                               dtype_bytes=4, param_bytes=4,
                               diagonal=mesh.coord("tp_row") == mesh.coord("tp_col")).total
     # and the engine's report of the loss: its float64 sum all-reduced over each batch axis
-    want += sum(2 * (ax.size - 1) * 8 / ax.size for ax in engine.batch_axes)
+    want += sum(2 * (ax.size - 1) * 8 / ax.size for ax in engine.parallel.batch_axes)
     assert got == want, f"{plan.describe()} {family}: ledger {got} B vs formula {want:.0f} B"
 
 

@@ -154,7 +154,7 @@ def _check_traffic(family, plan):
     got = sum(stats.get(a, {}).get("wire_bytes", 0) for a in TP_AXES)
     want = tp3d_model_traffic(shape, batch=BATCH, seq=SEQ, tp=plan.tp, dtype_bytes=4, param_bytes=4).total
     # and the engine's report of the loss: its float64 sum all-reduced over each batch axis
-    want += sum(2 * (ax.size - 1) * 8 / ax.size for ax in engine.batch_axes)
+    want += sum(2 * (ax.size - 1) * 8 / ax.size for ax in engine.parallel.batch_axes)
     assert got == want, f"{plan.describe()} {family}: ledger {got} B vs formula {want:.0f} B"
     return got, want
 
