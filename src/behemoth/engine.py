@@ -173,7 +173,9 @@ class Engine:
     # ---------------------------------------------------------------- identity
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that updates this rank's parameters (the gradient sync's)."""
+        """The optimizer passed to :func:`boost`, the very object, re-targeted at this rank's
+        parameters (under ZeRO at its chunk shards): a learning-rate scheduler attached to it
+        steps the real learning rate."""
         return self.grad_sync.optimizer
 
     @property
