@@ -127,9 +127,9 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
             "the optimizer holds a parameter that is not in the model; build it over "
             "model.parameters() (or groups of them) before bh.boost."
         )
-    if (plan.tp > 1 or plan.zero) and optimizer.state:
+    if (plan.tp > 1 or plan.zero or plan.ep > 1) and optimizer.state:
         raise ValueError(
-            "the optimizer already has state; under tensor parallelism or ZeRO build the engine "
+            "the optimizer already has state; under tensor or expert parallelism or ZeRO build the engine "
             "before the first optimizer step (its state would not match the parameter shards)."
         )
 

@@ -136,6 +136,24 @@ def _micro_and_bf16_world(rank: int, world: int) -> None:
         assert_state_close(engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if dtype else {}))
 
 
+def _parallelize_world(rank: int, world: int) -> None:
+    """bh.parallelize alone (no optimizer): an ep=2 model's forward on this rank's rows gives the
+    serial model's logits for them, and its router losses are this rank's share of the serial
+    batch's (their sum over ranks is the serial value)."""
+    batch = global_batches(1, BATCH)[0]
+    serial = build_moe()
+    with torch.no_grad():
+        want_logits = serial(batch["input_ids"])
+    want_aux = serial.aux_loss()
+    model = bh.parallelize(build_moe(), bh.Plan(dp=world, ep=2))
+    with torch.no_grad():
+        logits = model(shard(batch, rank, world)["input_ids"])
+    torch.testing.assert_close(logits, want_logits.chunk(world)[rank], rtol=1e-5, atol=1e-5)
+    aux = model.aux_loss().reshape(1)
+    torch.distributed.all_reduce(aux)
+    torch.testing.assert_close(aux[0], want_aux, rtol=1e-5, atol=0)
+
+
 def _refusals_world(rank: int, world: int) -> None:
     from common import build
 
@@ -149,6 +167,11 @@ def _refusals_world(rank: int, world: int) -> None:
                  kind=NotImplementedError)
     expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=world)), "tp=2",
                  kind=NotImplementedError)
+    stepped = build_moe()
+    opt = optimizer_for(stepped)
+    stepped(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()  # state shaped like all E experts: would not fit this rank's E/ep
+    expect_error(lambda: bh.boost(stepped, opt, bh.Plan(dp=world, ep=2)), "already has state", "expert")
     t = torch.ones(1)
     torch.distributed.all_reduce(t)  # every rank got here: nothing hung
     assert t.item() == world
@@ -161,6 +184,10 @@ def test_expert_parallel_matches_serial(world, eps):
 
 def test_expert_parallel_refusals():
     bh.spawn(_refusals_world, 2, timeout=300)
+
+
+def test_parallelize_experts_without_an_optimizer():
+    bh.spawn(_parallelize_world, 2, timeout=300)
 
 
 def test_expert_parallel_microbatches_and_bf16():
