@@ -42,7 +42,7 @@ from .batch import rows, split_microbatches, to_device
 from .checkpoint import RNGState, load_checkpoint, save_checkpoint
 from .engine_state import ModelState, OptimizerState
 from .executor import SequentialExecutor, StepExecutor
-from .loss import IGNORE_INDEX, MicroBatchLoss
+from .loss import IGNORE_INDEX, MicroBatchLoss, check_shifted_labels
 from .parallel.pipeline.executor import PipelineExecutor
 from .parallel.pipeline.schedules import make_schedule
 from .parallel.pipeline.simulate import simulate
@@ -245,6 +245,7 @@ class Engine:
             x, y = batch["input_ids"], batch["labels"]
             if x.dim() != 2 or x.shape != y.shape:
                 raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
+            check_shifted_labels(x, y)
         n_rows, m, parts = rows(batch), self.plan.microbatches, self.parallel.batch_parts
         if n_rows is not None and not (self.loss_fn is not None and parts == 1):
             if n_rows % m:

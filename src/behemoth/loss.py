@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "MicroBatchLoss", "logits_of", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "MicroBatchLoss", "check_shifted_labels", "logits_of", "token_loss_sum"]
 
 IGNORE_INDEX = -100
 
@@ -33,6 +33,25 @@ def logits_of(outputs) -> torch.Tensor:
             f"loss_fn=... to bh.boost to compute the loss from it."
         )
     return logits
+
+
+def check_shifted_labels(input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse transformers-style labels (``labels = input_ids``, which transformers shifts inside
+    its own loss): here ``logits[:, i]`` meets ``labels[:, i]``, so such a batch would train a
+    copy task. Exact: the batch is refused only when every labelled position equals its input
+    token and some labelled position i is followed by a different token (shifted labels of one
+    stream have ``labels[:, i] = input_ids[:, i + 1]`` there); a row of one repeated token
+    reads the same both ways and passes. Local: this rank's rows, no communication."""
+    labelled = labels != IGNORE_INDEX
+    if not bool(((labels == input_ids) | ~labelled).all()):
+        return
+    if bool((labelled[:, :-1] & (input_ids[:, 1:] != input_ids[:, :-1])).any()):
+        raise ValueError(
+            "labels equal input_ids at every labelled position, but labels must be shifted: labels[:, i] is "
+            "the token that follows input_ids[:, i] (-100: no loss); as given, the model would learn to copy "
+            "its input. For transformers-style batches (labels = input_ids) pass "
+            "labels=behemoth.train.data.shift_labels(labels)."
+        )
 
 
 def token_loss_sum(outputs, batch: dict) -> torch.Tensor:
