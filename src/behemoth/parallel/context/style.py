@@ -66,11 +66,12 @@ _POSITION_KWARGS = ("position_ids", "position_ids_BS")
 class ContextParallelAttention:
     """The context-parallel style of one causal self-attention module.
 
-    ``apply(module, mesh)`` makes the module's core attention :func:`context_attention` over
+    ``apply(module, mesh)`` makes the module's core attention
+    :func:`~behemoth.parallel.context.context_attention` over
     ``mesh.axis('cp')`` in ``mode``'s layout (``'ulysses'`` or ``'ring'``); the module then
     takes this rank's share of the sequence (``[B, S/cp, ...]``) and returns its share.
     Parameters are untouched (replicated over ``cp``). No collective is issued here; the
-    attention's own are those of :func:`context_attention`. Raises ``ValueError`` for a
+    attention's own are those of the mode's core. Raises ``ValueError`` for a
     module that is not causal self-attention or has no attention seam (see the module
     docstring), before changing it."""
 
@@ -255,12 +256,12 @@ def parallelize_context(model: nn.Module, mesh, plan, *, attention: str | None =
     every attention module of ``model``, in place, and return the record the engine splits
     batches with.
 
-    ``attention`` is the ``fnmatch`` pattern of the attention modules
-    (``"blocks.*.attn"``); ``None`` takes the pattern of the model family's
-    :class:`~behemoth.specs.ModelSpec`, and for a model no spec describes finds them (modules
-    with an ``attention_fn``, or a transformers model's attention modules in its blocks). Runs after tensor parallelism (head counts are
-    then local). Every check runs first, on every rank, before anything changes; no
-    collective is issued here. State-dict keys and parameters are untouched: parameters stay
+    ``attention`` is the ``fnmatch`` pattern of the attention modules (``"blocks.*.attn"``);
+    ``None`` takes the pattern of the model family's :class:`~behemoth.specs.ModelSpec`, and
+    for a model no spec describes finds them (modules with an ``attention_fn``, or a
+    transformers model's attention modules in its blocks). Runs after tensor parallelism
+    (head counts are then local). Every check runs first, on every rank, before anything
+    changes; no collective is issued here. State-dict keys and parameters are untouched: parameters stay
     replicated over ``cp`` (their gradients are partial sums, which the engine all-reduces
     over ``dp_cp``)."""
     axis = mesh.axis("cp")
