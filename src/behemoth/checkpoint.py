@@ -50,6 +50,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -344,6 +345,43 @@ def save_checkpoint(
 
 
 # ------------------------------------------------------------------ load
+def damage(path: str) -> str | None:
+    """What is wrong with the files a load of complete checkpoint ``path`` reads, or None when
+    they are whole: meta.json parses, the tensor index (.metadata) unpickles (safely), each shard
+    file is as long as the index says, each rng-rank*.pt is a whole archive. Reads sizes and
+    small files only, so every rank can check before any collective."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its {META} cannot be read ({e})"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "its tensor index .metadata is missing"
+    try:
+        index = SafeFileSystemReader(path).read_metadata()
+    except Exception as e:  # whatever the unpickler raised, the index is unreadable
+        return f"its tensor index .metadata cannot be read ({type(e).__name__}: {e})"
+    need: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) < size:
+            return f"{name} is truncated ({os.path.getsize(file):,} bytes; its index needs {size:,})"
+    for name in sorted(os.listdir(path)):
+        if name.startswith("rng-rank") and name.endswith(".pt"):
+            try:
+                with zipfile.ZipFile(os.path.join(path, name)) as z:
+                    bad = z.testzip()
+            except (zipfile.BadZipFile, OSError) as e:
+                bad = str(e)
+            if bad is not None:
+                return f"{name} is not a whole archive ({bad})"
+    return None
+
+
 def read_meta(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist.")
@@ -351,6 +389,12 @@ def read_meta(path: str) -> dict:
         raise ValueError(
             f"checkpoint {path!r} is incomplete (no {META}): its save was interrupted. "
             f"Load the newest complete one instead (behemoth.checkpoint.latest_checkpoint)."
+        )
+    problem = damage(path)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {path!r} is damaged: {problem}. Load another one (behemoth.checkpoint.latest_checkpoint "
+            f"finds the newest complete one once this one is moved away)."
         )
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)

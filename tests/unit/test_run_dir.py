@@ -125,7 +125,8 @@ def _saved_run(ckpt_dir, step: int, config) -> None:
     d = ckpt_dir / f"step-{step}"
     dcp.save({"model/w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
     torch.save({"torch": torch.get_rng_state()}, d / "rng-rank0.pt")
-    (d / "meta.json").write_text(json.dumps({"step": step, "extra": {"config": config.to_dict()}}))
+    meta = {"format": 1, "step": step, "extra": {"config": config.to_dict()}}
+    (d / "meta.json").write_text(json.dumps(meta))
 
 
 def test_resume_refuses_changes_to_what_the_checkpoint_means_and_names_the_rest(tmp_path):
@@ -224,3 +225,15 @@ def test_a_restarted_group_continues_its_own_run(tmp_path):
     assert restarted(from_other, 1).train.resume_from is None  # its own newest checkpoint now
     plain = load_config(None, [f"--train.out_dir={out}"])
     assert restarted(plain, 3) is plain
+
+
+def test_the_checkpoint_loader_refuses_a_damaged_checkpoint_before_reading_tensors(tmp_path):
+    from behemoth.checkpoint import damage, read_meta
+
+    _saved_run(tmp_path, 3, load_config(None))
+    ckpt = str(tmp_path / "step-3")
+    assert damage(ckpt) is None and read_meta(ckpt)["step"] == 3
+    rng = tmp_path / "step-3" / "rng-rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:40])
+    with pytest.raises(ValueError, match=r"step-3' is damaged: rng-rank0.pt is not a whole archive"):
+        read_meta(ckpt)

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import zipfile
 
 from behemoth.train.config import Config, ConfigError, TrainSection
 
@@ -242,37 +241,14 @@ def _damaged(checkpoint: str, what: str) -> ConfigError:
 
 
 def check_files(checkpoint: str) -> None:
-    """Every file a load of ``checkpoint`` reads is whole: the tensor index (.metadata) unpickles
-    (safely), each shard file is as long as the index says, each rng-rank*.pt is a whole archive.
-    Reads sizes and small files only; call on every rank, so all refuse together before loading."""
-    from behemoth.checkpoint import SafeFileSystemReader
+    """Refuse a damaged checkpoint (``behemoth.checkpoint.damage``: a truncated shard or RNG file,
+    an unreadable index) with the trainer's fix. Reads sizes and small files: call on every rank,
+    so all refuse together before loading."""
+    from behemoth.checkpoint import damage
 
-    if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
-        raise _damaged(checkpoint, "its tensor index .metadata is missing")
-    try:
-        index = SafeFileSystemReader(checkpoint).read_metadata()
-    except Exception as e:  # any unreadable index is damage: name it, whatever the unpickler raised
-        raise _damaged(checkpoint, f"its tensor index .metadata cannot be read ({type(e).__name__}: {e})") from None
-    need: dict[str, int] = {}
-    for info in (getattr(index, "storage_data", None) or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            raise _damaged(checkpoint, f"{name} is missing")
-        if os.path.getsize(path) < size:
-            raise _damaged(
-                checkpoint, f"{name} is truncated ({os.path.getsize(path):,} bytes; its index needs {size:,})"
-            )
-    for name in sorted(os.listdir(checkpoint)):
-        if name.startswith("rng-rank") and name.endswith(".pt"):
-            try:
-                with zipfile.ZipFile(os.path.join(checkpoint, name)) as z:
-                    bad = z.testzip()
-            except (zipfile.BadZipFile, OSError) as e:
-                bad = str(e)
-            if bad is not None:
-                raise _damaged(checkpoint, f"{name} is not a whole archive ({bad})")
+    problem = damage(checkpoint)
+    if problem is not None:
+        raise _damaged(checkpoint, problem)
 
 
 def check_resume(checkpoint: str, config: Config) -> list[str]:
