@@ -528,3 +528,36 @@ def test_a_damaged_checkpoint_is_named_with_the_fix(tmp_path):
     text = "".join(job.out)
     assert "warning: step-4 in" in text and "has no meta.json" in text, job.text
     assert re.search(r"^resumed from .*step-2 at step 2$", text, re.M), job.text
+
+
+@pytest.mark.timeout(300)
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path):
+    """A 2-rank run's step-4 weights start a new one-process run (fresh optimizer, step 1, data from the
+    start): its first loss is the serial loss of those weights on the first global batch."""
+    import torch
+
+    from behemoth.models import build_model
+    from behemoth.train.data import BatchSampler, TokenDataset, default_corpus_text
+    from behemoth.train.tokenizer import get_tokenizer
+
+    first = tmp_path / "first"
+    job = Job("run", "--nproc", "2", "train", DEMO, *TINY, "--train.steps=4", f"--train.out_dir={first}", cwd=tmp_path)
+    assert job.wait(180) == 0, job.text
+    step4 = first / "checkpoints" / "step-4"
+    new = tmp_path / "new"
+    args = [*TINY, "--train.steps=1", f"--train.init_from={step4}", f"--train.out_dir={new}"]
+    job = Job("train", DEMO, *args, cwd=tmp_path)
+    assert job.wait(120) == 0, job.text
+    assert f"initialised the model from {step4}" in "".join(job.out), job.text
+    got = json.loads((new / "metrics.jsonl").read_text().splitlines()[0])
+    assert got["step"] == 1
+
+    data = TokenDataset.from_texts([default_corpus_text(50000)], get_tokenizer("byte"))
+    batch = BatchSampler(data, seq_len=32, global_batch_size=4, dp_rank=0, dp_size=1).global_batch(0)
+    state = {k[len("model/") :]: v for k, v in _weights(step4).items() if k.startswith("model/")}
+    model = build_model("gpt-tiny", vocab_size=257, seq_len=32)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(batch["input_ids"])
+        want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    assert got["loss"] == pytest.approx(want, rel=1e-5)

@@ -262,6 +262,9 @@ class TrainSection:
     """Resume from this checkpoint directory instead of the newest in out_dir/checkpoints (a checkpoint of
     this run's own out_dir rewinds it: newer checkpoints are deleted). A group restarted by torchrun
     continues from its own newest checkpoint instead (and neither overwrites nor refuses its out_dir)."""
+    init_from: str | None = None
+    """Start a new run from this checkpoint's model weights only (fresh optimizer, step 0, data from the
+    start); ignored when the run resumes from a checkpoint of its own."""
     overwrite: bool = False
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3
@@ -294,10 +297,12 @@ class TrainSection:
         for key in ("resume", "overwrite"):
             v = getattr(self, key)
             _require(isinstance(v, bool), f"train.{key}={v!r}: must be true or false.")
-        _require(
-            self.resume_from is None or (isinstance(self.resume_from, str) and self.resume_from != ""),
-            f'train.resume_from={self.resume_from!r}: must be a checkpoint directory, or "none".',
-        )
+        for key in ("resume_from", "init_from"):
+            v = getattr(self, key)
+            _require(
+                v is None or (isinstance(v, str) and v != ""),
+                f'train.{key}={v!r}: must be a checkpoint directory, or "none".',
+            )
         _require(
             _is_number(self.hang_timeout) and self.hang_timeout >= 0,
             f"train.hang_timeout={self.hang_timeout!r}: must be a number of seconds >= 0 (0 turns the watchdog off).",

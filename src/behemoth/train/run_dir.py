@@ -43,6 +43,7 @@ __all__ = [
     "resume_changes",
     "check_files",
     "check_resume",
+    "load_weights",
 ]
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json")
@@ -216,7 +217,9 @@ FIXED_ON_RESUME = {
 }
 """Settings a resume must keep: the saved weights and data position mean nothing under others."""
 
-_NOT_NOTED = {("train", k) for k in ("out_dir", "resume", "overwrite", "resume_from")} | {("data", "cache_dir")}
+_NOT_NOTED = {("train", k) for k in ("out_dir", "resume", "overwrite", "resume_from", "init_from")} | {
+    ("data", "cache_dir")
+}
 
 
 def resume_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -272,3 +275,30 @@ def check_resume(checkpoint: str, config: Config) -> list[str]:
             f"(another --train.out_dir, or --train.overwrite=true)."
         )
     return noted
+
+
+def load_weights(model, checkpoint: str) -> None:
+    """Load only the model weights of ``checkpoint`` (saved under any plan) into the serial
+    ``model``, before it is parallelised: every rank reads the whole tensors, no communication.
+    Refuses a damaged checkpoint or one of another model, naming the fix."""
+    import torch.distributed.checkpoint as dcp
+
+    from behemoth.checkpoint import SafeFileSystemReader
+
+    if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
+        raise ConfigError(f"train.init_from={checkpoint!r} is not a complete checkpoint (no meta.json).")
+    check_files(checkpoint)
+    reader = SafeFileSystemReader(checkpoint)
+    stored = reader.read_metadata().state_dict_metadata
+    state = model.state_dict()
+    wrong = [
+        k for k, v in state.items() if f"model/{k}" not in stored or tuple(stored[f"model/{k}"].size) != tuple(v.shape)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"train.init_from={checkpoint!r} holds another model (missing or other shapes: {wrong[:3]}"
+            f"{' ...' if len(wrong) > 3 else ''}); set the [model] section it was trained with."
+        )
+    tensors = {f"model/{k}": v for k, v in state.items()}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    model.load_state_dict({k: tensors[f"model/{k}"] for k in state})

@@ -40,6 +40,7 @@ from behemoth.train.run_dir import (
     check_out_dir,
     check_resume,
     clear_run,
+    load_weights,
     prune_checkpoints,
     restarted,
     rewind,
@@ -198,6 +199,8 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
 
     tokenizer = get_tokenizer(config.data.tokenizer)
     model = _build_model(mc)
+    if tc.init_from is not None and not resumed_from:
+        load_weights(model, tc.init_from)  # before boost shards it: any plan reads the serial tensors
     # Serial counts, taken before boost shards the model in place (tensor parallelism).
     num_params, flops_per_token = model.num_params(), model.flops_per_token(mc.seq_len)
     engine = bh.boost(
@@ -268,6 +271,8 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
             )
         if resumed_from:
             log(f"resumed from {resumed_from} at step {start}")
+        elif tc.init_from is not None:
+            log(f"initialised the model from {tc.init_from} (weights only: new optimizer, step 0)")
         if changes:
             log(f"changed since the checkpoint (applied from now on): {'; '.join(changes)}")
         rewound = rewind(ckpt_dir, start) if resumed_from and tc.resume_from is not None else []
