@@ -315,19 +315,10 @@ class Engine:
 
     def save(self, path: str, extra: dict | None = None) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
-        self._check_checkpointable()
         with self.grad_sync.gathered():  # ZeRO-3: parameters gathered while they are written
             save_checkpoint(path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()})
 
     def load(self, path: str) -> dict:
         """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
-        self._check_checkpointable()
         with self.grad_sync.gathered(writable=True):  # ZeRO: what is read becomes the shards and masters
             return load_checkpoint(path, self._checkpoint_parts(), rank_state={"rng": RNGState()})
-
-    def _check_checkpointable(self) -> None:
-        if self.plan.ep > 1:
-            raise NotImplementedError(
-                f"engine.save/load with Plan.ep={self.plan.ep}: checkpoints of expert-sharded parameters are not "
-                f"built yet. Export engine.full_state_dict() (the serial model's state) instead, or train with ep=1."
-            )

@@ -45,6 +45,7 @@ from ... import comm
 from ...comm import Axis
 from ...models.moe import MoEFeedForward, balance_terms, route, z_loss_sum
 from ..style import apply_styles
+from ..tensor.layout import DimShard, ShardSpec, set_spec
 from .dispatch import combine, dispatch
 from .grouped import grouped_swiglu
 
@@ -156,8 +157,11 @@ class ExpertParallel:
         if not ep.trivial:
             with torch.no_grad():
                 for p in (module.gate_up_proj, module.down_proj):
+                    full_shape = tuple(p.shape)
                     p.data = p.data[shard.first : shard.first + count].clone()
                     p._behemoth_expert_shard = shard
+                    # where the block sits in the serial tensor: checkpoints write and read it as such
+                    set_spec(p, ShardSpec(full_shape, (DimShard(0, ep.size, ep.rank, (ep.name,)),)))
         module.forward = types.MethodType(_make_forward(ep, data), module)
         return module
 

@@ -24,7 +24,8 @@ def full_state_dict(model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
     sharded = {}
     for v in state.values():
         spec = get_spec(v)
-        if is_sharded(spec) and id(v) not in sharded:
+        over_ep = is_sharded(spec) and any("ep" in d.axes for d in spec.dims)  # experts: gathered by their style
+        if is_sharded(spec) and not over_ep and id(v) not in sharded:
             sharded[id(v)] = (v, spec)
     full: dict[int, torch.Tensor] = {}
     if sharded and not tp.trivial:
