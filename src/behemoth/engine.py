@@ -167,6 +167,7 @@ class Engine:
         self.loss_fn, self.max_grad_norm = loss_fn, max_grad_norm
         self.scaler = LossScaler() if self.plan.precision == "fp16" else None
         self.step_count = 0
+        self._labels_checked = False
         self._grad_norm: torch.Tensor | float | None = float("nan")
         self.last_tokens = 0
 
@@ -245,7 +246,12 @@ class Engine:
             x, y = batch["input_ids"], batch["labels"]
             if x.dim() != 2 or x.shape != y.shape:
                 raise ValueError(f"input_ids {tuple(x.shape)} and labels {tuple(y.shape)} must both be [B, S].")
-            check_shifted_labels(x, y)
+            # The label check reads its verdict on the host: free for a batch still on the host, a
+            # device sync for one already on an accelerator, which would stall every step's launch
+            # queue; such batches are checked on the engine's first step only.
+            if x.device.type == "cpu" or not self._labels_checked:
+                check_shifted_labels(x, y)
+                self._labels_checked = True
         n_rows, m, parts = rows(batch), self.plan.microbatches, self.parallel.batch_parts
         if n_rows is not None and not (self.loss_fn is not None and parts == 1):
             if n_rows % m:
