@@ -150,6 +150,7 @@ class ZeroOptimizer:
         self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
+        self._weight_cache: dict[tuple, torch.Tensor] = {}  # _norm_sq_of's piece weights, on their device
         chunk_axes = [axes[ch.params[0]] for ch in self.layout.chunks] if axes is not None and stage == 0 else None
         # per chunk, the axis its parameters are sharded over (their squared norms are summed over it)
         self._shard_axes = [s for _, s in chunk_axes] if chunk_axes else None
@@ -267,6 +268,7 @@ class ZeroOptimizer:
         self._norm_axes += [a for a in extra_axes if not a.trivial]
         self._norm_skip = {id(p) for p in skip}
         self._weights = self._norm_weights()
+        self._weight_cache.clear()
 
     # ------------------------------------------------------------------ the engine's gradient protocol
     def start_step(self) -> None:
@@ -344,11 +346,23 @@ class ZeroOptimizer:
         for ax in self._shard_axes or ():
             if ax is not None and not ax.trivial:
                 sharded.setdefault(ax.name, (ax, torch.zeros(1, dtype=torch.float32, device=self.device)))
+        # Stage 0 on the device reads every chunk here: one multi-tensor norm per accumulator. Elsewhere
+        # a chunk's part may be read early (as its reduction lands, by the CPU-update worker), so every
+        # chunk's part is read alone, the same way, and the step's norm does not depend on where.
+        batched = self.stage == 0 and self.offload is None
+        unread: dict[tuple[int, torch.device], tuple[torch.Tensor, list]] = {}
         for st, g in zip(self.store.chunks, self.reducer.grads()):
             if g is not None:  # parts read as the reductions landed (store) or by the CPU-update worker
                 ax = self._shard_axes[st.index] if self._shard_axes else None
                 acc = sharded[ax.name][1] if ax is not None and ax.name in sharded else sq
-                acc += (st.norm_sq if st.norm_sq is not None else self.norm_sq(st, g)).to(self.device)
+                if st.norm_sq is not None:
+                    acc += st.norm_sq.to(self.device)
+                elif batched:
+                    unread.setdefault((id(acc), g.device), (acc, []))[1].append((st, g))
+                else:
+                    acc += self.norm_sq(st, g).to(self.device)
+        for acc, items in unread.values():
+            acc += self._norm_sq_of(items).to(self.device)
         for ax, part in sharded.values():
             sq += comm.all_reduce(part, ax)
         if self.stage:
@@ -360,14 +374,31 @@ class ZeroOptimizer:
     def norm_sq(self, st, g: torch.Tensor) -> torch.Tensor:
         """This rank's part of the squared gradient norm in ``g``, chunk ``st``'s gradient shard (0-d,
         on ``g``'s device)."""
+        return self._norm_sq_of([(st, g)])
+
+    def _norm_sq_of(self, items: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
+        """The weighted squared norm of the ``(chunk, gradient)`` pairs ``items`` (gradients on one
+        device), 0-d on that device: one multi-tensor norm over every parameter piece and one
+        weighted sum: a few kernels however many parameters the chunks hold. (A kernel per piece
+        is hundreds of launches per step for a model of a billion parameters under tensor
+        parallelism, issued after the backward's host sync while the device waits.)"""
         # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
         # (on the host: fresh pages to fault in for every offloaded chunk, every step).
         if self._weights is None:
-            return torch.linalg.vector_norm(g).square()
-        return sum(
-            (torch.linalg.vector_norm(g.narrow(0, off, n)).square() * w for off, n, w in self._weights[st.index]),
-            torch.zeros((), device=g.device),
-        )
+            norms = torch._foreach_norm([g for _, g in items])
+            return torch.stack(norms).square().sum() if len(norms) > 1 else norms[0].square()
+        pieces = [g.narrow(0, off, n) for st, g in items for off, n, _ in self._weights[st.index]]
+        if not pieces:
+            return torch.zeros((), device=items[0][1].device)
+        device = items[0][1].device
+        key = (device, tuple(st.index for st, _ in items))
+        w = self._weight_cache.get(key)
+        if w is None:
+            w = torch.tensor(
+                [w for st, _ in items for _, _, w in self._weights[st.index]], dtype=torch.float32, device=device
+            )
+            self._weight_cache[key] = w
+        return (torch.stack(torch._foreach_norm(pieces)).square() * w).sum()
 
     def _all_finite(self, grads: list[torch.Tensor]) -> bool:
         """The fp16 overflow vote: every rank calls every agreement (no short-circuit). Stage 0's
