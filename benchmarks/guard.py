@@ -76,6 +76,7 @@ RUNS = [
         args=(*G13, "--zero", "3", "--param-dtype", "bf16"),
         peer="fsdp2_4",
     ),
+    Run(name="tp2_1d", gpus=2, script="bench_gpt.py", args=(*G13, "--tp", "2"), peer="fsdp2_2"),
     Run(name="tp4_1d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4"), peer="fsdp2_4"),
     Run(name="tp4_2d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4", "--tp-mode", "2d"), peer="fsdp2_4"),
     Run(
