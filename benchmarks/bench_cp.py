@@ -1,4 +1,4 @@
-"""GPU benchmark of behemoth's context parallelism (issue 6), one RESULT json line per run.
+"""GPU benchmark of behemoth's context parallelism, one RESULT json line per run.
 
 Two modes:
 

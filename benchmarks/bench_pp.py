@@ -3,7 +3,7 @@ bf16 autocast with fp32 master weights, fused AdamW, ``Plan(pp=2, microbatches=8
 schedule="1f1b")`` on 2 GPUs, against the same model's single-stage throughput measured in
 the same run. One RESULT json line (format of bench_gpt.py).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_pp.py                       # the run
+    torchrun --nproc-per-node 2 benchmarks/bench_pp.py                       # the headline run
     torchrun --nproc-per-node 2 benchmarks/bench_pp.py --schedule zero-bubble
     torchrun --nproc-per-node 2 benchmarks/bench_pp.py --tiny                # CPU smoke test (gloo)
 

@@ -4,7 +4,7 @@
 ``comm.py`` books each collective when it is issued (calls, payload bytes, the wire bytes a
 bandwidth-optimal ring algorithm sends per rank) and adds the time a rank spends blocked on it;
 ``engine.comm_stats()`` reports :meth:`Ledger.stats`. Pure bookkeeping: no torch, no process
-group. The byte formulas are those of DESIGN.md (Patarasuk & Yuan's ring all-reduce moves
+group. The byte formulas are the ring algorithms' (Patarasuk & Yuan's ring all-reduce moves
 ``2(n-1)/n`` of the payload per rank); tests compare the ledger with them, e.g.
 ``pytest tests/dist/test_comm.py tests/dist/test_sequence_parallel.py``.
 """

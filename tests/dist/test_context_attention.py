@@ -4,7 +4,7 @@ For Ulysses (contiguous split) and ring attention (zigzag split): the output and
 gathered back to natural sequence order, equal F.scaled_dot_product_attention(is_causal=True)
 on the full sequence in float64, for multi-head and grouped-query attention (kv heads split,
 and replicated when there are fewer kv heads than cp ranks) and a custom scale; the ledger's
-bytes equal ``ulysses_bytes`` / ``ring_bytes`` (and their ratio to the issue's formulas is
+bytes equal ``ulysses_bytes`` / ``ring_bytes`` (and their ratio to the published formulas is
 what the docstrings state); ring attention saves O(S/cp) per rank, not O(S^2). One spawned
 world per cp degree runs every case.
 """
@@ -79,7 +79,7 @@ def _parity(axis, mode, n, k_heads, scale, seed):
         formula = ulysses_bytes(B, S, n, k_heads, D, cp, e)
         assert fwd["bytes"] == formula and fwd["ops"] == {"all_to_all": 2}, (fwd, formula)
         assert bwd["bytes"] == formula and bwd["ops"] == {"all_to_all": 2}, (bwd, formula)
-        # vs the issue's 4*b*s*h/cp: exact for MHA, (N + K')/(2N) with grouped-query attention.
+        # vs Ulysses' 4*b*s*h/cp: exact for MHA, (N + K')/(2N) with grouped-query attention.
         issue = 4 * B * S * n * D // cp * e
         assert formula / issue == (n + ulysses_kv_heads(k_heads, cp)) / (2 * n)
     else:
@@ -87,7 +87,7 @@ def _parity(axis, mode, n, k_heads, scale, seed):
         assert fwd["bytes"] == formula and fwd["ops"] == {"ring_shift": cp - 1}, (fwd, formula)
         back = ring_bytes(B, S, k_heads, D, cp, e, backward=True)
         assert bwd["bytes"] == back and bwd["ops"] == {"ring_shift": 2 * cp - 1}, (bwd, back)
-        # the issue's 2*(cp-1)*b*(s/cp)*h_kv, exactly.
+        # the ring's 2*(cp-1)*b*(s/cp)*h_kv, exactly.
         assert formula == 2 * (cp - 1) * B * (S // cp) * k_heads * D * e
 
 

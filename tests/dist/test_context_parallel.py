@@ -1,4 +1,4 @@
-"""Context parallelism end to end matches serial training (DESIGN.md's parity law).
+"""Context parallelism end to end matches serial training (the parity law).
 
 * whole models -- behemoth's GPT (learned positions) and Llama (RoPE, GQA), transformers'
   GPT2LMHeadModel and LlamaForCausalLM -- under ``Plan(cp=2|4, cp_mode='ulysses'|'ring')``,
@@ -106,7 +106,7 @@ def _check_traffic(family, plan):
     fwd = engine.comm_stats()["cp"]
     want = cp_model_traffic(shape, wire=False, **kw).forward
     assert fwd["bytes"] == want, f"{what}: forward ledger {fwd['bytes']} B vs formula {want:.0f} B"
-    # the issue's per-layer forward formulas (fp32: 4 bytes), multi-head attention exactly
+    # the per-layer forward formulas (fp32: 4 bytes), multi-head attention exactly
     n_loc = shape.num_heads // tp
     k_loc = shape.num_kv_heads // tp if shape.num_kv_heads >= tp else 1
     h_loc, hkv_loc = n_loc * shape.head_dim, k_loc * shape.head_dim
@@ -348,7 +348,7 @@ def test_plans_that_do_not_compose_are_refused():
 
 
 def test_traffic_formulas_are_the_issues():
-    """Pure: per-layer forward payloads equal the issue's formulas (Ulysses 4bsh/cp for
+    """Pure: per-layer forward payloads equal the published formulas (Ulysses 4bsh/cp for
     multi-head attention, ring 2(cp-1) b (s/cp) h_kv), Ulysses moves the same backward, the
     ring's backward adds the dK/dV buffer's cp shifts, and cp=1 moves nothing."""
     shape = TransformerShape(hidden=64, ffn_hidden=256, num_layers=3, num_heads=8, num_kv_heads=2, vocab_size=100,

@@ -1,4 +1,4 @@
-"""Data parallelism matches serial training (DESIGN.md's parity law), for behemoth's
+"""Data parallelism matches serial training (the parity law), for behemoth's
 models and transformers' models, with accumulation, clipping, AdamW and SGD, and a user
 loss_fn: losses, weights and every step's gradient norm; the ledger's bytes exactly; the
 bucketed all-reduce really overlaps backward; bad plans fail on every rank."""

@@ -1,4 +1,4 @@
-"""1D (Megatron) tensor parallelism matches serial training (DESIGN.md's parity law).
+"""1D (Megatron) tensor parallelism matches serial training (the parity law).
 
 * each parallel layer against its serial layer: outputs and gradients (column/row pair,
   fused QKV, sequence-parallel norms, vocab-parallel embedding, head and cross-entropy);

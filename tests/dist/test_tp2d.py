@@ -1,5 +1,5 @@
 """2D (Optimus) and 2.5D (Tesseract) tensor parallelism on whole models matches serial
-training (DESIGN.md's parity law), through the same ``engine.step(batch)`` as every plan.
+training (the parity law), through the same ``engine.step(batch)`` as every plan.
 
 * behemoth's GPT and Llama, transformers' GPT2LMHeadModel (fused Conv1D QKV, tied
   embeddings) and LlamaForCausalLM (GQA; also one kv head, fewer than q) at 2D tp=4 (AdamW

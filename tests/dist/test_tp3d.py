@@ -1,5 +1,5 @@
 """3D tensor parallelism (Colossal-AI 3D with Tensor3D over-decomposition) on whole models
-matches serial training (DESIGN.md's parity law), through the same ``engine.step(batch)``.
+matches serial training (the parity law), through the same ``engine.step(batch)``.
 
 * behemoth's GPT and Llama, transformers' GPT2LMHeadModel (fused Conv1D QKV, tied
   embeddings) and LlamaForCausalLM (GQA) at 3D tp=8 (AdamW and SGD, clipping, micro-batches):

@@ -132,7 +132,7 @@ def test_traffic_formulas_against_the_issue():
     b, s, n, d, e = 2, 64, 8, 16, 4
     h = n * d
     for cp in (2, 4, 8):
-        # MHA: exactly the issue's 4*b*s*h/cp elements per attention forward.
+        # MHA: exactly Ulysses' 4*b*s*h/cp elements per attention forward.
         assert ulysses_bytes(b, s, n, n, d, cp, e) == 4 * b * s * h // cp * e
         assert ulysses_bytes(b, s, n, n, d, cp, e, wire=True) == 4 * b * s * h // cp * e * (cp - 1) // cp
         for kh in (1, 2, 8):

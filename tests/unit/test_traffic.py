@@ -139,7 +139,7 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
             dw = 16 * 32 / 4 * 4 if depth > 1 else 0
             db = 32 / 2 * 4 * (2 if depth > 1 else 1) if bias else 0
             assert got.backward == 2 * got.forward + dw + db
-    # DESIGN.md: 3 (bsh + h h_o) / q per Linear per device.
+    # Optimus: 3 (bsh + h h_o) / q per Linear per device.
     assert (
         tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total
         == 3 * (64 * 16 + 16 * 32) / 3

@@ -32,7 +32,7 @@ on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. A broadcast 
 books the block's bytes on every member (as the ledger does: a pipelined broadcast/reduce
 moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
 X block and of a W block, ``(T h_in / d + h_in h_out) / q`` elements; backward twice that
-(re-broadcasts plus reduces of the dX and dW partials): DESIGN.md's ``3 (bsh + h h_o)/q``
+(re-broadcasts plus reduces of the dX and dW partials): Optimus's ``3 (bsh + h h_o)/q``
 (:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
 depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
 ``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
@@ -63,7 +63,7 @@ Context parallelism (behemoth.parallel.context; the ledger's ``cp`` axis). Per a
 layer, with the heads of one tensor-parallel rank (``N/tp`` query heads; ``K/tp`` kv heads, or
 one replicated head when ``K < tp``): Ulysses all-to-alls q/k/v and the output forward and
 the inverse pair backward, ``b (s/cp) d (2n + 2 lcm(k, cp))`` elements each way of payload --
-the issue's ``4 b s h/cp`` for multi-head attention -- ``(cp-1)/cp`` of it on the wire; ring
+Ulysses' ``4 b s h/cp`` for multi-head attention -- ``(cp-1)/cp`` of it on the wire; ring
 attention shifts K/V ``cp-1`` times forward, ``2 (cp-1) b (s/cp) h_kv`` elements, and backward
 ``cp-1`` K/V shifts plus ``cp`` shifts of the dK/dV buffer (fp32 for 16-bit inputs); a shift's
 payload is its wire. The exact per-layer counts are ``ulysses_bytes`` / ``ring_bytes`` in

@@ -84,7 +84,7 @@ def ring_bytes(b: int, s: int, k_heads: int, d: int, cp: int, element_size: int,
     """Bytes one rank sends on the ``cp`` axis (ledger payload = wire) for one ring attention.
 
     Forward: ``cp-1`` shifts of the local K and V, ``2*(cp-1)*b*(s/cp)*k_heads*d*element_size``:
-    exactly the issue's ``2*(cp-1)*b*(s/cp)*h_kv`` with ``h_kv = k_heads*d``. With
+    exactly the ring's ``2*(cp-1)*b*(s/cp)*h_kv`` with ``h_kv = k_heads*d``. With
     ``backward=True``, the backward instead: ``cp-1`` K/V shifts again plus ``cp`` shifts
     of the dK/dV buffer (its last hop brings it home), which is kept in fp32 for 16-bit
     inputs: ``2*b*(s/cp)*k_heads*d*((cp-1)*element_size + cp*max(element_size, 4))``."""

@@ -43,7 +43,7 @@ def ulysses_bytes(
 
     Forward = the fused q/k/v all-to-all of ``[B, N + 2K', S/cp, D]`` plus the output's of
     ``[B, N, S/cp, D]``: ``b*(s/cp)*d*(2n + 2K')*element_size`` with ``K' = lcm(k_heads, cp)``.
-    For multi-head attention (``K = N``, ``h = N*d``) that is the issue's ``4*b*s*h/cp``
+    For multi-head attention (``K = N``, ``h = N*d``) that is Ulysses' ``4*b*s*h/cp``
     elements exactly; with grouped-query attention it is ``(N + K')/(2N)`` of it. With
     ``wire=True``: the bytes a rank actually sends, ``(cp-1)/cp`` of the payload. ``cp = 1``
     moves nothing (0)."""

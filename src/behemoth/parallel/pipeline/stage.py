@@ -1,7 +1,7 @@
 """One rank's pipeline stage(s) of a serial model, cut out of the model in place.
 
 Implements the model side of GPipe / 1F1B / interleaved / zero-bubble pipelining without
-rewriting any model's ``forward`` (STYLE.md #1): the model keeps running its own
+rewriting any model's ``forward``: the model keeps running its own
 ``forward`` on every rank, but
 
 * modules another rank owns are replaced by parameter-free :class:`Skip` modules, so this
