@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (2 GPUs): context parallelism (issue 6) on GPT-1.3B, bf16.
+# One device call (2 GPUs): context parallelism on GPT-1.3B, bf16.
 #   1. the attention cores: ring (fused flash blocks / plain blocks) and Ulysses vs one GPU's
 #      flash SDPA on the whole sequence -- outputs/gradients checked in bf16, and timed;
 #   2. stock PyTorch single GPU (peer_baseline.py) and behemoth on one GPU at seq 16k, and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on 2 GPUs: behemoth's pipeline (issue 5). Usage: bash benchmarks/run_pp.sh [size] [mbs] [extra...]
+# One device call on 2 GPUs: behemoth's pipeline. Usage: bash benchmarks/run_pp.sh [size] [mbs] [extra...]
 # Each run is bounded (timeout, --dump-after prints every rank's Python stack on a hang) and NCCL's
 # flight recorder dumps its last operations per rank under $OUT on a collective timeout.
 set -u

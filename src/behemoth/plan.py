@@ -22,7 +22,6 @@ OFFLOADS = (None, "cpu", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-# Capabilities that are specified but not built yet: field -> (issue, capability).
 def _is_square(n: int) -> bool:
     r = math.isqrt(n)
     return r * r == n
