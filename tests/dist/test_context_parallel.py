@@ -8,7 +8,7 @@
   compiled blocks, a user ``loss_fn``;
 * the ring's fused-kernel seam (``ring.BLOCK_KERNEL = "flash"``: on CPU the CPU flash op)
   against full attention and in a whole model, so the GPU path's bookkeeping is checked here;
-* the ledger's ``cp`` bytes against ``behemoth.planner.traffic.cp_model_traffic`` (and the
+* the ledger's ``cp`` bytes against ``behemoth.planner.context_traffic.cp_model_traffic`` (and the
   issue's forward formulas: Ulysses ``4 b s h / cp`` per layer, ring ``2 (cp-1) b (s/cp) h_kv``);
 * per-rank saved activation bytes of one training step at sequence 1024 within 1.02x of the
   serial model's divided by cp, both modes (they are 1.00x);
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.context import ring
-from behemoth.planner.traffic import TransformerShape, cp_model_traffic
+from behemoth.planner.context_traffic import cp_model_traffic
+from behemoth.planner.traffic import TransformerShape
 from behemoth.specs import shape_of, transformer_blocks
 from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,
                     global_batches, make_optimizer, serial_run, serial_train, shard, train_steps)

@@ -59,16 +59,7 @@ learned position table all-gathers its position ids over tp_col and all-reduces 
 over tp_row and tp_depth; the head is a 3D Linear; the loss all-reduces ``[T/q**2]`` maxima
 and ``[2, T/q**2]`` sums over tp_row. Checked against the ledger in tests/dist/test_tp3d.py.
 
-Context parallelism (behemoth.parallel.context; the ledger's ``cp`` axis). Per attention
-layer, with the heads of one tensor-parallel rank (``N/tp`` query heads; ``K/tp`` kv heads, or
-one replicated head when ``K < tp``): Ulysses all-to-alls q/k/v and the output forward and
-the inverse pair backward, ``b (s/cp) d (2n + 2 lcm(k, cp))`` elements each way of payload --
-Ulysses' ``4 b s h/cp`` for multi-head attention -- ``(cp-1)/cp`` of it on the wire; ring
-attention shifts K/V ``cp-1`` times forward, ``2 (cp-1) b (s/cp) h_kv`` elements, and backward
-``cp-1`` K/V shifts plus ``cp`` shifts of the dK/dV buffer (fp32 for 16-bit inputs); a shift's
-payload is its wire. The exact per-layer counts are ``ulysses_bytes`` / ``ring_bytes`` in
-the cores, reused here. The gradient all-reduce then runs over ``dp_cp`` (the data-parallel
-formula with ``dp * cp`` ranks). Checked in tests/dist/test_context_parallel.py.
+Context parallelism's bytes are in :mod:`behemoth.planner.context_traffic`.
 """
 
 from __future__ import annotations
@@ -587,69 +578,3 @@ def model_traffic(mode: str, shape: TransformerShape, **kwargs) -> Traffic:
     if mode == "3d":
         return tp3d_model_traffic(shape, **kwargs)
     raise ValueError(f"tp_mode={mode!r}: one of '1d', '2d', '2.5d', '3d'.")
-
-
-# ------------------------------------------------------------------------------ context parallelism
-def _local_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
-    """Query and kv heads of one 1D tensor-parallel rank (kv heads replicated when K < tp)."""
-    return num_heads // tp, (num_kv_heads // tp if num_kv_heads >= tp else 1)
-
-
-def cp_attention_traffic(
-    mode: str,
-    *,
-    batch: int,
-    seq: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    cp: int,
-    dtype_bytes: int = 2,
-    wire: bool = True,
-) -> Traffic:
-    """One context-parallel attention layer (``mode`` 'ulysses' or 'ring'), forward + backward,
-    per rank, on the ``cp`` axis. ``batch``: sequences of this rank's data-parallel share;
-    ``seq``: the whole sequence; head counts are this rank's (after tensor parallelism);
-    ``dtype_bytes``: q/k/v's element size (2 under bf16 autocast). ``wire=False`` gives the
-    payload (the ledger's ``bytes``); ring shifts move their payload, so both agree there."""
-    if cp == 1:
-        return Traffic()
-    from ..parallel.context import ring_bytes, ulysses_bytes  # the cores' own exact counts
-
-    if mode == "ulysses":
-        one = ulysses_bytes(batch, seq, num_heads, num_kv_heads, head_dim, cp, dtype_bytes, wire=wire)
-        return Traffic(float(one), float(one))
-    if mode == "ring":
-        return Traffic(
-            float(ring_bytes(batch, seq, num_kv_heads, head_dim, cp, dtype_bytes)),
-            float(ring_bytes(batch, seq, num_kv_heads, head_dim, cp, dtype_bytes, backward=True)),
-        )
-    raise ValueError(f"cp_mode={mode!r}: 'ulysses' or 'ring'.")
-
-
-def cp_model_traffic(
-    shape: TransformerShape,
-    *,
-    batch: int,
-    seq: int,
-    cp: int,
-    mode: str,
-    tp: int = 1,
-    dtype_bytes: int = 2,
-    wire: bool = True,
-) -> Traffic:
-    """A whole forward + backward on the ``cp`` axis: every layer's attention, with the heads of
-    one 1D tensor-parallel rank when ``tp > 1``. Nothing else crosses ``cp`` (parameter
-    gradients are reduced over ``dp_cp``, and counted with data parallelism)."""
-    n, k = _local_heads(shape.num_heads, shape.num_kv_heads, tp)
-    return shape.num_layers * cp_attention_traffic(
-        mode,
-        batch=batch,
-        seq=seq,
-        num_heads=n,
-        num_kv_heads=k,
-        head_dim=shape.head_dim,
-        cp=cp,
-        dtype_bytes=dtype_bytes,
-        wire=wire,
-    )
