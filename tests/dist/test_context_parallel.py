@@ -31,7 +31,7 @@ import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.context import ring
 from behemoth.planner.context_traffic import cp_model_traffic
-from behemoth.planner.traffic import TransformerShape
+from behemoth.specs import TransformerShape
 from behemoth.specs import shape_of, transformer_blocks
 from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,
                     global_batches, make_optimizer, serial_run, serial_train, shard, train_steps)

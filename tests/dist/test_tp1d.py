@@ -6,7 +6,7 @@
   tied embeddings) and LlamaForCausalLM (GQA) -- at tp=2 and tp=4, with and without
   sequence parallelism, and dp=2 x tp=2, and with the row GEMMs in two pieces whose
   collectives overlap (``tp_overlap=2``): losses and full_state_dict() within rtol 1e-4;
-* the comm ledger's tp bytes against behemoth.planner.traffic for one forward+backward;
+* the comm ledger's tp bytes against behemoth.planner.tp1d_traffic for one forward+backward;
 * checkpoints saved under tp=2 load under dp=2 and the reverse, and keep matching serial;
 * compiled blocks (``Plan(compile=True)``) under tp=2, with and without sequence
   parallelism, match serial training and compile once for all blocks;
@@ -28,7 +28,7 @@ import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import tp1d, vocab1d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, set_spec, shard_tensor
-from behemoth.planner.traffic import tp1d_model_traffic
+from behemoth.planner.tp1d_traffic import tp1d_model_traffic
 from behemoth.specs import shape_of
 from common import expect_error, train_and_save
 from common import (SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,

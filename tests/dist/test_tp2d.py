@@ -6,7 +6,7 @@ training (the parity law), through the same ``engine.step(batch)`` as every plan
   and SGD, clipping, micro-batches, a user loss_fn); dp=2 x 2D tp=4; 2.5D tp=8 (depth 2):
   losses, ``full_state_dict()`` and the clipped gradient norm (replicated shards counted
   once) within rtol 1e-4 of serial;
-* the comm ledger's tp bytes against behemoth.planner.traffic (2D and 2.5D);
+* the comm ledger's tp bytes against behemoth.planner.tp2d_traffic (2D and 2.5D);
 * per-rank saved activation bytes of one transformer block within 1.02x of serial / tp;
 * checkpoints: 2D tp=4 -> dp=2 x 1D tp=2, dp=4, 2.5D tp=8 and dp=2 x 2D; dp=4 -> 2D;
 * clear errors, on every rank, for heads / kv heads / hidden / vocab / batch that the grid
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp2d, tp2p5d
-from behemoth.planner.traffic import tp2d_model_traffic
+from behemoth.planner.tp2d_traffic import tp2d_model_traffic
 from behemoth.specs import shape_of
 from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,

@@ -21,7 +21,7 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh, ravel, unravel
 from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
-from behemoth.planner.traffic import summa_linear_bytes
+from behemoth.planner.tp2d_traffic import summa_linear_bytes
 from common import saved_activation_bytes
 
 B, S, H, V = 4, 3, 8, 16

@@ -9,7 +9,7 @@ matches serial training (the parity law), through the same ``engine.step(batch)`
 * bf16 autocast with activation checkpointing and ``tp_overlap=2`` (rtol 2e-2);
 * per-row position ids (GPT's learned table in the residual stream, Llama's RoPE inside
   attention) and a user loss_fn on the gathered logits;
-* the comm ledger's tp bytes against behemoth.planner.traffic (within 10%);
+* the comm ledger's tp bytes against behemoth.planner.tp3d_traffic (within 10%);
 * per-rank saved activation bytes of one transformer block within 1.02x of serial / tp;
 * checkpoints: 3D tp=8 -> dp=8 and -> dp=2 x 1D tp=4; dp=8 -> 3D with tp_overlap=2;
 * clear errors, on every rank, for heads / kv heads / hidden / vocab / batch / overlap that
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp3d
-from behemoth.planner.traffic import tp3d_model_traffic
+from behemoth.planner.tp3d_traffic import tp3d_model_traffic
 from behemoth.specs import shape_of
 from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
 from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,

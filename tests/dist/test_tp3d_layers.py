@@ -24,7 +24,7 @@ from behemoth import comm
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import embed3d, tp3d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
-from behemoth.planner.traffic import linear3d_bytes
+from behemoth.planner.tp3d_traffic import linear3d_bytes
 from common import saved_activation_bytes
 from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
 

@@ -1,4 +1,4 @@
-"""behemoth.planner.traffic: the per-rank tensor-parallel traffic formulas (pure, no processes).
+"""behemoth.planner.traffic and its per-mode modules: the per-rank tensor-parallel traffic formulas (pure, no processes).
 tests/dist/test_tp1d.py checks the same formulas against the comm ledger of real runs."""
 
 from __future__ import annotations
@@ -7,9 +7,13 @@ import dataclasses
 
 import pytest
 
+from behemoth.planner import collectives as co
+from behemoth.planner import tp1d_traffic as t1
+from behemoth.planner import tp2d_traffic as t2
+from behemoth.planner import tp3d_traffic as t3
 from behemoth.planner import traffic as tr
-from behemoth.planner.traffic import Traffic, TransformerShape
-from behemoth.specs import shape_of
+from behemoth.planner.collectives import Traffic
+from behemoth.specs import TransformerShape, shape_of
 
 GPT = TransformerShape(
     hidden=32,
@@ -38,26 +42,26 @@ GQA = TransformerShape(
 
 
 def test_collective_costs():
-    assert tr.all_reduce_bytes(100, 2) == 100
-    assert tr.all_reduce_bytes(100, 4) == 150
-    assert tr.all_gather_bytes(100, 4) == 75 == tr.reduce_scatter_bytes(100, 4)
+    assert co.all_reduce_bytes(100, 2) == 100
+    assert co.all_reduce_bytes(100, 4) == 150
+    assert co.all_gather_bytes(100, 4) == 75 == co.reduce_scatter_bytes(100, 4)
 
 
 def test_linear_pair_with_sequence_parallel_adds_only_the_backward_regather():
     kw = dict(tokens=64, in_features=32, out_features=32, tp=4, dtype_bytes=4)
-    plain = tr.tp1d_linear_traffic(orientation="column", **kw) + tr.tp1d_linear_traffic(orientation="row", **kw)
-    sp = tr.tp1d_linear_traffic(orientation="column", sequence_parallel=True, **kw) + tr.tp1d_linear_traffic(
+    plain = t1.tp1d_linear_traffic(orientation="column", **kw) + t1.tp1d_linear_traffic(orientation="row", **kw)
+    sp = t1.tp1d_linear_traffic(orientation="column", sequence_parallel=True, **kw) + t1.tp1d_linear_traffic(
         orientation="row", sequence_parallel=True, **kw
     )
     # Megatron: one all-reduce forward (g) and one backward (f): 2 x 2(p-1)/p T h e.
     assert plain == Traffic(1.5 * 64 * 32 * 4, 1.5 * 64 * 32 * 4)
     # SP: the same volume as all-gather + reduce-scatter, plus the column layer's backward
     # re-gather of X (only X's sequence shard is kept from forward).
-    regather = tr.all_gather_bytes(64 * 32 * 4, 4)
+    regather = co.all_gather_bytes(64 * 32 * 4, 4)
     assert sp.forward == plain.forward and sp.backward == plain.backward + regather
-    assert tr.tp1d_linear_traffic(orientation="column", **kw).forward == 0  # f is free forward
+    assert t1.tp1d_linear_traffic(orientation="column", **kw).forward == 0  # f is free forward
     with pytest.raises(ValueError, match="orientation"):
-        tr.tp1d_linear_traffic(orientation="diagonal", **kw)
+        t1.tp1d_linear_traffic(orientation="diagonal", **kw)
 
 
 def test_model_traffic_by_hand():
@@ -65,9 +69,9 @@ def test_model_traffic_by_hand():
     t, h, e = 8 * 16, 32, 4
     blocks = 2 * 4 * (t * h * e)  # 2 blocks x (f + g) x (attention, MLP)
     edges = t * h * 4 + t * h * e + 3 * t * 4  # embedding g, head f, loss: [T] max + [2, T] sums
-    got = tr.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e)
+    got = t1.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e)
     assert got.total == blocks + edges == 165376
-    sp = tr.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e, sequence_parallel=True)
+    sp = t1.tp1d_model_traffic(GPT, batch=8, seq=16, tp=2, dtype_bytes=e, sequence_parallel=True)
     norms_and_biases = 2 * (2 * 64 * 4 + 2 * 32 * 4)  # per block: 2 norms (w, b) and 2 row biases
     scatter_gather = 2 * (t * h * e / 2)
     regathers = 2 * 2 * (t * h * e / 2)  # per block: attention and MLP column inputs
@@ -76,18 +80,18 @@ def test_model_traffic_by_hand():
 
 def test_gqa_with_fewer_kv_heads_than_tp_all_reduces_the_kv_weight_grads():
     kw = dict(batch=4, seq=16, dtype_bytes=4)
-    at2 = tr.tp1d_block_traffic(GQA, tp=2, **kw)  # K = 2 = p: kv heads split, nothing extra
-    at4 = tr.tp1d_block_traffic(GQA, tp=4, **kw)  # K = 2 < p = 4: k, v replicated
+    at2 = t1.tp1d_block_traffic(GQA, tp=2, **kw)  # K = 2 = p: kv heads split, nothing extra
+    at4 = t1.tp1d_block_traffic(GQA, tp=4, **kw)  # K = 2 < p = 4: k, v replicated
     pair = 4 * 1.5 * 4 * 16 * 32 * 4
-    assert at4.total == pair + 2 * tr.all_reduce_bytes(2 * 8 * 32 * 4, 4)
+    assert at4.total == pair + 2 * co.all_reduce_bytes(2 * 8 * 32 * 4, 4)
     assert at2.total == 4 * 1.0 * 4 * 16 * 32 * 4
 
 
 def test_bf16_autocast_dtypes_and_trivial_degree():
-    mixed = tr.tp1d_block_traffic(GPT, batch=1, seq=8, tp=2, dtype_bytes=2, stream_bytes=4)
+    mixed = t1.tp1d_block_traffic(GPT, batch=1, seq=8, tp=2, dtype_bytes=2, stream_bytes=4)
     assert mixed.forward == 2 * 8 * 32 * 2  # g on bf16 Linear outputs
     assert mixed.backward == 2 * 8 * 32 * 2  # f on the bf16-cast Linear inputs (not the fp32 stream)
-    assert tr.tp1d_model_traffic(GPT, batch=4, seq=16, tp=1) == Traffic()
+    assert t1.tp1d_model_traffic(GPT, batch=4, seq=16, tp=1) == Traffic()
 
 
 def test_shape_from_configs():
@@ -120,7 +124,7 @@ def test_shape_from_configs():
 def test_2d_linear_is_summa_and_matches_the_layer_formula():
     for depth in (1, 2):
         for bias in (False, True):
-            got = tr.tp2d_linear_traffic(
+            got = t2.tp2d_linear_traffic(
                 tokens=64,
                 in_features=16,
                 out_features=32,
@@ -131,7 +135,7 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
                 param_bytes=4,
             )
             # q = d = 2: an all-reduce moves its payload, so wire bytes = the layer's payload bytes.
-            assert got.total == tr.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
+            assert got.total == t2.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
             # forward: q steps each broadcast an X block (64/(d q) x 16/q) and a W block (16/q x 32/q);
             # backward: the same twice, the depth all-reduce of dW (16/q x 32/q) and the bias
             # gradient's all-reduces over tp_row and depth (32/q each); fp32, q = 2
@@ -145,7 +149,7 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
         == 3 * (64 * 16 + 16 * 32) / 3
     )
     with pytest.raises(ValueError, match="tp_depth"):
-        tr.tp2d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=6)
+        t2.tp2d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=6)
 
 
 def test_2d_model_traffic_by_hand():
@@ -159,9 +163,9 @@ def test_2d_model_traffic_by_hand():
     edges = emb + 16 * h / q * e + norm + lin(h, v, False) + 3 * t / q * 4
     got = tr.model_traffic("2d", GPT, batch=4, seq=16, tp=4, dtype_bytes=e, param_bytes=e)
     assert got.total == 2 * block + edges
-    diag = tr.tp2d_model_traffic(GPT, batch=4, seq=16, tp=4, dtype_bytes=e, param_bytes=e, diagonal=True)
+    diag = t2.tp2d_model_traffic(GPT, batch=4, seq=16, tp=4, dtype_bytes=e, param_bytes=e, diagonal=True)
     assert got.total - diag.total == 2 * t / q * h / q * e  # no transpose swap on the diagonal
-    assert tr.tp2p5d_block_traffic(GQA, batch=4, seq=16, tp=4, depth=1) == tr.block_traffic(
+    assert t2.tp2p5d_block_traffic(GQA, batch=4, seq=16, tp=4, depth=1) == tr.block_traffic(
         "2d", GQA, batch=4, seq=16, tp=4
     )
     deep = tr.model_traffic("2.5d", GQA, batch=8, seq=16, tp=8, depth=2)
@@ -173,10 +177,10 @@ def test_3d_linear_matches_the_layer_formula():
         for bias in (False, True):
             for input_grad in (False, True):
                 kw = dict(bias=bias, input_grad=input_grad)
-                got = tr.tp3d_linear_traffic(
+                got = t3.tp3d_linear_traffic(
                     tokens=36 * 16, in_features=18, out_features=36, tp=q**3, dtype_bytes=4, param_bytes=4, **kw
                 )
-                assert got.total == pytest.approx(tr.linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
+                assert got.total == pytest.approx(t3.linear3d_bytes(36 * 16, 18, 36, q, wire=True, **kw))
                 # forward: gather X and W, reduce-scatter Y; backward: gather dY, re-gather X,
                 # reduce-scatter dW (+ re-gather W, reduce-scatter dX with input_grad; + the bias
                 # gradient's two all-reduces of 36/q); (q-1)/q of each on the wire (2 (q-1)/q for
@@ -192,9 +196,9 @@ def test_3d_linear_matches_the_layer_formula():
         tr.linear_traffic("3d", tokens=64, in_features=16, out_features=32, tp=8, dtype_bytes=1).total
         == (3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) / 4 / 2
     )
-    assert tr.tp3d_linear_traffic(tokens=64, in_features=16, out_features=32, tp=1) == Traffic()
+    assert t3.tp3d_linear_traffic(tokens=64, in_features=16, out_features=32, tp=1) == Traffic()
     with pytest.raises(ValueError, match="not a cube"):
-        tr.tp3d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=4)
+        t3.tp3d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=4)
 
 
 def test_3d_model_traffic_by_hand():

@@ -15,7 +15,7 @@ formula with ``dp * cp`` ranks). Checked in tests/dist/test_context_parallel.py.
 from __future__ import annotations
 
 from ..specs import TransformerShape
-from .traffic import Traffic
+from .collectives import Traffic
 
 
 def _local_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ vary j); ``"tp_row"`` is *my grid column* (members share j, vary i).
   (:func:`activation_spec`).
 * SUMMA (:class:`SummaFn`): ``y = x W^T`` with x block (i, k) and W block (k, j) by q steps
   of broadcasts along the grid row and down the grid column; backward by broadcasts and
-  reduces. Per device ``3 (bsh/d + h h_o) / q`` elements per Linear (``behemoth.planner.traffic``).
+  reduces. Per device ``3 (bsh/d + h h_o) / q`` elements per Linear (``behemoth.planner.tp2d_traffic``).
 * Parameters replicated over ``tp_row`` (biases, norm weights) or ``tp_depth`` (every weight
   under Tesseract) go through :func:`replicate_on`, so their gradients are summed there.
 

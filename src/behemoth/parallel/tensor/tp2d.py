@@ -19,7 +19,7 @@ mesh.coord("tp_row")`` and ``j = mesh.coord("tp_col")``, tp rank ``i*q + j``. Th
 Communication per layer (all through ``comm``): a Linear is q SUMMA steps -- forward
 broadcasts X(i, k) along the grid row and W(k, j) down the grid column; backward re-broadcasts
 them and reduces dX partials along the row and dW partials down the column. Per device that
-is ``3 (bsh + h h_o) / q`` elements (``behemoth.planner.traffic.summa_linear_bytes``). Norms
+is ``3 (bsh + h h_o) / q`` elements (``behemoth.planner.tp2d_traffic.summa_linear_bytes``). Norms
 all-gather their per-shard statistics over ``tp_col`` forward and all-reduce two sums
 backward. The embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its
 vocab block for the tp group's batch, reduce-scatters over

@@ -20,7 +20,7 @@ exactly as in :mod:`.tp2d` (the grid code both share is :mod:`.grid`); this modu
 layers with a depth axis (with d = 1 a
 Tesseract layer is exactly the Optimus layer, bit for bit). Per Linear per device, forward +
 backward: ``3 (B S h_in / d + h_in h_out) / q + h_in h_out / q**2`` elements
-(``behemoth.planner.traffic.summa_linear_bytes`` with ``depth``).
+(``behemoth.planner.tp2d_traffic.summa_linear_bytes`` with ``depth``).
 
 Tested in tests/dist/test_tp2d_layers.py (tp=8 with depth 2 against the serial layers; depth 1
 against the 2D layers).

@@ -30,7 +30,7 @@ saved, so saved activations are ``B S H / p``), reduce-scatter dX over I and dW 
 Biases: block N(i), replicated over (W, O); their gradients are all-reduced there.
 
 Per rank, one Linear forward + backward moves ``(3 T K + 3 K N + 2 T N) / q**2`` elements
-(T = B*S of the tp group; ``behemoth.planner.traffic.linear3d_bytes``).
+(T = B*S of the tp group; ``behemoth.planner.tp3d_traffic.linear3d_bytes``).
 
 Over-decomposition (``overlap=k``): the rank's tokens are cut into k pieces; piece p+1's
 gathers are in flight while piece p's GEMM runs, and piece p's reduce-scatter while piece

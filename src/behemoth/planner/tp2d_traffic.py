@@ -1,0 +1,220 @@
+"""Per-rank bytes of 2D (Optimus) and 2.5D (Tesseract) tensor parallelism, for a model and a batch.
+
+2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.grid, tp2d, tp2p5d, styles2d. p = d q**2
+on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. A broadcast or a reduce
+books the block's bytes on every member (as the ledger does: a pipelined broadcast/reduce
+moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
+X block and of a W block, ``(T h_in / d + h_in h_out) / q`` elements; backward twice that
+(re-broadcasts plus reduces of the dX and dW partials): Optimus's ``3 (bsh + h h_o)/q``
+(:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
+depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
+``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
+over ``tp_col`` and all-reduce their weight gradients over it; norms all-gather (LayerNorm:
+mean, M2) or all-reduce (RMS) their
+statistics over ``tp_col`` forward and all-reduce one or two sums backward. Model level: the
+embedding all-gathers the int64 ids over ``tp_row``, reduce-scatters its partial lookups over
+``tp_col`` and swaps with the transposed grid rank (none on the grid's diagonal) -- the same
+backward --; a learned position table all-reduces its gradient over ``tp_row``; the
+vocab-parallel loss all-reduces ``[T/(d q)]`` maxima and ``[2, T/(d q)]`` sums over ``tp_col``.
+
+
+Units and notation: :mod:`behemoth.planner.traffic`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..specs import TransformerShape
+from .collectives import Traffic, all_gather_bytes, all_reduce_bytes, payload, reduce_scatter_bytes
+
+
+def grid_side(tp: int, depth: int = 1) -> int:
+    """q of a d x q x q grid with ``tp = depth * q**2``."""
+    q = math.isqrt(tp // depth) if tp % depth == 0 else 0
+    if q * q * depth != tp:
+        raise ValueError(f"tp={tp} is not tp_depth * q*q with tp_depth={depth}.")
+    return q
+
+
+def tp2d_linear_traffic(
+    *,
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    tp: int,
+    depth: int = 1,
+    bias: bool = False,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+    wire: bool = True,
+) -> Traffic:
+    """One SUMMA Linear (2D; 2.5D with ``depth`` > 1; ``behemoth.parallel.tensor.tp2d.Linear2D``),
+    forward + backward, per rank. ``tokens``: B*S of the tp group. Each of the q steps
+    broadcasts an X block ``tokens/(d q) * in/q`` and a W block ``in/q * out/q``; forward once,
+    backward twice (re-broadcast + reduce of the partials): ``3 (tokens*in/d + in*out) / q``
+    elements, in ``dtype_bytes`` (the autocast dtype). Tesseract adds the all-reduce of dW over
+    depth, ``in*out/q**2``; a bias the all-reduce of its gradient over ``tp_row`` (and depth),
+    ``out/q`` each; both in ``param_bytes``. A broadcast or reduce books the block on every
+    member in payload and wire alike; ``wire=False`` counts an all-reduce's payload (the
+    ledger's ``bytes``) instead of its ring wire bytes."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    reduce = all_reduce_bytes if wire else payload
+    fwd = (tokens * in_features / depth + in_features * out_features) / q * dtype_bytes
+    bwd = 2 * fwd + reduce(in_features * out_features / q**2 * param_bytes, depth)
+    if bias:
+        b = out_features / q * param_bytes
+        bwd += reduce(b, q) + reduce(b, depth)
+    return Traffic(fwd, bwd)
+
+
+def summa_linear_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    depth: int = 1,
+    bias: bool = False,
+    element_size: int = 4,
+) -> int:
+    """Payload bytes one rank moves for one SUMMA Linear, forward + backward, as the ledger's
+    ``bytes`` counts them: :func:`tp2d_linear_traffic` with ``wire=False`` and one element size.
+    d = 1 is Optimus (``3 (tokens*in + in*out) / q`` elements), d > 1 Tesseract."""
+    t = tp2d_linear_traffic(
+        tokens=tokens,
+        in_features=in_features,
+        out_features=out_features,
+        tp=depth * q * q,
+        depth=depth,
+        bias=bias,
+        dtype_bytes=element_size,
+        param_bytes=element_size,
+        wire=False,
+    )
+    return round(t.total)
+
+
+def _kv_replicated2d(
+    tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int, param_bytes: int
+) -> Traffic:
+    """A k or v projection with K < q kv heads (tp2d.KVReplicatedLinear2D): SUMMA with a
+    ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
+    ``tp_col`` and depth (and of a bias over the whole grid)."""
+    q, k, d = grid_side(tp, depth), shape.num_kv_heads, shape.head_dim
+    fwd = (tokens * hidden / (depth * q) + d * hidden) * dtype_bytes
+    grad = k * d * hidden / q * param_bytes
+    bwd = 2 * fwd + all_reduce_bytes(grad, q) + all_reduce_bytes(grad, depth)
+    if shape.linear_bias:
+        bwd += all_reduce_bytes(k * d * param_bytes, tp)
+    return Traffic(fwd, bwd)
+
+
+def norm2d(shape: TransformerShape, tokens_local: float, q: int, depth: int, param_bytes: int) -> Traffic:
+    stat = 4  # statistics in (at least) float32
+    if shape.rms_norm:
+        fwd, bwd = all_reduce_bytes(tokens_local * stat, q), all_reduce_bytes(tokens_local * stat, q)
+    else:
+        fwd, bwd = all_gather_bytes(q * 2 * tokens_local * stat, q), all_reduce_bytes(2 * tokens_local * stat, q)
+    vec = shape.norm_params / q * param_bytes  # weight (and bias) blocks, replicated over tp_row
+    return Traffic(fwd, bwd + all_reduce_bytes(vec, q) + all_reduce_bytes(vec, depth))
+
+
+def tp2d_block_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    depth: int = 1,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+) -> Traffic:
+    """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
+    down), forward + backward, per rank; attention itself is local."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
+
+    def lin(fin, fout):
+        return tp2d_linear_traffic(
+            tokens=t,
+            in_features=fin,
+            out_features=fout,
+            tp=tp,
+            depth=depth,
+            bias=shape.linear_bias,
+            dtype_bytes=dtype_bytes,
+            param_bytes=param_bytes,
+        )
+
+    attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if shape.fused_qkv:
+        out = lin(h, attn + 2 * kv)
+    elif shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated kv heads
+        out = lin(h, attn) + 2 * _kv_replicated2d(t, h, shape, tp, depth, dtype_bytes, param_bytes)
+    else:
+        out = lin(h, attn) + 2 * lin(h, kv)
+    out += lin(attn, h) + (2 if shape.gated_mlp else 1) * lin(h, f) + lin(f, h)
+    return out + 2 * norm2d(shape, t / (depth * q), q, depth, param_bytes)
+
+
+def tp2d_model_traffic(
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    depth: int = 1,
+    dtype_bytes: int = 2,
+    stream_bytes: int | None = None,
+    param_bytes: int = 4,
+    diagonal: bool = False,
+) -> Traffic:
+    """A whole forward + backward: embedding, every block, final norm, head and loss, for a
+    rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
+    embedding's transpose swap). ``stream_bytes``: the residual stream's element size (the
+    embedding output's gradient)."""
+    q = grid_side(tp, depth)
+    if tp == 1:
+        return Traffic()
+    stream = param_bytes if stream_bytes is None else stream_bytes
+    h, v, t = shape.hidden, shape.vocab_size, batch * seq
+    local = t / (depth * q)
+    out = shape.num_layers * tp2d_block_traffic(
+        shape, batch=batch, seq=seq, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )
+    swap = 0.0 if diagonal else local * h / q
+    out += Traffic(
+        all_gather_bytes(q * local * 8, q)  # ids (int64)
+        + reduce_scatter_bytes(t / depth * h / q * param_bytes, q)
+        + swap * param_bytes,
+        swap * stream
+        + all_gather_bytes(t / depth * h / q * stream, q)
+        + all_reduce_bytes(v / q * h / q * param_bytes, depth),
+    )  # table grad over depth
+    if shape.max_positions:
+        pos = shape.max_positions * h / q * param_bytes
+        out += Traffic(0.0, all_reduce_bytes(pos, q) + all_reduce_bytes(pos, depth))
+    out += norm2d(shape, local, q, depth, param_bytes)  # final norm
+    out += tp2d_linear_traffic(
+        tokens=t, in_features=h, out_features=v, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )  # head
+    out += Traffic(all_reduce_bytes(local * 4, q) + all_reduce_bytes(2 * local * 4, q), 0.0)  # loss
+    return out
+
+
+def tp2p5d_linear_traffic(*, depth: int, **kwargs) -> Traffic:
+    """2.5D (Tesseract, d x q x q): 2D on d batch slabs plus the depth all-reduce of dW."""
+    return tp2d_linear_traffic(depth=depth, **kwargs)
+
+
+def tp2p5d_block_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Traffic:
+    return tp2d_block_traffic(shape, depth=depth, **kwargs)
+
+
+def tp2p5d_model_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Traffic:
+    return tp2d_model_traffic(shape, depth=depth, **kwargs)
