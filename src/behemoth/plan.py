@@ -234,7 +234,7 @@ class Plan:
                 )
 
     def _check_pipeline_composes(self) -> None:
-        """Pipeline parallelism composes with dp, 1D and 2D tp, activation checkpointing and bf16.
+        """Pipeline parallelism composes with dp, every tp mode, activation checkpointing and bf16.
         (cp x pp is refused in :meth:`_check_context_composes`; micro-batches < pp run correctly.)"""
         if self.pp == 1:
             if self.virtual_stages > 1:
@@ -244,12 +244,6 @@ class Plan:
                 )
             return
         refusals = [
-            (
-                self.tp > 1 and self.tp_mode not in ("1d", "2d"),
-                f"tp_mode={self.tp_mode!r}",
-                "pipeline stages compose with 1D and 2D tensor parallelism only",
-                "use tp_mode='1d' or '2d', or pp=1",
-            ),
             (
                 self.precision == "fp16",
                 "precision='fp16'",

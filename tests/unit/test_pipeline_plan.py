@@ -18,6 +18,8 @@ from behemoth.plan import Plan
         dict(pp=4, microbatches=2, schedule="interleaved", virtual_stages=2),  # m < pp runs, never refused
         dict(pp=2, tp=2, microbatches=4, schedule="zero-bubble", precision="bf16", activation_checkpointing=True),
         dict(pp=2, tp=4, tp_mode="2d", schedule="gpipe"),
+        dict(pp=2, tp=8, tp_mode="2.5d", tp_depth=2, schedule="interleaved", virtual_stages=2),
+        dict(pp=2, tp=8, tp_mode="3d", tp_overlap=2, schedule="zero-bubble"),
         dict(pp=2, zero=1, microbatches=4),
     ],
 )
@@ -28,8 +30,6 @@ def test_pipeline_plans_are_supported(kwargs):
 @pytest.mark.parametrize(
     "kwargs, needles",
     [
-        (dict(pp=2, tp=8, tp_mode="3d"), ("tp_mode='3d' with pp=2", "use tp_mode='1d' or '2d'")),
-        (dict(pp=2, tp=8, tp_mode="2.5d", tp_depth=2), ("tp_mode='2.5d' with pp=2",)),
         (dict(pp=2, precision="fp16"), ("precision='fp16' with pp=2", "use precision='bf16'")),
         (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
         (dict(pp=2, zero=2), ("zero=2 with pp=2", "use zero=1")),

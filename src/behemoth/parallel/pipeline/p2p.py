@@ -26,8 +26,10 @@ micro-batch's input shape and the stage that produced it, and every pipeline ran
 every micro-batch (so all agree on those). The first time a (stage, input shape) pair is
 seen, the sender precedes the activation with a 10-integer header (rank, shape, dtype) on
 the same channel; both sides cache it, and every later step sends the tensor alone. That
-covers every tensor-parallel layout (1D's ``[b, s, h]``, 2D's ``[b/q, s, h/q]``) and
-autocast dtypes without the stage code having to predict them. Gradients need no header:
+covers every tensor-parallel layout (1D's ``[b, s, h]``, 2D's ``[b/q, s, h/q]``, 2.5D's
+``[b/(d q), s, h/q]``, 3D's ``[b/q**2, s, h/q]``: each rank sends its own block to the rank of
+the same tp coordinates on the next stage) and autocast dtypes without the stage code having
+to predict them. Gradients need no header:
 a gradient has the shape and dtype of the activation it belongs to, which its receiver
 produced.
 
