@@ -1,0 +1,142 @@
+"""Calibration: how fast one kind of machine computes and communicates, as the cost model reads it.
+
+A calibration is a JSON file (``benchmarks/calibrate.py`` measures one in under a minute;
+``calibrations/h100.json`` and ``calibrations/h200.json`` ship with the package, *estimated from
+datasheet numbers, not measured*, as their ``source`` field says)::
+
+    {
+      "name": "h100-sxm", "source": "estimated from datasheet numbers (not measured)",
+      "gemm": [[flops, flops_per_s], ...],          # achieved bf16 GEMM rate by GEMM size (2mnk)
+      "attention_flops_per_s": 3.5e14,               # causal flash attention, forward
+      "attention_backward_ratio": 0.8,              # backward rate / forward rate
+      "hbm_bytes_per_s": 2.8e12,                     # achieved device-memory bandwidth
+      "links": {"nvlink": [[group, latency_s, bus_bytes_per_s], ...],
+                "ib":     [[group, latency_s, bus_bytes_per_s], ...]},
+      "h2d_bytes_per_s": 2.5e10, "d2h_bytes_per_s": 2.5e10,
+      "cpu_adam_params_per_s": 1e9,                  # one rank's CPU optimizer update
+      "gpu_bytes": 85e9, "reserved_bytes": 3e9,      # device memory, and what the runtime keeps
+      "peak_flops_per_s": 9.89e14                    # dense bf16 peak, for MFU
+    }
+
+A collective over ``p`` ranks on a link class takes ``latency(p) + wire_bytes / bus_bw(p)``
+(the alpha-beta model, with ``wire_bytes`` the ledger's ring bytes per rank, so the bus
+bandwidth is NCCL's "busbw"); both are read from the nearest measured group sizes,
+interpolated in log2(p). A GEMM of ``2mnk`` flops runs at the table's rate for its size
+(interpolated in log space, clamped at the ends), never faster than memory allows.
+Tested in tests/unit/test_planner_cost.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["Calibration", "load_calibration", "CALIBRATIONS"]
+
+HERE = Path(__file__).resolve().parent / "calibrations"
+CALIBRATIONS = ("h100", "h200")
+"""The calibrations shipped with the package (``load_calibration("h100")``)."""
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation of ``points`` (sorted by x) in log2(x); clamped at the ends."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+    return y0 + w * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One machine kind's measured (or estimated) rates; see the module docstring for the JSON."""
+
+    name: str
+    source: str
+    gemm: tuple[tuple[float, float], ...]
+    attention_flops_per_s: float
+    hbm_bytes_per_s: float
+    links: dict[str, tuple[tuple[int, float, float], ...]]
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    gpu_bytes: float
+    reserved_bytes: float = 3e9
+    attention_backward_ratio: float = 0.8
+    peak_flops_per_s: float = 0.0
+    """The card's dense peak (what MFU divides by); 0 takes the GEMM table's best rate."""
+    extra: dict = field(default_factory=dict)
+    """Anything else the calibration run recorded (kept, not read)."""
+
+    def __post_init__(self) -> None:
+        if not self.gemm:
+            raise ValueError(f"calibration {self.name!r}: 'gemm' needs at least one [flops, flops_per_s] point.")
+        for name in ("nvlink", "ib"):
+            if not self.links.get(name):
+                raise ValueError(
+                    f"calibration {self.name!r}: links[{name!r}] needs [group, latency_s, bus_bytes_per_s] points."
+                )
+        for k in ("attention_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be > 0.")
+
+    # -- rates -------------------------------------------------------------------------
+    def gemm_seconds(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:
+        """One GEMM ``[m, k] @ [k, n]``: its flops at the table's rate, or its bytes at HBM speed."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k
+        rate = _interp(list(self.gemm), flops)
+        memory = (m * k + k * n + m * n) * element_bytes / self.hbm_bytes_per_s
+        return max(flops / rate, memory)
+
+    def collective_seconds(self, link: str, group: int, wire_bytes: float, calls: float = 1.0) -> float:
+        """``calls`` collectives over ``group`` ranks on ``link`` moving ``wire_bytes`` per rank in all."""
+        if group <= 1 or (wire_bytes <= 0 and calls <= 0):
+            return 0.0
+        pts = self.links[link]
+        lat = _interp([(p, a) for p, a, _ in pts], group)
+        bw = _interp([(p, b) for p, _, b in pts], group)
+        return calls * lat + wire_bytes / bw
+
+    def p2p_seconds(self, link: str, nbytes: float) -> float:
+        """One point-to-point message (the group-of-2 figures)."""
+        return self.collective_seconds(link, 2, nbytes)
+
+    # -- JSON --------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["gemm"] = [list(p) for p in self.gemm]
+        d["links"] = {k: [list(p) for p in v] for k, v in self.links.items()}
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        d = dict(d)
+        known = set(cls.__dataclass_fields__)
+        extra = {k: d.pop(k) for k in list(d) if k not in known}
+        d["gemm"] = tuple(sorted((float(a), float(b)) for a, b in d["gemm"]))
+        d["links"] = {k: tuple(sorted((int(p), float(a), float(b)) for p, a, b in v)) for k, v in d["links"].items()}
+        d["extra"] = {**d.get("extra", {}), **extra}
+        return cls(**d)
+
+
+def load_calibration(name_or_path: str | Path) -> Calibration:
+    """A shipped calibration by name (``"h100"``, ``"h200"``) or a JSON file written by
+    ``benchmarks/calibrate.py``."""
+    p = Path(name_or_path)
+    if str(name_or_path) in CALIBRATIONS:
+        p = HERE / f"{name_or_path}.json"
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"calibration {str(name_or_path)!r}: no such file; use one of {list(CALIBRATIONS)} or the JSON that "
+            f"benchmarks/calibrate.py writes."
+        )
+    return Calibration.from_dict(json.loads(p.read_text()))

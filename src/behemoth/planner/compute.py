@@ -1,0 +1,118 @@
+"""Compute time of one micro-batch through one transformer block (and the head), per rank.
+
+A roofline per GEMM shape: each Linear's GEMM ``[m, k] @ [k, n]`` as tensor parallelism
+splits it runs at the calibration's rate for its size (:meth:`Calibration.gemm_seconds`):
+
+* 1D (Megatron): a column Linear ``(T, in, out/p)``, a row Linear ``(T, in/p, out)``;
+  ``tp_overlap = k`` splits the row GEMMs into k GEMMs of ``T/k`` rows;
+* 2D / 2.5D (SUMMA on d x q x q): q GEMMs ``(T/(d q), in/q, out/q)``;
+* 3D (q x q x q): one GEMM ``(T/q, in/q, out/q)`` after the gathers; ``tp_overlap = k``
+  splits it into k pieces;
+
+with ``T`` the tokens of one micro-batch on this rank's context-parallel share. Backward
+runs the input- and weight-gradient GEMMs, twice the forward's work. Causal attention
+does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's attention rate
+(its backward at ``attention_backward_ratio`` of it, 2.5 times the flops). Norms, residual
+adds, activations and casts read and write about ``ELEMENTWISE`` bytes per token per hidden
+unit at HBM speed: split over tp where the layout shards them (sequence parallelism, 2D,
+3D), replicated where it does not (1D). Activation checkpointing adds a forward to the
+backward. Pure; tests/unit/test_planner_cost.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan
+from .calibration import Calibration
+from .workload import Workload
+
+__all__ = ["BlockTimes", "block_times", "head_times", "tp_grid"]
+
+ELEMENTWISE_REPLICATED = 16
+"""Bytes per token per hidden unit, per block forward, of the norms and residual adds (what
+1D tensor parallelism without sequence parallelism repeats on every rank)."""
+ELEMENTWISE_SPLIT = 24
+"""... and of the attention and MLP elementwise work every layout splits over tp."""
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Seconds for one micro-batch through one block on one rank."""
+
+    forward: float
+    backward: float
+    gemm_forward: float
+    """The GEMMs' part of ``forward`` (what over-decomposition can hide communication behind)."""
+    attention_forward: float
+    """Attention's part of ``forward`` (what ring attention hides its K/V shifts behind)."""
+
+
+def tp_grid(plan: Plan) -> tuple[int, int]:
+    """(q, d) of the plan's tensor-parallel layout: 1D (p, 1), 2D (q, 1), 2.5D (q, d), 3D (q, q)."""
+    if plan.tp_mode == "1d":
+        return plan.tp, 1
+    if plan.tp_mode == "3d":
+        q = round(plan.tp ** (1 / 3))
+        return q, q
+    d = plan.tp_depth
+    return round((plan.tp // d) ** 0.5), d
+
+
+def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: str, eb: int) -> float:
+    p, mode = plan.tp, plan.tp_mode
+    if p == 1:
+        return cal.gemm_seconds(t, fout, fin, eb)
+    q, d = tp_grid(plan)
+    if mode == "1d":
+        if role == "column":
+            return cal.gemm_seconds(t, fout / p, fin, eb)
+        k = plan.tp_overlap
+        return k * cal.gemm_seconds(t / k, fout, fin / p, eb)
+    if mode in ("2d", "2.5d"):
+        return q * cal.gemm_seconds(t / (d * q), fout / q, fin / q, eb)
+    k = plan.tp_overlap
+    return k * cal.gemm_seconds(t / q / k, fout / q, fin / q, eb)
+
+
+def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTimes:
+    """One micro-batch of ``mbs`` sequences through one block on one rank of ``plan``."""
+    s = w.shape
+    eb = 2 if plan.precision in ("bf16", "fp16") else 4
+    t = mbs * w.seq_len / plan.cp
+    h, dh = s.hidden, s.head_dim
+    attn_w, kv_w = s.num_heads * dh, s.num_kv_heads * dh
+    gemm = _linear(cal, plan, t, h, attn_w + 2 * kv_w, "column", eb) + _linear(cal, plan, t, attn_w, h, "row", eb)
+    if w.num_experts:
+        f = w.expert_ffn_hidden or s.ffn_hidden
+        # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all
+        rows = t * w.experts_top_k * plan.ep / w.num_experts
+        one = (2 if s.gated_mlp else 1) * _linear(cal, plan, rows, h, f, "column", eb) + _linear(
+            cal, plan, rows, f, h, "row", eb
+        )
+        gemm += one * w.num_experts / plan.ep
+    else:
+        f = s.ffn_hidden
+        gemm += (2 if s.gated_mlp else 1) * _linear(cal, plan, t, h, f, "column", eb) + _linear(
+            cal, plan, t, f, h, "row", eb
+        )
+    flops = 2.0 * mbs * w.seq_len * w.seq_len * dh * s.num_heads / (plan.tp * plan.cp)
+    attn_f = flops / cal.attention_flops_per_s
+    attn_b = 2.5 * flops / (cal.attention_flops_per_s * cal.attention_backward_ratio)
+    shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
+    elem = t * h * eb * (ELEMENTWISE_REPLICATED / shard + ELEMENTWISE_SPLIT / plan.tp) / cal.hbm_bytes_per_s
+    fwd = gemm + attn_f + elem
+    bwd = 2 * gemm + attn_b + 2 * elem
+    if plan.activation_checkpointing:
+        bwd += fwd
+    return BlockTimes(fwd, bwd, gemm, attn_f)
+
+
+def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[float, float]:
+    """Forward and backward seconds of the head GEMM and the cross-entropy over the vocabulary."""
+    s = w.shape
+    eb = 2 if plan.precision in ("bf16", "fp16") else 4
+    t = mbs * w.seq_len / plan.cp
+    g = _linear(cal, plan, t, s.hidden, s.vocab_size, "column", eb)
+    ce = t * s.vocab_size / plan.tp * 4 * 3 / cal.hbm_bytes_per_s  # fp32 logits: write, read, gradient
+    return g + ce, 2 * g + ce

@@ -1,0 +1,266 @@
+"""Predicted step time and memory of one plan: the cost model the search ranks by.
+
+``step = compute + exposed communication + pipeline bubble + optimizer + exposed offload``:
+
+* **compute** -- :mod:`.compute` (a roofline per GEMM shape, attention, elementwise work);
+* **communication** -- each axis's bytes (:mod:`.axis_traffic`, the ledger's formulas) at
+  the alpha-beta speed of the link class its groups cross (:class:`~.cluster.Cluster`);
+* **overlap** -- the rules each style implements, each hiding at most the compute it runs
+  beside: bucketed gradient reduction (ZeRO 0-2) behind the backward, but the last bucket;
+  ZeRO-1/2's parameter all-gather after the step exposed; ZeRO-3's prefetched gathers behind
+  compute, but the first chunk; 1D's column backward all-reduce behind its weight-gradient
+  GEMM, ``tp_overlap = k`` hiding ``(k-1)/k`` of the row collectives behind GEMMs (1D, 3D);
+  SUMMA's broadcasts of step i+1 behind step i's GEMM (2D, 2.5D); ring attention's K/V
+  shifts behind the attention blocks; Ulysses' and experts' all-to-alls exposed;
+* **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times,
+  point-to-point latency included;
+* **offload** -- gradients down, parameters up over the host link and the CPU Adam update,
+  overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
+  offload also fetches each chunk forward and backward.
+
+Memory: :mod:`.footprint`. Pure; tests/unit/test_planner_cost.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..plan import Plan
+from .axis_traffic import Dtypes, local_params, step_traffic
+from .bubble import peak_inflight, pipeline_time
+from .cluster import Cluster, axis_strides
+from .compute import block_times, head_times, tp_grid
+from .footprint import Footprint, footprint
+from .workload import Workload
+
+__all__ = ["Prediction", "predict", "plan_memory", "model_flops_per_token"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for one plan on one cluster; times in seconds per step."""
+
+    plan: Plan
+    micro_batch_size: int
+    step: float
+    tokens_per_s: float
+    mfu: float
+    compute: float
+    """Compute on the critical pipeline rank, all micro-batches (no bubble)."""
+    bubble: float
+    optimizer: float
+    offload: float
+    """Exposed host transfers and CPU optimizer time."""
+    comm: dict[str, float]
+    """Seconds each axis's collectives take, overlapped or not."""
+    exposed: dict[str, float]
+    """The part of ``comm`` not hidden behind compute."""
+    bytes: dict[str, float]
+    """Wire bytes per axis per step (the ledger's ``wire_bytes``)."""
+    memory: Footprint
+    fits: bool
+    why_not: str = ""
+    """Why it does not fit (empty when it does)."""
+    phases: tuple[tuple[str, float], ...] = field(default=(), repr=False)
+    """The step as consecutive phases, for a trace."""
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(self.exposed.values())
+
+
+def model_flops_per_token(w: Workload) -> float:
+    """6 N + 6 L h s (causal attention counted once; experts: the active ones)."""
+    s = w.shape
+    n = w.num_params
+    if w.num_experts:
+        n -= s.num_layers * w.expert_params * (1 - w.experts_top_k / w.num_experts)
+    return 6 * n + 6 * s.num_layers * s.hidden * w.seq_len
+
+
+def _tp_calls(plan: Plan, w: Workload) -> float:
+    """Collectives per block per micro-batch (their latencies)."""
+    if plan.tp == 1:
+        return 0
+    if plan.tp_mode == "1d":
+        return (4 + 2 * plan.sequence_parallel) * plan.tp_overlap
+    q, _ = tp_grid(plan)
+    linears = 6 if w.shape.gated_mlp else 5
+    if plan.tp_mode == "3d":
+        return 8 * linears * plan.tp_overlap + 8
+    return 6 * q * linears + 8
+
+
+def _hide(comm: float, cover: float, frac: float = 1.0) -> float:
+    """Exposed part of ``comm`` when up to ``frac`` of it can run under ``cover`` seconds of compute."""
+    return comm - min(comm * frac, max(cover, 0.0))
+
+
+def _memo(cache: dict | None, key: tuple, fn):
+    if cache is None:
+        return fn()
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = fn()
+    return v
+
+
+def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
+    """Predicted memory per GPU (and host) of ``plan`` (resolved) on ``cluster``: :mod:`.footprint`
+    with the schedule's peak in-flight micro-batches."""
+    mbs = w.global_batch // (plan.dp * plan.microbatches)
+    inflight = peak_inflight(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    return footprint(plan, w, mbs=mbs, inflight=inflight, reserved=cluster.calibration.reserved_bytes)
+
+
+def predict(
+    plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None = None, memory: Footprint | None = None
+) -> Prediction:
+    """Predict ``plan`` (its ``dp`` resolved for ``cluster.num_gpus``) on ``cluster``. ``cache``: a
+    dict to keep per-block results in across calls for one workload and cluster (the search's);
+    ``memory``: its :func:`plan_memory`, when the caller has it already."""
+    plan = plan.resolve(cluster.num_gpus)
+    cal = cluster.calibration
+    s, m, pp = w.shape, plan.microbatches, plan.pp
+    mbs = w.global_batch // (plan.dp * m)
+    if mbs < 1 or mbs * plan.dp * m != w.global_batch:
+        raise ValueError(
+            f"global batch {w.global_batch} must equal dp * microbatches * micro-batch size; got dp={plan.dp}, "
+            f"microbatches={m}."
+        )
+    dt = Dtypes.of(plan)
+    layers = -(-s.num_layers // pp)
+    key = (plan.tp_mode, plan.tp, plan.tp_depth, plan.sequence_parallel, plan.tp_overlap, plan.cp, plan.ep)
+    key += (plan.activation_checkpointing, plan.precision, mbs)
+    bt = _memo(cache, ("block",) + key, lambda: block_times(plan, w, cal, mbs))
+    hf, hb = _memo(cache, ("head",) + key, lambda: head_times(plan, w, cal, mbs))
+    t_f = layers * bt.forward + hf
+    t_b = layers * bt.backward + hb
+    nbytes = step_traffic(plan, w, dt=dt)
+    strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp)
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+
+    # tensor parallelism, per micro-batch; a third of the bytes forward, two thirds backward
+    if "tp" in nbytes:
+        q, _ = tp_grid(plan)
+        group = plan.tp if plan.tp_mode == "1d" else q
+        link = cluster.link(plan.tp, 1)
+        one = cal.collective_seconds(link, group, nbytes["tp"] / m, _tp_calls(plan, w) * layers)
+        comm["tp"] = one * m
+        gemm = layers * bt.gemm_forward
+        fwd, bwd = one / 3, 2 * one / 3
+        if plan.tp_mode == "1d":
+            k = plan.tp_overlap
+            e = _hide(fwd, gemm, (k - 1) / k) + _hide(bwd, gemm / 2 + gemm * (k - 1) / k)
+        elif plan.tp_mode == "3d":
+            k = plan.tp_overlap
+            e = _hide(one, 3 * gemm, (k - 1) / k)
+        else:
+            e = _hide(one, 3 * gemm, (q - 1) / q)
+        t_f += e / 3
+        t_b += 2 * e / 3
+        exposed["tp"] = e * m
+    if "cp" in nbytes:
+        size, stride = strides["cp"]
+        calls = (4 if plan.cp_mode == "ulysses" else 3 * (plan.cp - 1)) * layers
+        one = cluster.collective_seconds(size, stride, nbytes["cp"] / m, calls)
+        comm["cp"] = one * m
+        attn = layers * bt.attention_forward * 3.5
+        e = one if plan.cp_mode == "ulysses" else _hide(one, attn, (plan.cp - 1) / plan.cp)
+        t_f += e / 3
+        t_b += 2 * e / 3
+        exposed["cp"] = e * m
+    if "ep" in nbytes:
+        size, stride = plan.ep, plan.cp * plan.tp
+        one = cluster.collective_seconds(size, stride, nbytes["ep"] / m, 4 * layers)
+        comm["ep"] = exposed["ep"] = one * m
+        t_f += one / 3
+        t_b += 2 * one / 3
+
+    # the pipeline: the simulator over the stage's micro-batch times
+    t_comm = 0.0
+    if pp > 1:
+        size, stride = strides["pp"]
+        act = mbs * w.seq_len / plan.cp * s.hidden * dt.stream
+        t_comm = cluster.collective_seconds(2, stride, act)
+        comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
+        exposed["pp"] = 0.0  # inside the makespan (its latency per hand-off)
+    makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, t_comm)
+    compute = m * (layers * (bt.forward + bt.backward) + hf + hb)
+
+    # data parallelism / ZeRO over dp (x cp)
+    g = plan.dp * plan.cp
+    n = local_params(plan, w, layers=layers)
+    shard = n / g
+    if g > 1:
+        axis = "dp_cp" if plan.cp > 1 else "dp"
+        size, stride = strides[axis]
+        total = nbytes[axis]
+        z = plan.zero
+        grads = n * dt.param
+        buckets = max(1, math.ceil(grads / (plan.bucket_mb * 2**20)))
+        gather = (g - 1) / g * n * (2 if plan.param_dtype == "bf16" else 4) if z in (1, 2) else 0.0
+        t_all = cluster.collective_seconds(size, stride, total, buckets * (m if z >= 2 else 1) + 2)
+        t_gather = cluster.collective_seconds(size, stride, gather, buckets) if gather else 0.0
+        comm[axis] = t_all
+        reduce = t_all - t_gather
+        if z == 3:
+            cover, frac = compute, 1 - 1 / max(2, layers)
+        else:
+            cover, frac = (t_b if z < 2 else m * t_b) if pp == 1 else t_b, 1 - 1 / buckets
+        hidden = min(reduce * frac, cover)
+        e = reduce - hidden + t_gather
+        exposed[axis] = e
+    else:
+        e = hidden = 0.0
+
+    # the optimizer step, on the GPU or the host
+    opt = (shard if plan.zero else n) * 36 / cal.hbm_bytes_per_s
+    offload = 0.0
+    if plan.offload is not None:
+        pb = 2 if plan.param_dtype == "bf16" else 4
+        moves = shard * 4 / cal.d2h_bytes_per_s + shard * pb / cal.h2d_bytes_per_s
+        if plan.zero == 3:
+            moves += 2 * m * n / g * pb / cal.h2d_bytes_per_s
+        work = moves + shard / cal.cpu_adam_params_per_s
+        # the backward hides what the gradient reduction left of it
+        offload = _hide(work, m * t_b - hidden, 1 - 1 / max(2, layers))
+        opt = 0.0
+
+    step = makespan + sum(v for k, v in exposed.items() if k in ("dp", "dp_cp")) + opt + offload
+    mem = memory if memory is not None else plan_memory(plan, w, cluster)
+    why = ""
+    if mem.gpu_total > cluster.memory_bytes:
+        why = f"needs {mem.gpu_total / 2**30:.1f} GiB per GPU > {cluster.memory_bytes / 2**30:.1f} GiB"
+    elif mem.host > cluster.host_bytes:
+        why = f"needs {mem.host / 2**30:.1f} GiB of host memory per rank > {cluster.host_bytes / 2**30:.1f} GiB"
+    tokens = w.tokens / step
+    peak = cal.peak_flops_per_s or max(r for _, r in cal.gemm)
+    mfu = tokens * model_flops_per_token(w) / (cluster.num_gpus * peak)
+    phases = (
+        ("forward+backward", m * (t_f + t_b)),
+        ("pipeline bubble", bubble),
+        ("gradient sync (exposed)", e),
+        ("optimizer", opt),
+        ("offload (exposed)", offload),
+    )
+    return Prediction(
+        plan=plan,
+        micro_batch_size=mbs,
+        step=step,
+        tokens_per_s=tokens,
+        mfu=mfu,
+        compute=compute,
+        bubble=bubble,
+        optimizer=opt,
+        offload=offload,
+        comm=comm,
+        exposed=exposed,
+        bytes=nbytes,
+        memory=mem,
+        fits=not why,
+        why_not=why,
+        phases=phases,
+    )

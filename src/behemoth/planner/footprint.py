@@ -1,0 +1,107 @@
+"""Predicted memory per GPU (and per rank on the host) of a plan: model data and activations.
+
+Model data, per parameter this rank holds (:func:`~.axis_traffic.local_params`), with fp32
+parameters (their own masters), fp32 gradients and Adam's two fp32 moments, ZeRO sharding
+over the ``g = dp x cp`` ranks that reduce gradients (as ``parallel/zero/chunks.py`` counts
+them, chunk padding aside):
+
+=====  ================================  ===================================
+stage  GPU                                host (``offload='cpu'``)
+=====  ================================  ===================================
+0      4 + 4 + 8                          --
+1      4 + 4 + 8/g  (offload: 4 + 4)      8/g (+ 4/g gradient copy)
+2      4 + 12/g     (offload: 4 + 4/g)    12/g
+3      16/g + two blocks gathered         16/g, the GPU keeps the gathered blocks
+=====  ================================  ===================================
+
+(``param_dtype='bf16'`` keeps 2-byte copies on the GPU and 4-byte masters sharded.)
+Activations saved per block and micro-batch, in bytes (Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", with flash attention, so no ``s**2``
+term): ``T (10 h + 8 h + 4 f ... )`` -- here ``T (A_rep h / r + (A_h h + A_f f) / p)`` with
+``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
+``T`` tokens of the micro-batch on this context-parallel rank; with activation
+checkpointing only the block input (``4 T h / r``) is kept, plus one block's full set while
+it is recomputed. A pipeline rank holds its peak in-flight micro-batches of its stage's
+blocks (:mod:`.bubble`); the last stage adds the fp32 logits and their gradient. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan
+from .axis_traffic import local_params
+from .workload import Workload
+
+__all__ = ["Footprint", "footprint"]
+
+ACT_REPLICATED = 10
+"""Bytes per token per hidden unit a 1D layout without sequence parallelism keeps on every
+rank (norm inputs, dropout masks, residuals)."""
+ACT_HIDDEN = 8
+"""... split over tp: attention's q, k, v, output and its softmax statistics."""
+ACT_FFN = 4
+"""... per token per FFN unit, split over tp: the MLP's inner activations."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per GPU, and per rank on the host."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    reserved: float
+    host: float
+
+    @property
+    def gpu_total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.reserved
+
+
+def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, float]:
+    """(kept between forward and backward, kept under activation checkpointing) for one block."""
+    s = w.shape
+    t = mbs * w.seq_len / plan.cp
+    rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
+    f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else s.ffn_hidden
+    scale = 1.0 if plan.precision in ("bf16", "fp16") else 2.0
+    full = t * (ACT_REPLICATED * s.hidden / rep + (ACT_HIDDEN * s.hidden + ACT_FFN * f) / plan.tp) * scale
+    return full, 4 * t * s.hidden / rep
+
+
+def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: float) -> Footprint:
+    """Memory of the pipeline's last stage (the head's) under ``plan`` (resolved)."""
+    s = w.shape
+    g = plan.dp * plan.cp
+    layers = -(-s.num_layers // plan.pp)
+    n = local_params(plan, w, layers=layers, edges=True)
+    z, off = plan.zero, plan.offload is not None
+    pb = 2 if plan.param_dtype == "bf16" else 4
+    masters = 4 if pb == 2 else 0
+    host = 0.0
+    if z == 0:
+        params, grads, opt = n * pb, n * 4, n * 8
+    elif z == 1:
+        params, grads, opt = n * pb, n * 4, n * (8 + masters) / g
+    elif z == 2:
+        params, grads, opt = n * pb, n * 4 / g, n * (8 + masters) / g
+    else:
+        per_block = w.block_params / plan.tp
+        params = n * pb / g + 2 * per_block * pb
+        grads, opt = n * 4 / g + 2 * per_block * 4, n * (8 + masters) / g
+    if off:
+        host = opt + (n * 4 / g if z >= 1 else 0.0)
+        if z == 3:
+            host += n * pb / g
+            params = 2 * (w.block_params / plan.tp) * pb
+        opt = 0.0
+        if z == 2:
+            grads = n * 4 / g
+    full, ckpt = block_activation_bytes(plan, w, mbs)
+    per_mb = layers * (ckpt if plan.activation_checkpointing else full)
+    act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
+    t = mbs * w.seq_len / plan.cp
+    act += t * s.vocab_size / plan.tp * 4 * 2  # fp32 logits and their gradient on the last stage
+    return Footprint(params, grads, opt, act, reserved, host)

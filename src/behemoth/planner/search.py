@@ -1,0 +1,245 @@
+"""The search: every legal layout of a model on a cluster, pruned by memory, ranked by step time.
+
+``search(workload, cluster, limits)`` enumerates dp x tp (1D with and without sequence
+parallelism and over-decomposition, 2D, 2.5D, 3D) x pp (schedule, virtual stages, micro-
+batches) x cp (Ulysses, ring) x ep x ZeRO stage x offload x micro-batch size x activation
+checkpointing, keeps the plans :class:`~behemoth.plan.Plan` itself accepts (its constructor,
+``resolve`` and ``check_supported``: the rules ``bh.boost`` applies) and the model's shape
+allows (heads, widths and vocabulary divisible as the styles need), predicts each one's step
+time and memory (:func:`~.cost.predict`), drops those that do not fit and ranks the rest by
+step time. Pure: no process group, no device; 1,024 GPUs and a 96-layer model take seconds
+because a block is costed once per shape and reused by every plan that runs it
+(``cost.predict``'s cache), and Plan's verdict is cached per combination of fields it reads.
+Tested in tests/unit/test_planner_search.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
+from .cluster import Cluster
+from .cost import Prediction, plan_memory, predict
+from .workload import Workload
+
+__all__ = ["Limits", "SearchResult", "search", "shape_refusal"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What the search may choose from."""
+
+    precision: str = "bf16"
+    """Every plan's precision."""
+    tp_modes: tuple[str, ...] = TP_MODES
+    max_tp: int = 64
+    max_cp: int = 16
+    max_pp: int = 64
+    cp_modes: tuple[str, ...] = CP_MODES
+    schedules: tuple[str, ...] = SCHEDULES
+    virtual_stages: tuple[int, ...] = (2,)
+    """Chunks per rank tried with the interleaved schedule."""
+    tp_overlaps: tuple[int, ...] = (1, 2)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offloads: tuple[str | None, ...] = (None, "cpu")
+    activation_checkpointing: tuple[bool, ...] = (False, True)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Sequences per micro-batch tried (those dividing each dp rank's share)."""
+    max_microbatches: int = 256
+    ep_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Expert-parallel degrees tried for a mixture-of-experts model (dividing dp and the experts)."""
+    top: int = 20
+    """Plans the result keeps, best first."""
+    memory_headroom: float = 1.0
+    """Fraction of each GPU's memory a plan may use."""
+
+
+@dataclass
+class SearchResult:
+    """The ranked plans and what the search saw."""
+
+    ranked: list[Prediction]
+    """Plans that fit, fastest first (``limits.top`` of them)."""
+    evaluated: int = 0
+    """Plans costed (legal ones): their memory predicted, and their time if they fit."""
+    fits: int = 0
+    """... of which fit in memory."""
+    refused: Counter = field(default_factory=Counter)
+    """Why candidates were dropped before costing: Plan's rule, or the model's shape."""
+    unfit: Prediction | None = None
+    """The fastest plan that did not fit (what more memory would buy)."""
+
+    @property
+    def best(self) -> Prediction:
+        if not self.ranked:
+            raise ValueError("no plan fits: " + (self.unfit.why_not if self.unfit else "no legal plan"))
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
+    """Why the model's shape cannot take ``plan`` at micro-batch size ``mbs`` ('' if it can):
+    the divisibility the tensor, context, pipeline and expert styles check at ``bh.boost``."""
+    s = w.shape
+    tp, cp = plan.tp, plan.cp
+    if plan.pp * plan.virtual_stages > s.num_layers:
+        return "more pipeline stages than blocks"
+    if tp > 1:
+        if plan.tp_mode == "1d":
+            if s.num_heads % tp or s.ffn_hidden % tp or s.vocab_size % tp:
+                return "tp does not divide heads, ffn or vocabulary"
+            if s.num_kv_heads % tp and tp % s.num_kv_heads:
+                return "kv heads neither a multiple nor a divisor of tp"
+            if plan.sequence_parallel and (w.seq_len // cp) % tp:
+                return "sequence parallelism needs tp | sequence"
+            if mbs % plan.tp_overlap:
+                return "tp_overlap must divide the micro-batch"
+        else:
+            q = round(tp ** (1 / 3)) if plan.tp_mode == "3d" else math.isqrt(tp // plan.tp_depth)
+            d = q if plan.tp_mode == "3d" else plan.tp_depth
+            if s.hidden % q or s.ffn_hidden % q or s.vocab_size % q or s.num_heads % q:
+                return "the grid side does not divide hidden, ffn, heads or vocabulary"
+            rows = mbs * w.seq_len if plan.tp_mode == "3d" else mbs
+            if rows % (d * q) or (plan.tp_mode == "3d" and rows % (q * q * plan.tp_overlap)):
+                return "the grid does not divide the micro-batch"
+    if cp > 1:
+        if w.seq_len % (2 * cp):
+            return "context parallelism needs 2 cp | sequence"
+        if plan.cp_mode == "ulysses" and (s.num_heads // tp) % cp:
+            return "Ulysses needs cp | heads per tp rank"
+    if plan.ep > 1 and (not w.num_experts or w.num_experts % plan.ep):
+        return "ep must divide the experts"
+    return ""
+
+
+def _tp_variants(tp: int, limits: Limits) -> list[dict]:
+    if tp == 1:
+        return [dict(tp=1)]
+    out = []
+    for mode in limits.tp_modes:
+        if mode == "1d":
+            for sp in (False, True):
+                for k in limits.tp_overlaps:
+                    out.append(dict(tp=tp, tp_mode="1d", sequence_parallel=sp, tp_overlap=k))
+        elif mode == "2d" and math.isqrt(tp) ** 2 == tp:
+            out.append(dict(tp=tp, tp_mode="2d"))
+        elif mode == "2.5d":
+            for d in _divisors(tp)[1:]:
+                r = tp // d
+                if math.isqrt(r) ** 2 == r and r > 1:
+                    out.append(dict(tp=tp, tp_mode="2.5d", tp_depth=d))
+        elif mode == "3d" and round(tp ** (1 / 3)) ** 3 == tp:
+            for k in limits.tp_overlaps:
+                out.append(dict(tp=tp, tp_mode="3d", tp_overlap=k))
+    return out
+
+
+def _pp_variants(pp: int, limits: Limits) -> list[dict]:
+    if pp == 1:
+        return [dict(pp=1)]
+    out = []
+    for sched in limits.schedules:
+        for v in limits.virtual_stages if sched == "interleaved" else (1,):
+            out.append(dict(pp=pp, schedule=sched, virtual_stages=v))
+    return out
+
+
+def _factorizations(world: int, limits: Limits, w: Workload):
+    for tp in _divisors(world):
+        if tp > limits.max_tp:
+            continue
+        for cp in _divisors(world // tp):
+            if cp > limits.max_cp:
+                continue
+            for pp in _divisors(world // (tp * cp)):
+                if pp > min(limits.max_pp, w.shape.num_layers):
+                    continue
+                yield world // (tp * cp * pp), pp, tp, cp
+
+
+def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> SearchResult:
+    """Every legal plan for ``w`` on ``cluster``, costed; those that fit, fastest first."""
+    limits = limits or Limits()
+    res = SearchResult(ranked=[])
+    verdicts: dict[tuple, str] = {}
+    cache: dict = {}
+    budget = cluster.memory_bytes * limits.memory_headroom
+    fitting: list[Prediction] = []
+    eps = [e for e in limits.ep_degrees if w.num_experts and w.num_experts % e == 0] or [1]
+    for dp, pp, tp, cp in _factorizations(cluster.num_gpus, limits, w):
+        if w.global_batch % dp:
+            res.refused["dp does not divide the global batch"] += 1
+            continue
+        share = w.global_batch // dp
+        sizes = [b for b in limits.micro_batch_sizes if share % b == 0 and share // b <= limits.max_microbatches]
+        for tv in _tp_variants(tp, limits):
+            for cm in limits.cp_modes if cp > 1 else ("ulysses",):
+                for pv in _pp_variants(pp, limits):
+                    for ep in eps:
+                        if dp % ep:
+                            continue
+                        for zero in limits.zero_stages:
+                            fields = dict(cp=cp, cp_mode=cm, ep=ep, zero=zero, precision=limits.precision)
+                            fields.update(tv)
+                            fields.update(pv)
+                            variants = []  # (offload, checkpointing, Plan's fields), cheapest first
+                            for off in limits.offloads:
+                                for ac in limits.activation_checkpointing:
+                                    f = dict(fields, offload=off, activation_checkpointing=ac)
+                                    if _legal(f, verdicts, res):
+                                        variants.append((off, ac, dict(f, dp=dp)))
+                            if not variants:
+                                continue
+                            for mbs in sizes:
+                                _costed(variants, mbs, share // mbs, w, cluster, budget, cache, res, fitting)
+    fitting.sort(key=lambda p: (p.step, p.memory.gpu_total))
+    res.fits = len(fitting)
+    res.ranked = fitting[: limits.top]
+    return res
+
+
+def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
+    """Cost one layout at one micro-batch size under each offload / activation-checkpointing
+    choice, cheapest first: a choice that only saves memory (offload, recomputation) is tried
+    only when every cheaper one fails to fit, since it never predicts a faster step. Memory is
+    checked first; only plans that fit are timed."""
+    fit: dict[tuple, bool] = {}
+    for off, ac, fields in variants:
+        if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
+            continue
+        plan = Plan(**fields, microbatches=m)
+        why = shape_refusal(plan, w, mbs)
+        if why:
+            res.refused[why] += 1
+            fit[(off, ac)] = False
+            continue
+        mem = plan_memory(plan, w, cluster)
+        ok = mem.gpu_total <= budget and mem.host <= cluster.host_bytes
+        fit[(off, ac)] = ok
+        res.evaluated += 1
+        if ok:
+            fitting.append(predict(plan, w, cluster, cache=cache, memory=mem))
+        elif res.unfit is None or mem.gpu_total < res.unfit.memory.gpu_total:
+            res.unfit = predict(plan, w, cluster, cache=cache, memory=mem)
+
+
+def _legal(fields: dict, verdicts: dict, res: SearchResult) -> bool:
+    """Whether Plan's own rules (its constructor and ``check_supported``) accept ``fields``
+    (``dp`` left to fill the world: the search keeps ``ep | dp`` itself); verdicts cached."""
+    key = tuple(fields.items())
+    why = verdicts.get(key)
+    if why is None:
+        try:
+            Plan(**fields).check_supported()
+            why = ""
+        except (ValueError, NotImplementedError) as e:
+            why = str(e).split(":")[0]
+        verdicts[key] = why
+    if why:
+        res.refused[why] += 1
+    return not why

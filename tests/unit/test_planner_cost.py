@@ -1,0 +1,136 @@
+"""behemoth.planner's cost model (pure): workload parameter counts against the models, the
+calibration format, golden predictions from a fixed calibration, monotonicity, and the
+pipeline closed forms against the schedule simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import behemoth as bh
+from behemoth.planner.bubble import _closed, _simulated, peak_inflight, pipeline_time
+from behemoth.planner.calibration import Calibration, load_calibration
+from behemoth.planner.cluster import Cluster, axis_strides
+from behemoth.planner.cost import predict
+from behemoth.planner.workload import workload_for
+
+GOLDEN_CAL = Path(__file__).parent / "data" / "planner_calibration.json"
+
+
+def test_workload_parameter_counts_are_the_models():
+    from behemoth.models import build_model
+
+    for name in ("gpt-tiny", "llama-tiny", "llama-moe-tiny", "gpt-1.3b"):
+        w = workload_for(name, seq_len=64, global_batch=8, vocab_size=96)
+        model = build_model(name, vocab_size=96, seq_len=64, device="meta")
+        assert w.num_params == sum(p.numel() for p in model.parameters()), name
+
+
+def test_calibration_round_trip_and_interpolation():
+    cal = load_calibration("h100")
+    assert "estimated" in cal.source and "not measured" in cal.source
+    again = Calibration.from_dict(json.loads(cal.to_json()))
+    assert again == cal
+    assert load_calibration("h200").hbm_bytes_per_s > cal.hbm_bytes_per_s
+    # alpha-beta: latency + bytes / bus bandwidth, at a measured group size exactly
+    lat, bw = cal.links["nvlink"][-1][1:]
+    assert cal.collective_seconds("nvlink", 8, 1e9) == pytest.approx(lat + 1e9 / bw)
+    assert cal.collective_seconds("nvlink", 1, 1e9) == 0.0
+    # a GEMM never runs faster than the table's best rate, nor than memory allows
+    best = max(r for _, r in cal.gemm)
+    assert cal.gemm_seconds(8192, 8192, 8192) >= 2 * 8192**3 / best
+    assert cal.gemm_seconds(1, 8192, 8192) >= 8192 * 8192 * 2 / cal.hbm_bytes_per_s
+    with pytest.raises(FileNotFoundError, match="calibrate.py"):
+        load_calibration("no-such-card")
+    with pytest.raises(ValueError, match="links"):
+        Calibration.from_dict({**json.loads(cal.to_json()), "links": {"nvlink": [[2, 1e-5, 1e11]]}})
+
+
+def test_link_classes_follow_the_mesh_layout():
+    c = Cluster(num_gpus=64, calibration=load_calibration(GOLDEN_CAL))
+    s = axis_strides(dp=4, pp=2, tp=4, cp=2)
+    assert s == {"tp": (4, 1), "cp": (2, 4), "dp": (4, 8), "dp_cp": (8, 4), "pp": (2, 32)}
+    assert c.link(*s["tp"]) == "nvlink" and c.link(*s["cp"]) == "nvlink"
+    assert c.link(*s["dp"]) == "ib" and c.link(*s["pp"]) == "ib"
+    with pytest.raises(ValueError, match="whole nodes"):
+        Cluster(num_gpus=12)
+
+
+GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and GPU memory (bytes)
+    (bh.Plan(precision="bf16", microbatches=2), 0.31596273798394836, 28299845120.0),
+    (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.11621576037058157, 16756743680.0),
+    (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.12664570237004222, 16756743680.0),
+    (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.1195254048650449, 14125104640.0),
+    (
+        bh.Plan(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2, precision="bf16", zero=1),
+        0.11618329229812564,
+        12623896064.0,
+    ),
+    (
+        bh.Plan(cp=2, cp_mode="ring", zero=3, precision="bf16", offload="cpu", activation_checkpointing=True),
+        0.51497153170168,
+        6873567744.0,
+    ),
+]
+
+
+@pytest.mark.parametrize("plan, step, memory", GOLDEN, ids=lambda x: x.describe() if isinstance(x, bh.Plan) else "")
+def test_golden_predictions(plan, step, memory):
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    p = predict(plan, w, Cluster(num_gpus=16, calibration=load_calibration(GOLDEN_CAL)))
+    assert p.step == pytest.approx(step, rel=1e-9)
+    assert p.memory.gpu_total == pytest.approx(memory, rel=1e-9)
+    assert p.tokens_per_s == pytest.approx(32 * 2048 / step, rel=1e-9)
+    assert p.step >= p.compute / p.plan.microbatches * 0  # sanity on the fields' presence
+    assert p.step >= p.bubble + p.optimizer + p.offload
+
+
+def _scaled(cal: Calibration, *, links: float = 1.0, latency: float = 1.0, gemm: float = 1.0) -> Calibration:
+    return dataclasses.replace(
+        cal,
+        links={k: tuple((p, a * latency, b * links) for p, a, b in v) for k, v in cal.links.items()},
+        gemm=tuple((f, r * gemm) for f, r in cal.gemm),
+    )
+
+
+@pytest.mark.parametrize("plan", [g[0] for g in GOLDEN], ids=lambda p: p.describe())
+def test_more_bandwidth_or_faster_compute_never_predicts_slower(plan):
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    cal = load_calibration(GOLDEN_CAL)
+    base = predict(plan, w, Cluster(num_gpus=16, calibration=cal)).step
+    for kw in (dict(links=2.0), dict(latency=0.5), dict(gemm=2.0), dict(links=1.1, latency=0.9, gemm=1.1)):
+        faster = predict(plan, w, Cluster(num_gpus=16, calibration=_scaled(cal, **kw))).step
+        assert faster <= base, (kw, faster, base)
+    slower = predict(plan, w, Cluster(num_gpus=16, calibration=_scaled(cal, links=0.5))).step
+    assert slower >= base
+
+
+def test_fewer_bytes_never_predicts_slower():
+    cal = load_calibration(GOLDEN_CAL)
+    times = [cal.collective_seconds(link, p, b) for link in ("nvlink", "ib") for p in (2, 8, 64) for b in (1e6, 1e8)]
+    for link in ("nvlink", "ib"):
+        for p in (2, 3, 8, 64, 4096):
+            seq = [cal.collective_seconds(link, p, b, calls) for b in (0, 1e3, 1e6, 1e9) for calls in (1,)]
+            assert seq == sorted(seq), (link, p)
+    assert all(t > 0 for t in times)
+    # a shorter sequence (fewer tokens per micro-batch: fewer bytes on every axis) is not slower
+    plan = bh.Plan(tp=4, cp=2, precision="bf16")
+    c = Cluster(num_gpus=16, calibration=cal)
+    long = predict(plan, workload_for("gpt-1.3b", seq_len=2048, global_batch=32), c)
+    short = predict(plan, workload_for("gpt-1.3b", seq_len=1024, global_batch=32), c)
+    assert all(short.bytes[a] < long.bytes[a] for a in long.bytes)
+    assert short.step <= long.step
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)])
+def test_pipeline_closed_forms_are_the_simulator(schedule, v):
+    for pp in (2, 4):
+        for m in (pp, 2 * pp, 8):
+            for ratio in (2.0, 3.0):
+                assert _simulated(schedule, pp, m, v, ratio) == pytest.approx(_closed(schedule, pp, m, v, ratio))
+            assert peak_inflight(schedule, pp, m, v) == pytest.approx(_simulated(schedule, pp, m, v, 2.0)[1])
+    span, bubble, _ = pipeline_time("1f1b", 4, 8, 1, 1.0, 2.0, t_comm=0.1)
+    assert span == pytest.approx((8 + 3) * 3.0 + 2 * 3 * 0.1) and bubble == pytest.approx(span - 24)

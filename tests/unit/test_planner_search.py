@@ -1,0 +1,94 @@
+"""behemoth.planner.search (pure): every plan it returns is one Plan accepts, fits, and is
+ranked by predicted step time; the 1,024-GPU search of a 96-layer model stays cheap."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from behemoth.planner.calibration import load_calibration
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.cost import plan_memory, predict
+from behemoth.planner.search import Limits, search, shape_refusal
+from behemoth.planner.workload import Workload, workload_for
+from behemoth.specs import TransformerShape
+
+CAL = load_calibration("h100")
+
+
+def test_search_ranks_legal_fitting_plans():
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=64)
+    c = Cluster(num_gpus=8, calibration=CAL)
+    r = search(w, c, Limits(top=50))
+    assert len(r.ranked) == 50 and r.fits >= 50 and r.evaluated >= r.fits
+    steps = [p.step for p in r.ranked]
+    assert steps == sorted(steps)
+    modes = set()
+    for p in r.ranked:
+        plan = p.plan
+        assert plan.resolve(8) == plan
+        plan.check_supported()
+        assert not shape_refusal(plan, w, p.micro_batch_size)
+        assert p.memory.gpu_total <= c.memory_bytes and p.fits
+        again = predict(plan, w, c)
+        assert again.step == pytest.approx(p.step) and again.memory == plan_memory(plan, w, c)
+        modes.add(plan.tp_mode if plan.tp > 1 else "none")
+    assert r.best is r.ranked[0]
+    assert {"Plan.offload='cpu' needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3."} <= set(r.refused)
+
+
+def test_search_prunes_by_memory_and_reports_the_best_unfit():
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    small = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=8 * 2**30, host_bytes=16 * 2**30)
+    r = search(w, small)
+    assert r.ranked == [] and r.unfit is not None and not r.unfit.fits
+    with pytest.raises(ValueError, match="no plan fits"):
+        _ = r.best
+    big = Cluster(num_gpus=1, calibration=CAL, host_bytes=512 * 2**30)
+    r = search(w, big)
+    assert r.ranked and all(p.plan.offload == "cpu" for p in r.ranked)  # 13B needs the host
+
+
+def test_search_honours_limits():
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=64)
+    c = Cluster(num_gpus=8, calibration=CAL)
+    r = search(w, c, Limits(tp_modes=("2d",), zero_stages=(1,), offloads=(None,), max_cp=1, max_pp=1, top=1000))
+    assert r.ranked and all(p.plan.tp in (1, 4) and p.plan.zero == 1 and p.plan.pp == p.plan.cp == 1 for p in r.ranked)
+    assert {p.plan.tp_mode for p in r.ranked if p.plan.tp > 1} == {"2d"}
+
+
+def test_moe_search_tries_expert_parallelism():
+    w = workload_for("mixtral-4b", seq_len=1024, global_batch=32)
+    r = search(w, Cluster(num_gpus=8, calibration=CAL), Limits(top=10000))
+    eps = {p.plan.ep for p in r.ranked}
+    assert eps >= {1, 2, 8} and all(p.plan.ep == 1 or p.bytes.get("ep", 0) > 0 for p in r.ranked)
+
+
+GPT_175B = TransformerShape(
+    hidden=12288,
+    ffn_hidden=49152,
+    num_layers=96,
+    num_heads=96,
+    num_kv_heads=96,
+    vocab_size=51200,
+    norm_params=2 * 12288,
+    linear_bias=True,
+    fused_qkv=True,
+    max_positions=2048,
+)
+
+
+def test_1024_gpus_96_layers_is_a_bounded_search():
+    """A block is costed once per shape, Plan's verdicts are cached, memory is checked before
+    time: the search costs a bounded number of plans (counted, not timed, so load on the
+    machine cannot fail it) and its CPU time (not wall time) stays under 10 s."""
+    w = Workload(shape=GPT_175B, seq_len=2048, global_batch=1536)
+    c = Cluster(num_gpus=1024, calibration=CAL)
+    t0 = time.process_time()
+    r = search(w, c)
+    cpu = time.process_time() - t0
+    assert 1000 < r.evaluated <= 20000, r.evaluated
+    assert r.fits > 100 and r.best.plan.dp * r.best.plan.pp * r.best.plan.tp * r.best.plan.cp == 1024
+    assert r.best.mfu < 0.75
+    assert cpu <= 10.0, f"search took {cpu:.1f} s of CPU"
