@@ -110,7 +110,7 @@ def boost(
     if schedule is not None:
         executor = PipelineExecutor(model, par.pipeline, par.channels, schedule, plan, loss, **parts)
     else:
-        executor = SequentialExecutor(model, plan, loss, context=par.context, moe_layers=par.moe_layers, **parts)
+        executor = SequentialExecutor(model, plan, loss, context=par.context, experts=par.experts, **parts)
     executor.configure(grad_sync)
     return Engine(model, grad_sync, executor, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
 
@@ -205,8 +205,15 @@ class Engine:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         loss = self.grad_sync.run(lambda: self._forward_backward(batch), self.max_grad_norm, self.scaler)
         self._grad_norm = self.grad_sync.step(self.max_grad_norm, self.scaler)
+        if self.parallel.experts:
+            self.parallel.experts.update_bias()  # auxiliary-loss-free balancing: once per step
         self.step_count += 1
         return loss
+
+    def expert_token_counts(self) -> dict[str, list[float]]:
+        """``{MoE block name: tokens routed to each expert}`` in the last micro-batch, over the
+        global batch (the same on every rank; empty for a dense model): for the step log."""
+        return self.parallel.experts.token_counts() if self.parallel.experts else {}
 
     def _forward_backward(self, batch) -> float:
         """Forward and backward of this rank's batch, gradients left reduced in the gradient sync

@@ -16,7 +16,6 @@ import torch
 
 from .batch import model_inputs, row_block
 from .loss import MicroBatchLoss
-from .models.moe import auxiliary_loss
 from .precision import autocast_context
 
 __all__ = ["SequentialExecutor", "StepExecutor"]
@@ -52,11 +51,12 @@ class SequentialExecutor:
         batch_parts: int,
         batch_index: int,
         context,
-        moe_layers: dict,
+        experts,
         device: torch.device,
     ) -> None:
         self.model, self.loss, self.context, self.device = model, loss, context, device
-        self.moe = bool(moe_layers)
+        self.experts = experts  # ExpertLayers: the router losses
+        self.moe = bool(experts)
         self.batch_parts, self.batch_index = batch_parts, batch_index
         # param_dtype: the model computes in its (bf16) parameters' dtype, as FSDP2 and DeepSpeed's bf16 do
         self.precision = "fp32" if plan.param_dtype else plan.precision
@@ -84,7 +84,7 @@ class SequentialExecutor:
             loss = self.loss(out, mb, local)
             total[0] += loss.detach().double().sum()
             objective = loss.float() * (scale * loss_scale).float()
-            aux = auxiliary_loss(self.model) if self.moe else None
+            aux = self.experts.aux_loss() if self.moe else None
             if aux is not None:  # this rank's share of the global micro-batch's router losses
                 total[1] += aux.detach().double()
                 objective = objective + aux.float() * (loss_scale / len(micro))

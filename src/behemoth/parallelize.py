@@ -40,7 +40,7 @@ from .comm import Axis
 from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.context import ContextParallelized, parallelize_context
-from .parallel.expert import check_experts, data_axis_of, gather_expert_state, parallelize_experts
+from .parallel.expert import ExpertLayers, check_experts, data_axis_of, gather_expert_state, parallelize_experts
 from .parallel.pipeline.forward import install_pipelined_forward
 from .parallel.pipeline.p2p import StageChannels, pipeline_channels
 from .parallel.pipeline.stage import PipelineSplit, partition_for
@@ -69,9 +69,9 @@ class Parallelization:
     """Mesh axes that split every micro-batch into row blocks inside the tp group (2D/2.5D/3D)."""
     context: ContextParallelized | None = None
     """The context-parallel record (``check_batch``, ``split``), or None without context parallelism."""
-    moe_layers: dict[str, nn.Module] = field(default_factory=dict)
-    """``{name: layer}`` of the model's mixture-of-experts layers (their router losses join the
-    objective); empty for a dense model."""
+    experts: ExpertLayers | None = None
+    """The model's mixture-of-experts blocks (their router losses join the objective, their token
+    counts the step log); empty for a dense model."""
     pipeline: PipelineSplit | None = None
     """This rank's pipeline stage(s) of the model, or None without pipeline parallelism."""
     channels: StageChannels | None = None
@@ -182,7 +182,7 @@ def apply_plan(
     if record.vocab_head is not None:
         record.vocab_head.gather_output = True  # the serial model's logits; an engine's loss may shard them
     record.context = apply_context_parallel(model, mesh, plan)
-    record.moe_layers = apply_expert_parallel(model, mesh, plan)
+    record.experts = apply_expert_parallel(model, mesh, plan)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
     if plan.compile:
@@ -233,10 +233,11 @@ def apply_context_parallel(model: nn.Module, mesh, plan) -> ContextParallelized 
     return parallelize_context(model, mesh, plan)
 
 
-def apply_expert_parallel(model: nn.Module, mesh, plan) -> dict:
-    """The style :class:`~behemoth.parallel.expert.ExpertParallel` on every MoE layer (this rank
-    keeps E/ep experts; router losses over the global batch). Returns the layers (empty for a
-    dense model). :func:`check_model` must have passed on every rank."""
+def apply_expert_parallel(model: nn.Module, mesh, plan) -> ExpertLayers:
+    """The style :class:`~behemoth.parallel.expert.ExpertParallel` on every MoE block (this rank
+    keeps E/ep experts; router losses over the global batch). Returns the
+    :class:`~behemoth.parallel.expert.ExpertLayers` record (empty for a dense model).
+    :func:`check_model` must have passed on every rank."""
     return parallelize_experts(model, mesh, plan)
 
 

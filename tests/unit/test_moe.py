@@ -116,3 +116,23 @@ def test_moe_config_errors():
         build_config("llama-moe-tiny", vocab_size=50, seq_len=8, experts_top_k=5)
     with pytest.raises(ValueError, match="moe_every"):
         build_config("llama-moe-tiny", vocab_size=50, seq_len=8, moe_every=3)
+
+
+def test_olmoe_shaped_presets():
+    """Fine-grained experts (OLMoE's shape): 64 narrow experts, top-8, weights not renormalised;
+    the routing options reach every MoE layer."""
+    big = build_config("olmoe-1b-7b", vocab_size=50304, seq_len=4096)
+    assert (big.num_experts, big.experts_top_k, big.expert_ffn_hidden, big.router_norm_topk) == (64, 8, 1024, False)
+    model = build_model("olmoe-tiny", vocab_size=50, seq_len=8, router_score_func="sigmoid",
+                        router_bias_update_rate=0.01, shared_expert_ffn_hidden=16, expert_capacity_factor=1.5)
+    layer = model.layers[0].mlp
+    assert (layer.num_experts, layer.top_k, layer.norm_topk, layer.score_func) == (16, 4, False, "sigmoid")
+    assert layer.shared.gate_up.weight.shape == (32, 64) and layer.capacity_factor == 1.5
+    assert layer.expert_bias.tolist() == [0.0] * 16  # a buffer, zero after the meta-device build
+    assert "layers.0.mlp.expert_bias" in model.state_dict()
+    model(torch.randint(0, 50, (2, 8)))
+    assert model.aux_loss() is not None and float(layer.token_counts.sum()) == 2 * 8 * 4
+    with pytest.raises(ValueError, match="router_score_func"):
+        build_config("olmoe-tiny", vocab_size=50, seq_len=8, router_score_func="relu")
+    with pytest.raises(ValueError, match="expert_capacity_factor"):
+        build_config("olmoe-tiny", vocab_size=50, seq_len=8, expert_capacity_factor=0.0)

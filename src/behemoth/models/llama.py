@@ -70,6 +70,27 @@ LLAMA_PRESETS: dict[str, dict] = {
     "mixtral-4b": dict(
         num_layers=16, num_heads=16, num_kv_heads=8, hidden=2048, ffn_hidden=5632, num_experts=8, experts_top_k=2
     ),
+    # fine-grained experts, OLMoE's shape (top-8 of 64, narrow experts, softmax weights not renormalised)
+    "olmoe-tiny": dict(
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        hidden=64,
+        num_experts=16,
+        experts_top_k=4,
+        expert_ffn_hidden=32,
+        router_norm_topk=False,
+    ),
+    "olmoe-1b-7b": dict(
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=16,
+        hidden=2048,
+        num_experts=64,
+        experts_top_k=8,
+        expert_ffn_hidden=1024,
+        router_norm_topk=False,
+    ),
 }
 
 
@@ -117,6 +138,18 @@ class LlamaConfig:
     """Weight of each MoE layer's load-balancing loss in :meth:`Llama.aux_loss`."""
     router_z_loss_coef: float = 0.0
     """Weight of each MoE layer's router z-loss in :meth:`Llama.aux_loss`."""
+    router_score_func: str = "softmax"
+    """Router scores: ``"softmax"`` (Mixtral, OLMoE) or ``"sigmoid"`` (DeepSeek-V3)."""
+    router_norm_topk: bool = True
+    """Divide each token's k expert weights by their sum (Mixtral: yes; OLMoE, Qwen3-MoE: no)."""
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): > 0 chooses experts by score plus a bias that
+    moves by this much per optimizer step (``models.moe.update_expert_bias``); 0: no bias."""
+    expert_capacity_factor: float | None = None
+    """Each expert takes at most ``ceil(factor * S * k / E)`` assignments per sequence, the rest
+    dropped; None: dropless."""
+    shared_expert_ffn_hidden: int = 0
+    """Inner width of a shared expert every token goes through beside its k experts; 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads", "hidden"):
@@ -169,6 +202,20 @@ class LlamaConfig:
                 isinstance(self.moe_every, int) and 1 <= self.moe_every <= self.num_layers,
                 f"LlamaConfig.moe_every={self.moe_every!r}: must be in [1, num_layers={self.num_layers}] so that "
                 f"at least one block has experts.",
+            )
+            _require(
+                self.router_score_func in ("softmax", "sigmoid"),
+                f"LlamaConfig.router_score_func={self.router_score_func!r}: must be 'softmax' or 'sigmoid'.",
+            )
+            _require(
+                self.expert_capacity_factor is None or self.expert_capacity_factor > 0,
+                f"LlamaConfig.expert_capacity_factor={self.expert_capacity_factor!r}: must be > 0, or None for "
+                f"dropless routing.",
+            )
+            _require(
+                self.router_bias_update_rate >= 0 and self.shared_expert_ffn_hidden >= 0,
+                f"LlamaConfig.router_bias_update_rate={self.router_bias_update_rate!r} and "
+                f"shared_expert_ffn_hidden={self.shared_expert_ffn_hidden!r}: must be >= 0 (0 turns them off).",
             )
 
     def is_moe_layer(self, index: int) -> bool:
@@ -301,6 +348,11 @@ class LlamaBlock(nn.Module):
                 config.experts_top_k,
                 aux_loss_coef=config.router_aux_loss_coef,
                 z_loss_coef=config.router_z_loss_coef,
+                score_func=config.router_score_func,
+                norm_topk=config.router_norm_topk,
+                capacity_factor=config.expert_capacity_factor,
+                bias_update_rate=config.router_bias_update_rate,
+                shared_ffn_hidden=config.shared_expert_ffn_hidden,
             )
         else:
             self.mlp = LlamaMLP(config)
@@ -359,6 +411,9 @@ class Llama(nn.Module):
         on CPU in float32, so they do not depend on device or dtype.
         """
         generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward) and module.expert_bias is not None:
+                module.expert_bias.zero_()  # the balancing bias starts at 0
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
@@ -367,7 +422,7 @@ class Llama(nn.Module):
                 if isinstance(module, RMSNorm):
                     param.fill_(1.0)
                     continue
-                residual = module_name.endswith(("attn.o", "mlp.down")) or param_name == "down_proj"
+                residual = module_name.endswith(("attn.o", "mlp.down", "shared.down")) or param_name == "down_proj"
                 std = residual_std if residual else 0.02
                 if param.device.type == "cpu" and param.dtype == torch.float32:
                     param.normal_(0.0, std, generator=generator)  # same draws, no temporary

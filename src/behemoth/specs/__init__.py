@@ -1,8 +1,9 @@
 """One description per model family (:class:`ModelSpec`), looked up by class.
 
 Known families, one file each: behemoth's ``GPT`` (:mod:`.gpt`) and ``Llama`` (:mod:`.llama`),
-transformers' ``GPT2LMHeadModel`` (:mod:`.hf_gpt2`) and ``LlamaForCausalLM``
-(:mod:`.hf_llama`). :func:`spec_for` walks the model's MRO, so a subclass of ``GPT`` is a
+transformers' ``GPT2LMHeadModel`` (:mod:`.hf_gpt2`), ``LlamaForCausalLM`` (:mod:`.hf_llama`) and
+the mixture-of-experts families ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
+``OlmoeForCausalLM`` (:mod:`.hf_moe`, one shared file: they differ only in names). :func:`spec_for` walks the model's MRO, so a subclass of ``GPT`` is a
 GPT. **A new family** is one file defining a ``ModelSpec`` and one line in :data:`SPECS`.
 
 **Your own model** needs no spec for data, ZeRO or context parallelism; for tensor
@@ -33,6 +34,7 @@ from __future__ import annotations
 from .gpt import GPT
 from .hf_gpt2 import HF_GPT2
 from .hf_llama import HF_LLAMA
+from .hf_moe import HF_MIXTRAL, HF_OLMOE, HF_QWEN3_MOE
 from .llama import LLAMA
 from .spec import ModelSpec, PipelineLayout, TransformerShape
 
@@ -52,7 +54,7 @@ __all__ = [
     "transformer_blocks_name",
 ]
 
-SPECS: tuple[ModelSpec, ...] = (GPT, LLAMA, HF_GPT2, HF_LLAMA)
+SPECS: tuple[ModelSpec, ...] = (GPT, LLAMA, HF_GPT2, HF_LLAMA, HF_MIXTRAL, HF_QWEN3_MOE, HF_OLMOE)
 """Every known family; :func:`find_spec` searches them."""
 
 TP_ROLES = ("colwise", "colwise_fused3", "rowwise", "norm", "embedding", "pos_embedding", "head", "attention")

@@ -90,6 +90,10 @@ class ModelSpec:
     """The family's config (an instance of one of :attr:`config_classes`) -> its shape."""
     max_seq_len: Callable[[object], int]
     """The family's config -> the longest sequence the model takes (its default for cost estimates)."""
+    experts: str | None = None
+    """Pattern of the family's mixture-of-experts blocks (transformers' sparse MoE blocks, which
+    expert parallelism shards); a dense module it also matches is left alone. None: no MoE
+    blocks (behemoth's own MoE layers are found by class)."""
     config_tp_plan: bool = False
     """Take the plan's ``colwise`` / ``rowwise`` entries from the model's own
     ``config.base_model_tp_plan`` (transformers' styles, relative to ``model.base_model_prefix``)

@@ -1,9 +1,12 @@
 """Expert parallelism: the router's tokens dispatched to the ranks holding their experts
-(:mod:`.dispatch`), grouped expert GEMMs (:mod:`.grouped`), and the style that plugs them into
-a model's MoE layers (:mod:`.style`)."""
+(:mod:`.dispatch`), grouped expert GEMMs (:mod:`.grouped`), the MoE blocks it knows
+(:mod:`.blocks`: behemoth's and transformers'), the style that plugs them into a model's MoE
+blocks (:mod:`.style`), and their router losses (:mod:`.losses`)."""
 
+from .blocks import ExpertBlock, is_transformers_moe_block
 from .dispatch import combine, dispatch
 from .grouped import grouped_swiglu
+from .losses import ExpertLayers
 from .style import (
     ExpertParallel,
     ExpertShard,
@@ -17,6 +20,8 @@ from .style import (
 )
 
 __all__ = [
+    "ExpertBlock",
+    "ExpertLayers",
     "ExpertParallel",
     "ExpertShard",
     "check_experts",
@@ -27,6 +32,7 @@ __all__ = [
     "expert_shard",
     "gather_expert_state",
     "grouped_swiglu",
+    "is_transformers_moe_block",
     "moe_layers",
     "parallelize_experts",
 ]

@@ -19,7 +19,9 @@ Each backward runs the reverse all-to-alls, on every member, even one that recei
 The permutation math (:func:`sort_by_expert`, :func:`local_order`) is pure and unit-tested.
 
 Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then of the
-``T*K`` rows of width H out and back (and the same two in backward).
+``T*K`` rows of width H out and back (and the same two in backward); fewer rows when a
+capacity drops assignments (an assignment to expert ``E`` is dropped: never sent).
+:func:`behemoth.parallel.expert.traffic.ep_bytes` is the formula.
 
 Tested in tests/unit/test_expert_dispatch.py and tests/dist/test_expert_parallel.py.
 """
@@ -38,9 +40,12 @@ __all__ = ["Routed", "combine", "dispatch", "local_order", "sort_by_expert"]
 
 def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order_A, counts_E)``: the flat (token, slot) indices ``t*K + k`` sorted by expert
-    (stable, so token order is kept within an expert) and the assignments per expert."""
+    (stable, so token order is kept within an expert) and the assignments per expert. An
+    assignment to expert ``num_experts`` (dropped by a capacity) is left out of both."""
     flat_A = experts_TK.reshape(-1)
-    return torch.argsort(flat_A, stable=True), torch.bincount(flat_A, minlength=num_experts)
+    counts = torch.bincount(flat_A, minlength=num_experts + 1)
+    kept = flat_A.numel() - int(counts[num_experts])
+    return torch.argsort(flat_A, stable=True)[:kept], counts[:num_experts]
 
 
 def local_order(recv_counts_RL: torch.Tensor) -> torch.Tensor:

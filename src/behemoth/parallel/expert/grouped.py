@@ -31,18 +31,21 @@ def grouped_mm_available(x_NH: torch.Tensor, gate_up: torch.Tensor, counts: list
     return all(c % 16 == 0 for c in counts) and x_NH.shape[-1] % 8 == 0 and gate_up.shape[1] % 16 == 0
 
 
-def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(
+    x_NH: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act=F.silu
+) -> torch.Tensor:
     """``y_NH``: rows of expert e (the e-th run of ``counts[e]`` rows) through
-    ``down[e](silu(gate[e] x) * up[e] x)``; local compute, no communication."""
+    ``down[e](act(gate[e] x) * up[e] x)`` (``act``: SiLU, or a transformers model's
+    ``experts.act_fn``); local compute, no communication."""
     if grouped_mm_available(x_NH, gate_up, counts):
         offsets = torch.tensor(counts, device=x_NH.device).cumsum(0).to(torch.int32)
         gate_TI, up_TI = torch._grouped_mm(x_NH, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate_TI) * up_TI, down.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(act(gate_TI) * up_TI, down.transpose(-2, -1), offs=offsets)
     parts, start = [], 0
     for e, n in enumerate(counts):
         if n:
             gate_TI, up_TI = F.linear(x_NH[start : start + n], gate_up[e]).chunk(2, dim=-1)
-            parts.append(F.linear(F.silu(gate_TI) * up_TI, down[e]))
+            parts.append(F.linear(act(gate_TI) * up_TI, down[e]))
         start += n
     if not parts:
         # No rows: stay in the graph of the input (the backward must still reach the dispatch's

@@ -14,17 +14,20 @@ experts              E/ep of E, by ep rank   ``ep_dp`` (:func:`data_axis   over 
                                              _of`)
 ===================  ======================  ============================  ====================
 
-:class:`ExpertParallel` (``apply(moe_layer, mesh)``) slices a
-:class:`~behemoth.models.moe.MoEFeedForward`'s fused ``gate_up_proj`` / ``down_proj`` to this
+:class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
+:class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
+Qwen3-MoE, OLMoE; :mod:`.blocks`). It slices the fused ``gate_up_proj`` / ``down_proj`` to this
 rank's block of experts *in place* (the same Parameter objects, so an optimizer built over the
-serial model keeps them) and replaces the layer's forward (on the instance) by route ->
-:func:`~.dispatch.dispatch` -> local experts (:func:`~.grouped.grouped_swiglu`) ->
-:func:`~.dispatch.combine` over ``mesh.axis('ep')``. The router losses are those of the serial
-model on the *global* batch: the expert counts and the token count are summed over ``dp`` (one
-all-reduce of E + 1 numbers per layer; ``token_counts`` holds the global counts), and each rank's
-``aux_loss`` is its share (the router
-probabilities of its tokens), so the shares summed over ``dp`` are the serial layer's loss. The
-style is applied at ep = 1 too whenever the batch is spread over ranks, for that reason.
+serial model keeps them, and the state-dict keys stay the model's) and replaces the block's
+forward (on the instance) by the block's own routing -> :func:`~.dispatch.dispatch` -> local
+experts (:func:`~.grouped.grouped_swiglu`) -> :func:`~.dispatch.combine` over
+``mesh.axis('ep')`` (+ the shared expert). The router losses are those of the serial model on
+the *global* batch: the expert counts, the capacity's drops and the token count are summed over
+``dp`` (one all-reduce of 2E + 1 numbers per layer; ``token_counts`` holds the global counts), and
+each rank's loss is its share (the router probabilities of its tokens), so the shares summed
+over ``dp`` are the serial loss (:mod:`.losses`). The style is applied at ep = 1 too whenever
+the batch is spread over ranks, for that reason. A capacity is per sequence, and each rank
+holds whole sequences, so every rank drops exactly what the serial model drops.
 
 :func:`parallelize_experts` applies it to every MoE layer of a model; :func:`check_experts`
 refuses (before any collective) what does not compose yet; :func:`gather_expert_state` puts
@@ -35,6 +38,7 @@ Tested in tests/dist/test_expert_parallel.py against serial training.
 
 from __future__ import annotations
 
+import fnmatch
 import types
 from dataclasses import dataclass
 
@@ -43,11 +47,14 @@ from torch import nn
 
 from ... import comm
 from ...comm import Axis
-from ...models.moe import MoEFeedForward, balance_terms, route, z_loss_sum
+from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
+from ...specs import find_spec
 from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
+from .blocks import ExpertBlock, is_transformers_moe_block
 from .dispatch import combine, dispatch
 from .grouped import grouped_swiglu
+from .losses import ExpertLayers
 
 __all__ = [
     "ExpertParallel",
@@ -100,9 +107,20 @@ def expert_param_axes(model: nn.Module, mesh, data_axis: Axis):
     return axes
 
 
-def moe_layers(model: nn.Module) -> dict[str, MoEFeedForward]:
-    """``{name: layer}`` of the model's mixture-of-experts layers, in module order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: block}`` of the model's mixture-of-experts blocks, in module order: behemoth's
+    :class:`~behemoth.models.moe.MoEFeedForward` layers, and for a transformers family whose spec
+    names its MoE blocks (``ModelSpec.experts``) the sparse blocks that pattern matches (a dense
+    MLP it also matches, as in Qwen3-MoE's ``mlp_only_layers``, is left out)."""
+    spec = find_spec(model)
+    pattern = spec.experts if spec is not None else None
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoEFeedForward):
+            found[name] = m
+        elif pattern and fnmatch.fnmatchcase(name, pattern) and is_transformers_moe_block(m):
+            found[name] = m
+    return found
 
 
 def check_experts(model: nn.Module, plan) -> None:
@@ -115,15 +133,17 @@ def check_experts(model: nn.Module, plan) -> None:
         if plan.ep > 1:
             raise ValueError(
                 f"Plan.ep={plan.ep} shards experts, but {type(model).__name__} has no mixture-of-experts layer "
-                f"behemoth knows (behemoth.models.MoEFeedForward; transformers' MoE classes are not supported yet). "
-                f"Use ep=1, or a model with num_experts > 0 (e.g. the llama-moe-tiny preset)."
+                f"behemoth knows (behemoth.models.MoEFeedForward, or the sparse MoE blocks of a transformers "
+                f"family in behemoth.specs: Mixtral, Qwen3-MoE, OLMoE). Use ep=1, or a model with num_experts > 0 "
+                f"(e.g. the llama-moe-tiny preset)."
             )
         return
     for name, layer in layers.items():
-        if layer.num_experts % plan.ep:
+        num_experts = ExpertBlock(layer).num_experts
+        if num_experts % plan.ep:
             raise ValueError(
                 f"Plan.ep={plan.ep} must divide the number of experts of every MoE layer; {name!r} has "
-                f"{layer.num_experts}. Choose ep among the divisors of {layer.num_experts}."
+                f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
     pending = [
         (plan.tp > 1, f"tp={plan.tp}", "tensor parallelism inside experts"),
@@ -141,58 +161,74 @@ def check_experts(model: nn.Module, plan) -> None:
 
 
 class ExpertParallel:
-    """Style for a :class:`~behemoth.models.moe.MoEFeedForward`: keep this rank's experts of
-    ``ep_axis`` and run tokens through dispatch -> local experts -> combine; the router losses
-    over the batch spread on ``data_axis`` (see the module docstring)."""
+    """Style for a mixture-of-experts block (behemoth's
+    :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block,
+    :mod:`.blocks`): keep this rank's experts of ``ep_axis`` and run tokens through dispatch ->
+    local experts -> combine; the router losses over the batch spread on ``data_axis`` (see the
+    module docstring)."""
 
     def __init__(self, ep_axis: str = "ep", data_axis: str = "dp") -> None:
         self.ep_axis, self.data_axis = ep_axis, data_axis
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
-        if not isinstance(module, MoEFeedForward):
-            raise TypeError(f"ExpertParallel applies to behemoth.models.MoEFeedForward, not {type(module).__name__}.")
+        block = ExpertBlock(module)  # TypeError for any other module
         ep, data = mesh.axis(self.ep_axis), mesh.axis(self.data_axis)
-        count = module.num_experts // ep.size
-        shard = ExpertShard(module.num_experts, ep.rank * count, count, ep.name, f"{ep.name}_dp")
+        count = block.num_experts // ep.size
+        shard = ExpertShard(block.num_experts, ep.rank * count, count, ep.name, f"{ep.name}_dp")
         if not ep.trivial:
             with torch.no_grad():
-                for p in (module.gate_up_proj, module.down_proj):
+                for p in (block.holder.gate_up_proj, block.holder.down_proj):
                     full_shape = tuple(p.shape)
                     p.data = p.data[shard.first : shard.first + count].clone()
                     p._behemoth_expert_shard = shard
                     # where the block sits in the serial tensor: checkpoints write and read it as such
                     set_spec(p, ShardSpec(full_shape, (DimShard(0, ep.size, ep.rank, (ep.name,)),)))
-        module.forward = types.MethodType(_make_forward(ep, data), module)
+        module.forward = types.MethodType(_make_forward(block, ep, data), module)
         return module
 
 
-def _make_forward(ep: Axis, data: Axis):
-    def forward(self: MoEFeedForward, x_BSH: torch.Tensor) -> torch.Tensor:
+def _make_forward(block: ExpertBlock, ep: Axis, data: Axis):
+    def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        logits_TE = self.router(x_TH)
-        probs_TE, weights_TK, experts_TK = route(logits_TE, self.top_k)
-        x_NH, local_counts, routed = dispatch(x_TH, experts_TK, self.num_experts, ep)
-        y_NH = grouped_swiglu(x_NH, local_counts, self.gate_up_proj, self.down_proj)
-        y_TH = combine(y_NH, weights_TK, routed)
-        counts_E, prob_sums_E = balance_terms(probs_TE, experts_TK)
-        # the serial batch's counts and tokens (float64: exact integers at any scale)
-        totals = comm.all_reduce(torch.cat([counts_E, counts_E.new_tensor([x_TH.shape[0]])]).double(), data)
-        totals = totals.to(prob_sums_E.dtype)
-        self.token_counts = totals[:-1]  # the serial layer's: over the global batch
-        self.aux_loss = self.router_loss(totals[:-1], prob_sums_E, z_loss_sum(logits_TE), totals[-1])
+        r = block.route(x_BSH)
+        x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep)
+        y_NH = grouped_swiglu(x_NH, local_counts, block.holder.gate_up_proj, block.holder.down_proj, block.act)
+        y_TH = combine(y_NH, r.weights_TK, routed)
+        shared_TH = block.shared(x_TH)
+        if shared_TH is not None:
+            y_TH = y_TH + shared_TH
+        counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
+        # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
+        local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_tensor([x_TH.shape[0]])])
+        totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
+        num_experts = block.num_experts
+        counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
+        if block.native:
+            self.record_routing(counts_E, dropped_E)
+            self.aux_loss = self.router_loss(counts_E, prob_sums_E, z_loss_sum(r.logits_TE), num_tokens)
+        else:  # transformers: one balancing loss over every layer (behemoth.parallel.expert.losses)
+            self.token_counts = counts_E
+            self._behemoth_router_terms = (counts_E, prob_sums_E, num_tokens)
         return y_TH.view_as(x_BSH)
 
     return forward
 
 
-def parallelize_experts(model: nn.Module, mesh, plan) -> dict[str, MoEFeedForward]:
-    """Apply :class:`ExpertParallel` to every MoE layer of ``model`` (nothing to do for a model
-    without one, or on a single data rank at ep = 1). Returns the layers. Run
-    :func:`check_experts` first."""
+def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
+    """Apply :class:`ExpertParallel` to every MoE block of ``model`` (behemoth's layers need
+    nothing on a single data rank at ep = 1; transformers' blocks always get it, so that their
+    balancing loss joins the objective). Returns the :class:`~.losses.ExpertLayers` record.
+    Run :func:`check_experts` first."""
     layers = moe_layers(model)
-    if layers and (plan.ep > 1 or mesh.axis("dp").size > 1):
-        apply_styles(model, {name: ExpertParallel() for name in layers}, mesh, what="expert plan")
-    return layers
+    styled = {
+        name: ExpertParallel()
+        for name, m in layers.items()
+        if plan.ep > 1 or mesh.axis("dp").size > 1 or not isinstance(m, MoEFeedForward)
+    }
+    if styled:
+        apply_styles(model, styled, mesh, what="expert plan")
+    return ExpertLayers(model, layers)
 
 
 def gather_expert_state(model: nn.Module, mesh, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

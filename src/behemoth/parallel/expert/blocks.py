@@ -1,0 +1,82 @@
+"""The mixture-of-experts modules expert parallelism knows, seen through one interface.
+
+Two kinds, both storing their experts fused as ``gate_up_proj [E, 2I, H]`` (gate rows first)
+and ``down_proj [E, H, I]``:
+
+* behemoth's :class:`~behemoth.models.moe.MoEFeedForward` (its routing options, shared expert
+  and capacity; a router loss per layer);
+* transformers' sparse MoE blocks (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
+  ``OlmoeSparseMoeBlock``, and any block of the same form): ``block.gate(x_TH)`` returns
+  ``(router_logits, top_k_weights, top_k_index)`` with the family's own scoring and
+  normalisation, and ``block.experts`` holds the fused weights and ``act_fn``. Their
+  load-balancing loss is transformers' ``load_balancing_loss_func``: one loss over every layer's
+  logits together (:class:`RouterLosses` adds it up across layers and ranks).
+
+:class:`ExpertBlock` gives the style what it needs of either: the routing, the expert weights,
+the activation, the shared expert, and where to leave the router-loss terms. Pure: no
+collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...models.moe import MoEFeedForward, Routing
+
+__all__ = ["ExpertBlock", "is_transformers_moe_block"]
+
+
+def is_transformers_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers sparse MoE block with fused 3D experts (a ``gate``
+    router with ``top_k`` and ``num_experts``, ``experts.gate_up_proj`` / ``experts.down_proj``)."""
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    if not isinstance(gate, nn.Module) or not isinstance(experts, nn.Module):
+        return False
+    fused = all(isinstance(getattr(experts, n, None), nn.Parameter) for n in ("gate_up_proj", "down_proj"))
+    return fused and experts.gate_up_proj.dim() == 3 and hasattr(gate, "top_k") and hasattr(gate, "num_experts")
+
+
+class ExpertBlock:
+    """One MoE module as expert parallelism sees it (see the module docstring)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.native = isinstance(module, MoEFeedForward)
+        if not self.native and not is_transformers_moe_block(module):
+            raise TypeError(
+                f"{type(module).__name__} is not a mixture-of-experts block behemoth knows: expected "
+                f"behemoth.models.MoEFeedForward or a transformers sparse MoE block (gate + experts with fused "
+                f"gate_up_proj [E, 2I, H] / down_proj [E, H, I])."
+            )
+        self.holder = module if self.native else module.experts
+        """The module whose ``gate_up_proj`` / ``down_proj`` are the experts."""
+        self.num_experts = module.num_experts if self.native else module.gate.num_experts
+        self.top_k = module.top_k if self.native else module.gate.top_k
+        self.act = F.silu if self.native else module.experts.act_fn
+
+    def jitter(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """The block's input as its experts and router see it: Mixtral's multiplicative input
+        jitter in training (``router_jitter_noise``, drawn as its own forward draws it), else
+        ``x_BSH`` itself."""
+        noise = 0.0 if self.native else getattr(self.module, "jitter_noise", 0.0)
+        if self.module.training and noise > 0:
+            return x_BSH * torch.empty_like(x_BSH).uniform_(1.0 - noise, 1.0 + noise)
+        return x_BSH
+
+    def route(self, x_BSH: torch.Tensor) -> Routing:
+        """The tokens' :class:`~behemoth.models.moe.Routing` (transformers: its router's choice,
+        with softmax probabilities for the balancing loss, as ``load_balancing_loss_func`` reads
+        them)."""
+        if self.native:
+            return self.module.route_tokens(x_BSH)
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        logits_TE, weights_TK, experts_TK = self.module.gate(x_TH)
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        return Routing(logits_TE, probs_TE, weights_TK, experts_TK, experts_TK)
+
+    def shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output for every token, or None without one."""
+        shared = self.module.shared if self.native else None
+        return None if shared is None else shared(x_TH)
