@@ -278,8 +278,15 @@ def test_build_model_by_name():
     assert isinstance(llama, Llama) and llama.config.seed == 3 and llama.config.num_kv_heads == 2
     assert build_config("llama-1b", vocab_size=V, seq_len=S_MAX).ffn_hidden == 8192
     assert set(GPT_PRESETS) >= {"gpt-tiny", "gpt-mini", "gpt2-small", "gpt-125m", "gpt-13b"}
-    assert set(LLAMA_PRESETS) == {"llama-tiny", "llama-mini", "llama-1b", "llama-moe-tiny", "mixtral-4b", "olmoe-tiny",
-                                  "olmoe-1b-7b"}
+    assert set(LLAMA_PRESETS) == {
+        "llama-tiny",
+        "llama-mini",
+        "llama-1b",
+        "llama-moe-tiny",
+        "mixtral-4b",
+        "olmoe-tiny",
+        "olmoe-1b-7b",
+    }
     with pytest.raises(ValueError, match="gpt-tiny.*llama-tiny"):
         build_model("gpt-7", vocab_size=V, seq_len=S_MAX)
     with pytest.raises(ValueError, match="num_layer"):

@@ -123,8 +123,15 @@ def test_olmoe_shaped_presets():
     the routing options reach every MoE layer."""
     big = build_config("olmoe-1b-7b", vocab_size=50304, seq_len=4096)
     assert (big.num_experts, big.experts_top_k, big.expert_ffn_hidden, big.router_norm_topk) == (64, 8, 1024, False)
-    model = build_model("olmoe-tiny", vocab_size=50, seq_len=8, router_score_func="sigmoid",
-                        router_bias_update_rate=0.01, shared_expert_ffn_hidden=16, expert_capacity_factor=1.5)
+    model = build_model(
+        "olmoe-tiny",
+        vocab_size=50,
+        seq_len=8,
+        router_score_func="sigmoid",
+        router_bias_update_rate=0.01,
+        shared_expert_ffn_hidden=16,
+        expert_capacity_factor=1.5,
+    )
     layer = model.layers[0].mlp
     assert (layer.num_experts, layer.top_k, layer.norm_topk, layer.score_func) == (16, 4, False, "sigmoid")
     assert layer.shared.gate_up.weight.shape == (32, 64) and layer.capacity_factor == 1.5
