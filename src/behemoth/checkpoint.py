@@ -310,38 +310,72 @@ def _commit(partial: str, final: str, meta: dict) -> None:
         shutil.rmtree(old)
 
 
+def check_extra(extra: dict) -> None:
+    """``extra`` must be JSON (it goes to meta.json): checked on every rank before any collective."""
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise ValueError(f"engine.save(extra=...) must be JSON-serialisable: {e}") from None
+
+
+def collect(state: Mapping[str, Stateful]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every component's tensors as ``<component>/<key>`` (the components' own tensors, not copies)
+    and their JSON values (for meta.json). Collective where a component's ``state_dict()`` is (ZeRO
+    gathers its optimizer state): every rank, in the same order."""
+    tensors, meta = {}, {}
+    for name, component in state.items():
+        for k, v in component.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{name}/{k}"] = v
+            else:
+                meta[k] = v
+    return tensors, meta
+
+
 def save_checkpoint(
     path: str, state: Mapping[str, Stateful], *, extra: dict, rank_state: Mapping[str, Stateful] | None = None
 ) -> None:
     """Save every component of ``state`` (and this rank's ``rank_state``, one file per rank) to
     directory ``path`` atomically, with the caller's JSON ``extra`` (collective over all ranks)."""
+    check_extra(extra)
+    tensors, meta = collect(state)
+    rank_files = {name: component.state_dict() for name, component in (rank_state or {}).items()}
+    write_checkpoint(path, tensors, meta, rank_files, extra=extra)
+
+
+def write_checkpoint(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    meta: dict,
+    rank_files: Mapping[str, dict],
+    *,
+    extra: dict,
+    group=None,
+) -> None:
+    """Write what :func:`collect` gathered (and this rank's ``rank_files``, ``{name: state dict}``,
+    to ``<name>-rank<R>.pt``) into ``path + ".partial"``, then commit it as ``path``: collective
+    over ``group`` (default: the world), whose barriers order the steps -- rank 0 makes the
+    directory, every rank writes, and only once every rank has written does rank 0 commit."""
     path = os.path.abspath(path.rstrip("/"))
     partial = path + ".partial"
     rank = dist.get_rank()
-    try:
-        json.dumps(extra)
-    except TypeError as e:
-        raise ValueError(f"engine.save(extra=...) must be JSON-serialisable: {e}") from None
     if rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)
         os.makedirs(partial)
-    dist.barrier()
-    tensors, meta = {}, {}
-    for name, component in state.items():
-        for k, v in component.state_dict().items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"{name}/{k}"] = _for_dcp(v, get_spec(v))
-            else:
-                meta[k] = v
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial))
-    for name, component in (rank_state or {}).items():
-        torch.save(component.state_dict(), os.path.join(partial, f"{name}-rank{rank}.pt"))
-    dist.barrier()
+    dist.barrier(group=group)
+    dcp.save(
+        {k: _for_dcp(v, get_spec(v)) for k, v in tensors.items()},
+        storage_writer=dcp.FileSystemWriter(partial),
+        process_group=group,
+    )
+    for name, state_dict in rank_files.items():
+        torch.save(state_dict, os.path.join(partial, f"{name}-rank{rank}.pt"))
+    dist.barrier(group=group)
     if rank == 0:
-        meta.update({"format": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": extra})
+        meta = {**meta, "format": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": extra}
         _commit(partial, path, meta)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 # ------------------------------------------------------------------ load

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .async_checkpoint import AsyncSaver
 from .batch import rows, split_microbatches, to_device
 from .checkpoint import RNGState, load_checkpoint, save_checkpoint
 from .engine_state import ModelState, OptimizerState
@@ -170,6 +171,7 @@ class Engine:
         self._labels_checked = False
         self._grad_norm: torch.Tensor | float | None = float("nan")
         self.last_tokens = 0
+        self._saver: AsyncSaver | None = None
 
     # ---------------------------------------------------------------- identity
     @property
@@ -204,6 +206,8 @@ class Engine:
     def step(self, batch) -> float:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss."""
         loss = self.grad_sync.run(lambda: self._forward_backward(batch), self.max_grad_norm, self.scaler)
+        if self._saver is not None:  # a background save's copy of the state ends before the update writes it
+            self._saver.fence()
         self._grad_norm = self.grad_sync.step(self.max_grad_norm, self.scaler)
         if self.parallel.experts:
             self.parallel.experts.update_bias()  # auxiliary-loss-free balancing: once per step
@@ -326,12 +330,58 @@ class Engine:
         params = {names[id(p)]: p for p in self.grad_sync.params}
         return {"model": ModelState(self.model), "optim": OptimizerState(self.grad_sync, params), "engine": self}
 
-    def save(self, path: str, extra: dict | None = None) -> None:
-        """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact)."""
-        with self.grad_sync.gathered():  # ZeRO-3: parameters gathered while they are written
-            save_checkpoint(path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()})
+    def save(
+        self,
+        path: str,
+        extra: dict | None = None,
+        *,
+        blocking: bool = True,
+        on_commit: Callable[[str], None] | None = None,
+    ) -> None:
+        """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact),
+        with the JSON ``extra`` that :meth:`load` returns. Collective: every rank.
+
+        ``blocking=False`` returns once the state is copied to host memory and writes it in a
+        background thread (:mod:`behemoth.async_checkpoint`): training may go on at once, the
+        checkpoint holds the state of this call. At most one save is in flight (the next save, and
+        :meth:`load`, wait for it); :meth:`wait_for_save` waits for it and raises its error.
+        ``on_commit(path)`` runs on rank 0 once the checkpoint is complete (in the writer thread for
+        a background save)."""
+        self.wait_for_save()
+        if blocking:
+            with self.grad_sync.gathered():  # ZeRO-3: parameters gathered while they are written
+                save_checkpoint(path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()})
+            if on_commit is not None and self.mesh.rank == 0:
+                on_commit(path)
+            return
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        with self.grad_sync.gathered():
+            self._saver.save(
+                path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()}, on_commit=on_commit
+            )
+            if not self._state_is_live:  # copied from temporaries (gathered chunks, fp32 copies, offload)
+                self._saver.fence()
+
+    @property
+    def _state_is_live(self) -> bool:
+        """Whether the tensors a checkpoint reads are the ones training keeps and only the optimizer
+        update writes (so a background copy may run until the next update): not under ZeRO-3,
+        ``param_dtype`` (fp32 copies) or offload (updates during the backward)."""
+        return self.plan.zero < 3 and self.plan.param_dtype is None and self.plan.offload is None
+
+    def wait_for_save(self) -> str | None:
+        """Wait until the background save in flight (if any) is committed on every rank; returns its
+        path, or None when there was none. Raises, naming the checkpoint, if it failed."""
+        return self._saver.wait() if self._saver is not None else None
+
+    @property
+    def last_save_stall(self) -> float:
+        """Seconds the last background save held up its caller (the copy of the state to host memory)."""
+        return self._saver.last_stall_seconds if self._saver is not None else 0.0
 
     def load(self, path: str) -> dict:
         """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
+        self.wait_for_save()
         with self.grad_sync.gathered(writable=True):  # ZeRO: what is read becomes the shards and masters
             return load_checkpoint(path, self._checkpoint_parts(), rank_state={"rng": RNGState()})

@@ -179,6 +179,8 @@ def test_unknown_section_or_key_in_the_file(tmp_path):
         ("--plan.tp=3", "must equal the world size 4"),
         ("--train.global_batch_size=30", "not divisible by plan.dp * plan.microbatches = 4 * 1 = 4"),
         ("--model.vocab_size=100", "model.vocab_size=100 is smaller than the 'byte' tokenizer's 257 ids"),
+        ("--train.async_checkpoint=1", "train.async_checkpoint=1: expected true or false"),
+        ("--train.wandb_mode=offline", "train.wandb_mode='offline' configures Weights & Biases logging, which is off"),
     ],
 )
 def test_bad_values_name_the_value_and_the_rule(override, fragment):
@@ -186,6 +188,14 @@ def test_bad_values_name_the_value_and_the_rule(override, fragment):
         cfg = load_config(DEMO, ["--plan.dp=4", override])  # the demo's own dp fills the world size
         cfg.resolved(world_size=4)
     assert fragment in str(e.value)
+
+
+def test_wandb_and_async_checkpoint_keys():
+    cfg = load_config(DEMO, ["--train.wandb_project=p", "--train.wandb_mode=offline"])
+    assert (cfg.train.wandb_project, cfg.train.wandb_mode, cfg.train.async_checkpoint) == ("p", "offline", True)
+    assert load_config(DEMO, ["--train.async_checkpoint=false"]).train.async_checkpoint is False
+    with pytest.raises(ConfigError, match="train.wandb_mode='cloud': must be one of 'online', 'offline', 'disabled'"):
+        load_config(DEMO, ["--train.wandb_project=p", "--train.wandb_mode=cloud"])
 
 
 def test_resolve_checks_the_world_size():

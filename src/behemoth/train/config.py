@@ -51,6 +51,9 @@ TOKENIZER_VOCAB = {"byte": 257, "gpt2": 50257}  # class attributes of the tokeni
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the value, the rule and the fix."""
 
@@ -268,7 +271,11 @@ class TrainSection:
     overwrite: bool = False
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3
-    """Complete checkpoints to keep (older ones are deleted); 0 keeps all."""
+    """Complete checkpoints to keep (older ones are deleted once a newer one is complete); 0 keeps all."""
+    async_checkpoint: bool = True
+    """Write the save_every checkpoints in the background: training stops only to copy its state to host
+    memory (which then holds one more copy of it) and goes on while the files are written; the previous
+    save completes before the next begins. The last checkpoint and a SIGTERM's are written before the run ends."""
     eval_every: int = 0
     """Measure the loss on the held-out split (data.eval_fraction) every this many steps and at the end; 0: never."""
     eval_batches: int = 4
@@ -276,6 +283,16 @@ class TrainSection:
     hang_timeout: float = 120.0
     """Seconds without a heartbeat from a rank before the job stops and names it (stopped, hung in native
     code, or its host gone); 0 turns the watchdog off."""
+    wandb_project: str | None = None
+    """Also log every step's scalars (those of metrics.jsonl) to this Weights & Biases project; needs the
+    wandb package (pip install wandb). None: no wandb."""
+    wandb_entity: str | None = None
+    """The wandb team or user the run belongs to; None: wandb's default."""
+    wandb_run_name: str | None = None
+    """The wandb run's display name; None: wandb picks one. A resumed run continues the same wandb run."""
+    wandb_mode: str | None = None
+    """'online', 'offline' (files under out_dir/wandb only, nothing sent; upload later with wandb sync) or
+    'disabled'; None: wandb's own setting (the WANDB_MODE environment variable, else online)."""
 
     def __post_init__(self) -> None:
         for key, low in (
@@ -294,7 +311,7 @@ class TrainSection:
             isinstance(self.out_dir, str) and self.out_dir != "",
             f"train.out_dir={self.out_dir!r}: must be a non-empty directory path.",
         )
-        for key in ("resume", "overwrite"):
+        for key in ("resume", "overwrite", "async_checkpoint"):
             v = getattr(self, key)
             _require(isinstance(v, bool), f"train.{key}={v!r}: must be true or false.")
         for key in ("resume_from", "init_from"):
@@ -302,6 +319,20 @@ class TrainSection:
             _require(
                 v is None or (isinstance(v, str) and v != ""),
                 f'train.{key}={v!r}: must be a checkpoint directory, or "none".',
+            )
+        for key in ("wandb_project", "wandb_entity", "wandb_run_name"):
+            v = getattr(self, key)
+            _require(v is None or (isinstance(v, str) and v != ""), f'train.{key}={v!r}: must be a name, or "none".')
+        _require(
+            self.wandb_mode in (None, *WANDB_MODES),
+            f"train.wandb_mode={self.wandb_mode!r}: must be one of {', '.join(map(repr, WANDB_MODES))}, or "
+            f'"none" for wandb\'s own setting.',
+        )
+        for key in ("wandb_entity", "wandb_run_name", "wandb_mode"):
+            _require(
+                getattr(self, key) is None or self.wandb_project is not None,
+                f"train.{key}={getattr(self, key)!r} configures Weights & Biases logging, which is off: set "
+                f"train.wandb_project too.",
             )
         _require(
             _is_number(self.hang_timeout) and self.hang_timeout >= 0,

@@ -6,6 +6,9 @@ so nothing here communicates. Everything lands under the run's ``out_dir``::
     metrics.jsonl      one JSON object per logged step (always; appended across resumes)
     tensorboard/       scalars under train/* (if torch.utils.tensorboard can be imported)
     loss.png           the loss curve with the unigram-entropy bar (if matplotlib can be imported)
+    wandb/, wandb-run-id   with ``train.wandb_project``: the same scalars under train/* in a Weights &
+                       Biases run (its id kept, so a resumed run continues it); wandb's mode decides
+                       whether anything leaves the machine (``train.wandb_mode=offline``: nothing)
 
 Also the helpers that turn a step's timing into throughput, TFLOP/s, MFU and memory.
 """
@@ -17,11 +20,22 @@ import math
 import os
 import resource
 import sys
+import uuid
 import warnings
 
 import torch
 
-__all__ = ["MetricsLogger", "peak_flops", "memory_mib", "format_step", "format_count", "format_duration", "log"]
+__all__ = [
+    "MetricsLogger",
+    "WandbLog",
+    "check_wandb",
+    "peak_flops",
+    "memory_mib",
+    "format_step",
+    "format_count",
+    "format_duration",
+    "log",
+]
 
 # Dense bf16 peak per card (no sparsity), for MFU in the PaLM convention.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -116,7 +130,7 @@ class MetricsLogger:
     by step (latest wins) when the PNG is drawn.
     """
 
-    def __init__(self, out_dir: str, *, enabled: bool = True, start_step: int = 0) -> None:
+    def __init__(self, out_dir: str, *, enabled: bool = True, start_step: int = 0, wandb: dict | None = None) -> None:
         self.enabled = enabled
         self.out_dir = out_dir
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
@@ -124,6 +138,7 @@ class MetricsLogger:
         self.tb_dir = os.path.join(out_dir, "tensorboard")
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -136,6 +151,8 @@ class MetricsLogger:
             log(f"warning: TensorBoard logging is off ({e}); install it with pip install 'behemoth[logging]'.")
         else:
             self._tb = SummaryWriter(self.tb_dir, purge_step=start_step if start_step > 0 else None)
+        if wandb is not None:
+            self._wandb = WandbLog(out_dir, **wandb)
 
     def log_step(self, metrics: dict) -> None:
         """Record one step's scalars (``metrics['step']`` is the x axis)."""
@@ -143,10 +160,12 @@ class MetricsLogger:
             return
         self._jsonl.write(json.dumps(metrics) + "\n")
         self._jsonl.flush()
+        scalars = {f"train/{k}": v for k, v in metrics.items() if k != "step" and _is_scalar(v)}
         if self._tb is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, metrics["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, metrics["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, metrics["step"])
 
     def log_text(self, tag: str, text: str) -> None:
         """A text entry in TensorBoard (the resolved config, for instance)."""
@@ -171,7 +190,74 @@ class MetricsLogger:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         return plot_loss(self.history(), self.png_path, unigram_entropy=unigram_entropy, title=title)
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def check_wandb(train) -> None:
+    """With ``train.wandb_project`` set, the wandb package must be importable: checked on every rank
+    before anything starts (only rank 0 logs)."""
+    if train.wandb_project is None:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        from behemoth.train.config import ConfigError
+
+        raise ConfigError(
+            f"train.wandb_project={train.wandb_project!r} logs to Weights & Biases, but wandb cannot be imported "
+            f"({e}): pip install wandb (or pip install 'behemoth[wandb]'), or leave train.wandb_project unset."
+        ) from None
+
+
+def wandb_settings(train, config: dict) -> dict | None:
+    """The :class:`WandbLog` arguments ``train`` asks for (None: no wandb)."""
+    if train.wandb_project is None:
+        return None
+    return {
+        "project": train.wandb_project,
+        "entity": train.wandb_entity,
+        "name": train.wandb_run_name,
+        "mode": train.wandb_mode,
+        "config": config,
+    }
+
+
+class WandbLog:
+    """One Weights & Biases run of a training run: ``wandb.init`` in ``out_dir`` (its files under
+    ``out_dir/wandb``) with an id kept in ``out_dir/wandb-run-id``, so a resumed run (or a group
+    restarted by torchrun) continues the same wandb run. ``mode`` None leaves the choice to wandb
+    (``WANDB_MODE``); behemoth itself sends nothing anywhere."""
+
+    def __init__(self, out_dir: str, *, project: str, entity=None, name=None, mode=None, config=None) -> None:
+        import wandb
+
+        id_path = os.path.join(out_dir, WANDB_ID_FILE)
+        if os.path.isfile(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:12]
+            with open(id_path, "w") as f:
+                f.write(run_id + "\n")
+        kwargs = {"project": project, "entity": entity, "name": name, "mode": mode, "config": config}
+        self.run = wandb.init(
+            id=run_id, resume="allow", dir=out_dir, **{k: v for k, v in kwargs.items() if v is not None}
+        )
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def plot_loss(history: list[dict], path: str, *, unigram_entropy: float | None, title: str = "") -> str | None:

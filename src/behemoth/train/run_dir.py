@@ -4,7 +4,7 @@ Layout::
 
     checkpoints/step-N/   complete checkpoints (the newest ``train.keep_last`` kept)
     metrics.jsonl         one record per step of this run's lineage (resumes included)
-    tensorboard/, loss.png, summary.json
+    tensorboard/, loss.png, summary.json, wandb/ and wandb-run-id (with train.wandb_project)
 
 A job either continues the run its ``out_dir`` holds (``train.resume``, the default; or from
 a chosen checkpoint, ``train.resume_from``) or starts a new one. A resume keeps what the
@@ -46,7 +46,7 @@ __all__ = [
     "load_weights",
 ]
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json", "wandb", "wandb-run-id")
 """What a run writes under its out_dir (the token cache is not the run's: it survives an overwrite)."""
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

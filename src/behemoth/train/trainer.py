@@ -35,7 +35,16 @@ from behemoth.train.config import Config, DataSection, OptimSection, format_conf
 from behemoth.train.data import BatchSampler, TokenDataset, check_vocab, default_corpus_text, unigram_entropy
 from behemoth.train.evaluate import Validation, split_held_out
 from behemoth.train.lifecycle import StopRequest, Watchdog
-from behemoth.train.metrics import MetricsLogger, format_count, format_step, log, memory_mib, peak_flops
+from behemoth.train.metrics import (
+    MetricsLogger,
+    check_wandb,
+    format_count,
+    format_step,
+    log,
+    memory_mib,
+    peak_flops,
+    wandb_settings,
+)
 from behemoth.train.run_dir import (
     check_out_dir,
     check_resume,
@@ -180,6 +189,7 @@ def train(config: Config) -> dict:
 
 def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     check_out_dir(config.train)  # every rank, before any collective
+    check_wandb(config.train)
     bh.init()
     world_size = torch.distributed.get_world_size()
     config = config.resolved(world_size=world_size)
@@ -285,7 +295,9 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         if dropped:
             log(f"metrics.jsonl: dropped {dropped} record(s) past step {start} (they are trained again)")
 
-    logger = MetricsLogger(tc.out_dir, enabled=rank0, start_step=start)
+    logger = MetricsLogger(
+        tc.out_dir, enabled=rank0, start_step=start, wandb=wandb_settings(tc, config.to_dict()) if rank0 else None
+    )
     logger.log_text("config", format_config(config))
     peak = peak_flops(engine.device)
     engine.reset_comm_stats()
@@ -319,10 +331,12 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
             log(format_step(metrics, tc.steps))
         stopping = stop.agreed(world)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or stopping:
-            _save(engine, sampler, config, ckpt_dir, step, rank0)
+            # the last save, and the one a SIGTERM asks for, are complete before the loop ends
+            _save(engine, sampler, config, ckpt_dir, step, rank0, blocking=stopping or step == tc.steps)
             last_saved = step
         if stopping:
             break
+    engine.wait_for_save()
 
     if watchdog is not None:
         watchdog.stop()
@@ -361,14 +375,27 @@ def _build_model(mc) -> torch.nn.Module:
     )
 
 
-def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool) -> None:
+def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool, *, blocking: bool) -> None:
+    """Checkpoint ``step-N``: in the background when ``train.async_checkpoint`` is on, unless
+    ``blocking``. Older checkpoints are pruned (keep-last) only once the new one is committed."""
     path = os.path.join(ckpt_dir, f"step-{step}")
+    tc = config.train
+    background = tc.async_checkpoint and not blocking
+    engine.wait_for_save()  # the previous save first: its time is not this one's
     t0 = time.perf_counter()
-    engine.save(path, extra={"sampler": sampler.state_dict(), "config": config.to_dict()})
-    if rank0:
-        pruned = prune_checkpoints(ckpt_dir, config.train.keep_last, newest=step)
+
+    def committed(path: str) -> None:  # rank 0, once the checkpoint is complete
+        pruned = prune_checkpoints(ckpt_dir, tc.keep_last, newest=step)
         note = f" (removed {len(pruned)} older)" if pruned else ""
-        log(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f} s{note}")
+        how = f", in the background (training held up {engine.last_save_stall:.2f} s)" if background else ""
+        log(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f} s{how}{note}")
+
+    engine.save(
+        path,
+        extra={"sampler": sampler.state_dict(), "config": config.to_dict()},
+        blocking=not background,
+        on_commit=committed if rank0 else None,
+    )
 
 
 def _report(summary: dict, out_dir: str) -> None:

@@ -1,0 +1,184 @@
+"""Checkpoints written in the background: a save costs training only a copy of its state.
+
+:class:`AsyncSaver` splits :func:`behemoth.checkpoint.save_checkpoint` in two.
+
+* On the caller's thread, :meth:`AsyncSaver.save` first waits for the save before it (at most one
+  is in flight), then takes a **snapshot**: every component's tensors copied into host buffers
+  that the saver keeps from one save to the next (page-locked when a tensor is on a GPU), its
+  JSON values and the caller's ``extra`` copied too, this rank's RNG state read. Nothing training
+  does afterwards can change the snapshot. Then it returns.
+* A writer thread writes the snapshot with :func:`behemoth.checkpoint.write_checkpoint`: the same
+  files, the same ``step-N.partial`` directory and the same commit (rank 0 writes ``meta.json``
+  and renames the directory only after every rank's files are written), so a save killed at any
+  point leaves the previous checkpoint the newest complete one, as a synchronous save does.
+  ``on_commit(path)`` runs on rank 0 after the rename (keep-last pruning belongs there).
+
+The writer's collectives (the barriers around the files, DCP's plan exchange and final gather)
+run on a gloo group of the saver's own, made by the first save on the caller's thread (every
+rank makes it in the same order), never on a group training uses: they cannot interleave with
+training's collectives, and on GPUs they take no NCCL stream.
+
+On a GPU the copy runs on a side stream and the caller does not wait for it: the snapshot holds
+an event, the writer waits for it before writing, and :meth:`AsyncSaver.fence` makes the current
+stream wait for it -- the engine fences before the next optimizer update (the first write to the
+tensors copied), or at once when what was copied are temporaries (ZeRO-3's gathered parameters).
+
+Errors of the writer are raised on the caller's thread by the next :meth:`save` or :meth:`wait`.
+The writer is not a daemon: a process that returns from its main function with a save in flight
+finishes the save before it exits (call :meth:`wait` before ``destroy_process_group``).
+
+Tested in tests/dist/test_async_checkpoint.py (bit-exact with a synchronous save, a kill during
+the write keeps the previous checkpoint) and tests/e2e/test_lifecycle.py (restarts, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import Stateful, check_extra, collect, with_spec, write_checkpoint
+from .distributed import default_timeout
+from .parallel.tensor.layout import get_spec
+from .parallel.zero import pinned
+
+__all__ = ["AsyncSaver", "HostSnapshot"]
+
+
+class HostSnapshot:
+    """Host copies of tensors in flat per-dtype buffers kept between snapshots (so a save after
+    the first allocates nothing); page-locked when a source is on a GPU, where the copy runs on a
+    side stream. A snapshot's views stay valid until the next :meth:`copy`."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned: set[torch.dtype] = set()
+        self._stream = None
+        self.bytes = 0
+
+    def copy(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        """``(copies, fence)``: each tensor copied to the host (keeping its tensor-parallel ShardSpec),
+        and ``(CUDA event, device)`` after which the copies are complete (None: complete on return)."""
+        need: dict[torch.dtype, int] = {}
+        for t in tensors.values():
+            need[t.dtype] = need.get(t.dtype, 0) + t.numel()
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        for dtype, n in need.items():
+            buf = self._buffers.get(dtype)
+            if buf is None or buf.numel() < n or (on_gpu and dtype not in self._pinned):
+                self._buffers[dtype] = pinned.empty(n, dtype, pin=on_gpu)
+                if on_gpu:
+                    self._pinned.add(dtype)
+        self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        stream = None
+        if on_gpu:
+            device = next(t.device for t in tensors.values() if t.is_cuda)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(device))
+        offsets = dict.fromkeys(need, 0)
+        out = {}
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for key, t in tensors.items():
+                off, n = offsets[t.dtype], t.numel()
+                offsets[t.dtype] = off + n
+                dst = self._buffers[t.dtype][off : off + n].view(t.shape)
+                src = t.detach()
+                dst.copy_(src, non_blocking=src.is_cuda)
+                if src.is_cuda:
+                    src.record_stream(stream)  # its memory is not reused before the copy is done
+                out[key] = with_spec(dst, get_spec(t))
+        return out, (stream.record_event(), stream.device) if stream is not None else None
+
+
+class AsyncSaver:
+    """At most one checkpoint save in flight; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._snapshot = HostSnapshot()
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._path: str | None = None
+        self._event = None
+        self.last_stall_seconds = 0.0
+        self.last_write_seconds = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def save(
+        self,
+        path: str,
+        state: Mapping[str, Stateful],
+        *,
+        extra: dict,
+        rank_state: Mapping[str, Stateful] | None = None,
+        on_commit: Callable[[str], None] | None = None,
+    ) -> None:
+        """Snapshot ``state`` (collective where a component's ``state_dict()`` is: every rank) and
+        write it to checkpoint ``path`` in the background."""
+        self.wait()
+        t0 = time.perf_counter()
+        check_extra(extra)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=default_timeout())
+        tensors, meta = collect(state)
+        copies, self._event = self._snapshot.copy(tensors)
+        meta = json.loads(json.dumps(meta))  # values, not references to what training changes
+        extra = json.loads(json.dumps(extra))
+        rank_files = {
+            name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.state_dict().items()}
+            for name, c in (rank_state or {}).items()
+        }
+        self._path = path
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(path, copies, meta, rank_files, extra, self._event, on_commit),
+            name="behemoth-checkpoint-writer",
+        )
+        self.last_stall_seconds = time.perf_counter() - t0
+        self._thread.start()
+
+    def _write(self, path, copies, meta, rank_files, extra, event, on_commit) -> None:
+        t0 = time.perf_counter()
+        try:
+            if event is not None:
+                event[0].synchronize()
+            write_checkpoint(path, copies, meta, rank_files, extra=extra, group=self._group)
+            if on_commit is not None and dist.get_rank() == 0:
+                on_commit(path)
+        except BaseException as e:  # re-raised on the caller's thread by wait()
+            self._error = e
+        self.last_write_seconds = time.perf_counter() - t0
+
+    def fence(self) -> None:
+        """Make the current CUDA stream wait for the snapshot's copy (nothing on the CPU)."""
+        if self._event is not None:
+            event, device = self._event
+            torch.cuda.current_stream(device).wait_event(event)
+            self._event = None
+
+    def wait(self) -> str | None:
+        """Block until the save in flight is committed on every rank; returns its path (None when
+        there was none). Raises the writer's error, naming the checkpoint."""
+        thread, path = self._thread, self._path
+        if thread is None:
+            return None
+        thread.join()
+        self._thread, self._path, self._event = None, None, None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                f"the background save of checkpoint {path!r} failed: {type(error).__name__}: {error}. The previous "
+                f"checkpoint is still the newest complete one; fix the cause (disk space, permissions) and resume."
+            ) from error
+        return path
