@@ -6,6 +6,7 @@ engine = bh.boost(model, optimizer, bh.Plan(dp=2))   # = bh.parallelize + gradie
 loss = engine.step(batch)
 
 model = bh.parallelize(model, bh.Plan(tp=2))          # no optimizer: evaluation, generation
+engine.save_hf("hf_dir")                              # a transformers checkpoint (AutoModelForCausalLM)
 """
 
 from .distributed import init, spawn

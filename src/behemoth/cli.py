@@ -5,6 +5,7 @@
     behemoth run --nproc N [--max-restarts R] [--] train CONFIG [...]   N local ranks through torchrun
     behemoth run --nproc N [--] SCRIPT.py [ARGS ...]     N local ranks of your own script
     behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
+    behemoth export CHECKPOINT OUT [--max-shard-size 5GB] [--dtype bf16]   a transformers checkpoint
     behemoth --version
 
 ``train`` reads its rank and world from torchrun's environment (``bh.init()``), so the
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     p.add_argument("--version", action="version", version=f"behemoth {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan,export}")
     for name, text in (
         ("train", "train (one process, or one rank under torchrun)"),
         ("config", "print the fully resolved config and exit"),
@@ -95,7 +96,36 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="activation memory per rank (the runtime measures it in its warm-up step)",
     )
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint (of any plan) as a transformers checkpoint directory",
+        description="write the model of a `behemoth train` checkpoint as config.json, generation_config.json, "
+        "sharded .safetensors with model.safetensors.index.json and the run's tokenizer files, loadable with "
+        "transformers' AutoModelForCausalLM.from_pretrained(OUT); tensors are streamed one at a time",
+    )
+    e.add_argument("checkpoint", help="a checkpoint directory (runs/demo/checkpoints/step-200) or a run's out_dir")
+    e.add_argument("out", help="the directory to write")
+    e.add_argument("--max-shard-size", default="5GB", help="largest .safetensors file (default 5GB)")
+    e.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast (default: as stored)")
+    e.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary to keep (default: the run tokenizer's; trims padding)"
+    )
     return p
+
+
+def cmd_export(a) -> int:
+    from behemoth.hf.export import export_checkpoint
+
+    info = export_checkpoint(
+        a.checkpoint, a.out, max_shard_size=a.max_shard_size, dtype=a.dtype, vocab_size=a.vocab_size
+    )
+    extra = f" and the tokenizer ({', '.join(info['tokenizer'])})" if info["tokenizer"] else ""
+    print(
+        f"exported {info['checkpoint']} to {info['out']}: {len(info['files'])} .safetensors file(s), vocabulary "
+        f"{info['vocab_size']}{extra}",
+        flush=True,
+    )
+    return 0
 
 
 def cmd_plan(a) -> int:
@@ -217,6 +247,10 @@ def _main(argv: list[str]) -> int:
                     f"write `behemoth run --nproc N train CONFIG ...`."
                 )
             return cmd_run(args.nproc, args.args, args.max_restarts)
+        if args.command == "export":
+            if rest:
+                raise ValueError(f"unexpected argument(s) {' '.join(rest)}; see `behemoth export --help`.")
+            return cmd_export(args)
         if args.command == "plan":
             if rest:
                 raise ValueError(f"unexpected argument(s) {' '.join(rest)}; see `behemoth plan --help`.")

@@ -380,6 +380,26 @@ class Engine:
         """Seconds the last background save held up its caller (the copy of the state to host memory)."""
         return self._saver.last_stall_seconds if self._saver is not None else 0.0
 
+    def save_hf(
+        self,
+        path: str,
+        *,
+        max_shard_size: int | str = "5GB",
+        dtype=None,
+        vocab_size: int | None = None,
+        tokenizer: str | None = None,
+    ) -> None:
+        """The serial model as a transformers checkpoint in directory ``path`` (``config.json``,
+        ``generation_config.json``, sharded ``.safetensors`` and their index; with ``tokenizer``
+        "gpt2" its files): ``AutoModelForCausalLM.from_pretrained(path)`` gives this model's logits.
+        ``vocab_size`` trims a padded vocabulary, ``dtype`` ("bf16", ...) casts. A collective:
+        every rank calls it, rank 0 writes (see :mod:`behemoth.hf.export`)."""
+        from .hf.export import save_engine_hf
+
+        save_engine_hf(
+            self, path, max_shard_size=max_shard_size, dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer
+        )
+
     def load(self, path: str) -> dict:
         """Load a checkpoint written by :meth:`save` under any plan; returns its ``extra``."""
         self.wait_for_save()

@@ -1,0 +1,13 @@
+"""transformers checkpoints in and out: export a model trained under any plan, import one into any plan.
+
+* ``engine.save_hf(OUT)`` / ``behemoth export CHECKPOINT OUT`` (:mod:`.export`): ``config.json``,
+  ``generation_config.json``, sharded ``.safetensors`` with their index and the run's tokenizer
+  files, streamed tensor by tensor; ``AutoModelForCausalLM.from_pretrained(OUT)`` loads them.
+
+Name and layout maps per family live in :mod:`.names`, configs in :mod:`.configs`.
+Export needs no extra package.
+"""
+
+from .export import export_checkpoint, save_engine_hf
+
+__all__ = ["export_checkpoint", "save_engine_hf"]

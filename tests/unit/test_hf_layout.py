@@ -1,0 +1,201 @@
+"""Export to transformers, serial: behemoth's GPT and Llama and transformers' own GPT-2 and Llama
+written by behemoth.hf.export.write_hf load with AutoModelForCausalLM.from_pretrained to the same
+logits, with the tensor names, shapes and dtypes transformers' save_pretrained writes; the
+streaming writer's shards and index read back with safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from behemoth.hf.export import write_hf
+from behemoth.hf.names import layout_for
+from behemoth.hf.writer import ShardedWriter, parse_size, plan_shards
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+V, S = 96, 16
+
+
+def tensors_of(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a transformers checkpoint directory: name -> (shape, dtype), from the files."""
+    from safetensors import safe_open
+
+    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                out[k] = (tuple(t.shape), t.dtype)
+    return out
+
+
+def build(family: str) -> torch.nn.Module:
+    from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=2, num_heads=4, hidden=32, seed=3))
+    if family == "gpt-untied":
+        return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=2, num_heads=4, hidden=32, tie_embeddings=False))
+    if family == "llama":
+        return Llama(LlamaConfig(vocab_size=V, seq_len=S, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32))
+    if family == "llama-tied":
+        return Llama(
+            LlamaConfig(
+                vocab_size=V,
+                seq_len=S,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                hidden=32,
+                tie_embeddings=True,
+                rope_theta=500.0,
+            )
+        )
+    if family == "hf-gpt2":
+        cfg = transformers.GPT2Config(vocab_size=V, n_positions=S, n_embd=32, n_layer=2, n_head=4)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=S,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def reference(family: str, model) -> torch.nn.Module:
+    """transformers' own model of the same weights, configured by hand (not from the export)."""
+    if family.startswith("hf-"):
+        return model
+    c = model.config
+    if family.startswith("gpt"):
+        cfg = transformers.GPT2Config(
+            vocab_size=V,
+            n_positions=S,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            activation_function="gelu_new",
+            tie_word_embeddings=c.tie_embeddings,
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=c.resolved_ffn_hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=S,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def export(model, out: str, **kw):
+    state = model.state_dict()
+    return write_hf(
+        out,
+        layout=layout_for(model),
+        model_config=model.config,
+        stored={k: (tuple(v.shape), v.dtype) for k, v in state.items()},
+        read=lambda k: state[k].clone(),
+        **kw,
+    )
+
+
+def logits(model, x):
+    with torch.no_grad():
+        out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("family", ["gpt", "gpt-untied", "llama", "llama-tied", "hf-gpt2", "hf-llama"])
+def test_export_loads_in_transformers_with_the_same_logits_and_layout(tmp_path, family):
+    model = build(family).eval()
+    with torch.no_grad():  # weights far from the init, so every tensor and its layout matters
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    writer = export(model, str(tmp_path / "out"), max_shard_size="20KB")
+    assert len(writer.files) > 1
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+    x = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits(hf.eval(), x), logits(model, x), atol=1e-5, rtol=1e-4)
+    ref = reference(family, model)
+    ref.save_pretrained(str(tmp_path / "ref"))
+    assert tensors_of(str(tmp_path / "out")) == tensors_of(str(tmp_path / "ref"))
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == writer.files
+    assert index["metadata"]["total_size"] == sum((tmp_path / "out" / f).stat().st_size for f in writer.files) - sum(
+        8 + int.from_bytes((tmp_path / "out" / f).read_bytes()[:8], "little") for f in writer.files
+    )
+
+
+def test_padded_vocab_trimmed_and_dtype_cast(tmp_path):
+    model = build("gpt").eval()
+    export(model, str(tmp_path / "out"), vocab_size=90, dtype=torch.bfloat16, bos=89, eos=89)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["vocab_size"] == 90 and config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == 89
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 89
+    layout = tensors_of(str(tmp_path / "out"))
+    assert layout["transformer.wte.weight"] == ((90, 32), torch.bfloat16)
+    assert all(d == torch.bfloat16 for _, d in layout.values())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    x = torch.randint(0, 90, (2, S), generator=torch.Generator().manual_seed(2))
+    want = logits(model.to(torch.bfloat16).float(), x)[..., :90]
+    torch.testing.assert_close(logits(hf, x), want, atol=1e-5, rtol=1e-4)
+
+
+def test_no_layout_is_refused():
+    from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+
+    with pytest.raises(ValueError, match="bias=False"):
+        layout_for(GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=1, num_heads=2, hidden=8, bias=False)))
+    moe = LlamaConfig(vocab_size=V, seq_len=S, num_layers=1, num_heads=2, num_kv_heads=2, hidden=8, num_experts=2)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        layout_for(Llama(moe, device="meta"))
+    with pytest.raises(ValueError, match="has no config"):
+        layout_for(torch.nn.Linear(2, 2))
+
+
+def test_writer_plans_shards_and_reads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("20KiB") == 20 * 1024 and parse_size(7) == 7
+    for bad in ("0MB", "lots", -1):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    assert plan_shards([("a", 4), ("b", 4), ("c", 9), ("d", 1)], 8) == [["a", "b"], ["c"], ["d"]]
+    assert plan_shards([("a", 9), ("b", 0), ("c", 1)], 8) == [["a", "b"], ["c"]]
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.ones(5, dtype=torch.bfloat16),
+        "c": torch.arange(4, dtype=torch.int64),
+        "d": torch.zeros(0, 3),
+    }
+    w = ShardedWriter(str(tmp_path), {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, 30)
+    with pytest.raises(ValueError, match="next tensor"):
+        w.write("b", tensors["b"])
+    for name in w.order:
+        w.write(name, tensors[name])
+    w.close()
+    assert w.files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # a | b | c, d (empty)
+    assert w.peak_bytes == 32
+    back = {}
+    for f in w.files:
+        back.update(load_file(str(tmp_path / f)))
+    assert back.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
