@@ -66,6 +66,11 @@ def main() -> None:
         help="after timing, profile this many steps and print rank 0's kernel summary (where time goes)",
     )
     p.add_argument(
+        "--trace",
+        default=None,
+        help="with --profile: write rank 0's Chrome trace there, gzipped (open in Perfetto)",
+    )
+    p.add_argument(
         "--host-init",
         action="store_true",
         help="build the model on the host (ZeRO-3 moves it to the GPU chunk by chunk)",
@@ -171,7 +176,7 @@ def main_run(a) -> None:
                     flush=True,
                 )
     if a.profile and dev.type == "cuda":
-        profile_steps(engine, batch, a.profile, rank)
+        profile_steps(engine, batch, a.profile, rank, a.trace)
     warm = times[3:] or times
     dt = sorted(warm)[len(warm) // 2]
     tok_per_gpu = a.mbs * a.seq / dt / a.tp  # mbs sequences per dp rank, shared by its tp ranks
@@ -211,21 +216,28 @@ def main_run(a) -> None:
     torch.distributed.destroy_process_group()
 
 
-def profile_steps(engine, batch, steps: int, rank: int) -> None:
+def profile_steps(engine, batch, steps: int, rank: int, trace: str | None = None) -> None:
     """``steps`` steps under torch.profiler; rank 0 prints per step: wall time, the summed
     time of NCCL kernels and of all other kernels (compute; kernels of one stream do not
-    overlap, so compute / wall is the compute stream's busy share), and the top kernels."""
+    overlap, so compute / wall is the compute stream's busy share), the top kernels, and the
+    timeline: each stream's busy time, the time no kernel runs on any stream, and how long the
+    host took to issue the step's work (``engine.step`` returning before the device finishes;
+    host issue close to wall means the step is bound by the host, not the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    issue = 0.0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
+            t0 = time.perf_counter()
             engine.step(batch)
+            issue += time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / steps
     if rank != 0:
         return
+    timeline_summary(prof, steps, wall, issue / steps, trace)
 
     # Annotations on the device timeline ("Optimizer.step#...", ProcessGroupNCCL's "nccl:all_reduce")
     # span kernels that are counted themselves: left out.
@@ -255,6 +267,48 @@ def profile_steps(engine, batch, steps: int, rank: int) -> None:
     print("PROFILE compute by kind: " + ", ".join(f"{k} {v:.4f} s" for k, v in split.items()), flush=True)
     for e in sorted(ev, key=us, reverse=True)[:14]:
         print(f"PROFILE {us(e) / steps / 1e3:9.2f} ms/step  x{e.count // steps:<5d} {e.key[:90]}", flush=True)
+
+
+def timeline_summary(prof, steps: int, wall: float, issue: float, trace: str | None) -> None:
+    """Per-stream busy time (union of kernel intervals) and the GPU's idle time, read from the
+    profiler's Chrome trace; the trace itself is kept (gzipped) when ``trace`` names a file."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            events = json.load(f)["traceEvents"]
+        if trace:
+            with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
+                g.write(f.read())
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+    def busy(spans) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    by_stream: dict = {}
+    for e in kernels:
+        by_stream.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+    spans = [s for v in by_stream.values() for s in v]
+    if not spans:
+        return
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    any_busy = busy(spans)
+    print(
+        f"TIMELINE per step: wall {wall * 1e3:.1f} ms, host issue {issue * 1e3:.1f} ms, kernels span "
+        f"{span / steps / 1e3:.1f} ms, some stream busy {any_busy / steps / 1e3:.1f} ms, all idle "
+        f"{(span - any_busy) / steps / 1e3:.1f} ms, {len(kernels) // steps} kernels",
+        flush=True,
+    )
+    for stream, v in sorted(by_stream.items(), key=lambda kv: -busy(kv[1])):
+        print(f"TIMELINE stream {stream}: busy {busy(v) / steps / 1e3:.1f} ms, {len(v) // steps} kernels", flush=True)
 
 
 def _zero_of(engine):
