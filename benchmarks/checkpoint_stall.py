@@ -215,6 +215,7 @@ def run_restart(a, work: str) -> dict | None:
         "--train.keep_last=1",
         f"--train.out_dir={out_dir}",
         "--data.default_corpus_bytes=2000000",
+        f"--train.async_checkpoint={'false' if a.restart_sync else 'true'}",
     ]
     lines: list[tuple[float, str]] = []
     t0 = time.time()
@@ -261,13 +262,23 @@ def run_restart(a, work: str) -> dict | None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    after = [(t - kill_time, ln) for t, ln in lines if kill_time is not None and t > kill_time]
+
+    def first(pattern: str) -> float | None:  # seconds from the kill to the first line matching
+        return next((round(t, 2) for t, ln in after if re.search(pattern, ln)), None)
+
     out = {
         "part": "restart",
         "model": a.size,
         "gpus": a.gpus,
+        "async_checkpoint": not a.restart_sync,
         "killed_after_step": killed_at,
         "resumed_from_step": resumed_step,
         "kill_to_next_step_s": None if recovered is None else round(recovered, 2),
+        # where the time went: the survivor's error line, the restarted workers' first line, the resume
+        "peer_lost_s": first(r"lost a peer|Connection|NCCL"),
+        "restarted_s": first(r"^# behemoth train"),
+        "resumed_s": first(r"^resumed from"),
         "exit_code": proc.returncode,
         "wall_s": round(time.time() - t0, 1),
     }
@@ -292,6 +303,7 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--restart-every", type=int, default=5, help="save every this many steps (restart part)")
+    p.add_argument("--restart-sync", action="store_true", help="restart part with synchronous checkpoints")
     p.add_argument("--timeout", type=int, default=170, help="seconds per part")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--stall-worker", action="store_true", help=argparse.SUPPRESS)

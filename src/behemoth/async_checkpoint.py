@@ -23,6 +23,10 @@ an event, the writer waits for it before writing, and :meth:`AsyncSaver.fence` m
 stream wait for it -- the engine fences before the next optimizer update (the first write to the
 tensors copied), or at once when what was copied are temporaries (ZeRO-3's gathered parameters).
 
+Host memory: the snapshot is one more copy of the state in host memory. Where the buffers it would
+allocate exceed half the host's available memory (over the host's processes, ``LOCAL_WORLD_SIZE``),
+every rank agrees to write that save synchronously instead, with one warning.
+
 Errors of the writer are raised on the caller's thread by the next :meth:`save` or :meth:`wait`.
 The writer is not a daemon: a process that returns from its main function with a save in flight
 finishes the save before it exits (call :meth:`wait` before ``destroy_process_group``).
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -62,12 +68,20 @@ class HostSnapshot:
         self._stream = None
         self.bytes = 0
 
+    def new_bytes(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Host bytes :meth:`copy` of ``tensors`` would allocate (0 once the buffers fit)."""
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        total = 0
+        for dtype, n in _numel_by_dtype(tensors).items():
+            buf = self._buffers.get(dtype)
+            if buf is None or buf.numel() < n or (on_gpu and dtype not in self._pinned):
+                total += n * dtype.itemsize
+        return total
+
     def copy(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
         """``(copies, fence)``: each tensor copied to the host (keeping its tensor-parallel ShardSpec),
         and ``(CUDA event, device)`` after which the copies are complete (None: complete on return)."""
-        need: dict[torch.dtype, int] = {}
-        for t in tensors.values():
-            need[t.dtype] = need.get(t.dtype, 0) + t.numel()
+        need = _numel_by_dtype(tensors)
         on_gpu = any(t.is_cuda for t in tensors.values())
         for dtype, n in need.items():
             buf = self._buffers.get(dtype)
@@ -98,6 +112,37 @@ class HostSnapshot:
         return out, (stream.record_event(), stream.device) if stream is not None else None
 
 
+def _numel_by_dtype(tensors: Mapping[str, torch.Tensor]) -> dict[torch.dtype, int]:
+    need: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        need[t.dtype] = need.get(t.dtype, 0) + t.numel()
+    return need
+
+
+HOST_MEMORY_FRACTION = 0.5
+"""A background save's host copy may take at most this share of the host's available memory (summed
+over the host's processes); a larger one is written synchronously instead."""
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _all_agree(flag: bool, group) -> bool:
+    """True on every rank iff ``flag`` is on every rank (one all-reduce on the saver's gloo group)."""
+    t = torch.tensor([0 if flag else 1], dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    return int(t.item()) == 0
+
+
 class AsyncSaver:
     """At most one checkpoint save in flight; see the module docstring."""
 
@@ -106,6 +151,7 @@ class AsyncSaver:
         self._group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._warned = False
         self._path: str | None = None
         self._event = None
         self.last_stall_seconds = 0.0
@@ -132,13 +178,31 @@ class AsyncSaver:
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=default_timeout())
         tensors, meta = collect(state)
-        copies, self._event = self._snapshot.copy(tensors)
-        meta = json.loads(json.dumps(meta))  # values, not references to what training changes
-        extra = json.loads(json.dumps(extra))
         rank_files = {
             name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.state_dict().items()}
             for name, c in (rank_state or {}).items()
         }
+        need = self._snapshot.new_bytes(tensors) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        available = available_host_bytes()
+        if not _all_agree(available is None or need <= HOST_MEMORY_FRACTION * available, self._group):
+            if dist.get_rank() == 0 and not self._warned:
+                print(
+                    f"behemoth: a background save needs {need / 2**30:.1f} GiB of host memory on this host for its "
+                    f"copy of the state, more than {HOST_MEMORY_FRACTION:.0%} of the "
+                    f"{(available or 0) / 2**30:.1f} GiB available: the save is written synchronously (set "
+                    f"train.async_checkpoint=false to say so, or free host memory).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._warned = True
+            write_checkpoint(path, tensors, meta, rank_files, extra=extra)
+            if on_commit is not None and dist.get_rank() == 0:
+                on_commit(path)
+            self.last_stall_seconds = time.perf_counter() - t0
+            return
+        copies, self._event = self._snapshot.copy(tensors)
+        meta = json.loads(json.dumps(meta))  # values, not references to what training changes
+        extra = json.loads(json.dumps(extra))
         self._path = path
         self._thread = threading.Thread(
             target=self._write,

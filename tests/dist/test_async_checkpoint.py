@@ -48,6 +48,7 @@ def _files(path: str) -> dict:
 
 
 def _same_world(rank, world, root):
+    ckpt.WRITER_BYTES_PER_THREAD = 4096  # several writer threads and files per rank, as for a large model
     batches = global_batches(5, BATCH)
     extra = {"data": {"step": 2}}
     for name, plan in PLANS.items():
@@ -87,6 +88,8 @@ def _compare(root):
         for key, tensor in want["tensors"].items():
             assert torch.equal(got["tensors"][key], tensor), (name, key)
         assert sorted(os.listdir(os.path.join(root, name, "async"))) == ["step-2", "step-2.pt"], name
+        files = [f for f in os.listdir(os.path.join(root, name, "async", "step-2")) if f.endswith(".distcp")]
+        assert len(files) > 2, files  # each of the 2 ranks wrote with several threads
 
 
 def test_background_save_equals_the_synchronous_save_bit_for_bit(tmp_path):
@@ -128,3 +131,27 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     assert os.path.isfile(os.path.join(tmp_path, "step-2.partial", ".metadata"))  # the data was written
     assert not ckpt.is_complete(str(tmp_path / "step-2.partial"))
     bh.spawn(_survivor_world, 2, str(tmp_path), timeout=300)
+
+
+def _short_of_memory_world(rank, world, root):
+    from behemoth import async_checkpoint
+
+    if rank == 0:  # one host short of memory: every rank writes synchronously
+        async_checkpoint.available_host_bytes = lambda: 1024
+    eng = _engine(PLANS["dp2"], dropout=0.0)
+    batches = global_batches(2, BATCH)
+    _step(eng, batches[0])
+    committed = []
+    eng.save(os.path.join(root, "step-1"), blocking=False, on_commit=committed.append)
+    assert eng.wait_for_save() is None  # nothing in flight: the save was complete on return
+    assert ckpt.is_complete(os.path.join(root, "step-1"))
+    assert committed == ([os.path.join(root, "step-1")] if rank == 0 else [])
+    eng.load(os.path.join(root, "step-1"))
+    _, want = serial_train("gpt", "adamw", batches[:1], max_grad_norm=1.0)
+    assert_state_close(eng.full_state_dict(), want, what="synchronous fallback")
+
+
+def test_a_host_short_of_memory_writes_synchronously(tmp_path, capfd):
+    bh.spawn(_short_of_memory_world, 2, str(tmp_path), timeout=300)
+    err = capfd.readouterr().err
+    assert "a background save needs" in err and "written synchronously" in err, err
