@@ -124,7 +124,7 @@ def test_shape_from_configs():
 def test_2d_linear_is_summa_and_matches_the_layer_formula():
     for depth in (1, 2):
         for bias in (False, True):
-            got = t2.tp2d_linear_traffic(
+            kw = dict(
                 tokens=64,
                 in_features=16,
                 out_features=32,
@@ -134,19 +134,23 @@ def test_2d_linear_is_summa_and_matches_the_layer_formula():
                 dtype_bytes=4,
                 param_bytes=4,
             )
-            # q = d = 2: an all-reduce moves its payload, so wire bytes = the layer's payload bytes.
-            assert got.total == t2.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
-            # forward: q steps each broadcast an X block (64/(d q) x 16/q) and a W block (16/q x 32/q);
-            # backward: the same twice, the depth all-reduce of dW (16/q x 32/q) and the bias
-            # gradient's all-reduces over tp_row and depth (32/q each); fp32, q = 2
-            assert got.forward == (64 * 16 / depth + 16 * 32) / 2 * 4
+            paid, got = t2.tp2d_linear_traffic(**kw, wire=False), t2.tp2d_linear_traffic(**kw)
+            assert paid.total == t2.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
+            # forward: gather the q X blocks (64/(d q) x 16/q) of the grid row and the q W blocks
+            # (16/q x 32/q) of the grid column; backward: the same twice (re-gathers and
+            # reduce-scatters), the depth all-reduce of dW (16/q x 32/q) and the bias gradient's
+            # all-reduces over tp_row and depth (32/q each); fp32, q = 2
+            assert paid.forward == (64 * 16 / depth + 16 * 32) / 2 * 4
             dw = 16 * 32 / 4 * 4 if depth > 1 else 0
             db = 32 / 2 * 4 * (2 if depth > 1 else 1) if bias else 0
+            assert paid.backward == 2 * paid.forward + dw + db
+            # on the wire a ring gather / reduce-scatter over q = 2 sends half its payload; an
+            # all-reduce over 2 sends its payload
+            assert got.forward == paid.forward / 2
             assert got.backward == 2 * got.forward + dw + db
-    # Optimus: 3 (bsh + h h_o) / q per Linear per device.
-    assert (
-        tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total
-        == 3 * (64 * 16 + 16 * 32) / 3
+    # Optimus: 3 (bsh + h h_o) / q per Linear per device, of which a ring sends (q-1)/q.
+    assert tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total == (
+        pytest.approx(3 * (64 * 16 + 16 * 32) / 3 * 2 / 3)
     )
     with pytest.raises(ValueError, match="tp_depth"):
         t2.tp2d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=6)
@@ -156,7 +160,8 @@ def test_2d_model_traffic_by_hand():
     # q = 2, fp32: GPT's blocks are 4 SUMMA Linears + 2 LayerNorms each; the model adds the
     # embedding (ids, reduce-scatter, swap), positions, final norm, head and loss.
     t, h, f, v, q, e = 4 * 16, 32, 128, 96, 2, 4
-    lin = lambda i, o, b=True: 3 * (t * i + i * o) / q * e + (o / q * e if b else 0)  # noqa: E731
+    # a Linear's gathers and reduce-scatters put (q-1)/q of their payload on the wire
+    lin = lambda i, o, b=True: 3 * (t * i + i * o) / q * e * (q - 1) / q + (o / q * e if b else 0)  # noqa: E731
     norm = (2 * t / q * e) + (2 * t / q * e) + 2 * (h / q * e)  # stats fwd, sums bwd, weight + bias
     block = lin(h, 3 * h) + lin(h, h) + lin(h, f) + lin(f, h) + 2 * norm
     emb = (t / q * 8) + (t * h / q * e / 2) + 2 * (t / q * h / q * e) + (t * h / q * e / 2)

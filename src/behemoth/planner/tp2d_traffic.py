@@ -1,12 +1,11 @@
 """Per-rank bytes of 2D (Optimus) and 2.5D (Tesseract) tensor parallelism, for a model and a batch.
 
 2D (Optimus) / 2.5D (Tesseract); behemoth.parallel.tensor.grid, tp2d, tp2p5d, styles2d. p = d q**2
-on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. A broadcast or a reduce
-books the block's bytes on every member (as the ledger does: a pipelined broadcast/reduce
-moves about that much through each member). Per SUMMA Linear, forward: q broadcasts of an
-X block and of a W block, ``(T h_in / d + h_in h_out) / q`` elements; backward twice that
-(re-broadcasts plus reduces of the dX and dW partials): Optimus's ``3 (bsh + h h_o)/q``
-(:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
+on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. Per SUMMA Linear,
+forward: an all-gather of X(i, :) along the grid row and of W(:, j) down the grid column (the
+blocks SUMMA's q broadcasts deliver), ``(T h_in / d + h_in h_out) / q`` elements of payload;
+backward twice that (re-gathers plus reduce-scatters of the dX and dW partials): Optimus's
+``3 (bsh + h h_o)/q`` (:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
 depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
 ``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
 over ``tp_col`` and all-reduce their weight gradients over it; norms all-gather (LayerNorm:
@@ -50,19 +49,21 @@ def tp2d_linear_traffic(
     wire: bool = True,
 ) -> Traffic:
     """One SUMMA Linear (2D; 2.5D with ``depth`` > 1; ``behemoth.parallel.tensor.tp2d.Linear2D``),
-    forward + backward, per rank. ``tokens``: B*S of the tp group. Each of the q steps
-    broadcasts an X block ``tokens/(d q) * in/q`` and a W block ``in/q * out/q``; forward once,
-    backward twice (re-broadcast + reduce of the partials): ``3 (tokens*in/d + in*out) / q``
-    elements, in ``dtype_bytes`` (the autocast dtype). Tesseract adds the all-reduce of dW over
-    depth, ``in*out/q**2``; a bias the all-reduce of its gradient over ``tp_row`` (and depth),
-    ``out/q`` each; both in ``param_bytes``. A broadcast or reduce books the block on every
-    member in payload and wire alike; ``wire=False`` counts an all-reduce's payload (the
-    ledger's ``bytes``) instead of its ring wire bytes."""
+    forward + backward, per rank. ``tokens``: B*S of the tp group. The forward gathers the q
+    X blocks ``tokens/(d q) * in/q`` of its grid row and the q W blocks ``in/q * out/q`` of its
+    grid column; the backward re-gathers both and reduce-scatters partials of the same sizes:
+    ``3 (tokens*in/d + in*out) / q`` elements of payload, in ``dtype_bytes`` (the autocast dtype),
+    of which a ring sends ``(q-1)/q``. Tesseract adds the all-reduce of dW over depth,
+    ``in*out/q**2``; a bias the all-reduce of its gradient over ``tp_row`` (and depth), ``out/q``
+    each; both in ``param_bytes``. ``wire=False`` counts payload (the ledger's ``bytes``)
+    instead of ring wire bytes."""
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
     reduce = all_reduce_bytes if wire else payload
     fwd = (tokens * in_features / depth + in_features * out_features) / q * dtype_bytes
+    if wire:  # a ring all-gather or reduce-scatter sends (q-1)/q of its payload
+        fwd *= (q - 1) / q
     bwd = 2 * fwd + reduce(in_features * out_features / q**2 * param_bytes, depth)
     if bias:
         b = out_features / q * param_bytes
@@ -104,7 +105,7 @@ def _kv_replicated2d(
     ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
     ``tp_col`` and depth (and of a bias over the whole grid)."""
     q, k, d = grid_side(tp, depth), shape.num_kv_heads, shape.head_dim
-    fwd = (tokens * hidden / (depth * q) + d * hidden) * dtype_bytes
+    fwd = (tokens * hidden / (depth * q) + d * hidden) * (q - 1) / q * dtype_bytes  # ring gathers
     grad = k * d * hidden / q * param_bytes
     bwd = 2 * fwd + all_reduce_bytes(grad, q) + all_reduce_bytes(grad, depth)
     if shape.linear_bias:

@@ -52,11 +52,12 @@ class ShardedNormFn(torch.autograd.Function):
     ``axis`` (2D, 2.5D: tp_col; 3D: the layout's hidden axis), in at least float32. Forward:
     LayerNorm all-gathers each shard's (mean, M2) and combines them (Chan et al.), RMSNorm
     all-reduces the sum of squares: one collective. Backward: all-reduce ``sum(g)`` and
-    ``sum(g * xhat)`` (rms: only the latter). ``weight``/``bias`` grads are local; the caller
-    sums them over the axes where they are replicated."""
+    ``sum(g * xhat)`` (rms: only the latter). ``weight``/``bias`` grads are local, unless
+    ``param_axis`` names the axis they are replicated over: then one all-reduce of both over it,
+    started before the statistics' all-reduce and waited after it, sums them there."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, axis: Axis, hidden: int, rms: bool):
+    def forward(ctx, x, weight, bias, eps, axis: Axis, hidden: int, rms: bool, param_axis: Axis | None = None):
         xc = x.to(compute_dtype(x))
         if rms:
             ms = comm.all_reduce(xc.pow(2).sum(-1), axis) / hidden
@@ -73,7 +74,7 @@ class ShardedNormFn(torch.autograd.Function):
         y = xhat if weight is None else xhat * weight
         if bias is not None:
             y = y + bias
-        ctx.axis, ctx.hidden, ctx.rms = axis, hidden, rms
+        ctx.axis, ctx.hidden, ctx.rms, ctx.param_axis = axis, hidden, rms, param_axis
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
@@ -85,6 +86,15 @@ class ShardedNormFn(torch.autograd.Function):
         xhat = (xc if ctx.rms else xc - mean[..., None]) * rstd[..., None]
         dy = dy.to(rstd.dtype)
         dx = dw = db = None
+        n = xhat.shape[-1]
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (dy * xhat).reshape(-1, n).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, n).sum(0).to(ctx.bias_dtype)
+        grads = [t for t in (dw, db) if t is not None]
+        pending = None
+        if ctx.param_axis is not None and grads:  # summed where the parameters are replicated
+            pending = comm.all_reduce(torch.cat(grads) if len(grads) > 1 else grads[0], ctx.param_axis, async_op=True)
         if ctx.needs_input_grad[0]:
             g = dy if weight is None else dy * weight
             if ctx.rms:
@@ -94,12 +104,15 @@ class ShardedNormFn(torch.autograd.Function):
                 s = comm.all_reduce(torch.stack([g.sum(-1), (g * xhat).sum(-1)]), ctx.axis) / ctx.hidden
                 dx = (g - s[0][..., None] - xhat * s[1][..., None]) * rstd[..., None]
             dx = dx.to(x.dtype)
-        n = xhat.shape[-1]
-        if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dy * xhat).reshape(-1, n).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, n).sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        if pending is not None:
+            summed = pending.wait()
+            if dw is not None and db is not None:
+                dw, db = summed[:n].to(dw.dtype), summed[n:].to(db.dtype)
+            elif dw is not None:
+                dw = summed
+            else:
+                db = summed
+        return dx, dw, db, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

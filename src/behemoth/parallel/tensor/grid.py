@@ -9,9 +9,9 @@ vary j); ``"tp_row"`` is *my grid column* (members share j, vary i).
 * Activations ``x_bSh``: batch split over (depth, grid rows), hidden over grid columns -- rank
   (depth, i, j) holds batch block ``depth*q + i`` and hidden block j, ``[b/(d q), s, h/q]``
   (:func:`activation_spec`).
-* SUMMA (:class:`SummaFn`): ``y = x W^T`` with x block (i, k) and W block (k, j) by q steps
-  of broadcasts along the grid row and down the grid column; backward by broadcasts and
-  reduces. Per device ``3 (bsh/d + h h_o) / q`` elements per Linear (``behemoth.planner.tp2d_traffic``).
+* SUMMA (:class:`SummaFn`): ``y = x W^T`` with x block (i, k) and W block (k, j): the blocks
+  SUMMA's q steps broadcast along the grid row and down the grid column, gathered by one
+  all-gather each, then one GEMM; backward re-gathers and reduce-scatters the partials. Per device ``3 (bsh/d + h h_o) / q`` elements per Linear (``behemoth.planner.tp2d_traffic``).
 * Parameters replicated over ``tp_row`` (biases, norm weights) or ``tp_depth`` (every weight
   under Tesseract) go through :func:`replicate_on`, so their gradients are summed there.
 
@@ -108,43 +108,31 @@ def gather_activation(x: torch.Tensor, g: Grid) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- SUMMA
-def _bcast(t: torch.Tensor, axis: Axis, src: int) -> comm.AsyncCollective:
-    """Start broadcasting ``t`` from member ``src`` of ``axis`` (this rank's own ``t`` when it is
-    the source); ``wait()`` returns it."""
-    buf = t if axis.rank == src else torch.empty_like(t)
-    return comm.broadcast(buf, axis, src, async_op=True)
-
-
 class SummaFn(torch.autograd.Function):
-    """``y = x @ w.T`` (``in_out``: ``y = x @ w``, a Conv1D weight kept in its own
-    orientation, so no transposed copy is made or saved) with x block (i, k) and w block
-    (k, j) on rank (i, k) / (k, j).
+    """``y = x @ w.T + b`` (``in_out``: ``y = x @ w + b``, a Conv1D weight kept in its own
+    orientation) with x block (i, k) on rank (i, k), w block (k, j) on rank (k, j) and the bias
+    block j replicated down the grid column.
 
-    Forward: for k in 0..q-1, broadcast X(i, k) along the grid row (tp_col) and W(k, j) down
-    the grid column (tp_row); accumulate the product. Backward: for each k, re-broadcast
-    W(k, j) down the column and reduce ``dy @ W(k, j)`` along the row onto (i, k) (that is
-    dX(i, k)); re-broadcast X(i, k) along the row and reduce ``dy.T @ X(i, k)`` down the
-    column onto (k, j) (that is dW(k, j)). Only the local shards are saved.
-
-    Overlap: step k+1's broadcasts are started before step k's GEMM (on GPU they run on the
-    communicators' streams beside it: a collective waits only for work issued before it), and
-    backward's reduces are waited at most two steps later, so at most two steps' blocks are
-    in flight. Every rank issues the same collectives in the same order."""
+    SUMMA's q steps, each a broadcast of X(i, k) along the grid row and of W(k, j) down the
+    grid column, deliver exactly the blocks an all-gather does: so the forward all-gathers X(i, :)
+    over ``tp_col`` and W(:, j) over ``tp_row`` (both in flight at once) and runs one GEMM,
+    ``Y(i, j) = X(i, :) W(:, j)``. Backward: re-gather both; ``dy @ W(:, j)`` holds this rank's
+    part of dX(i, k) for every k and is reduce-scattered over ``tp_col`` (rank (i, j) keeps
+    dX(i, j)); ``X(i, :).T @ dy`` holds its part of dW(k, j) for every k and is reduce-scattered
+    over ``tp_row``; the bias gradient is all-reduced over ``tp_row``, launched first so it runs
+    beside the GEMMs. Bytes per rank equal SUMMA's (``3 (bsh + h h_o) / q`` elements a Linear);
+    collectives and GEMMs are q times fewer and the GEMMs q times larger. Only the shards are
+    saved, so activations stay ``bsh/p``."""
 
     @staticmethod
-    def forward(ctx, x, w, g: Grid, in_out: bool):
-        x, w = x.contiguous(), w.contiguous()
-        ctx.g, ctx.in_out = g, in_out
-        ctx.save_for_backward(x, w)
-        y = None
-        nxt = (_bcast(x, g.col_axis, 0), _bcast(w, g.row_axis, 0))
-        for k in range(g.q):
-            cur = nxt
-            if k + 1 < g.q:
-                nxt = (_bcast(x, g.col_axis, k + 1), _bcast(w, g.row_axis, k + 1))
-            xk, wk = cur[0].wait(), cur[1].wait()
-            part = xk @ (wk if in_out else wk.t())
-            y = part if y is None else y.add_(part)
+    def forward(ctx, x, w, b, g: Grid, in_out: bool):
+        ctx.g, ctx.in_out, ctx.b_dtype = g, in_out, None if b is None else b.dtype
+        ctx.save_for_backward(x, w)  # x itself: often saved already by the op that made it
+        hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
+        hw = comm.all_gather_async(w if in_out else w.t(), g.row_axis)  # W(:, j) as [in, out/q]
+        y = hx.wait().t() @ hw.wait()
+        if b is not None:
+            y.add_(b.to(y.dtype))
         return y
 
     @staticmethod
@@ -152,38 +140,24 @@ class SummaFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-
-        def fetch(k):  # the blocks step k multiplies by
-            return (_bcast(w, g.row_axis, k) if need_x else None, _bcast(x, g.col_axis, k) if need_w else None)
-
-        dx = dw = None
-        reduces: list[tuple[int, str, comm.AsyncCollective]] = []
-
-        def settle(keep: int) -> None:
-            nonlocal dx, dw
-            while len(reduces) > keep:
-                k, which, h = reduces.pop(0)
-                part = h.wait()
-                if which == "x" and g.col == k:
-                    dx = part
-                elif which == "w" and g.row == k:
-                    dw = part
-
-        nxt = fetch(0)
-        for k in range(g.q):
-            cur = nxt
-            if k + 1 < g.q:
-                nxt = fetch(k + 1)
-            if need_x:
-                wk = cur[0].wait()
-                reduces.append((k, "x", comm.reduce(dy @ (wk.t() if in_out else wk), g.col_axis, k, async_op=True)))
-            if need_w:
-                xk = cur[1].wait()
-                part = (xk.t() @ dy) if in_out else (dy.t() @ xk)
-                reduces.append((k, "w", comm.reduce(part, g.row_axis, k, async_op=True)))
-            settle(4)  # two steps' reduces in flight
-        settle(0)
-        return dx, dw, None, None
+        db = hb = None
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
+        hw = comm.all_gather_async(w if in_out else w.t(), g.row_axis) if need_x else None
+        hx = comm.all_gather_async(x.t(), g.col_axis) if need_w else None
+        dx = dw = hdx = hdw = None
+        if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
+            hdx = comm.reduce_scatter_async(hw.wait() @ dy.t(), g.col_axis)
+        if need_w:  # dW(:, j)^T partial = X(i, :)^T dy, summed down the grid column
+            hdw = comm.reduce_scatter_async(hx.wait() @ dy, g.row_axis)
+        if hdx is not None:
+            dx = hdx.wait().t().contiguous()
+        if hdw is not None:
+            dw = hdw.wait()
+            dw = dw if in_out else dw.t().contiguous()
+        if hb is not None:
+            db = hb.wait()
+        return dx, dw, db, None, None
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:

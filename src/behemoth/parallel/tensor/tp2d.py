@@ -16,9 +16,10 @@ mesh.coord("tp_row")`` and ``j = mesh.coord("tp_col")``, tp rank ``i*q + j``. Th
 * Biases and norm weights: hidden block j, replicated over ``tp_row``; their gradients are
   all-reduced over ``tp_row`` inside the layer (``comm.CopyToAxis``).
 
-Communication per layer (all through ``comm``): a Linear is q SUMMA steps -- forward
-broadcasts X(i, k) along the grid row and W(k, j) down the grid column; backward re-broadcasts
-them and reduces dX partials along the row and dW partials down the column. Per device that
+Communication per layer (all through ``comm``): a Linear is SUMMA -- forward gathers X(i, :)
+along the grid row and W(:, j) down the grid column (the blocks SUMMA's q steps would broadcast)
+for one GEMM; backward re-gathers them and reduce-scatters the dX partials along the row and
+the dW partials down the column. Per device that
 is ``3 (bsh + h h_o) / q`` elements (``behemoth.planner.tp2d_traffic.summa_linear_bytes``). Norms
 all-gather their per-shard statistics over ``tp_col`` forward and all-reduce two sums
 backward. The embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its
@@ -201,11 +202,9 @@ class Linear2D(nn.Module):
         dt = autocast_dtype(x)
         if dt is not None:  # cast the shards before they travel: half the bytes
             x, w = x.to(dt), w.to(dt)
-        y = SummaFn.apply(x.reshape(-1, n_in), w, g, self.weight_layout == "in_out")
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        if self.bias is not None:
-            y = y + replicate_on(self.bias, g, rows=True).to(y.dtype)
-        return y
+        b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
+        y = SummaFn.apply(x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out")
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         return (
@@ -246,7 +245,7 @@ class KVReplicatedLinear2D(nn.Module):
         dt = autocast_dtype(x)
         if dt is not None:
             x, w = x.to(dt), w.to(dt)
-        y = SummaFn.apply(x.reshape(-1, x.shape[-1]), w, g, False)
+        y = SummaFn.apply(x.reshape(-1, x.shape[-1]), w, None, g, False)
         y = y.view(*x.shape[:-1], hi - lo)
         if self.bias is not None:
             y = y + comm.CopyToAxis.apply(self.bias, g.tp_axis)[lo:hi].to(y.dtype)
@@ -290,10 +289,11 @@ class _Norm2D(nn.Module):
                 f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected "
                 f"hidden/q = {self.hidden}/{g.q} = {self.hidden // g.q}."
             )
-        w = None if self.weight is None else replicate_on(self.weight, g, rows=True)
-        b = None if self.bias is None else replicate_on(self.bias, g, rows=True)
+        # weight and bias are replicated over tp_row: ShardedNormFn sums their gradients there
+        w = None if self.weight is None else replicate_on(self.weight, g, rows=False)
+        b = None if self.bias is None else replicate_on(self.bias, g, rows=False)
         eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
-        y = ShardedNormFn.apply(x_bSh, w, b, eps, g.col_axis, self.hidden, self.RMS)
+        y = ShardedNormFn.apply(x_bSh, w, b, eps, g.col_axis, self.hidden, self.RMS, g.row_axis)
         keep_fp32 = not self.RMS and autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
         return y if keep_fp32 else y.to(x_bSh.dtype)
 
