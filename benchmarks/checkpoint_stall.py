@@ -150,7 +150,14 @@ def run_stall(a, work: str) -> dict | None:
     ]
     env = _env()
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired as e:  # say how far it got
+        for part in (e.stdout, e.stderr):
+            text = part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+            print(text[-3000:], file=sys.stderr, flush=True)
+        print(f"# stall part: timed out after {a.timeout} s", file=sys.stderr, flush=True)
+        return None
     print(proc.stderr[-3000:], file=sys.stderr, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     print(f"# stall part: {time.time() - t0:.0f} s, exit {proc.returncode}", file=sys.stderr, flush=True)
@@ -304,7 +311,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--restart-every", type=int, default=5, help="save every this many steps (restart part)")
     p.add_argument("--restart-sync", action="store_true", help="restart part with synchronous checkpoints")
-    p.add_argument("--timeout", type=int, default=170, help="seconds per part")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per part")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--stall-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
