@@ -325,7 +325,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per stall phase")
     p.add_argument("--every", type=int, default=10, help="save every this many steps (stall part)")
     p.add_argument(
-        "--rows", type=int, default=32, help="sequences per rank per step (stall part; gpt-1.3b.toml's 64 on 2 GPUs)"
+        "--rows",
+        type=int,
+        default=16,
+        help="sequences per rank per step (stall part; 32 is gpt-1.3b.toml's global batch on 2 GPUs, twice the time)",
     )
     p.add_argument("--mbs", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq", type=int, default=2048)
