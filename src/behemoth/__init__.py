@@ -7,10 +7,12 @@ loss = engine.step(batch)
 
 model = bh.parallelize(model, bh.Plan(tp=2))          # no optimizer: evaluation, generation
 engine.save_hf("hf_dir")                              # a transformers checkpoint (AutoModelForCausalLM)
+bh.load_hf(engine, "hf_dir")                          # and back, under any plan: each rank reads its slices
 """
 
 from .distributed import init, spawn
 from .engine import Engine, boost
+from .hf.load import load_hf
 from .mesh import ParallelMesh
 from .parallelize import Parallelization, parallelization, parallelize
 from .plan import Plan
@@ -22,6 +24,7 @@ __all__ = [
     "parallelization",
     "Parallelization",
     "boost",
+    "load_hf",
     "Engine",
     "Plan",
     "ParallelMesh",

@@ -269,6 +269,7 @@ def save_engine_hf(
     if bos_token_id is None:
         bos_token_id = eos_token_id
     staging = os.path.join(os.path.abspath(out), _STAGING)
+    engine.wait_for_save()  # a background engine.save in flight commits first
     with engine.grad_sync.gathered():
         save_checkpoint(staging, {"model": ModelState(model)}, extra={})
     world = engine.mesh.axis("world")

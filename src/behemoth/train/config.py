@@ -267,7 +267,8 @@ class TrainSection:
     continues from its own newest checkpoint instead (and neither overwrites nor refuses its out_dir)."""
     init_from: str | None = None
     """Start a new run from this checkpoint's model weights only (fresh optimizer, step 0, data from the
-    start); ignored when the run resumes from a checkpoint of its own."""
+    start); a transformers checkpoint directory (config.json, .safetensors) of the same shape works too
+    (GPT-2 for gpt-* models, Llama for llama-*); ignored when the run resumes from a checkpoint of its own."""
     overwrite: bool = False
     """Delete the run files already in out_dir (checkpoints, metrics, logs) and start over; implies no resume."""
     keep_last: int = 3

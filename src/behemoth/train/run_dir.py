@@ -278,15 +278,29 @@ def check_resume(checkpoint: str, config: Config) -> list[str]:
 
 
 def load_weights(model, checkpoint: str) -> None:
-    """Load only the model weights of ``checkpoint`` (saved under any plan) into the serial
-    ``model``, before it is parallelised: every rank reads the whole tensors, no communication.
-    Refuses a damaged checkpoint or one of another model, naming the fix."""
+    """Load only the model weights of ``checkpoint`` (saved under any plan, or a transformers
+    checkpoint directory: ``config.json`` and ``.safetensors``, read by :func:`behemoth.hf.load_hf`)
+    into the serial ``model``, before it is parallelised: every rank reads the whole tensors, no
+    communication. Refuses a damaged checkpoint or one of another model, naming the fix."""
     import torch.distributed.checkpoint as dcp
 
     from behemoth.checkpoint import SafeFileSystemReader
 
+    if not os.path.isfile(os.path.join(checkpoint, "meta.json")) and os.path.isfile(
+        os.path.join(checkpoint, "config.json")
+    ):
+        from behemoth.hf.load import load_hf
+
+        try:
+            load_hf(model, checkpoint)
+        except ValueError as e:
+            raise ConfigError(f"train.init_from={checkpoint!r}: {e} Set the [model] section to its shape.") from None
+        return
     if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
-        raise ConfigError(f"train.init_from={checkpoint!r} is not a complete checkpoint (no meta.json).")
+        raise ConfigError(
+            f"train.init_from={checkpoint!r} is not a complete checkpoint (no meta.json) nor a transformers "
+            f"checkpoint directory (no config.json)."
+        )
     check_files(checkpoint)
     reader = SafeFileSystemReader(checkpoint)
     stored = reader.read_metadata().state_dict_metadata
