@@ -21,7 +21,8 @@ training's collectives, and on GPUs they take no NCCL stream.
 On a GPU the copy runs on a side stream and the caller does not wait for it: the snapshot holds
 an event, the writer waits for it before writing, and :meth:`AsyncSaver.fence` makes the current
 stream wait for it -- the engine fences before the next optimizer update (the first write to the
-tensors copied), or at once when what was copied are temporaries (ZeRO-3's gathered parameters).
+tensors copied), or at once when what was copied may change sooner or is a temporary (ZeRO-3's
+gathered parameters, ``param_dtype``'s fp32 copies, offload's updates during the backward).
 
 Host memory: the snapshot is one more copy of the state in host memory. Where the buffers it would
 allocate exceed half the host's available memory (over the host's processes, ``LOCAL_WORLD_SIZE``),

@@ -1,0 +1,56 @@
+"""The host copy a background save writes from (behemoth.async_checkpoint.HostSnapshot): values of
+the moment of the copy whatever happens to the sources afterwards, buffers reused from one save to
+the next, tensor-parallel ShardSpecs kept."""
+
+from __future__ import annotations
+
+import torch
+
+from behemoth.async_checkpoint import HostSnapshot
+from behemoth.checkpoint import with_spec
+from behemoth.parallel.tensor.layout import get_spec
+
+
+def _state():
+    return {
+        "w": torch.arange(6.0).reshape(2, 3),
+        "step": torch.tensor(3.0),  # 0-dim, as AdamW's step
+        "ids": torch.arange(4),
+        "half": torch.ones(5, dtype=torch.bfloat16),
+    }
+
+
+def test_the_copy_keeps_the_values_of_its_moment():
+    state = _state()
+    want = {k: v.clone() for k, v in state.items()}
+    snap = HostSnapshot()
+    copies, fence = snap.copy(state)
+    assert fence is None  # on the CPU the copy is complete on return
+    for v in state.values():
+        v.add_(1)  # the optimizer's next update
+    for k, v in want.items():
+        assert copies[k].dtype == v.dtype and copies[k].shape == v.shape, k
+        assert torch.equal(copies[k], v), k
+
+
+def test_buffers_are_reused_and_grow_when_needed():
+    snap = HostSnapshot()
+    state = _state()
+    assert snap.new_bytes(state) == 6 * 4 + 4 + 4 * 8 + 5 * 2
+    snap.copy(state)
+    ptrs = {d: b.data_ptr() for d, b in snap._buffers.items()}
+    assert snap.new_bytes(state) == 0
+    copies, _ = snap.copy({k: v + 1 for k, v in state.items()})
+    assert {d: b.data_ptr() for d, b in snap._buffers.items()} == ptrs
+    assert torch.equal(copies["w"], state["w"] + 1)
+    bigger = {**state, "w2": torch.zeros(10)}
+    assert snap.new_bytes(bigger) == (6 + 1 + 10) * 4  # the float32 buffer grows, the others fit
+
+
+def test_a_shard_spec_travels_with_the_copy():
+    from behemoth.parallel.tensor.layout import DimShard, ShardSpec
+
+    spec = ShardSpec(full_shape=(4, 3), dims=(DimShard(dim=0, parts=2, index=1, axes=("tp",)),))
+    shard = with_spec(torch.ones(2, 3), spec)
+    copies, _ = HostSnapshot().copy({"w": shard, "b": torch.zeros(3)})
+    assert get_spec(copies["w"]) == spec and get_spec(copies["b"]) is None
