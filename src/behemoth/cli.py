@@ -4,6 +4,7 @@
     behemoth train  CONFIG [--section.key=value ...]     train (one process, or one rank under torchrun)
     behemoth run --nproc N [--max-restarts R] [--] train CONFIG [...]   N local ranks through torchrun
     behemoth run --nproc N [--] SCRIPT.py [ARGS ...]     N local ranks of your own script
+    behemoth plan --search MODEL --gpus N [--explain ...]  the fastest layouts, predicted (no GPU needed)
     behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
     behemoth export CHECKPOINT OUT [--max-shard-size 5GB] [--dtype bf16]   a transformers checkpoint
     behemoth --version
@@ -68,20 +69,42 @@ def _parser() -> argparse.ArgumentParser:
     )
     m = sub.add_parser(
         "plan",
-        help="plan memory: ZeRO stages, chunks and the offload='auto' split (no GPU needed)",
-        description="print the chunk layout, per-rank model data per ZeRO stage and, when the model "
-        "does not fit, the GPU/host split offload='auto' would choose",
-        epilog="examples:\n  behemoth plan --memory --model gpt-1.3b --dp 8\n"
+        help="plan a job without a GPU: search every layout (--search) or plan ZeRO memory (--memory)",
+        description="--search MODEL: enumerate every legal layout of MODEL on --gpus GPUs, predict each one's "
+        "step time and memory, print the fastest that fit. --memory: the chunk layout, per-rank model data per "
+        "ZeRO stage and, when the model does not fit, the GPU/host split offload='auto' would choose",
+        epilog="examples:\n  behemoth plan --search gpt-1.3b --gpus 8 --explain\n"
+        "  behemoth plan --search gpt-13b --gpus 64 --nodes 8 --gpu-gb 80 --batch 512\n"
+        "  behemoth plan --memory --model gpt-1.3b --dp 8\n"
         "  behemoth plan --memory --model gpt-13b --gpu-gb 80 --host-gb 256 --param-dtype bf16 --activations-gb 15",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    m.add_argument("--memory", action="store_true", required=True, help="plan memory (the only planner so far)")
-    m.add_argument("--model", required=True, help="a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
+    what = m.add_mutually_exclusive_group(required=True)
+    what.add_argument("--search", metavar="MODEL", help="search the layouts of a preset model (e.g. gpt-1.3b)")
+    what.add_argument("--memory", action="store_true", help="plan ZeRO memory and offload for --model")
+    what.add_argument(
+        "--scale",
+        metavar="MODEL",
+        help="simulate MODEL from 64 (or 8) GPUs up to --gpus, doubling: each tensor-parallel mode's best plan, "
+        "where 2D/2.5D/3D overtake 1D",
+    )
+    m.add_argument("--model", help="--memory: a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
+    m.add_argument("--gpus", type=int, default=8, help="--search: GPUs in the job (default 8)")
+    m.add_argument("--nodes", type=int, default=None, help="--search: nodes they sit on (default: 8 GPUs a node)")
+    m.add_argument("--batch", type=int, default=None, help="--search: sequences per step (default 8 per GPU)")
+    m.add_argument("--calibration", default="h100", help="--search: h100, h200, or a JSON from calibrate.py")
+    m.add_argument("--top", type=int, default=10, help="--search: rows of the table (default 10)")
+    m.add_argument("--explain", action="store_true", help="--search: say why the runner-up lost")
+    m.add_argument("--trace", metavar="PATH", help="--search: write the winner's step as a Chrome trace JSON")
+    m.add_argument("--inter-node-gbps", type=float, default=None, help="--search: inter-node GB/s per GPU")
+    m.add_argument("--inter-node-latency-us", type=float, default=None, help="--search: inter-node latency, us")
     m.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default 50304)")
     m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     m.add_argument("--dp", type=int, default=1, help="data-parallel ranks ZeRO shards over")
     m.add_argument("--zero", type=int, default=3, choices=[1, 2, 3])
-    m.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU, GiB")
+    m.add_argument(
+        "--gpu-gb", type=float, default=None, help="memory of one GPU, GiB (default 80; --search: the calibration's)"
+    )
     m.add_argument("--host-gb", type=float, default=256.0, help="host memory per rank, GiB")
     m.add_argument(
         "--param-dtype",
@@ -128,7 +151,85 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_search(a) -> int:
+    from behemoth.planner.report import chrome_trace, explain, table
+    from behemoth.planner.search import Limits, search
+    from behemoth.planner.workload import workload_for
+
+    gib = 2**30
+    cluster = _cluster(a, a.gpus)
+    nodes = cluster.num_nodes
+    w = workload_for(a.search, seq_len=a.seq, global_batch=a.batch or 8 * a.gpus, vocab_size=a.vocab)
+    res = search(w, cluster, Limits(top=max(a.top, 2)))
+    cal = cluster.calibration
+    print(
+        f"{a.search}: {w.num_params / 1e9:.2f}B parameters, {w.global_batch} x {w.seq_len} tokens per step, "
+        f"{a.gpus} GPUs on {nodes} node(s), {cluster.memory_bytes / gib:.0f} GiB each; calibration {cal.name} "
+        f"({cal.source.split(',')[0].split('(')[0].strip()})"
+    )
+    print(table(res, a.top))
+    if a.explain:
+        print(explain(res))
+    if a.trace and res.ranked:
+        chrome_trace(res.best, a.trace)
+        print(f"trace of the winner's step: {a.trace}")
+    return 0 if res.ranked else 1
+
+
+def _cluster(a, gpus: int):
+    from behemoth.planner.calibration import load_calibration
+    from behemoth.planner.cluster import Cluster
+
+    gib = 2**30
+    nodes = a.nodes or max(1, gpus // 8)
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} is not a multiple of --nodes {nodes}; give whole nodes.")
+    return Cluster(
+        num_gpus=gpus,
+        gpus_per_node=gpus // nodes,
+        gpu_bytes=a.gpu_gb * gib if a.gpu_gb else None,
+        host_bytes=a.host_gb * gib,
+        calibration=load_calibration(a.calibration),
+        inter_node_bytes_per_s=a.inter_node_gbps * 1e9 if a.inter_node_gbps else None,
+        inter_node_latency_s=a.inter_node_latency_us * 1e-6 if a.inter_node_latency_us else None,
+    )
+
+
+def cmd_scale(a) -> int:
+    import dataclasses
+
+    from behemoth.planner.report import chrome_trace
+    from behemoth.planner.scale import format_sweep, scale_sweep
+    from behemoth.planner.workload import workload_for
+
+    start = 64 if a.gpus >= 64 else 8
+    counts = [start]
+    while counts[-1] * 2 <= a.gpus:
+        counts.append(counts[-1] * 2)
+    cluster = dataclasses.replace(_cluster(a, start), gpus_per_node=min(8, start))
+    w = workload_for(a.scale, seq_len=a.seq, global_batch=a.batch or 8 * start, vocab_size=a.vocab)
+    print(
+        f"{a.scale}: {w.num_params / 1e9:.2f}B parameters, {w.seq_len} tokens a sequence, {w.global_batch} sequences "
+        f"per step at {start} GPUs (growing with the GPUs); NVLink islands of {cluster.gpus_per_node}; "
+        f"calibration {cluster.calibration.name}"
+    )
+    points = scale_sweep(w, cluster, tuple(counts))
+    print(format_sweep(points))
+    if a.trace:
+        best = [p.best for p in points if p.view == "best" and p.gpus == counts[-1] and p.best]
+        if best:
+            chrome_trace(min(best, key=lambda p: p.step), a.trace)
+            print(f"trace of the best plan at {counts[-1]} GPUs: {a.trace}")
+    return 0
+
+
 def cmd_plan(a) -> int:
+    if a.search:
+        return cmd_search(a)
+    if a.scale:
+        return cmd_scale(a)
+    if not a.model:
+        raise ValueError("behemoth plan --memory needs --model NAME (e.g. --model gpt-1.3b).")
     from behemoth.models import build_model
     from behemoth.planner.memory import memory_plan
 
@@ -139,7 +240,7 @@ def cmd_plan(a) -> int:
         sizes,
         dp=a.dp,
         stage=a.zero,
-        gpu_bytes=int(a.gpu_gb * gib),
+        gpu_bytes=int((a.gpu_gb or 80.0) * gib),
         host_bytes=int(a.host_gb * gib),
         activation_bytes=int(a.activations_gb * gib),
         param_bytes=2 if a.param_dtype == "bf16" else 4,

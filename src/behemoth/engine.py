@@ -55,10 +55,25 @@ from .precision import LossScaler
 __all__ = ["Engine", "boost"]
 
 
+def _auto_plan(model: nn.Module, name: str) -> Plan:
+    """``plan="auto"``: the planner's choice for this model on this job's world and device."""
+    if name != "auto":
+        raise ValueError(f"plan={name!r}: pass a bh.Plan, None, or 'auto' (the planner's choice).")
+    from .distributed import init
+    from .planner.auto import auto_plan
+    from .planner.search import Limits
+
+    init()
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
+    limits = Limits(precision="bf16" if cuda else "fp32")
+    return auto_plan(model, torch.distributed.get_world_size(), gpu_bytes=gpu, limits=limits)
+
+
 def boost(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    plan: Plan | None = None,
+    plan: Plan | str | None = None,
     *,
     loss_fn: Callable | None = None,
     max_grad_norm: float | None = None,
@@ -81,7 +96,12 @@ def boost(
 
     ``stages`` (pipeline parallelism only) overrides the stage balance: ``pp * virtual_stages``
     half-open ranges ``(start, end)`` of transformer blocks, in stage order.
+
+    ``plan="auto"``: the planner's fastest plan that fits (``behemoth.planner.auto_plan``), for
+    8 sequences per GPU per step of the model's length; the same on every rank.
     """
+    if isinstance(plan, str):
+        plan = _auto_plan(model, plan)
     plan, mesh = resolve(plan, None)  # ValueError on every rank, before any collective but the mesh's
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0, or None to disable clipping.")

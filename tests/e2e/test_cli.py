@@ -187,9 +187,13 @@ def test_version_and_the_plan_help_examples_work(capsys):
     examples = [
         line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  behemoth ")
     ]
-    assert len(examples) == 2
+    assert len(examples) == 4 and sum("--memory" in e for e in examples) == 2
     for example in examples:
         assert main(example.split()) == 0, example
-        assert re.match(r"^[\d,]+ parameters in \d+ chunks", capsys.readouterr().out), example
+        out = capsys.readouterr().out
+        if "--memory" in example:
+            assert re.match(r"^[\d,]+ parameters in \d+ chunks", out), example
+        else:  # --search: the ranked table
+            assert re.match(r"^gpt-[\d.]+b: [\d.]+B parameters", out) and "tokens/s" in out, example
     assert main(["plan", "--memory", "--model", "gpt-mini", "--vocab", "257", "--seq", "128"]) == 0
     assert capsys.readouterr().out.startswith("842,624 parameters")  # not "0.00B"

@@ -15,7 +15,8 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   counted (it is below a chunk per rank);
 * ``pp``: every micro-batch's activation sent forward and its input gradient sent backward by
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
-  on its sender);
+  on its sender); the all-reduce of a tied embedding's gradient between the first and the
+  last stage; the loss sum's all-reduce over the stages;
 * ``ep``: each MoE layer's dispatch and combine all-to-alls, forward and backward.
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
@@ -24,6 +25,7 @@ of real runs in tests/dist/test_planner_ledger.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -59,24 +61,36 @@ def _tp_kwargs(plan: Plan) -> dict:
     return {}
 
 
-def tp_step_bytes(plan: Plan, w: Workload, *, layers: int, edges: bool = True, dt: Dtypes | None = None) -> float:
+def tp_step_bytes(
+    plan: Plan, w: Workload, *, layers: int, edges: bool = True, dt: Dtypes | None = None, diagonal: bool = False
+) -> float:
     """Wire bytes over the tensor-parallel axes for one step of ``layers`` blocks (plus the
-    embedding, head and loss when ``edges``)."""
+    embedding, head and loss when ``edges``); ``diagonal``: a 2D/2.5D rank on its grid's
+    diagonal (no embedding swap). Grid modes also all-reduce the step's float64 loss sum
+    over each tp axis that splits the batch (2D: one of q; 2.5D: depth and one of q; 3D: two of q)."""
     if plan.tp == 1:
         return 0.0
     dt = dt or Dtypes.of(plan)
     mbs = w.global_batch // (plan.dp * plan.microbatches)
     extra = tuple(sorted(_tp_kwargs(plan).items()))
+    if plan.tp_mode in ("2d", "2.5d") and diagonal:
+        extra += (("diagonal", True),)
     block, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)
-    return (block * layers + (rest if edges else 0.0)) * plan.microbatches
+    total = (block * layers + (rest if edges else 0.0)) * plan.microbatches
+    if plan.tp_mode != "1d":
+        q = round(plan.tp ** (1 / 3)) if plan.tp_mode == "3d" else math.isqrt(plan.tp // plan.tp_depth)
+        axes = {"2d": (q,), "2.5d": (plan.tp_depth, q), "3d": (q, q)}[plan.tp_mode]
+        total += sum(all_reduce_bytes(8, a) for a in axes if a > 1)
+    return total
 
 
 @lru_cache(maxsize=65536)
 def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes) -> tuple[float, float]:
     """(one block's bytes, the embedding's + head's + loss's bytes) of one micro-batch."""
     kw = dict(batch=mbs, seq=seq, tp=tp, dtype_bytes=dt.compute, param_bytes=dt.param, **dict(extra))
+    model_only = {k: kw.pop(k) for k in ("diagonal",) if k in kw}
     block = block_traffic(mode, shape, **kw).total
-    full = model_traffic(mode, shape, stream_bytes=dt.stream, **kw).total
+    full = model_traffic(mode, shape, stream_bytes=dt.stream, **kw, **model_only).total
     return block, full - block * shape.num_layers
 
 
@@ -85,21 +99,35 @@ def _cp_micro(shape, mbs: int, seq: int, cp: int, mode: str, tp: int, dtype_byte
     return cp_model_traffic(shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, dtype_bytes=dtype_bytes).total
 
 
-def local_params(plan: Plan, w: Workload, *, layers: int | None = None, edges: bool = True) -> float:
-    """Parameters one rank holds before ZeRO sharding: its stage's blocks (all of them when
-    ``layers`` is None and pp == 1) split over tp, experts over ep, the embedding and head
-    when ``edges``. Replicated norm and bias parameters are counted as split (a small error)."""
-    layers = w.shape.num_layers // plan.pp if layers is None else layers
+def local_params(plan: Plan, w: Workload, *, layers: int | None = None, stage: int | None = None) -> float:
+    """Parameters one rank holds before ZeRO sharding: ``layers`` blocks (default: its share
+    of them) split over tp, experts over ep, and the parts of its pipeline stage: the whole
+    model's embedding, final norm and head without a pipeline (``stage`` None); the embedding
+    on the first stage; the final norm and the head's table (its own, or its copy of a tied
+    embedding) on the last. Replicated norm and bias parameters are counted as split by tp
+    (exact at tp = 1)."""
+    s = w.shape
+    layers = -(-s.num_layers // plan.pp) if layers is None else layers
     dense = w.block_params - w.expert_params
     n = layers * (dense / plan.tp + w.expert_params / (plan.ep * plan.tp))
-    if edges:
+    last = plan.pp * plan.virtual_stages - 1
+    stages = None if stage is None or plan.pp == 1 else {c * plan.pp + stage for c in range(plan.virtual_stages)}
+    if stages is None:
         n += (w.embedding_params + w.head_params) / plan.tp
+    else:
+        if 0 in stages:
+            n += w.embedding_params / plan.tp
+        if last in stages:
+            n += (s.norm_params + s.vocab_size * s.hidden) / plan.tp
     return n
 
 
-def step_traffic(plan: Plan, w: Workload, *, stage: int | None = None, dt: Dtypes | None = None) -> dict[str, float]:
+def step_traffic(
+    plan: Plan, w: Workload, *, stage: int | None = None, dt: Dtypes | None = None, diagonal: bool = False
+) -> dict[str, float]:
     """Wire bytes per axis one rank sends in one optimizer step under ``plan`` (resolved: ``dp``
-    set). ``stage``: the pipeline stage of the rank (None: the last, which holds the head)."""
+    set). ``stage``: the pipeline stage of the rank (None: the last, which holds the head);
+    ``diagonal``: a rank on a 2D/2.5D grid's diagonal (the others send more)."""
     dt = dt or Dtypes.of(plan)
     s, m = w.shape, plan.microbatches
     mbs = w.global_batch // (plan.dp * m)
@@ -113,15 +141,13 @@ def step_traffic(plan: Plan, w: Workload, *, stage: int | None = None, dt: Dtype
     layers = s.num_layers // pp + (1 if stage < s.num_layers % pp else 0)
     out: dict[str, float] = {}
     if plan.tp > 1:
-        out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt)
+        out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal)
     if plan.cp > 1:
         one = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, dt.compute)
         out["cp"] = one / s.num_layers * layers * m
     g = plan.dp * plan.cp
     if g > 1:
-        edges = pp == 1 or stage in (0, pp - 1)
-        grads = local_params(plan, w, layers=layers, edges=edges) * dt.param
-        params = local_params(plan, w, layers=layers, edges=edges) * dt.param
+        grads = params = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None) * dt.param
         z = plan.zero
         if z == 0:
             b = all_reduce_bytes(grads, g)
@@ -138,7 +164,11 @@ def step_traffic(plan: Plan, w: Workload, *, stage: int | None = None, dt: Dtype
         stages = [c * pp + stage for c in range(plan.virtual_stages)]
         # a rank books what it sends: each stage's activation forward (but the last stage's)
         # and its input gradient backward (but the first stage's), per micro-batch
-        out["pp"] = m * act * sum((st < last) + (st > 0) for st in stages)
+        sent = m * act * sum((st < last) + (st > 0) for st in stages)
+        if w.tied_embeddings and (0 in stages) != (last in stages):
+            # the tied embedding's two copies, on the first and the last stage, sum their gradients
+            sent += all_reduce_bytes(s.vocab_size * s.hidden / plan.tp * dt.param, 2)
+        out["pp"] = sent + all_reduce_bytes(8, pp)  # and the step's float64 loss sum over the stages
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
         one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep

@@ -192,7 +192,7 @@ def predict(
 
     # data parallelism / ZeRO over dp (x cp)
     g = plan.dp * plan.cp
-    n = local_params(plan, w, layers=layers)
+    n = local_params(plan, w, layers=layers, stage=pp - 1)
     shard = n / g
     if g > 1:
         axis = "dp_cp" if plan.cp > 1 else "dp"

@@ -76,7 +76,7 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     s = w.shape
     g = plan.dp * plan.cp
     layers = -(-s.num_layers // plan.pp)
-    n = local_params(plan, w, layers=layers, edges=True)
+    n = local_params(plan, w, layers=layers, stage=plan.pp - 1)
     z, off = plan.zero, plan.offload is not None
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0

@@ -35,6 +35,8 @@ class Limits:
     """Every plan's precision."""
     tp_modes: tuple[str, ...] = TP_MODES
     max_tp: int = 64
+    min_tp: int = 1
+    """Smallest tensor-parallel degree tried (``min_tp = max_tp = world``: pure tensor parallelism)."""
     max_cp: int = 16
     max_pp: int = 64
     cp_modes: tuple[str, ...] = CP_MODES
@@ -151,7 +153,7 @@ def _pp_variants(pp: int, limits: Limits) -> list[dict]:
 
 def _factorizations(world: int, limits: Limits, w: Workload):
     for tp in _divisors(world):
-        if tp > limits.max_tp:
+        if not limits.min_tp <= tp <= limits.max_tp:
             continue
         for cp in _divisors(world // tp):
             if cp > limits.max_cp:

@@ -1,0 +1,169 @@
+"""Measure one machine for the planner's cost model, in under a minute, and write its
+calibration JSON (the format of ``behemoth.planner.calibration``).
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/calibrate.py --out $OUT/cal.json
+    python benchmarks/calibrate.py --out cal.json          # one GPU: no collectives measured
+
+Measures, on rank 0's GPU unless said otherwise:
+
+* GEMM rate by size: bf16 ``[m, k] @ [k, n]`` for the shapes transformer blocks of 1-13B
+  parameters make under 1-8-way tensor parallelism, as ``[flops, flops_per_s]`` points;
+* causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio;
+* device-memory bandwidth (a large copy);
+* every rank: all-reduce latency (8 KiB) and bus bandwidth (256 MiB) over groups of 2, 4, ...,
+  the world (NVLink inside a node; across nodes, written as the "ib" link class);
+* pinned host <-> device copy rates, and a CPU AdamW update's parameters per second.
+
+Link classes it cannot measure (the inter-node fabric on one node) keep the shipped
+calibration's figures, and ``source`` says which figures were measured. Prints the JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from behemoth.planner.calibration import load_calibration
+
+
+def _time(fn, warmup: int = 2, iters: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def gemm_points() -> list[list[float]]:
+    shapes = []
+    for tokens in (2048, 8192, 16384):
+        for h in (1024, 2048, 4096):
+            for split in (1, 2, 4, 8):
+                shapes += [(tokens, 3 * h // split, h), (tokens, h, 4 * h // split), (tokens, h, h // split)]
+    shapes += [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (8192, 8192, 8192)]
+    by_flops: dict[float, list[float]] = {}
+    for m, n, k in sorted(set(shapes)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        t = _time(lambda: a @ b, iters=10 if m * n * k < 2**33 else 3)
+        flops = 2.0 * m * n * k
+        by_flops.setdefault(float(2 ** round(torch.log2(torch.tensor(flops)).item())), []).append(flops / t)
+    return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
+
+
+def attention() -> tuple[float, float]:
+    rates, ratios = [], []
+    for b, n, s, d in ((4, 16, 2048, 128), (2, 32, 4096, 128)):
+        q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        flops = 2.0 * b * s * s * d * n  # causal: half of 4 b s^2 d n
+        fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        g = torch.randn_like(out)
+
+        def both():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(g)
+
+        bwd = _time(both) - fwd
+        rates.append(flops / fwd)
+        ratios.append((2.5 * flops / max(bwd, 1e-9)) / (flops / fwd))
+    return sum(rates) / len(rates), sum(ratios) / len(ratios)
+
+
+def hbm() -> float:
+    x = torch.empty(2**28, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    t = _time(lambda: y.copy_(x), iters=5)
+    return 2 * x.numel() * 4 / t
+
+
+def host_rates() -> tuple[float, float, float]:
+    n = 2**27  # 512 MiB of fp32
+    host = torch.empty(n, dtype=torch.float32).pin_memory()
+    dev = torch.empty(n, device="cuda", dtype=torch.float32)
+    h2d = n * 4 / _time(lambda: dev.copy_(host, non_blocking=True), iters=3)
+    d2h = n * 4 / _time(lambda: host.copy_(dev, non_blocking=True), iters=3)
+    p = torch.nn.Parameter(torch.randn(2**24))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    adam = 3 * p.numel() / (time.perf_counter() - t0)
+    return h2d, d2h, adam
+
+
+def collectives(world: int, local: int) -> dict[str, list[list[float]]]:
+    """[group, latency_s, bus_bytes_per_s] per link class, from all-reduces over groups of ranks
+    0..g-1 (every rank takes part in creating each group)."""
+    out: dict[str, list[list[float]]] = {"nvlink": [], "ib": []}
+    g = 2
+    while g <= world:
+        group = dist.new_group(list(range(g)))
+        if dist.get_rank() < g:
+            small = torch.ones(2048, device="cuda")
+            big = torch.ones(2**26, device="cuda")  # 256 MiB
+            lat = _time(lambda: dist.all_reduce(small, group=group), warmup=5, iters=20)
+            t = _time(lambda: dist.all_reduce(big, group=group), warmup=2, iters=5)
+            bus = 2 * (g - 1) / g * big.numel() * 4 / t
+            out["nvlink" if g <= local else "ib"].append([g, lat, bus])
+        dist.barrier()
+        g *= 2
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="where to write the calibration JSON")
+    ap.add_argument("--base", default="h100", help="shipped calibration whose unmeasured figures are kept")
+    a = ap.parse_args()
+    t_start = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank = dist.get_rank() if world > 1 else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    measured = ["gemm", "attention", "hbm", "host", "cpu_adam", "gpu memory"]
+    d = json.loads(load_calibration(a.base).to_json())
+    if rank == 0:
+        d["gemm"] = gemm_points()
+        d["attention_flops_per_s"], d["attention_backward_ratio"] = attention()
+        d["hbm_bytes_per_s"] = hbm()
+        d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
+        d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
+    if world > 1:
+        links = collectives(world, local)
+        for k, pts in links.items():
+            if pts:
+                d["links"][k] = pts
+                measured.append(f"{k} collectives")
+    if rank == 0:
+        name = torch.cuda.get_device_name(0)
+        d["name"] = f"{name.lower().replace(' ', '-')}-measured"
+        d["source"] = (
+            f"measured by benchmarks/calibrate.py on {world} x {name} in {time.perf_counter() - t_start:.0f} s: "
+            f"{', '.join(measured)}; other figures from the shipped {a.base} calibration (estimated)"
+        )
+        d["extra"] = {**d.get("extra", {}), "torch": torch.__version__, "world": world}
+        text = json.dumps(d, indent=1)
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        print(text)
+        load_calibration(a.out)  # the file reads back
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

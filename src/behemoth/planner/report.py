@@ -1,0 +1,130 @@
+"""What ``behemoth plan --search`` prints: the ranked table, why the runner-up lost, and a
+Chrome trace of a plan's step (``chrome://tracing`` / Perfetto JSON).
+
+Pure text and dicts from :class:`~.cost.Prediction` objects.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .cost import Prediction
+from .search import SearchResult
+
+__all__ = ["table", "explain", "chrome_trace"]
+
+GIB = 2.0**30
+
+
+def _layout(p: Prediction) -> str:
+    plan = p.plan
+    parts = [f"dp{plan.dp}"]
+    if plan.tp > 1:
+        mode = plan.tp_mode + (f"x{plan.tp_depth}" if plan.tp_mode == "2.5d" else "")
+        parts.append(f"tp{plan.tp}:{mode}" + ("+sp" if plan.sequence_parallel else "") + (
+            f"+ov{plan.tp_overlap}" if plan.tp_overlap > 1 else ""
+        ))  # fmt: skip
+    if plan.pp > 1:
+        sched = plan.schedule + (f"/v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+        parts.append(f"pp{plan.pp}:{sched}")
+    if plan.cp > 1:
+        parts.append(f"cp{plan.cp}:{plan.cp_mode}")
+    if plan.ep > 1:
+        parts.append(f"ep{plan.ep}")
+    parts.append(f"z{plan.zero}" + ("+off" if plan.offload else ""))
+    parts.append(f"mbs{p.micro_batch_size}x{plan.microbatches}")
+    if plan.activation_checkpointing:
+        parts.append("ckpt")
+    return " ".join(parts)
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f}"
+
+
+def table(res: SearchResult, rows: int = 10) -> str:
+    """The top ``rows`` plans: tokens/s, MFU, step, memory per GPU, GB per axis per step,
+    exposed communication, bubble, offload time."""
+    head = (
+        f"{'#':>3}  {'layout':<46} {'tokens/s':>10} {'MFU':>5} {'step s':>8} {'GiB/GPU':>8}  "
+        f"{'GB per axis (tp/cp/dp/pp/ep)':<30} {'exposed s':>9} {'bubble s':>8} {'offload s':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(res.ranked[:rows], 1):
+        ax = "/".join(_gb(p.bytes.get(a, 0.0) + (p.bytes.get("dp_cp", 0.0) if a == "dp" else 0.0)) for a in
+                      ("tp", "cp", "dp", "pp", "ep"))  # fmt: skip
+        lines.append(
+            f"{i:>3}  {_layout(p):<46} {p.tokens_per_s:>10,.0f} {p.mfu:>5.2f} {p.step:>8.3f} "
+            f"{p.memory.gpu_total / GIB:>8.1f}  {ax:<30} {p.exposed_comm:>9.3f} {p.bubble:>8.3f} {p.offload:>9.3f}"
+        )
+    lines.append(
+        f"{res.evaluated:,} layouts costed, {res.fits:,} fit; "
+        f"{sum(res.refused.values()):,} candidates refused (Plan's rules or the model's shape)."
+    )
+    if not res.ranked and res.unfit is not None:
+        lines.append(f"nothing fits: the fastest layout, {_layout(res.unfit)}, {res.unfit.why_not}.")
+    return "\n".join(lines)
+
+
+def _parts(p: Prediction) -> dict[str, float]:
+    return {
+        "compute": p.compute / max(1, p.plan.pp) if p.plan.pp > 1 else p.compute,
+        "exposed tp": p.exposed.get("tp", 0.0),
+        "exposed cp": p.exposed.get("cp", 0.0),
+        "exposed ep": p.exposed.get("ep", 0.0),
+        "exposed gradient sync": p.exposed.get("dp", 0.0) + p.exposed.get("dp_cp", 0.0),
+        "pipeline bubble": p.bubble,
+        "optimizer": p.optimizer,
+        "offload": p.offload,
+    }
+
+
+def explain(res: SearchResult) -> str:
+    """Why the runner-up lost to the winner: the terms of the step that differ most."""
+    if len(res.ranked) < 2:
+        return "only one plan fits: nothing to compare." if res.ranked else "no plan fits."
+    a, b = res.ranked[0], res.ranked[1]
+    pa, pb = _parts(a), _parts(b)
+    diffs = sorted(((pb[k] - pa[k], k) for k in pa), reverse=True)
+    lines = [
+        f"winner:    {_layout(a)}  {a.step:.4f} s/step, {a.memory.gpu_total / GIB:.1f} GiB/GPU",
+        f"runner-up: {_layout(b)}  {b.step:.4f} s/step ({100 * (b.step / a.step - 1):+.1f}%), "
+        f"{b.memory.gpu_total / GIB:.1f} GiB/GPU",
+        "the runner-up spends more on:",
+    ]
+    for d, k in diffs:
+        if d > 1e-6:
+            lines.append(f"  {k:<24} {pb[k]:.4f} s vs {pa[k]:.4f} s  (+{d:.4f} s)")
+    gains = [(d, k) for d, k in diffs if d < -1e-6]
+    if gains:
+        lines.append("and saves on:")
+        for d, k in sorted(gains):
+            lines.append(f"  {k:<24} {pb[k]:.4f} s vs {pa[k]:.4f} s  ({d:.4f} s)")
+    return "\n".join(lines)
+
+
+def chrome_trace(p: Prediction, path: str | None = None) -> dict:
+    """A Chrome trace (``{"traceEvents": [...]}``) of one predicted step: one row of phases
+    (compute, bubble, exposed sync, optimizer, offload) and one row per axis with its
+    communication time. Written to ``path`` when given."""
+    events, t = [], 0.0
+    for name, dur in p.phases:
+        if dur > 0:
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": "step", "ts": t * 1e6, "dur": dur * 1e6})
+            t += dur
+    for axis, secs in sorted(p.comm.items()):
+        events.append(
+            {
+                "name": f"{axis}: {p.bytes.get(axis, 0.0) / 1e9:.2f} GB, {p.exposed.get(axis, 0.0):.4f} s exposed",
+                "ph": "X",
+                "pid": 0,
+                "tid": f"comm {axis}",
+                "ts": 0.0,
+                "dur": secs * 1e6,
+            }
+        )
+    trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"plan": p.plan.describe()}}
+    if path:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace

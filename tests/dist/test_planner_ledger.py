@@ -1,0 +1,143 @@
+"""The planner's predicted bytes per axis equal the comm ledger's, for layouts the search emits.
+
+For a tiny GPT on 2 and 4 gloo ranks, the search (fp32, every layout) is run in the parent;
+one layout of each kind it emits is picked (plain dp, 1D tp with and without sequence
+parallelism and over-decomposition, 2D tp, Ulysses and ring context parallelism, every pipeline
+schedule, dp x tp) and run for one forward + backward in one spawned world per size; the
+ledger's ``wire_bytes`` per axis must equal ``behemoth.planner.axis_traffic.step_traffic``
+exactly (tp summed over its sub-axes). Exact where the formula is: tensor and context
+parallelism at pp = 1, pipelines at tp = 1 (a transfer's bytes), data parallelism (ZeRO 0)
+at tp = cp = 1. And ``bh.boost(..., plan="auto")`` trains the planner's choice to the serial
+losses.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import behemoth as bh
+from behemoth.planner.axis_traffic import Dtypes, step_traffic
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.search import Limits, search
+from behemoth.planner.workload import workload_for
+from common import SEQ, assert_losses_close, build, global_batches, make_optimizer, serial_run, shard
+
+LAYERS, BATCH = 4, 8
+FP32 = Dtypes(compute=4, stream=4, param=4)
+
+
+def _workload(model):
+    return workload_for(model, seq_len=SEQ, global_batch=BATCH)
+
+
+def _kind(plan) -> tuple:
+    return (plan.dp > 1, plan.tp_mode if plan.tp > 1 else None, plan.sequence_parallel, plan.tp_overlap,
+            plan.cp_mode if plan.cp > 1 else None, plan.schedule if plan.pp > 1 else None, plan.zero)
+
+
+def emitted_layouts(world: int, limit: int) -> list:
+    """One plan of each kind the search emits for the tiny GPT on ``world`` ranks (fastest first)."""
+    w = _workload(build("gpt", num_layers=LAYERS))
+    limits = Limits(precision="fp32", offloads=(None,), activation_checkpointing=(False,), zero_stages=(0,),
+                    micro_batch_sizes=(1, 2, 4, 8), top=100000)
+    res = search(w, Cluster(num_gpus=world), limits)
+    cands, seen = [], set()
+    for p in res.ranked:
+        plan = p.plan
+        if (plan.pp == 1 or plan.tp == 1) and plan.ep == 1 and _kind(plan) not in seen:
+            seen.add(_kind(plan))
+            cands.append(plan)
+    out, covered = [], set()
+    while cands and len(out) < limit:  # greedy: the plan that shows the most features not yet covered
+        best = max(cands, key=lambda pl: len(_features(pl) - covered))
+        if not _features(best) - covered:
+            break
+        covered |= _features(best)
+        out.append(best)
+        cands.remove(best)
+    return out
+
+
+def _features(plan) -> set:
+    f = {("dp", plan.dp > 1), ("schedule", plan.schedule if plan.pp > 1 else None)}
+    if plan.tp > 1:
+        f |= {("tp", plan.tp_mode, plan.tp), ("sp", plan.sequence_parallel), ("overlap", plan.tp_mode, plan.tp_overlap),
+              ("dp x tp", plan.dp > 1)}
+    if plan.cp > 1:
+        f |= {("cp", plan.cp_mode, plan.cp)}
+    if plan.pp > 1:
+        f |= {("pp", plan.pp, plan.virtual_stages)}
+    return f
+
+
+def _ledger(engine) -> dict[str, float]:
+    stats = engine.comm_stats()
+    got: dict[str, float] = {}
+    for axis, s in stats.items():
+        key = "tp" if axis.startswith("tp") else axis
+        got[key] = got.get(key, 0) + s["wire_bytes"]
+    return got
+
+
+def _check(plan, rank):
+    model = build("gpt", num_layers=LAYERS)
+    w = _workload(model)
+    engine = bh.boost(model, make_optimizer("sgd", model), plan)
+    batches = global_batches(2, BATCH)
+    engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))   # the pipeline's shape headers
+    engine.reset_comm_stats()
+    engine._forward_backward(shard(batches[1], engine.dp_rank, engine.dp_size))
+    got = _ledger(engine)
+    stage = engine.mesh.coord("pp") if plan.pp > 1 else 0
+    mesh = engine.mesh
+    diagonal = plan.tp_mode in ("2d", "2.5d") and plan.tp > 1 and mesh.coord("tp_row") == mesh.coord("tp_col")
+    want = step_traffic(engine.plan, w, stage=stage, dt=FP32, diagonal=diagonal)
+    what = f"{engine.plan.describe()} rank {rank}"
+    for axis in ("tp", "cp", "pp"):
+        if axis in want:
+            assert got.get(axis, 0) == int(want[axis]), f"{what}: {axis} ledger {got.get(axis)} vs planner {want[axis]}"
+    if plan.tp == plan.cp == 1 and plan.dp > 1:
+        # the step's gradient all-reduce and its two scalars, booked in step() by the gradient sync
+        engine.reset_comm_stats()
+        engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
+        dp = engine.comm_stats()["dp"]["wire_bytes"]
+        assert dp == int(want["dp"]), f"{what}: dp ledger {dp} vs planner {want['dp']}"
+    return sorted(want)
+
+
+def _world(rank, world, plans):
+    axes = set()
+    for plan in plans:
+        axes.update(_check(plan, rank))
+    if world == 2:
+        _auto(rank, world)
+    return axes
+
+
+def _auto(rank, world):
+    """plan='auto' on gloo: the planner's fp32 choice for 8 sequences per rank trains to serial."""
+    from behemoth.planner.auto import auto_plan
+    model = build("gpt", num_layers=LAYERS)
+    engine = bh.boost(model, make_optimizer("sgd", model), "auto")
+    want_plan = auto_plan(build("gpt", num_layers=LAYERS), world, limits=Limits(precision="fp32"))
+    assert engine.plan == want_plan.resolve(world), (engine.plan, want_plan)
+    batches = global_batches(2, 8 * world)
+    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
+    assert_losses_close(losses, serial_run("gpt", "sgd", batches, num_layers=LAYERS).losses,
+                        what=f"plan='auto' {engine.plan.describe()}")
+
+
+@pytest.mark.parametrize("world, limit", [(2, 8), (4, 8)])
+def test_predicted_bytes_per_axis_equal_the_ledger(world, limit):
+    plans = emitted_layouts(world, limit)
+    kinds = {_kind(p) for p in plans}
+    assert len(plans) >= 5 and any(p.tp > 1 for p in plans) and any(p.pp > 1 for p in plans), plans
+    assert any(p.cp > 1 for p in plans) and len(kinds) == len(plans)
+    bh.spawn(_world, world, plans, timeout=500)
+
+
+if __name__ == "__main__":
+    for w in (2, 4):
+        for p in emitted_layouts(w, 8):
+            print(w, p.describe())
+    torch.manual_seed(0)
