@@ -5,7 +5,8 @@ splits it runs at the calibration's rate for its size (:meth:`Calibration.gemm_s
 
 * 1D (Megatron): a column Linear ``(T, in, out/p)``, a row Linear ``(T, in/p, out)``;
   ``tp_overlap = k`` splits the row GEMMs into k GEMMs of ``T/k`` rows;
-* 2D / 2.5D (SUMMA on d x q x q): q GEMMs ``(T/(d q), in/q, out/q)``;
+* 2D / 2.5D (SUMMA on d x q x q, its q steps' blocks gathered first): one GEMM
+  ``(T/(d q), in, out/q)``;
 * 3D (q x q x q): one GEMM ``(T/q, in/q, out/q)`` after the gathers; ``tp_overlap = k``
   splits it into k pieces;
 
@@ -70,7 +71,7 @@ def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: s
         k = plan.tp_overlap
         return k * cal.gemm_seconds(t / k, fout, fin / p, eb)
     if mode in ("2d", "2.5d"):
-        return q * cal.gemm_seconds(t / (d * q), fout / q, fin / q, eb)
+        return cal.gemm_seconds(t / (d * q), fout / q, fin, eb)
     k = plan.tp_overlap
     return k * cal.gemm_seconds(t / q / k, fout / q, fin / q, eb)
 

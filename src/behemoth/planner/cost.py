@@ -10,8 +10,9 @@
   ZeRO-1/2's parameter all-gather after the step exposed; ZeRO-3's prefetched gathers behind
   compute, but the first chunk; 1D's column backward all-reduce behind its weight-gradient
   GEMM, ``tp_overlap = k`` hiding ``(k-1)/k`` of the row collectives behind GEMMs (1D, 3D);
-  SUMMA's broadcasts of step i+1 behind step i's GEMM (2D, 2.5D); ring attention's K/V
-  shifts behind the attention blocks; Ulysses' and experts' all-to-alls exposed;
+  ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
+  reduce-scatters (one of each operand around one GEMM), Ulysses' and experts' all-to-alls
+  exposed;
 * **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times,
   point-to-point latency included;
 * **offload** -- gradients down, parameters up over the host link and the CPU Adam update,
@@ -85,11 +86,10 @@ def _tp_calls(plan: Plan, w: Workload) -> float:
         return 0
     if plan.tp_mode == "1d":
         return (4 + 2 * plan.sequence_parallel) * plan.tp_overlap
-    q, _ = tp_grid(plan)
     linears = 6 if w.shape.gated_mlp else 5
     if plan.tp_mode == "3d":
         return 8 * linears * plan.tp_overlap + 8
-    return 6 * q * linears + 8
+    return 6 * linears + 8
 
 
 def _hide(comm: float, cover: float, frac: float = 1.0) -> float:
@@ -157,8 +157,8 @@ def predict(
         elif plan.tp_mode == "3d":
             k = plan.tp_overlap
             e = _hide(one, 3 * gemm, (k - 1) / k)
-        else:
-            e = _hide(one, 3 * gemm, (q - 1) / q)
+        else:  # SUMMA: the operands are gathered before the GEMM that needs them
+            e = one
         t_f += e / 3
         t_b += 2 * e / 3
         exposed["tp"] = e * m
