@@ -9,7 +9,7 @@ All ranks run the same (deterministic) search for ``--model`` on this many GPUs 
 the layouts that show the most features not yet run (tp modes, sequence parallelism,
 over-decomposition, cp modes, pipeline schedules, ZeRO stages, offload, checkpointing), up to
 ``--layouts``, and time each for ``--steps`` steps after two warm-up steps (median). Memory
-measured is the peak allocated (and reserved) on rank 0's GPU; the prediction's runtime
+measured is the peak allocated (and reserved) of the rank that used most; the prediction's runtime
 reserve (``reserved_bytes``: CUDA context, NCCL buffers) is not in "allocated".
 
 Summary: mean absolute step-time error, Spearman rank correlation, the measured gap of the
@@ -93,10 +93,13 @@ def run_one(a, plan, dev, vocab: int) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     warm = sorted(times[2:])
+    # the most any rank used (a pipeline's last stage holds the head and the logits)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], device=dev)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     out = dict(
         measured_step_s=warm[len(warm) // 2],
-        measured_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
-        measured_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        measured_alloc_gib=peak[0].item() / 2**30,
+        measured_reserved_gib=peak[1].item() / 2**30,
     )
     del engine, opt, model, batch, x
     gc.collect()
