@@ -92,3 +92,17 @@ def test_1024_gpus_96_layers_is_a_bounded_search():
     assert r.fits > 100 and r.best.plan.dp * r.best.plan.pp * r.best.plan.tp * r.best.plan.cp == 1024
     assert r.best.mfu < 0.75
     assert cpu <= 10.0, f"search took {cpu:.1f} s of CPU"
+
+
+def test_bf16_parameter_copies_only_when_asked_and_gather_half_the_bytes():
+    w = workload_for("gpt-6.7b", seq_len=2048, global_batch=64)
+    c = Cluster(num_gpus=8, calibration=CAL)
+    assert all(p.plan.param_dtype is None for p in search(w, c, Limits(top=1000)).ranked)
+    res = search(w, c, Limits(param_dtypes=(None, "bf16"), zero_stages=(3,), max_tp=1, max_pp=1, max_cp=1, top=1000))
+    by = {(p.plan.param_dtype, p.plan.microbatches): p for p in res.ranked}
+    for (dtype, m), p in by.items():
+        if dtype == "bf16" and (None, m) in by:
+            fp32 = by[(None, m)]
+            # ZeRO-3 per micro-batch: fp32 gradients reduce-scattered, parameters gathered twice
+            assert p.bytes["dp"] < fp32.bytes["dp"] and p.step <= fp32.step
+    assert any(d == "bf16" for d, _ in by)

@@ -11,8 +11,9 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   all-reduces the fp32 gradients once per step, stage 1 reduce-scatters them once, stage 2
   once per micro-batch, stage 3 once per micro-batch after gathering the parameters forward
   and backward; stages 1 and 2 all-gather the updated parameters after the step; and two
-  float64 scalars (token count, loss sum) are all-reduced every step. Chunk padding is not
-  counted (it is below a chunk per rank);
+  float64 scalars (token count, loss sum) are all-reduced every step; gradients travel in fp32,
+  gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes). Chunk padding is
+  not counted (it is below a chunk per rank);
 * ``pp``: every micro-batch's activation sent forward and its input gradient sent backward by
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
   on its sender); the all-reduce of a tied embedding's gradient between the first and the
@@ -147,7 +148,8 @@ def step_traffic(
         out["cp"] = one / s.num_layers * layers * m
     g = plan.dp * plan.cp
     if g > 1:
-        grads = params = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None) * dt.param
+        n = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None)
+        grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)
         z = plan.zero
         if z == 0:
             b = all_reduce_bytes(grads, g)

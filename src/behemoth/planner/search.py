@@ -45,6 +45,9 @@ class Limits:
     """Chunks per rank tried with the interleaved schedule."""
     tp_overlaps: tuple[int, ...] = (1, 2)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    param_dtypes: tuple[str | None, ...] = (None,)
+    """``Plan.param_dtype`` choices: add ``"bf16"`` to try bf16 parameter copies under ZeRO (other
+    numerics than the fp32 model's, so only when asked)."""
     offloads: tuple[str | None, ...] = (None, "cpu")
     activation_checkpointing: tuple[bool, ...] = (False, True)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -185,8 +188,9 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                     for ep in eps:
                         if dp % ep:
                             continue
-                        for zero in limits.zero_stages:
+                        for zero, pdt in ((z, d) for z in limits.zero_stages for d in limits.param_dtypes):
                             fields = dict(cp=cp, cp_mode=cm, ep=ep, zero=zero, precision=limits.precision)
+                            fields["param_dtype"] = pdt
                             fields.update(tv)
                             fields.update(pv)
                             variants = []  # (offload, checkpointing, Plan's fields), cheapest first
