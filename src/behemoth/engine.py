@@ -129,7 +129,9 @@ def boost(
     loss = MicroBatchLoss(loss_fn, par.vocab_head, user_gets_local=par.context is not None)
     parts = dict(batch_parts=par.batch_parts, batch_index=par.batch_index, device=par.device)
     if schedule is not None:
-        executor = PipelineExecutor(model, par.pipeline, par.channels, schedule, plan, loss, **parts)
+        executor = PipelineExecutor(
+            model, par.pipeline, par.channels, schedule, plan, loss, context=par.context, **parts
+        )
     else:
         executor = SequentialExecutor(model, plan, loss, context=par.context, experts=par.experts, **parts)
     executor.configure(grad_sync)

@@ -210,7 +210,6 @@ class Plan:
 
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
-        self._check_context_composes()
         self._check_pipeline_composes()
         self._check_experts_compose()
 
@@ -234,8 +233,8 @@ class Plan:
                 )
 
     def _check_pipeline_composes(self) -> None:
-        """Pipeline parallelism composes with dp, every tp mode, activation checkpointing and bf16.
-        (cp x pp is refused in :meth:`_check_context_composes`; micro-batches < pp run correctly.)"""
+        """Pipeline parallelism composes with dp, every tp mode, cp, activation checkpointing and bf16
+        (micro-batches < pp run correctly)."""
         if self.pp == 1:
             if self.virtual_stages > 1:
                 raise NotImplementedError(
@@ -279,22 +278,6 @@ class Plan:
         for bad, value, rule, fix in refusals:
             if bad:
                 raise NotImplementedError(f"Plan.{value} with pp={self.pp}: {rule}; {fix}.")
-
-    def _check_context_composes(self) -> None:
-        """Context parallelism composes with dp and 1D tp only (cp x tp x dp on one mesh)."""
-        if self.cp == 1:
-            return
-        if self.tp > 1 and self.tp_mode != "1d":
-            raise NotImplementedError(
-                f"Plan.cp={self.cp} with tp={self.tp}, tp_mode={self.tp_mode!r}: context parallelism composes with "
-                f"1D tensor parallelism only (2D/2.5D/3D tensor parallelism split the batch and hidden dims inside "
-                f"attention's operands, which context parallelism does not handle yet). Use tp_mode='1d', or cp=1."
-            )
-        if self.pp > 1:
-            raise NotImplementedError(
-                f"Plan.cp={self.cp} with pp={self.pp}: context parallelism does not compose with pipeline "
-                f"parallelism yet. Use pp=1, or cp=1."
-            )
 
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""

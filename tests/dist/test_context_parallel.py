@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -327,8 +326,6 @@ def _errors(world):
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4,
                                     bos_token_id=0, eos_token_id=0))   # stock attn_pdrop=0.1
     _expect(ValueError, lambda: bh.boost(hf, make_optimizer("sgd", hf), bh.Plan(cp=cp)), "attn_pdrop=0.1")
-    if world == 4:
-        _expect(NotImplementedError, lambda: _gpt(bh.Plan(cp=2, pp=2)), "pipeline")
     # the engines still train after the refused batches, and every rank is alive
     ring_engine.step(batch)
     t = torch.ones(1)
@@ -336,15 +333,13 @@ def _errors(world):
     assert t.item() == world
 
 
-def test_plans_that_do_not_compose_are_refused():
-    """Pure: what bh.boost calls (Plan.check_supported) refuses cp with 2D/2.5D/3D tp and pp."""
-    for plan in (bh.Plan(cp=2, tp=4, tp_mode="2d", dp=1), bh.Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
+def test_context_parallelism_composes_with_every_plan():
+    """Pure: what bh.boost calls (Plan.check_supported) accepts cp with every tp mode and with
+    pipelines (tests/dist/test_compositions.py trains them against serial training)."""
+    for plan in (bh.Plan(cp=2, pp=2, dp=1), bh.Plan(cp=2, pp=2, tp=8, tp_mode="3d", schedule="interleaved",
+                                                     virtual_stages=2),bh.Plan(cp=4), bh.Plan(cp=2, tp=2, dp=2, cp_mode="ring"), bh.Plan(cp=2, tp=2, sequence_parallel=True),
+                 bh.Plan(cp=2, tp=4, tp_mode="2d", dp=1), bh.Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
                  bh.Plan(cp=2, tp=8, tp_mode="3d", dp=1)):
-        with pytest.raises(NotImplementedError, match="composes with 1D tensor parallelism only"):
-            plan.check_supported()
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        bh.Plan(cp=2, pp=2, dp=1).check_supported()
-    for plan in (bh.Plan(cp=4), bh.Plan(cp=2, tp=2, dp=2, cp_mode="ring"), bh.Plan(cp=2, tp=2, sequence_parallel=True)):
         plan.check_supported()
 
 
@@ -369,6 +364,14 @@ def test_traffic_formulas_are_the_issues():
         # with tp=2: 4 query heads and 1 kv head per rank
         assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=2, dtype_bytes=e).forward == \
             r.forward / 2
+        # 2D tp=4 (q=2): heads split 2 ways (1 kv head per rank), the rows 2 ways; 3D tp=8: heads 2
+        # ways, rows 4 ways; 2.5D tp=8 with depth 2: heads 2 ways, rows 4 ways
+        assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=4, tp_mode="2d",
+                                dtype_bytes=e).forward == r.forward / 4
+        b4 = 4 * b
+        for grid in (dict(tp=8, tp_mode="3d"), dict(tp=8, tp_mode="2.5d", tp_depth=2)):
+            assert cp_model_traffic(mha, batch=b4, seq=s, cp=cp, mode="ulysses", dtype_bytes=e, **grid).forward == \
+                cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", tp=2, dtype_bytes=e).forward
     assert cp_model_traffic(shape, batch=b, seq=s, cp=1, mode="ring").total == 0
 
 

@@ -20,6 +20,7 @@ from behemoth.plan import Plan
         dict(pp=2, tp=4, tp_mode="2d", schedule="gpipe"),
         dict(pp=2, tp=8, tp_mode="2.5d", tp_depth=2, schedule="interleaved", virtual_stages=2),
         dict(pp=2, tp=8, tp_mode="3d", tp_overlap=2, schedule="zero-bubble"),
+        dict(pp=2, cp=2, cp_mode="ring", microbatches=4, schedule="interleaved", virtual_stages=2),
         dict(pp=2, zero=1, microbatches=4),
     ],
 )
@@ -34,7 +35,6 @@ def test_pipeline_plans_are_supported(kwargs):
         (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
         (dict(pp=2, zero=2), ("zero=2 with pp=2", "use zero=1")),
         (dict(pp=2, zero=1, offload="cpu"), ("offload='cpu' with pp=2",)),
-        (dict(pp=2, cp=2), ("cp=2 with pp=2",)),
         (dict(schedule="interleaved", virtual_stages=2), ("virtual_stages=2", "pp=1", "set pp >= 2")),
     ],
 )

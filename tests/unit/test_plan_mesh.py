@@ -62,12 +62,12 @@ def test_resolve_world_size():
 def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, microbatches=4, precision="bf16", activation_checkpointing=True).check_supported()
     Plan(cp=2, cp_mode="ring", tp=2).check_supported()  # context parallelism is built (with dp and 1D tp)
+    Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, pp=2).check_supported()  # ... with the grid modes and pipelines
     Plan(pp=2, microbatches=4, schedule="zero-bubble", tp=4, tp_mode="2d").check_supported()  # pipelines are built
     Plan(pp=2, tp=8, tp_mode="3d").check_supported()  # pipelines compose with every tp mode
     Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()  # ZeRO and offload are built
     Plan(dp=4, ep=2, microbatches=2, precision="bf16").check_supported()  # experts are built (with dp)
     for kwargs, name in [
-        (dict(cp=2, tp=4, tp_mode="2d"), "context parallelism composes"),
         (dict(dp=2, ep=2, zero=1), "expert parallelism with ZeRO"),
         (dict(dp=2, ep=2, tp=2), "expert parallelism with tensor parallelism"),
         (dict(dp=2, ep=2, precision="fp16"), "expert parallelism with an fp16 overflow vote"),

@@ -48,6 +48,7 @@ Tested in ``tests/dist/test_context_parallel.py`` (whole models against serial t
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -221,6 +222,17 @@ def _config_int(config, *names) -> int | None:
     return None
 
 
+def head_parts(plan) -> int:
+    """How many ways tensor parallelism splits the attention heads, so that each rank's attention
+    is local to its heads: ``tp`` under 1D, the grid side ``q`` under 2D (``tp = q*q``), 2.5D
+    (``tp = d*q*q``) and 3D (``tp = q**3``), whose other grid axes split the batch. Pure."""
+    if plan.tp_mode == "1d":
+        return plan.tp
+    if plan.tp_mode == "3d":
+        return round(plan.tp ** (1 / 3))
+    return math.isqrt(plan.tp // plan.tp_depth)
+
+
 def _check_model(model: nn.Module, plan) -> int | None:
     """Pure checks of the serial model's config against the plan; returns the max positions."""
     cfg = getattr(model, "config", None)
@@ -239,10 +251,11 @@ def _check_model(model: nn.Module, plan) -> int | None:
                 "(config.add_cross_attention=True)."
             )
         n = _config_int(cfg, "num_attention_heads", "num_heads", "n_head")
+        parts = head_parts(plan)
         if plan.cp_mode == "ulysses" and n is not None:
-            local = n // tp if n % tp == 0 else None
+            local = n // parts if n % parts == 0 else None
             if local is not None and local % cp:
-                per = f" ({local} per tensor-parallel rank with tp={tp})" if tp > 1 else ""
+                per = f" ({local} per tensor-parallel rank with tp={tp}, tp_mode={plan.tp_mode!r})" if tp > 1 else ""
                 raise ValueError(
                     f"cp_mode='ulysses' splits attention heads over cp; got num_heads={n}{per}, cp={cp} "
                     f"(remainder {local % cp}). Use a cp that divides {local}, or cp_mode='ring'."
@@ -295,4 +308,10 @@ def parallelize_context(model: nn.Module, mesh, plan, *, attention: str | None =
     )
 
 
-__all__ = ["ContextParallelAttention", "ContextParallelized", "check_attention_module", "parallelize_context"]
+__all__ = [
+    "ContextParallelAttention",
+    "ContextParallelized",
+    "check_attention_module",
+    "head_parts",
+    "parallelize_context",
+]

@@ -22,6 +22,12 @@ and no tied copy on this rank, the last weight-gradient action of the step (B or
 micro-batch) touches every parameter of the stage, so the sync launches its reductions during
 it, overlapped with the backward; otherwise it reduces after the schedule.
 
+Context parallelism: every stage runs its micro-batch's share of the sequence (the same split
+on every stage, so the activations between stages are ``[b, s/cp, h]`` and each cp rank's stages
+talk to the same cp rank's), with the global position ids of its tokens; attention inside each
+stage is context-parallel over ``cp`` (the model's attention modules were rewritten before the
+split).
+
 Failure: a rank that raises, or dies, leaves its peers waiting in a receive, which the
 process group's timeout (``BEHEMOTH_TIMEOUT``) turns into an error on every rank.
 
@@ -59,8 +65,10 @@ class PipelineExecutor:
         batch_parts: int,
         batch_index: int,
         device: torch.device,
+        context=None,
     ) -> None:
         self.model, self.split, self.channels, self.loss = model, split, channels, loss
+        self.context = context  # context parallelism: each micro-batch's share of the sequence
         self.precision, self.device = plan.precision, device
         self.batch_parts, self.batch_index = batch_parts, batch_index
         self.schedule, self.actions = schedule, schedule[split.rank]
@@ -95,14 +103,16 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             s, key = split.stage(a.chunk), (a.microbatch, a.chunk)
             if a.kind == F:
-                local = row_block(micro[a.microbatch], self.batch_parts, self.batch_index)
+                local, kwargs = row_block(micro[a.microbatch], self.batch_parts, self.batch_index), {}
+                if self.context is not None:  # this rank's share of the sequence, and its positions
+                    local, kwargs = self.context.split(local)
                 inputs = model_inputs(local)
                 shape = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
                 x = None if s == 0 else ch.recv_activation(s - 1, shape, prv).requires_grad_()
                 split.ctx.chunk, split.ctx.stash = a.chunk, x
                 try:
                     with autocast_context(self.precision, self.device):
-                        out = self.model(*inputs)
+                        out = self.model(*inputs, **kwargs)
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
                 if s == last:
