@@ -15,9 +15,9 @@ stage  GPU                                host (``offload='cpu'``)
 =====  ================================  ===================================
 
 (``param_dtype='bf16'`` keeps 2-byte copies on the GPU and 4-byte masters sharded.)
-Activations saved per block and micro-batch, in bytes (Korthikanti et al., "Reducing
-Activation Recomputation in Large Transformer Models", with flash attention, so no ``s**2``
-term): ``T (10 h + 8 h + 4 f ... )`` -- here ``T (A_rep h / r + (A_h h + A_f f) / p)`` with
+Activations saved per block and micro-batch, in bytes, in the form of Korthikanti et al.
+("Reducing Activation Recomputation in Large Transformer Models", with flash attention, so no
+``s**2`` term): ``T (A_rep h / r + (A_h h + A_f f) / p)`` (``ACTIVATION_BYTES``) with
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
 ``T`` tokens of the micro-batch on this context-parallel rank; with activation
 checkpointing only the block input (``4 T h / r``) is kept, plus one block's full set while
@@ -35,13 +35,17 @@ from .workload import Workload
 
 __all__ = ["Footprint", "footprint"]
 
-ACT_REPLICATED = 10
-"""Bytes per token per hidden unit a 1D layout without sequence parallelism keeps on every
-rank (norm inputs, dropout masks, residuals)."""
-ACT_HIDDEN = 8
-"""... split over tp: attention's q, k, v, output and its softmax statistics."""
-ACT_FFN = 4
-"""... per token per FFN unit, split over tp: the MLP's inner activations."""
+ACTIVATION_BYTES = {
+    # (gated MLP, 16-bit autocast): bytes per token saved by one block, per hidden unit kept on
+    # every 1D rank without sequence parallelism (norm inputs, the residual stream), per hidden
+    # unit split over tp (q, k, v, attention output, casts), per FFN unit (the MLP's inner
+    # activations); read off behemoth's GPT (LayerNorm, GELU) and Llama (RMSNorm, RoPE, SwiGLU)
+    # with autograd's saved-tensor hooks (tests/unit/test_planner_cost.py checks them)
+    (False, True): (12, 16, 8),
+    (True, True): (12, 27, 14),
+    (False, False): (16, 16, 8),
+    (True, False): (16, 21, 16),
+}
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,8 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else s.ffn_hidden
-    scale = 1.0 if plan.precision in ("bf16", "fp16") else 2.0
-    full = t * (ACT_REPLICATED * s.hidden / rep + (ACT_HIDDEN * s.hidden + ACT_FFN * f) / plan.tp) * scale
+    a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
+    full = t * (a_rep * s.hidden / rep + (a_h * s.hidden + a_f * f) / plan.tp)
     return full, 4 * t * s.hidden / rep
 
 
