@@ -19,7 +19,9 @@ and 3D tensor parallelism, and pipelines with context parallelism.
 * pp = 2 x cp = 2 with dp = 2 and with 1D tp = 2 on 8 ranks (every family, both modes, every
   schedule, activation checkpointing), and pp = 2 x cp = 2 x 2D tp = 4 on 16 ranks: each stage
   runs its share of the sequence with its global position ids; parity and the cp collectives
-  of this rank's stages.
+  of this rank's stages; ``bh.parallelize`` alone under pp x cp returns the serial logits of the
+  rank's tokens on the last stage;
+* a checkpoint saved under cp = 2 x 2D tp = 4 loads under pp = 2 x cp = 2 x 1D tp = 2.
 
 Two spawned worlds (8 and 16 ranks) run every scenario (spawning costs seconds on two cores;
 the 16-rank world keeps to one or two scenarios per composition).
@@ -144,7 +146,50 @@ def _check_context(family, plan, layers=2, traffic=False):
         assert want > 0 and got[key] == want, f"{engine.plan.describe()} {family}: ledger {key} {got[key]} vs {want}"
 
 
-def _world8(rank, world):
+def _context_checkpoint(root):
+    """Two steps under cp 2 x 2D tp 4, saved; loaded under pp 2 x cp 2 x 1D tp 2 (ring), two more."""
+    batches = global_batches(4, BATCH)
+    want = _serial("llama", 2, steps=4)
+    path = os.path.join(root, "cp2-2d")
+    save_plan = bh.Plan(cp=2, tp=4, tp_mode="2d")
+    for plan in (save_plan, bh.Plan(pp=2, cp=2, tp=2, cp_mode="ring", microbatches=2)):
+        model = build("llama", num_layers=2)
+        engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+        what = f"saved under {save_plan.describe()}, resumed under {engine.plan.describe()}"
+        if plan is save_plan:
+            losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[:2]]
+            assert_losses_close(losses, want.losses[:2], what="before saving")
+            engine.save(path)
+            continue
+        engine.load(path)
+        losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
+        assert_losses_close(losses, want.losses[2:], what=what)
+        assert_state_close(engine.full_state_dict(), want.state, what=what)
+
+
+def _pipelined_forward_with_context():
+    """``bh.parallelize`` alone under pp 2 x cp 2 x dp 2: the model called outside a schedule on
+    this rank's share of the sequence (``context.split``) runs the pipeline forward, and the last
+    stage returns the serial logits of those tokens."""
+    from behemoth.parallel.context import split_sequence
+    ids = global_batches(1, BATCH)[0]["input_ids"]
+    for family, mode in (("hf-llama", "ulysses"), ("gpt", "ring")):
+        serial = build(family).eval()
+        model = bh.parallelize(build(family).eval(), bh.Plan(dp=2, pp=2, cp=2, cp_mode=mode))
+        par = bh.parallelization(model)
+        local, kwargs = par.context.split({"input_ids": ids})
+        with torch.no_grad():
+            want = split_sequence(serial(ids) if family == "gpt" else serial(ids).logits, 1, 2, par.context.axis.rank,
+                                  mode)
+            out = model(local["input_ids"], **kwargs)
+        if par.pipeline.rank == 0:
+            assert out is None, (family, mode)
+            continue
+        got = out if family == "gpt" else out.logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {mode}: {m}")
+
+
+def _world8(rank, world, root):
     torch.manual_seed(rank)
     grid_2d = dict(tp=4, tp_mode="2d")
     for family, mode, traffic in (("gpt", "ulysses", True), ("llama", "ring", False), ("hf-gpt2", "ring", False),
@@ -161,6 +206,8 @@ def _world8(rank, world):
                              activation_checkpointing=True)),
     ):
         _check_context(family, plan, layers=LAYERS)
+    _pipelined_forward_with_context()
+    _context_checkpoint(root)
 
 
 def _world16(rank, world, root):
@@ -174,8 +221,8 @@ def _world16(rank, world, root):
                    layers=LAYERS)
 
 
-def test_compositions_on_8_ranks_match_serial():
-    bh.spawn(_world8, 8, timeout=500)
+def test_compositions_on_8_ranks_match_serial(tmp_path):
+    bh.spawn(_world8, 8, str(tmp_path), timeout=500)
 
 
 def test_compositions_on_16_ranks_match_serial(tmp_path):
