@@ -44,7 +44,7 @@ from .checkpoint import RNGState, load_checkpoint, save_checkpoint
 from .engine_state import ModelState, OptimizerState
 from .executor import SequentialExecutor, StepExecutor
 from .loss import IGNORE_INDEX, MicroBatchLoss, check_shifted_labels
-from .parallel.pipeline.executor import PipelineExecutor
+from .parallel.pipeline.executor import PipelineExecutor, module_runs
 from .parallel.pipeline.schedules import make_schedule
 from .parallel.pipeline.simulate import simulate
 from .parallel.zero.sync import GradSync, build_grad_sync
@@ -124,7 +124,14 @@ def boost(
     par = parallelization(model)
     _retarget_optimizer(optimizer, model, par.replaced)
     grad_sync = build_grad_sync(
-        model, optimizer, plan, mesh, device=par.device, data_axis=par.data_axis, names=par.serial_param_names(model)
+        model,
+        optimizer,
+        plan,
+        mesh,
+        device=par.device,
+        data_axis=par.data_axis,
+        names=par.serial_param_names(model),
+        module_runs=module_runs(par.pipeline) if par.pipeline is not None else None,
     )
     loss = MicroBatchLoss(loss_fn, par.vocab_head, user_gets_local=par.context is not None)
     parts = dict(batch_parts=par.batch_parts, batch_index=par.batch_index, device=par.device)

@@ -233,8 +233,10 @@ class Plan:
                 )
 
     def _check_pipeline_composes(self) -> None:
-        """Pipeline parallelism composes with dp, every tp mode, cp, activation checkpointing and bf16
-        (micro-batches < pp run correctly)."""
+        """Pipeline parallelism composes with dp, ZeRO 0-3 and offload (each stage chunked over its own
+        dp group, placed for its own memory), every tp mode, cp, activation checkpointing, bf16
+        (autocast or ``param_dtype``) and fp16 (the overflow vote spans the stages); micro-batches
+        < pp run correctly."""
         if self.pp == 1:
             if self.virtual_stages > 1:
                 raise NotImplementedError(
@@ -244,35 +246,10 @@ class Plan:
             return
         refusals = [
             (
-                self.precision == "fp16",
-                "precision='fp16'",
-                "fp16 loss scaling would need every stage to agree on skipping an overflowed step",
-                "use precision='bf16' (no loss scaling needed), or pp=1",
-            ),
-            (
                 self.compile,
                 "compile=True",
                 "compiled blocks are not gated per pipeline chunk yet",
                 "use compile=False with pp > 1",
-            ),
-            (
-                self.zero > 1,
-                f"zero={self.zero}",
-                "ZeRO-2/3 reduce (and ZeRO-3 gathers) per micro-batch, which "
-                "the pipeline schedules interleave; ZeRO-1 composes",
-                "use zero=1 (or 0) with pp > 1, or pp=1",
-            ),
-            (
-                self.offload is not None,
-                f"offload={self.offload!r}",
-                "offload does not compose with pipeline parallelism yet",
-                "use offload=None with pp > 1, or pp=1",
-            ),
-            (
-                self.param_dtype is not None,
-                f"param_dtype={self.param_dtype!r}",
-                "pipeline stages run under autocast over fp32 parameters",
-                "use param_dtype=None with pp > 1, or pp=1",
             ),
         ]
         for bad, value, rule, fix in refusals:

@@ -7,6 +7,7 @@ into a test failure with the child's traceback.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,32 @@ def serial_train(family: str, opt_name: str, batches: list[dict], **kwargs):
     """``(losses, state)`` of :func:`serial_run`."""
     run = serial_run(family, opt_name, batches, **kwargs)
     return run.losses, run.state
+
+
+def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None,
+                         num_layers: int = 2):
+    """Serial training that keeps fp32 master weights and runs forward and backward on a bf16
+    copy of them (the model in bf16, no autocast), the gradients added into fp32: ZeRO-3
+    param_dtype's math."""
+    master = build(family, num_layers=num_layers)
+    opt = make_optimizer(opt_name, master)
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    losses = []
+    for b in batches:
+        with torch.no_grad():
+            for w, m in zip(work.parameters(), master.parameters()):
+                w.copy_(m)
+        loss = serial_loss(work, b)
+        loss.backward()
+        for w, m in zip(work.parameters(), master.parameters()):
+            m.grad = w.grad.float()
+            w.grad = None
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
 def train_steps(engine, batches: list[dict]) -> tuple[list[float], list[float]]:

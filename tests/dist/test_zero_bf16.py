@@ -9,42 +9,15 @@ automatic offload (offloaded chunks gathered from bf16 host copies), 1D and 2D t
 bad plans are refused."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import behemoth as bh
-from common import (assert_losses_close, assert_state_close, build, expect_error, global_batches, make_optimizer,
-                    serial_loss, serial_train, shard)
+from common import (assert_losses_close, assert_state_close, bf16_param_reference, build, expect_error,
+                    global_batches, make_optimizer, serial_train, shard)
 
 STEPS, BATCH, CHUNK_MB = 3, 8, 0.02
 BF16 = dict(zero=3, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)
-
-
-def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None):
-    """Serial training that keeps fp32 master weights and runs forward and backward on a bf16
-    copy of them (the model in bf16, no autocast), the gradients added into fp32: ZeRO-3
-    param_dtype's math."""
-    master = build(family)
-    opt = make_optimizer(opt_name, master)
-    work = copy.deepcopy(master).to(torch.bfloat16)
-    losses = []
-    for b in batches:
-        with torch.no_grad():
-            for w, m in zip(work.parameters(), master.parameters()):
-                w.copy_(m)
-        loss = serial_loss(work, b)
-        loss.backward()
-        for w, m in zip(work.parameters(), master.parameters()):
-            m.grad = w.grad.float()
-            w.grad = None
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
 def _engine(family, plan=None, clip=1.0, seed=0, opt_name="adamw"):
@@ -204,5 +177,3 @@ def test_param_dtype_refusals():
                    dict(zero=1, precision="fp16", param_dtype="bf16"),
                    dict(zero=3, precision="bf16", param_dtype="fp16")):
         expect_error(lambda: bh.Plan(**kwargs), "Plan.param_dtype", "zero=1, 2 or 3 and precision='bf16'")
-    expect_error(lambda: bh.Plan(pp=2, zero=1, precision="bf16", param_dtype="bf16").check_supported(),
-                 "Plan.param_dtype", "pp=1", kind=NotImplementedError)

@@ -20,7 +20,15 @@ Gradient sync: tied copies are summed into the gradients the sync reduces (reduc
 the same sums as reducing first), then the sync reduces every gradient. With one chunk per rank
 and no tied copy on this rank, the last weight-gradient action of the step (B or BW of the last
 micro-batch) touches every parameter of the stage, so the sync launches its reductions during
-it, overlapped with the backward; otherwise it reduces after the schedule.
+it, overlapped with the backward; otherwise it reduces after the schedule. Under every ZeRO stage
+a stage's gradients accumulate over its micro-batches and are reduced (ZeRO-2/3: reduce-scattered
+into shards) once per step (``build_grad_sync``'s ``reduce_once``), so tied copies can be summed
+first; the step's norm and fp16 overflow vote span dp and pp. ZeRO-3 gathers a module's chunks
+before its forward and its backward in every micro-batch and releases them as the working set
+moves on (re-gathered per micro-batch, not held for the step: the stage's memory holds its shards
+and the working set, at the cost of two all-gathers per chunk per micro-batch, three with
+activation checkpointing); a module of an inactive chunk (interleaving) gathers nothing
+(:func:`module_runs`).
 
 Context parallelism: every stage runs its micro-batch's share of the sequence (the same split
 on every stage, so the activations between stages are ``[b, s/cp, h]`` and each cp rank's stages
@@ -31,7 +39,8 @@ split).
 Failure: a rank that raises, or dies, leaves its peers waiting in a receive, which the
 process group's timeout (``BEHEMOTH_TIMEOUT``) turns into an error on every rank.
 
-Tested in tests/dist/test_pipeline_parity.py and tests/dist/test_pipeline_faults.py.
+Tested in tests/dist/test_pipeline_parity.py, tests/dist/test_pipeline_zero.py and
+tests/dist/test_pipeline_faults.py.
 """
 
 from __future__ import annotations
@@ -46,7 +55,19 @@ from .p2p import StageChannels
 from .schedules import BI, BW, B, F
 from .stage import PipelineSplit
 
-__all__ = ["PipelineExecutor"]
+__all__ = ["PipelineExecutor", "module_runs"]
+
+
+def module_runs(split: PipelineSplit):
+    """``runs(module)``: whether a module of this rank computes when called now -- not one of a
+    chunk that is not the active one (it passes its input through). What ZeRO-3 gathers for."""
+    chunk_of = {id(m): c for name, c in split.module_chunks.items() for m in split.model.get_submodule(name).modules()}
+
+    def runs(module: torch.nn.Module) -> bool:
+        c, active = chunk_of.get(id(module)), split.ctx.chunk
+        return c is None or active is None or c == active
+
+    return runs
 
 
 class PipelineExecutor:
@@ -69,7 +90,9 @@ class PipelineExecutor:
     ) -> None:
         self.model, self.split, self.channels, self.loss = model, split, channels, loss
         self.context = context  # context parallelism: each micro-batch's share of the sequence
-        self.precision, self.device = plan.precision, device
+        # param_dtype: the stages compute in their (bf16) parameters' dtype, as the sequential executor does
+        self.precision, self.device = "fp32" if plan.param_dtype else plan.precision, device
+        self.autocast_cache = plan.zero < 3  # ZeRO-3 releases weights between uses: no cached bf16 copies
         self.batch_parts, self.batch_index = batch_parts, batch_index
         self.schedule, self.actions = schedule, schedule[split.rank]
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
@@ -91,9 +114,8 @@ class PipelineExecutor:
             )
 
     def run(self, micro: list, scale: torch.Tensor, loss_scale: float, grad_sync) -> torch.Tensor:
-        """This rank's actions on the step's micro-batches (backward of each loss times ``scale``;
-        ``loss_scale`` is 1: pipelines refuse fp16);
-        gradients left reduced in ``grad_sync``. Returns the loss sum of the step's micro-batches
+        """This rank's actions on the step's micro-batches (backward of each loss times ``scale`` and
+        ``loss_scale``, fp16's loss scale or 1); gradients left reduced in ``grad_sync``. Returns the loss sum of the step's micro-batches
         (float64 ``[1]``, not times ``scale``), summed over ``pp`` (the last stage holds it)."""
         split, ch = self.split, self.channels
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -111,7 +133,7 @@ class PipelineExecutor:
                 x = None if s == 0 else ch.recv_activation(s - 1, shape, prv).requires_grad_()
                 split.ctx.chunk, split.ctx.stash = a.chunk, x
                 try:
-                    with autocast_context(self.precision, self.device):
+                    with autocast_context(self.precision, self.device, self.autocast_cache):
                         out = self.model(*inputs, **kwargs)
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
@@ -143,11 +165,24 @@ class PipelineExecutor:
                 torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
         ch.finish()
         if self.sync_at is None:  # tied copies summed before the reduction, which runs now
-            for a, ra, b, rb in split.tied:
-                if rank in (ra, rb):
-                    grad_sync.ensure_grad(self.model.get_parameter(a if rank == ra else b))
-            split.sync_tied_grads()
+            self._sum_tied_grads(grad_sync)
             grad_sync.begin(sync=True)
         grad_sync.finish()
         comm.all_reduce(total, split.axis)  # only the last stage holds a non-zero sum
         return total
+
+    def _sum_tied_grads(self, grad_sync) -> None:
+        """Sum the gradients of tied weights held on two ranks (embedding on the first stage, head on
+        the last), in place in the fp32 gradients the sync will reduce (``ensure_grad``: also under
+        bf16 parameters, whose own ``.grad`` is bf16); both ranks add in the same order, so the
+        copies stay bit-identical. Point-to-point over ``pp``, one exchange per tied pair."""
+        split, rank = self.split, self.split.rank
+        for a, ra, b, rb in split.tied:
+            if rank not in (ra, rb):
+                continue
+            g = grad_sync.ensure_grad(self.model.get_parameter(a if rank == ra else b))
+            other = comm.exchange(g, split.axis, rb if rank == ra else ra)
+            if rank == ra:
+                g.add_(other)
+            else:
+                g.copy_(other + g)

@@ -12,9 +12,13 @@ release it when the working set moves on, and prefetch what the last step used n
   runs the same model, so every rank issues the same collectives in the same order).
 
 Activation checkpointing needs nothing special: the recomputed forward runs the pre-hooks.
+A module that is called but passes its input through (``runs(module)`` false: a pipeline chunk
+that is not the active one) gathers nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -39,10 +43,18 @@ def _tensors(obj):
 
 class GatherHooks:
     """Stage-3 gathering for ``model``'s modules over ``store`` with ``prefetch`` chunks of look-ahead;
-    ``probe()``, if given, is called at every hook (offload='auto''s warm-up measures there)."""
+    ``probe()``, if given, is called at every hook (offload='auto''s warm-up measures there);
+    ``runs(module)``, if given, says whether a called module computes (else it gathers nothing)."""
 
-    def __init__(self, model: torch.nn.Module, store: ChunkStore, prefetch: int = 2, probe=None) -> None:
-        self.store, self.depth = store, prefetch
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        store: ChunkStore,
+        prefetch: int = 2,
+        probe=None,
+        runs: Callable[[torch.nn.Module], bool] | None = None,
+    ) -> None:
+        self.store, self.depth, self.runs = store, prefetch, runs
         self._handles: list[RemovableHandle] = []
         self.trace: list[int] = []  # chunk indices in gather order, this step
         self._last: list[int] = []  # the previous step's trace
@@ -85,6 +97,8 @@ class GatherHooks:
 
     def _pre_forward(self, chunks: list[ChunkState]):
         def hook(module, args):
+            if self.runs is not None and not self.runs(module):
+                return
             self._use(chunks)
             self._active.append({st.index for st in chunks})
             self._evict_others(set().union(*self._active))
@@ -93,6 +107,8 @@ class GatherHooks:
 
     def _post_forward(self, chunks: list[ChunkState]):
         def hook(module, args, output):
+            if self.runs is not None and not self.runs(module):
+                return None
             if self._active:
                 self._active.pop()
             if torch.is_grad_enabled():

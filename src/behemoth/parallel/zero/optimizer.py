@@ -91,6 +91,8 @@ class ZeroOptimizer:
         param_dtype: torch.dtype | None = None,
         names: dict[int, str] | None = None,
         param_axes: Callable[[torch.nn.Parameter], tuple[Axis, Axis | None]] | None = None,
+        reduce_once: bool = False,
+        module_runs: Callable[[torch.nn.Module], bool] | None = None,
     ) -> None:
         if stage:
             _check_optimizer(optimizer, stage)
@@ -171,9 +173,16 @@ class ZeroOptimizer:
             self.store,
             norm_of=self.norm_sq if stage else None,
             on_final=self.host_update.submit if offload is not None else None,
+            reduce_once=reduce_once,
         )
         self.hooks = (
-            GatherHooks(model, self.store, prefetch, probe=self.placement.sample if offload == "auto" else None)
+            GatherHooks(
+                model,
+                self.store,
+                prefetch,
+                probe=self.placement.sample if offload == "auto" else None,
+                runs=module_runs,
+            )
             if stage == 3
             else None
         )

@@ -11,7 +11,13 @@ data axis is launched at once, while the backward goes on, in one fixed order on
 * stage 1: a reduce-scatter of the gradient chunk (persistent), on the last micro-batch only;
 * stages 2-3: a reduce-scatter every micro-batch, added into the ``s``-element shard accumulator
   (``grad_acc``, beside the master: on the host for an offloaded chunk, copied down on a side
-  stream), the gradient chunk freed as soon as its reduction is issued; at most 2 in flight.
+  stream), the gradient chunk freed as soon as its reduction is issued; at most 2 in flight;
+* stages 2-3 with ``reduce_once`` (pipelines, whose schedules interleave one stage's micro-batch
+  backwards with other work and sum tied copies after the last one): as stage 1 -- the step's
+  micro-batches accumulate in the gradient chunk, reduce-scattered once, on the last micro-batch --
+  but the gradient chunk is freed as soon as its reduction is issued. Between steps a stage holds
+  only its gradient shards; during the step's backwards, its whole gradient (one reduction per
+  chunk per step instead of one per micro-batch).
 
 Callbacks, given at construction: ``norm_of(chunk, gradient shard)`` reads a chunk's part of the
 squared gradient norm where its reduced gradient lands (stages 1-3), ``on_final(chunk)`` is called
@@ -61,12 +67,16 @@ class GradReducer:
         *,
         norm_of: Callable[[ChunkState, torch.Tensor], torch.Tensor] | None = None,
         on_final: Callable[[ChunkState], None] | None = None,
+        reduce_once: bool = False,
     ) -> None:
         self.store, self.axis, self.stage, self.device = store, store.axis, store.stage, store.device
         self._fresh: set[int] = set()
-        # stages 0-1 let autograd accumulate micro-batches in place into the fp32 gradient chunk; bf16
-        # parameters (param_dtype) need bf16 gradients, which are added into it instead
-        self._in_place = store.stage <= 1 and store.param_dtype is None
+        # stages 0-1 (and 2-3 with ``reduce_once``) accumulate the step's micro-batches in the gradient
+        # chunk and reduce it once, on the last micro-batch
+        self.reduce_once = reduce_once or store.stage <= 1
+        # autograd accumulates in place into the fp32 gradient chunk; bf16 parameters (param_dtype)
+        # need bf16 gradients, which are added into it instead
+        self._in_place = self.reduce_once and store.param_dtype is None
         self._sync = self._open = False
         self._order: list[ChunkState] = list(reversed(store.chunks))  # reduction order
         self._next = 0
@@ -87,18 +97,19 @@ class GradReducer:
         self._fresh = {id(p) for st in self.store.chunks for p in st.params}
 
     def begin(self, sync: bool) -> None:
-        """Before each micro-batch's backward; ``sync`` marks the last one (stages 0-1 reduce only
-        then; stages 2-3 reduce every micro-batch, so the previous one is flushed first)."""
+        """Before each micro-batch's backward; ``sync`` marks the last one (stages 0-1, and 2-3 with
+        ``reduce_once``, reduce only then; else stages 2-3 reduce every micro-batch, so the previous
+        one is flushed first)."""
         if self._open:
             self._flush()
-        self._sync, self._open = sync, sync or self.stage >= 2
+        self._sync, self._open = sync, sync or not self.reduce_once
         if self._open:
             for st in self.store.chunks:
                 st.ready = 0
             self._next = 0
             self.hooks_fired = 0
             self.launch_log = []
-        if self.stage >= 2:
+        if not self.reduce_once:
             self._fresh = {id(p) for st in self.store.chunks for p in st.params}
 
     def _grad_chunk(self, st: ChunkState) -> torch.Tensor:
@@ -116,11 +127,11 @@ class GradReducer:
         if id(p) in self._fresh:
             view.copy_(p.grad.reshape(-1))
             self._fresh.discard(id(p))
-        elif not self._in_place:  # stage 1 with param_dtype: a later micro-batch's gradient (stages 2-3:
+        elif not self._in_place:  # reduce_once with param_dtype: a later micro-batch's gradient (else:
             view.add_(p.grad.reshape(-1))  # a second gradient in one micro-batch, which one backward never gives)
-        # stages 0-1: after the first copy the grad is a view of the chunk: autograd accumulates in place
+        # in place: after the first copy the grad is a view of the chunk: autograd accumulates in place
         p.grad = view.view(p.shape) if self._in_place else None
-        if self.stage <= 1 and not self._sync:
+        if self.reduce_once and not self._sync:
             return
         self.hooks_fired += 1
         st.ready += 1
@@ -143,6 +154,9 @@ class GradReducer:
             self._inflight.append((st, handle, self._sync))
             if self.stage >= 2:
                 st.grad_full = None  # the handle keeps the buffer alive until the reduce is done
+                if self._in_place:  # nor do the parameters' views keep it
+                    for p in st.params:
+                        p.grad = None
                 if self.stage == 3 and st.pending is None:
                     self.store.release(st)  # its gradients are complete: backward needs it no more
             while len(self._inflight) > 2:  # bound memory: at most 2 chunk reductions in flight
@@ -232,15 +246,18 @@ class GradReducer:
             st.host_grad_ready = None
 
     def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """Stages 0-1: ``p.grad`` as its gradient-chunk view (zeros if no gradient arrived yet), so a
-        caller may add into it in place before the reduction (pipelines sum tied copies)."""
+        """Stages 0-1 (2-3 with ``reduce_once``): ``p``'s fp32 gradient as it will be reduced, a view of
+        its gradient chunk (zeros if no gradient arrived yet), so a caller may add into it in place
+        before the reduction (pipelines sum tied copies). ``p.grad`` is that view too, but under
+        bf16 parameters (their ``.grad`` is bf16)."""
         st, off = self.store.chunk_of[id(p)], self.store.offsets[id(p)]
-        view = self._grad_chunk(st)[off : off + p.numel()]
+        view = self._grad_chunk(st)[off : off + p.numel()].view(p.shape)
         if id(p) in self._fresh:
             view.zero_()
             self._fresh.discard(id(p))
-        p.grad = view.view(p.shape)
-        return p.grad
+        if self._in_place:
+            p.grad = view
+        return view
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one tensor per chunk: the gradient chunks at stage 0 (the

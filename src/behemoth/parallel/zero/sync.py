@@ -57,8 +57,8 @@ class GradSync(Protocol):
         """After the step's last backward: launch what is left and wait for every reduction."""
 
     def ensure_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """``p.grad`` as the tensor the reduction will read (zeros if no gradient arrived yet), so
-        a caller may add into it in place before :meth:`finish` (pipelines sum tied copies)."""
+        """``p``'s gradient as the fp32 tensor the reduction will read (zeros if no gradient arrived
+        yet), so a caller may add into it in place before :meth:`finish` (pipelines sum tied copies)."""
 
     def configure_norm(self, extra_axes: list[Axis], skip: list[torch.nn.Parameter]) -> None:
         """The serial model's norm when this rank holds only part of the model: also sum the
@@ -115,11 +115,13 @@ def build_grad_sync(
     device: torch.device,
     data_axis: Axis,
     names: Mapping[int, str] | None = None,
+    module_runs: Callable[[torch.nn.Module], bool] | None = None,
 ) -> GradSync:
     """The gradient sync for ``plan``: ZeRO ``plan.zero`` over ``data_axis`` (stage 0 is plain
     data parallelism) for the trainable parameters of ``model``, updated by ``optimizer``.
     ``names`` (``id(param) -> name``, default: the model's own names) keys the optimizer state
-    of :meth:`GradSync.state_dict`. Expert parameters sharded by
+    of :meth:`GradSync.state_dict`. ``module_runs(module)`` says whether a called module computes
+    now (ZeRO-3 gathers only for those: a pipeline's inactive chunks pass through). Expert parameters sharded by
     :class:`~behemoth.parallel.expert.ExpertParallel` are reduced and broadcast over ``ep_dp``
     instead. Collective: every rank of ``data_axis`` builds it."""
     budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
@@ -138,4 +140,6 @@ def build_grad_sync(
         param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
         names=dict(names) if names is not None else param_names(model),
         param_axes=expert_param_axes(model, mesh, data_axis),  # experts: over ep_dp, not dp
+        reduce_once=plan.pp > 1,  # a stage's gradients: reduced once per step, after its last micro-batch
+        module_runs=module_runs,
     )
