@@ -88,7 +88,8 @@ def test_1024_gpus_96_layers_is_a_bounded_search():
     t0 = time.process_time()
     r = search(w, c)
     cpu = time.process_time() - t0
-    assert 1000 < r.evaluated <= 20000, r.evaluated
+    # ~183k since pipelines compose with context parallelism and with ZeRO-2/3 (4 ZeRO stages, not 2)
+    assert 1000 < r.evaluated <= 250000, r.evaluated
     assert r.fits > 100 and r.best.plan.dp * r.best.plan.pp * r.best.plan.tp * r.best.plan.cp == 1024
     assert r.best.mfu < 0.75
     assert cpu <= 10.0, f"search took {cpu:.1f} s of CPU"

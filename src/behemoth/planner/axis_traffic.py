@@ -151,14 +151,17 @@ def step_traffic(
         n = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None)
         grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)
         z = plan.zero
+        # ZeRO-2/3 reduce-scatter every micro-batch; a pipeline stage once per step, after its
+        # last micro-batch (its gradients accumulate in full chunks in between)
+        reductions = m if pp == 1 else 1
         if z == 0:
             b = all_reduce_bytes(grads, g)
         elif z == 1:
             b = reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
         elif z == 2:
-            b = m * reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
+            b = reductions * reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
         else:
-            b = m * (reduce_scatter_bytes(grads, g) + 2 * all_gather_bytes(params, g))
+            b = reductions * reduce_scatter_bytes(grads, g) + 2 * m * all_gather_bytes(params, g)
         out["dp_cp" if plan.cp > 1 else "dp"] = b + 2 * all_reduce_bytes(8, g)
     if pp > 1:
         act = mbs * w.seq_len // plan.cp * s.hidden * dt.stream / _tp_stream_split(plan)

@@ -202,7 +202,7 @@ def predict(
         grads = n * dt.param
         buckets = max(1, math.ceil(grads / (plan.bucket_mb * 2**20)))
         gather = (g - 1) / g * n * (2 if plan.param_dtype == "bf16" else 4) if z in (1, 2) else 0.0
-        t_all = cluster.collective_seconds(size, stride, total, buckets * (m if z >= 2 else 1) + 2)
+        t_all = cluster.collective_seconds(size, stride, total, buckets * (m if z >= 2 and pp == 1 else 1) + 2)
         t_gather = cluster.collective_seconds(size, stride, gather, buckets) if gather else 0.0
         comm[axis] = t_all
         reduce = t_all - t_gather

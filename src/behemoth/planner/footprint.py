@@ -14,6 +14,9 @@ stage  GPU                                host (``offload='cpu'``)
 3      16/g + two blocks gathered         16/g, the GPU keeps the gathered blocks
 =====  ================================  ===================================
 
+Under pipeline parallelism ZeRO-2/3 reduce a stage's gradients once per step: the GPU holds the
+stage's full fp32 gradients (4 per parameter) during the step's backwards instead of 4/g.
+
 (``param_dtype='bf16'`` keeps 2-byte copies on the GPU and 4-byte masters sharded.)
 Activations saved per block and micro-batch, in bytes, in the form of Korthikanti et al.
 ("Reducing Activation Recomputation in Large Transformer Models", with flash attention, so no
@@ -103,6 +106,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
         opt = 0.0
         if z == 2:
             grads = n * 4 / g
+    if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
+        grads = n * 4 + (0.0 if off else n * 4 / g)  # beside the reduced shards (on the host under offload)
     full, ckpt = block_activation_bytes(plan, w, mbs)
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
     act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
