@@ -199,3 +199,17 @@ def test_writer_plans_shards_and_reads_back(tmp_path):
     assert back.keys() == tensors.keys()
     for k, v in tensors.items():
         assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
+
+
+def test_byte_tokenizer_files_encode_as_behemoth_does(tmp_path):
+    pytest.importorskip("tokenizers")
+    from behemoth.hf.tokenizer_files import write_tokenizer
+    from behemoth.train.tokenizer import ByteTokenizer
+
+    assert write_tokenizer(str(tmp_path), "byte", 128) == ["tokenizer.json", "tokenizer_config.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "héllo wörld\n\tdef f(x):  return 🙂"
+    ids = ByteTokenizer().encode(text)
+    assert tok(text)["input_ids"] == ids and tok.decode(ids) == text
+    assert tok.eos_token_id == ByteTokenizer.eot_id and tok.convert_ids_to_tokens(256) == "<|endoftext|>"
+    assert write_tokenizer(str(tmp_path / "none"), None, 128) == []

@@ -4,7 +4,7 @@
 what ``AutoModelForCausalLM.from_pretrained(OUT)`` loads: ``config.json``,
 ``generation_config.json``, ``model-0000i-of-0000N.safetensors`` with
 ``model.safetensors.index.json``, and the run's tokenizer files when its tokenizer has a
-transformers form (GPT-2's BPE). Tensor names, shapes and dtypes are those transformers'
+transformers form (:mod:`.tokenizer_files`). Tensor names, shapes and dtypes are those transformers'
 ``save_pretrained`` writes for the same weights (:mod:`.names`); a vocabulary padded past the
 tokenizer's is trimmed.
 
@@ -32,6 +32,7 @@ import torch
 
 from .configs import DTYPE_NAMES, generation_config, hf_config
 from .names import Layout, layout_for, layout_for_config
+from .tokenizer_files import write_tokenizer
 from .writer import ShardedWriter, parse_size
 
 __all__ = ["export_checkpoint", "save_engine_hf", "write_hf", "CheckpointTensors"]
@@ -138,30 +139,6 @@ def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-# ------------------------------------------------------------------ tokenizers
-def write_tokenizer(out: str, name: str | None, max_length: int) -> list[str]:
-    """The transformers files of behemoth's tokenizer ``name`` ("gpt2": ``vocab.json``,
-    ``merges.txt``, ``tokenizer_config.json``, ``special_tokens_map.json``); "byte" and None have
-    none. Returns the files written."""
-    if name != "gpt2":
-        return []
-    from behemoth.train.tokenizer import EOT_TEXT, _gpt2_data_files
-
-    encoder, merges = _gpt2_data_files()
-    shutil.copyfile(encoder, os.path.join(out, "vocab.json"))
-    shutil.copyfile(merges, os.path.join(out, "merges.txt"))
-    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    _write_json(os.path.join(out, "special_tokens_map.json"), special)
-    config = {
-        **special,
-        "tokenizer_class": "GPT2Tokenizer",
-        "add_prefix_space": False,
-        "model_max_length": max_length,
-    }
-    _write_json(os.path.join(out, "tokenizer_config.json"), config)
-    return ["vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"]
 
 
 # ------------------------------------------------------------------ from a checkpoint
