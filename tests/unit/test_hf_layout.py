@@ -199,6 +199,12 @@ def test_writer_plans_shards_and_reads_back(tmp_path):
     assert back.keys() == tensors.keys()
     for k, v in tensors.items():
         assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
+    again = ShardedWriter(str(tmp_path / "again"), {"a": ((2, 3), torch.float32)}, 30)
+    assert again.files == ["model-00001-of-00001.safetensors"]
+    (tmp_path / "keep.txt").write_text("not a weight file")
+    ShardedWriter(str(tmp_path), {"a": ((2, 3), torch.float32)}, 30)  # a second export into the same directory
+    assert sorted(os.listdir(tmp_path))[:2] == ["again", "keep.txt"]
+    assert not [f for f in os.listdir(tmp_path) if f.endswith("-of-00003.safetensors")]  # the stale shards went
 
 
 def test_byte_tokenizer_files_encode_as_behemoth_does(tmp_path):

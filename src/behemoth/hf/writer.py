@@ -23,6 +23,7 @@ import torch
 __all__ = ["ShardedWriter", "parse_size", "plan_shards", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _BLOCK_BYTES = 1 << 20  # rows of a non-contiguous or cast tensor made contiguous at a time
 
 _DTYPES = {
@@ -90,6 +91,9 @@ class ShardedWriter:
         self.total_params = sum(_numel(shape) for shape, _ in self.specs.values())
         self.peak_bytes = 0
         os.makedirs(out, exist_ok=True)
+        for stale in os.listdir(out):  # an earlier export's shards would outlive a smaller plan, as in save_pretrained
+            if _WEIGHT_FILE.fullmatch(stale) and stale not in self.files:
+                os.remove(os.path.join(out, stale))
 
     @property
     def order(self) -> list[str]:
