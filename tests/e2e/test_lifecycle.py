@@ -270,10 +270,14 @@ def test_run_launches_a_users_script(tmp_path):
 # Loaded by every worker of the faulty run (through PYTHONPATH): on the first attempt, rank 2
 # SIGKILLs itself as its 23rd backward begins -- in step 23, after the forward, before any
 # gradient is reduced. Restarted workers (TORCHELASTIC_RESTART_COUNT > 0) run untouched.
+# Checkpoints are written in the background (train.async_checkpoint), so step-20's may still be
+# in flight in step 23: rank 2 first waits (at most 50 s) for $WAIT_FOR_CHECKPOINT to be committed,
+# which makes step-20 the newest complete checkpoint at the kill, as with synchronous saves.
 _KILL_IN_BACKWARD = """
 import os
 if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     import signal
+    import time
     import torch
 
     _backward, _calls = torch.Tensor.backward, [0]
@@ -281,6 +285,10 @@ if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RESTART_COUNT"
     def backward(self, *args, **kwargs):
         _calls[0] += 1
         if _calls[0] == 23:
+            marker = os.path.join(os.environ["WAIT_FOR_CHECKPOINT"], "meta.json")
+            deadline = time.monotonic() + 50
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         return _backward(self, *args, **kwargs)
 
@@ -323,7 +331,7 @@ def test_a_restart_resumes_exactly(tmp_path):
         "--train.resume=false",  # a fresh run; its restarted group must still continue it
         f"--train.out_dir={faulty}",
         cwd=tmp_path,
-        env={"PYTHONPATH": str(hook)},
+        env={"PYTHONPATH": str(hook), "WAIT_FOR_CHECKPOINT": str(faulty / "checkpoints" / "step-20")},
     )
     assert job.wait(360) == 0, job.text
     out = "".join(job.out)
