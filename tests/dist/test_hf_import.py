@@ -99,6 +99,15 @@ def _import_world(rank, world, root, family):
                 torch.testing.assert_close(logits(back, x), logits(ref, x), atol=1e-5, rtol=1e-4)
             if rank == 0 and name == "tp1d":
                 print(what, "bytes read per rank", read, "of", total, flush=True)
+    # bh.parallelize alone (no optimizer, no engine): the same slices, the same serial state
+    from behemoth.parallelize import serial_state_dict
+
+    model = bh.parallelize(model_from_hf(src, seed=11), bh.Plan(dp=2, tp=2))
+    stats = load_hf(model, src)
+    state = serial_state_dict(model)
+    for k, v in want_state.items():
+        assert torch.equal(state[k], v), ("bh.parallelize", k)
+    assert stats["bytes_read"] <= 1.3 * total / world, stats
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
