@@ -7,7 +7,9 @@ behemoth run is made once per tree, back to back, with that tree's own scripts a
 API change between the trees does not matter); peers run once. The table printed last gives each
 figure, its ratio to the first tree's, and its ratio to its peer; ``benchmarks/baseline.json``
 holds the last recorded figure of each run, and a ratio to the peer that fell by more than 5%
-against the recorded one is flagged.
+against the recorded one is flagged. After recording new figures there, ``python3
+benchmarks/report.py`` regenerates the tables in README.md and RESULTS.md and the chart from it
+(tests/unit/test_perf_report.py fails until it has).
 
     python3 benchmarks/guard.py --runs dp2,zero3bf16_2,fsdp2 --trees . baseline
     python3 benchmarks/guard.py --list
