@@ -8,10 +8,12 @@ loss = engine.step(batch)
 model = bh.parallelize(model, bh.Plan(tp=2))          # no optimizer: evaluation, generation
 engine.save_hf("hf_dir")                              # a transformers checkpoint (AutoModelForCausalLM)
 bh.load_hf(engine, "hf_dir")                          # and back, under any plan: each rank reads its slices
+tokens = bh.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)
 """
 
 from .distributed import init, spawn
 from .engine import Engine, boost
+from .generate import generate
 from .hf.load import load_hf
 from .mesh import ParallelMesh
 from .parallelize import Parallelization, parallelization, parallelize
@@ -26,6 +28,7 @@ __all__ = [
     "boost",
     "load_hf",
     "Engine",
+    "generate",
     "Plan",
     "ParallelMesh",
 ]

@@ -7,6 +7,8 @@
     behemoth plan --search MODEL --gpus N [--explain ...]  the fastest layouts, predicted (no GPU needed)
     behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
     behemoth export CHECKPOINT OUT [--max-shard-size 5GB] [--dtype bf16]   a transformers checkpoint
+    behemoth generate CHECKPOINT --prompt TEXT [--prompts-file F] [--max-new-tokens N] [--plan.key=value ...]
+                                                         continue prompts with a trained checkpoint
     behemoth --version
 
 ``train`` reads its rank and world from torchrun's environment (``bh.init()``), so the
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     p.add_argument("--version", action="version", version=f"behemoth {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan,export}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,run,config,plan,export,generate}")
     for name, text in (
         ("train", "train (one process, or one rank under torchrun)"),
         ("config", "print the fully resolved config and exit"),
@@ -56,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="launch N local processes with torchrun, each running a behemoth command or your script",
-        description="launch N local processes (torchrun --standalone) running `behemoth train|config ...` "
+        description="launch N local processes (torchrun --standalone) running `behemoth train|config|generate ...` "
         "or `python SCRIPT.py ARGS...`; a failed rank restarts the group up to --max-restarts times (the "
         "trainer resumes from its newest checkpoint)",
     )
@@ -65,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="restart the whole group this many times after a failure"
     )
     r.add_argument(
-        "args", nargs=argparse.REMAINDER, help="[--] train CONFIG [--section.key=value ...] | SCRIPT.py [ARGS ...]"
+        "args",
+        nargs=argparse.REMAINDER,
+        help="[--] train CONFIG [--section.key=value ...] | generate CHECKPOINT [...] | SCRIPT.py [ARGS ...]",
     )
     m = sub.add_parser(
         "plan",
@@ -133,6 +137,25 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--vocab-size", type=int, default=None, help="vocabulary to keep (default: the run tokenizer's; trims padding)"
     )
+    g = sub.add_parser(
+        "generate",
+        help="continue prompts with a checkpoint the trainer wrote, printing text with the run's tokenizer",
+        description="load CHECKPOINT (written under any plan) into the model and tokenizer of its run, "
+        "parallelize it under --plan.key=value options (default: data parallelism over every process; under "
+        "torchrun or `behemoth run`, e.g. --plan.tp=2) and print each prompt followed by its continuation",
+        epilog="example:\n  behemoth generate runs/demo/checkpoints/step-200 --prompt 'def main(' --max-new-tokens 64\n"
+        "  behemoth run --nproc 2 -- generate CKPT --prompt 'import' --plan.tp=2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument("checkpoint", help="a checkpoints/step-N directory of a run")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    g.add_argument("--prompts-file", help="a text file with one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add to each prompt (default 64)")
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0, help="seed of the draws (the same text under every plan)")
     return p
 
 
@@ -220,6 +243,58 @@ def cmd_scale(a) -> int:
         if best:
             chrome_trace(min(best, key=lambda p: p.step), a.trace)
             print(f"trace of the best plan at {counts[-1]} GPUs: {a.trace}")
+    return 0
+
+
+def _generation_plan(overrides: list[str]):
+    """``--plan.key=value`` options as a Plan (any other section is an error)."""
+    import behemoth as bh
+    from behemoth.train.config import ConfigError, parse_overrides
+
+    parsed = parse_overrides(overrides)
+    other = sorted(set(parsed) - {"plan"})
+    if other:
+        raise ConfigError(f"behemoth generate takes only --plan.key=value options; got --{other[0]}.*.")
+    try:
+        return bh.Plan(**parsed.get("plan", {}))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[plan] {e}") from None
+
+
+def cmd_generate(a, overrides: list[str]) -> int:
+    import torch.distributed as dist
+
+    import behemoth as bh
+    from behemoth.train.sample import complete, load_for_generation, read_run_config
+
+    prompts = list(a.prompt)
+    if a.prompts_file:
+        with open(a.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line).")
+    plan = _generation_plan(overrides)
+    read_run_config(a.checkpoint)  # refuses a checkpoint without its run's config before any process group
+    bh.init()
+    try:
+        model, tokenizer = load_for_generation(a.checkpoint, plan)
+        texts = complete(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=a.max_new_tokens,
+            do_sample=a.sample,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            seed=a.seed,
+        )
+        if dist.get_rank() == 0:
+            for prompt, text in zip(prompts, texts):
+                print(prompt + text, end="\n\n", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
@@ -356,6 +431,8 @@ def _main(argv: list[str]) -> int:
             if rest:
                 raise ValueError(f"unexpected argument(s) {' '.join(rest)}; see `behemoth plan --help`.")
             return cmd_plan(args)
+        if args.command == "generate":
+            return cmd_generate(args, _split_overrides(rest))
         overrides = _split_overrides(rest)
         return cmd_config(args.config, overrides) if args.command == "config" else cmd_train(args.config, overrides)
     except USER_ERRORS as e:

@@ -43,6 +43,7 @@ from .batch import rows, split_microbatches, to_device
 from .checkpoint import RNGState, load_checkpoint, save_checkpoint
 from .engine_state import ModelState, OptimizerState
 from .executor import SequentialExecutor, StepExecutor
+from .generate import generate
 from .loss import IGNORE_INDEX, MicroBatchLoss, check_shifted_labels
 from .parallel.pipeline.executor import PipelineExecutor, module_runs
 from .parallel.pipeline.schedules import make_schedule
@@ -319,6 +320,14 @@ class Engine:
             comm.all_reduce(n_global, self.mesh.axis("dp"))
             return n_global, 1.0 / n_global
         return None, torch.tensor(1.0 / (num_micro * self.data_axis.size), dtype=torch.float64, device=self.device)
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts, **kwargs):
+        """:func:`behemoth.generate.generate` on this engine's model, its parameters readable in
+        full for the duration (ZeRO-3 gathers them), in evaluation mode; every rank calls it with
+        the same arguments. Training resumes where it was."""
+        with self.grad_sync.gathered():
+            return generate(self.model, prompts, **kwargs)
 
     # ---------------------------------------------------------------- state
     @property

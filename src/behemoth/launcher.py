@@ -157,9 +157,10 @@ def _check_args(nproc: int, args: list[str]) -> list[str]:
         if not os.path.isfile(args[0]):
             raise FileNotFoundError(f"script {args[0]!r} does not exist; pass the path of your training script.")
         return args
-    if len(args) < 2 or args[0] not in ("train", "config"):
+    if len(args) < 2 or args[0] not in ("train", "config", "generate"):
         raise ValueError(
-            f"behemoth run needs a command to launch: `behemoth run --nproc {nproc} train CONFIG [...]` or "
+            f"behemoth run needs a command to launch: `behemoth run --nproc {nproc} train CONFIG [...]`, "
+            f"`behemoth run --nproc {nproc} generate CHECKPOINT [...]` or "
             f"`behemoth run --nproc {nproc} SCRIPT.py [ARGS...]`; got {' '.join(args) or 'nothing'!r}."
         )
     return ["--module", "behemoth", *args]

@@ -25,6 +25,7 @@ Shape legend:
     V  vocabulary
     N  attention heads
     D  head dim (H // N)
+    L  slots of a generation KV cache
 """
 
 from __future__ import annotations
@@ -143,9 +144,15 @@ class CausalSelfAttention(nn.Module):
     ``F.scaled_dot_product_attention`` (its default). It is the one seam a parallel plan
     may override on an instance (sequence parallelism plugs its attention in there), so
     the model code itself never changes and never communicates.
+
+    ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
+    object whose ``update(k_BNSD, v_BNSD) -> (k_BNLD, v_BNLD, mask_B1SL)`` stores this
+    forward's keys and values and returns every cached slot with the boolean mask of the
+    slots each query may read (``behemoth.generate.KVCache`` is one).
     """
 
     attention_fn = staticmethod(F.scaled_dot_product_attention)
+    kv_cache = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -162,8 +169,12 @@ class CausalSelfAttention(nn.Module):
         q_BNSD = q_BSX.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k_BNSD = k_BSX.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         v_BNSD = v_BSX.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        dropout_p = self.dropout if self.training else 0.0
-        y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, dropout_p=dropout_p, is_causal=True)
+        if self.kv_cache is None:
+            dropout_p = self.dropout if self.training else 0.0
+            y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, dropout_p=dropout_p, is_causal=True)
+        else:
+            k_BNLD, v_BNLD, mask_B1SL = self.kv_cache.update(k_BNSD, v_BNSD)
+            y_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNLD, v_BNLD, attn_mask=mask_B1SL)
         y_BSX = y_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)
         return F.dropout(self.proj(y_BSX), self.dropout, self.training)
 

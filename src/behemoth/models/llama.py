@@ -33,6 +33,7 @@ Shape legend:
     K  key/value heads (N % K == 0; query head n uses kv head n // (N // K))
     D  head dim (H // N)
     R  rotary frequencies (D // 2)
+    L  slots of a generation KV cache
 """
 
 from __future__ import annotations
@@ -285,9 +286,15 @@ class LlamaAttention(nn.Module):
     The core attention is ``self.attention_fn``, called like
     ``F.scaled_dot_product_attention`` (its default): the seam a parallel plan may
     override on an instance (sequence parallelism), so this code never changes.
+
+    ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
+    object whose ``update(k_BKSD, v_BKSD) -> (k_BKLD, v_BKLD, mask_B1SL)`` stores this
+    forward's (rotated) keys and values and returns every cached slot with the boolean mask
+    of the slots each query may read (``behemoth.generate.KVCache`` is one).
     """
 
     attention_fn = staticmethod(F.scaled_dot_product_attention)
+    kv_cache = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -311,9 +318,12 @@ class LlamaAttention(nn.Module):
         k_BKSD = apply_rope(k_BKSD, cos_BSD, sin_BSD)
         # enable_gqa: query head n reads kv head n // (N // K), as HF's repeat_kv,
         # without materialising the repeated keys and values.
-        y_BNSD = self.attention_fn(
-            q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        gqa = self.num_heads != self.num_kv_heads
+        if self.kv_cache is None:
+            y_BNSD = self.attention_fn(q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=gqa)
+        else:
+            k_BKLD, v_BKLD, mask_B1SL = self.kv_cache.update(k_BKSD, v_BKSD)
+            y_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BKLD, v_BKLD, attn_mask=mask_B1SL, enable_gqa=gqa)
         return self.o(y_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
 

@@ -294,6 +294,13 @@ class TrainSection:
     wandb_mode: str | None = None
     """'online', 'offline' (files under out_dir/wandb only, nothing sent; upload later with wandb sync) or
     'disabled'; None: wandb's own setting (the WANDB_MODE environment variable, else online)."""
+    sample_every: int = 0
+    """Write the model's greedy continuation of sample_prompt to the training log every this many steps and
+    at the end; 0: never."""
+    sample_prompt: str = "def "
+    """The prompt of train.sample_every's samples."""
+    sample_tokens: int = 32
+    """Tokens each train.sample_every sample adds to its prompt."""
 
     def __post_init__(self) -> None:
         for key, low in (
@@ -304,6 +311,8 @@ class TrainSection:
             ("keep_last", 0),
             ("eval_every", 0),
             ("eval_batches", 1),
+            ("sample_every", 0),
+            ("sample_tokens", 1),
         ):
             v = getattr(self, key)
             _require(_is_int(v) and v >= low, f"train.{key}={v!r}: must be an integer >= {low}.")
@@ -335,6 +344,10 @@ class TrainSection:
                 f"train.{key}={getattr(self, key)!r} configures Weights & Biases logging, which is off: set "
                 f"train.wandb_project too.",
             )
+        _require(
+            isinstance(self.sample_prompt, str) and self.sample_prompt != "",
+            f"train.sample_prompt={self.sample_prompt!r}: must be a non-empty string.",
+        )
         _require(
             _is_number(self.hang_timeout) and self.hang_timeout >= 0,
             f"train.hang_timeout={self.hang_timeout!r}: must be a number of seconds >= 0 (0 turns the watchdog off).",
@@ -371,6 +384,20 @@ class Config:
             f"train.eval_every={self.train.eval_every} needs a held-out split; set data.eval_fraction, e.g. "
             f"--data.eval_fraction=0.05 (the end of the token stream, never trained on).",
         )
+        if self.train.sample_every:
+            _require(
+                self.plan.pp == 1 and self.plan.cp == 1,
+                f"train.sample_every={self.train.sample_every}: generation runs under data and tensor parallelism, "
+                f"and this plan has pp={self.plan.pp}, cp={self.plan.cp}; set train.sample_every=0, or sample from "
+                f"a checkpoint with `behemoth generate CHECKPOINT --prompt ...` under a plan without pp and cp.",
+            )
+            needed = len(self.train.sample_prompt.encode("utf-8")) + self.train.sample_tokens
+            _require(
+                needed <= self.model.seq_len,
+                f"train.sample_prompt ({len(self.train.sample_prompt.encode('utf-8'))} bytes) plus "
+                f"train.sample_tokens={self.train.sample_tokens} may need {needed} positions, more than "
+                f"model.seq_len={self.model.seq_len}; shorten the prompt or lower train.sample_tokens.",
+            )
         vocab = TOKENIZER_VOCAB[self.data.tokenizer]
         v = self.model.vocab_size
         _require(

@@ -56,6 +56,7 @@ from behemoth.train.run_dir import (
     skipped_checkpoints,
     truncate_metrics,
 )
+from behemoth.train.sample import sample_text
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = ["train", "train_step", "lr_at", "build_optimizer", "build_dataset"]
@@ -329,6 +330,10 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         logger.log_step(metrics)
         if rank0 and (step % tc.log_every == 0 or step == start + 1 or step == tc.steps or "val_loss" in metrics):
             log(format_step(metrics, tc.steps))
+        if tc.sample_every and (step % tc.sample_every == 0 or step == tc.steps):
+            text = sample_text(engine, tokenizer, tc.sample_prompt, tc.sample_tokens)  # every rank
+            if rank0:
+                log(f"sample at step {step}: {text!r}")
         stopping = stop.agreed(world)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or stopping:
             # the last save, and the one a SIGTERM asks for, are complete before the loop ends

@@ -70,10 +70,15 @@ class ParallelRegion:
     the 1D layers of one model: column layers that read the *same* tensor (q, k, v; gate,
     up) share one :class:`ColumnInput`, so backward communicates dX once. A sequence-parallel
     norm registers its gathered output (and the shard it came from) as already inside. Row
-    layers and the head close it. Holds tensors only during forward."""
+    layers and the head close it. Holds tensors only during forward.
+
+    ``sequence_parallel_paused``: while True (:func:`.tp1d.sequence_parallel_paused`), the
+    sequence-parallel layers of the model run as plain 1D ones (a one-token decode step cannot
+    be split on the sequence); the weights and their layout are the same either way."""
 
     def __init__(self, axis: Axis) -> None:
         self.axis = axis
+        self.sequence_parallel_paused = False
         self.clear()
 
     def enter(
@@ -84,7 +89,7 @@ class ParallelRegion:
         sequence shard), cast once for the group under autocast; ``gathered`` the
         full-sequence input as data (sequence parallelism) or None."""
         if self._x is not x:
-            if expect_gathered:
+            if expect_gathered and not self.sequence_parallel_paused:
                 raise ValueError(
                     f"sequence parallelism: column-parallel {name} got a sequence-sharded input that no norm "
                     f"gathered. Sequence parallelism needs pre-norm blocks (each column-parallel layer reads a "

@@ -373,7 +373,7 @@ def _install_hooks(model: nn.Module, axis: Axis, regions: list[ParallelRegion], 
     def begin(module, args, kwargs):
         for region in regions:
             region.clear()
-        if sp:
+        if sp and not regions[0].sequence_parallel_paused:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
                 check_divisible(
@@ -387,12 +387,16 @@ def _install_hooks(model: nn.Module, axis: Axis, regions: list[ParallelRegion], 
     blocks = transformer_blocks(model)
 
     def scatter(module, args, kwargs):
+        if regions[0].sequence_parallel_paused:
+            return None
         if args:
             return (comm.ScatterToAxis.apply(args[0], axis, SEQ_DIM),) + tuple(args[1:]), kwargs
         kwargs = dict(kwargs, hidden_states=comm.ScatterToAxis.apply(kwargs["hidden_states"], axis, SEQ_DIM))
         return args, kwargs
 
     def gather(module, args, output):
+        if regions[0].sequence_parallel_paused:
+            return None
         if isinstance(output, torch.Tensor):
             return comm.GatherFromAxis.apply(output, axis, SEQ_DIM)
         return (comm.GatherFromAxis.apply(output[0], axis, SEQ_DIM),) + tuple(output[1:])

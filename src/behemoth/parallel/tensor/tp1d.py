@@ -60,6 +60,8 @@ Test: tests/dist/test_tp1d.py (each layer and whole models against serial traini
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -151,11 +153,10 @@ class RowParallelLinear(nn.Module):
         self.region.clear()
         dtype = autocast_dtype(x)
         w = self.weight.t() if self.transposed else self.weight
-        y = row_parallel_linear(
-            cast_to(x, dtype), cast_to(w, dtype), self.axis, self.sequence_parallel, self.pieces, self.name
-        )
+        sp = self.sequence_parallel and not self.region.sequence_parallel_paused
+        y = row_parallel_linear(cast_to(x, dtype), cast_to(w, dtype), self.axis, sp, self.pieces, self.name)
         b = self.bias
-        if b is not None and self.sequence_parallel:
+        if b is not None and sp:
             b = comm.CopyToAxis.apply(b, self.axis)
         return y if b is None else y + b.to(y.dtype)
 
@@ -173,6 +174,8 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
     inner = module.forward
 
     def forward(*args, **kwargs):
+        if region.sequence_parallel_paused:
+            return inner(*args, **kwargs)
         saved = {n: p for n, p in module._parameters.items() if p is not None}
         try:  # swap each Parameter for its CopyToAxis view for the duration of the call
             for n, p in saved.items():
@@ -190,3 +193,20 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
     module.forward = forward
     module._behemoth_sequence_parallel = True
     return module
+
+
+@contextlib.contextmanager
+def sequence_parallel_paused(model: nn.Module):
+    """For the duration, ``model``'s 1D sequence-parallel layers run as plain 1D ones: no
+    scatter at the first block, norms on the whole sequence, row layers all-reduce instead of
+    reduce-scattering. Generation decodes one token per step, which cannot be split on the
+    sequence; the weights do not change. A no-op for a model without 1D layers."""
+    regions = {id(r): r for m in model.modules() if isinstance(r := getattr(m, "region", None), ParallelRegion)}
+    before = {k: r.sequence_parallel_paused for k, r in regions.items()}
+    for r in regions.values():
+        r.sequence_parallel_paused = True
+    try:
+        yield
+    finally:
+        for k, r in regions.items():
+            r.sequence_parallel_paused = before[k]

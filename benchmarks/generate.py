@@ -1,0 +1,188 @@
+"""GPU benchmark of generation: ``bh.generate`` on behemoth's Llama at the Llama-3-8B shape (random
+weights, bf16), one RESULT json line per configuration, with transformers' own ``generate``
+(the ``peer_hf_generate.py`` peer: eager dynamic cache and static cache) in the same run.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/generate.py                 # tp = 1, 2, 4 + peer
+    torchrun --standalone --nproc-per-node 4 benchmarks/generate.py --compile       # decode step compiled
+    torchrun --standalone --nproc-per-node 4 benchmarks/generate.py --sweep 2d-vs-1d
+
+``--sweep tp`` (default): batch 1, prompt 128, 256 new tokens, tp = 1, 2, 4 (1D) up to the world
+size; the other ranks of the world run the same configuration as data-parallel replicas
+(``dp = world / tp``; each replica decodes its own copy of the batch), so the figures are one
+tp group's. ``--sweep 2d-vs-1d``: tp = 4 in 1D and 2D for batch 1, 8, 64, 256 (2D splits the
+batch over its grid rows: a batch of 1 runs as 2 rows, one a copy). tokens/s counts the real
+rows' new tokens: ``batch * new_tokens / seconds`` of the whole ``generate`` call (prefill
+included), and ``decode_ms`` is the time per decode step after the prefill.
+
+``--compile`` wraps the model's forward in ``torch.compile(mode="reduce-overhead")`` (CUDA
+graphs) for the decode steps; 1D/2D layers keep their collectives eager
+(``torch.compiler.disable``), so under tp > 1 the graphs are cut around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import behemoth as bh
+from behemoth.models import Llama, LlamaConfig
+
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    hidden=4096,
+    ffn_hidden=14336,
+    rope_theta=500000.0,
+    tie_embeddings=False,
+)
+
+
+def build(seq_len: int, layers: int | None) -> Llama:
+    """Llama-3-8B shape, bf16, random normal(0, 0.02) weights drawn on the GPU (the same on every
+    rank: ``parallelize`` broadcasts tp rank 0's anyway)."""
+    shape = dict(LLAMA3_8B, num_layers=layers or LLAMA3_8B["num_layers"])
+    cfg = LlamaConfig(seq_len=seq_len, **shape)
+    model = Llama(cfg, device="meta", dtype=torch.bfloat16)
+    model.to_empty(device="cuda")
+    model.tie_weights()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def timed_generate(model, prompts, new: int, repeats: int) -> tuple[float, float]:
+    """Seconds of the last of ``repeats`` calls, and of its prefill alone (a 1-token call)."""
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        bh.generate(model, prompts, max_new_tokens=new)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    bh.generate(model, prompts, max_new_tokens=1)
+    torch.cuda.synchronize()
+    return total, time.perf_counter() - t
+
+
+def run_config(args, *, tp: int, mode: str, batch: int) -> None:
+    world = dist.get_world_size()
+    plan = bh.Plan(dp=world // tp, tp=tp, tp_mode=mode)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = bh.parallelize(build(args.prompt + args.new, args.layers), plan)
+    if args.compile:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    # every dp replica decodes the same batch: one row block per replica
+    prompts = torch.randint(0, LLAMA3_8B["vocab_size"], (batch, args.prompt), generator=g).repeat(world // tp, 1)
+    total, prefill = timed_generate(model, prompts, args.new, args.repeats)
+    result = dict(
+        what="behemoth-generate",
+        tp=tp,
+        tp_mode=mode,
+        dp=world // tp,
+        batch=batch,
+        prompt=args.prompt,
+        new_tokens=args.new,
+        compile=args.compile,
+        s=round(total, 3),
+        tok_s=round(batch * args.new / total, 1),
+        decode_ms=round((total - prefill) / max(1, args.new - 1) * 1e3, 2),
+        prefill_tok_s=round(batch * args.prompt / prefill, 1),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        gpu=torch.cuda.get_device_name(),
+    )
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def run_peer(args) -> None:
+    """transformers' generate on rank 0's GPU alone (``peer_hf_generate.py``'s two modes)."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    cfg = HFConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=args.layers or 32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device="cuda")
+    for tag, kw in (("eager-dynamic-cache", {}), ("static-cache-auto-compile", {"cache_implementation": "static"})):
+        for _ in range(3 if kw else 2):  # warm-ups include compilation
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+        print("RESULT " + json.dumps(dict(what="hf-generate", mode=tag, s=round(dt, 3), tok_s=round(args.new / dt, 1))))
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", default="tp", choices=["tp", "2d-vs-1d"])
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
+    p.add_argument("--batches", default="1,8,64,256", help="2d-vs-1d: batch sizes")
+    p.add_argument("--repeats", type=int, default=2, help="calls per configuration; the last is timed")
+    p.add_argument("--compile", action="store_true", help="torch.compile (CUDA graphs) of the forward")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    args = p.parse_args()
+
+    bh.init()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    world = dist.get_world_size()
+    configs = []
+    if args.sweep == "tp":
+        configs = [dict(tp=tp, mode="1d", batch=1) for tp in (1, 2, 4) if tp <= world and world % tp == 0]
+    else:
+        if world < 4:
+            sys.exit("--sweep 2d-vs-1d needs 4 GPUs (tp = 4).")
+        for b in map(int, args.batches.split(",")):
+            configs += [dict(tp=4, mode="1d", batch=b), dict(tp=4, mode="2d", batch=b)]
+    for c in configs:
+        try:
+            run_config(args, **c)
+        except torch.OutOfMemoryError as e:
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps(dict(what="behemoth-generate", **c, error=f"OOM: {e}"[:200])), flush=True)
+            torch.cuda.empty_cache()
+    if args.sweep == "tp" and not args.no_peer and dist.get_rank() == 0:
+        run_peer(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""A static, preallocated key/value cache for generation, one per model and rank.
+
+Each attention module that declares a ``kv_cache`` attribute (behemoth's ``CausalSelfAttention``
+and ``LlamaAttention``) gets a :class:`LayerCache` there for the duration of a generation; its
+forward calls ``update(k, v)``, which writes this forward's keys and values into their slots
+and returns every slot with the mask of those each query may read. The buffers are
+``[b, K, L, D]``: this rank's rows ``b`` and kv heads ``K`` as the attention module sees them
+after ``bh.parallelize`` -- 1D: kv heads split over tp (one replicated kv head when they are
+fewer than tp); 2D / 2.5D / 3D: rows and heads split as the training layout splits them -- so
+the cache is sharded like the attention that owns it, with no code of its own per plan.
+
+Slots. Prompts are left-padded to ``P`` tokens; slot ``l`` holds token ``l`` of the padded row,
+generated tokens follow from slot ``P``. A query at slot ``s`` reads slot ``l`` when
+``l <= s`` and the slot holds a real token (``valid``), and always its own slot, so a padding
+query stays finite (its output is never used). :func:`kv_cache_bytes` is the size per rank.
+
+No communication. Tested in tests/dist/test_generate.py (bytes per rank against the formula).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["KVCache", "LayerCache", "cached_attentions", "kv_cache_bytes"]
+
+
+def cached_attentions(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` that take a :class:`LayerCache` (class attribute
+    ``kv_cache``), in module order."""
+    return [m for m in model.modules() if "kv_cache" in dir(type(m)) and hasattr(m, "head_dim")]
+
+
+def _kv_heads(module: nn.Module) -> int:
+    return getattr(module, "num_kv_heads", None) or module.num_heads
+
+
+class KVCache:
+    """The K/V buffers of every cached attention module of one model on this rank.
+
+    ``rows``: this rank's rows; ``length``: slots L (padded prompt + new tokens); ``valid_BP``:
+    the padded prompts' mask (True: a real token) of this rank's rows. Use as a context
+    manager: ``with cache.attached(): model(...)``; :meth:`begin` before each forward says
+    which slots it writes."""
+
+    def __init__(
+        self,
+        attentions: list[nn.Module],
+        valid_BP: torch.Tensor,
+        length: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        rows, prompt = valid_BP.shape
+        self.attentions, self.length = attentions, length
+        valid_BL = torch.ones(rows, length, dtype=torch.bool, device=device)
+        valid_BL[:, :prompt] = valid_BP.to(device=device, dtype=torch.bool)
+        self.valid_B11L = valid_BL[:, None, None, :]
+        self.slots_L = torch.arange(length, device=device)
+        self.layers = [
+            LayerCache(self, rows, _kv_heads(m), length, m.head_dim, dtype=dtype, device=device) for m in attentions
+        ]
+        self.mask_B1SL: torch.Tensor | None = None
+        self.position_S: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every K and V buffer on this rank."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k, layer.v))
+
+    def begin(self, position_S: torch.Tensor) -> None:
+        """The next forward writes its S tokens into slots ``position_S`` (ascending)."""
+        pos_S1 = position_S[:, None]
+        causal_SL = (self.slots_L <= pos_S1)[None, None]
+        own_SL = (self.slots_L == pos_S1)[None, None]
+        self.mask_B1SL = (causal_SL & self.valid_B11L) | own_SL
+        self.position_S = position_S
+
+    def attached(self):
+        """Context manager: each attention module holds its layer's cache for the duration."""
+        return _Attached(self)
+
+
+class LayerCache:
+    """One attention module's ``[b, K, L, D]`` keys and values; ``update`` is the model's seam."""
+
+    def __init__(self, owner: KVCache, rows: int, heads: int, length: int, head_dim: int, *, dtype, device) -> None:
+        self.owner = owner
+        self.k = torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor):
+        """Write this forward's keys and values into their slots; return every slot's keys and
+        values and the mask ``[b, 1, S, L]`` of the slots each query reads."""
+        pos = self.owner.position_S
+        self.k.index_copy_(2, pos, k_BKSD.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v_BKSD.to(self.v.dtype))
+        return self.k, self.v, self.owner.mask_B1SL
+
+
+class _Attached:
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def __enter__(self) -> KVCache:
+        for m, layer in zip(self.cache.attentions, self.cache.layers):
+            m.kv_cache = layer
+        return self.cache
+
+    def __exit__(self, *exc) -> None:
+        for m in self.cache.attentions:
+            m.__dict__.pop("kv_cache", None)
+
+
+def kv_cache_bytes(
+    *,
+    num_layers: int,
+    rows: int,
+    num_kv_heads: int,
+    head_dim: int,
+    length: int,
+    dtype_bytes: int,
+    tp: int = 1,
+    tp_mode: str = "1d",
+    tp_depth: int = 1,
+) -> int:
+    """K/V bytes per rank: ``2 * layers * b * K_local * L * D * bytes``, with ``rows`` = b the
+    rows this rank's attention holds (the tp group's rows divided by the batch split: 1 in 1D,
+    ``q * depth`` in 2D / 2.5D, ``q**2`` in 3D) and ``K_local`` the kv heads it holds: 1D
+    ``K / tp`` (1 when K < tp: a replicated kv head), 2D / 2.5D ``K / q`` with ``q**2 * depth = tp``,
+    3D ``K / q`` with ``q**3 = tp``."""
+    if tp_mode == "1d" or tp == 1:
+        k_local = num_kv_heads // tp if num_kv_heads >= tp else 1
+    elif tp_mode in ("2d", "2.5d"):
+        q = math.isqrt(tp // tp_depth)
+        k_local = num_kv_heads // q if num_kv_heads >= q else 1
+    elif tp_mode == "3d":
+        q = round(tp ** (1 / 3))
+        k_local = num_kv_heads // q
+    else:
+        raise ValueError(f"tp_mode={tp_mode!r}: must be '1d', '2d', '2.5d' or '3d'.")
+    return 2 * num_layers * rows * k_local * length * head_dim * dtype_bytes

@@ -1,0 +1,51 @@
+"""End to end: a tiny run writes samples to its log (``train.sample_every``), and ``behemoth
+generate`` continues a prompt from its checkpoint with the run's tokenizer, the same text in
+one process and under 2-rank tensor parallelism, and the same as the run's last sample (both
+greedy from the same weights)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from test_cli import DEMO, behemoth
+
+TINY = [
+    "--model.name=gpt-tiny",
+    "--model.vocab_size=258",  # even: tensor parallelism splits the vocabulary
+    "--model.seq_len=64",
+    "--train.global_batch_size=4",
+    "--optim.lr=3e-3",
+    "--optim.warmup_steps=0",
+    "--optim.schedule=constant",
+    "--data.default_corpus_bytes=100000",
+    "--train.steps=3",
+    "--train.sample_every=2",
+    "--train.sample_tokens=12",
+    "--train.hang_timeout=0",
+]
+
+
+@pytest.mark.timeout(420)
+def test_generate_from_a_run(tmp_path):
+    out_dir = tmp_path / "run"
+    r = behemoth("train", DEMO, "--plan.dp=1", *TINY, f"--train.out_dir={out_dir}", cwd=tmp_path, timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    samples = dict(re.findall(r"sample at step (\d+): (.*)$", r.stdout, re.M))
+    assert sorted(samples) == ["2", "3"], r.stdout
+    last = ast.literal_eval(samples["3"])
+    assert last.startswith("def ") and len(last) > len("def "), last
+
+    ckpt = str(out_dir / "checkpoints" / "step-3")
+    one = behemoth("generate", ckpt, "--prompt", "def ", "--max-new-tokens", "12", cwd=tmp_path)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert one.stdout == last + "\n\n", (one.stdout, last)
+    two = behemoth(
+        "run", "--nproc", "2", "--", "generate", ckpt, "--prompt", "def ", "--max-new-tokens", "12", "--plan.tp=2",
+        cwd=tmp_path, timeout=200,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert last + "\n\n" in two.stdout, two.stdout
+    bad = behemoth("generate", ckpt, "--prompt", "x", "--train.steps=2", cwd=tmp_path)
+    assert bad.returncode == 2 and "only --plan.key=value" in bad.stderr, bad.stderr
