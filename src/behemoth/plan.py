@@ -234,27 +234,14 @@ class Plan:
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, ZeRO 0-3 and offload (each stage chunked over its own
-        dp group, placed for its own memory), every tp mode, cp, activation checkpointing, bf16
-        (autocast or ``param_dtype``) and fp16 (the overflow vote spans the stages); micro-batches
-        < pp run correctly."""
-        if self.pp == 1:
-            if self.virtual_stages > 1:
-                raise NotImplementedError(
-                    f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp >= 2, "
-                    f"or virtual_stages=1."
-                )
-            return
-        refusals = [
-            (
-                self.compile,
-                "compile=True",
-                "compiled blocks are not gated per pipeline chunk yet",
-                "use compile=False with pp > 1",
-            ),
-        ]
-        for bad, value, rule, fix in refusals:
-            if bad:
-                raise NotImplementedError(f"Plan.{value} with pp={self.pp}: {rule}; {fix}.")
+        dp group, placed for its own memory), every tp mode, cp, activation checkpointing, compiled
+        blocks, bf16 (autocast or ``param_dtype``) and fp16 (the overflow vote spans the stages);
+        micro-batches < pp run correctly. Only interleaving without a pipeline is refused."""
+        if self.pp == 1 and self.virtual_stages > 1:
+            raise NotImplementedError(
+                f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp >= 2, "
+                f"or virtual_stages=1."
+            )
 
     def describe(self) -> str:
         """One line naming every non-default degree, for logs."""

@@ -19,8 +19,6 @@ def _refusals_world(rank: int, world: int) -> None:
     model = build("gpt", num_layers=4)
     opt = make_optimizer("sgd", model)
     boost = bh.boost
-    expect_error(lambda: boost(model, opt, bh.Plan(pp=2, compile=True)), "compile=True with pp=2",
-                 kind=NotImplementedError)
     expect_error(lambda: boost(model, opt, bh.Plan(dp=2, virtual_stages=2, schedule="interleaved")),
                  "virtual_stages=2", "pp=1", kind=NotImplementedError)
     expect_error(lambda: boost(model, opt, bh.Plan(pp=2), stages=[(0, 3), (2, 4)]), "stages=[(0, 3), (2, 4)]",

@@ -1,5 +1,5 @@
-"""Pipelines with ZeRO-2 and ZeRO-3, bf16 parameters and fp16 (dp 2 x pp 2) match serial
-training (the parity law).
+"""Pipelines with ZeRO-2 and ZeRO-3, offload, bf16 parameters, fp16 and compiled blocks (dp 2 x
+pp 2) match serial training (the parity law).
 
 * every schedule and the four model families, AdamW with clipping and SGD: losses (the same
   float on every rank), ``full_state_dict()`` and every step's gradient norm (summed over the
@@ -22,7 +22,11 @@ training (the parity law).
   and one written under dp 4 resumes under pp 2 x dp 2 x ZeRO-3, both matching serial
   training over all four steps.
 
-One 4-rank world runs every scenario (spawning costs seconds on two cores).
+* compiled blocks (``Plan(compile=True)``) inside the stages, with ZeRO 1-3, zero-bubble's split
+  backward and interleaving.
+
+One 4-rank world runs every scenario but the compiled ones, which get their own (spawning costs
+seconds on two cores).
 """
 from __future__ import annotations
 
@@ -179,3 +183,29 @@ def _world(rank: int, world: int, root: str) -> None:
 
 def test_pipeline_with_zero_bf16_params_and_fp16_matches_serial(tmp_path):
     bh.spawn(_world, 4, str(tmp_path), timeout=600)
+
+
+# (family, zero, schedule, virtual stages): compiled blocks (the default inductor backend, as the
+# other compile tests) with ZeRO-3's gather hooks, zero-bubble's twice-run compiled backward and
+# tied copies, and interleaving's pass-through of the inactive chunk inside compiled code
+COMPILED = [("gpt", 3, "1f1b", 1), ("hf-gpt2", 2, "zero-bubble", 1), ("llama", 1, "interleaved", 2)]
+
+
+def _compile_world(rank: int, world: int) -> None:
+    import torch._dynamo
+    torch.manual_seed(rank)
+    for family, zero, schedule, v in COMPILED:
+        torch._dynamo.reset()
+        plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero, chunk_mb=CHUNK_MB,
+                       compile=True)
+        engine = _engine(family, plan)
+        losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
+        want = serial_run(family, "adamw", global_batches(STEPS, BATCH), max_grad_norm=1.0, num_layers=LAYERS)
+        what = f"{plan.describe()} {family}/adamw"
+        assert_losses_close(losses, want.losses, what=what)
+        assert_grad_norms_close(norms, want.grad_norms, what=what)
+        assert_state_close(engine.full_state_dict(), want.state, what=what)
+
+
+def test_pipeline_with_compiled_blocks_matches_serial():
+    bh.spawn(_compile_world, 4, timeout=900)

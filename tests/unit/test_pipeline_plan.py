@@ -28,6 +28,7 @@ from behemoth.plan import Plan
         dict(pp=2, zero=3, precision="bf16", param_dtype="bf16"),
         dict(pp=2, zero=1, offload="cpu"),
         dict(pp=2, zero=3, offload="auto", offload_budget_gb=1.0),
+        dict(pp=2, compile=True, schedule="zero-bubble", zero=3),
     ],
 )
 def test_pipeline_plans_are_supported(kwargs):
@@ -37,7 +38,6 @@ def test_pipeline_plans_are_supported(kwargs):
 @pytest.mark.parametrize(
     "kwargs, needles",
     [
-        (dict(pp=2, compile=True), ("compile=True with pp=2", "compile=False")),
         (dict(schedule="interleaved", virtual_stages=2), ("virtual_stages=2", "pp=1", "set pp >= 2")),
     ],
 )

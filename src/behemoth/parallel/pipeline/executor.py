@@ -30,6 +30,13 @@ and the working set, at the cost of two all-gathers per chunk per micro-batch, t
 activation checkpointing); a module of an inactive chunk (interleaving) gathers nothing
 (:func:`module_runs`).
 
+Compiled blocks (``Plan.compile``): a block's chunk gate runs inside its compiled code, so
+torch.compile specialises on it -- one graph per block shape with one chunk per rank; with
+interleaving, one more for the pass-through of a chunk that is not the active one. Zero-bubble's
+BI and BW each run a compiled block's whole backward (its input and weight gradients are one
+compiled graph; BI keeps the input gradient, BW the weight gradients): correct, at the cost of
+that block's backward computed twice.
+
 Context parallelism: every stage runs its micro-batch's share of the sequence (the same split
 on every stage, so the activations between stages are ``[b, s/cp, h]`` and each cp rank's stages
 talk to the same cp rank's), with the global position ids of its tokens; attention inside each
@@ -44,6 +51,8 @@ tests/dist/test_pipeline_faults.py.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -95,6 +104,15 @@ class PipelineExecutor:
         self.autocast_cache = plan.zero < 3  # ZeRO-3 releases weights between uses: no cached bf16 copies
         self.batch_parts, self.batch_index = batch_parts, batch_index
         self.schedule, self.actions = schedule, schedule[split.rank]
+        # Zero-bubble runs each backward twice over one retained graph (BI, then BW); a compiled block's
+        # backward may not donate (overwrite) its saved buffers then. Donation is decided when a graph
+        # compiles, at its first forward: those run with it off.
+        split_backward = any(a.kind == BI for a in self.actions)
+        self.compile_context = (
+            (lambda: torch._functorch.config.patch(donated_buffer=False))
+            if plan.compile and split_backward
+            else contextlib.nullcontext
+        )
         weight_steps = [i for i, a in enumerate(self.actions) if a.kind in (B, BW)]
         holds_tied = any(split.rank in (ra, rb) for _, ra, _, rb in split.tied)
         # the action whose backward completes every gradient of the stage: reductions overlap it
@@ -133,7 +151,7 @@ class PipelineExecutor:
                 x = None if s == 0 else ch.recv_activation(s - 1, shape, prv).requires_grad_()
                 split.ctx.chunk, split.ctx.stash = a.chunk, x
                 try:
-                    with autocast_context(self.precision, self.device, self.autocast_cache):
+                    with self.compile_context(), autocast_context(self.precision, self.device, self.autocast_cache):
                         out = self.model(*inputs, **kwargs)
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
