@@ -21,6 +21,7 @@ PLANS = {
     "dp2-zero1": dict(dp=2, zero=1),
     "dp2-zero3": dict(dp=2, zero=3),
     "tp2": dict(tp=2),
+    "pp2": dict(pp=2, microbatches=2),
 }
 
 
