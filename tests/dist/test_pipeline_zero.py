@@ -15,6 +15,7 @@ pp 2) match serial training (the parity law).
   ``full_state_dict``; fp16 with dynamic loss scaling (ZeRO 0, 2, 3) matches serial fp16
   training; an overflow on one rank of one stage skips the step on every rank of every stage
   (the vote over dp and pp: weights unchanged, the loss scale halved everywhere);
+* ZeRO-2/3 with context parallelism inside the stages (pp 2 x cp 2: chunks over dp x cp);
 * offload='cpu' and 'auto' inside each stage: every stage places its own chunks for its own
   budget (measured in its own warm-up step on a GPU), offloaded chunks update on the host during
   the stage's last backward when nothing global comes first;
@@ -41,7 +42,7 @@ from common import (assert_grad_norms_close, assert_losses_close, assert_state_c
 STEPS, BATCH, LAYERS = 2, 8, 4
 CHUNK_MB = 0.02   # several chunks per stage of the tiny models
 
-# (family, zero, offload, schedule, virtual stages, optimizer, max_grad_norm)
+# (family, zero, offload, schedule, virtual stages, optimizer, max_grad_norm[, cp, activation checkpointing])
 SCENARIOS = [
     ("gpt", 2, None, "1f1b", 1, "adamw", 1.0),
     ("hf-gpt2", 2, None, "zero-bubble", 1, "adamw", 1.0),
@@ -58,6 +59,12 @@ SCENARIOS = [
     ("llama", 1, "cpu", "interleaved", 2, "adamw", 1.0),
     ("hf-llama", 3, "auto", "gpipe", 1, "adamw", 0.5),
     ("gpt", 3, "cpu", "interleaved", 2, "adamw", None),
+    # context parallelism inside the stages: each stage's chunks sharded over dp x cp
+    ("llama", 3, None, "1f1b", 1, "adamw", 1.0, 2),
+    ("hf-gpt2", 2, None, "zero-bubble", 1, "sgd", None, 2),
+    # activation checkpointing: ZeRO-3 gathers again for the recomputation (zero-bubble: inside BI)
+    ("gpt", 3, None, "zero-bubble", 1, "adamw", 1.0, 1, True),
+    ("hf-llama", 3, None, "interleaved", 2, "adamw", 1.0, 1, True),
 ]
 
 
@@ -73,9 +80,9 @@ def _agree(values, what):
     assert torch.equal(t, ref), f"{what}: ranks disagree: {values} vs {ref.tolist()}"
 
 
-def _parity(family, zero, offload, schedule, v, opt, clip):
-    plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero, chunk_mb=CHUNK_MB,
-                   offload=offload)
+def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
+    plan = bh.Plan(dp=2 // cp, pp=2, cp=cp, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero,
+                   chunk_mb=CHUNK_MB, offload=offload, activation_checkpointing=ac)
     engine = _engine(family, plan, opt, clip)
     engine.reset_comm_stats()
     losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
@@ -92,7 +99,7 @@ def _parity(family, zero, offload, schedule, v, opt, clip):
     if offload == "cpu":
         assert sync.placement.keep[1] == 0, what
         assert sync.early_updates == (STEPS * n if clip is None else 0), (what, sync.early_updates)
-    dp = engine.comm_stats()["dp"]["ops"]
+    dp = engine.comm_stats()["dp_cp" if cp > 1 else "dp"]["ops"]
     assert sync.stage == zero and sync.layout.num_chunks >= 2, what
     assert dp["reduce_scatter"] == STEPS * sync.layout.num_chunks, (what, dp)  # once per step, not per micro-batch
     assert_losses_close(losses, want.losses, what=what)
