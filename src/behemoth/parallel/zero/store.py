@@ -17,7 +17,9 @@ Per ZeRO stage (``s`` = shard elements, ``E`` = chunk elements):
   chunk (accumulated over micro-batches in place) reduce-scattered on the last micro-batch;
 * stage 2: ``full`` persistent; a gradient chunk lives only from a chunk's first gradient
   of a micro-batch until its reduce-scatter has been issued: every micro-batch's gradients
-  are reduce-scattered and added into the ``s``-element shard accumulator;
+  are reduce-scattered and added into the ``s``-element shard accumulator (a pipeline stage
+  keeps its gradient chunks over the step's micro-batches and reduce-scatters them once,
+  after the last: :mod:`.reduce`'s ``reduce_once``);
 * stage 3: as 2, and ``full``'s storage is freed when the chunk is not in use and
   re-gathered (all-gather of the shards) before a module that owns its parameters runs
   forward or backward (module hooks in :mod:`.hooks`); the next chunks of the previous
