@@ -40,13 +40,20 @@ from .comm import Axis
 from .distributed import device_for_rank, init
 from .mesh import ParallelMesh
 from .parallel.context import ContextParallelized, parallelize_context
-from .parallel.expert import ExpertLayers, check_experts, data_axis_of, gather_expert_state, parallelize_experts
+from .parallel.expert import (
+    ExpertLayers,
+    check_experts,
+    data_axis_of,
+    dense_tensor_plan,
+    gather_expert_state,
+    parallelize_experts,
+)
 from .parallel.pipeline.forward import install_pipelined_forward
 from .parallel.pipeline.p2p import StageChannels, pipeline_channels
 from .parallel.pipeline.stage import PipelineSplit, partition_for
 from .parallel.tensor import Parallelized, full_state_dict, parallelize_tensor
 from .plan import Plan
-from .specs import transformer_blocks
+from .specs import tensor_plan, transformer_blocks
 
 __all__ = ["Parallelization", "parallelization", "parallelize", "serial_state_dict"]
 
@@ -217,7 +224,11 @@ def prepare_model(model: nn.Module, device: torch.device, *, keep_params: bool =
 def apply_tensor_parallel(model: nn.Module, mesh, plan, policy=None) -> Parallelized:
     """Rewrite ``model`` in place for ``plan.tp_mode`` over ``mesh.axis('tp')``; ``policy`` is
     ``{module-name pattern: role or style}`` (``None``: the model family's plan). See
-    :func:`behemoth.parallel.tensor.parallelize_tensor`."""
+    :func:`behemoth.parallel.tensor.parallelize_tensor`. A mixture-of-experts model keeps its
+    experts whole on every tp rank: its family's plan loses the dense-MLP entries its MoE blocks
+    replaced (:func:`~behemoth.parallel.expert.dense_tensor_plan`)."""
+    if policy is None and plan.tp > 1 and tensor_plan(model) is not None:
+        policy = dense_tensor_plan(model, tensor_plan(model))
     return parallelize_tensor(model, mesh, plan, policy)
 
 

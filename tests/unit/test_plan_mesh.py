@@ -67,9 +67,11 @@ def test_unbuilt_capabilities_raise_not_implemented():
     Plan(pp=2, tp=8, tp_mode="3d").check_supported()  # pipelines compose with every tp mode
     Plan(zero=3, offload="auto", tp=4, tp_mode="2d").check_supported()  # ZeRO and offload are built
     Plan(dp=4, ep=2, microbatches=2, precision="bf16").check_supported()  # experts are built (with dp)
+    Plan(dp=4, ep=2, zero=3).check_supported()  # experts under ZeRO 1-3: expert chunks over ep_dp
+    Plan(dp=2, ep=2, tp=2, zero=1).check_supported()  # experts with 1D tp: attention split, experts whole
     for kwargs, name in [
-        (dict(dp=2, ep=2, zero=1), "expert parallelism with ZeRO"),
-        (dict(dp=2, ep=2, tp=2), "expert parallelism with tensor parallelism"),
+        (dict(dp=2, ep=2, tp=4, tp_mode="2d"), "expert parallelism with tp_mode='2d'"),
+        (dict(dp=2, ep=2, tp=2, sequence_parallel=True), "expert parallelism with tp_mode='1d' with sequence_par"),
         (dict(dp=2, ep=2, precision="fp16"), "expert parallelism with an fp16 overflow vote"),
     ]:
         with pytest.raises(NotImplementedError, match=name):

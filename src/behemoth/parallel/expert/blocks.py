@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...models.moe import MoEFeedForward, Routing
+from .grouped import grouped_swiglu
 
-__all__ = ["ExpertBlock", "is_transformers_moe_block"]
+__all__ = ["ExpertBlock", "experts_forward", "is_transformers_moe_block"]
 
 
 def is_transformers_moe_block(module: nn.Module) -> bool:
@@ -76,7 +77,21 @@ class ExpertBlock:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         return Routing(logits_TE, probs_TE, weights_TK, experts_TK, experts_TK)
 
+    def run_experts(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on their rows (grouped by expert, ``counts[l]`` rows for local expert
+        l). A transformers block runs them as a call of its ``experts`` module (whose forward the
+        style replaced by :func:`experts_forward`), so module hooks on it (ZeRO-3's gathers) fire."""
+        if self.native:
+            return grouped_swiglu(x_NH, counts, self.holder.gate_up_proj, self.holder.down_proj, self.act)
+        return self.module.experts(x_NH, counts)
+
     def shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output for every token, or None without one."""
         shared = self.module.shared if self.native else None
         return None if shared is None else shared(x_TH)
+
+
+def experts_forward(self: nn.Module, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """A transformers experts module's forward under expert parallelism (bound to the instance):
+    rows already grouped by local expert through :func:`~.grouped.grouped_swiglu`."""
+    return grouped_swiglu(x_NH, counts, self.gate_up_proj, self.down_proj, self.act_fn)

@@ -51,9 +51,8 @@ from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
 from ...specs import find_spec
 from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
-from .blocks import ExpertBlock, is_transformers_moe_block
+from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
 from .dispatch import combine, dispatch
-from .grouped import grouped_swiglu
 from .losses import ExpertLayers
 
 __all__ = [
@@ -61,6 +60,7 @@ __all__ = [
     "ExpertShard",
     "check_experts",
     "data_axis_of",
+    "dense_tensor_plan",
     "expert_param_axes",
     "expert_shard",
     "gather_expert_state",
@@ -145,18 +145,28 @@ def check_experts(model: nn.Module, plan) -> None:
                 f"Plan.ep={plan.ep} must divide the number of experts of every MoE layer; {name!r} has "
                 f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
+    olmoe = any(type(m).__name__.startswith("Olmoe") for m in layers.values())
     pending = [
-        (plan.tp > 1, f"tp={plan.tp}", "tensor parallelism inside experts"),
+        (
+            plan.tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel),
+            f"tp={plan.tp}",
+            f"tp_mode={plan.tp_mode!r}{' with sequence_parallel' if plan.sequence_parallel else ''} (experts "
+            f"compose with 1D tensor parallelism without sequence parallelism)",
+        ),
+        (
+            plan.tp > 1 and olmoe,
+            f"tp={plan.tp}",
+            "OLMoE's q_norm / k_norm over the whole projection (a split by heads changes them)",
+        ),
         (plan.cp > 1, f"cp={plan.cp}", "context parallelism (expert gradients over ep_dp x cp)"),
         (plan.pp > 1, f"pp={plan.pp}", "pipeline stages holding MoE layers (their router losses)"),
-        (plan.zero > 0, f"zero={plan.zero}", "ZeRO over expert-data-parallel chunks"),
     ]
     for bad, value, missing in pending:
         if bad:
             raise NotImplementedError(
                 f"Plan.{value} with mixture-of-experts layers needs {missing}, which is not built yet. MoE models "
-                f"train today under dp, ep (dividing dp), microbatches, precision and activation checkpointing; "
-                f"use {value.split('=')[0]}={0 if value.startswith('zero') else 1}."
+                f"train today under dp, ep (dividing dp), ZeRO 1-3, 1D tp, microbatches, precision and "
+                f"activation checkpointing; use {value.split('=')[0]}=1."
             )
 
 
@@ -183,6 +193,8 @@ class ExpertParallel:
                     p._behemoth_expert_shard = shard
                     # where the block sits in the serial tensor: checkpoints write and read it as such
                     set_spec(p, ShardSpec(full_shape, (DimShard(0, ep.size, ep.rank, (ep.name,)),)))
+        if not block.native:
+            block.holder.forward = types.MethodType(experts_forward, block.holder)
         module.forward = types.MethodType(_make_forward(block, ep, data), module)
         return module
 
@@ -193,7 +205,7 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis):
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         r = block.route(x_BSH)
         x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep)
-        y_NH = grouped_swiglu(x_NH, local_counts, block.holder.gate_up_proj, block.holder.down_proj, block.act)
+        y_NH = block.run_experts(x_NH, local_counts)
         y_TH = combine(y_NH, r.weights_TK, routed)
         shared_TH = block.shared(x_TH)
         if shared_TH is not None:
@@ -213,6 +225,23 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis):
         return y_TH.view_as(x_BSH)
 
     return forward
+
+
+def dense_tensor_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """``tp_plan`` (a family's tensor plan) for a model with MoE blocks: entries inside an MoE
+    block (a dense MLP's roles where the family's MLP became experts) that match no module are
+    dropped -- experts are whole on every tp rank -- and every other entry is kept as it is."""
+    layers = moe_layers(model)
+    if not layers:
+        return tp_plan
+    names = [n for n, _ in model.named_modules()]
+    out = {}
+    for pattern, role in tp_plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        inside = any(fnmatch.fnmatchcase(layer, pattern.rsplit(".", 1)[0]) for layer in layers)
+        if hits or not inside:
+            out[pattern] = role
+    return out
 
 
 def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:

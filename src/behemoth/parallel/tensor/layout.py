@@ -176,5 +176,6 @@ def with_indices(spec: ShardSpec, indices: list[int]) -> ShardSpec:
 
 
 def shard_copies(spec: ShardSpec, tp_size: int) -> int:
-    """How many tp ranks hold this same shard (tp_size / number of distinct shards)."""
-    return max(1, tp_size // math.prod(d.parts for d in spec.dims))
+    """How many tp ranks hold this same shard (tp_size / number of distinct shards; a dim split
+    over ``ep``, an expert shard, does not split it over tp)."""
+    return max(1, tp_size // math.prod(d.parts for d in spec.dims if d.axes != ("ep",)))

@@ -122,16 +122,20 @@ class ZeroOptimizer:
         if axes is not None:
             seen: dict[tuple, int] = {}
             kinds = [seen.setdefault((a.name, s.name if s else None), len(seen)) for a, s in axes]
-            if stage and len(seen) > 1:
-                raise NotImplementedError(
-                    f"Plan.zero={stage} with parameters replicated over different axes (experts): ZeRO over "
-                    f"expert-data-parallel chunks is not built yet; use zero=0."
-                )
+        self._opt_group: list[int] = list(range(len(optimizer.param_groups)))  # chunk group -> param group
         if stage == 0:  # unsharded buckets, all-reduced (DDP's layout)
             self.chunk_elems = max(1, int(bucket_mb * 2**20 // 4))
             self.layout = pack_buckets(sizes, self.chunk_elems, kinds)
-        else:
+        elif kinds is None:
             self.layout = self._pack(sizes, [group_of[id(p)] for p in params], chunk_mb, world)
+        else:
+            # experts form chunk groups of their own, sharded over the axis they are replicated over
+            # (ep_dp) while the dense chunks shard over the data axis: a chunk group per (param group, kind)
+            pairs: dict[tuple[int, int], int] = {}
+            groups = [pairs.setdefault((group_of[id(p)], k), len(pairs)) for p, k in zip(params, kinds)]
+            self._opt_group = [g for g, _ in pairs]
+            dp = {c: axes[kinds.index(k)][0].size for (_, k), c in pairs.items()}
+            self.layout = self._pack(sizes, groups, chunk_mb, world, dp)
         self.store: ChunkStore | None = None
         self.placement = ChunkPlacement(
             self.layout,
@@ -148,14 +152,18 @@ class ZeroOptimizer:
             device_model_bytes=lambda: sum(self.store.bytes_on("cuda").values()),
             world=world,
         )
-        self._rank = axis.rank if stage else 0  # whose shard of each chunk this rank holds
+        chunk_axes = [axes[ch.params[0]] for ch in self.layout.chunks] if axes is not None else None
+        # per chunk, whose shard this rank holds: its rank on the axis the chunk is replicated over
+        self._ranks = [
+            (chunk_axes[ch.index][0] if chunk_axes else axis).rank if stage else 0 for ch in self.layout.chunks
+        ]
         self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
         self._norm_skip: set[int] = set()
         self._weights = self._norm_weights() if not tp.trivial else None
         self._weight_cache: dict[tuple, torch.Tensor] = {}  # _norm_sq_of's piece weights, on their device
-        chunk_axes = [axes[ch.params[0]] for ch in self.layout.chunks] if axes is not None and stage == 0 else None
-        # per chunk, the axis its parameters are sharded over (their squared norms are summed over it)
-        self._shard_axes = [s for _, s in chunk_axes] if chunk_axes else None
+        # stage 0, per chunk, the axis its parameters are sharded over (their squared norms are summed over
+        # it); at stages 1-3 every rank's shards are distinct pieces, all summed over the data axis
+        self._shard_axes = [s for _, s in chunk_axes] if chunk_axes and stage == 0 else None
         self.host_update = HostUpdate(lambda st: self.store.upload(st), device, self.cls, self.defaults, self.norm_sq)
         on_gpu = self.placement.flags(self.placement.keep)
         self.store = ChunkStore(
@@ -191,16 +199,15 @@ class ZeroOptimizer:
             self._retarget()
 
     # ------------------------------------------------------------------ set-up
-    def _pack(self, sizes: list[int], groups: list[int], chunk_mb: float | None, world: Axis | None):
+    def _pack(self, sizes: list[int], groups: list[int], chunk_mb: float | None, world: Axis | None, dp=None):
+        dp = self.axis.size if dp is None else dp  # or {chunk group: its shard count}
         if chunk_mb is None:  # least padding among 256 sizes from the largest parameter up to 1/32 of the
             # model (or twice the largest): fine enough to place a model between GPU and host, to prefetch
             # and to overlap reductions (GPT-13B: 41 chunks, 0.5% padding)
             lo = max(max(sizes, default=1), 1)
             hi = max(2 * lo, sum(sizes) // 32)
             cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
-            self.chunk_elems, self.chunk_table = search_chunk_size(
-                sizes, self.axis.size, groups=groups, candidates=cands
-            )
+            self.chunk_elems, self.chunk_table = search_chunk_size(sizes, dp, groups=groups, candidates=cands)
         else:
             self.chunk_elems = max(1, int(chunk_mb * 2**20 // 4))
         largest = max(sizes, default=0)
@@ -215,14 +222,14 @@ class ZeroOptimizer:
             ),
             "Plan.chunk_mb",
         )
-        return pack_chunks(sizes, self.chunk_elems, self.axis.size, groups=groups)
+        return pack_chunks(sizes, self.chunk_elems, dp, groups=groups)
 
     def _retarget(self) -> None:
         """Point the user's param groups (the same dicts) at the chunks' masters; groups with masters on
         the host run the fused CPU kernel (unless the user asked for foreach), else the user's flags."""
         masters: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         for st in self.store.chunks:
-            masters[st.group].append(st.master)
+            masters[self._opt_group[st.group]].append(st.master)
         host = self.offload is not None and any(not st.optim_on_gpu for st in self.store.chunks)
         for g, ps, flags in zip(self.optimizer.param_groups, masters, self._user_flags):
             g["params"] = ps
@@ -263,7 +270,7 @@ class ZeroOptimizer:
         out = []
         for ch in self.layout.chunks:
             runs = []
-            for sl in self.layout.shard_slices(ch.index, self._rank):
+            for sl in self.layout.shard_slices(ch.index, self._ranks[ch.index]):
                 p = self.params[sl.param]
                 spec = get_spec(p)
                 w = 1.0 / (shard_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)

@@ -150,7 +150,7 @@ class GradReducer:
                 handle = comm.all_reduce(st.grad_full, self.store.replica_axis(st), async_op=True)
                 self._inflight.append((st, handle, False))
                 continue
-            handle = comm.reduce_scatter_async(st.grad_full, self.axis)
+            handle = comm.reduce_scatter_async(st.grad_full, self.store.replica_axis(st))
             self._inflight.append((st, handle, self._sync))
             if self.stage >= 2:
                 st.grad_full = None  # the handle keeps the buffer alive until the reduce is done

@@ -23,7 +23,7 @@ def state_to(v, device: torch.device, optimizer: torch.optim.Optimizer):
 
 def param_states(zero) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
     """The optimizer state per parameter of the ZeRO optimizer ``zero`` (shaped like the parameter,
-    on the CPU), gathered over the data axis chunk by chunk: what a checkpoint stores (a
+    on the CPU), gathered chunk by chunk over the axis each chunk is sharded over: what a checkpoint stores (a
     collective: every rank)."""
     out: dict = {}
     for st in zero.store.chunks:
@@ -32,7 +32,7 @@ def param_states(zero) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
             v = state[key]
             if isinstance(v, torch.Tensor) and v.shape == st.master.shape:
                 full = torch.empty(st.size, dtype=v.dtype, device=zero.device)
-                comm.all_gather_into(full, v.to(zero.device), zero.axis)
+                comm.all_gather_into(full, v.to(zero.device), zero.store.replica_axis(st))
                 full = full.cpu()
                 for p, off in zip(st.params, st.offsets):
                     out.setdefault(p, {})[key] = full[off : off + p.numel()].view(p.shape).clone()

@@ -124,7 +124,7 @@ class ChunkStore:
         replica_axes: list[Axis] | None = None,
     ) -> None:
         self.axis, self.stage, self.device, self.layout = axis, stage, device, layout
-        self.replica_axes = replica_axes  # stage 0: per chunk, the axis its parameters are replicated over
+        self.replica_axes = replica_axes  # per chunk, the axis its parameters are replicated over (sharded over)
         self.param_dtype = param_dtype
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
@@ -132,7 +132,7 @@ class ChunkStore:
         self.chunk_of: dict[int, ChunkState] = {}  # id(parameter) -> its chunk, and its offset in it:
         self.offsets: dict[int, int] = {}
         for ch in layout.chunks:
-            start, shard_size = ch.shard(axis.rank if stage else 0)
+            start, shard_size = ch.shard(self._axis_of(ch.index).rank if stage else 0)
             ps = [params[i] for i in ch.params]
             st = ChunkState(
                 ch.index, ch.group, ch.size, start, shard_size, ps, [layout.params[i].offset for i in ch.params]
@@ -178,9 +178,13 @@ class ChunkStore:
             self.release(st)  # (not a chunk that is its own shard)
 
     def replica_axis(self, st: ChunkState) -> Axis:
-        """The axis chunk ``st``'s parameters are replicated over: the data axis, or at stage 0 the
-        one given for it (``replica_axes``: experts are replicated over ``ep_dp`` only)."""
-        return self.axis if self.replica_axes is None else self.replica_axes[st.index]
+        """The axis chunk ``st``'s parameters are replicated over, and at stages 1-3 sharded over: the
+        data axis, or the one given for it (``replica_axes``: experts are replicated over ``ep_dp``
+        only, so their chunks are gathered and reduced there)."""
+        return self._axis_of(st.index)
+
+    def _axis_of(self, index: int) -> Axis:
+        return self.axis if self.replica_axes is None else self.replica_axes[index]
 
     @staticmethod
     def own_slot(st: ChunkState) -> torch.Tensor:
@@ -203,7 +207,7 @@ class ChunkStore:
         if optim_on_gpu and not param_on_gpu:
             raise ValueError("optimizer state on the GPU needs the chunk's parameters there too.")
         st.param_on_gpu, st.optim_on_gpu = param_on_gpu, optim_on_gpu
-        if self.param_dtype is None and (self.stage < 3 or (self.axis.trivial and param_on_gpu)):
+        if self.param_dtype is None and (self.stage < 3 or (self.replica_axis(st).trivial and param_on_gpu)):
             # Gathered in place; on one rank a ZeRO-3 chunk kept on the GPU *is* its shard: nothing to
             # gather or release (one code path, no copies).
             _alloc(st.full)
@@ -245,7 +249,7 @@ class ChunkStore:
             self.release(st)
             st.low_full, st.full = st.full, torch.empty(st.size, dtype=torch.float32, device=self.device)
             src = st.shard if st.shard is not None else st.master.to(self.device)
-            comm.all_gather_into(st.full, src, self.axis)
+            comm.all_gather_into(st.full, src, self.replica_axis(st))
             self._point(st)
             st.resident = True
             return
@@ -267,7 +271,7 @@ class ChunkStore:
             if st.shard is not None
             else st.master.to(self.device, non_blocking=True)
         )
-        handle = comm.all_gather_into(st.full, src, self.axis, async_op=async_op)
+        handle = comm.all_gather_into(st.full, src, self.replica_axis(st), async_op=async_op)
         if async_op:
             st.pending = handle
         else:
@@ -280,7 +284,7 @@ class ChunkStore:
             _alloc(st.full)
             self._point(st)
             if self.stage < 3:  # stages 1-2 keep every chunk gathered: refresh it from the masters
-                comm.all_gather_into(st.full, st.low, self.axis)
+                comm.all_gather_into(st.full, st.low, self.replica_axis(st))
                 return
             _free(st.full)
             st.resident = False
@@ -322,7 +326,7 @@ class ChunkStore:
                 self.upload(st)
             if self.stage < 3:
                 src = st.low if self.param_dtype is not None else st.shard
-                handles.append(comm.all_gather_into(st.full, src, self.axis, async_op=True))
+                handles.append(comm.all_gather_into(st.full, src, self.replica_axis(st), async_op=True))
         for h in handles:
             h.wait()
 
