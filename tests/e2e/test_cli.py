@@ -197,3 +197,20 @@ def test_version_and_the_plan_help_examples_work(capsys):
             assert re.match(r"^gpt-[\d.]+b: [\d.]+B parameters", out) and "tokens/s" in out, example
     assert main(["plan", "--memory", "--model", "gpt-mini", "--vocab", "257", "--seq", "128"]) == 0
     assert capsys.readouterr().out.startswith("842,624 parameters")  # not "0.00B"
+
+
+@pytest.mark.timeout(300)
+def test_moe_step_log_has_tokens_per_expert(tmp_path):
+    """A mixture-of-experts preset under ep=2: metrics.jsonl records every MoE block's tokens per
+    expert (the last micro-batch's, over the global batch: 8 rows x 64 tokens x top-2 each)."""
+    out_dir = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith("--model.name")] + ["--model.name=llama-moe-tiny", "--plan.ep=2"]
+    r = behemoth(
+        "run", "--nproc", "2", "train", DEMO, *args, "--train.steps=2", f"--train.out_dir={out_dir}", cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    for rec in records:
+        counts = rec["expert_tokens"]
+        assert sorted(counts) == ["layers.0.mlp", "layers.1.mlp"], counts
+        assert all(len(c) == 4 and sum(c) == 8 * 64 * 2 for c in counts.values()), counts

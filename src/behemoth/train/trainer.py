@@ -322,6 +322,9 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         metrics = _step_metrics(
             step, lr, out, flops_per_token=flops_per_token, world_size=world_size, peak=peak, device=engine.device
         )
+        expert_tokens = engine.expert_token_counts()  # MoE: tokens per expert per block (last micro-batch)
+        if expert_tokens:
+            metrics["expert_tokens"] = expert_tokens
         if validation is not None and (step % tc.eval_every == 0 or step == tc.steps):
             metrics["val_loss"] = last_val = validation.loss(engine)  # rank 0's number; None elsewhere
         metrics["elapsed_s"] = time.perf_counter() - loop_start
