@@ -261,7 +261,7 @@ class _CachedStep:
 
     def __call__(self, ids_bS, pos_bS, slots_S) -> torch.Tensor:
         self.cache.begin(slots_S)
-        out = self.model(ids_bS, pos_bS)
+        out = self.model(ids_bS, pos_bS, logits_to_keep=1)
         return _logits(out)[:, -1].float()
 
 
@@ -300,6 +300,7 @@ class _TransformersStep:
             position_ids=pos_bS,
             cache_position=slots_S,
             use_cache=True,
+            logits_to_keep=1,
             **{self.cache_arg: self.cache},
         )
         return _logits(out)[:, -1].float()

@@ -292,7 +292,9 @@ class GPT(nn.Module):
                 else:
                     _seeded_fill_(param, "normal", 0.02, generator)
 
-    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, logits_to_keep: int = 0
+    ) -> torch.Tensor:
         """Logits for every position.
 
         Args:
@@ -300,6 +302,8 @@ class GPT(nn.Module):
             position_ids_BS: positions into ``wpe`` (B or 1 rows); default
                 ``arange(S)``. Pass offsets when this rank holds a slice of a
                 longer sequence.
+            logits_to_keep: compute logits for the last this many positions only
+                (generation's prefill needs the last one); 0: every position.
         Returns:
             logits_BSV in the model's dtype.
         """
@@ -314,6 +318,8 @@ class GPT(nn.Module):
         x_BSH = self.drop(self.wte(input_ids_BS) + self.wpe(position_ids_BS))
         for block in self.blocks:
             x_BSH = block(x_BSH)
+        if logits_to_keep:
+            x_BSH = x_BSH[:, -logits_to_keep:]
         return self.lm_head(self.ln_f(x_BSH))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -440,13 +440,17 @@ class Llama(nn.Module):
                     values = torch.empty(param.shape, dtype=torch.float32)
                     param.copy_(values.normal_(0.0, std, generator=generator))
 
-    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, logits_to_keep: int = 0
+    ) -> torch.Tensor:
         """Logits for every position.
 
         Args:
             input_ids_BS: int64 token ids, S <= ``config.seq_len``.
             position_ids_BS: RoPE positions (B or 1 rows); default ``arange(S)``.
                 Pass offsets when this rank holds a slice of a longer sequence.
+            logits_to_keep: compute logits for the last this many positions only
+                (generation's prefill needs the last one); 0: every position.
         Returns:
             logits_BSV in the model's dtype.
         """
@@ -461,6 +465,8 @@ class Llama(nn.Module):
         x_BSH = self.embed(input_ids_BS)
         for layer in self.layers:
             x_BSH = layer(x_BSH, position_ids_BS)
+        if logits_to_keep:
+            x_BSH = x_BSH[:, -logits_to_keep:]
         return self.lm_head(self.norm(x_BSH))
 
     def aux_loss(self) -> torch.Tensor | None:
