@@ -71,7 +71,15 @@ def test_chrome_trace_phases_add_up_to_the_step():
     trace = chrome_trace(p)
     step = [e for e in trace["traceEvents"] if e["tid"] == "step"]
     assert sum(e["dur"] for e in step) == pytest.approx(p.step * 1e6)
-    assert {e["tid"] for e in trace["traceEvents"]} >= {"step", "comm tp", "comm pp"}
+    assert {e["tid"] for e in trace["traceEvents"]} >= {"step", "comm tp", "comm pp", "pipeline rank 1"}
+    # the simulator's timeline: 8 forwards and 8 backwards per rank, ending where the prediction's
+    # pipeline ends (which adds 2 (pp - 1) hand-off latencies; the simulator places each one)
+    ranks = [[e for e in trace["traceEvents"] if e["tid"] == f"pipeline rank {r}"] for r in (0, 1)]
+    assert [len(r) for r in ranks] == [16, 16]
+    end = max(e["ts"] + e["dur"] for r in ranks for e in r)
+    t_f, t_b, t_comm = p.stage_times
+    assert end == pytest.approx((8 * (t_f + t_b) + p.bubble) * 1e6, rel=0.01)
+    assert end >= 8 * (t_f + t_b) * 1e6
 
 
 def test_scale_sweep_compares_tensor_parallel_modes():

@@ -65,6 +65,9 @@ class Prediction:
     """Why it does not fit (empty when it does)."""
     phases: tuple[tuple[str, float], ...] = field(default=(), repr=False)
     """The step as consecutive phases, for a trace."""
+    stage_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """One micro-batch's forward and backward through a pipeline stage, and one hand-off's
+    latency (what the schedule simulator ran with)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -263,4 +266,5 @@ def predict(
         fits=not why,
         why_not=why,
         phases=phases,
+        stage_times=(t_f, t_b, t_comm),
     )

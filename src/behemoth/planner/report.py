@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 
+from ..parallel.pipeline.schedules import make_schedule
+from ..parallel.pipeline.simulate import simulate
+from .bubble import SIMULATE_LIMIT
 from .cost import Prediction
 from .search import SearchResult
 
@@ -105,9 +108,30 @@ def explain(res: SearchResult) -> str:
 
 def chrome_trace(p: Prediction, path: str | None = None) -> dict:
     """A Chrome trace (``{"traceEvents": [...]}``) of one predicted step: one row of phases
-    (compute, bubble, exposed sync, optimizer, offload) and one row per axis with its
-    communication time. Written to ``path`` when given."""
+    (compute, bubble, exposed sync, optimizer, offload), one row per axis with its
+    communication time and, for a pipeline of at most ``SIMULATE_LIMIT`` actions, one row per
+    pipeline rank with every forward and backward as the schedule simulator placed them.
+    Written to ``path`` when given."""
     events, t = [], 0.0
+    plan = p.plan
+    t_f, t_b, t_comm = p.stage_times
+    if plan.pp > 1 and t_f > 0 and 3 * plan.pp * plan.microbatches * plan.virtual_stages <= SIMULATE_LIMIT:
+        acts = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+        kw = dict(t_f=t_f, t_b=t_b, t_comm=t_comm)
+        if plan.schedule == "zero-bubble":
+            kw.update(t_bi=t_b / 2, t_bw=t_b / 2)
+        for rank, timeline in enumerate(simulate(acts, plan.pp, **kw).timeline):
+            for a, start, end in timeline:
+                events.append(
+                    {
+                        "name": f"{a.kind} mb{a.microbatch}" + (f" chunk{a.chunk}" if plan.virtual_stages > 1 else ""),
+                        "ph": "X",
+                        "pid": 1,
+                        "tid": f"pipeline rank {rank}",
+                        "ts": start * 1e6,
+                        "dur": (end - start) * 1e6,
+                    }
+                )
     for name, dur in p.phases:
         if dur > 0:
             events.append({"name": name, "ph": "X", "pid": 0, "tid": "step", "ts": t * 1e6, "dur": dur * 1e6})
