@@ -7,6 +7,9 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   micro-batch; under a pipeline, the blocks of one stage (the embedding's, head's and loss's
   collectives counted on every stage: an upper bound for the middle ones);
 * ``cp``: :func:`~.context_traffic.cp_model_traffic` of the stage's layers, per micro-batch;
+  under the zero-bubble schedule a stage with an input gradient (all but the first) sends the
+  backward's share twice: its weight-gradient pass (BW) backpropagates through the attention's
+  collectives again, as the ledger shows (the first stage runs one backward);
 * ``dp`` (``dp_cp`` under context parallelism, the axis gradients reduce over): ZeRO stage 0
   all-reduces the fp32 gradients once per step, stage 1 reduce-scatters them once, stage 2
   once per micro-batch, stage 3 once per micro-batch after gathering the parameters forward
@@ -30,6 +33,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..parallel.pipeline.partition import estimate_block_costs, virtual_partition
 from ..plan import Plan
 from .collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from .context_traffic import cp_model_traffic
@@ -96,8 +100,32 @@ def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes
 
 
 @lru_cache(maxsize=65536)
-def _cp_micro(shape, mbs: int, seq: int, cp: int, mode: str, tp: int, dtype_bytes: int) -> float:
-    return cp_model_traffic(shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, dtype_bytes=dtype_bytes).total
+def _cp_micro(shape, mbs: int, seq: int, cp: int, mode: str, tp: int, dtype_bytes: int) -> tuple[float, float]:
+    t = cp_model_traffic(shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, dtype_bytes=dtype_bytes)
+    return t.forward, t.backward
+
+
+def stage_layers(plan: Plan, w: Workload) -> tuple[int, ...]:
+    """Blocks each pipeline rank holds (over its chunks): the runtime's own balanced split
+    (``behemoth.parallel.pipeline.partition``: blocks by estimated cost, the embedding on the
+    first stage, the head on the last) where its O(stages x blocks**2) search is cheap (up to
+    ``EXACT_SPLIT_WORK``); past that, blocks dealt out evenly (the first ranks one more)."""
+    if plan.pp == 1:
+        return (w.shape.num_layers,)
+    return _stage_layers(w.shape, w.seq_len, plan.pp, plan.virtual_stages)
+
+
+EXACT_SPLIT_WORK = 200_000
+
+
+@lru_cache(maxsize=1024)
+def _stage_layers(shape, seq: int, pp: int, v: int) -> tuple[int, ...]:
+    n = shape.num_layers
+    if pp * v * n * n > EXACT_SPLIT_WORK:
+        return tuple(n // pp + (1 if r < n % pp else 0) for r in range(pp))
+    costs = estimate_block_costs(shape, seq_len=seq)
+    split = virtual_partition(costs.blocks, pp, v, first_extra=costs.first_extra, last_extra=costs.last_extra)
+    return tuple(sum(b - a for a, b in chunks) for chunks in split)
 
 
 def local_params(plan: Plan, w: Workload, *, layers: int | None = None, stage: int | None = None) -> float:
@@ -108,7 +136,8 @@ def local_params(plan: Plan, w: Workload, *, layers: int | None = None, stage: i
     embedding) on the last. Replicated norm and bias parameters are counted as split by tp
     (exact at tp = 1)."""
     s = w.shape
-    layers = -(-s.num_layers // plan.pp) if layers is None else layers
+    if layers is None:
+        layers = stage_layers(plan, w)[plan.pp - 1 if stage is None else stage]
     dense = w.block_params - w.expert_params
     n = layers * (dense / plan.tp + w.expert_params / (plan.ep * plan.tp))
     last = plan.pp * plan.virtual_stages - 1
@@ -139,13 +168,15 @@ def step_traffic(
         )
     pp = plan.pp
     stage = pp - 1 if stage is None else stage
-    layers = s.num_layers // pp + (1 if stage < s.num_layers % pp else 0)
+    layers = stage_layers(plan, w)[stage]
     out: dict[str, float] = {}
     if plan.tp > 1:
         out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal)
     if plan.cp > 1:
-        one = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, dt.compute)
-        out["cp"] = one / s.num_layers * layers * m
+        fwd, bwd = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, dt.compute)
+        if plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0:
+            bwd *= 2  # the weight-gradient pass (BW) runs the attention's backward collectives again
+        out["cp"] = (fwd + bwd) / s.num_layers * layers * m
     g = plan.dp * plan.cp
     if g > 1:
         n = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None)

@@ -32,6 +32,7 @@ import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["Calibration", "load_calibration", "CALIBRATIONS"]
@@ -52,6 +53,12 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     w = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
     return y0 + w * (y1 - y0)
+
+
+@lru_cache(maxsize=4096)
+def _link_figures(points: tuple[tuple[int, float, float], ...], group: int) -> tuple[float, float]:
+    """(latency, bus bandwidth) of a collective over ``group`` ranks, from one link class's points."""
+    return _interp([(p, a) for p, a, _ in points], group), _interp([(p, b) for p, _, b in points], group)
 
 
 @dataclass(frozen=True)
@@ -101,9 +108,7 @@ class Calibration:
         """``calls`` collectives over ``group`` ranks on ``link`` moving ``wire_bytes`` per rank in all."""
         if group <= 1 or (wire_bytes <= 0 and calls <= 0):
             return 0.0
-        pts = self.links[link]
-        lat = _interp([(p, a) for p, a, _ in pts], group)
-        bw = _interp([(p, b) for p, _, b in pts], group)
+        lat, bw = _link_figures(self.links[link], group)
         return calls * lat + wire_bytes / bw
 
     def p2p_seconds(self, link: str, nbytes: float) -> float:

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import Dtypes, local_params, step_traffic
+from .axis_traffic import Dtypes, local_params, stage_layers, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import block_times, head_times, tp_grid
@@ -133,13 +133,16 @@ def predict(
             f"microbatches={m}."
         )
     dt = Dtypes.of(plan)
-    layers = -(-s.num_layers // pp)
+    per_rank = stage_layers(plan, w)
+    layers = per_rank[-1]  # the last stage's blocks (it also holds the head)
     key = (plan.tp_mode, plan.tp, plan.tp_depth, plan.sequence_parallel, plan.tp_overlap, plan.cp, plan.ep)
     key += (plan.activation_checkpointing, plan.precision, mbs)
     bt = _memo(cache, ("block",) + key, lambda: block_times(plan, w, cal, mbs))
     hf, hb = _memo(cache, ("head",) + key, lambda: head_times(plan, w, cal, mbs))
-    t_f = layers * bt.forward + hf
-    t_b = layers * bt.backward + hb
+    # the pipeline runs at its slowest stage's pace
+    t_f = max(n * bt.forward + (hf if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
+    t_b = max(n * bt.backward + (hb if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
+    compute = m * (t_f + t_b)
     nbytes = step_traffic(plan, w, dt=dt)
     strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp)
     comm: dict[str, float] = {}
@@ -191,7 +194,6 @@ def predict(
         comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
         exposed["pp"] = 0.0  # inside the makespan (its latency per hand-off)
     makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, t_comm)
-    compute = m * (layers * (bt.forward + bt.backward) + hf + hb)
 
     # data parallelism / ZeRO over dp (x cp)
     g = plan.dp * plan.cp

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .axis_traffic import local_params
+from .axis_traffic import local_params, stage_layers
 from .workload import Workload
 
 __all__ = ["Footprint", "footprint"]
@@ -82,8 +82,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     """Memory of the pipeline's last stage (the head's) under ``plan`` (resolved)."""
     s = w.shape
     g = plan.dp * plan.cp
-    layers = -(-s.num_layers // plan.pp)
-    n = local_params(plan, w, layers=layers, stage=plan.pp - 1)
+    layers = max(stage_layers(plan, w))
+    n = local_params(plan, w, stage=plan.pp - 1)
     z, off = plan.zero, plan.offload is not None
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0

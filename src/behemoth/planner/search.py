@@ -193,12 +193,12 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                             fields["param_dtype"] = pdt
                             fields.update(tv)
                             fields.update(pv)
-                            variants = []  # (offload, checkpointing, Plan's fields), cheapest first
+                            variants = []  # [offload, checkpointing, Plan's fields, the Plan], cheapest first
                             for off in limits.offloads:
                                 for ac in limits.activation_checkpointing:
                                     f = dict(fields, offload=off, activation_checkpointing=ac)
                                     if _legal(f, verdicts, res):
-                                        variants.append((off, ac, dict(f, dp=dp)))
+                                        variants.append([off, ac, dict(f, dp=dp), None])
                             if not variants:
                                 continue
                             for mbs in sizes:
@@ -215,10 +215,14 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
     only when every cheaper one fails to fit, since it never predicts a faster step. Memory is
     checked first; only plans that fit are timed."""
     fit: dict[tuple, bool] = {}
-    for off, ac, fields in variants:
+    for variant in variants:
+        off, ac, fields, base = variant
         if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
             continue
-        plan = Plan(**fields, microbatches=m)
+        if base is None:  # built once per layout: its constructor checks the actual degrees
+            base = variant[3] = Plan(**fields)
+        plan = object.__new__(Plan)  # a copy of base: the micro-batch count (>= 1) changes no rule of Plan's
+        plan.__dict__.update(base.__dict__, microbatches=m)
         why = shape_refusal(plan, w, mbs)
         if why:
             res.refused[why] += 1
@@ -234,14 +238,20 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
             res.unfit = predict(plan, w, cluster, cache=cache, memory=mem)
 
 
+_AS_TWO = ("pp", "cp", "ep")
+
+
 def _legal(fields: dict, verdicts: dict, res: SearchResult) -> bool:
     """Whether Plan's own rules (its constructor and ``check_supported``) accept ``fields``
-    (``dp`` left to fill the world: the search keeps ``ep | dp`` itself); verdicts cached."""
-    key = tuple(fields.items())
+    (``dp`` left to fill the world: the search keeps ``ep | dp`` itself). Verdicts are cached
+    with pp, cp and ep read as "1 or more" (Plan's composition rules ask only whether they
+    exceed 1): a representative with 2 for each is what Plan judges; the plan built from the
+    actual fields then passes Plan's constructor, which checks every degree itself."""
+    key = tuple((k, min(v, 2)) if k in _AS_TWO else (k, v) for k, v in fields.items())
     why = verdicts.get(key)
     if why is None:
         try:
-            Plan(**fields).check_supported()
+            Plan(**dict(key)).check_supported()
             why = ""
         except (ValueError, NotImplementedError) as e:
             why = str(e).split(":")[0]
