@@ -201,20 +201,23 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                                         variants.append([off, ac, dict(f, dp=dp), None])
                             if not variants:
                                 continue
-                            for mbs in sizes:
-                                _costed(variants, mbs, share // mbs, w, cluster, budget, cache, res, fitting)
+                            for mbs in sizes:  # ascending: activations grow with the micro-batch
+                                if not _costed(variants, mbs, share // mbs, w, cluster, budget, cache, res, fitting):
+                                    break  # nothing fits at this size: no larger one fits either
     fitting.sort(key=lambda p: (p.step, p.memory.gpu_total))
     res.fits = len(fitting)
     res.ranked = fitting[: limits.top]
     return res
 
 
-def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
+def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> bool:
     """Cost one layout at one micro-batch size under each offload / activation-checkpointing
     choice, cheapest first: a choice that only saves memory (offload, recomputation) is tried
     only when every cheaper one fails to fit, since it never predicts a faster step. Memory is
-    checked first; only plans that fit are timed."""
+    checked first; only plans that fit are timed. Returns whether one fitted (a shape refusal
+    counts as fitting: a larger micro-batch may divide where this one does not)."""
     fit: dict[tuple, bool] = {}
+    refused = False
     for variant in variants:
         off, ac, fields, base = variant
         if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
@@ -227,6 +230,7 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
         if why:
             res.refused[why] += 1
             fit[(off, ac)] = False
+            refused = True
             continue
         mem = plan_memory(plan, w, cluster)
         ok = mem.gpu_total <= budget and mem.host <= cluster.host_bytes
@@ -236,6 +240,7 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> None:
             fitting.append(predict(plan, w, cluster, cache=cache, memory=mem))
         elif res.unfit is None or mem.gpu_total < res.unfit.memory.gpu_total:
             res.unfit = predict(plan, w, cluster, cache=cache, memory=mem)
+    return refused or any(fit.values())
 
 
 _AS_TWO = ("pp", "cp", "ep")
