@@ -130,16 +130,16 @@ def _stage_layers(shape, seq: int, pp: int, v: int) -> tuple[int, ...]:
 
 def local_params(plan: Plan, w: Workload, *, layers: int | None = None, stage: int | None = None) -> float:
     """Parameters one rank holds before ZeRO sharding: ``layers`` blocks (default: its share
-    of them) split over tp, experts over ep, and the parts of its pipeline stage: the whole
-    model's embedding, final norm and head without a pipeline (``stage`` None); the embedding
-    on the first stage; the final norm and the head's table (its own, or its copy of a tied
-    embedding) on the last. Replicated norm and bias parameters are counted as split by tp
-    (exact at tp = 1)."""
+    of them) split over tp, experts over ep (whole on every tp rank), and the parts of its
+    pipeline stage: the whole model's embedding, final norm and head without a pipeline
+    (``stage`` None); the embedding on the first stage; the final norm and the head's table
+    (its own, or its copy of a tied embedding) on the last. Replicated norm and bias
+    parameters are counted as split by tp (exact at tp = 1)."""
     s = w.shape
     if layers is None:
         layers = stage_layers(plan, w)[plan.pp - 1 if stage is None else stage]
     dense = w.block_params - w.expert_params
-    n = layers * (dense / plan.tp + w.expert_params / (plan.ep * plan.tp))
+    n = layers * (dense / plan.tp + w.expert_params / plan.ep)  # experts whole on every tp rank
     last = plan.pp * plan.virtual_stages - 1
     stages = None if stage is None or plan.pp == 1 else {c * plan.pp + stage for c in range(plan.virtual_stages)}
     if stages is None:

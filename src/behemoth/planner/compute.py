@@ -88,9 +88,8 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         f = w.expert_ffn_hidden or s.ffn_hidden
         # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all
         rows = t * w.experts_top_k * plan.ep / w.num_experts
-        one = (2 if s.gated_mlp else 1) * _linear(cal, plan, rows, h, f, "column", eb) + _linear(
-            cal, plan, rows, f, h, "row", eb
-        )
+        # experts stay whole on every tensor-parallel rank (tp splits attention only)
+        one = (2 if s.gated_mlp else 1) * cal.gemm_seconds(rows, f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
         gemm += one * w.num_experts / plan.ep
     else:
         f = s.ffn_hidden
