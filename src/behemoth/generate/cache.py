@@ -91,6 +91,9 @@ class LayerCache:
         self.owner = owner
         self.k = torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        if self.k.device.type == "cuda":  # written in place: a compiled decode step keeps its CUDA graph
+            torch._dynamo.mark_static_address(self.k)
+            torch._dynamo.mark_static_address(self.v)
 
     def update(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor):
         """Write this forward's keys and values into their slots; return every slot's keys and

@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import comm
 from ..parallel.tensor.tp1d import sequence_parallel_paused
+from ..specs import max_seq_len_of
 from .cache import KVCache, cached_attentions
 from .prompts import Prompts, left_pad, padded_rows, positions
 from .sampling import Sampler, Sampling
@@ -89,7 +90,7 @@ def generate(
     run = _Run.of(model)
     prompts_in = prompts
     batch = left_pad(prompts, attention_mask, pad, multiple=run.prompt_multiple)
-    _check_length(model, batch.length + max_new_tokens)
+    _check_length(model, int(batch.valid_BP.sum(-1).max()) + max_new_tokens)
     real_rows = batch.rows
     batch = padded_rows(batch, run.row_split)
 
@@ -109,8 +110,7 @@ def generate(
 
 
 def _check_length(model: nn.Module, needed: int) -> None:
-    from ..specs import max_seq_len_of
-
+    """Refuse positions past the model's table (the longest prompt plus the new tokens)."""
     config = getattr(model, "config", None)
     try:
         limit = max_seq_len_of(config)
@@ -118,7 +118,7 @@ def _check_length(model: nn.Module, needed: int) -> None:
         return
     if needed > limit:
         raise ValueError(
-            f"generation needs {needed} positions (the padded prompts plus max_new_tokens), more than the "
+            f"generation needs {needed} positions (the longest prompt plus max_new_tokens), more than the "
             f"model's {limit}; shorten the prompts or lower max_new_tokens."
         )
 
@@ -205,22 +205,23 @@ class _Run:
         done_B = ~real.to(dev)
         kept: list[torch.Tensor] = []
         with step.attached():
-            logits_BV = step(self.tp_block(ids_BP), self.tp_block(pos_BP), torch.arange(P, device=dev))
+            logits_BV = step(self.tp_block(ids_BP), self.tp_block(pos_BP), 0)
             for t in range(max_new):
                 if t > 0:
                     with sequence_parallel_paused(self.model) if self.sp else contextlib.nullcontext():
                         logits_BV = step(
                             self.tp_block(tokens_BT[:, t - 1 : t]),
                             self.tp_block((next_pos_B + t - 1)[:, None]),
-                            torch.tensor([P + t - 1], device=dev),
+                            P + t - 1,
                         )
                 if keep:
                     kept.append(logits_BV)
                 token_B = sampler(logits_BV).masked_fill(done_B, pad)
                 tokens_BT[:, t] = token_B
                 lengths_B += (~done_B).long()
-                if eos is not None:
-                    done_B |= token_B == eos
+                if eos is None:
+                    continue  # no row stops early: no host sync per step
+                done_B |= token_B == eos
                 finished = bool(done_B.all())
                 if self.lockstep:
                     finished = comm.all_agree(finished, self.dp)
@@ -259,8 +260,9 @@ class _CachedStep:
     def attached(self):
         return self.cache.attached()
 
-    def __call__(self, ids_bS, pos_bS, slots_S) -> torch.Tensor:
-        self.cache.begin(slots_S)
+    def __call__(self, ids_bS, pos_bS, start: int) -> torch.Tensor:
+        """Logits of the last position of ``ids_bS``, written into slots ``start, start + 1, ...``."""
+        self.cache.begin(torch.arange(start, start + ids_bS.shape[1], device=ids_bS.device))
         out = self.model(ids_bS, pos_bS, logits_to_keep=1)
         return _logits(out)[:, -1].float()
 
@@ -292,8 +294,9 @@ class _TransformersStep:
     def attached(self):
         return contextlib.nullcontext()
 
-    def __call__(self, ids_bS, pos_bS, slots_S) -> torch.Tensor:
-        end = int(slots_S[-1]) + 1
+    def __call__(self, ids_bS, pos_bS, start: int) -> torch.Tensor:
+        end = start + ids_bS.shape[1]
+        slots_S = torch.arange(start, end, device=ids_bS.device)
         out = self.model(
             input_ids=ids_bS,
             attention_mask=self.mask_bL[:, :end],
