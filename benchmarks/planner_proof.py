@@ -149,16 +149,20 @@ def main() -> None:
             row.update(oom=True, error=str(e).splitlines()[0])
             gc.collect()
             torch.cuda.empty_cache()
+        except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
+            row.update(oom=False, refused=str(e).splitlines()[0])
+            gc.collect()
+            torch.cuda.empty_cache()
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
         dist.barrier()
-    ok = [r for r in rows if not r["oom"]]
+    ok = [r for r in rows if not r["oom"] and "refused" not in r]
     if rank == 0 and ok:
         pred = [r["predicted_step_s"] for r in ok]
         meas = [r["measured_step_s"] for r in ok]
         best = min(meas)
-        top = ok[0]["measured_step_s"] if not rows[0]["oom"] else float("nan")
+        top = rows[0]["measured_step_s"] if "measured_step_s" in rows[0] else float("nan")
         print(
             json.dumps(
                 dict(
@@ -171,6 +175,7 @@ def main() -> None:
                     top_pick_vs_best_measured_pct=round(100 * (top / best - 1), 1),
                     mean_abs_mem_err_pct=round(sum(abs(r["mem_err_pct"]) for r in ok) / len(ok), 1),
                     oom_predicted_to_fit=sum(r["oom"] for r in rows),
+                    refused_by_boost=sum("refused" in r for r in rows),
                 )
             ),
             flush=True,
