@@ -45,13 +45,27 @@ LLAMA3_8B = dict(
 )
 
 
-def build(seq_len: int, layers: int | None) -> Llama:
+TINY = dict(LLAMA3_8B, vocab_size=1024, num_layers=2, hidden=256, ffn_hidden=512)
+"""``--tiny``: a smoke test of this script on CPU (gloo), not a measurement."""
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(seq_len: int, layers: int | None, tiny: bool) -> Llama:
     """Llama-3-8B shape, bf16, random normal(0, 0.02) weights drawn on the GPU (the same on every
     rank: ``parallelize`` broadcasts tp rank 0's anyway)."""
-    shape = dict(LLAMA3_8B, num_layers=layers or LLAMA3_8B["num_layers"])
+    base = TINY if tiny else LLAMA3_8B
+    shape = dict(base, num_layers=layers or base["num_layers"])
     cfg = LlamaConfig(seq_len=seq_len, **shape)
     model = Llama(cfg, device="meta", dtype=torch.bfloat16)
-    model.to_empty(device="cuda")
+    model.to_empty(device=_device())
     model.tie_weights()
     torch.manual_seed(0)
     with torch.no_grad():
@@ -64,32 +78,37 @@ def build(seq_len: int, layers: int | None) -> Llama:
 
 
 def timed_generate(model, prompts, new: int, repeats: int) -> tuple[float, float]:
-    """Seconds of the last of ``repeats`` calls, and of its prefill alone (a 1-token call)."""
+    """Seconds of the last of ``repeats`` calls, and of its prefill alone (the second of two 1-token calls)."""
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         dist.barrier()
         t = time.perf_counter()
         bh.generate(model, prompts, max_new_tokens=new)
-        torch.cuda.synchronize()
+        _sync()
         total = time.perf_counter() - t
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    bh.generate(model, prompts, max_new_tokens=1)
-    torch.cuda.synchronize()
-    return total, time.perf_counter() - t
+    for _ in range(2):  # the first call compiles for its cache length under --compile
+        _sync()
+        t = time.perf_counter()
+        bh.generate(model, prompts, max_new_tokens=1)
+        _sync()
+        prefill = time.perf_counter() - t
+    return total, prefill
 
 
 def run_config(args, *, tp: int, mode: str, batch: int) -> None:
     world = dist.get_world_size()
     plan = bh.Plan(dp=world // tp, tp=tp, tp_mode=mode)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = bh.parallelize(build(args.prompt + args.new, args.layers), plan)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = bh.parallelize(build(args.prompt + args.new, args.layers, args.tiny), plan)
     if args.compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
     g = torch.Generator().manual_seed(1)
     # every dp replica decodes the same batch: one row block per replica
-    prompts = torch.randint(0, LLAMA3_8B["vocab_size"], (batch, args.prompt), generator=g).repeat(world // tp, 1)
+    vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
+    prompts = torch.randint(0, vocab, (batch, args.prompt), generator=g).repeat(world // tp, 1)
     total, prefill = timed_generate(model, prompts, args.new, args.repeats)
     result = dict(
         what="behemoth-generate",
@@ -104,13 +123,14 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
         tok_s=round(batch * args.new / total, 1),
         decode_ms=round((total - prefill) / max(1, args.new - 1) * 1e3, 2),
         prefill_tok_s=round(batch * args.prompt / prefill, 1),
-        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        gpu=torch.cuda.get_device_name(),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        gpu=torch.cuda.get_device_name() if cuda else "cpu",
     )
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     del model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def run_peer(args) -> None:
@@ -158,10 +178,12 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile (CUDA graphs) of the forward")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args()
 
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     bh.init()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
     configs = []
     if args.sweep == "tp":
@@ -178,7 +200,7 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print("RESULT " + json.dumps(dict(what="behemoth-generate", **c, error=f"OOM: {e}"[:200])), flush=True)
             torch.cuda.empty_cache()
-    if args.sweep == "tp" and not args.no_peer and dist.get_rank() == 0:
+    if args.sweep == "tp" and not args.no_peer and not args.tiny and dist.get_rank() == 0:
         run_peer(args)
     dist.barrier()
     dist.destroy_process_group()
