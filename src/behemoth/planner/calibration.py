@@ -2,7 +2,9 @@
 
 A calibration is a JSON file (``benchmarks/calibrate.py`` measures one in under a minute;
 ``calibrations/h100.json`` and ``calibrations/h200.json`` ship with the package, *estimated from
-datasheet numbers, not measured*, as their ``source`` field says)::
+datasheet numbers, not measured*, as their ``source`` field says; ``h200-measured-2gpu.json`` is
+that script's measurement of a 2x H200 host, its ``source`` naming the figures it could not
+measure there)::
 
     {
       "name": "h100-sxm", "source": "estimated from datasheet numbers (not measured)",
@@ -38,7 +40,7 @@ from pathlib import Path
 __all__ = ["Calibration", "load_calibration", "CALIBRATIONS"]
 
 HERE = Path(__file__).resolve().parent / "calibrations"
-CALIBRATIONS = ("h100", "h200")
+CALIBRATIONS = ("h100", "h200", "h200-measured-2gpu")
 """The calibrations shipped with the package (``load_calibration("h100")``)."""
 
 
