@@ -15,7 +15,9 @@ and 3D tensor parallelism, and pipelines with context parallelism.
   x 2.5D tp = 8 on 16 ranks: the grid splits the batch and the heads, context parallelism
   the sequence of each grid position's heads; the same parity checks, the cp collectives per
   step, and the ledger's ``cp`` bytes (payload and wire) against
-  ``behemoth.planner.context_traffic.cp_model_traffic`` with the grid's split of heads and rows.
+  ``behemoth.planner.context_traffic.cp_model_traffic`` with the grid's split of heads and rows;
+* the planner's predicted wire bytes (``behemoth.planner.axis_traffic.step_traffic``) equal the
+  ledger's: ``cp`` under the grid modes, ``pp`` under pp x 2.5D / 3D and pp x cp;
 * pp = 2 x cp = 2 with dp = 2 and with 1D tp = 2 on 8 ranks (every family, both modes, every
   schedule, activation checkpointing), and pp = 2 x cp = 2 x 2D tp = 4 on 16 ranks: each stage
   runs its share of the sequence with its global position ids; parity and the cp collectives
@@ -33,7 +35,9 @@ import os
 import torch
 
 import behemoth as bh
+from behemoth.planner.axis_traffic import Dtypes, step_traffic
 from behemoth.planner.context_traffic import cp_model_traffic
+from behemoth.planner.workload import workload_for
 from behemoth.specs import shape_of
 from common import (SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,
                     make_optimizer, serial_run, shard, train_steps)
@@ -82,6 +86,21 @@ def _check_pipeline_traffic(engine, m):
     assert (ops["send"], ops["recv"]) == (sends, recvs), (engine.plan.describe(), ops)
 
 
+def _check_planner_bytes(engine, family, layers, axes):
+    """The planner's predicted wire bytes per axis (``behemoth.planner.axis_traffic.step_traffic``)
+    for one forward + backward equal the ledger's, on ``axes``."""
+    engine.reset_comm_stats()
+    engine._forward_backward(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
+    got = engine.comm_stats()
+    w = workload_for(build(family, num_layers=layers), seq_len=SEQ, global_batch=BATCH)
+    stage = engine.mesh.coord("pp") if engine.plan.pp > 1 else 0
+    want = step_traffic(engine.plan, w, stage=stage, dt=Dtypes(compute=4, stream=4, param=4))
+    for axis in axes:
+        assert got[axis]["wire_bytes"] == int(want[axis]), (
+            f"{engine.plan.describe()} {family} stage {stage}: {axis} ledger {got[axis]['wire_bytes']} vs "
+            f"planner {want[axis]}")
+
+
 def _pipeline_grid():
     grid_3d = dict(tp=8, tp_mode="3d")
     grid_25d = dict(tp=8, tp_mode="2.5d", tp_depth=2)
@@ -93,6 +112,7 @@ def _pipeline_grid():
     ):
         engine = _check(family, plan)
         _check_pipeline_traffic(engine, 2)
+        _check_planner_bytes(engine, family, LAYERS, ("pp",))
 
 
 def _pipeline_grid_checkpoint(root):
@@ -133,7 +153,7 @@ def _check_context(family, plan, layers=2, traffic=False):
     assert stats["ops"] == {op: STEPS * plan.microbatches * here * (fwd * (1 + recompute) + bwd)}, (
         engine.plan.describe(), family, here, stats)
     if not traffic:
-        return
+        return engine
     assert plan.pp == 1 and plan.microbatches == 1 and not plan.activation_checkpointing
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
     engine.reset_comm_stats()
@@ -144,6 +164,8 @@ def _check_context(family, plan, layers=2, traffic=False):
     for key, wire in (("bytes", False), ("wire_bytes", True)):
         want = cp_model_traffic(shape_of(engine.model.config), wire=wire, **kw).total
         assert want > 0 and got[key] == want, f"{engine.plan.describe()} {family}: ledger {key} {got[key]} vs {want}"
+    _check_planner_bytes(engine, family, layers, ("cp",))
+    return engine
 
 
 def _context_checkpoint(root):
@@ -205,7 +227,8 @@ def _world8(rank, world, root):
         ("hf-llama", bh.Plan(pp=2, cp=2, tp=2, cp_mode="ulysses", microbatches=2, schedule="gpipe",
                              activation_checkpointing=True)),
     ):
-        _check_context(family, plan, layers=LAYERS)
+        engine = _check_context(family, plan, layers=LAYERS)
+        _check_planner_bytes(engine, family, LAYERS, ("pp",))
     _pipelined_forward_with_context()
     _context_checkpoint(root)
 

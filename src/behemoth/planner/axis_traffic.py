@@ -100,8 +100,12 @@ def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes
 
 
 @lru_cache(maxsize=65536)
-def _cp_micro(shape, mbs: int, seq: int, cp: int, mode: str, tp: int, dtype_bytes: int) -> tuple[float, float]:
-    t = cp_model_traffic(shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, dtype_bytes=dtype_bytes)
+def _cp_micro(
+    shape, mbs: int, seq: int, cp: int, mode: str, tp: int, tp_mode: str, tp_depth: int, dtype_bytes: int
+) -> tuple[float, float]:
+    t = cp_model_traffic(
+        shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, dtype_bytes=dtype_bytes
+    )
     return t.forward, t.backward
 
 
@@ -173,7 +177,7 @@ def step_traffic(
     if plan.tp > 1:
         out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal)
     if plan.cp > 1:
-        fwd, bwd = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, dt.compute)
+        fwd, bwd = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, dt.compute)
         if plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0:
             bwd *= 2  # the weight-gradient pass (BW) runs the attention's backward collectives again
         out["cp"] = (fwd + bwd) / s.num_layers * layers * m
@@ -203,7 +207,7 @@ def step_traffic(
         sent = m * act * sum((st < last) + (st > 0) for st in stages)
         if w.tied_embeddings and (0 in stages) != (last in stages):
             # the tied embedding's two copies, on the first and the last stage, sum their gradients
-            sent += all_reduce_bytes(s.vocab_size * s.hidden / plan.tp * dt.param, 2)
+            sent += all_reduce_bytes(s.vocab_size * s.hidden / _weight_split(plan) * dt.param, 2)
         out["pp"] = sent + all_reduce_bytes(8, pp)  # and the step's float64 loss sum over the stages
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
@@ -212,9 +216,16 @@ def step_traffic(
     return out
 
 
+def _weight_split(plan: Plan) -> int:
+    """How many shards tensor parallelism cuts a weight into: tp, but 2.5D's ``d * q * q`` ranks
+    hold ``q * q`` shards, each replicated over the depth axis."""
+    return plan.tp // plan.tp_depth if plan.tp_mode == "2.5d" else plan.tp
+
+
 def _tp_stream_split(plan: Plan) -> int:
     """How much of the residual stream one rank sends between stages: 1D tp keeps it whole
-    (each tp rank sends its copy), 2D splits it over the q x q grid."""
-    if plan.tp_mode in ("2d", "2.5d"):
+    (each tp rank sends its copy), 2D, 2.5D and 3D split it over their grid (each rank sends its
+    block of rows and hidden)."""
+    if plan.tp_mode in ("2d", "2.5d", "3d"):
         return plan.tp
     return 1

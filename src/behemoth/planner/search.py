@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
 from .cluster import Cluster
+from .context_traffic import tp_attention_split
 from .cost import Prediction, plan_memory, predict
 from .workload import Workload
 
@@ -115,7 +116,8 @@ def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
     if cp > 1:
         if w.seq_len % (2 * cp):
             return "context parallelism needs 2 cp | sequence"
-        if plan.cp_mode == "ulysses" and (s.num_heads // tp) % cp:
+        heads_split, _ = tp_attention_split(tp, plan.tp_mode, plan.tp_depth)
+        if plan.cp_mode == "ulysses" and (s.num_heads // heads_split) % cp:
             return "Ulysses needs cp | heads per tp rank"
     if plan.ep > 1 and (not w.num_experts or w.num_experts % plan.ep):
         return "ep must divide the experts"
