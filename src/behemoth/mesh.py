@@ -64,6 +64,8 @@ def named_axes(plan: Plan) -> dict[str, tuple[str, ...]]:
     }
     if plan.tp_mode != "1d":
         axes.update({"tp_depth": ("tp_depth",), "tp_row": ("tp_row",), "tp_col": ("tp_col",)})
+    if plan.ep > 1 and plan.cp > 1:  # experts' replicas under context parallelism (their gradients' axis)
+        axes["ep_dp_cp"] = ("ep_dp", "cp")
     return axes
 
 

@@ -216,7 +216,8 @@ class Plan:
     def _check_experts_compose(self) -> None:
         """Expert parallelism composes with data parallelism (ep divides dp), ZeRO 1-3 (expert chunks
         sharded over ep_dp, dense chunks over dp), 1D tensor parallelism without sequence parallelism
-        (attention split over tp, experts whole on each tp rank) and micro-batches."""
+        (attention split over tp, experts whole on each tp rank), context parallelism (expert
+        gradients over ep_dp x cp) and micro-batches."""
         if self.ep == 1:
             return
         pending = [
@@ -226,7 +227,6 @@ class Plan:
                 f"tp_mode={self.tp_mode!r}{' with sequence_parallel' if self.sequence_parallel else ''} (1D tensor "
                 f"parallelism without sequence parallelism composes: experts replicated over tp)",
             ),
-            (self.cp > 1, f"cp={self.cp}", "context parallelism (expert gradients over ep_dp x cp)"),
             (self.pp > 1, f"pp={self.pp}", "pipeline stages holding MoE layers"),
             (self.precision == "fp16", "precision='fp16'", "an fp16 overflow vote over the expert axis"),
         ]
@@ -235,7 +235,7 @@ class Plan:
                 raise NotImplementedError(
                     f"Plan.ep={self.ep} with {value}: expert parallelism with {missing} is not built yet. It "
                     f"composes today with dp, ZeRO 1-3, 1D tp (attention split, experts whole on every tp rank), "
-                    f"microbatches, precision 'fp32'/'bf16' and activation checkpointing; "
+                    f"cp, microbatches, precision 'fp32'/'bf16' and activation checkpointing; "
                     f"use ep=1 or drop {value.split('=')[0]}."
                 )
 

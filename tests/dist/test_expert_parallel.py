@@ -159,8 +159,8 @@ def _refusals_world(rank: int, world: int) -> None:
     expect_error(lambda: bh.boost(dense, optimizer_for(dense), bh.Plan(dp=world, ep=2)), "Plan.ep=2",
                  "no mixture-of-experts layer")
     moe = build_moe()
-    # (ZeRO 1-3 with experts trains now: tests/dist/test_expert_zero.py)
-    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, cp=world)), "cp=2",
+    # (ZeRO 1-3 and cp with experts train now: tests/dist/test_expert_zero.py, test_expert_context.py)
+    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, pp=world)), "pp=2",
                  kind=NotImplementedError)
     # (1D tp with experts trains now: tests/dist/test_expert_tensor.py; sequence parallelism does not)
     expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=world, sequence_parallel=True)),

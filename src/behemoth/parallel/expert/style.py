@@ -4,7 +4,8 @@ MegaBlocks and torchtitan's ``ExpertParallel``).
 
 The data axis ``dp`` is split ``ep_dp x ep`` (behemoth.mesh): experts are sharded over the
 inner ``ep`` part and replicated over ``ep_dp``, while the rest of the model (attention, norms,
-embeddings, the routers) stays replicated over the whole of ``dp``. So per-operator:
+embeddings, the routers) stays replicated over the whole of ``dp``. So per-operator (with context
+parallelism, ``dp`` reads ``dp_cp`` and ``ep_dp`` reads ``ep_dp_cp``: the cp ranks hold copies too):
 
 ===================  ======================  ============================  ====================
 parameters           held                    gradients summed over         initial broadcast
@@ -13,6 +14,11 @@ dense (and routers)  whole, every dp rank    ``dp``                        over 
 experts              E/ep of E, by ep rank   ``ep_dp`` (:func:`data_axis   over ``ep_dp``
                                              _of`)
 ===================  ======================  ============================  ====================
+
+Under ZeRO 1-3 the two kinds are chunked apart and each chunk is sharded over its own axis (the
+dense chunks over ``dp``, the expert chunks over ``ep_dp``: never gathered beyond the ep rank's
+experts). Under 1D tensor parallelism the attention and dense MLPs are split over ``tp`` and the
+experts are whole on every tp rank (:func:`dense_tensor_plan`).
 
 :class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
 :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
@@ -158,14 +164,18 @@ def check_experts(model: nn.Module, plan) -> None:
             f"tp={plan.tp}",
             "OLMoE's q_norm / k_norm over the whole projection (a split by heads changes them)",
         ),
-        (plan.cp > 1, f"cp={plan.cp}", "context parallelism (expert gradients over ep_dp x cp)"),
+        (
+            plan.cp > 1 and any(getattr(m, "capacity_factor", None) is not None for m in layers.values()),
+            f"cp={plan.cp}",
+            "a capacity per sequence while the sequence is split over cp ranks (use a dropless router)",
+        ),
         (plan.pp > 1, f"pp={plan.pp}", "pipeline stages holding MoE layers (their router losses)"),
     ]
     for bad, value, missing in pending:
         if bad:
             raise NotImplementedError(
                 f"Plan.{value} with mixture-of-experts layers needs {missing}, which is not built yet. MoE models "
-                f"train today under dp, ep (dividing dp), ZeRO 1-3, 1D tp, microbatches, precision and "
+                f"train today under dp, ep (dividing dp), ZeRO 1-3, 1D tp, cp, microbatches, precision and "
                 f"activation checkpointing; use {value.split('=')[0]}=1."
             )
 
@@ -174,17 +184,18 @@ class ExpertParallel:
     """Style for a mixture-of-experts block (behemoth's
     :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block,
     :mod:`.blocks`): keep this rank's experts of ``ep_axis`` and run tokens through dispatch ->
-    local experts -> combine; the router losses over the batch spread on ``data_axis`` (see the
-    module docstring)."""
+    local experts -> combine; the router losses over the batch spread on ``data_axis`` (``dp``, or
+    ``dp_cp`` under context parallelism; see the module docstring). The experts' copies are
+    replicated over ``replica_axis`` (``ep_dp``, or ``ep_dp_cp`` under context parallelism)."""
 
-    def __init__(self, ep_axis: str = "ep", data_axis: str = "dp") -> None:
-        self.ep_axis, self.data_axis = ep_axis, data_axis
+    def __init__(self, ep_axis: str = "ep", data_axis: str = "dp", replica_axis: str = "ep_dp") -> None:
+        self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
         ep, data = mesh.axis(self.ep_axis), mesh.axis(self.data_axis)
         count = block.num_experts // ep.size
-        shard = ExpertShard(block.num_experts, ep.rank * count, count, ep.name, f"{ep.name}_dp")
+        shard = ExpertShard(block.num_experts, ep.rank * count, count, ep.name, self.replica_axis)
         if not ep.trivial:
             with torch.no_grad():
                 for p in (block.holder.gate_up_proj, block.holder.down_proj):
@@ -250,11 +261,11 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
     balancing loss joins the objective). Returns the :class:`~.losses.ExpertLayers` record.
     Run :func:`check_experts` first."""
     layers = moe_layers(model)
-    styled = {
-        name: ExpertParallel()
-        for name, m in layers.items()
-        if plan.ep > 1 or mesh.axis("dp").size > 1 or not isinstance(m, MoEFeedForward)
-    }
+    spread = plan.ep > 1 or mesh.axis("dp").size > 1 or plan.cp > 1
+    style = ExpertParallel(
+        data_axis="dp_cp" if plan.cp > 1 else "dp", replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp"
+    )
+    styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
     if styled:
         apply_styles(model, styled, mesh, what="expert plan")
     return ExpertLayers(model, layers)
