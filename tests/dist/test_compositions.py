@@ -23,6 +23,8 @@ and 3D tensor parallelism, and pipelines with context parallelism.
   runs its share of the sequence with its global position ids; parity and the cp collectives
   of this rank's stages; ``bh.parallelize`` alone under pp x cp returns the serial logits of the
   rank's tokens on the last stage;
+* with ZeRO on 8 ranks: dp 2 x pp 2 x cp 2 with ZeRO-1, cp 2 x 2D tp 4 with ZeRO-3, dp 2 x cp 2 x
+  2.5D (depth 2) with ZeRO-2;
 * a checkpoint saved under cp = 2 x 2D tp = 4 loads under pp = 2 x cp = 2 x 1D tp = 2.
 
 Two spawned worlds (8 and 16 ranks) run every scenario (spawning costs seconds on two cores;
@@ -229,6 +231,10 @@ def _world8(rank, world, root):
     ):
         engine = _check_context(family, plan, layers=LAYERS)
         _check_planner_bytes(engine, family, LAYERS, ("pp",))
+    # with ZeRO: gradients reduced (and ZeRO-3 parameters gathered) over dp x cp
+    _check("gpt", bh.Plan(dp=2, pp=2, cp=2, zero=1, chunk_mb=0.02, microbatches=2))
+    _check("llama", bh.Plan(cp=2, cp_mode="ring", tp=4, tp_mode="2d", zero=3, chunk_mb=0.02), layers=2)
+    _check("hf-gpt2", bh.Plan(dp=2, cp=2, tp=2, tp_mode="2.5d", tp_depth=2, zero=2), layers=2)
     _pipelined_forward_with_context()
     _context_checkpoint(root)
 
