@@ -39,10 +39,17 @@ micro-batch along dim 1, and for the model keyword that carries the position ids
 loss, token counts and gradients over the ``dp_cp`` axis.
 
 Validated by :func:`parallelize_context`, on every rank, before anything changes: the model
-has attention modules and a position-ids argument, Ulysses' head split (``num_heads / tp``
-divisible by ``cp``), no attention dropout (the cores have none), no cross-attention.
+has attention modules and a position-ids argument, Ulysses' head split (the heads a
+tensor-parallel rank holds, ``num_heads / head_parts(plan)``, divisible by ``cp``), no attention
+dropout (the cores have none), no cross-attention.
 
-Tested in ``tests/dist/test_context_parallel.py`` (whole models against serial training).
+Composes with every tensor-parallel mode: 1D splits the heads over tp; 2D, 2.5D and 3D split
+the heads over the grid side and the rows over the other grid axes, so each rank's attention is
+local to its heads and rows and the cores run over ``cp`` inside each grid position. Under
+pipelines every stage runs the same share of the sequence.
+
+Tested in ``tests/dist/test_context_parallel.py`` (whole models against serial training) and
+``tests/dist/test_compositions.py`` (with 2D, 2.5D and 3D tensor parallelism and pipelines).
 """
 
 from __future__ import annotations
