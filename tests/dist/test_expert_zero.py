@@ -4,7 +4,9 @@ chunk holds its ep rank's E/ep experts only), against serial training: losses, e
 gradient norm, ``full_state_dict()``, rtol 1e-4 in fp32. dp=4 x ep=2 at ZeRO 1, 2 and 3 for
 behemoth's MoE Llama (ZeRO-2 with micro-batches, ZeRO-3 with activation checkpointing, ZeRO-3 with
 offload='cpu': the expert chunks' masters and Adam state on the host), and a transformers Mixtral
-at ZeRO-3; a checkpoint saved at ep=2 x ZeRO-2 loads at ep=1 x ZeRO-3."""
+at ZeRO-3; a checkpoint saved at ep=2 x ZeRO-2 loads at ep=1 x ZeRO-3 and at ep=4 (one expert per
+rank) and keeps matching serial. Adam's state and the gradient shards per rank equal the formula
+dense / dp + experts / (ep * ep_dp) plus padding, within 5%."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +39,23 @@ def check_expert_chunks(engine, ep, what) -> None:
     assert kinds == {True, False}, what
 
 
+def check_memory(engine, zero, what) -> None:
+    """Adam's state per rank (and at stages 2-3 the gradient shards) within 5% of the formula
+    ``dense / dp + experts / (ep * ep_dp)`` elements (experts counted over all E, as the serial
+    model holds them) plus each chunk's padding over its shard count."""
+    model = build_moe()
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    dp, ep, ep_dp = engine.mesh.axis("dp").size, engine.mesh.axis("ep").size, engine.mesh.axis("ep_dp").size
+    store = engine.grad_sync.store
+    padding = sum((st.size - st.used) / store.replica_axis(st).size for st in store.chunks)
+    elems = dense / dp + experts / (ep * ep_dp) + padding
+    report = engine.memory_report()["cpu"]
+    parts = [("optimizer", 2 * 4 * elems)] + ([("grads", 4 * elems)] if zero >= 2 else [])
+    for key, want in parts:
+        assert abs(report[key] - want) <= 0.05 * want, (what, key, report[key], want)
+
+
 def _zero_world(rank: int, world: int, path: str) -> None:
     batches = global_batches(STEPS, BATCH)
     for zero, micro, ckpt, offload in ((1, 1, False, None), (2, 2, False, None), (3, 1, True, None),
@@ -52,18 +71,22 @@ def _zero_world(rank: int, world: int, path: str) -> None:
         assert_losses_close(losses, want[0], what=what)
         assert_grad_norms_close(norms, want[2], what=what)
         assert_state_close(engine.full_state_dict(), want[1], what=what)
+        if offload is None:
+            check_memory(engine, zero, what)
         if zero == 2:
             engine.save(path)
 
-    what = f"saved at ep=2 zero=2, loaded at dp={world} ep=1 zero=3"
     want = serial_moe_run(batches + batches[:1], clip=1.0, world=world, micro=2)
-    fresh = build_moe(seed=5)
-    engine = bh.boost(fresh, optimizer_for(fresh), bh.Plan(dp=world, ep=1, zero=3, microbatches=2), max_grad_norm=1.0)
-    engine.load(path)
-    losses, norms = train_steps(engine, batches[:1])
-    assert_losses_close(losses, want[0][-1:], what=what)
-    assert_grad_norms_close(norms, want[2][-1:], what=what)
-    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    for ep, zero in ((1, 3), (4, 0)):
+        what = f"saved at ep=2 zero=2, loaded at dp={world} ep={ep} zero={zero}"
+        fresh = build_moe(seed=5)
+        plan = bh.Plan(dp=world, ep=ep, zero=zero, microbatches=2)
+        engine = bh.boost(fresh, optimizer_for(fresh), plan, max_grad_norm=1.0)
+        engine.load(path)
+        losses, norms = train_steps(engine, batches[:1])
+        assert_losses_close(losses, want[0][-1:], what=what)
+        assert_grad_norms_close(norms, want[2][-1:], what=what)
+        assert_state_close(engine.full_state_dict(), want[1], what=what)
 
     what = f"transformers Mixtral dp={world} ep=2 zero=3"
     want = serial_hf_run("mixtral", batches)
