@@ -50,7 +50,8 @@ _COMM_MARKERS = (
 # ------------------------------------------------------------------ worker side
 def write_status(kind: str, **info) -> None:
     """Record, for the launcher, why this worker is ending (``kind``: "error", "comm_error",
-    "interrupted", "stopped", "peer_hung"). A no-op outside ``behemoth run``; never raises."""
+    "interrupted", "stopped", "peer_hung",
+    "peer_lost"). A no-op outside ``behemoth run``; never raises."""
     directory = os.environ.get(STATUS_ENV)
     if not directory:
         return

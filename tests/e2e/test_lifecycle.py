@@ -569,3 +569,100 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path):
         logits = model(batch["input_ids"])
         want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
     assert got["loss"] == pytest.approx(want, rel=1e-5)
+
+
+# Loaded by every worker (through PYTHONPATH): on the first attempt, rank 1 dies in its 4th backward
+# the way a process on a GPU does for its peers: it forks a child that keeps its sockets open (as a
+# dead NCCL peer leaves the others waiting, where gloo on CPU would see the socket close and fail at
+# once), then SIGKILLs itself. Rank 0 is left blocked in the gradient all-reduce when the launcher
+# sends it SIGTERM. The child exits by itself after $HOLD_SOCKETS_S seconds. Rank 1 first waits for
+# $WAIT_FOR_CHECKPOINT (written in the background) to be committed, as _KILL_IN_BACKWARD does.
+_DIE_HOLDING_SOCKETS = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import signal
+    import time
+    import torch
+
+    _backward, _calls = torch.Tensor.backward, [0]
+
+    def backward(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 4:
+            marker = os.path.join(os.environ["WAIT_FOR_CHECKPOINT"], "meta.json")
+            deadline = time.monotonic() + 50
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open(os.environ["DEAD_PID_FILE"], "w") as f:
+                f.write(str(os.getpid()))
+            if os.fork() == 0:
+                time.sleep(float(os.environ["HOLD_SOCKETS_S"]))
+                os._exit(0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_blocked_on_a_dead_peer_exits_at_once_on_sigterm(tmp_path):
+    """Rank 1 dies in step 4 with its sockets held open, so rank 0 stays blocked in the all-reduce. The
+    launcher's SIGTERM finds rank 1's process gone (its pid is in the heartbeat) and rank 0 exits at once
+    with one line, instead of waiting for a step boundary it cannot reach until the launcher's SIGKILL 30 s
+    later; the restarted group resumes from step-2 and finishes with the uninterrupted run's losses."""
+    job_args = [*TINY, "--train.steps=6", "--train.save_every=2", "--train.keep_last=0"]
+    ref = tmp_path / "ref"
+    job = Job("run", "--nproc", "2", "train", DEMO, *job_args, f"--train.out_dir={ref}", cwd=tmp_path)
+    assert job.wait(180) == 0, job.text
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_DIE_HOLDING_SOCKETS)
+    dead = tmp_path / "dead.pid"
+    faulty = tmp_path / "faulty"
+    env = {"PYTHONPATH": str(hook), "DEAD_PID_FILE": str(dead), "HOLD_SOCKETS_S": "90"}
+    env["WAIT_FOR_CHECKPOINT"] = str(faulty / "checkpoints" / "step-2")
+    job = Job(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "train",
+        DEMO,
+        *job_args,
+        f"--train.out_dir={faulty}",
+        cwd=tmp_path,
+        env=env,
+    )
+    deadline = time.monotonic() + 200
+    while not dead.exists() or not dead.read_text():
+        if time.monotonic() > deadline or job.proc.poll() is not None:
+            job.kill()
+            pytest.fail(f"rank 1 did not die\n{job.text}")
+        time.sleep(0.05)
+    killed = time.monotonic()
+    first = dict(job.workers())
+    while True:  # the restart: a new worker for every rank
+        now = dict(job.workers())
+        if len(now) == 2 and not set(now.values()) & set(first.values()) - {None}:
+            break
+        if time.monotonic() - killed > 120 or job.proc.poll() is not None:
+            job.kill()
+            pytest.fail(f"no restart within 120 s\n{job.text}")
+        time.sleep(0.05)
+    restart_s = time.monotonic() - killed
+    print(f"kill -> restarted workers: {restart_s:.1f} s")
+    assert job.wait(240) == 0, job.text
+    err = "".join(job.err)
+    assert "behemoth: rank 0: SIGTERM while a peer is lost (rank 1 (pid " in err, job.text
+    assert re.search(r"^resumed from .*step-2 at step 2$", "".join(job.out), re.M), job.text
+    assert restart_s < 25, job.text  # the launcher's SIGKILL grace alone is 30 s
+
+    def records(out_dir):
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = records(faulty), records(ref)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]

@@ -81,3 +81,95 @@ def test_the_watchdog_names_a_peer_that_never_beat_again_and_spares_one_that_lef
     assert found == [(1, f"0:{host}:0".encode())] and mine == b"done"
     assert watch(None)[0] == [(1, None)]  # never beat at all
     assert watch("done")[0] == []  # left on purpose
+
+
+def test_dead_peers_finds_a_gone_process_and_a_stale_beat_and_spares_live_ones():
+    """No processes of the job: a HashStore stands in for the agent store. Rank 1's pid is a finished
+    child of this test (gone), rank 2 beats from another host and never moves, rank 3 is this process
+    (alive, beating by hand), rank 4 left on purpose."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from behemoth.train.lifecycle import Watchdog
+
+    host = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: the pid no longer exists
+    store = dist.HashStore()
+    dog = Watchdog(store, rank=0, world_size=5, timeout=1.0)  # interval 0.2 s
+    store.set("3", f"1:{host}:{os.getpid()}")
+    store.set("4", "done")
+    store.set("2", "7:elsewhere:1")
+
+    store.set("1", f"3:{host}:{gone.pid}")
+    assert dog.dead_peers() == [(1, f"(pid {gone.pid}) is dead")]  # at once, without waiting a beat
+
+    store.set("1", f"3:{host}:{os.getpid()}")
+    beating = threading.Event()
+
+    def beat():
+        n = 1
+        while not beating.wait(0.05):
+            n += 1
+            store.set("3", f"{n}:{host}:{os.getpid()}")
+            store.set("1", f"{n}:{host}:{os.getpid()}")
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert dog.dead_peers() == [(2, "sent no heartbeat for 0.3 s")]
+        assert time.monotonic() - t0 < 1.0
+        store.set("2", "done")
+        assert dog.dead_peers() == []
+    finally:
+        beating.set()
+        t.join()
+
+
+_STOP_SCRIPT = """
+import os, signal, sys, time, types
+from behemoth.train.lifecycle import StopRequest
+
+stop = StopRequest().install()
+world = types.SimpleNamespace(size=1)
+stop.agreed(world)
+time.sleep(0.1)
+stop.agreed(world)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(float(sys.argv[1]))  # the step (or a collective that never returns)
+print("boundary", stop.agreed(world), flush=True)
+stop.restore()
+"""
+
+
+def test_without_a_watchdog_a_sigterm_far_from_a_step_boundary_exits_at_once():
+    """Steps of 0.1 s: a SIGTERM whose step does not reach the boundary within 2 s (the floor) exits with
+    EXIT_PEER_LOST and one line; one reached in 0.5 s stops there as before (no exit)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from behemoth.train.lifecycle import EXIT_PEER_LOST
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = dict(os.environ, PYTHONPATH=src)
+
+    def run(seconds):
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, str(seconds)], env=env, capture_output=True, text=True)
+        return p, time.monotonic() - t0
+
+    p, took = run(0.5)
+    assert p.returncode == 0 and p.stdout == "boundary True\n", p.stderr
+    p, took = run(30)
+    assert p.returncode == EXIT_PEER_LOST, p.stderr
+    assert p.stderr.startswith("behemoth: rank 0: SIGTERM while a peer is lost (no step boundary within 2.0 s")
+    assert len(p.stderr.strip().splitlines()) == 1 and took < 20, (p.stderr, took)

@@ -31,24 +31,49 @@ from datetime import timedelta
 from behemoth import comm
 from behemoth.launcher import write_status
 
-__all__ = ["StopRequest", "Watchdog", "EXIT_PEER_HUNG"]
+__all__ = ["StopRequest", "Watchdog", "EXIT_PEER_HUNG", "EXIT_PEER_LOST"]
 
 EXIT_PEER_HUNG = 3
 """Exit status of the rank that found a peer hung."""
+EXIT_PEER_LOST = 4
+"""Exit status of a rank that got SIGTERM while a peer was dead (no checkpoint could be saved)."""
+MIN_BOUNDARY_WAIT = 2.0
+"""Without a watchdog: seconds a SIGTERMed rank waits at least for a step boundary."""
 
 
 class StopRequest:
-    """A SIGTERM caught and turned into a stop at the next step boundary (on every rank)."""
+    """A SIGTERM caught and turned into a stop at the next step boundary (on every rank), or
+    into an immediate exit when a peer is dead (see the module docstring)."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         self.signum: int | None = None
         self._signals = signals
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._thread: threading.Thread | None = None
+        self._boundary = threading.Event()  # set each time the ranks agree at a step boundary
+        self._last_boundary: float | None = None
+        self._slowest = 0.0  # the longest time between two boundaries so far
+        self.watchdog: Watchdog | None = None  # set by the trainer: knows the peers
 
     def install(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            for s in self._signals:
-                self._previous[s] = signal.signal(s, self._handle)
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live there only
+            return self
+        for s in self._signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        # The interpreter writes each signal's number to the wakeup fd from its C handler, at once,
+        # even while the main thread is blocked in a collective: a thread reading it acts then.
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if previous != -1:  # someone else's (an event loop): leave it, and the fast path off
+            signal.set_wakeup_fd(previous)
+            os.close(r), os.close(w)
+            return self
+        self._wakeup = (r, w)
+        self._thread = threading.Thread(target=self._watch, name="behemoth-sigterm", daemon=True)
+        self._thread.start()
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -58,12 +83,65 @@ class StopRequest:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            os.write(self._wakeup[1], b"\0")  # wakes the thread: 0 is no signal
+            self._thread.join(0.5)
+            if not self._thread.is_alive():  # else it is still checking the peers: a daemon, it ends with us
+                for fd in self._wakeup:
+                    os.close(fd)
+            self._wakeup = None
 
     def agreed(self, world: comm.Axis) -> bool:
         """True on every rank iff some rank has been asked to stop (collective when world > 1)."""
         if world.size == 1:
-            return self.signum is not None
-        return not comm.all_agree(self.signum is None, world)
+            result = self.signum is not None
+        else:
+            result = not comm.all_agree(self.signum is None, world)
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._slowest = max(self._slowest, now - self._last_boundary)
+        self._last_boundary = now
+        self._boundary.set()
+        return result
+
+    def _watch(self) -> None:
+        while True:
+            data = os.read(self._wakeup[0], 64)
+            if not data or 0 in data:
+                return
+            if any(b in self._signals for b in data):
+                self._boundary.clear()
+                self._check_peers()
+
+    def _check_peers(self) -> None:
+        """On SIGTERM: exit now if a peer is dead, else let the main thread stop at the boundary."""
+        if self.watchdog is not None:
+            lost = self.watchdog.dead_peers()
+            if lost:
+                self._exit(lost)
+            return
+        if self._last_boundary is None:  # still starting up: no step time to judge by
+            return
+        bound = max(MIN_BOUNDARY_WAIT, 3 * self._slowest)
+        if not self._boundary.wait(bound - (time.monotonic() - self._last_boundary)):
+            self._exit([], waited=bound)
+
+    def _exit(self, lost: list[tuple[int, str]], waited: float = 0.0) -> None:
+        rank = os.environ.get("RANK", "0")
+        if lost:
+            why = "; ".join(f"rank {r} {how}" for r, how in lost)
+        else:
+            why = f"no step boundary within {waited:.1f} s: blocked in a collective whose peer is gone"
+        print(
+            f"behemoth: rank {rank}: SIGTERM while a peer is lost ({why}); a collective cannot complete "
+            f"without it, so exiting at once without a checkpoint (a restart resumes from the last complete one).",
+            file=sys.stderr,
+            flush=True,
+        )
+        write_status("peer_lost", lost_ranks=[r for r, _ in lost])
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)
 
 
 class Watchdog:
@@ -78,6 +156,7 @@ class Watchdog:
         self.interval = min(5.0, max(0.2, self.timeout / 10))
         self._me = f"{socket.gethostname()}:{os.getpid()}"  # where a hung beat comes from
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the store client is shared with dead_peers()
         self._thread = threading.Thread(target=self._run, name="behemoth-watchdog", daemon=True)
 
     @classmethod
@@ -122,8 +201,9 @@ class Watchdog:
         try:
             while not self._stop.wait(self.interval):
                 beat += 1
-                self.store.set(str(self.rank), f"{beat}:{self._me}")
-                value = self.store.get(watched) if self.store.check([watched]) else None
+                with self._lock:
+                    self.store.set(str(self.rank), f"{beat}:{self._me}")
+                    value = self.store.get(watched) if self.store.check([watched]) else None
                 now = time.monotonic()
                 if value == b"done" or value != last:
                     last, since = value, now
@@ -131,6 +211,35 @@ class Watchdog:
                     self._hung(int(watched), now - since, value)
         except Exception:  # the store went away with the agent: the launcher handles that
             return
+
+    def _beats(self) -> dict[int, bytes]:
+        keys = [str(r) for r in range(self.world_size) if r != self.rank]
+        with self._lock:
+            return {int(k): self.store.get(k) for k in keys if self.store.check([k])}
+
+    def dead_peers(self) -> list[tuple[int, str]]:
+        """``(rank, how)`` of each peer that is gone: its process on this host no longer exists, or
+        its beat did not move for 1.5 beat intervals (another host's). Empty when all are alive,
+        or when the store cannot be read."""
+        try:
+            first = self._beats()
+            lost = []
+            for rank, value in first.items():
+                parts = value.decode(errors="replace").split(":")
+                if len(parts) == 3 and parts[1] == socket.gethostname() and parts[2].isdigit():
+                    if not _process_alive(int(parts[2])):
+                        lost.append((rank, f"(pid {parts[2]}) is dead"))
+            if lost:
+                return lost
+            time.sleep(1.5 * self.interval)
+            again = self._beats()
+        except Exception:  # the agent (and its store) may be gone: the launcher handles that
+            return []
+        return [
+            (rank, f"sent no heartbeat for {1.5 * self.interval:.1f} s")
+            for rank, value in first.items()
+            if value != b"done" and again.get(rank) == value
+        ]
 
     def _hung(self, rank: int, seconds: float, beat: bytes | None) -> None:
         parts = (beat or b"").decode(errors="replace").split(":")
@@ -149,3 +258,20 @@ class Watchdog:
         write_status("peer_hung", hung_rank=rank, seconds=seconds, timeout=self.timeout)
         sys.stdout.flush()
         os._exit(EXIT_PEER_HUNG)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

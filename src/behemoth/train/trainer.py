@@ -207,6 +207,7 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     )
     if watchdog is not None:
         watchdog.start()
+        stop.watchdog = watchdog  # a SIGTERM because a peer died exits at once (lifecycle.StopRequest)
 
     tokenizer = get_tokenizer(config.data.tokenizer)
     model = _build_model(mc)
