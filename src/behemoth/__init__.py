@@ -13,7 +13,7 @@ tokens = bh.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)
 
 from .distributed import init, spawn
 from .engine import Engine, boost
-from .generate import generate
+from .generation import generate
 from .hf.load import load_hf
 from .mesh import ParallelMesh
 from .parallelize import Parallelization, parallelization, parallelize

@@ -43,7 +43,7 @@ from .batch import rows, split_microbatches, to_device
 from .checkpoint import RNGState, load_checkpoint, save_checkpoint
 from .engine_state import ModelState, OptimizerState
 from .executor import SequentialExecutor, StepExecutor
-from .generate import generate
+from .generation import generate
 from .loss import IGNORE_INDEX, MicroBatchLoss, check_shifted_labels
 from .parallel.pipeline.executor import PipelineExecutor, module_runs
 from .parallel.pipeline.schedules import make_schedule
@@ -323,7 +323,7 @@ class Engine:
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, **kwargs):
-        """:func:`behemoth.generate.generate` on this engine's model, its parameters readable in
+        """:func:`behemoth.generation.generate` on this engine's model, its parameters readable in
         full for the duration (ZeRO-3 gathers them), in evaluation mode; every rank calls it with
         the same arguments. Training resumes where it was."""
         with self.grad_sync.gathered():

@@ -19,7 +19,7 @@ import os
 import torch
 
 import behemoth as bh
-from behemoth.generate import kv_cache_bytes
+from behemoth.generation import kv_cache_bytes
 from common import expect_error
 
 VOCAB, SEQ, NEW = 96, 64, 32
@@ -216,3 +216,30 @@ def test_generate_under_every_plan(tmp_path):
     refs = references()
     bh.spawn(_world4, 4, refs, str(tmp_path), timeout=600)
     bh.spawn(_world8, 8, refs, timeout=600)
+
+
+def _build_moe() -> torch.nn.Module:
+    from behemoth.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32, num_experts=4
+    )
+    return Llama(cfg).eval()
+
+
+def _world_experts(rank, world):
+    """Experts exchange tokens over ep inside the forward: the dp ranks decode in lockstep, also
+    when their rows stop at their EOS at different steps."""
+    rows = prompts() + [[14]]
+    want = bh.generate(_build_moe(), rows, max_new_tokens=12)
+    eos = want[2][1]
+    want_eos = bh.generate(_build_moe(), rows, max_new_tokens=12, eos_token_id=eos)
+    steps = [max(len(r) for r in want_eos[:2]), max(len(r) for r in want_eos[2:])]
+    assert steps[0] != steps[1], want_eos  # the two dp ranks' rows are done after different steps
+    model = bh.parallelize(_build_moe(), bh.Plan(dp=2, ep=2))
+    assert bh.generate(model, rows, max_new_tokens=12) == want
+    assert bh.generate(model, rows, max_new_tokens=12, eos_token_id=eos) == want_eos
+
+
+def test_generate_with_experts():
+    bh.spawn(_world_experts, 2, timeout=300)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from behemoth.generate import Sampler, Sampling, kv_cache_bytes
-from behemoth.generate.prompts import left_pad, padded_rows, positions
-from behemoth.generate.sampling import filter_logits
+from behemoth.generation import Sampler, Sampling, kv_cache_bytes
+from behemoth.generation.prompts import left_pad, padded_rows, positions
+from behemoth.generation.sampling import filter_logits
 
 
 def test_left_pad_lists_and_tensors():

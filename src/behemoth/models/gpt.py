@@ -148,7 +148,7 @@ class CausalSelfAttention(nn.Module):
     ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
     object whose ``update(k_BNSD, v_BNSD) -> (k_BNLD, v_BNLD, mask_B1SL)`` stores this
     forward's keys and values and returns every cached slot with the boolean mask of the
-    slots each query may read (``behemoth.generate.KVCache`` is one).
+    slots each query may read (``behemoth.generation.KVCache`` is one).
     """
 
     attention_fn = staticmethod(F.scaled_dot_product_attention)

@@ -290,7 +290,7 @@ class LlamaAttention(nn.Module):
     ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
     object whose ``update(k_BKSD, v_BKSD) -> (k_BKLD, v_BKLD, mask_B1SL)`` stores this
     forward's (rotated) keys and values and returns every cached slot with the boolean mask
-    of the slots each query may read (``behemoth.generate.KVCache`` is one).
+    of the slots each query may read (``behemoth.generation.KVCache`` is one).
     """
 
     attention_fn = staticmethod(F.scaled_dot_product_attention)
