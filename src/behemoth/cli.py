@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         "  behemoth run --nproc 2 -- generate CKPT --prompt 'import' --plan.tp=2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g.add_argument("checkpoint", help="a checkpoints/step-N directory of a run")
+    g.add_argument("checkpoint", help="a checkpoint directory (runs/demo/checkpoints/step-200) or a run's out_dir")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add to each prompt (default 64)")
@@ -265,7 +265,7 @@ def cmd_generate(a, overrides: list[str]) -> int:
     import torch.distributed as dist
 
     import behemoth as bh
-    from behemoth.train.sample import complete, load_for_generation, read_run_config
+    from behemoth.train.sample import complete, load_for_generation, read_run_config, resolve_checkpoint
 
     prompts = list(a.prompt)
     if a.prompts_file:
@@ -274,10 +274,11 @@ def cmd_generate(a, overrides: list[str]) -> int:
     if not prompts:
         raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line).")
     plan = _generation_plan(overrides)
-    read_run_config(a.checkpoint)  # refuses a checkpoint without its run's config before any process group
+    checkpoint = resolve_checkpoint(a.checkpoint)
+    read_run_config(checkpoint)  # refuses a checkpoint without its run's config before any process group
     bh.init()
     try:
-        model, tokenizer = load_for_generation(a.checkpoint, plan)
+        model, tokenizer = load_for_generation(checkpoint, plan)
         texts = complete(
             model,
             tokenizer,

@@ -47,5 +47,10 @@ def test_generate_from_a_run(tmp_path):
     )  # fmt: skip
     assert two.returncode == 0, two.stdout + two.stderr
     assert last + "\n\n" in two.stdout, two.stdout
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def \nimport \n")
+    both = behemoth("generate", str(out_dir), "--prompts-file", str(prompts), "--max-new-tokens", "12", cwd=tmp_path)
+    assert both.returncode == 0, both.stdout + both.stderr  # a run's out_dir: its newest checkpoint
+    assert both.stdout.startswith(last + "\n\nimport ") and both.stdout.endswith("\n\n"), both.stdout
     bad = behemoth("generate", ckpt, "--prompt", "x", "--train.steps=2", cwd=tmp_path)
     assert bad.returncode == 2 and "only --plan.key=value" in bad.stderr, bad.stderr

@@ -18,12 +18,23 @@ import os
 import torch
 
 import behemoth as bh
+from behemoth.checkpoint import latest_checkpoint
 from behemoth.models import build_model
 from behemoth.train.config import Config, ConfigError
 from behemoth.train.run_dir import load_weights
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 
-__all__ = ["read_run_config", "load_for_generation", "complete", "sample_text"]
+__all__ = ["resolve_checkpoint", "read_run_config", "load_for_generation", "complete", "sample_text"]
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself when it is a checkpoint, else the newest complete checkpoint of the run
+    whose ``out_dir`` it is."""
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        newest = latest_checkpoint(os.path.join(path, "checkpoints"))
+        if newest is not None:
+            return newest
+    return path
 
 
 def read_run_config(checkpoint: str) -> Config:
