@@ -237,3 +237,41 @@ def test_the_checkpoint_loader_refuses_a_damaged_checkpoint_before_reading_tenso
     rng.write_bytes(rng.read_bytes()[:40])
     with pytest.raises(ValueError, match=r"step-3' is damaged: rng-rank0.pt is not a whole archive"):
         read_meta(ckpt)
+
+
+def test_build_for_checkpoint_skips_the_init_only_when_the_checkpoint_sets_every_value(tmp_path):
+    """A checkpoint holding every tensor of the model: built without init, and after the load equal to the
+    saved weights (tied embeddings tied again). One lacking a tensor, or of another shape: the normal,
+    initialised build (bit-equal to build_model's)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from behemoth.models import build_model
+    from behemoth.train.run_dir import build_for_checkpoint
+
+    def build(device):
+        return build_model("gpt-tiny", vocab_size=257, seq_len=32, device=device)
+
+    reference = build(None)
+    saved = {f"model/{k}": v.detach() * 2 + 1 for k, v in reference.state_dict().items()}
+    full = tmp_path / "full"
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(full)), no_dist=True)
+    model, skipped = build_for_checkpoint(build, str(full))
+    assert skipped and model.lm_head.weight is model.wte.weight and model.wte.weight.device.type == "cpu"
+    state = {f"model/{k}": v for k, v in model.state_dict().items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(full)), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert v.equal(saved[f"model/{k}"]), k
+
+    partial = tmp_path / "partial"
+    dropped = {k: v for k, v in saved.items() if k != "model/ln_f.weight"}
+    dcp.save(dropped, storage_writer=dcp.FileSystemWriter(str(partial)), no_dist=True)
+    other = tmp_path / "other"
+    dcp.save(
+        {**saved, "model/wpe.weight": torch.zeros(8, 8)}, storage_writer=dcp.FileSystemWriter(str(other)), no_dist=True
+    )
+    for path in (partial, other, tmp_path / "nothing"):
+        model, skipped = build_for_checkpoint(build, str(path))
+        assert not skipped
+        for k, v in reference.state_dict().items():
+            assert v.equal(model.state_dict()[k]), (path, k)

@@ -44,6 +44,7 @@ __all__ = [
     "check_files",
     "check_resume",
     "load_weights",
+    "build_for_checkpoint",
 ]
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "summary.json", "wandb", "wandb-run-id")
@@ -316,3 +317,35 @@ def load_weights(model, checkpoint: str) -> None:
     tensors = {f"model/{k}": v for k, v in state.items()}
     dcp.load(tensors, storage_reader=reader, no_dist=True)
     model.load_state_dict({k: tensors[f"model/{k}"] for k in state})
+
+
+def build_for_checkpoint(build, checkpoint: str):
+    """``(model, skipped_init)``: the model ``build(device)`` makes, with its random initialisation
+    skipped when ``checkpoint`` will overwrite every value in it (a resume, or ``train.init_from``).
+
+    The model is built on the meta device first; the init is skipped only if the checkpoint holds
+    every parameter and persistent buffer under ``model/`` with its shape and the model has no
+    non-persistent buffer (those are not saved, so nothing would set them). Then its tensors are
+    allocated uninitialised on the default device (``to_empty``; tied weights tied again) -- the
+    load writes them. Otherwise (another model, a transformers directory, an unreadable index) it is
+    ``build(None)``, initialised as usual, and the load reports any mismatch. Reads the checkpoint's
+    index only: call on every rank. A GPT-1.3B's random init on the CPU is what this saves."""
+    import torch
+
+    from behemoth.checkpoint import SafeFileSystemReader
+
+    model = build(torch.device("meta"))
+    state = model.state_dict()
+    transient = [name for name, _ in model.named_buffers() if name not in state]
+    try:
+        stored = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    except Exception:  # no DCP index here: the normal build, and the load names the problem
+        stored = {}
+    covered = all(
+        f"model/{k}" in stored and tuple(stored[f"model/{k}"].size) == tuple(v.shape) for k, v in state.items()
+    )
+    if transient or not covered or not hasattr(model, "tie_weights"):
+        return build(None), False
+    model.to_empty(device=torch.get_default_device())
+    model.tie_weights()
+    return model, True

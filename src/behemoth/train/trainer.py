@@ -46,6 +46,7 @@ from behemoth.train.metrics import (
     wandb_settings,
 )
 from behemoth.train.run_dir import (
+    build_for_checkpoint,
     check_out_dir,
     check_resume,
     clear_run,
@@ -210,7 +211,12 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         stop.watchdog = watchdog  # a SIGTERM because a peer died exits at once (lifecycle.StopRequest)
 
     tokenizer = get_tokenizer(config.data.tokenizer)
-    model = _build_model(mc)
+    # Every weight comes from the checkpoint to load, when there is one: no random init (run_dir).
+    weights_from = resumed_from or tc.init_from
+    if weights_from is not None:
+        model, _ = build_for_checkpoint(lambda device: _build_model(mc, device), weights_from)
+    else:
+        model = _build_model(mc)
     if tc.init_from is not None and not resumed_from:
         load_weights(model, tc.init_from)  # before boost shards it: any plan reads the serial tensors
     # Serial counts, taken before boost shards the model in place (tensor parallelism).
@@ -378,9 +384,15 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     return summary
 
 
-def _build_model(mc) -> torch.nn.Module:
+def _build_model(mc, device: torch.device | None = None) -> torch.nn.Module:
     return build_model(
-        mc.name, vocab_size=mc.vocab_size, seq_len=mc.seq_len, seed=mc.seed, dropout=mc.dropout, **mc.shape_overrides()
+        mc.name,
+        vocab_size=mc.vocab_size,
+        seq_len=mc.seq_len,
+        seed=mc.seed,
+        dropout=mc.dropout,
+        device=device,
+        **mc.shape_overrides(),
     )
 
 
