@@ -124,8 +124,8 @@ def test_dead_peers_finds_a_gone_process_and_a_stale_beat_and_spares_live_ones()
     t.start()
     try:
         t0 = time.monotonic()
-        assert dog.dead_peers() == [(2, "sent no heartbeat for 0.3 s")]
-        assert time.monotonic() - t0 < 1.0
+        assert dog.dead_peers() == [(2, "sent no heartbeat for 0.5 s")]
+        assert time.monotonic() - t0 < 2.0
         store.set("2", "done")
         assert dog.dead_peers() == []
     finally:

@@ -5,6 +5,16 @@
   rank saves a checkpoint and returns normally, so the process exits 0. torchrun (and
   ``behemoth run``) wait 30 s after forwarding SIGTERM before they SIGKILL, so a step plus
   a save must fit in that.
+
+  A SIGTERM that comes because a peer died (torchrun stops the rest of the group, then
+  restarts it) cannot reach a step boundary: the ranks are blocked in a collective that needs
+  the dead peer. A thread woken by the signal itself (through the signal wakeup fd: the main
+  thread may be inside native code) tells the two apart. A peer whose process on this host is
+  gone (its pid is in its heartbeat), or whose heartbeat did not move for :data:`STALE_BEATS`
+  beat intervals, or -- without a watchdog -- no step boundary within ``max(2 s, 3 x the
+  slowest step-to-step time seen)``, makes the rank print one line, leave a "peer_lost" status
+  record and exit at once with :data:`EXIT_PEER_LOST` (no checkpoint: it could not complete;
+  a restart resumes from the last complete one), instead of waiting out the launcher's 30 s.
 * :class:`Watchdog` -- every rank's thread beats a counter in torchelastic's agent store and
   watches the next rank's (a ring, so the store sees O(world) traffic). A counter that has not
   moved for ``train.hang_timeout`` seconds means that process is stopped (SIGSTOP), hung in
@@ -37,6 +47,9 @@ EXIT_PEER_HUNG = 3
 """Exit status of the rank that found a peer hung."""
 EXIT_PEER_LOST = 4
 """Exit status of a rank that got SIGTERM while a peer was dead (no checkpoint could be saved)."""
+STALE_BEATS = 2.5
+"""Beat intervals without a beat that, on SIGTERM, mean a peer on another host is gone (a live peer
+beats every interval, even while its main thread waits in a collective)."""
 MIN_BOUNDARY_WAIT = 2.0
 """Without a watchdog: seconds a SIGTERMed rank waits at least for a step boundary."""
 
@@ -219,7 +232,7 @@ class Watchdog:
 
     def dead_peers(self) -> list[tuple[int, str]]:
         """``(rank, how)`` of each peer that is gone: its process on this host no longer exists, or
-        its beat did not move for 1.5 beat intervals (another host's). Empty when all are alive,
+        its beat did not move for :data:`STALE_BEATS` beat intervals (another host's). Empty when all are alive,
         or when the store cannot be read."""
         try:
             first = self._beats()
@@ -231,12 +244,12 @@ class Watchdog:
                         lost.append((rank, f"(pid {parts[2]}) is dead"))
             if lost:
                 return lost
-            time.sleep(1.5 * self.interval)
+            time.sleep(STALE_BEATS * self.interval)
             again = self._beats()
         except Exception:  # the agent (and its store) may be gone: the launcher handles that
             return []
         return [
-            (rank, f"sent no heartbeat for {1.5 * self.interval:.1f} s")
+            (rank, f"sent no heartbeat for {STALE_BEATS * self.interval:.1f} s")
             for rank, value in first.items()
             if value != b"done" and again.get(rank) == value
         ]
