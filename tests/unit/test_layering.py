@@ -141,3 +141,13 @@ def test_the_checks_can_fail():
     assert strongly_connected(graph) == [["a", "b", "c"]]
     assert within("behemoth.parallel.tensor.tp1d", "behemoth.parallel")
     assert not within("behemoth.parallelize", "behemoth.parallel")
+
+
+def test_test_modules_have_unique_basenames():
+    # tests/ has no packages: pytest imports each test file by its basename, so two files of one
+    # name in unit/, dist/ or e2e/ stop the whole run at collection
+    root = Path(__file__).resolve().parents[1]
+    seen: dict[str, Path] = {}
+    for f in sorted(root.rglob("test_*.py")):
+        assert f.name not in seen, f"{f.relative_to(root)} and {seen[f.name].relative_to(root)} share a basename"
+        seen[f.name] = f
