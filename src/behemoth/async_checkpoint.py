@@ -54,6 +54,7 @@ from .checkpoint import Stateful, check_extra, collect, with_spec, write_checkpo
 from .distributed import default_timeout
 from .parallel.tensor.layout import get_spec
 from .parallel.zero import pinned
+from .parallel.zero.measure import host_available
 
 __all__ = ["AsyncSaver", "HostSnapshot"]
 
@@ -127,14 +128,7 @@ over the host's processes); a larger one is written synchronously instead."""
 
 def available_host_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return host_available()
 
 
 def _all_agree(flag: bool, group) -> bool:
