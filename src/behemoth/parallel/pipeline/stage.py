@@ -21,9 +21,9 @@ parallelism and activation checkpointing have rewritten it (their layouts travel
 
 Communication (pipeline axis ``pp``, through ``comm.py``): :meth:`PipelineSplit.distribute`
 sends every stage's initial weights from pp rank 0 once; :meth:`PipelineSplit.gather_state`
-broadcasts each stage's state dict; :meth:`PipelineSplit.sync_tied_grads` exchanges the
-gradients of tied weights (embedding on the first stage, head on the last) between the two
-ranks. Tested by tests/dist/test_pipeline_parity.py.
+broadcasts each stage's state dict; the pipeline executor sums the gradients of tied weights
+(embedding on the first stage, head on the last) between the two ranks. Tested by
+tests/dist/test_pipeline_parity.py.
 """
 
 from __future__ import annotations
@@ -228,22 +228,6 @@ class PipelineSplit:
         on the first stage: the two copies hold the same summed gradient)."""
         skip = {id(self.model.get_parameter(b)) for a, ra, b, rb in self.tied if rb == self.rank}
         return [p for p in self.model.parameters() if id(p) not in skip]
-
-    # -- per step ---------------------------------------------------------------------------
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of tied weights held on two ranks, in place (bucket views stay
-        views); both ranks add in the same order, so the copies stay bit-identical."""
-        for a, ra, b, rb in self.tied:
-            if self.rank not in (ra, rb):
-                continue
-            p = self.model.get_parameter(a if self.rank == ra else b)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            other = comm.exchange(p.grad, self.axis, rb if self.rank == ra else ra)
-            if self.rank == ra:
-                p.grad.add_(other)
-            else:
-                p.grad.copy_(other + p.grad)
 
     def gather_state(self, local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """The serial state dict from each stage's ``local`` entries (tp already gathered): one
