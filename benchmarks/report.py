@@ -90,9 +90,7 @@ def rows(baseline: dict) -> list[dict]:
         card, date = _card_and_date(rec.get("card", ""))
         peer = run.peer if run is not None else None
         peer_value = baseline.get(peer, {}).get("value") if peer else None
-        ratio = rec.get("vs_peer")
-        if ratio is None and peer_value:
-            ratio = rec["value"] / peer_value
+        ratio = rec.get("vs_peer")  # only a ratio from one call: none when the peer did not run beside it
         out.append(
             {
                 "run": describe(run) if run is not None else key,
