@@ -13,6 +13,7 @@ would change, so tensor parallelism refuses OLMoE (:func:`behemoth.parallel.expe
 
 from __future__ import annotations
 
+from .hf_llama import HF_LLAMA
 from .spec import ModelSpec, PipelineLayout, TransformerShape
 
 
@@ -34,18 +35,8 @@ def _shape(expert_width: str):
     return shape
 
 
-TP_PLAN = {
-    "model.embed_tokens": "embedding",
-    "model.layers.*.input_layernorm": "norm",
-    "model.layers.*.self_attn": "attention",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.post_attention_layernorm": "norm",
-    "model.norm": "norm",
-    "lm_head": "head",
-}
+# transformers Llama's plan without its dense MLP: the MoE block is left to the expert style
+TP_PLAN = {pattern: role for pattern, role in HF_LLAMA.tp_plan.items() if ".mlp." not in pattern}
 
 
 def _family(name: str, model_class: str, config_class: str, expert_width: str):
