@@ -108,7 +108,7 @@ class ModelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
-    """Where the training tokens come from (``behemoth.train.data``)."""
+    """Where the training tokens come from (``behemoth.train.dataset``)."""
 
     source: str | tuple[str, ...] = "default"
     """"default" (the embedded Python-stdlib corpus), one .bin token file, or .txt/.jsonl file(s)."""

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from behemoth.train.data import IGNORE_INDEX, TokenDataset, num_windows
+from behemoth.train.data import IGNORE_INDEX, num_windows
+from behemoth.train.dataset import TokenDataset
 
 __all__ = ["split_held_out", "Validation"]
 
