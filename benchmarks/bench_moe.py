@@ -1,0 +1,523 @@
+"""GPU benchmark of mixture-of-experts under expert parallelism, in three parts, one RESULT json
+line per measurement (rank 0 prints it; times are the slowest rank's):
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part dispatch,layer
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model --size mixtral-4b
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part all --tiny --device cpu  # smoke, gloo
+
+``dispatch`` (``what: moe-dispatch``): behemoth's own :func:`~behemoth.parallel.expert.dispatch.dispatch`
+and :func:`~behemoth.parallel.expert.dispatch.combine` over ``ep = world`` (4,096 tokens per rank,
+hidden 4,096, 8 experts, top-2, bf16, random router logits through
+:func:`~behemoth.models.moe.route`): median µs of each forward (the sort by expert, the split-size
+all-to-all and its host read, the row all-to-all and the permutations included), of a
+dispatch -> combine -> backward round trip, and of the bare ``all_to_all_single`` of the same rows
+(the communication floor). CUDA events around each call, every call after a barrier.
+
+``layer`` (``what: moe-layer``): one :class:`~behemoth.models.moe.MoEFeedForward` (hidden 4,096,
+expert FFN 14,336, 8 experts, top-2) under :class:`~behemoth.parallel.expert.ExpertParallel` at
+``ep = world``, 16k tokens per rank, forward + backward, against a dense SwiGLU
+(:func:`~behemoth.models.moe.swiglu_expert`, width ``top_k * 14,336``) on the same GPU in the same
+process. Routing is steered through the router's input (see :func:`routing_input`):
+``balanced`` (every expert exactly ``T*k/E`` assignments), ``uniform`` (experts drawn uniformly,
+balanced in expectation), ``zipf`` (expert e drawn with probability ~ ``(e+1)^-s``, s = 1.2: the
+hottest experts all on ep rank 0, the worst case for contiguous expert blocks) and
+``zipf-spread`` (the same popularity, the hottest experts alternating between ep ranks).
+``--precisions bf16,autocast``: bf16 parameters (default), or fp32 parameters under bf16 autocast
+(what ``Plan(precision="bf16")`` trains with).
+
+FLOPs (layer): the expert GEMMs only. Forward ``2*T*k*(H*2I + I*H) = 6*T*k*H*I``, backward twice
+that, so ``18*T*k*H*I`` per rank per step for the MoE layer and ``18*T*H*F`` with ``F = k*I`` for
+the dense FFN -- the same useful work. The router (``2*T*H*E``), softmax, top-k, SiLU, the
+permutations and the all-to-alls are not counted: they are the overhead the ratio measures.
+Under skewed routing a rank computes more or fewer rows than its ``T*k``; the figure is still the
+nominal ``18*T*k*H*I`` over the step time (useful throughput per GPU).
+
+``model`` (``what: moe-model``): end-to-end training of a preset (``mixtral-4b``: 16 layers,
+hidden 2,048, expert FFN 5,632, 8 experts, top-2; ``olmoe-1b-7b``: 64 experts, top-8, FFN 1,024)
+with ``bh.boost`` under ``Plan(dp=world, ep=--ep, precision="bf16")`` (bf16 autocast over fp32
+parameters, fused AdamW): tokens/s per GPU, MFU on active FLOPs (``Llama.flops_per_token``:
+``6 * N_active + 12 * L * H * S``, N_active counting k of E experts per layer, as
+``peer_hf_mixtral.py`` counts; peak 989 TFLOP/s) and peak memory.
+
+Every line also says which path behemoth's grouped expert GEMMs took (``paths``: calls through
+``torch._grouped_mm`` and through the per-expert loop, :mod:`behemoth.parallel.expert.grouped`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import behemoth as bh
+from behemoth import comm
+from behemoth.mesh import ParallelMesh
+from behemoth.models import build_model
+from behemoth.models.moe import MoEFeedForward, route, swiglu_expert
+from behemoth.parallel.expert import grouped
+from behemoth.parallel.expert.dispatch import combine, dispatch
+from behemoth.parallel.expert.style import ExpertParallel
+
+PARTS = ("dispatch", "layer", "model")
+ROUTINGS = ("balanced", "uniform", "zipf", "zipf-spread")
+
+
+# ---------------------------------------------------------------- measuring
+
+
+class PathCount:
+    """Calls of :func:`behemoth.parallel.expert.grouped.grouped_swiglu` by path, counted by wrapping
+    the function it asks (``grouped_mm_available``); ``take()`` returns the counts and restarts."""
+
+    def __init__(self) -> None:
+        self.counts = {"grouped_mm": 0, "loop": 0}
+        real = grouped.grouped_mm_available
+
+        def spy(*args):
+            ok = real(*args)
+            self.counts["grouped_mm" if ok else "loop"] += 1
+            return ok
+
+        grouped.grouped_mm_available = spy
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, {"grouped_mm": 0, "loop": 0}
+        return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def slowest(value: float, dev: torch.device) -> float:
+    """The largest ``value`` over all ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed_us(fn, dev: torch.device, iters: int, warmup: int) -> float:
+    """Median µs of ``fn()`` over ``iters`` calls after ``warmup`` calls, the slowest rank's. Every
+    call starts after a barrier with the device idle, and is timed with CUDA events on a GPU
+    (``perf_counter`` on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(dev)
+        dist.barrier()
+        _sync(dev)
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+    return slowest(sorted(times)[len(times) // 2], dev)
+
+
+def _peak_gib(dev: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
+
+
+def emit(result: dict) -> None:
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- part 1: dispatch and combine
+
+
+def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
+    T, H, E, K = a.dispatch_tokens, a.hidden, a.experts, a.top_k
+    ep = mesh.axis("ep")
+    g = torch.Generator(device=dev).manual_seed(1000 + dist.get_rank())
+    x_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    logits_TE = torch.randn(T, E, device=dev, generator=g)
+    _, weights_TK, experts_TK = route(logits_TE, K)
+    weights_TK.requires_grad_()  # as the router's output in a layer: combine's product is recorded
+    dy_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+    timing = dict(dev=dev, iters=a.iters, warmup=a.warmup)
+
+    dispatch_us = timed_us(lambda: dispatch(x_TH, experts_TK, E, ep), **timing)
+    x_NH, _, routed = dispatch(x_TH, experts_TK, E, ep)
+    y_NH = x_NH.detach().requires_grad_()  # stands in for the experts' output (same rows)
+    combine_us = timed_us(lambda: combine(y_NH, weights_TK, routed), **timing)
+
+    def round_trip():
+        x_TH.grad = weights_TK.grad = None
+        rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep)
+        combine(rows_NH, weights_TK, r).backward(dy_TH)
+
+    round_trip_us = timed_us(round_trip, **timing)
+    sorted_AH = x_TH.detach()[routed.order_A // K]
+    a2a_us = timed_us(lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes), **timing)
+    row_bytes = H * x_TH.element_size()
+    leaving = sum(routed.send_sizes) - routed.send_sizes[ep.rank]
+    emit(
+        dict(
+            what="moe-dispatch",
+            ep=ep.size,
+            tokens_per_rank=T,
+            hidden=H,
+            experts=E,
+            top_k=K,
+            dtype="bf16",
+            iters=a.iters,
+            dispatch_us=round(dispatch_us, 1),
+            combine_us=round(combine_us, 1),
+            round_trip_fwd_bwd_us=round(round_trip_us, 1),
+            a2a_only_us=round(a2a_us, 1),
+            mib_sent_per_rank=round(sum(routed.send_sizes) * row_bytes / 2**20, 1),
+            mib_leaving_rank0=round(leaving * row_bytes / 2**20, 1),
+            target_us=250,
+            gpu=_gpu_name(dev),
+        )
+    )
+
+
+# ---------------------------------------------------------------- part 2: one layer vs dense
+
+
+def routing_input(kind: str, T: int, H: int, E: int, K: int, ep_size: int, zipf_s: float, g: torch.Generator):
+    """``(x_TH, router_EH)``, float32: a layer input and router weight whose top-k choice follows
+    ``kind``. The router reads coordinate e of x as expert e's score (``router[e, e] = 1``) plus a
+    per-expert bias (``router[e, E] = bias_e``, coordinate E of x is 1); the other coordinates are
+    normal noise the router ignores. ``balanced``: token t's scores are 4 on experts
+    ``(k*t + j) mod E``, j < k, and 0 elsewhere (every expert gets exactly ``T*k/E``). The other
+    kinds draw Gumbel scores: the top-k of ``log p_e + Gumbel`` draws k experts without replacement
+    with probabilities p (uniform; Zipf ``p ~ (r+1)^-s`` over popularity rank r, the rank r expert
+    being expert r for ``zipf`` and, for ``zipf-spread``, the one that deals ranks to the ep
+    members in turn)."""
+    if kind not in ROUTINGS:
+        raise ValueError(f"routing {kind!r}: must be one of {ROUTINGS}.")
+    if H <= E:
+        raise ValueError(f"hidden={H} must exceed experts={E}: the router reads E + 1 coordinates of x.")
+    dev = g.device
+    x_TH = torch.randn(T, H, device=dev, generator=g)
+    router_EH = torch.zeros(E, H, device=dev)
+    router_EH[torch.arange(E), torch.arange(E)] = 1.0
+    x_TH[:, E] = 1.0
+    bias_E = torch.zeros(E, device=dev)
+    if kind == "balanced":
+        scores_TE = torch.zeros(T, E, device=dev)
+        t = torch.arange(T, device=dev)
+        for j in range(K):
+            scores_TE[t, (K * t + j) % E] = 4.0
+    else:
+        u_TE = torch.rand(T, E, device=dev, generator=g).clamp_(1e-9, 1 - 1e-9)
+        scores_TE = -torch.log(-torch.log(u_TE))
+        if kind.startswith("zipf"):
+            log_p = -zipf_s * torch.log(torch.arange(1, E + 1, device=dev, dtype=torch.float32))
+            per = E // ep_size  # popularity rank r -> expert: r itself, or dealt to the ep members in turn
+            expert_of_rank = [r if kind == "zipf" else (r % ep_size) * per + r // ep_size for r in range(E)]
+            bias_E[torch.tensor(expert_of_rank, device=dev)] = log_p
+    x_TH[:, :E] = scores_TE
+    router_EH[:, E] = bias_E
+    return x_TH, router_EH
+
+
+def _fresh_peak(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def time_dense(a, dev: torch.device, g: torch.Generator, pdtype: torch.dtype, autocast: bool) -> float:
+    """Median µs of forward + backward of a dense SwiGLU of width ``k*I`` (the FLOPs per token of k
+    experts of width I) on ``--layer-tokens`` tokens."""
+    T, H, F = a.layer_tokens, a.hidden, a.top_k * a.ffn
+    gate_up = torch.nn.Parameter(torch.randn(2 * F, H, device=dev, generator=g).mul_(0.02).to(pdtype))
+    down = torch.nn.Parameter(torch.randn(H, F, device=dev, generator=g).mul_(0.02).to(pdtype))
+    x_TH = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    dy_TH = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
+
+    def step():
+        gate_up.grad = down.grad = x_TH.grad = None
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            y_TH = swiglu_expert(x_TH, gate_up, down)
+        y_TH.backward(dy_TH)
+
+    return timed_us(step, dev, a.iters, a.warmup)
+
+
+def build_layer(a, dev: torch.device, mesh: ParallelMesh, g: torch.Generator, pdtype: torch.dtype):
+    """A :class:`MoEFeedForward` under :class:`ExpertParallel` over the mesh's ep axis (this rank
+    keeps its E/ep experts), expert weights normal(0, 0.02), in ``pdtype``."""
+    with torch.device(dev):
+        moe = MoEFeedForward(a.hidden, a.ffn, a.experts, a.top_k)
+    ExpertParallel().apply(moe, mesh)
+    with torch.no_grad():
+        for p in (moe.gate_up_proj, moe.down_proj):
+            p.normal_(0.0, 0.02, generator=g)
+    return moe.to(pdtype)
+
+
+def time_layer(a, dev, moe, kind: str, ep_size: int, g: torch.Generator, autocast: bool) -> float:
+    """Median µs of forward + backward of ``moe`` on ``--layer-tokens`` tokens routed as ``kind``."""
+    T, H, E, K = a.layer_tokens, a.hidden, a.experts, a.top_k
+    x_TH, router_EH = routing_input(kind, T, H, E, K, ep_size, a.zipf_s, g)
+    with torch.no_grad():
+        moe.router.weight.copy_(router_EH)
+    x_BSH = x_TH.to(torch.bfloat16)[None].requires_grad_()
+    dy_BSH = torch.randn(x_BSH.shape, device=dev, generator=g, dtype=torch.bfloat16)
+
+    def step():
+        moe.zero_grad(set_to_none=True)
+        x_BSH.grad = None
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            y_BSH = moe(x_BSH)
+        y_BSH.backward(dy_BSH)
+
+    return timed_us(step, dev, a.iters, a.warmup)
+
+
+def part_layer(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
+    T, H, I, E, K = a.layer_tokens, a.hidden, a.ffn, a.experts, a.top_k
+    ep = mesh.axis("ep")
+    flops = 18 * T * K * H * I
+    g = torch.Generator(device=dev).manual_seed(2000 + dist.get_rank())
+    for precision in a.precisions.split(","):
+        if precision not in ("bf16", "autocast"):
+            raise ValueError(f"--precisions: {precision!r} must be bf16 or autocast.")
+        pdtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        autocast = precision == "autocast"
+        _fresh_peak(dev)
+        dense_us = time_dense(a, dev, g, pdtype, autocast)
+        dense_peak = _peak_gib(dev)
+        _fresh_peak(dev)
+        moe = build_layer(a, dev, mesh, g, pdtype)
+        for kind in a.routings.split(","):
+            paths.take()
+            moe_us = time_layer(a, dev, moe, kind, ep.size, g, autocast)
+            calls = paths.take()
+            counts_E = moe.token_counts.double()  # the last forward's, over every rank's tokens
+            per_rank = counts_E.view(ep.size, -1).sum(1)
+            emit(
+                dict(
+                    what="moe-layer",
+                    routing=kind,
+                    precision=precision,
+                    ep=ep.size,
+                    tokens_per_rank=T,
+                    hidden=H,
+                    ffn=I,
+                    experts=E,
+                    top_k=K,
+                    iters=a.iters,
+                    moe_ms=round(moe_us / 1e3, 3),
+                    dense_ms=round(dense_us / 1e3, 3),
+                    moe_tflops_gpu=round(flops / moe_us / 1e6, 1),
+                    dense_tflops_gpu=round(flops / dense_us / 1e6, 1),
+                    ratio=round(dense_us / moe_us, 3),
+                    target_ratio=0.9 if kind in ("balanced", "uniform") else 0.8,
+                    rank_load=[round(v, 3) for v in (per_rank / per_rank.mean()).tolist()],
+                    expert_share=[round(v, 3) for v in (counts_E / counts_E.sum()).tolist()],
+                    paths={k: v // (a.iters + a.warmup) for k, v in calls.items()},
+                    peak_gib_dense=dense_peak,
+                    peak_gib_moe=_peak_gib(dev),
+                    gpu=_gpu_name(dev),
+                )
+            )
+        del moe
+
+
+# ---------------------------------------------------------------- part 3: end-to-end training
+
+
+def _init_on_device(model: torch.nn.Module, seed: int) -> None:
+    """normal(0, 0.02) weights drawn on the model's device (ones for the norms): a preset's CPU
+    init of billions of values would take longer than the run. The same on every rank."""
+    g = None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if g is None:
+                g = torch.Generator(device=p.device).manual_seed(seed)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
+def part_model(a, dev: torch.device, paths: PathCount) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep = a.ep or world
+    overrides = dict(num_layers=a.layers) if a.layers else {}
+    model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="meta", **overrides)
+    model.to_empty(device=dev)
+    model.tie_weights()
+    _init_on_device(model, seed=0)
+    cfg = model.config
+    total = model.num_params()
+    flops_tok = model.flops_per_token(a.seq)  # serial counts, before the experts are sharded
+    active = (flops_tok - 12 * cfg.num_layers * cfg.hidden * a.seq) // 6
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and a.offload is None)
+    plan = bh.Plan(
+        dp=world,
+        ep=ep,
+        precision="bf16",
+        zero=a.zero,
+        offload=a.offload,
+        param_dtype=a.param_dtype,
+        activation_checkpointing=a.ckpt,
+    )
+    t0 = time.perf_counter()
+    engine = bh.boost(model, opt, plan)
+    setup_s = time.perf_counter() - t0
+    g = torch.Generator(device=dev).manual_seed(engine.dp_rank)
+    ids = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times, loss = [], float("nan")
+    paths.take()
+    for i in range(a.steps):
+        _sync(dev)
+        t = time.perf_counter()
+        loss = engine.step(batch)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+        if rank == 0:
+            print(f"step {i + 1}: {times[-1]:.3f} s, loss {loss:.3f}", file=sys.stderr, flush=True)
+    calls = paths.take()
+    warm = times[3:] or times
+    dt = slowest(sorted(warm)[len(warm) // 2], dev)
+    tok_s_gpu = a.mbs * a.seq / dt
+    loads = []
+    for counts in engine.expert_token_counts().values():
+        c = torch.tensor(counts, dtype=torch.float64).view(ep, -1).sum(1)
+        loads.append(float(c.max() / c.mean()))
+    mode = f"behemoth-ep{ep}" + (f"-epdp{world // ep}" if world > ep else "")
+    mode += f"-zero{a.zero}" if a.zero else ""
+    emit(
+        dict(
+            what="moe-model",
+            model=a.size,
+            mode=mode,
+            gpus=world,
+            ep=ep,
+            ep_dp=world // ep,
+            zero=a.zero,
+            param_dtype=a.param_dtype,
+            ckpt=a.ckpt,
+            layers=cfg.num_layers,
+            experts=cfg.num_experts,
+            top_k=cfg.experts_top_k,
+            total_b=round(total / 1e9, 2),
+            active_b=round(active / 1e9, 2),
+            mbs=a.mbs,
+            seq=a.seq,
+            vocab=a.vocab,
+            setup_s=round(setup_s, 1),
+            step_s=round(dt, 3),
+            tok_s_gpu=round(tok_s_gpu),
+            tflops_active_gpu=round(tok_s_gpu * flops_tok / 1e12, 1),
+            mfu_active=round(tok_s_gpu * flops_tok / a.peak, 4),
+            target_mfu=0.35 if cfg.experts_top_k <= 2 else 0.25,
+            peak_gib=_peak_gib(dev),
+            loss=round(loss, 3),
+            rank_load_max_over_mean=round(max(loads), 3) if loads else None,
+            paths={k: v // max(1, a.steps) for k, v in calls.items()},
+            comm_s={k: round(v["seconds"], 3) for k, v in engine.comm_stats().items()},
+            gpu=_gpu_name(dev),
+        )
+    )
+
+
+# ---------------------------------------------------------------- main
+
+
+def _gpu_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+TINY = dict(dispatch_tokens=64, layer_tokens=128, hidden=64, ffn=32, iters=3, warmup=1)
+"""``--tiny``: shapes small enough for a CPU smoke check of the script (gloo); measures nothing."""
+TINY_MODEL = dict(seq=32, mbs=2, vocab=256, steps=4)
+TINY_SIZES = {"mixtral-4b": "llama-moe-tiny", "olmoe-1b-7b": "olmoe-tiny"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", default="all", help=f"comma-separated parts of {PARTS}, or all")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu: gloo")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke check, not a measurement")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per figure (dispatch, layer)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=4096, help="dispatch, layer: hidden H")
+    p.add_argument("--experts", type=int, default=8, help="dispatch, layer: experts E")
+    p.add_argument("--top-k", type=int, default=2, help="dispatch, layer: experts per token k")
+    p.add_argument("--dispatch-tokens", type=int, default=4096, help="dispatch: tokens per rank")
+    p.add_argument("--layer-tokens", type=int, default=16384, help="layer: tokens per rank")
+    p.add_argument("--ffn", type=int, default=14336, help="layer: expert FFN width I")
+    p.add_argument("--routings", default=",".join(ROUTINGS), help=f"layer: comma-separated of {ROUTINGS}")
+    p.add_argument("--zipf-s", type=float, default=1.2, help="layer: Zipf exponent of the zipf routings")
+    p.add_argument("--precisions", default="bf16", help="layer: bf16 (bf16 parameters) and/or autocast")
+    p.add_argument("--size", default="mixtral-4b", help="model: a behemoth preset (mixtral-4b, olmoe-1b-7b)")
+    p.add_argument("--ep", type=int, default=0, help="model: Plan.ep (default: the world size); dp = world")
+    p.add_argument("--mbs", type=int, default=4, help="model: sequences per rank per step")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--layers", type=int, default=0, help="model: fewer layers than the preset (0: the preset's)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--zero", type=int, default=0, help="model: Plan.zero")
+    p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="model: Plan.offload")
+    p.add_argument("--param-dtype", default=None, choices=[None, "bf16"], help="model: Plan.param_dtype")
+    p.add_argument("--ckpt", action="store_true", help="model: activation checkpointing")
+    p.add_argument("--peak", type=float, default=989e12, help="dense bf16 peak FLOP/s per GPU (H100/H200 SXM)")
+    a = p.parse_args(argv)
+    a.parts = PARTS if a.part == "all" else tuple(a.part.split(","))
+    unknown = [x for x in a.parts if x not in PARTS]
+    if unknown:
+        p.error(f"--part {a.part!r}: unknown {unknown}; choose among {PARTS} or all.")
+    if a.tiny:
+        for k, v in TINY.items():
+            setattr(a, k, v)
+        for k, v in TINY_MODEL.items():
+            setattr(a, k, v)
+        a.size = TINY_SIZES.get(a.size, a.size)
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no GPU is visible (torch.cuda.is_available() is False).")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    bh.init(backend="nccl" if use_cuda else "gloo")
+    world = dist.get_world_size()
+    if a.experts % world:
+        sys.exit(f"--experts {a.experts} must be divisible by the world size {world} (ep = world).")
+    paths = PathCount()
+    if "dispatch" in a.parts or "layer" in a.parts:
+        mesh = ParallelMesh(bh.Plan(dp=world, ep=world), dist.get_rank(), world)
+        if "dispatch" in a.parts:
+            part_dispatch(a, dev, mesh, paths)
+        if "layer" in a.parts:
+            part_layer(a, dev, mesh, paths)
+    if "model" in a.parts:
+        part_model(a, dev, paths)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (torch's CPU runtime can abort there; see distributed.py)
