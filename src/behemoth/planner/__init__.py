@@ -8,6 +8,8 @@ module                 what it holds
 ``traffic``            tensor-parallel bytes per mode: ``tp1d_traffic``, ``tp2d_traffic``
                        (2D, 2.5D), ``tp3d_traffic``; context parallelism's in
                        ``context_traffic``
+``params``             what one rank holds: its stage's blocks, its parameters (exact per
+                       tensor-parallel layout)
 ``axis_traffic``       bytes per mesh axis of one step of a plan (what the ledger counts)
 ``memory``             the ZeRO chunk / offload memory plan (``behemoth plan --memory``)
 ``workload``           a model's shape, sequence and global batch; exact parameter counts

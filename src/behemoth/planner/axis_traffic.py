@@ -33,14 +33,14 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..parallel.pipeline.partition import estimate_block_costs, virtual_partition
 from ..plan import Plan
 from .collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from .context_traffic import cp_model_traffic
+from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic
 from .workload import Workload
 
-__all__ = ["Dtypes", "local_params", "step_traffic"]
+__all__ = ["Dtypes", "step_traffic"]
 
 
 @dataclass(frozen=True)
@@ -109,53 +109,6 @@ def _cp_micro(
     return t.forward, t.backward
 
 
-def stage_layers(plan: Plan, w: Workload) -> tuple[int, ...]:
-    """Blocks each pipeline rank holds (over its chunks): the runtime's own balanced split
-    (``behemoth.parallel.pipeline.partition``: blocks by estimated cost, the embedding on the
-    first stage, the head on the last) where its O(stages x blocks**2) search is cheap (up to
-    ``EXACT_SPLIT_WORK``); past that, blocks dealt out evenly (the first ranks one more)."""
-    if plan.pp == 1:
-        return (w.shape.num_layers,)
-    return _stage_layers(w.shape, w.seq_len, plan.pp, plan.virtual_stages)
-
-
-EXACT_SPLIT_WORK = 200_000
-
-
-@lru_cache(maxsize=1024)
-def _stage_layers(shape, seq: int, pp: int, v: int) -> tuple[int, ...]:
-    n = shape.num_layers
-    if pp * v * n * n > EXACT_SPLIT_WORK:
-        return tuple(n // pp + (1 if r < n % pp else 0) for r in range(pp))
-    costs = estimate_block_costs(shape, seq_len=seq)
-    split = virtual_partition(costs.blocks, pp, v, first_extra=costs.first_extra, last_extra=costs.last_extra)
-    return tuple(sum(b - a for a, b in chunks) for chunks in split)
-
-
-def local_params(plan: Plan, w: Workload, *, layers: int | None = None, stage: int | None = None) -> float:
-    """Parameters one rank holds before ZeRO sharding: ``layers`` blocks (default: its share
-    of them) split over tp, experts over ep (whole on every tp rank), and the parts of its
-    pipeline stage: the whole model's embedding, final norm and head without a pipeline
-    (``stage`` None); the embedding on the first stage; the final norm and the head's table
-    (its own, or its copy of a tied embedding) on the last. Replicated norm and bias
-    parameters are counted as split by tp (exact at tp = 1)."""
-    s = w.shape
-    if layers is None:
-        layers = stage_layers(plan, w)[plan.pp - 1 if stage is None else stage]
-    dense = w.block_params - w.expert_params
-    n = layers * (dense / plan.tp + w.expert_params / plan.ep)  # experts whole on every tp rank
-    last = plan.pp * plan.virtual_stages - 1
-    stages = None if stage is None or plan.pp == 1 else {c * plan.pp + stage for c in range(plan.virtual_stages)}
-    if stages is None:
-        n += (w.embedding_params + w.head_params) / plan.tp
-    else:
-        if 0 in stages:
-            n += w.embedding_params / plan.tp
-        if last in stages:
-            n += (s.norm_params + s.vocab_size * s.hidden) / plan.tp
-    return n
-
-
 def step_traffic(
     plan: Plan, w: Workload, *, stage: int | None = None, dt: Dtypes | None = None, diagonal: bool = False
 ) -> dict[str, float]:
@@ -207,19 +160,13 @@ def step_traffic(
         sent = m * act * sum((st < last) + (st > 0) for st in stages)
         if w.tied_embeddings and (0 in stages) != (last in stages):
             # the tied embedding's two copies, on the first and the last stage, sum their gradients
-            sent += all_reduce_bytes(s.vocab_size * s.hidden / _weight_split(plan) * dt.param, 2)
+            sent += all_reduce_bytes(s.vocab_size * s.hidden / weight_split(plan) * dt.param, 2)
         out["pp"] = sent + all_reduce_bytes(8, pp)  # and the step's float64 loss sum over the stages
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
         one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep
         out["ep"] = 4 * one * layers * m  # dispatch + combine, forward and backward
     return out
-
-
-def _weight_split(plan: Plan) -> int:
-    """How many shards tensor parallelism cuts a weight into: tp, but 2.5D's ``d * q * q`` ranks
-    hold ``q * q`` shards, each replicated over the depth axis."""
-    return plan.tp // plan.tp_depth if plan.tp_mode == "2.5d" else plan.tp
 
 
 def _tp_stream_split(plan: Plan) -> int:

@@ -28,11 +28,12 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import Dtypes, local_params, stage_layers, step_traffic
+from .axis_traffic import Dtypes, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import block_times, head_times, tp_grid
 from .footprint import Footprint, footprint
+from .params import local_params, stage_layers
 from .workload import Workload
 
 __all__ = ["Prediction", "predict", "plan_memory", "model_flops_per_token"]

@@ -1,6 +1,6 @@
 """Predicted memory per GPU (and per rank on the host) of a plan: model data and activations.
 
-Model data, per parameter this rank holds (:func:`~.axis_traffic.local_params`), with fp32
+Model data, per parameter this rank holds (:func:`~.params.local_params`), with fp32
 parameters (their own masters), fp32 gradients and Adam's two fp32 moments, ZeRO sharding
 over the ``g = dp x cp`` ranks that reduce gradients (as ``parallel/zero/chunks.py`` counts
 them, chunk padding aside):
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .axis_traffic import local_params, stage_layers
+from .params import block_local_params, local_params, stage_layers
 from .workload import Workload
 
 __all__ = ["Footprint", "footprint"]
@@ -95,14 +95,14 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     elif z == 2:
         params, grads, opt = n * pb, n * 4 / g, n * (8 + masters) / g
     else:
-        per_block = w.block_params / plan.tp
+        per_block = block_local_params(plan, w)
         params = n * pb / g + 2 * per_block * pb
         grads, opt = n * 4 / g + 2 * per_block * 4, n * (8 + masters) / g
     if off:
         host = opt + (n * 4 / g if z >= 1 else 0.0)
         if z == 3:
             host += n * pb / g
-            params = 2 * (w.block_params / plan.tp) * pb
+            params = 2 * per_block * pb
         opt = 0.0
         if z == 2:
             grads = n * 4 / g
