@@ -1,7 +1,7 @@
 """Per-rank traffic counters of the collectives: one :class:`AxisTraffic` per mesh axis, kept by a
 :class:`Ledger` that every :class:`behemoth.comm.Axis` of a mesh shares.
 
-``comm.py`` books each collective when it is issued (calls, payload bytes, the wire bytes a
+``behemoth.comm`` books each collective when it is issued (calls, payload bytes, the wire bytes a
 bandwidth-optimal ring algorithm sends per rank) and adds the time a rank spends blocked on it;
 ``engine.comm_stats()`` reports :meth:`Ledger.stats`. Pure bookkeeping: no torch, no process
 group. The byte formulas are the ring algorithms' (Patarasuk & Yuan's ring all-reduce moves

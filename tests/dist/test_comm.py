@@ -1,4 +1,4 @@
-"""Every named collective in comm.py: forward and backward against the serial formula,
+"""Every named collective in behemoth.comm: forward and backward against the serial formula,
 and the ledger's byte counts."""
 from __future__ import annotations
 

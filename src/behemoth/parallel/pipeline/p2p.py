@@ -1,4 +1,4 @@
-"""Point-to-point transfers between pipeline stages, all through ``comm.py``'s ledger.
+"""Point-to-point transfers between pipeline stages, all through ``behemoth.comm``'s ledger.
 
 One process group per channel. A channel is one (sender, receiver, kind) triple of the pp
 axis: activations go to the next rank (``i -> i+1 mod pp``), gradients to the previous one

@@ -19,7 +19,7 @@ modules named in its family's ``PipelineLayout`` (``behemoth.specs``: behemoth's
 Llama, transformers' GPT2LMHeadModel and LlamaForCausalLM, and subclasses), after tensor
 parallelism and activation checkpointing have rewritten it (their layouts travel through).
 
-Communication (pipeline axis ``pp``, through ``comm.py``): :meth:`PipelineSplit.distribute`
+Communication (pipeline axis ``pp``, through ``behemoth.comm``): :meth:`PipelineSplit.distribute`
 sends every stage's initial weights from pp rank 0 once; :meth:`PipelineSplit.gather_state`
 broadcasts each stage's state dict; the pipeline executor sums the gradients of tied weights
 (embedding on the first stage, head on the last) between the two ranks. Tested by
