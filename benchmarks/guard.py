@@ -52,6 +52,7 @@ class Run:
 
 
 G13 = ("--size", "gpt-1.3b", "--mbs", "8")
+CP13 = ("--size", "gpt-1.3b", "--mbs", "1")  # one sequence of --seq tokens per cp group
 RUNS = [
     Run(name="fsdp2_2", gpus=2, script="peer_baseline.py", args=("--size", "1.3b", "--mode", "fsdp"), is_peer=True),
     Run(name="fsdp2_4", gpus=4, script="peer_baseline.py", args=("--size", "1.3b", "--mode", "fsdp"), is_peer=True),
@@ -81,6 +82,54 @@ RUNS = [
     Run(name="tp2_1d", gpus=2, script="bench_gpt.py", args=(*G13, "--tp", "2"), peer="fsdp2_2"),
     Run(name="tp4_1d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4"), peer="fsdp2_4"),
     Run(name="tp4_2d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4", "--tp-mode", "2d"), peer="fsdp2_4"),
+    Run(
+        name="stock_16k",
+        gpus=1,
+        script="peer_baseline.py",
+        args=("--size", "1.3b", "--mode", "ddp", "--mbs", "1", "--seq", "16384"),
+        is_peer=True,
+    ),
+    Run(name="single_16k", gpus=1, script="bench_cp.py", args=(*CP13, "--cp", "1", "--seq", "16384"), peer="stock_16k"),
+    Run(
+        name="cp2_ulysses",
+        gpus=2,
+        script="bench_cp.py",
+        args=(*CP13, "--cp", "2", "--mode", "ulysses", "--seq", "32768"),
+        peer="stock_16k",
+    ),
+    Run(
+        name="cp4_ring",
+        gpus=4,
+        script="bench_cp.py",
+        args=(*CP13, "--cp", "4", "--mode", "ring", "--seq", "65536"),
+        peer="stock_16k",
+    ),
+    Run(
+        name="cp4_ulysses",
+        gpus=4,
+        script="bench_cp.py",
+        args=(*CP13, "--cp", "4", "--mode", "ulysses", "--seq", "65536"),
+        peer="stock_16k",
+    ),
+    Run(
+        name="offload_6.9b",
+        gpus=1,
+        script="bench_gpt.py",
+        args=(
+            "--size",
+            "gpt-6.9b",
+            "--mbs",
+            "8",
+            "--zero",
+            "3",
+            "--offload",
+            "auto",
+            "--param-dtype",
+            "bf16",
+            "--ckpt",
+            "--host-init",
+        ),
+    ),
     Run(
         name="pp4_1f1b",
         gpus=4,

@@ -58,12 +58,20 @@ def describe(run: Run) -> str:
         parts.append(f"{args.get('--tp-mode', '1d').upper()} tp {tp}")
         if int(args.get("--tp-overlap", 1)) > 1:
             parts.append(f"tp_overlap {args['--tp-overlap']}")
+    elif int(args.get("--cp", 1)) > 1:
+        parts.append(f"cp {args['--cp']} {args.get('--mode', 'ring')}")
+    elif "--offload" in args:
+        parts.append(f"ZeRO-{args.get('--zero', 0)} offload {args['--offload']}")
     elif run.gpus > 1 and not run.is_peer and "--schedule" not in args:
         parts.append(f"dp {run.gpus}" if int(args.get("--zero", 0)) == 0 else f"ZeRO-{args['--zero']}")
     if "--param-dtype" in args:
         parts.append(f"param_dtype {args['--param-dtype']}")
     if "--schedule" in args:
         parts.append(f"pp {run.gpus} {args['--schedule'].upper()}")
+    if "--seq" in args:
+        parts.append(f"seq {int(args['--seq']) // 1024}k")
+    if "--ckpt" in flags:
+        parts.append("activation checkpointing")
     if "--compile" in flags:
         parts.append("compiled")
     if "--mbs" in args:

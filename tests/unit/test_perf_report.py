@@ -33,10 +33,10 @@ def _marked_rows(path: Path) -> list[list[str]]:
 def test_the_tables_in_the_docs_match_baseline_json(path):
     baseline = _baseline()
     rows = _marked_rows(ROOT / path)
-    assert [re.search(r"\(`(\w+)`\)$", r[0]).group(1) for r in rows] == [r["name"] for r in report.rows(baseline)]
-    assert sorted(re.search(r"\(`(\w+)`\)$", r[0]).group(1) for r in rows) == sorted(baseline)
+    assert [re.search(r"\(`([\w.]+)`\)$", r[0]).group(1) for r in rows] == [r["name"] for r in report.rows(baseline)]
+    assert sorted(re.search(r"\(`([\w.]+)`\)$", r[0]).group(1) for r in rows) == sorted(baseline)
     for cells in rows:
-        key = re.search(r"\(`(\w+)`\)$", cells[0]).group(1)
+        key = re.search(r"\(`([\w.]+)`\)$", cells[0]).group(1)
         rec = baseline[key]
         assert float(cells[2].split()[0].replace(",", "")) == pytest.approx(rec["value"], abs=0.05), key
         assert cells[6] == rec["card"].split(",")[-1].strip(), key  # the date
