@@ -29,7 +29,6 @@ of real runs in tests/dist/test_planner_ledger.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,7 +36,7 @@ from ..plan import Plan
 from .collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from .context_traffic import cp_model_traffic
 from .params import local_params, stage_layers, weight_split
-from .traffic import block_traffic, model_traffic
+from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
 
 __all__ = ["Dtypes", "step_traffic"]
@@ -83,8 +82,8 @@ def tp_step_bytes(
     block, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)
     total = (block * layers + (rest if edges else 0.0)) * plan.microbatches
     if plan.tp_mode != "1d":
-        q = round(plan.tp ** (1 / 3)) if plan.tp_mode == "3d" else math.isqrt(plan.tp // plan.tp_depth)
-        axes = {"2d": (q,), "2.5d": (plan.tp_depth, q), "3d": (q, q)}[plan.tp_mode]
+        q, d = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
+        axes = {"2d": (q,), "2.5d": (d, q), "3d": (q, q)}[plan.tp_mode]
         total += sum(all_reduce_bytes(8, a) for a in axes if a > 1)
     return total
 
@@ -99,14 +98,7 @@ def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes
     return block, full - block * shape.num_layers
 
 
-@lru_cache(maxsize=65536)
-def _cp_micro(
-    shape, mbs: int, seq: int, cp: int, mode: str, tp: int, tp_mode: str, tp_depth: int, dtype_bytes: int
-) -> tuple[float, float]:
-    t = cp_model_traffic(
-        shape, batch=mbs, seq=seq, cp=cp, mode=mode, tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, dtype_bytes=dtype_bytes
-    )
-    return t.forward, t.backward
+_cp_traffic = lru_cache(maxsize=65536)(cp_model_traffic)  # one per micro-batch shape, shared by the search's plans
 
 
 def step_traffic(
@@ -130,7 +122,18 @@ def step_traffic(
     if plan.tp > 1:
         out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal)
     if plan.cp > 1:
-        fwd, bwd = _cp_micro(s, mbs, w.seq_len, plan.cp, plan.cp_mode, plan.tp, plan.tp_mode, plan.tp_depth, dt.compute)
+        t = _cp_traffic(
+            s,
+            batch=mbs,
+            seq=w.seq_len,
+            cp=plan.cp,
+            mode=plan.cp_mode,
+            tp=plan.tp,
+            tp_mode=plan.tp_mode,
+            tp_depth=plan.tp_depth,
+            dtype_bytes=dt.compute,
+        )
+        fwd, bwd = t.forward, t.backward
         if plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0:
             bwd *= 2  # the weight-gradient pass (BW) runs the attention's backward collectives again
         out["cp"] = (fwd + bwd) / s.num_layers * layers * m

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .calibration import Calibration
+from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["BlockTimes", "block_times", "head_times", "tp_grid"]
+__all__ = ["BlockTimes", "block_times", "head_times"]
 
 ELEMENTWISE_REPLICATED = 16
 """Bytes per token per hidden unit, per block forward, of the norms and residual adds (what
@@ -49,22 +50,11 @@ class BlockTimes:
     """Attention's part of ``forward`` (what ring attention hides its K/V shifts behind)."""
 
 
-def tp_grid(plan: Plan) -> tuple[int, int]:
-    """(q, d) of the plan's tensor-parallel layout: 1D (p, 1), 2D (q, 1), 2.5D (q, d), 3D (q, q)."""
-    if plan.tp_mode == "1d":
-        return plan.tp, 1
-    if plan.tp_mode == "3d":
-        q = round(plan.tp ** (1 / 3))
-        return q, q
-    d = plan.tp_depth
-    return round((plan.tp // d) ** 0.5), d
-
-
 def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: str, eb: int) -> float:
     p, mode = plan.tp, plan.tp_mode
     if p == 1:
         return cal.gemm_seconds(t, fout, fin, eb)
-    q, d = tp_grid(plan)
+    q, d = tp_grid(plan.tp, mode, plan.tp_depth)
     if mode == "1d":
         if role == "column":
             return cal.gemm_seconds(t, fout / p, fin, eb)

@@ -15,10 +15,9 @@ formula with ``dp * cp`` ranks). Checked in tests/dist/test_context_parallel.py.
 
 from __future__ import annotations
 
-import math
-
 from ..specs import TransformerShape
 from .collectives import Traffic
+from .traffic import tp_grid
 
 
 def _local_heads(num_heads: int, num_kv_heads: int, parts: int) -> tuple[int, int]:
@@ -35,13 +34,8 @@ def tp_attention_split(tp: int, tp_mode: str = "1d", tp_depth: int = 1) -> tuple
     (attention runs in the layout between a pair of Linears). Pure."""
     if tp_mode == "1d":
         return tp, 1
-    if tp_mode in ("2d", "2.5d"):
-        q = math.isqrt(tp // tp_depth)
-        return q, tp_depth * q
-    if tp_mode == "3d":
-        q = round(tp ** (1 / 3))
-        return q, q * q
-    raise ValueError(f"tp_mode={tp_mode!r}: one of '1d', '2d', '2.5d', '3d'.")
+    q, d = tp_grid(tp, tp_mode, tp_depth)  # 3D: d = q
+    return q, d * q
 
 
 def cp_attention_traffic(

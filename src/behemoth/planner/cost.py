@@ -31,9 +31,10 @@ from ..plan import Plan
 from .axis_traffic import Dtypes, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
-from .compute import block_times, head_times, tp_grid
+from .compute import block_times, head_times
 from .footprint import Footprint, footprint
 from .params import local_params, stage_layers
+from .traffic import tp_grid
 from .workload import Workload
 
 __all__ = ["Prediction", "predict", "plan_memory", "model_flops_per_token"]
@@ -151,7 +152,7 @@ def predict(
 
     # tensor parallelism, per micro-batch; a third of the bytes forward, two thirds backward
     if "tp" in nbytes:
-        q, _ = tp_grid(plan)
+        q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
         group = plan.tp if plan.tp_mode == "1d" else q
         link = cluster.link(plan.tp, 1)
         one = cal.collective_seconds(link, group, nbytes["tp"] / m, _tp_calls(plan, w) * layers)

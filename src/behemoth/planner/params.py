@@ -22,11 +22,11 @@ checks the counts against parallelized models, rank by rank.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 from ..parallel.pipeline.partition import estimate_block_costs, virtual_partition
 from ..plan import Plan
+from .traffic import tp_grid
 from .workload import Workload
 
 __all__ = ["block_local_params", "grid_splits", "local_params", "stage_layers", "weight_split"]
@@ -41,11 +41,8 @@ def grid_splits(plan: Plan) -> tuple[int, int]:
 def _splits(tp: int, tp_mode: str, tp_depth: int) -> tuple[int, int]:
     if tp == 1 or tp_mode == "1d":
         return tp, 1
-    if tp_mode == "3d":
-        q = round(tp ** (1 / 3))
-        return q**3, q
-    q = math.isqrt(tp // tp_depth)
-    return q * q, q
+    q, d = tp_grid(tp, tp_mode, tp_depth)
+    return (q**3 if tp_mode == "3d" else q * q), q
 
 
 def weight_split(plan: Plan) -> int:

@@ -23,6 +23,7 @@ from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
 from .cluster import Cluster
 from .context_traffic import tp_attention_split
 from .cost import Prediction, plan_memory, predict
+from .traffic import tp_grid
 from .workload import Workload
 
 __all__ = ["Limits", "SearchResult", "search", "shape_refusal"]
@@ -106,8 +107,7 @@ def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
             if mbs % plan.tp_overlap:
                 return "tp_overlap must divide the micro-batch"
         else:
-            q = round(tp ** (1 / 3)) if plan.tp_mode == "3d" else math.isqrt(tp // plan.tp_depth)
-            d = q if plan.tp_mode == "3d" else plan.tp_depth
+            q, d = tp_grid(tp, plan.tp_mode, plan.tp_depth)
             if s.hidden % q or s.ffn_hidden % q or s.vocab_size % q or s.num_heads % q:
                 return "the grid side does not divide hidden, ffn, heads or vocabulary"
             rows = mbs * w.seq_len if plan.tp_mode == "3d" else mbs

@@ -23,6 +23,7 @@ Units and notation: :mod:`behemoth.planner.traffic`.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from ..specs import TransformerShape
 from .collectives import Traffic, all_gather_bytes, all_reduce_bytes, payload, reduce_scatter_bytes
@@ -123,6 +124,25 @@ def norm2d(shape: TransformerShape, tokens_local: float, q: int, depth: int, par
     return Traffic(fwd, bwd + all_reduce_bytes(vec, q) + all_reduce_bytes(vec, depth))
 
 
+def grid_linears_traffic(shape: TransformerShape, lin, kv_projection: Traffic | None = None) -> Traffic:
+    """The Linears of one block under a grid mode (2D, 2.5D, 3D), where every Linear gathers its
+    own input: ``lin(in_features=, out_features=)`` (the mode's Linear formula with the tokens,
+    degree and dtypes bound) summed over fused qkv, or q, k and v
+    (``kv_projection``: one k or v projection's traffic where it is not ``lin(h, K D)``); the
+    attention output; fc, or gate and up; and proj, or down. Norms are the caller's."""
+    h, f = shape.hidden, shape.ffn_hidden
+    attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+
+    def one(fin: int, fout: int) -> Traffic:
+        return lin(in_features=fin, out_features=fout)
+
+    if shape.fused_qkv:
+        out = one(h, attn + 2 * kv)
+    else:
+        out = one(h, attn) + 2 * (one(h, kv) if kv_projection is None else kv_projection)
+    return out + (one(attn, h) + (2 if shape.gated_mlp else 1) * one(h, f) + one(f, h))
+
+
 def tp2d_block_traffic(
     shape: TransformerShape,
     *,
@@ -138,29 +158,20 @@ def tp2d_block_traffic(
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
-    h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
-
-    def lin(fin, fout):
-        return tp2d_linear_traffic(
-            tokens=t,
-            in_features=fin,
-            out_features=fout,
-            tp=tp,
-            depth=depth,
-            bias=shape.linear_bias,
-            dtype_bytes=dtype_bytes,
-            param_bytes=param_bytes,
-        )
-
-    attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    if shape.fused_qkv:
-        out = lin(h, attn + 2 * kv)
-    elif shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated kv heads
-        out = lin(h, attn) + 2 * _kv_replicated2d(t, h, shape, tp, depth, dtype_bytes, param_bytes)
-    else:
-        out = lin(h, attn) + 2 * lin(h, kv)
-    out += lin(attn, h) + (2 if shape.gated_mlp else 1) * lin(h, f) + lin(f, h)
-    return out + 2 * norm2d(shape, t / (depth * q), q, depth, param_bytes)
+    t = batch * seq
+    lin = partial(
+        tp2d_linear_traffic,
+        tokens=t,
+        tp=tp,
+        depth=depth,
+        bias=shape.linear_bias,
+        dtype_bytes=dtype_bytes,
+        param_bytes=param_bytes,
+    )
+    kv = None
+    if not shape.fused_qkv and shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated
+        kv = _kv_replicated2d(t, shape.hidden, shape, tp, depth, dtype_bytes, param_bytes)
+    return grid_linears_traffic(shape, lin, kv) + 2 * norm2d(shape, t / (depth * q), q, depth, param_bytes)
 
 
 def tp2d_model_traffic(

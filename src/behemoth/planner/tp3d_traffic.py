@@ -21,9 +21,11 @@ Units and notation: :mod:`behemoth.planner.traffic`.
 
 from __future__ import annotations
 
+from functools import partial
+
 from ..specs import TransformerShape
 from .collectives import Traffic, all_gather_bytes, all_reduce_bytes, payload, reduce_scatter_bytes
-from .tp2d_traffic import norm2d
+from .tp2d_traffic import grid_linears_traffic, norm2d
 
 
 def cube_side(tp: int) -> int:
@@ -105,23 +107,11 @@ def tp3d_block_traffic(
     q = cube_side(tp)
     if q == 1:
         return Traffic()
-    h, f, t = shape.hidden, shape.ffn_hidden, batch * seq
-
-    def lin(fin, fout):
-        return tp3d_linear_traffic(
-            tokens=t,
-            in_features=fin,
-            out_features=fout,
-            tp=tp,
-            bias=shape.linear_bias,
-            dtype_bytes=dtype_bytes,
-            param_bytes=param_bytes,
-        )
-
-    attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    out = lin(h, attn + 2 * kv) if shape.fused_qkv else lin(h, attn) + 2 * lin(h, kv)
-    out += lin(attn, h) + (2 if shape.gated_mlp else 1) * lin(h, f) + lin(f, h)
-    return out + 2 * norm2d(shape, t / q**2, q, q, param_bytes)
+    t = batch * seq
+    lin = partial(
+        tp3d_linear_traffic, tokens=t, tp=tp, bias=shape.linear_bias, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+    )
+    return grid_linears_traffic(shape, lin) + 2 * norm2d(shape, t / q**2, q, q, param_bytes)
 
 
 def tp3d_model_traffic(

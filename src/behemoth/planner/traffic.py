@@ -22,13 +22,14 @@ from ..specs import TransformerShape
 from .collectives import Traffic
 from .tp1d_traffic import tp1d_block_traffic, tp1d_linear_traffic, tp1d_model_traffic
 from .tp2d_traffic import (
+    grid_side,
     tp2d_block_traffic,
     tp2d_linear_traffic,
     tp2d_model_traffic,
     tp2p5d_block_traffic,
     tp2p5d_linear_traffic,
 )
-from .tp3d_traffic import tp3d_block_traffic, tp3d_linear_traffic, tp3d_model_traffic
+from .tp3d_traffic import cube_side, tp3d_block_traffic, tp3d_linear_traffic, tp3d_model_traffic
 
 _LINEAR = {
     "1d": tp1d_linear_traffic,
@@ -37,6 +38,19 @@ _LINEAR = {
     "3d": tp3d_linear_traffic,
 }
 _BLOCK = {"1d": tp1d_block_traffic, "2d": tp2d_block_traffic, "2.5d": tp2p5d_block_traffic, "3d": tp3d_block_traffic}
+
+
+def tp_grid(tp: int, tp_mode: str = "1d", tp_depth: int = 1) -> tuple[int, int]:
+    """``(q, d)`` of a tensor-parallel layout: 1D ``(tp, 1)``; 2D ``(q, 1)`` and 2.5D ``(q, d)`` with
+    ``tp = d q**2``; 3D ``(q, q)`` with ``tp = q**3`` (its cube's depth axis is another side)."""
+    if tp == 1 or tp_mode == "1d":
+        return tp, 1
+    if tp_mode in ("2d", "2.5d"):
+        return grid_side(tp, tp_depth), tp_depth
+    if tp_mode == "3d":
+        q = cube_side(tp)
+        return q, q
+    raise ValueError(f"tp_mode={tp_mode!r}: one of '1d', '2d', '2.5d', '3d'.")
 
 
 def linear_traffic(mode: str, **kwargs) -> Traffic:
