@@ -22,8 +22,9 @@ process. Routing is steered through the router's input (``moe_routing.py``):
 balanced in expectation), ``zipf`` (expert e drawn with probability ~ ``(e+1)^-s``, s = 1.2: the
 hottest experts all on ep rank 0, the worst case for contiguous expert blocks) and
 ``zipf-spread`` (the same popularity, the hottest experts alternating between ep ranks).
-``--precisions bf16,autocast``: bf16 parameters (default), or fp32 parameters under bf16 autocast
-(what ``Plan(precision="bf16")`` trains with).
+``--precisions bf16,autocast``: bf16 parameters and input (default), or fp32 parameters and input
+under bf16 autocast (what ``Plan(precision="bf16")`` trains with: the residual stream stays fp32, so
+the dispatch moves fp32 rows there).
 
 FLOPs (layer): the expert GEMMs only. Forward ``2*T*k*(H*2I + I*H) = 6*T*k*H*I``, backward twice
 that, so ``18*T*k*H*I`` per rank per step for the MoE layer and ``18*T*H*F`` with ``F = k*I`` for
@@ -202,14 +203,14 @@ def time_dense(a, dev: torch.device, g: torch.Generator, pdtype: torch.dtype, au
     T, H, F = a.layer_tokens, a.hidden, a.top_k * a.ffn
     gate_up = torch.nn.Parameter(torch.randn(2 * F, H, device=dev, generator=g).mul_(0.02).to(pdtype))
     down = torch.nn.Parameter(torch.randn(H, F, device=dev, generator=g).mul_(0.02).to(pdtype))
-    x_TH = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-    dy_TH = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
+    x_TH = torch.randn(T, H, device=dev, generator=g).to(pdtype).requires_grad_()
+    dy_TH = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)  # the output's dtype
 
     def step():
         gate_up.grad = down.grad = x_TH.grad = None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             y_TH = swiglu_expert(x_TH, gate_up, down)
-        y_TH.backward(dy_TH)
+        y_TH.backward(dy_TH.to(y_TH.dtype))
 
     return timed_us(step, dev, a.iters, a.warmup)
 
@@ -232,7 +233,7 @@ def time_layer(a, dev, moe, kind: str, ep_size: int, g: torch.Generator, autocas
     x_TH, router_EH = routing_input(kind, T, H, E, K, ep_size, a.zipf_s, g)
     with torch.no_grad():
         moe.router.weight.copy_(router_EH)
-    x_BSH = x_TH.to(torch.bfloat16)[None].requires_grad_()
+    x_BSH = x_TH.to(moe.gate_up_proj.dtype)[None].requires_grad_()  # the residual stream's dtype
     dy_BSH = torch.randn(x_BSH.shape, device=dev, generator=g, dtype=torch.bfloat16)
 
     def step():
@@ -240,7 +241,7 @@ def time_layer(a, dev, moe, kind: str, ep_size: int, g: torch.Generator, autocas
         x_BSH.grad = None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             y_BSH = moe(x_BSH)
-        y_BSH.backward(dy_BSH)
+        y_BSH.backward(dy_BSH.to(y_BSH.dtype))
 
     return timed_us(step, dev, a.iters, a.warmup)
 
@@ -344,6 +345,7 @@ def part_model(a, dev: torch.device, paths: PathCount) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
     times, loss = [], float("nan")
     paths.take()
+    engine.reset_comm_stats()
     for i in range(a.steps):
         _sync(dev)
         t = time.perf_counter()
@@ -391,6 +393,7 @@ def part_model(a, dev: torch.device, paths: PathCount) -> None:
             loss=round(loss, 3),
             rank_load_max_over_mean=round(max(loads), 3) if loads else None,
             paths={k: v // max(1, a.steps) for k, v in calls.items()},
+            comm_mib_per_step={k: round(v["bytes"] / a.steps / 2**20, 1) for k, v in engine.comm_stats().items()},
             comm_s={k: round(v["seconds"], 3) for k, v in engine.comm_stats().items()},
             gpu=_gpu_name(dev),
         )
