@@ -11,7 +11,9 @@ hidden 4,096, 8 experts, top-2, bf16, random router logits through
 :func:`~behemoth.models.moe.route`): median µs of each forward (the sort by expert, the split-size
 all-to-all and its host read, the row all-to-all and the permutations included), of a
 dispatch -> combine -> backward round trip, and of the bare ``all_to_all_single`` of the same rows
-(the communication floor). CUDA events around each call, every call after a barrier.
+(the communication floor). CUDA events around each call, every call after a barrier. With
+``--precisions autocast`` also as ``Plan(precision="bf16")`` runs it: fp32 rows dispatched (the
+residual stream is fp32 under autocast), the experts' bf16 rows combined.
 
 ``layer`` (``what: moe-layer``): one :class:`~behemoth.models.moe.MoEFeedForward` (hidden 4,096,
 expert FFN 14,336, 8 experts, top-2) under :class:`~behemoth.parallel.expert.ExpertParallel` at
@@ -141,51 +143,67 @@ def emit(result: dict) -> None:
 
 
 def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
+    """One RESULT per ``--precisions`` entry: ``bf16`` rows both ways, or ``autocast`` as
+    ``Plan(precision="bf16")`` runs it (the fp32 residual stream dispatched, the experts' bf16
+    output combined)."""
     T, H, E, K = a.dispatch_tokens, a.hidden, a.experts, a.top_k
     ep = mesh.axis("ep")
     g = torch.Generator(device=dev).manual_seed(1000 + dist.get_rank())
-    x_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
     logits_TE = torch.randn(T, E, device=dev, generator=g)
     _, weights_TK, experts_TK = route(logits_TE, K)
     weights_TK.requires_grad_()  # as the router's output in a layer: combine's product is recorded
-    dy_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
     timing = dict(dev=dev, iters=a.iters, warmup=a.warmup)
+    for precision in _precisions(a):
+        x_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        x_TH = torch.randn(T, H, device=dev, generator=g).to(x_dtype).requires_grad_()
+        dy_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
 
-    dispatch_us = timed_us(lambda: dispatch(x_TH, experts_TK, E, ep), **timing)
-    x_NH, _, routed = dispatch(x_TH, experts_TK, E, ep)
-    y_NH = x_NH.detach().requires_grad_()  # stands in for the experts' output (same rows)
-    combine_us = timed_us(lambda: combine(y_NH, weights_TK, routed), **timing)
+        dispatch_us = timed_us(lambda: dispatch(x_TH, experts_TK, E, ep), **timing)
+        x_NH, _, routed = dispatch(x_TH, experts_TK, E, ep)
+        y_NH = x_NH.detach().to(torch.bfloat16).requires_grad_()  # stands in for the experts' output
+        combine_us = timed_us(lambda: combine(y_NH, weights_TK, routed), **timing)
 
-    def round_trip():
-        x_TH.grad = weights_TK.grad = None
-        rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep)
-        combine(rows_NH, weights_TK, r).backward(dy_TH)
+        def round_trip():
+            x_TH.grad = weights_TK.grad = None
+            rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep)
+            combine(rows_NH.to(torch.bfloat16), weights_TK, r).backward(dy_TH)
 
-    round_trip_us = timed_us(round_trip, **timing)
-    sorted_AH = x_TH.detach()[routed.order_A // K]
-    a2a_us = timed_us(lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes), **timing)
-    row_bytes = H * x_TH.element_size()
-    leaving = sum(routed.send_sizes) - routed.send_sizes[ep.rank]
-    emit(
-        dict(
-            what="moe-dispatch",
-            ep=ep.size,
-            tokens_per_rank=T,
-            hidden=H,
-            experts=E,
-            top_k=K,
-            dtype="bf16",
-            iters=a.iters,
-            dispatch_us=round(dispatch_us, 1),
-            combine_us=round(combine_us, 1),
-            round_trip_fwd_bwd_us=round(round_trip_us, 1),
-            a2a_only_us=round(a2a_us, 1),
-            mib_sent_per_rank=round(sum(routed.send_sizes) * row_bytes / 2**20, 1),
-            mib_leaving_rank0=round(leaving * row_bytes / 2**20, 1),
-            target_us=250,
-            gpu=_gpu_name(dev),
+        round_trip_us = timed_us(round_trip, **timing)
+        sorted_AH = x_TH.detach()[routed.order_A // K]
+        a2a_us = timed_us(
+            lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes),
+            **timing,
         )
-    )
+        row_bytes = H * x_TH.element_size()
+        leaving = sum(routed.send_sizes) - routed.send_sizes[ep.rank]
+        emit(
+            dict(
+                what="moe-dispatch",
+                precision=precision,
+                ep=ep.size,
+                tokens_per_rank=T,
+                hidden=H,
+                experts=E,
+                top_k=K,
+                iters=a.iters,
+                dispatch_us=round(dispatch_us, 1),
+                combine_us=round(combine_us, 1),
+                round_trip_fwd_bwd_us=round(round_trip_us, 1),
+                a2a_only_us=round(a2a_us, 1),
+                dispatch_mib_sent_per_rank=round(sum(routed.send_sizes) * row_bytes / 2**20, 1),
+                dispatch_mib_leaving_rank0=round(leaving * row_bytes / 2**20, 1),
+                target_us=250,
+                gpu=_gpu_name(dev),
+            )
+        )
+
+
+def _precisions(a) -> list[str]:
+    out = a.precisions.split(",")
+    for precision in out:
+        if precision not in ("bf16", "autocast"):
+            raise ValueError(f"--precisions: {precision!r} must be bf16 or autocast.")
+    return out
 
 
 # ---------------------------------------------------------------- part 2: one layer vs dense
@@ -251,9 +269,7 @@ def part_layer(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> No
     ep = mesh.axis("ep")
     flops = 18 * T * K * H * I
     g = torch.Generator(device=dev).manual_seed(2000 + dist.get_rank())
-    for precision in a.precisions.split(","):
-        if precision not in ("bf16", "autocast"):
-            raise ValueError(f"--precisions: {precision!r} must be bf16 or autocast.")
+    for precision in _precisions(a):
         pdtype = torch.bfloat16 if precision == "bf16" else torch.float32
         autocast = precision == "autocast"
         _fresh_peak(dev)
@@ -428,7 +444,7 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=14336, help="layer: expert FFN width I")
     p.add_argument("--routings", default=",".join(ROUTINGS), help=f"layer: comma-separated of {ROUTINGS}")
     p.add_argument("--zipf-s", type=float, default=1.2, help="layer: Zipf exponent of the zipf routings")
-    p.add_argument("--precisions", default="bf16", help="layer: bf16 (bf16 parameters) and/or autocast")
+    p.add_argument("--precisions", default="bf16", help="dispatch, layer: bf16 and/or autocast (fp32 under autocast)")
     p.add_argument("--size", default="mixtral-4b", help="model: a behemoth preset (mixtral-4b, olmoe-1b-7b)")
     p.add_argument("--ep", type=int, default=0, help="model: Plan.ep (default: the world size); dp = world")
     p.add_argument("--mbs", type=int, default=4, help="model: sequences per rank per step")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call (2 GPUs; NGPU=4 for 4): mixture of experts under expert parallelism
 # (bench_moe.py), the peer in the same call:
-#   1. dispatch + combine at 4,096 tokens per rank, hidden 4,096, 8 experts, top-2, bf16, ep = NGPU;
+#   1. dispatch + combine at 4,096 tokens per rank, hidden 4,096, 8 experts, top-2, ep = NGPU;
 #      one MoE layer (FFN 14,336, 16k tokens per rank) vs a dense SwiGLU of the same active FLOPs,
-#      balanced / uniform / Zipf routings, bf16 parameters and fp32 under autocast;
+#      balanced / uniform / Zipf routings; both in bf16 and as Plan(precision="bf16") runs them
+#      (fp32 parameters and residual stream under autocast);
 #   2. end-to-end training of the mixtral-4b preset under Plan(ep=NGPU), bf16 autocast: tokens/s,
 #      MFU on active FLOPs, memory; then its peer, transformers' MixtralForCausalLM at the same shape
 #      with stock FSDP2 and transformers' grouped_mm experts (peer_hf_mixtral.py, a copy of ../shared's);
