@@ -9,7 +9,8 @@ The E experts are sharded over the ``ep`` axis in contiguous blocks (member r ho
    ``E`` integers (each member learns how many rows it receives, from whom, for which of its
    experts);
 3. **dispatch**: the rows exchanged with one uneven ``all_to_all_single``
-   (:class:`~behemoth.comm.AllToAllSingleAxis`), then regrouped by local expert;
+   (:class:`~behemoth.comm.AllToAllSingleAxis`), then regrouped by local expert (each group
+   padded with zero rows to a multiple of ``align`` where the grouped GEMMs want it);
 4. the local experts (:func:`~.grouped.grouped_swiglu`);
 5. **combine**: the inverse regrouping, the reverse all-to-all, and each token's k outputs
    summed with its routing weights.
@@ -21,7 +22,7 @@ The permutation math (:func:`sort_by_expert`, :func:`local_order`) is pure and u
 Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then of the
 ``T*K`` rows of width H out and back (and the same two in backward); fewer rows when a
 capacity drops assignments (an assignment to expert ``E`` is dropped: never sent).
-:func:`behemoth.parallel.expert.traffic.ep_bytes` is the formula.
+:func:`behemoth.parallel.expert.traffic.ep_all_to_all_bytes` is the formula.
 
 Tested in tests/unit/test_expert_dispatch.py and tests/dist/test_expert_parallel.py.
 """
@@ -34,6 +35,7 @@ import torch
 
 from ... import comm
 from ...comm import Axis
+from .grouped import pad_groups, padded_rows
 
 __all__ = ["Routed", "combine", "dispatch", "local_order", "sort_by_expert"]
 
@@ -67,14 +69,20 @@ class Routed:
     """Flat (token, slot) indices in the order their rows were sent."""
     send_sizes: list[int]
     recv_sizes: list[int]
-    perm: torch.Tensor
-    """Received rows -> local-expert order (:func:`local_order`)."""
+    slot: torch.Tensor
+    """Where each received row sits in the experts' rows (grouped by local expert, padded where
+    :func:`dispatch` was asked to align the groups)."""
 
 
-def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axis: Axis):
+def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, align: int = 1):
     """``(x_NH, local_counts, routed)``: the rows this member's experts must process, grouped
     by local expert (``local_counts[l]`` rows for local expert l), and the record for
-    :func:`combine`. Collective over ``axis``: the split sizes, then the rows."""
+    :func:`combine`. Collective over ``axis``: the split sizes, then the rows.
+
+    ``align`` > 1: each local expert's group is padded with zero rows to a multiple of ``align``
+    rows, at least ``align`` (:func:`~.grouped.pad_groups`; ``local_counts`` then count the
+    padding, which :func:`combine` drops): the layout the grouped GEMMs want
+    (:func:`~.grouped.group_alignment`), made in the permutation the rows take anyway."""
     n = axis.size
     num_local = num_experts // n
     order_A, counts_E = sort_by_expert(experts_TK, num_experts)
@@ -84,7 +92,15 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
     x_AH = x_TH[order_A // experts_TK.shape[-1]]
     x_recv = comm.AllToAllSingleAxis.apply(x_AH, axis, send_sizes, recv_sizes)
     perm = local_order(recv_counts)
-    return x_recv[perm], recv_counts.sum(0).tolist(), Routed(axis, order_A, send_sizes, recv_sizes, perm)
+    local_counts = recv_counts.sum(0).tolist()
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    if align == 1:
+        return x_recv[perm], local_counts, Routed(axis, order_A, send_sizes, recv_sizes, inverse)
+    padded, shift = pad_groups(local_counts, align)
+    slot = padded_rows(local_counts, shift, x_recv.device)[inverse]
+    x_NH = x_recv.new_zeros(sum(padded), x_recv.shape[-1]).index_copy(0, slot, x_recv)
+    return x_NH, padded, Routed(axis, order_A, send_sizes, recv_sizes, slot)
 
 
 def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
@@ -92,9 +108,7 @@ def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> tor
     tokens' members and summed over each token's k experts with its routing weights (the sum is
     taken in the weights' dtype, at least float32, then cast to ``y_NH``'s). Collective over the
     axis of :func:`dispatch`."""
-    inverse = torch.empty_like(routed.perm)
-    inverse[routed.perm] = torch.arange(routed.perm.numel(), device=routed.perm.device)
-    y_AH = comm.AllToAllSingleAxis.apply(y_NH[inverse], routed.axis, routed.recv_sizes, routed.send_sizes)
+    y_AH = comm.AllToAllSingleAxis.apply(y_NH[routed.slot], routed.axis, routed.recv_sizes, routed.send_sizes)
     num_tokens, top_k = weights_TK.shape
     token_A = routed.order_A // top_k
     weighted_AH = y_AH * weights_TK.reshape(-1)[routed.order_A, None]

@@ -59,6 +59,7 @@ from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
 from .dispatch import combine, dispatch
+from .grouped import group_alignment
 from .losses import ExpertLayers
 
 __all__ = [
@@ -215,7 +216,9 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis):
         x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         r = block.route(x_BSH)
-        x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep)
+        # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway)
+        align = group_alignment(x_TH)
+        x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep, align=align)
         y_NH = block.run_experts(x_NH, local_counts)
         y_TH = combine(y_NH, r.weights_TK, routed)
         shared_TH = block.shared(x_TH)
