@@ -138,7 +138,7 @@ def boost(
     parts = dict(batch_parts=par.batch_parts, batch_index=par.batch_index, device=par.device)
     if schedule is not None:
         executor = PipelineExecutor(
-            model, par.pipeline, par.channels, schedule, plan, loss, context=par.context, **parts
+            model, par.pipeline, par.channels, schedule, plan, loss, context=par.context, experts=par.experts, **parts
         )
     else:
         executor = SequentialExecutor(model, plan, loss, context=par.context, experts=par.experts, **parts)
@@ -246,8 +246,14 @@ class Engine:
 
     def expert_token_counts(self) -> dict[str, list[float]]:
         """``{MoE block name: tokens routed to each expert}`` in the last micro-batch, over the
-        global batch (the same on every rank; empty for a dense model): for the step log."""
-        return self.parallel.experts.token_counts() if self.parallel.experts else {}
+        global batch (the same on every rank; empty for a dense model): for the step log. Under
+        pipeline parallelism a collective over ``pp`` (every rank calls it), which brings every
+        stage's blocks to every rank."""
+        experts = self.parallel.experts
+        if experts is None or not experts.names:
+            return {}
+        pp = self.mesh.axis("pp")
+        return experts.token_counts(pp if self.parallel.pipeline is not None else None, self.device)
 
     def _forward_backward(self, batch) -> float:
         """Forward and backward of this rank's batch, gradients left reduced in the gradient sync

@@ -196,6 +196,7 @@ def apply_plan(
         apply_compile(model)
     if stage_layout is not None:
         record.pipeline, record.channels = split_pipeline(model, mesh, device, *stage_layout)
+        record.experts = record.experts.held(model)  # this stage's MoE blocks (the others' are gone)
     broadcast_parameters(model, mesh, data_axis, sync_params)
     broadcast_buffers(model, mesh, data_axis)
 

@@ -217,7 +217,8 @@ class Plan:
         """Expert parallelism composes with data parallelism (ep divides dp), ZeRO 1-3 (expert chunks
         sharded over ep_dp, dense chunks over dp), 1D tensor parallelism without sequence parallelism
         (attention split over tp, experts whole on each tp rank), context parallelism (expert
-        gradients over ep_dp x cp) and micro-batches."""
+        gradients over ep_dp x cp), pipelines (experts inside each stage, the all-to-alls over the
+        stage's ep group), micro-batches, bf16 and fp16 (the overflow vote spans the ep ranks)."""
         if self.ep == 1:
             return
         pending = [
@@ -227,15 +228,13 @@ class Plan:
                 f"tp_mode={self.tp_mode!r}{' with sequence_parallel' if self.sequence_parallel else ''} (1D tensor "
                 f"parallelism without sequence parallelism composes: experts replicated over tp)",
             ),
-            (self.pp > 1, f"pp={self.pp}", "pipeline stages holding MoE layers"),
-            (self.precision == "fp16", "precision='fp16'", "an fp16 overflow vote over the expert axis"),
         ]
         for bad, value, missing in pending:
             if bad:
                 raise NotImplementedError(
                     f"Plan.ep={self.ep} with {value}: expert parallelism with {missing} is not built yet. It "
                     f"composes today with dp, ZeRO 1-3, 1D tp (attention split, experts whole on every tp rank), "
-                    f"cp, microbatches, precision 'fp32'/'bf16' and activation checkpointing; "
+                    f"cp, pp, microbatches, every precision and activation checkpointing; "
                     f"use ep=1 or drop {value.split('=')[0]}."
                 )
 

@@ -2,7 +2,8 @@
 losses (load balancing over the global batch, z-loss) included: losses, every step's gradient
 norm and ``full_state_dict()`` (experts reassembled to the serial ``[E, ...]`` shapes), for
 dp=4 x ep=2 (ep_dp=2), ep=4, ep=1 under dp=4, and ep=2 alone (also with micro-batches and
-activation checkpointing, and with bf16 autocast under SGD); the ep axis's ledger bytes exactly; a step in which one ep rank's
+activation checkpointing, with bf16 autocast under SGD, and with fp16 and its loss scaling, whose
+overflow vote covers every ep rank's experts); the ep axis's ledger bytes exactly; a step in which one ep rank's
 experts get no token does not hang and still matches; what does not compose yet is refused on
 every rank before any collective; a checkpoint saved at ep=2 loads at ep=1 and ep=2."""
 from __future__ import annotations
@@ -134,6 +135,43 @@ def _micro_and_bf16_world(rank: int, world: int) -> None:
         assert_state_close(engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if dtype else {}))
 
 
+def _fp16_world(rank: int, world: int) -> None:
+    """fp16 autocast with dynamic loss scaling under ep=2 (SGD: linear in the gradient, so fp16
+    rounding stays rounding): the serial fp16 model's numbers. Then an inf gradient in one ep rank's
+    experts only (the other ep rank's expert gradients are finite, and the dense gradients too): the
+    overflow vote skips the step on every rank, which halves its scale and keeps its weights."""
+    batches = global_batches(STEPS, BATCH)
+    want = serial_moe_run(batches, clip=1.0, dtype=torch.float16, opt_name="sgd")
+    for zero in (0, 1):
+        what = f"dp={world} ep=2 fp16 zero={zero}"
+        model = build_moe()
+        plan = bh.Plan(dp=world, ep=2, precision="fp16", zero=zero, chunk_mb=0.02 if zero else None)
+        engine = bh.boost(model, optimizer_for(model, "sgd"), plan, max_grad_norm=1.0)
+        losses, norms = train_steps(engine, batches)
+        assert engine.scaler.skipped_steps == 0, what
+        assert_losses_close(losses, want[0], rtol=2e-2, what=what)
+        assert_grad_norms_close(norms, want[2], rtol=2e-2, what=what)
+        assert_state_close(engine.full_state_dict(), want[1], rtol=2e-2, atol=2e-3, what=what)
+
+    what = f"dp={world} ep=2 fp16: an overflow in ep rank 1's experts"
+    model = build_moe()
+    engine = bh.boost(model, optimizer_for(model, "sgd"), bh.Plan(dp=world, ep=2, precision="fp16"), max_grad_norm=1.0)
+    train_steps(engine, batches[:1])
+    before, scale = engine.full_state_dict(), engine.scaler.scale
+    handle = None
+    if engine.mesh.axis("ep").rank == 1:
+        experts = engine.model.layers[1].mlp.gate_up_proj
+        handle = experts.register_hook(lambda g: torch.full_like(g, float("inf")))
+    _, norms = train_steps(engine, batches[1:2])
+    if handle is not None:
+        handle.remove()
+    assert norms == [float("inf")], (what, norms)
+    assert engine.scaler.scale == scale / 2 and engine.scaler.skipped_steps == 1, what
+    assert_state_close(engine.full_state_dict(), before, rtol=0, atol=0, what=what)
+    train_steps(engine, batches[1:])  # the skipped batch again, then the rest: as serial
+    assert_state_close(engine.full_state_dict(), want[1], rtol=2e-2, atol=2e-3, what=what)
+
+
 def _parallelize_world(rank: int, world: int) -> None:
     """bh.parallelize alone (no optimizer): an ep=2 model's forward on this rank's rows gives the
     serial model's logits for them, and its router losses are this rank's share of the serial
@@ -160,8 +198,7 @@ def _refusals_world(rank: int, world: int) -> None:
                  "no mixture-of-experts layer")
     moe = build_moe()
     # (ZeRO 1-3 and cp with experts train now: tests/dist/test_expert_zero.py, test_expert_context.py)
-    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, pp=world)), "pp=2",
-                 kind=NotImplementedError)
+    # (pipelines with experts train now: tests/dist/test_expert_pipeline.py; fp16: test_expert_parallel_fp16)
     # (1D tp with experts trains now: tests/dist/test_expert_tensor.py; sequence parallelism does not)
     expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=world, sequence_parallel=True)),
                  "tp=2", "sequence_parallel", kind=NotImplementedError)
@@ -214,3 +251,7 @@ def test_parallelize_experts_without_an_optimizer():
 
 def test_expert_parallel_microbatches_and_bf16():
     bh.spawn(_micro_and_bf16_world, 2, timeout=600)
+
+
+def test_expert_parallel_fp16():
+    bh.spawn(_fp16_world, 2, timeout=600)

@@ -16,6 +16,16 @@ and tied copies are exactly the serial model's. Zero-bubble splits each backward
 (``backward(inputs=params)``), as ``torch.distributed.pipelining``'s stage_backward_input /
 stage_backward_weight do; the gradients equal a full backward's.
 
+Mixture of experts: the MoE layers of each stage run their all-to-alls over ``ep`` inside the
+stage's forward and backward (every rank of an ep group holds the same stage and runs the same
+actions), and their router losses -- this rank's share of each global micro-batch's, weighted
+1/microbatches as the sequential executor weighs them -- join *that stage's* backward as a second
+root beside its output (on the last stage, its loss). behemoth's layers have a loss per layer,
+read after the stage's forward. transformers' pooled balancing loss needs every layer's counts
+and token totals (:mod:`behemoth.parallel.expert.losses`): they ride with the activations to the
+last stage, summed stage by stage, and back with the gradients, so each stage's share is taken in
+its backward, when the totals have arrived.
+
 Gradient sync: tied copies are summed into the gradients the sync reduces (reduction is linear:
 the same sums as reducing first), then the sync reduces every gradient. With one chunk per rank
 and no tied copy on this rank, the last weight-gradient action of the step (B or BW of the last
@@ -67,6 +77,15 @@ from .stage import PipelineSplit
 __all__ = ["PipelineExecutor", "module_runs"]
 
 
+def _roots(y: torch.Tensor, g: torch.Tensor | None, aux: torch.Tensor | None):
+    """``(tensors, grad_tensors)`` of one stage's backward: its output ``y`` with the gradient
+    ``g`` received (None on the last stage, whose ``y`` is the loss), and the router losses of
+    the stage's MoE layers (a scalar) when they reach any parameter."""
+    if aux is None or not aux.requires_grad:
+        return [y], [g]
+    return [y, aux], [g, None]
+
+
 def module_runs(split: PipelineSplit):
     """``runs(module)``: whether a module of this rank computes when called now -- not one of a
     chunk that is not the active one (it passes its input through). What ZeRO-3 gathers for."""
@@ -77,6 +96,16 @@ def module_runs(split: PipelineSplit):
         return c is None or active is None or c == active
 
     return runs
+
+
+def _chunk_modules(split: PipelineSplit, chunk: int) -> set[int]:
+    """The ids of the modules of this rank's ``chunk``."""
+    return {
+        id(m)
+        for name, c in split.module_chunks.items()
+        if c == chunk
+        for m in split.model.get_submodule(name).modules()
+    }
 
 
 class PipelineExecutor:
@@ -96,8 +125,15 @@ class PipelineExecutor:
         batch_index: int,
         device: torch.device,
         context=None,
+        experts=None,
     ) -> None:
         self.model, self.split, self.channels, self.loss = model, split, channels, loss
+        # mixture of experts: each chunk's MoE layers (their router losses join that stage's backward)
+        # (a stage may hold none of them: a model has MoE layers when the serial model has, on every rank)
+        self.experts = experts if experts is not None and experts.names else None
+        moe = self.experts is not None
+        self.chunk_experts = [experts.subset(_chunk_modules(split, c)) for c in range(split.v)] if moe else []
+        self.pooled = experts.pooled_experts if moe else 0  # transformers' pooled loss: E, else 0
         self.context = context  # context parallelism: each micro-batch's share of the sequence
         # param_dtype: the stages compute in their (bf16) parameters' dtype, as the sequential executor does
         self.precision, self.device = "fp32" if plan.param_dtype else plan.precision, device
@@ -133,13 +169,17 @@ class PipelineExecutor:
 
     def run(self, micro: list, scale: torch.Tensor, loss_scale: float, grad_sync) -> torch.Tensor:
         """This rank's actions on the step's micro-batches (backward of each loss times ``scale`` and
-        ``loss_scale``, fp16's loss scale or 1); gradients left reduced in ``grad_sync``. Returns the loss sum of the step's micro-batches
-        (float64 ``[1]``, not times ``scale``), summed over ``pp`` (the last stage holds it)."""
+        ``loss_scale``, fp16's loss scale or 1; a mixture-of-experts model's router losses times
+        ``loss_scale / len(micro)``); gradients left reduced in ``grad_sync``. Returns the loss sum of
+        the step's micro-batches (float64 ``[1]``, not times ``scale``; with the sum of the router
+        losses appended for a mixture-of-experts model), summed over ``pp``."""
         split, ch = self.split, self.channels
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        total = torch.zeros(1 if self.experts is None else 2, dtype=torch.float64, device=self.device)
         pp, rank, last = split.pp, split.rank, split.num_stages - 1
         nxt, prv = (rank + 1) % pp, (rank - 1) % pp
-        saved: dict[tuple[int, int], list] = {}  # (micro-batch, chunk) -> [stage input, output, output grad]
+        aux_weight = loss_scale / len(micro)
+        # (micro-batch, chunk) -> [stage input, output, backward roots, router losses, RouterTerms, totals]
+        saved: dict[tuple[int, int], list] = {}
         for i, a in enumerate(self.actions):
             s, key = split.stage(a.chunk), (a.microbatch, a.chunk)
             if a.kind == F:
@@ -149,45 +189,84 @@ class PipelineExecutor:
                 inputs = model_inputs(local)
                 shape = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
                 x = None if s == 0 else ch.recv_activation(s - 1, shape, prv).requires_grad_()
+                totals = self._recv_totals(s, prv, backward=False)
                 split.ctx.chunk, split.ctx.stash = a.chunk, x
                 try:
                     with self.compile_context(), autocast_context(self.precision, self.device, self.autocast_cache):
                         out = self.model(*inputs, **kwargs)
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
+                aux, terms = self.chunk_experts[a.chunk].take() if self.experts is not None else (None, None)
+                if totals is not None and terms is not None:  # this stage's layers join the running totals
+                    totals = totals + terms.totals()
                 if s == last:
                     loss = self.loss(out, micro[a.microbatch], local)
-                    total += loss.detach().double()
+                    total[0] += loss.detach().double()
                     y = loss.float() * (scale * loss_scale).float()
+                    aux = self._router_loss(aux, terms, totals, total)
+                    if aux is not None:
+                        y = y + aux.float() * aux_weight
+                    aux = terms = None
                 else:
                     y = logits_of(out)
                     ch.send_activation(y, s, shape, nxt)
-                saved[key] = [x, y, None]
+                    if totals is not None:
+                        ch.send_terms(totals, nxt, backward=False)
+                saved[key] = [x, y, None, aux, terms, totals]
             elif a.kind in (B, BI):
-                x, y, _ = saved[key]
-                g = None if s == last else ch.recv_grad(y, nxt)
+                x, y, _, aux, terms, totals = saved[key]
+                g = None
+                if s != last:
+                    g = ch.recv_grad(y, nxt)
+                    totals = self._recv_totals(s, nxt, backward=True)  # every layer's, from the last stage
+                    aux = self._router_loss(aux, terms, totals, total)
+                    aux = None if aux is None else aux.float() * aux_weight
+                roots = _roots(y, g, aux)
                 if a.kind == B:
                     grad_sync.begin(sync=i == self.sync_at)
-                    torch.autograd.backward(y, g)
+                    torch.autograd.backward(*roots)
                     del saved[key]
                     if s > 0:
                         ch.send_grad(x.grad, prv)
                 else:  # input gradient only; the graph is kept for BW
                     if s > 0:
-                        (gx,) = torch.autograd.grad(y, (x,), g, retain_graph=True)
+                        (gx,) = torch.autograd.grad(roots[0], (x,), roots[1], retain_graph=True)
                         ch.send_grad(gx, prv)
-                    saved[key][2] = g
-            else:  # BW: the same output gradient into this chunk's parameters only
-                _, y, g = saved.pop(key)
+                    saved[key] = [None, None, roots, None, None, None]
+                if s > 0 and totals is not None:
+                    ch.send_terms(totals, prv, backward=True)
+            else:  # BW: the same output gradients into this chunk's parameters only
+                roots = saved.pop(key)[2]
                 grad_sync.begin(sync=i == self.sync_at)
-                torch.autograd.backward(y, g, inputs=split.chunk_parameters(a.chunk))
+                torch.autograd.backward(*roots, inputs=split.chunk_parameters(a.chunk))
         ch.finish()
         if self.sync_at is None:  # tied copies summed before the reduction, which runs now
             self._sum_tied_grads(grad_sync)
             grad_sync.begin(sync=True)
         grad_sync.finish()
-        comm.all_reduce(total, split.axis)  # only the last stage holds a non-zero sum
+        comm.all_reduce(total, split.axis)  # each stage's part: the loss on the last, router losses where they ran
         return total
+
+    def _recv_totals(self, s: int, peer: int, backward: bool) -> torch.Tensor | None:
+        """transformers' pooled balancing loss: the router totals that ride with the activation
+        (the layers before stage ``s``; zeros on stage 0) or with the gradient (every layer's, which
+        the last stage summed); None for any other model."""
+        if not self.pooled:
+            return None
+        if not backward and s == 0:
+            return torch.zeros(self.pooled + 1, dtype=torch.float64, device=self.device)
+        return self.channels.recv_terms(self.pooled + 1, peer, backward)
+
+    def _router_loss(self, aux, terms, totals, total: torch.Tensor):
+        """This stage's router losses for one micro-batch: behemoth layers' ``aux`` plus, given
+        every layer's ``totals``, transformers' pooled share of this stage's ``terms``; their value
+        is added to ``total[1]``. None when the stage has none."""
+        if terms is not None and totals is not None:
+            pooled = self.experts.pooled_loss(terms.prob_sums_E, totals)
+            aux = pooled if aux is None else aux + pooled
+        if aux is not None:
+            total[1] += aux.detach().double()
+        return aux
 
     def _sum_tied_grads(self, grad_sync) -> None:
         """Sum the gradients of tied weights held on two ranks (embedding on the first stage, head on

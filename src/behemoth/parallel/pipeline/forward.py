@@ -9,7 +9,9 @@ other ranks return ``None``. Inside a schedule (a chunk active) the model's own 
 
 Communication: one activation send per stage boundary over the pipeline channels (:mod:`.p2p`),
 keyed by the input shapes and the autocast dtype, so it never mixes with a training step's
-cached message shapes. Forward only: no gradient crosses a stage boundary here.
+cached message shapes. Forward only: no gradient crosses a stage boundary here. A transformers
+MoE model's own pooled router loss is switched off in every stage's forward (in training too): a
+stage holds some of the layers only, and the expert style computes that loss itself.
 Tested in tests/dist/test_parallelize.py (pp logits against the serial model's).
 """
 
@@ -37,6 +39,11 @@ def install_pipelined_forward(model: nn.Module, split: PipelineSplit, channels: 
     """Make ``model(...)`` outside a schedule run the pipeline forward (the model's ``forward`` is
     wrapped on the instance, like activation checkpointing does: state-dict keys unchanged)."""
     inner = model.forward
+    # transformers' MoE models pool the router logits of every layer in their own forward when
+    # ``output_router_logits`` is set; a stage holds some layers only (none of them MoE blocks: an
+    # IndexError there), and the expert style computes that loss itself (parallel/expert/losses.py)
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        inner = functools.partial(inner, output_router_logits=False)
     last = split.num_stages - 1
     nxt, prv = (split.rank + 1) % split.pp, (split.rank - 1) % split.pp
 

@@ -33,6 +33,11 @@ to predict them. Gradients need no header:
 a gradient has the shape and dtype of the activation it belongs to, which its receiver
 produced.
 
+A mixture-of-experts model whose balancing loss pools every layer (transformers') also sends,
+after each activation and each gradient, the router-loss totals (:meth:`StageChannels.send_terms`,
+``E + 1`` float64 values) on the same channel: the FIFO order is kept, as the receiver reads them
+right after the tensor they ride with.
+
 Sends are issued as soon as their tensor exists and waited at the end of the step (buffers
 kept alive until then). A receive is posted right before the action that needs it and waited
 on, bounded by the process group's timeout (``BEHEMOTH_TIMEOUT``): a peer that died or
@@ -120,6 +125,17 @@ class StageChannels:
     def recv_grad(self, like: torch.Tensor, src_rank: int) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage."""
         return self._recv(like.shape, like.dtype, src_rank, GRAD_TAG)
+
+    def send_terms(self, t: torch.Tensor, dst_rank: int, backward: bool) -> None:
+        """A small float64 vector that rides with the activation (``backward``: the gradient) just
+        sent to ``dst_rank``, on the same channel: the router-loss totals of
+        :mod:`behemoth.parallel.expert.losses`. Its size is known to both sides, so no header."""
+        self._send(t.detach().to(torch.float64), dst_rank, GRAD_TAG if backward else ACT_TAG)
+
+    def recv_terms(self, size: int, src_rank: int, backward: bool) -> torch.Tensor:
+        """The ``size`` float64 values :meth:`send_terms` sent after the activation (gradient) just
+        received from ``src_rank``."""
+        return self._recv((size,), torch.float64, src_rank, GRAD_TAG if backward else ACT_TAG)
 
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may be freed after this)."""

@@ -14,7 +14,8 @@ offload every chunk is one shard on the device and the step is the plain optimiz
 ``step()`` (after the store has reduced the gradients):
 
 1. fp16: one agreement whether any gradient overflowed -- over the data axis when it is sharded
-   (stages 1-3), and over tp and the pipeline's axes -- then unscale;
+   (stages 1-3), over ep for stage 0's expert chunks, and over tp and the pipeline's axes -- then
+   unscale;
 2. the global gradient norm (:meth:`ZeroOptimizer.grad_norm`, the one norm of every plan): squared
    norms of the chunks' gradients, each parameter piece weighted 1/(its copies over tp), summed
    over the axes the gradients are split on -- the serial model's norm; clip with it;
@@ -418,9 +419,14 @@ class ZeroOptimizer:
 
     def _all_finite(self, grads: list[torch.Tensor]) -> bool:
         """The fp16 overflow vote: every rank calls every agreement (no short-circuit). Stage 0's
-        gradients are identical over the data axis: no vote there."""
+        gradients are identical over the data axis (no vote there) but for its chunks of sharded
+        experts, which differ over their shard axis (ep): a vote there, so an overflow in one ep
+        rank's experts skips the step everywhere."""
         local = all(bool(torch.stack([torch.isfinite(g).all() for g in gs]).all()) for gs in _by_device(grads).values())
         finite = comm.all_agree(local, self.axis) if self.stage else local
+        shard_axes = {ax.name: ax for ax in self._shard_axes or () if ax is not None and not ax.trivial}
+        for ax in shard_axes.values():
+            finite = comm.all_agree(finite, ax)
         for ax in self._norm_axes:
             finite = comm.all_agree(finite, ax)
         return finite
