@@ -11,20 +11,26 @@ minutes on 2 GPUs::
 
 **stall** (``torchrun --nproc-per-node 2`` of this script): GPT-1.3B, seq 2048, bf16 autocast with
 fp32 AdamW state, dp = 2, ``--rows`` sequences per rank per step in micro-batches of ``--mbs``.
-After a warm-up (and one background save, which pays the one-off costs: the gloo group, the
-page-locked host buffers), three phases of ``--steps`` steps each: no checkpoint, a synchronous
+After a warm-up of 3 steps (after the first, ``engine.reserve_save_buffers()`` allocates the
+page-locked host buffers in the background, as the trainer does; ``--no-reserve``: the first save
+allocates them, as before) and one background save (``first_background_save_stall_s``: what the
+first save costs training), three phases of ``--steps`` steps each: no checkpoint, a synchronous
 ``engine.save`` every ``--every`` steps, and ``engine.save(blocking=False)`` every ``--every``
 steps. A phase's time runs from its first step to the return of its last step or save call: the
 background phase's second save waits for the first one's write, so a write slower than the steps
 between saves shows, as in a long run; the last save's write, which a long run would overlap with
 the next steps, is timed apart (``async_last_commit_wait_s``). ``stall_pct`` is a phase's extra
-time over the no-checkpoint phase, in percent.
+time over the no-checkpoint phase, in percent. ``*_write_GBps``: the checkpoint's bytes over a
+save's time from start to commit (files, fsyncs, rename; ``--threads`` writer threads per rank);
+``disk_write_GBps``: every rank writing its share of the same bytes with plain threaded writes
+and fsyncs, the most a save can reach on this disk.
 
 **restart**: ``behemoth run --nproc 2 --max-restarts 1 train`` of GPT-1.3B (byte tokenizer, the
-embedded corpus), a checkpoint every ``--restart-every`` steps; once a checkpoint is committed
-and two more steps are logged, rank 1 is SIGKILLed; the seconds from the kill to the first step
-line after ``resumed from`` are the recovery time (torchrun's restart, process start, NCCL,
-model build, checkpoint load and one step).
+embedded corpus), a background checkpoint every ``--restart-every`` steps; rank 1 is SIGKILLed
+(mid-step) as soon as a checkpoint's commit is logged, so the restart must resume from that
+newest checkpoint (``resumed_from_newest``); the seconds from the kill to the first step line
+after ``resumed from`` are the recovery time (torchrun's restart, process start, NCCL, model
+build, checkpoint load and one step).
 
 Both print ``RESULT {json}`` lines; the last line is one JSON object with both parts.
 Checkpoints go under ``--dir`` (default: a temporary directory on the local disk, deleted after);
@@ -76,19 +82,34 @@ def stall_worker(a) -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(3):
+    threads = a.threads or None
+    engine.step(batch)
+    reserve_call = 0.0
+    if not a.no_reserve:  # as the trainer does after its first step: the host buffers, allocated in the background
+        t = time.perf_counter()
+        engine.reserve_save_buffers()
+        reserve_call = time.perf_counter() - t
+    for _ in range(2):
         engine.step(batch)
     t = time.perf_counter()
-    engine.save(os.path.join(a.dir, "step"), blocking=False)
+    engine.save(os.path.join(a.dir, "step"), blocking=False, threads=threads)
     first_stall = time.perf_counter() - t
-    first_total = first_stall
     engine.step(batch)
     engine.wait_for_save()
     first_total = time.perf_counter() - t
-    say(f"warm-up background save: {first_stall:.2f} s stall, {first_total:.2f} s to commit")
+    reserve_background = engine._saver.last_reserve_seconds
+    ckpt_bytes = _dir_bytes(os.path.join(a.dir, "step"))
+    say(
+        f"warm-up background save: {first_stall:.2f} s stall, {first_total:.2f} s to commit; host buffers "
+        + (
+            "allocated by that save"
+            if a.no_reserve
+            else f"reserved after step 1 ({reserve_background:.2f} s in the background)"
+        )
+    )
 
     def phase(mode: str) -> dict:
-        stalls, step_times = [], []
+        stalls, step_times, writes = [], [], []
         sync()
         t0 = time.perf_counter()
         for i in range(1, a.steps + 1):
@@ -97,13 +118,20 @@ def stall_worker(a) -> None:
             step_times.append(time.perf_counter() - ts)
             if mode != "none" and i % a.every == 0:
                 ts = time.perf_counter()
-                engine.save(os.path.join(a.dir, "step"), blocking=mode == "sync")  # replaces the last one
+                if mode == "async" and engine._saver.in_flight:
+                    engine.wait_for_save()  # what the save call would wait for: the previous write
+                    writes.append(engine._saver.last_write_seconds)
+                engine.save(os.path.join(a.dir, "step"), blocking=mode == "sync", threads=threads)  # replaces the last
                 stalls.append(time.perf_counter() - ts)
+                if mode == "sync":
+                    writes.append(stalls[-1])
         sync()
         seconds = time.perf_counter() - t0  # a background save's write of the last save is still going
         tw = time.perf_counter()
         engine.wait_for_save()
         tail = time.perf_counter() - tw
+        if mode == "async":
+            writes.append(engine._saver.last_write_seconds)
         say(
             f"{mode}: {seconds:.2f} s for {a.steps} steps, save calls {[round(s, 2) for s in stalls]}"
             + (f", then {tail:.2f} s until the last save committed" if mode == "async" else "")
@@ -113,9 +141,11 @@ def stall_worker(a) -> None:
             "save_call_s": [round(s, 3) for s in stalls],
             "step_s": step_times,
             "last_commit_wait_s": round(tail, 3),
+            "write_s": [round(w, 3) for w in writes],
         }
 
     results = {mode: phase(mode) for mode in ("none", "sync", "async")}
+    disk_s = _disk_probe(engine, a, ckpt_bytes, threads)
     base = results["none"]["seconds"]
     steps_sorted = sorted(results["none"]["step_s"])
     out = {
@@ -131,6 +161,11 @@ def stall_worker(a) -> None:
         "median_step_s": round(steps_sorted[len(steps_sorted) // 2], 4),
         "first_background_save_stall_s": round(first_stall, 3),
         "first_background_save_commit_s": round(first_total, 3),
+        "host_buffers": "allocated by the first save" if a.no_reserve else "reserved after step 1",
+        "reserve_call_s": round(reserve_call, 3),
+        "reserve_background_s": round(reserve_background, 3),
+        "checkpoint_bytes": ckpt_bytes,
+        "writer_threads": threads or "default (one per GiB a rank writes, up to 8)",
         "card": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
     }
     for mode, r in results.items():
@@ -139,9 +174,58 @@ def stall_worker(a) -> None:
             out[f"{mode}_save_call_s"] = r["save_call_s"]
             out[f"{mode}_stall_pct"] = round(100 * (r["seconds"] - base) / base, 2)
     out["async_last_commit_wait_s"] = results["async"]["last_commit_wait_s"]
+    for mode in ("sync", "async"):  # the whole save (files, fsyncs, commit) of every rank, in GB/s
+        w = results[mode]["write_s"]
+        out[f"{mode}_write_s"] = w
+        out[f"{mode}_write_GBps"] = round(ckpt_bytes / (sum(w) / len(w)) / 1e9, 3) if w else None
+    out["disk_write_s"] = round(disk_s, 3)  # the same bytes, plain threaded writes and fsyncs: the ceiling
+    out["disk_write_GBps"] = round(ckpt_bytes / disk_s / 1e9, 3)
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     torch.distributed.destroy_process_group()
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def _disk_probe(engine, a, nbytes: int, threads: int | None) -> float:
+    """Seconds for every rank to write its share of ``nbytes`` from its host buffers with plain
+    threaded writes and an fsync per file (the save's threads, 8 by default): what the disk allows."""
+    import torch
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    buffers = [b.view(-1).view(torch.uint8) for b in engine._saver._snapshot._buffers.values()]
+    flat = max(buffers, key=lambda b: b.numel())
+    share = min(nbytes // world, flat.numel())
+    n = threads or 8
+    root = os.path.join(a.dir, "disk-probe")
+    os.makedirs(root, exist_ok=True)
+
+    def write(i: int) -> None:
+        part = share // n
+        view = memoryview(flat[i * part : (i + 1) * part].numpy())
+        fd = os.open(os.path.join(root, f"{rank}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done : done + (64 << 20)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    torch.distributed.barrier()
+    t = time.perf_counter()
+    pool = [threading.Thread(target=write, args=(i,)) for i in range(n)]
+    for p in pool:
+        p.start()
+    for p in pool:
+        p.join()
+    seconds = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.barrier()
+    shutil.rmtree(root, ignore_errors=True)
+    return float(seconds) * nbytes / (share * world)  # scaled to the checkpoint's bytes
 
 
 def run_stall(a, work: str) -> dict | None:
@@ -160,7 +244,8 @@ def run_stall(a, work: str) -> dict | None:
         f"--mbs={a.mbs}",
         f"--seq={a.seq}",
         f"--size={a.size}",
-    ]
+        f"--threads={a.threads}",
+    ] + (["--no-reserve"] if a.no_reserve else [])
     env = _env()
     t0 = time.time()
     # its own session, so a timeout takes torchrun's workers (and their GPUs) with it
@@ -214,7 +299,7 @@ def _worker_pids(pid: int) -> dict[int, int]:
 
 def run_restart(a, work: str) -> dict | None:
     out_dir = os.path.join(work, "restart")
-    steps = a.restart_every + 6
+    steps = a.restart_every + 30  # room for the first commit; the run is stopped once the restart has stepped
     cmd = [
         sys.executable,
         "-m",
@@ -256,21 +341,29 @@ def run_restart(a, work: str) -> dict | None:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     step_re = re.compile(r"^step +(\d+)/\d+ \|")
-    killed_at, kill_time, recovered, resumed_step = None, None, None, None
+    commit_re = re.compile(r"saved checkpoint .*step-(\d+) in ")
+    killed_at, kill_time, recovered, resumed_step, committed_step = None, None, None, None, None
     deadline = time.monotonic() + a.timeout
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             text = [ln for _, ln in lines]
             if killed_at is None:
-                committed = any(f"step-{a.restart_every} in" in ln and "saved checkpoint" in ln for ln in text)
+                # the kill lands as soon as a background save's commit is logged (mid-step, and no newer
+                # save has begun): the restart must resume from that, the newest checkpoint
+                commits = [int(m.group(1)) for ln in text if (m := commit_re.search(ln))]
                 done = [int(m.group(1)) for ln in text if (m := step_re.match(ln))]
-                if committed and done and max(done) >= a.restart_every + 2:
+                if commits and commits[-1] < steps:
                     pid = _worker_pids(proc.pid).get(1)
                     if pid is not None:
                         kill_time = time.monotonic()
                         os.kill(pid, signal.SIGKILL)
-                        killed_at = max(done)
-                        print(f"# SIGKILL of rank 1 (pid {pid}) after step {killed_at}", file=sys.stderr, flush=True)
+                        killed_at, committed_step = max(done or [0]), commits[-1]
+                        print(
+                            f"# SIGKILL of rank 1 (pid {pid}) after step {killed_at}, checkpoint step-{committed_step} "
+                            f"committed",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             else:
                 after = [(t, ln) for t, ln in lines if t > kill_time]
                 resumed = [i for i, (_, ln) in enumerate(after) if ln.startswith("resumed from")]
@@ -298,7 +391,9 @@ def run_restart(a, work: str) -> dict | None:
         "gpus": a.gpus,
         "async_checkpoint": not a.restart_sync,
         "killed_after_step": killed_at,
+        "newest_checkpoint_at_kill": committed_step,
         "resumed_from_step": resumed_step,
+        "resumed_from_newest": resumed_step is not None and resumed_step == committed_step,
         "kill_to_next_step_s": None if recovered is None else round(recovered, 2),
         # where the time went: the survivor's error line, the restarted workers' first line, the resume
         "peer_lost_s": first(r"lost a peer|Connection|NCCL"),
@@ -332,6 +427,10 @@ def main() -> None:
     )
     p.add_argument("--mbs", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0, help="writer threads per rank (0: behemoth's default)")
+    p.add_argument(
+        "--no-reserve", action="store_true", help="let the first background save allocate its host buffers (as before)"
+    )
     p.add_argument("--restart-every", type=int, default=5, help="save every this many steps (restart part)")
     p.add_argument("--restart-sync", action="store_true", help="restart part with synchronous checkpoints")
     p.add_argument("--timeout", type=int, default=300, help="seconds per part")

@@ -16,13 +16,16 @@ Layout of one checkpoint directory ``step-N/``::
                                loss-scaler state and the caller's ``extra`` (data position...)
 
 Background saves (:mod:`behemoth.async_checkpoint`) write the same files through
-:func:`write_checkpoint`, from a host copy of the state, with the same commit. A rank writes with one
-thread (and file) per GiB of its tensors, up to 8.
+:func:`write_checkpoint`, from a host copy of the state, with the same commit. A rank writes with
+``threads`` threads, each to its own file (default: one per GiB of its tensors, up to 8); a tensor
+held by several ranks (dp replicas) is written once, by the rank that has the fewest bytes to
+write so far (DCP's plan), so replicas share the writing evenly.
 
-Atomicity: everything is written into ``step-N.partial/``; only after every rank has
-finished does rank 0 write ``meta.json`` (fsynced) and rename the directory to
-``step-N`` (an atomic rename). A save killed at any point leaves at most a ``.partial``
-directory, which :func:`latest_checkpoint` ignores and the next save replaces.
+Atomicity: everything is written into ``step-N.partial/``, each file fsynced by the rank
+that wrote it; only after every rank has finished does rank 0 write ``meta.json`` (fsynced),
+fsync the directory and rename it to ``step-N`` (an atomic rename). A save killed at any
+point leaves at most a ``.partial`` directory, which :func:`latest_checkpoint` ignores and
+the next save replaces.
 
 Safety: DCP's own loader unpickles its metadata file and non-tensor items; behemoth stores
 only tensors in DCP and reads the metadata with a restricted unpickler that admits only
@@ -62,7 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -337,14 +340,21 @@ def collect(state: Mapping[str, Stateful]) -> tuple[dict[str, torch.Tensor], dic
 
 
 def save_checkpoint(
-    path: str, state: Mapping[str, Stateful], *, extra: dict, rank_state: Mapping[str, Stateful] | None = None
+    path: str,
+    state: Mapping[str, Stateful],
+    *,
+    extra: dict,
+    rank_state: Mapping[str, Stateful] | None = None,
+    threads: int | None = None,
 ) -> None:
     """Save every component of ``state`` (and this rank's ``rank_state``, one file per rank) to
-    directory ``path`` atomically, with the caller's JSON ``extra`` (collective over all ranks)."""
+    directory ``path`` atomically, with the caller's JSON ``extra`` (collective over all ranks).
+    ``threads``: writer threads per rank (None: :func:`writer_threads`)."""
     check_extra(extra)
+    check_threads(threads)
     tensors, meta = collect(state)
     rank_files = {name: component.state_dict() for name, component in (rank_state or {}).items()}
-    write_checkpoint(path, tensors, meta, rank_files, extra=extra)
+    write_checkpoint(path, tensors, meta, rank_files, extra=extra, threads=threads)
 
 
 WRITER_BYTES_PER_THREAD = 2**30
@@ -352,10 +362,27 @@ MAX_WRITER_THREADS = 8
 
 
 def writer_threads(tensors) -> int:
-    """Threads (and files) a rank writes its tensors with: one per GiB, at most 8 -- a 1.3B-parameter
-    model's 15.6 GB of weights and AdamW state goes out in parallel streams, a small one in one file."""
+    """Threads (and files) a rank writes its tensors with by default: one per GiB it holds, at most 8 --
+    a 1.3B-parameter model's 15.6 GB of weights and AdamW state goes out in parallel streams, a small
+    one in one file."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return max(1, min(MAX_WRITER_THREADS, nbytes // WRITER_BYTES_PER_THREAD))
+
+
+def check_threads(threads: int | None) -> None:
+    """``threads`` is None or an integer >= 1: checked on every rank before any collective."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(
+            f"checkpoint writer threads={threads!r}: must be an integer >= 1 (or None: one per GiB a rank "
+            f"writes, up to {MAX_WRITER_THREADS})."
+        )
+
+
+def _save_fsynced(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_checkpoint(
@@ -366,11 +393,18 @@ def write_checkpoint(
     *,
     extra: dict,
     group=None,
+    threads: int | None = None,
 ) -> None:
     """Write what :func:`collect` gathered (and this rank's ``rank_files``, ``{name: state dict}``,
     to ``<name>-rank<R>.pt``) into ``path + ".partial"``, then commit it as ``path``: collective
     over ``group`` (default: the world), whose barriers order the steps -- rank 0 makes the
-    directory, every rank writes, and only once every rank has written does rank 0 commit."""
+    directory, every rank writes (with ``threads`` threads, default :func:`writer_threads`) and
+    fsyncs its files, and only once every rank has written does rank 0 commit.
+
+    A CPU tensor is written from its own memory: one that owns exactly its bytes (the host copies
+    of :class:`behemoth.async_checkpoint.HostSnapshot`) is not copied again; a view into a larger
+    storage is copied first (DCP writes a tensor's whole storage)."""
+    check_threads(threads)
     path = os.path.abspath(path.rstrip("/"))
     partial = path + ".partial"
     rank = dist.get_rank()
@@ -381,11 +415,12 @@ def write_checkpoint(
     dist.barrier(group=group)
     dcp.save(
         {k: _for_dcp(v, get_spec(v)) for k, v in tensors.items()},
-        storage_writer=dcp.FileSystemWriter(partial, thread_count=writer_threads(tensors.values())),
+        storage_writer=dcp.FileSystemWriter(partial, thread_count=threads or writer_threads(tensors.values())),
+        planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),  # a replica goes to the least-loaded rank
         process_group=group,
     )
     for name, state_dict in rank_files.items():
-        torch.save(state_dict, os.path.join(partial, f"{name}-rank{rank}.pt"))
+        _save_fsynced(state_dict, os.path.join(partial, f"{name}-rank{rank}.pt"))
     dist.barrier(group=group)
     if rank == 0:
         meta = {**meta, "format": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": extra}

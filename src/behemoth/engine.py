@@ -381,6 +381,7 @@ class Engine:
         *,
         blocking: bool = True,
         on_commit: Callable[[str], None] | None = None,
+        threads: int | None = None,
     ) -> None:
         """Sharded checkpoint to directory ``path`` (atomic: a killed save leaves the old one intact),
         with the JSON ``extra`` that :meth:`load` returns. Collective: every rank.
@@ -390,11 +391,14 @@ class Engine:
         checkpoint holds the state of this call. At most one save is in flight (the next save, and
         :meth:`load`, wait for it); :meth:`wait_for_save` waits for it and raises its error.
         ``on_commit(path)`` runs on rank 0 once the checkpoint is complete (in the writer thread for
-        a background save)."""
+        a background save). ``threads``: writer threads (and files) per rank; None: one per GiB the
+        rank writes, up to 8."""
         self.wait_for_save()
         if blocking:
             with self.grad_sync.gathered():  # ZeRO-3: parameters gathered while they are written
-                save_checkpoint(path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()})
+                save_checkpoint(
+                    path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()}, threads=threads
+                )
             if on_commit is not None and self.mesh.rank == 0:
                 on_commit(path)
             return
@@ -402,10 +406,25 @@ class Engine:
             self._saver = AsyncSaver()
         with self.grad_sync.gathered():
             self._saver.save(
-                path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()}, on_commit=on_commit
+                path,
+                self._checkpoint_parts(),
+                extra=extra or {},
+                rank_state={"rng": RNGState()},
+                on_commit=on_commit,
+                threads=threads,
             )
             if not self._state_is_live:  # copied from temporaries (gathered chunks, fp32 copies, offload)
                 self._saver.fence()
+
+    def reserve_save_buffers(self) -> None:
+        """Allocate the host memory a background save copies the state into now, in a thread of its own,
+        so that the first ``save(blocking=False)`` does not wait for it (page-locking a GPU's state
+        takes seconds; training goes on meanwhile). Collective: every rank. Call it once the
+        optimizer state exists (after the first step); the buffers stay for every later save."""
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        with self.grad_sync.gathered():
+            self._saver.reserve(self._checkpoint_parts())
 
     @property
     def _state_is_live(self) -> bool:

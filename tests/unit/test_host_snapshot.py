@@ -54,3 +54,32 @@ def test_a_shard_spec_travels_with_the_copy():
     shard = with_spec(torch.ones(2, 3), spec)
     copies, _ = HostSnapshot().copy({"w": shard, "b": torch.zeros(3)})
     assert get_spec(copies["w"]) == spec and get_spec(copies["b"]) is None
+
+
+def test_each_copy_owns_exactly_its_bytes_of_the_buffer():
+    # the checkpoint writer writes a tensor's whole storage, and copies a view into a larger one
+    # first: a copy that is a storage of its own, in the buffer's memory, is written as it is
+    snap = HostSnapshot()
+    state = _state()
+    copies, _ = snap.copy(state)
+    for k, v in copies.items():
+        buf = snap._buffers[v.dtype]
+        assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), k
+        assert buf.data_ptr() <= v.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size(), k
+        v.zero_()  # the same memory: the buffer sees it
+    assert all(int(b.count_nonzero()) == 0 for b in snap._buffers.values())
+    empty, _ = snap.copy({"e": torch.zeros(0, 3)})
+    assert empty["e"].shape == (0, 3)
+
+
+def test_reserved_buffers_are_the_ones_the_copy_uses():
+    snap = HostSnapshot()
+    state = _state()
+    snap.reserve({torch.float32: 6 + 1, torch.int64: 4, torch.bfloat16: 5}, on_gpu=False)
+    assert snap.new_bytes(state) == 0
+    ptrs = {d: b.data_ptr() for d, b in snap._buffers.items()}
+    copies, _ = snap.copy(state)
+    assert {d: b.data_ptr() for d, b in snap._buffers.items()} == ptrs
+    assert torch.equal(copies["w"], state["w"])
+    snap.reserve({torch.float32: 3}, on_gpu=False)  # fits already: nothing new
+    assert {d: b.data_ptr() for d, b in snap._buffers.items()} == ptrs

@@ -325,6 +325,9 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
             )
         losses.append(out["loss"])
         last_step = step
+        if step == start + 1 and tc.async_checkpoint and tc.save_every:
+            if -(-step // tc.save_every) * tc.save_every < tc.steps:  # a background save is to come
+                engine.reserve_save_buffers()  # its host memory, allocated while training goes on
         if step > start + 1:  # the first step pays one-off costs (allocator, thread pools)
             seconds, tokens = seconds + out["seconds"], tokens + out["tokens"]
         metrics = _step_metrics(
@@ -417,6 +420,7 @@ def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool
         extra={"sampler": sampler.state_dict(), "config": config.to_dict()},
         blocking=not background,
         on_commit=committed if rank0 else None,
+        threads=tc.checkpoint_threads or None,
     )
 
 
