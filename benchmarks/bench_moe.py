@@ -12,8 +12,11 @@ hidden 4,096, 8 experts, top-2, bf16, random router logits through
 all-to-all and its host read, the row all-to-all and the permutations included), of a
 dispatch -> combine -> backward round trip, and of the bare ``all_to_all_single`` of the same rows
 (the communication floor). CUDA events around each call, every call after a barrier. With
-``--precisions autocast`` also as ``Plan(precision="bf16")`` runs it: fp32 rows dispatched (the
-residual stream is fp32 under autocast), the experts' bf16 rows combined.
+``--precisions autocast`` also as ``Plan(precision="bf16")`` runs it, inside bf16 autocast: fp32
+tokens of the residual stream in, sent as bf16 rows (dispatch casts them before the exchange, as
+the experts' GEMMs would after it), the experts' bf16 rows combined back into fp32. Each line says
+the rows' dtype on the wire (``wire_dtype``) and the padding of the experts' groups (``align``:
+16 where the grouped GEMMs run, as the layer dispatches them; 1 elsewhere).
 
 ``layer`` (``what: moe-layer``): one :class:`~behemoth.models.moe.MoEFeedForward` (hidden 4,096,
 expert FFN 14,336, 8 experts, top-2) under :class:`~behemoth.parallel.expert.ExpertParallel` at
@@ -25,8 +28,9 @@ balanced in expectation), ``zipf`` (expert e drawn with probability ~ ``(e+1)^-s
 hottest experts all on ep rank 0, the worst case for contiguous expert blocks) and
 ``zipf-spread`` (the same popularity, the hottest experts alternating between ep ranks).
 ``--precisions bf16,autocast``: bf16 parameters and input (default), or fp32 parameters and input
-under bf16 autocast (what ``Plan(precision="bf16")`` trains with: the residual stream stays fp32, so
-the dispatch moves fp32 rows there).
+under bf16 autocast (what ``Plan(precision="bf16")`` trains with: the residual stream stays fp32;
+the dispatch sends its rows in bf16 and the grouped GEMMs cast the fp32 expert weights once per
+forward).
 
 FLOPs (layer): the expert GEMMs only. Forward ``2*T*k*(H*2I + I*H) = 6*T*k*H*I``, backward twice
 that, so ``18*T*k*H*I`` per rank per step for the MoE layer and ``18*T*H*F`` with ``F = k*I`` for
@@ -49,6 +53,7 @@ Every line also says which path behemoth's grouped expert GEMMs took (``paths``:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -144,8 +149,9 @@ def emit(result: dict) -> None:
 
 def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
     """One RESULT per ``--precisions`` entry: ``bf16`` rows both ways, or ``autocast`` as
-    ``Plan(precision="bf16")`` runs it (the fp32 residual stream dispatched, the experts' bf16
-    output combined)."""
+    ``Plan(precision="bf16")`` runs it (inside bf16 autocast: the fp32 residual stream dispatched
+    as bf16 rows, the experts' bf16 output combined into fp32), the groups padded as the layer
+    pads them."""
     T, H, E, K = a.dispatch_tokens, a.hidden, a.experts, a.top_k
     ep = mesh.axis("ep")
     g = torch.Generator(device=dev).manual_seed(1000 + dist.get_rank())
@@ -156,25 +162,39 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
     for precision in _precisions(a):
         x_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         x_TH = torch.randn(T, H, device=dev, generator=g).to(x_dtype).requires_grad_()
-        dy_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+        dy_TH = torch.randn(T, H, device=dev, dtype=x_dtype, generator=g)  # the combine's output dtype
+        autocast = functools.partial(torch.autocast, dev.type, torch.bfloat16, precision == "autocast")
+        with autocast():
+            align = grouped.group_alignment(x_TH)  # as the layer dispatches
+            x_NH, _, routed = dispatch(x_TH, experts_TK, E, ep, align=align)
 
-        dispatch_us = timed_us(lambda: dispatch(x_TH, experts_TK, E, ep), **timing)
-        x_NH, _, routed = dispatch(x_TH, experts_TK, E, ep)
+        def dispatch_only():
+            with autocast():
+                dispatch(x_TH, experts_TK, E, ep, align=align)
+
+        dispatch_us = timed_us(dispatch_only, **timing)
         y_NH = x_NH.detach().to(torch.bfloat16).requires_grad_()  # stands in for the experts' output
-        combine_us = timed_us(lambda: combine(y_NH, weights_TK, routed), **timing)
+
+        def combine_only():
+            with autocast():
+                combine(y_NH, weights_TK, routed)
+
+        combine_us = timed_us(combine_only, **timing)
 
         def round_trip():
             x_TH.grad = weights_TK.grad = None
-            rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep)
-            combine(rows_NH.to(torch.bfloat16), weights_TK, r).backward(dy_TH)
+            with autocast():
+                rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep, align=align)
+                y_TH = combine(rows_NH.to(torch.bfloat16), weights_TK, r)
+            y_TH.backward(dy_TH)
 
         round_trip_us = timed_us(round_trip, **timing)
-        sorted_AH = x_TH.detach()[routed.order_A // K]
+        sorted_AH = x_TH.detach().to(x_NH.dtype)[routed.order_A // K]  # the rows dispatch sends
         a2a_us = timed_us(
             lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes),
             **timing,
         )
-        row_bytes = H * x_TH.element_size()
+        row_bytes = H * x_NH.element_size()
         leaving = sum(routed.send_sizes) - routed.send_sizes[ep.rank]
         emit(
             dict(
@@ -185,6 +205,8 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
                 hidden=H,
                 experts=E,
                 top_k=K,
+                wire_dtype=str(x_NH.dtype).removeprefix("torch."),
+                align=align,
                 iters=a.iters,
                 dispatch_us=round(dispatch_us, 1),
                 combine_us=round(combine_us, 1),

@@ -4,10 +4,13 @@ One MoE layer's forward on one ep group of ``ep`` members: every member sends it
 sizes (int64, one even all-to-all: ``ep * E * 8`` bytes over the group), then the dispatch and
 the combine each move every kept (token, slot) row of width H once (``rows * H * elem_bytes``
 each, summed over the group: a row sent to its own member counts too, as the ledger books the
-whole send buffer). Its backward runs the reverse pair of row all-to-alls (the split sizes are
-not exchanged again). A block recomputed by activation checkpointing runs the forward's three
-all-to-alls a second time. Pure arithmetic; tested against the ledger in
-tests/dist/test_expert_routing.py and tests/dist/test_expert_parallel.py.
+whole send buffer). ``elem_bytes`` is the size of the experts' GEMM dtype, which the rows travel
+in both ways (dispatch casts them before they leave, and the experts return it): 2 under bf16
+autocast over float32 parameters and residual stream, else the stream's (4 in float32). Its
+backward runs the reverse pair of row all-to-alls (the split sizes are not exchanged again). A
+block recomputed by activation checkpointing runs the forward's three all-to-alls a second time. Pure arithmetic; tested against the ledger in
+tests/dist/test_expert_routing.py, tests/dist/test_expert_parallel.py (float32) and
+tests/dist/test_expert_autocast.py (bf16 autocast).
 """
 
 from __future__ import annotations
