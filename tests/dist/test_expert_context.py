@@ -2,17 +2,17 @@
 sharded over ep and replicated over ep_dp x cp (their gradients summed there), the router losses
 over every token of the global batch -- against serial training (losses, every step's gradient
 norm, ``full_state_dict()``, rtol 1e-4, fp32) on dp=2 x cp=2 with ep=2, plain and under ZeRO-2.
-A capacity per sequence is refused under cp (the sequence is split), before any collective."""
+A capacity per sequence (with a sigmoid router, its auxiliary-loss-free bias and a shared expert)
+drops, under Ulysses' and ring's layouts of the sequence, exactly the assignments the serial model
+drops: the per-expert token and drop counts of every step equal serial's."""
 from __future__ import annotations
 
-import torch
-
 import behemoth as bh
-from behemoth.models import Llama, LlamaConfig
 
-from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error,
-                    global_batches, train_steps)
+from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard,
+                    train_steps)
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
+from test_expert_routing import adamw, build as build_routed, serial_run as serial_routed_run
 
 
 def _context_world(rank: int, world: int) -> None:
@@ -23,21 +23,30 @@ def _context_world(rank: int, world: int) -> None:
         model = build_moe()
         plan = bh.Plan(dp=2, cp=2, cp_mode=mode, ep=2, zero=zero)
         engine = bh.boost(model, optimizer_for(model), plan, max_grad_norm=1.0)
-        shard = engine.model.layers[0].mlp.gate_up_proj
-        assert shard.shape[0] == 2 and shard._behemoth_expert_shard.data_axis == "ep_dp_cp", what
+        experts = engine.model.layers[0].mlp.gate_up_proj
+        assert experts.shape[0] == 2 and experts._behemoth_expert_shard.data_axis == "ep_dp_cp", what
         losses, norms = train_steps(engine, batches)
         assert_losses_close(losses, want[0], what=what)
         assert_grad_norms_close(norms, want[2], what=what)
         assert_state_close(engine.full_state_dict(), want[1], what=what)
         counts = engine.expert_token_counts()["layers.0.mlp"]
         assert counts == want[3][0], (what, counts)  # over every token of the global batch
-    capped = Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32,
-                               num_experts=4, expert_ffn_hidden=24, expert_capacity_factor=1.0))
-    expect_error(lambda: bh.boost(capped, optimizer_for(capped), bh.Plan(dp=2, cp=2, ep=2)), "cp=2", "capacity",
-                 kind=NotImplementedError)
-    t = torch.ones(1)
-    torch.distributed.all_reduce(t)  # every rank got here: nothing hung
-    assert t.item() == world
+    name = "sigmoid-bias-shared-capacity"
+    want = serial_routed_run(name, batches, 2, 1)
+    assert any(sum(d) > 0 for step in want[3] for _, d in step), "the capacity drops some assignments"
+    for mode in ("ulysses", "ring"):
+        what = f"{name} dp=2 cp=2 ({mode}) ep=2"
+        model = build_routed(name)
+        engine = bh.boost(model, adamw(model), bh.Plan(dp=2, cp=2, cp_mode=mode, ep=2), max_grad_norm=1.0)
+        losses, norms = [], []
+        for step, b in enumerate(batches):
+            losses.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
+            norms.append(engine.last_grad_norm)
+            got = [(l.mlp.token_counts.tolist(), l.mlp.dropped_counts.tolist()) for l in engine.model.layers]
+            assert got == want[3][step], (what, step, got, want[3][step])  # the serial model's drops
+        assert_losses_close(losses, want[0], what=what)
+        assert_grad_norms_close(norms, want[2], what=what)
+        assert_state_close(engine.full_state_dict(), want[1], what=what)
 
 
 def test_experts_with_context_parallel_match_serial():

@@ -247,10 +247,13 @@ class MoEFeedForward(nn.Module):
         balance = self.num_experts * (counts_E * prob_sums_E).sum() / (num_tokens * num_tokens)
         return self.aux_loss_coef * balance + self.z_loss_coef * z_sum / num_tokens
 
-    def route_tokens(self, x_BSH: torch.Tensor) -> Routing:
+    def route_tokens(self, x_BSH: torch.Tensor, whole_rows=None) -> Routing:
         """The :class:`Routing` of the tokens of ``x_BSH``: the router's logits and :func:`route`'s
         choice, less what the capacity drops. A parallel plan routes with this too (a row's
-        routing depends on that row alone)."""
+        routing depends on that row alone). ``whole_rows``: when ``x_BSH`` holds a share of the
+        positions of each row (a sequence split over ranks), ``(gather, take)``: ``gather(t_BSK)``
+        returns a per-token tensor for the whole rows and ``take(t_BSK)`` this share of it back, so
+        the capacity is taken per whole row, as here (the caller communicates; this stays serial)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         logits_TE = self.router(x_TH)
         probs_TE, weights_TK, chosen_TK = route(
@@ -259,8 +262,14 @@ class MoEFeedForward(nn.Module):
         experts_TK = chosen_TK
         if self.capacity_factor is not None:
             B, S = (x_BSH.shape[0], math.prod(x_BSH.shape[1:-1])) if x_BSH.dim() > 2 else (1, x_TH.shape[0])
-            capacity = expert_capacity(self.capacity_factor, S, self.top_k, self.num_experts)
-            keep_BSK = capacity_keep(chosen_TK.view(B, S, self.top_k), self.num_experts, capacity)
+            chosen_BSK = chosen_TK.view(B, S, self.top_k)
+            gather, take = whole_rows if whole_rows is not None else (None, None)
+            if gather is not None:
+                chosen_BSK = gather(chosen_BSK)
+            capacity = expert_capacity(self.capacity_factor, chosen_BSK.shape[1], self.top_k, self.num_experts)
+            keep_BSK = capacity_keep(chosen_BSK, self.num_experts, capacity)
+            if take is not None:
+                keep_BSK = take(keep_BSK)
             keep_TK = keep_BSK.reshape(chosen_TK.shape)
             experts_TK = chosen_TK.masked_fill(~keep_TK, self.num_experts)
         return Routing(logits_TE, probs_TE, weights_TK, chosen_TK, experts_TK)

@@ -66,12 +66,13 @@ class ExpertBlock:
             return x_BSH * torch.empty_like(x_BSH).uniform_(1.0 - noise, 1.0 + noise)
         return x_BSH
 
-    def route(self, x_BSH: torch.Tensor) -> Routing:
+    def route(self, x_BSH: torch.Tensor, whole_rows=None) -> Routing:
         """The tokens' :class:`~behemoth.models.moe.Routing` (transformers: its router's choice,
         with softmax probabilities for the balancing loss, as ``load_balancing_loss_func`` reads
-        them)."""
+        them). ``whole_rows``: see :meth:`~behemoth.models.moe.MoEFeedForward.route_tokens` (a
+        capacity's view of sequences split over ranks; transformers' blocks have no capacity)."""
         if self.native:
-            return self.module.route_tokens(x_BSH)
+            return self.module.route_tokens(x_BSH, whole_rows)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         logits_TE, weights_TK, experts_TK = self.module.gate(x_TH)
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)

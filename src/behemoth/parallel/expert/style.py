@@ -32,8 +32,11 @@ the *global* batch: the expert counts, the capacity's drops and the token count 
 ``dp`` (one all-reduce of 2E + 1 numbers per layer; ``token_counts`` holds the global counts), and
 each rank's loss is its share (the router probabilities of its tokens), so the shares summed
 over ``dp`` are the serial loss (:mod:`.losses`). The style is applied at ep = 1 too whenever
-the batch is spread over ranks, for that reason. A capacity is per sequence, and each rank
-holds whole sequences, so every rank drops exactly what the serial model drops.
+the batch is spread over ranks, for that reason. A capacity is per sequence, and each data rank
+holds whole sequences, so every rank drops exactly what the serial model drops; under context
+parallelism, where a rank holds a share of each sequence, the experts its cp peers' tokens chose
+are all-gathered over ``cp`` (``B*S*K`` integers per layer), the capacity is taken over the whole
+sequences as serially, and each rank keeps its share of the verdict.
 
 :func:`parallelize_experts` applies it to every MoE layer of a model; :func:`check_experts`
 refuses (before any collective) what does not compose yet; :func:`gather_expert_state` puts
@@ -55,6 +58,7 @@ from ... import comm
 from ...comm import Axis
 from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
 from ...specs import find_spec
+from ..context.layout import gather_sequence, split_sequence
 from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
@@ -165,11 +169,6 @@ def check_experts(model: nn.Module, plan) -> None:
             f"tp={plan.tp}",
             "OLMoE's q_norm / k_norm over the whole projection (a split by heads changes them)",
         ),
-        (
-            plan.cp > 1 and any(getattr(m, "capacity_factor", None) is not None for m in layers.values()),
-            f"cp={plan.cp}",
-            "a capacity per sequence while the sequence is split over cp ranks (use a dropless router)",
-        ),
     ]
     for bad, value, missing in pending:
         if bad:
@@ -186,10 +185,19 @@ class ExpertParallel:
     :mod:`.blocks`): keep this rank's experts of ``ep_axis`` and run tokens through dispatch ->
     local experts -> combine; the router losses over the batch spread on ``data_axis`` (``dp``, or
     ``dp_cp`` under context parallelism; see the module docstring). The experts' copies are
-    replicated over ``replica_axis`` (``ep_dp``, or ``ep_dp_cp`` under context parallelism)."""
+    replicated over ``replica_axis`` (``ep_dp``, or ``ep_dp_cp`` under context parallelism).
+    ``context``: ``(cp axis, cp mode)`` when the sequence is split over ranks (a capacity then
+    sees the whole sequences), else None."""
 
-    def __init__(self, ep_axis: str = "ep", data_axis: str = "dp", replica_axis: str = "ep_dp") -> None:
+    def __init__(
+        self,
+        ep_axis: str = "ep",
+        data_axis: str = "dp",
+        replica_axis: str = "ep_dp",
+        context: tuple[str, str] | None = None,
+    ) -> None:
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
+        self.context = context
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -206,15 +214,33 @@ class ExpertParallel:
                     set_spec(p, ShardSpec(full_shape, (DimShard(0, ep.size, ep.rank, (ep.name,)),)))
         if not block.native:
             block.holder.forward = types.MethodType(experts_forward, block.holder)
-        module.forward = types.MethodType(_make_forward(block, ep, data), module)
+        whole_rows = None
+        if self.context is not None and not mesh.axis(self.context[0]).trivial:
+            whole_rows = _whole_rows(mesh.axis(self.context[0]), self.context[1])
+        module.forward = types.MethodType(_make_forward(block, ep, data, whole_rows), module)
         return module
 
 
-def _make_forward(block: ExpertBlock, ep: Axis, data: Axis):
+def _whole_rows(cp: Axis, mode: str):
+    """``(gather, take)`` for a capacity under context parallelism (``mode``'s layout of the
+    sequence over ``cp``): ``gather(t_BSK)`` all-gathers a per-token tensor over ``cp`` and puts
+    the whole sequences back in order; ``take(t_BSK)`` returns this rank's share of them."""
+
+    def gather(t_BSK: torch.Tensor) -> torch.Tensor:
+        parts = comm.all_gather(t_BSK.unsqueeze(0).contiguous(), cp, 0)
+        return gather_sequence(list(parts.unbind(0)), 1, mode)
+
+    def take(t_BSK: torch.Tensor) -> torch.Tensor:
+        return split_sequence(t_BSK, 1, cp.size, cp.rank, mode)
+
+    return gather, take
+
+
+def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None):
     def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
         x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        r = block.route(x_BSH)
+        r = block.route(x_BSH, whole_rows)
         # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway)
         align = group_alignment(x_TH)
         x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep, align=align)
@@ -265,7 +291,9 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
     layers = moe_layers(model)
     spread = plan.ep > 1 or mesh.axis("dp").size > 1 or plan.cp > 1
     style = ExpertParallel(
-        data_axis="dp_cp" if plan.cp > 1 else "dp", replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp"
+        data_axis="dp_cp" if plan.cp > 1 else "dp",
+        replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp",
+        context=("cp", plan.cp_mode) if plan.cp > 1 else None,
     )
     styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
     if styled:
