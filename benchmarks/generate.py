@@ -15,8 +15,15 @@ rows' new tokens: ``batch * new_tokens / seconds`` of the whole ``generate`` cal
 included), and ``decode_ms`` is the time per decode step after the prefill.
 
 ``--compile`` wraps the model's forward in ``torch.compile(mode="reduce-overhead")`` (CUDA
-graphs) for the decode steps; 1D/2D layers keep their collectives eager
-(``torch.compiler.disable``), so under tp > 1 the graphs are cut around them.
+graphs) for the decode steps. Under 1D tensor parallelism generation runs the layers' no-grad
+forward (functional collectives), so a decode step is one graph with its all-reduces inside;
+2D / 2.5D / 3D layers keep their collectives eager (``torch.compiler.disable``), so their
+graphs are cut around them.
+
+Each run prints ``decode_ms`` (ms per decode step) in its RESULT line; ``--profile N`` adds,
+per run, a torch.profiler table of the top operators over N decode steps (rank 0, lines
+prefixed ``PROFILE``), sorted by GPU time on GPUs, by CPU time on CPU, with the per-step
+count of each, so a GPU run shows where a step's time goes.
 """
 
 from __future__ import annotations
@@ -95,6 +102,43 @@ def timed_generate(model, prompts, new: int, repeats: int) -> tuple[float, float
     return total, prefill
 
 
+def profile_decode(model, prompts, steps: int, tag: str) -> None:
+    """Print (rank 0) the top operators of ``steps`` decode steps: a profile of a ``steps + 1``
+    token call minus one of a 1-token call (the prefill), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def ops(new: int) -> dict:
+        _sync()
+        with profile(activities=activities) as prof:
+            bh.generate(model, prompts, max_new_tokens=new)
+            _sync()
+        return {
+            e.key: (e.count, e.self_cpu_time_total, getattr(e, "self_device_time_total", 0.0))
+            for e in prof.key_averages()
+        }
+
+    full, prefill = ops(steps + 1), ops(1)
+    rows = []
+    for key, (n, cpu, dev) in full.items():
+        n0, cpu0, dev0 = prefill.get(key, (0, 0.0, 0.0))
+        rows.append(((n - n0) / steps, (cpu - cpu0) / steps, (dev - dev0) / steps, key))
+    if dist.get_rank() != 0:
+        return
+    by = 2 if torch.cuda.is_available() else 1
+    rows = sorted((r for r in rows if r[0] > 0), key=lambda r: -r[by])
+    total_cpu, total_dev = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    print(
+        f"PROFILE {tag}: per decode step, {sum(r[0] for r in rows):.0f} ops, self CPU {total_cpu / 1e3:.2f} ms, "
+        f"self GPU {total_dev / 1e3:.2f} ms",
+        flush=True,
+    )
+    print(f"PROFILE {'calls':>8} {'CPU us':>9} {'GPU us':>9}  op", flush=True)
+    for n, cpu, dev, key in rows[:25]:
+        print(f"PROFILE {n:8.1f} {cpu:9.1f} {dev:9.1f}  {key[:90]}", flush=True)
+
+
 def run_config(args, *, tp: int, mode: str, batch: int) -> None:
     world = dist.get_world_size()
     plan = bh.Plan(dp=world // tp, tp=tp, tp_mode=mode)
@@ -128,6 +172,9 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
     )
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    if args.profile:
+        tag = f"tp={tp} {mode} batch={batch}" + (" compiled" if args.compile else "")
+        profile_decode(model, prompts, args.profile, tag)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -177,6 +224,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="calls per configuration; the last is timed")
     p.add_argument("--compile", action="store_true", help="torch.compile (CUDA graphs) of the forward")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top ops of N decode steps per run")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args()

@@ -16,6 +16,9 @@ The package, one module per kind of operation (every name is importable from her
   :func:`all_to_all_single` (uneven splits), :func:`all_gather_into`, and
   :func:`all_gather_async`, :func:`reduce_scatter_async` that return a handle; the scalar
   helpers :func:`all_reduce_scalars`, :func:`all_agree`;
+* :mod:`.functional` -- functional collectives for forwards without autograd, traceable by
+  ``torch.compile`` (a compiled decode step is one graph, collectives inside):
+  :func:`all_reduce_functional`, :func:`all_gather_functional`;
 * :mod:`.functions` -- named autograd Functions for model-level communication, each docstring
   stating the forward and the backward operation (Megatron's f/g mappings and their
   relatives, and :class:`ExchangeWithPeer` over :func:`exchange`);
@@ -24,7 +27,8 @@ The package, one module per kind of operation (every name is importable from her
 
 An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
 Collectives run eagerly even inside ``torch.compile``'d blocks: the ledger's clock readings
-would otherwise become graph guards and force a recompile on every call.
+would otherwise become graph guards and force a recompile on every call (the functional
+collectives read no clock and are traced instead).
 """
 
 from ..ledger import AxisTraffic, Ledger
@@ -43,6 +47,7 @@ from .collectives import (
     reduce_scatter,
     reduce_scatter_async,
 )
+from .functional import all_gather_functional, all_reduce_functional
 from .functions import (
     AllGatherToAxis,
     AllToAllAxis,
@@ -73,6 +78,8 @@ __all__ = [
     "reduce_scatter_async",
     "all_reduce_scalars",
     "all_agree",
+    "all_reduce_functional",
+    "all_gather_functional",
     "CopyToAxis",
     "ReduceFromAxis",
     "GatherFromAxis",

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..parallel.tensor.tp1d import sequence_parallel_paused
+from ..parallel.tensor.tp1d import no_grad_forward, sequence_parallel_paused
 from ..specs import max_seq_len_of
 from .cache import KVCache, cached_attentions
 from .prompts import Prompts, left_pad, padded_rows, positions
@@ -155,14 +155,15 @@ class _Run:
 
     @contextlib.contextmanager
     def active(self):
-        """Evaluation mode, no autograd, the head's logits gathered, for the duration."""
+        """Evaluation mode, no autograd (1D layers: their no-grad forward), the head's logits
+        gathered, for the duration."""
         head = self.record.vocab_head if self.record is not None else None
         gather, training = (head.gather_output if head is not None else None), self.model.training
         self.model.eval()
         if head is not None:
             head.gather_output = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), no_grad_forward(self.model):
                 yield
         finally:
             self.model.train(training)

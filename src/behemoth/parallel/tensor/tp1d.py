@@ -48,6 +48,12 @@ Grouped-query attention with fewer kv heads K than p (and p % K == 0): each rank
 whole k/v projection (replicated, routed through CopyToAxis) and uses the rows of kv head
 ``r // (p // K)``, the one its query heads read.
 
+Without autograd (generation), :func:`no_grad_forward` swaps each layer's forward for its
+``forward_no_grad``: the same numbers with no autograd Function, no region bookkeeping and
+functional collectives (one all-reduce per row layer and for the embedding, one all-gather of
+the logits), so a decode step costs about the serial model's Python plus one call per
+collective, and ``torch.compile`` traces it into one graph.
+
 Dropout: non-SP replicated regions need the same RNG state on every tp rank (the trainer
 seeds by dp rank); parity tests run without dropout.
 
@@ -64,11 +70,13 @@ import contextlib
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ... import comm
 from ...comm import Axis
 from .functional import autocast_dtype, cast_to
 from .region1d import ParallelRegion, column_parallel_linear, row_parallel_linear
+from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 MODE = "1d"
 SEQ_DIM = 1
@@ -121,6 +129,20 @@ class ColumnParallelLinear(nn.Module):
         dtype = autocast_dtype(x)
         return column_parallel_linear(source, cast_to(w, dtype), cast_to(b, dtype), gathered, group)
 
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without autograd (:func:`no_grad_forward`): ``f`` is the identity
+        forward, so a plain Linear, with no region bookkeeping; traceable by ``torch.compile``.
+        A sequence-parallel input still goes through :meth:`forward` (it checks the gather)."""
+        if self.expect_gathered and not self.region.sequence_parallel_paused:
+            return type(self).forward(self, x)  # the training forward (``forward`` may be this one)
+        w, b = self.weight, self.bias
+        if self.transposed:
+            w = w.t()
+        if self.rows is not None:
+            lo, hi = self.rows
+            w, b = w[lo:hi], (b[lo:hi] if b is not None else None)
+        return F.linear(x, w, b)
+
 
 class RowParallelLinear(nn.Module):
     """``Y = sum_r X_r W_r^T + b``: input features split over tp.
@@ -159,6 +181,16 @@ class RowParallelLinear(nn.Module):
         if b is not None and sp:
             b = comm.CopyToAxis.apply(b, self.axis)
         return y if b is None else y + b.to(y.dtype)
+
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without autograd (:func:`no_grad_forward`): the GEMM, then ``g`` as one
+        functional all-reduce, traceable by ``torch.compile`` (a compiled decode step keeps it
+        inside its graph). Sequence parallelism (not paused) goes through :meth:`forward`."""
+        if self.sequence_parallel and not self.region.sequence_parallel_paused:
+            return type(self).forward(self, x)  # the training forward (``forward`` may be this one)
+        w = self.weight.t() if self.transposed else self.weight
+        y = comm.all_reduce_functional(F.linear(x, w), self.axis)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelRegion) -> nn.Module:
@@ -210,3 +242,25 @@ def sequence_parallel_paused(model: nn.Module):
     finally:
         for k, r in regions.items():
             r.sequence_parallel_paused = before[k]
+
+
+@contextlib.contextmanager
+def no_grad_forward(model: nn.Module):
+    """For the duration (under ``torch.no_grad``), ``model``'s 1D layers run their
+    ``forward_no_grad``: the same numbers with no autograd Functions, no region bookkeeping
+    and, for ``g`` and the embedding's and head's collectives, functional collectives
+    (:func:`behemoth.comm.all_reduce_functional`). A generation step then costs about the
+    Python of the serial model plus one call per collective, and ``torch.compile`` of the
+    model's forward traces it into one graph (CUDA graphs included) instead of breaking the
+    graph at every layer. The training ``forward`` stays eager in compiled blocks (it
+    launches the backward's collectives), so it is swapped rather than changed. A no-op for a
+    model without 1D layers."""
+    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
+    for m in layers:
+        m.forward = m.forward_no_grad
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)

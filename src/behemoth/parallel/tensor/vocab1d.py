@@ -43,6 +43,14 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
         return comm.ReduceFromAxis.apply(out, self.axis)
 
+    def forward_no_grad(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without autograd (``tp1d.no_grad_forward``): the all-reduce is a
+        functional one, traceable by ``torch.compile``."""
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.masked_fill(~inside, 0), self.weight, padding_idx=self.local_padding_idx)
+        return comm.all_reduce_functional(out.masked_fill(~inside.unsqueeze(-1), 0.0), self.axis)
+
 
 class VocabParallelHead(nn.Module):
     """Output projection with the vocabulary split over tp: X [B, S, H] (complete) ->
@@ -78,6 +86,12 @@ class VocabParallelHead(nn.Module):
         if self.gather_output:
             logits = comm.GatherFromAxis.apply(logits, self.axis, -1)
         return logits
+
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without autograd (``tp1d.no_grad_forward``): a plain Linear and,
+        with ``gather_output``, a functional all-gather; traceable by ``torch.compile``."""
+        logits = F.linear(x, self.weight, self.bias)
+        return comm.all_gather_functional(logits, self.axis, -1) if self.gather_output else logits
 
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of next-token cross-entropy over the labelled positions (fp32), the same on
