@@ -221,22 +221,21 @@ class Plan:
         stage's ep group), micro-batches, bf16 and fp16 (the overflow vote spans the ep ranks)."""
         if self.ep == 1:
             return
-        pending = [
-            (
-                self.tp > 1 and (self.tp_mode != "1d" or self.sequence_parallel),
-                f"tp={self.tp}",
-                f"tp_mode={self.tp_mode!r}{' with sequence_parallel' if self.sequence_parallel else ''} (1D tensor "
-                f"parallelism without sequence parallelism composes: experts replicated over tp)",
-            ),
-        ]
-        for bad, value, missing in pending:
-            if bad:
-                raise NotImplementedError(
-                    f"Plan.ep={self.ep} with {value}: expert parallelism with {missing} is not built yet. It "
-                    f"composes today with dp, ZeRO 1-3, 1D tp (attention split, experts whole on every tp rank), "
-                    f"cp, pp, microbatches, every precision and activation checkpointing; "
-                    f"use ep=1 or drop {value.split('=')[0]}."
-                )
+        if self.tp > 1 and (self.tp_mode != "1d" or self.sequence_parallel):
+            sp = " with sequence_parallel" if self.sequence_parallel else ""
+            why = (
+                "each tp rank would hold a share of the sequence between blocks, so the routers and experts would "
+                "see other tokens on every tp rank and their gradients and router losses would need a sum over tp"
+                if self.tp_mode == "1d"
+                else "the grid splits every activation's rows and hidden over the tp grid, and the experts need "
+                "whole hidden rows of their tokens"
+            )
+            raise NotImplementedError(
+                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r}{sp} is not "
+                f"built yet ({why}). Use tp_mode='1d' without sequence_parallel (attention split over tp, experts "
+                f"whole on every tp rank), or tp=1. Expert parallelism composes with dp, "
+                f"ZeRO 1-3, 1D tp, cp, pp, microbatches, every precision and activation checkpointing."
+            )
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, ZeRO 0-3 and offload (each stage chunked over its own

@@ -157,26 +157,27 @@ def check_experts(model: nn.Module, plan) -> None:
                 f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
     olmoe = any(type(m).__name__.startswith("Olmoe") for m in layers.values())
-    pending = [
-        (
-            plan.tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel),
-            f"tp={plan.tp}",
-            f"tp_mode={plan.tp_mode!r}{' with sequence_parallel' if plan.sequence_parallel else ''} (experts "
-            f"compose with 1D tensor parallelism without sequence parallelism)",
-        ),
-        (
-            plan.tp > 1 and olmoe,
-            f"tp={plan.tp}",
-            "OLMoE's q_norm / k_norm over the whole projection (a split by heads changes them)",
-        ),
-    ]
-    for bad, value, missing in pending:
-        if bad:
-            raise NotImplementedError(
-                f"Plan.{value} with mixture-of-experts layers needs {missing}, which is not built yet. MoE models "
-                f"train today under dp, ep (dividing dp), ZeRO 1-3, 1D tp, cp, pp, microbatches, precision and "
-                f"activation checkpointing; use {value.split('=')[0]}=1."
-            )
+    if plan.tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel):
+        sp = " with sequence_parallel" if plan.sequence_parallel else ""
+        why = (
+            "each tp rank would hold a share of the sequence between blocks, so the routers, experts and shared "
+            "experts would see other tokens on every tp rank and their gradients and router losses would need a sum "
+            "over tp, which the expert style does not do"
+            if plan.tp_mode == "1d"
+            else "the grid splits every activation's rows and hidden over the tp grid, and the experts need whole "
+            "hidden rows of their tokens"
+        )
+        raise NotImplementedError(
+            f"Plan.tp={plan.tp} with tp_mode={plan.tp_mode!r}{sp} and mixture-of-experts layers is not built yet "
+            f"({why}). Use tp_mode='1d' without sequence_parallel (attention split over tp, experts whole on every "
+            f"tp rank), or tp=1."
+        )
+    if plan.tp > 1 and olmoe:
+        raise NotImplementedError(
+            f"Plan.tp={plan.tp} with OLMoE is not built yet: OLMoE's q_norm / k_norm normalise the whole q / k "
+            f"projection, which a split of the heads over tp would change. Use tp=1 (OLMoE trains under dp, ep, "
+            f"ZeRO 1-3, cp and pp)."
+        )
 
 
 class ExpertParallel:
