@@ -163,9 +163,13 @@ def test_no_layout_is_refused():
 
     with pytest.raises(ValueError, match="bias=False"):
         layout_for(GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=1, num_heads=2, hidden=8, bias=False)))
-    moe = LlamaConfig(vocab_size=V, seq_len=S, num_layers=1, num_heads=2, num_kv_heads=2, hidden=8, num_experts=2)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        layout_for(Llama(moe, device="meta"))
+    # a mixture of experts exports as Mixtral (tests/unit/test_hf_export_moe.py) only with Mixtral's routing
+    moe = dict(vocab_size=V, seq_len=S, num_layers=2, num_heads=2, num_kv_heads=2, hidden=8, num_experts=2)
+    for field, value in (("router_norm_topk", False), ("moe_every", 2), ("router_score_func", "sigmoid")):
+        with pytest.raises(
+            ValueError, match=f"mixture-of-experts Llama exports as .*{field}|{field}.*mixture-of-experts"
+        ):
+            layout_for(Llama(LlamaConfig(**moe, **{field: value}), device="meta"))
     with pytest.raises(ValueError, match="has no config"):
         layout_for(torch.nn.Linear(2, 2))
 

@@ -1,8 +1,9 @@
 """``config.json`` and ``generation_config.json`` of a transformers checkpoint, both ways.
 
 :func:`hf_config` writes the config transformers needs to rebuild behemoth's ``GPT`` as
-``GPT2LMHeadModel`` or its ``Llama`` as ``LlamaForCausalLM`` (same math: GPT-2's tanh GELU is
-transformers' ``gelu_new``; Llama's rotate-half RoPE with ``rope_theta``); a transformers model's
+``GPT2LMHeadModel`` or its ``Llama`` as ``LlamaForCausalLM``, or with experts as
+``MixtralForCausalLM`` (same math: GPT-2's tanh GELU is transformers' ``gelu_new``; Llama's
+rotate-half RoPE with ``rope_theta``; Mixtral's softmax router, top-k weights renormalised); a transformers model's
 own config is written as it is. :func:`behemoth_config` reads such a ``config.json`` back into a
 behemoth ``GPTConfig`` / ``LlamaConfig``, refusing what behemoth's models do not compute
 (another activation, rope scaling, biases in Llama).
@@ -48,6 +49,28 @@ def hf_config(model_config, layout, *, vocab_size: int, dtype: torch.dtype, bos:
             "resid_pdrop": c.dropout,
             "embd_pdrop": c.dropout,
             "attn_pdrop": c.dropout,
+            "initializer_range": 0.02,
+        }
+    if isinstance(c, LlamaConfig) and c.num_experts:
+        return {
+            **common,
+            "hidden_size": c.hidden,
+            "intermediate_size": c.expert_ffn_hidden or c.resolved_ffn_hidden,
+            "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "max_position_embeddings": c.seq_len,
+            "rms_norm_eps": c.norm_eps,
+            "rope_theta": c.rope_theta,
+            "hidden_act": "silu",
+            "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.experts_top_k,
+            "router_aux_loss_coef": c.router_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "sliding_window": None,
+            "attention_dropout": 0.0,
             "initializer_range": 0.02,
         }
     if isinstance(c, LlamaConfig):

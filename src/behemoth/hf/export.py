@@ -5,14 +5,14 @@ what ``AutoModelForCausalLM.from_pretrained(OUT)`` loads: ``config.json``,
 ``generation_config.json``, ``model-0000i-of-0000N.safetensors`` with
 ``model.safetensors.index.json``, and the run's tokenizer files when its tokenizer has a
 transformers form (:mod:`.tokenizer_files`). Tensor names, shapes and dtypes are those transformers'
-``save_pretrained`` writes for the same weights (:mod:`.names`); a vocabulary padded past the
-tokenizer's is trimmed.
+``save_pretrained`` writes for the same weights (:mod:`.names`; a mixture-of-experts block's
+fused experts one tensor per expert); a vocabulary padded past the tokenizer's is trimmed.
 
 Streaming: the checkpoint's tensor index gives every shape up front, so the shards are planned
 before anything is read; then each tensor is read alone (a DCP load of that one key, which
-reads only its byte ranges), transformed (transposed, trimmed, cast) and written to its shard
-file at once (:class:`.writer.ShardedWriter`). Host memory holds one tensor and its transform,
-never a shard or the model (tests/e2e/test_hf_export_cli.py measures the process's peak).
+reads only its byte ranges), transformed (transposed, trimmed, cut into its experts, cast) and
+written to its shard file at once (:class:`.writer.ShardedWriter`). Host memory holds one tensor
+and its transform, never a shard or the model (tests/e2e/test_hf_export_cli.py measures the process's peak).
 
 ``save_engine_hf(engine, OUT)`` (``engine.save_hf``) is the same from a live engine under any
 plan: every rank writes its shards as a model-only checkpoint in ``OUT/.behemoth-model`` (as
@@ -102,37 +102,35 @@ def write_hf(
     vocab = full_vocab if vocab_size is None else vocab_size
     if not 0 < vocab <= full_vocab:
         raise ValueError(f"vocab_size={vocab_size}: must be in [1, {full_vocab}] (the model's vocabulary).")
+    # {transformers name: (behemoth name, target, shape, dtype)}, a fused expert tensor's pieces together
     plan: dict[str, tuple] = {}
     for name in names:
         shape, src_dtype = stored[name]
-        target = layout.tensor(name)
-        shape = list(reversed(shape)) if target.transpose else list(shape)
-        if target.vocab_dim is not None:
-            shape[target.vocab_dim] = vocab
         out_dtype = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
-        plan[name] = (target, tuple(shape), out_dtype)
-    first_dtype = next(iter(plan.values()))[2]
-    writer = ShardedWriter(out, {t.name: (s, d) for t, s, d in plan.values()}, max_shard_size)
-    for name in writer_order(writer, plan):
-        target, shape, out_dtype = plan[name]
-        t = read(name)
-        if target.transpose:
-            t = t.t()
+        for target in layout.targets(name, shape):
+            out_shape = list(target.shape(shape))
+            if target.vocab_dim is not None:
+                out_shape[target.vocab_dim] = vocab
+            plan[target.name] = (name, target, tuple(out_shape), out_dtype)
+    first_dtype = next(iter(plan.values()))[3]
+    writer = ShardedWriter(out, {n: (s, d) for n, (_, _, s, d) in plan.items()}, max_shard_size)
+    source_name, source = None, None
+    for hf_name in writer.order:
+        name, target, _, _ = plan[hf_name]
+        if name != source_name:  # a fused tensor's pieces follow each other: it is read once
+            source = None  # the previous tensor freed before the next is read
+            source, source_name = read(name), name
+        t = target.take(source)
         if target.vocab_dim is not None:
             t = t.narrow(target.vocab_dim, 0, vocab)
-        writer.write(target.name, t)  # cast and made contiguous by blocks of rows
+        writer.write(hf_name, t)  # cast and made contiguous by blocks of rows
         del t
+    del source
     writer.close()
     config = hf_config(model_config, layout, vocab_size=vocab, dtype=dtype or first_dtype, bos=bos, eos=eos)
     _write_json(os.path.join(out, "config.json"), config)
     _write_json(os.path.join(out, "generation_config.json"), generation_config(bos, eos))
     return writer
-
-
-def writer_order(writer: ShardedWriter, plan: dict[str, tuple]) -> list[str]:
-    """behemoth's names in the order the writer's shard plan takes them."""
-    by_hf = {target.name: name for name, (target, _, _) in plan.items()}
-    return [by_hf[n] for n in writer.order]
 
 
 def _write_json(path: str, data: dict) -> None:
