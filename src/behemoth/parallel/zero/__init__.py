@@ -3,6 +3,7 @@ Gemini / Elixir. Plain data parallelism is stage 0: the same chunks, all-reduced
 
 * :mod:`.sync` -- the gradient-sync protocol every engine drives, and its factory;
 * :mod:`.optimizer` -- the step over this rank's chunks (vote, norm, clip, update, publish);
+* :mod:`.norm` -- the serial model's gradient norm from this rank's chunk shards;
 * :mod:`.auto` -- where chunks live, and how ``offload='auto'`` chooses it (warm-up, retries);
 * :mod:`.store` -- the chunks' buffers, gradient hooks and reductions; :mod:`.hooks` -- ZeRO-3's
   gather/release module hooks; :mod:`.overlap` -- the CPU update during the backward;

@@ -16,9 +16,9 @@ offload every chunk is one shard on the device and the step is the plain optimiz
 1. fp16: one agreement whether any gradient overflowed -- over the data axis when it is sharded
    (stages 1-3), over ep for stage 0's expert chunks, and over tp and the pipeline's axes -- then
    unscale;
-2. the global gradient norm (:meth:`ZeroOptimizer.grad_norm`, the one norm of every plan): squared
-   norms of the chunks' gradients, each parameter piece weighted 1/(its copies over tp), summed
-   over the axes the gradients are split on -- the serial model's norm; clip with it;
+2. the global gradient norm (:meth:`ZeroOptimizer.grad_norm`, the one norm of every plan; :mod:`.norm`):
+   squared norms of the chunks' gradients, each parameter piece weighted 1/(its copies over tp),
+   summed over the axes the gradients are split on -- the serial model's norm; clip with it;
 3. ``optimizer.step()`` (masters on the host run PyTorch's fused CPU kernel: Adam, AdamW, SGD,
    Adagrad, vectorised, nothing compiled at install time);
 4. publish: host masters copied to the device, stages 1-2 all-gather the chunks.
@@ -38,11 +38,11 @@ import torch
 
 from ... import comm
 from ...comm import Axis
-from ..tensor import get_spec, is_sharded, shard_copies
 from .auto import FUSED_CPU, ChunkPlacement, raise_everywhere
 from .chunks import pack_buckets, pack_chunks, search_chunk_size
 from .hooks import GatherHooks
 from .measure import memory_report, optimizer_state_bytes
+from .norm import GradNorm
 from .overlap import HostUpdate
 from .reduce import GradReducer
 from .state import load_param_states, param_states, reload_from_params, state_to
@@ -158,14 +158,22 @@ class ZeroOptimizer:
         self._ranks = [
             (chunk_axes[ch.index][0] if chunk_axes else axis).rank if stage else 0 for ch in self.layout.chunks
         ]
-        self._norm_axes: list[Axis] = [] if tp.trivial else [tp]
-        self._norm_skip: set[int] = set()
-        self._weights = self._norm_weights() if not tp.trivial else None
-        self._weight_cache: dict[tuple, torch.Tensor] = {}  # _norm_sq_of's piece weights, on their device
-        # stage 0, per chunk, the axis its parameters are sharded over (their squared norms are summed over
-        # it); at stages 1-3 every rank's shards are distinct pieces, all summed over the data axis
-        self._shard_axes = [s for _, s in chunk_axes] if chunk_axes and stage == 0 else None
-        self.host_update = HostUpdate(lambda st: self.store.upload(st), device, self.cls, self.defaults, self.norm_sq)
+        self.norm = GradNorm(
+            self.layout,
+            params,
+            self._ranks,
+            stage=stage,
+            axis=axis,
+            tp=tp,
+            device=device,
+            batched=stage == 0 and offload is None,
+            # stage 0, per chunk, the axis its parameters are sharded over (their squared norms are summed over
+            # it); at stages 1-3 every rank's shards are distinct pieces, all summed over the data axis
+            shard_axes=[s for _, s in chunk_axes] if chunk_axes and stage == 0 else None,
+        )
+        self.host_update = HostUpdate(
+            lambda st: self.store.upload(st), device, self.cls, self.defaults, self.norm.norm_sq
+        )
         on_gpu = self.placement.flags(self.placement.keep)
         self.store = ChunkStore(
             params,
@@ -180,7 +188,7 @@ class ZeroOptimizer:
         )
         self.reducer = GradReducer(
             self.store,
-            norm_of=self.norm_sq if stage else None,
+            norm_of=self.norm.norm_sq if stage else None,
             on_final=self.host_update.submit if offload is not None else None,
             reduce_once=reduce_once,
         )
@@ -264,28 +272,10 @@ class ZeroOptimizer:
         if hasattr(torch._C, "_host_emptyCache"):  # freed pinned blocks go back to the OS
             torch._C._host_emptyCache()
 
-    def _norm_weights(self) -> list[list[tuple[int, int, float]]]:
-        """Per chunk, runs ``(shard offset, length, weight)`` of parameter pieces in this rank's shard,
-        weighted 1/(copies of that piece over tp) so a sum over tp counts each element once; a
-        parameter counted elsewhere (:meth:`configure_norm`) weighs 0."""
-        out = []
-        for ch in self.layout.chunks:
-            runs = []
-            for sl in self.layout.shard_slices(ch.index, self._ranks[ch.index]):
-                p = self.params[sl.param]
-                spec = get_spec(p)
-                w = 1.0 / (shard_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
-                runs.append((sl.shard_offset, sl.length, 0.0 if id(p) in self._norm_skip else w))
-            out.append(runs)
-        return out
-
     def configure_norm(self, extra_axes: list[Axis], skip: list[torch.nn.Parameter]) -> None:
         """The serial model's norm when this rank holds only part of the model: also sum over
         ``extra_axes`` (pipeline stages), and leave out ``skip`` (a tied copy counted elsewhere)."""
-        self._norm_axes += [a for a in extra_axes if not a.trivial]
-        self._norm_skip = {id(p) for p in skip}
-        self._weights = self._norm_weights()
-        self._weight_cache.clear()
+        self.norm.configure(extra_axes, skip)
 
     # ------------------------------------------------------------------ the engine's gradient protocol
     def start_step(self) -> None:
@@ -358,64 +348,7 @@ class ZeroOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The serial model's gradient 2-norm (a collective over the sharded data axis, tp and the
         axes of :meth:`configure_norm`)."""
-        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        sharded: dict[str, tuple[Axis, torch.Tensor]] = {}  # stage 0's expert chunks: summed over their axis
-        for ax in self._shard_axes or ():
-            if ax is not None and not ax.trivial:
-                sharded.setdefault(ax.name, (ax, torch.zeros(1, dtype=torch.float32, device=self.device)))
-        # Stage 0 on the device reads every chunk here: one multi-tensor norm per accumulator. Elsewhere
-        # a chunk's part may be read early (as its reduction lands, by the CPU-update worker), so every
-        # chunk's part is read alone, the same way, and the step's norm does not depend on where.
-        batched = self.stage == 0 and self.offload is None
-        unread: dict[tuple[int, torch.device], tuple[torch.Tensor, list]] = {}
-        for st, g in zip(self.store.chunks, self.reducer.grads()):
-            if g is not None:  # parts read as the reductions landed (store) or by the CPU-update worker
-                ax = self._shard_axes[st.index] if self._shard_axes else None
-                acc = sharded[ax.name][1] if ax is not None and ax.name in sharded else sq
-                if st.norm_sq is not None:
-                    acc += st.norm_sq.to(self.device)
-                elif batched:
-                    unread.setdefault((id(acc), g.device), (acc, []))[1].append((st, g))
-                else:
-                    acc += self.norm_sq(st, g).to(self.device)
-        for acc, items in unread.values():
-            acc += self._norm_sq_of(items).to(self.device)
-        for ax, part in sharded.values():
-            sq += comm.all_reduce(part, ax)
-        if self.stage:
-            comm.all_reduce(sq, self.axis)
-        for ax in self._norm_axes:
-            comm.all_reduce(sq, ax)
-        return sq[0].sqrt()
-
-    def norm_sq(self, st, g: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the squared gradient norm in ``g``, chunk ``st``'s gradient shard (0-d,
-        on ``g``'s device)."""
-        return self._norm_sq_of([(st, g)])
-
-    def _norm_sq_of(self, items: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
-        """The weighted squared norm of the ``(chunk, gradient)`` pairs ``items`` (gradients on one
-        device), 0-d on that device: one multi-tensor norm over every parameter piece and one
-        weighted sum: a few kernels however many parameters the chunks hold. (A kernel per piece
-        is hundreds of launches per step for a model of a billion parameters under tensor
-        parallelism, issued after the backward's host sync while the device waits.)"""
-        # vector_norm reads the shard once; square().sum() would write a shard-sized temporary
-        # (on the host: fresh pages to fault in for every offloaded chunk, every step).
-        if self._weights is None:
-            norms = torch._foreach_norm([g for _, g in items])
-            return torch.stack(norms).square().sum() if len(norms) > 1 else norms[0].square()
-        pieces = [g.narrow(0, off, n) for st, g in items for off, n, _ in self._weights[st.index]]
-        if not pieces:
-            return torch.zeros((), device=items[0][1].device)
-        device = items[0][1].device
-        key = (device, tuple(st.index for st, _ in items))
-        w = self._weight_cache.get(key)
-        if w is None:
-            w = torch.tensor(
-                [w for st, _ in items for _, _, w in self._weights[st.index]], dtype=torch.float32, device=device
-            )
-            self._weight_cache[key] = w
-        return (torch.stack(torch._foreach_norm(pieces)).square() * w).sum()
+        return self.norm.total(self.store.chunks, self.reducer.grads())
 
     def _all_finite(self, grads: list[torch.Tensor]) -> bool:
         """The fp16 overflow vote: every rank calls every agreement (no short-circuit). Stage 0's
@@ -424,10 +357,10 @@ class ZeroOptimizer:
         rank's experts skips the step everywhere."""
         local = all(bool(torch.stack([torch.isfinite(g).all() for g in gs]).all()) for gs in _by_device(grads).values())
         finite = comm.all_agree(local, self.axis) if self.stage else local
-        shard_axes = {ax.name: ax for ax in self._shard_axes or () if ax is not None and not ax.trivial}
+        shard_axes = {ax.name: ax for ax in self.norm.shard_axes or () if ax is not None and not ax.trivial}
         for ax in shard_axes.values():
             finite = comm.all_agree(finite, ax)
-        for ax in self._norm_axes:
+        for ax in self.norm.axes:
             finite = comm.all_agree(finite, ax)
         return finite
 
@@ -447,7 +380,7 @@ class ZeroOptimizer:
             for st in self.store.chunks:  # norms read before the unscaling are stale
                 st.norm_sq = None
         norm = None
-        if self.stage or max_grad_norm is not None or self._norm_axes or self._shard_axes:
+        if self.stage or max_grad_norm is not None or self.norm.axes or self.norm.shard_axes:
             norm = self.grad_norm()  # a collective: every rank, now
         if max_grad_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
