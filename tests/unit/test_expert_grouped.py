@@ -127,6 +127,12 @@ def test_dispatch_pads_groups_and_combine_drops_them():
         block = x16[starts[e] : starts[e] + 16]
         assert torch.equal(block[:n], x1[sum(counts1[:e]) : sum(counts1[: e + 1])])
         assert float(block[n:].abs().sum()) == 0.0
+    # groups already a multiple of 16: laid out as unpadded
+    even_TK = torch.arange(4 * GROUP_ROWS).remainder(E)[:, None]
+    x_even = torch.randn(4 * GROUP_ROWS, H, generator=g)
+    x_a, counts_a, _ = dispatch(x_even, even_TK, E, axis, align=16)
+    x_b, counts_b, _ = dispatch(x_even, even_TK, E, axis)
+    assert counts_a == counts_b == [GROUP_ROWS] * E and torch.equal(x_a, x_b)
     y1 = x1 * 2 + 1  # stands in for the experts (rows of padding come out non-zero: combine must drop them)
     torch.testing.assert_close(combine(x16 * 2 + 1, weights_TK, r16), combine(y1, weights_TK, r1), rtol=0, atol=0)
 

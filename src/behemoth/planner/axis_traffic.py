@@ -168,7 +168,9 @@ def step_traffic(
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
         one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep
-        out["ep"] = 4 * one * layers * m  # dispatch + combine, forward and backward
+        # dispatch + combine, forward and backward, all in the experts' GEMM dtype (dispatch casts
+        # the rows to autocast's before they leave: parallel/expert/traffic.py)
+        out["ep"] = 4 * one * layers * m
     return out
 
 

@@ -123,9 +123,9 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
     local_counts = recv_counts.sum(0).tolist()
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    if align == 1:
+    padded, shift = pad_groups(local_counts, align) if align > 1 else (local_counts, None)
+    if padded == local_counts:  # nothing to pad
         return x_recv[perm], local_counts, Routed(axis, order_A, send_sizes, recv_sizes, inverse, x_TH.dtype)
-    padded, shift = pad_groups(local_counts, align)
     slot = padded_rows(local_counts, shift, x_recv.device)[inverse]
     x_NH = x_recv.new_zeros(sum(padded), x_recv.shape[-1]).index_copy(0, slot, x_recv)
     return x_NH, padded, Routed(axis, order_A, send_sizes, recv_sizes, slot, x_TH.dtype)

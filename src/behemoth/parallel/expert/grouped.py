@@ -157,6 +157,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+@torch.compiler.disable  # eager in compiled blocks: the storage address check reads real tensors
 def _grouped_mm(x_NK: torch.Tensor, w_EOK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     # operands already in the GEMM dtype: autocast must not cast them again (or back)
     with torch.autocast(x_NK.device.type, enabled=False):
