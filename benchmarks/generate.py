@@ -20,10 +20,11 @@ forward (functional collectives), so a decode step is one graph with its all-red
 2D / 2.5D / 3D layers keep their collectives eager (``torch.compiler.disable``), so their
 graphs are cut around them.
 
-Each run prints ``decode_ms`` (ms per decode step) in its RESULT line; ``--profile N`` adds,
-per run, a torch.profiler table of the top operators over N decode steps (rank 0, lines
-prefixed ``PROFILE``), sorted by GPU time on GPUs, by CPU time on CPU, with the per-step
-count of each, so a GPU run shows where a step's time goes.
+Each run prints ``decode_ms`` (ms per decode step) in its RESULT line; ``--profile`` adds, per
+run, a torch.profiler table of the top operators per decode step (rank 0, lines prefixed
+``PROFILE``): a profile of the timed call (``--new`` tokens, so a compiled run replays the graphs
+it already has) minus one of a 1-token call, divided by the ``--new - 1`` decode steps; sorted by
+GPU time on GPUs, by CPU time on CPU, with each op's calls per step.
 """
 
 from __future__ import annotations
@@ -102,9 +103,9 @@ def timed_generate(model, prompts, new: int, repeats: int) -> tuple[float, float
     return total, prefill
 
 
-def profile_decode(model, prompts, steps: int, tag: str) -> None:
-    """Print (rank 0) the top operators of ``steps`` decode steps: a profile of a ``steps + 1``
-    token call minus one of a 1-token call (the prefill), per step."""
+def profile_decode(model, prompts, new: int, tag: str) -> None:
+    """Print (rank 0) the top operators per decode step: a profile of a ``new``-token call minus
+    one of a 1-token call (the prefill), divided by the ``new - 1`` decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -119,7 +120,8 @@ def profile_decode(model, prompts, steps: int, tag: str) -> None:
             for e in prof.key_averages()
         }
 
-    full, prefill = ops(steps + 1), ops(1)
+    steps = max(1, new - 1)
+    full, prefill = ops(new), ops(1)
     rows = []
     for key, (n, cpu, dev) in full.items():
         n0, cpu0, dev0 = prefill.get(key, (0, 0.0, 0.0))
@@ -174,7 +176,7 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
         print("RESULT " + json.dumps(result), flush=True)
     if args.profile:
         tag = f"tp={tp} {mode} batch={batch}" + (" compiled" if args.compile else "")
-        profile_decode(model, prompts, args.profile, tag)
+        profile_decode(model, prompts, args.new, tag)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -224,7 +226,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="calls per configuration; the last is timed")
     p.add_argument("--compile", action="store_true", help="torch.compile (CUDA graphs) of the forward")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top ops of N decode steps per run")
+    p.add_argument("--profile", action="store_true", help="print the top ops per decode step of each run")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
     args = p.parse_args()

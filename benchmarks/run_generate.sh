@@ -8,6 +8,6 @@ out=${OUT:-/tmp}
 source "$(dirname "$0")/env.sh" "$out/generate.log"
 run() { echo "## $*" | tee -a "$out/generate.log"; timeout 900 "$@" 2>&1 | grep -E "RESULT|PROFILE|Error|error" | tail -120 | tee -a "$out/generate.log"; }
 tr="torchrun --standalone --nproc-per-node 4"
-run $tr benchmarks/generate.py --profile 16
-run $tr benchmarks/generate.py --compile --no-peer --profile 16
+run $tr benchmarks/generate.py --profile
+run $tr benchmarks/generate.py --compile --no-peer --profile
 run $tr benchmarks/generate.py --sweep 2d-vs-1d
