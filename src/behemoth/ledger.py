@@ -11,6 +11,8 @@ group. The byte formulas are the ring algorithms' (Patarasuk & Yuan's ring all-r
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -35,8 +37,15 @@ class AxisTraffic:
 class Ledger:
     """Per-axis traffic counters for one rank."""
 
+    _by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _keys = itertools.count()
+
     def __init__(self) -> None:
         self.axes: dict[str, AxisTraffic] = defaultdict(AxisTraffic)
+        self.key = next(Ledger._keys)
+        """A process-unique int naming this ledger where only plain values can travel (the
+        booking op of collectives inside compiled code, :mod:`behemoth.comm.traced`)."""
+        Ledger._by_key[self.key] = self
         self.trace: list | None = None
         """Set to a list to log, in order, ``("call", axis, op)`` when a collective is issued
         and ``("wait", axis)`` when an asynchronous one is waited on (tests read it to see
@@ -51,6 +60,11 @@ class Ledger:
         t.by_op[op] += 1
         if self.trace is not None:
             self.trace.append(("call", axis, op))
+
+    @staticmethod
+    def of_key(key: int) -> Ledger:
+        """The live ledger whose :attr:`key` is ``key``."""
+        return Ledger._by_key[key]
 
     def add_time(self, axis: str, seconds: float) -> None:
         self.axes[axis].seconds += seconds

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import traced
 from .axis import AsyncCollective, Axis, device_for, eager, nbytes
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
@@ -25,9 +26,17 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 # --------------------------------------------------------------------------- collectives
-@eager
 def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async."""
+    """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async.
+    Inside compiled code: :func:`.traced.all_reduce` (a new tensor; use the return value)."""
+    if torch.compiler.is_compiling():
+        out = traced.all_reduce(t, axis, op)
+        return traced.Ready(out) if async_op else out
+    return _all_reduce(t, axis, op, async_op)
+
+
+@eager
+def _all_reduce(t: torch.Tensor, axis: Axis, op, async_op: bool):
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t) if async_op else t
     n = axis.size
@@ -39,9 +48,15 @@ def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool
     return AsyncCollective(work, axis, lambda: t, t) if async_op else t
 
 
-@eager
 def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes must match)."""
+    if torch.compiler.is_compiling():
+        return traced.all_gather(t, axis, dim)
+    return _all_gather(t, axis, dim)
+
+
+@eager
+def _all_gather(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     if axis.trivial:
         return t
     n = axis.size
@@ -58,9 +73,15 @@ def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     return out
 
 
-@eager
 def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Sum ``t`` over the axis and return this rank's ``1/size`` slice along ``dim``."""
+    if torch.compiler.is_compiling():
+        return traced.reduce_scatter(t, axis, dim)
+    return _reduce_scatter(t, axis, dim)
+
+
+@eager
+def _reduce_scatter(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     if axis.trivial:
         return t
     n = axis.size
@@ -169,11 +190,18 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
     return AsyncCollective(work, axis, lambda: out, out, shard) if async_op else out
 
 
-@eager
 def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
     """Start :func:`all_gather` (concatenate every member's ``t`` along ``dim``); the handle's
     ``wait()`` returns the result. Ledger as :func:`all_gather`: payload = the gathered
-    tensor, wire = ``(size-1)`` local shards."""
+    tensor, wire = ``(size-1)`` local shards. Inside compiled code: a :class:`.traced.Ready`
+    handle on :func:`.traced.all_gather`."""
+    if torch.compiler.is_compiling():
+        return traced.Ready(traced.all_gather(t, axis, dim))
+    return _all_gather_async(t, axis, dim)
+
+
+@eager
+def _all_gather_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollective:
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t)
     n = axis.size
@@ -184,11 +212,18 @@ def all_gather_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollecti
     return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
 
 
-@eager
 def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
     """Start :func:`reduce_scatter` (sum over the axis, keep this member's ``1/size`` slice
     along ``dim``); the handle's ``wait()`` returns the slice. ``t`` is never modified.
-    Ledger as :func:`reduce_scatter`: payload = ``t``, wire = ``(size-1)/size`` of it."""
+    Ledger as :func:`reduce_scatter`: payload = ``t``, wire = ``(size-1)/size`` of it.
+    Inside compiled code: a :class:`.traced.Ready` handle on :func:`.traced.reduce_scatter`."""
+    if torch.compiler.is_compiling():
+        return traced.Ready(traced.reduce_scatter(t, axis, dim))
+    return _reduce_scatter_async(t, axis, dim)
+
+
+@eager
+def _reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollective:
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t)
     n = axis.size

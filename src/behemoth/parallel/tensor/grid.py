@@ -27,6 +27,7 @@ import torch
 
 from ... import comm
 from ...comm import Axis
+from ...comm.traced import regather
 from .base import require_mode
 from .layout import DimShard, ShardSpec, check_divisible
 
@@ -143,8 +144,8 @@ class SummaFn(torch.autograd.Function):
         db = hb = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
-        hw = comm.all_gather_async(w if in_out else w.t(), g.row_axis) if need_x else None
-        hx = comm.all_gather_async(x.t(), g.col_axis) if need_w else None
+        hw = comm.all_gather_async(regather(w if in_out else w.t()), g.row_axis) if need_x else None
+        hx = comm.all_gather_async(regather(x.t()), g.col_axis) if need_w else None
         dx = dw = hdx = hdw = None
         if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
             hdx = comm.reduce_scatter_async(hw.wait() @ dy.t(), g.col_axis)

@@ -1,0 +1,108 @@
+"""Collectives inside ``torch.compile``'d code: the functional collectives of
+``torch.distributed._functional_collectives`` (all-gather, reduce-scatter, all-reduce; each
+result waited on with ``wait_tensor`` where it is used), over the same process groups and
+booked in the same ledger as the eager collectives of :mod:`.collectives`.
+
+Eager collectives are plain c10d calls with work handles and clock readings, which
+``torch.compile`` cannot trace (each is a graph break). Inside compiled code
+(``torch.compiler.is_compiling()``) :func:`.collectives.all_reduce`, :func:`.all_gather`,
+:func:`.reduce_scatter` and the ``*_async`` forms route here instead, so a block whose layers
+communicate (2D's SUMMA Linears and sharded norms, in their autograd Functions' forward and
+backward) compiles into one graph. Differences from the eager forms: the result is always a
+new tensor (``all_reduce`` is not in place: use its return value), the asynchronous forms
+return a :class:`Ready` handle (the compiler places the waits), and the ledger books calls
+and bytes but no blocking time (waits happen inside the compiled code).
+
+Booking: each call adds a ``behemoth::book`` op to the graph, an op with no result that is
+marked side-effectful so no compiler pass removes it; it runs every time the compiled code
+runs (forward and backward), and records the call in the ledger named by its key, exactly as
+the eager collective would (op name, payload and wire bytes).
+
+Test: ``pytest tests/dist/test_tp2d_compile.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..ledger import Ledger
+from .axis import Axis, nbytes
+
+
+@torch.library.custom_op("behemoth::book", mutates_args=())
+def book(t: torch.Tensor, ledger: int, axis: str, op: str, payload: int, wire: float) -> None:
+    """Record one collective over ``axis`` in the ledger whose key is ``ledger``. ``t`` (the
+    tensor sent) only orders the op after the data it books."""
+    Ledger.of_key(ledger).record(axis, op, payload, wire)
+
+
+@book.register_fake
+def _book_fake(t, ledger, axis, op, payload, wire) -> None:
+    return None
+
+
+torch.library._register_effectful_op(torch.ops.behemoth.book.default, torch._library.effects.EffectType.ORDERED)
+
+
+def _book(t: torch.Tensor, axis: Axis, op: str, payload: int, wire: float) -> None:
+    torch.ops.behemoth.book(t, axis.ledger.key, axis.name, op, int(payload), float(wire))
+
+
+class Ready:
+    """The handle a traced ``*_async`` collective returns: ``wait()`` returns its result (the
+    compiled code waits where the result is used)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """The all-reduce of ``t`` over ``axis`` (a new tensor). Ledger as the eager form."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    _book(t, axis, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t))
+    return funcol.wait_tensor(funcol.all_reduce(t, _OPS[op], axis.group))
+
+
+def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Every member's ``t`` concatenated along ``dim``. Ledger: payload = the gathered tensor,
+    wire = ``(size-1)`` local shards."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    t = t.contiguous()
+    _book(t, axis, "all_gather", n * nbytes(t), (n - 1) * nbytes(t))
+    return funcol.wait_tensor(funcol.all_gather_tensor(t, dim % t.dim(), axis.group))
+
+
+def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """The sum of ``t`` over ``axis``, this member's ``1/size`` slice along ``dim``. Ledger:
+    payload = ``t``, wire = ``(size-1)/size`` of it."""
+    if axis.trivial:
+        return t
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+            f"is not divisible by the axis size {n}."
+        )
+    t = t.contiguous()
+    _book(t, axis, "reduce_scatter", nbytes(t), (n - 1) / n * nbytes(t))
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", dim % t.dim(), axis.group))
+
+
+def regather(t: torch.Tensor) -> torch.Tensor:
+    """``t`` to be gathered again in a backward whose forward gathered it: inside compiled code
+    an ``aten.alias`` view, so the compiler's common-subexpression pass cannot merge the two
+    gathers (which would keep the gathered tensor alive from forward to backward instead of
+    the shard); ``t`` itself elsewhere."""
+    return torch.ops.aten.alias.default(t) if torch.compiler.is_compiling() else t
