@@ -46,6 +46,7 @@ from .parallel.expert import (
     data_axis_of,
     dense_tensor_plan,
     gather_expert_state,
+    moe_layers,
     parallelize_experts,
 )
 from .parallel.pipeline.forward import install_pipelined_forward
@@ -230,6 +231,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan, policy=None) -> Parallel
     replaced (:func:`~behemoth.parallel.expert.dense_tensor_plan`)."""
     if policy is None and plan.tp > 1 and tensor_plan(model) is not None:
         policy = dense_tensor_plan(model, tensor_plan(model))
+    if plan.tp > 1 and plan.sequence_parallel:  # the expert style runs them on the gathered sequence
+        for m in moe_layers(model).values():
+            m._behemoth_sequence_parallel = True
     return parallelize_tensor(model, mesh, plan, policy)
 
 

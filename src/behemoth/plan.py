@@ -215,25 +215,18 @@ class Plan:
 
     def _check_experts_compose(self) -> None:
         """Expert parallelism composes with data parallelism (ep divides dp), ZeRO 1-3 (expert chunks
-        sharded over ep_dp, dense chunks over dp), 1D tensor parallelism without sequence parallelism
-        (attention split over tp, experts whole on each tp rank), context parallelism (expert
+        sharded over ep_dp, dense chunks over dp), 1D tensor parallelism with or without sequence
+        parallelism (attention split over tp, experts whole on each tp rank), context parallelism (expert
         gradients over ep_dp x cp), pipelines (experts inside each stage, the all-to-alls over the
         stage's ep group), micro-batches, bf16 and fp16 (the overflow vote spans the ep ranks)."""
         if self.ep == 1:
             return
-        if self.tp > 1 and (self.tp_mode != "1d" or self.sequence_parallel):
-            sp = " with sequence_parallel" if self.sequence_parallel else ""
-            why = (
-                "each tp rank would hold a share of the sequence between blocks, so the routers and experts would "
-                "see other tokens on every tp rank and their gradients and router losses would need a sum over tp"
-                if self.tp_mode == "1d"
-                else "the grid splits every activation's rows and hidden over the tp grid, and the experts need "
-                "whole hidden rows of their tokens"
-            )
+        if self.tp > 1 and self.tp_mode != "1d":
             raise NotImplementedError(
-                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r}{sp} is not "
-                f"built yet ({why}). Use tp_mode='1d' without sequence_parallel (attention split over tp, experts "
-                f"whole on every tp rank), or tp=1. Expert parallelism composes with dp, "
+                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r} is not built "
+                f"yet (the grid splits every activation's rows and hidden over the tp grid, and the experts need "
+                f"whole hidden rows of their tokens). Use tp_mode='1d' (attention split over tp, experts whole on "
+                f"every tp rank; with or without sequence_parallel), or tp=1. Expert parallelism composes with dp, "
                 f"ZeRO 1-3, 1D tp, cp, pp, microbatches, every precision and activation checkpointing."
             )
 

@@ -199,9 +199,7 @@ def _refusals_world(rank: int, world: int) -> None:
     moe = build_moe()
     # (ZeRO 1-3 and cp with experts train now: tests/dist/test_expert_zero.py, test_expert_context.py)
     # (pipelines with experts train now: tests/dist/test_expert_pipeline.py; fp16: test_expert_parallel_fp16)
-    # (1D tp with experts trains now: tests/dist/test_expert_tensor.py; sequence parallelism does not)
-    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=world, sequence_parallel=True)),
-                 "tp=2", "sequence_parallel", kind=NotImplementedError)
+    # (1D tp with experts trains now, with sequence parallelism too: tests/dist/test_expert_tensor.py)
     stepped = build_moe()
     opt = optimizer_for(stepped)
     stepped(torch.zeros(1, 4, dtype=torch.long)).sum().backward()

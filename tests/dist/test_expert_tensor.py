@@ -1,8 +1,11 @@
 """Per-operator plans with tensor parallelism: attention (and dense MLPs) split over 1D tp, experts
 sharded over ep and whole on every tp rank, in one model -- against serial training (losses, every
 step's gradient norm, ``full_state_dict()``, rtol 1e-4, fp32) on dp=2 x tp=2 with ep=2: behemoth's
-MoE Llama, the same under ZeRO-2, and a transformers Mixtral. What does not compose is refused on every rank before any
-collective: 2D tp, sequence parallelism, OLMoE under tp."""
+MoE Llama, the same under ZeRO-2, and a transformers Mixtral; with sequence parallelism too (the MoE
+Llama, its capacity router with the aux-free bias under micro-batches and activation checkpointing,
+dropping what serial drops, and Mixtral; greedy generation, which pauses sequence parallelism,
+equal to serial). What does not compose is refused on every rank before any
+collective: 2D tp, OLMoE under tp."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +13,10 @@ import torch
 import behemoth as bh
 
 from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error, global_batches,
-                    train_steps)
+                    shard, train_steps)
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
+from test_expert_routing import adamw as routed_adamw, build as build_routed, serial_run as serial_routed_run
 
 
 def _tensor_world(rank: int, world: int) -> None:
@@ -39,11 +43,51 @@ def _tensor_world(rank: int, world: int) -> None:
     assert_grad_norms_close(norms, want[2], what=what)
     assert_state_close(engine.full_state_dict(), want[1], what=what)
 
+    # sequence parallelism: each MoE block reads the gathered sequence and returns its tp rank's shard
+    what = "dp=2 tp=2 ep=2 sequence_parallel"
+    want = serial_moe_run(batches, clip=1.0)
+    model = build_moe()
+    engine = bh.boost(model, optimizer_for(model), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True),
+                      max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+    # generation pauses sequence parallelism (one token per step): the blocks then take and return it whole
+    rows = [[3, 5, 7], [11, 2], [9, 9, 4, 1], [14]]
+    want_tokens = bh.generate(build_moe().eval(), rows, max_new_tokens=6)
+    model = bh.parallelize(build_moe().eval(), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True))
+    assert bh.generate(model, rows, max_new_tokens=6) == want_tokens, what
+
+    name = "sigmoid-bias-shared-capacity"
+    what = f"{name} dp=2 tp=2 ep=2 sequence_parallel micro=2 ckpt"
+    want = serial_routed_run(name, batches, 2, 2)
+    model = build_routed(name)
+    plan = bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True, microbatches=2, activation_checkpointing=True)
+    engine = bh.boost(model, routed_adamw(model), plan, max_grad_norm=1.0)
+    losses, norms = [], []
+    for step, b in enumerate(batches):
+        losses.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
+        norms.append(engine.last_grad_norm)
+        got = [(l.mlp.token_counts.tolist(), l.mlp.dropped_counts.tolist()) for l in engine.model.layers]
+        assert got == want[3][step], (what, step, got, want[3][step])  # the serial model's drops
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+    what = "transformers Mixtral dp=2 tp=2 ep=2 sequence_parallel"
+    want = serial_hf_run("mixtral", batches)
+    model = build_hf_moe("mixtral")
+    engine = bh.boost(model, adamw(model), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True), max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
     moe = build_moe()
     expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=4, tp_mode="2d", ep=1)), "tp_mode='2d'",
                  kind=NotImplementedError)
-    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True)),
-                 "sequence_parallel", kind=NotImplementedError)
     olmoe = build_hf_moe("olmoe")
     expect_error(lambda: bh.boost(olmoe, adamw(olmoe), bh.Plan(dp=2, tp=2, ep=2)), "OLMoE", kind=NotImplementedError)
     t = torch.ones(1)

@@ -18,7 +18,11 @@ experts              E/ep of E, by ep rank   ``ep_dp`` (:func:`data_axis   over 
 Under ZeRO 1-3 the two kinds are chunked apart and each chunk is sharded over its own axis (the
 dense chunks over ``dp``, the expert chunks over ``ep_dp``: never gathered beyond the ep rank's
 experts). Under 1D tensor parallelism the attention and dense MLPs are split over ``tp`` and the
-experts are whole on every tp rank (:func:`dense_tensor_plan`).
+experts are whole on every tp rank (:func:`dense_tensor_plan`); with sequence parallelism a block
+reads the whole sequence the norm before it gathered, as on every tp rank, keeps the gradient of
+its input to this rank's shard of the sequence (each tp rank computes the same gradient for all of
+it) and returns this rank's shard of its output (ScatterToAxis: the output gradient all-gathered),
+so the experts' and routers' gradients are whole on every tp rank, as without it.
 
 :class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
 :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
@@ -61,6 +65,7 @@ from ...specs import find_spec
 from ..context.layout import gather_sequence, split_sequence
 from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
+from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
 from .dispatch import combine, dispatch
 from .grouped import group_alignment
@@ -157,20 +162,12 @@ def check_experts(model: nn.Module, plan) -> None:
                 f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
     olmoe = any(type(m).__name__.startswith("Olmoe") for m in layers.values())
-    if plan.tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel):
-        sp = " with sequence_parallel" if plan.sequence_parallel else ""
-        why = (
-            "each tp rank would hold a share of the sequence between blocks, so the routers, experts and shared "
-            "experts would see other tokens on every tp rank and their gradients and router losses would need a sum "
-            "over tp, which the expert style does not do"
-            if plan.tp_mode == "1d"
-            else "the grid splits every activation's rows and hidden over the tp grid, and the experts need whole "
-            "hidden rows of their tokens"
-        )
+    if plan.tp > 1 and plan.tp_mode != "1d":
         raise NotImplementedError(
-            f"Plan.tp={plan.tp} with tp_mode={plan.tp_mode!r}{sp} and mixture-of-experts layers is not built yet "
-            f"({why}). Use tp_mode='1d' without sequence_parallel (attention split over tp, experts whole on every "
-            f"tp rank), or tp=1."
+            f"Plan.tp={plan.tp} with tp_mode={plan.tp_mode!r} and mixture-of-experts layers is not built yet (the "
+            f"grid splits every activation's rows and hidden over the tp grid, and the experts need whole hidden "
+            f"rows of their tokens). Use tp_mode='1d' (attention split over tp, experts whole on every tp rank), "
+            f"or tp=1."
         )
     if plan.tp > 1 and olmoe:
         raise NotImplementedError(
@@ -188,7 +185,9 @@ class ExpertParallel:
     ``dp_cp`` under context parallelism; see the module docstring). The experts' copies are
     replicated over ``replica_axis`` (``ep_dp``, or ``ep_dp_cp`` under context parallelism).
     ``context``: ``(cp axis, cp mode)`` when the sequence is split over ranks (a capacity then
-    sees the whole sequences), else None."""
+    sees the whole sequences), else None. ``sequence_parallel``: the model's 1D
+    :class:`~behemoth.parallel.tensor.region1d.ParallelRegion` under sequence parallelism (the
+    block reads the norm's gathered sequence and returns this tp rank's shard), else None."""
 
     def __init__(
         self,
@@ -196,9 +195,10 @@ class ExpertParallel:
         data_axis: str = "dp",
         replica_axis: str = "ep_dp",
         context: tuple[str, str] | None = None,
+        sequence_parallel=None,
     ) -> None:
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
-        self.context = context
+        self.context, self.sequence_parallel = context, sequence_parallel
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -218,8 +218,20 @@ class ExpertParallel:
         whole_rows = None
         if self.context is not None and not mesh.axis(self.context[0]).trivial:
             whole_rows = _whole_rows(mesh.axis(self.context[0]), self.context[1])
-        module.forward = types.MethodType(_make_forward(block, ep, data, whole_rows), module)
+        sequence = None
+        if self.sequence_parallel is not None and not mesh.axis("tp").trivial:
+            sequence = (mesh.axis("tp"), self.sequence_parallel)
+        module.forward = types.MethodType(_make_forward(block, ep, data, whole_rows, sequence), module)
         return module
+
+
+def _own_gradient(x_BSH: torch.Tensor, tp: Axis) -> torch.Tensor:
+    """``x_BSH`` (a sequence gathered over ``tp``) as it is, its gradient kept on this tp rank's
+    shard of the sequence only: every tp rank computes the same gradient for all of it, and the
+    gather's backward (a reduce-scatter) then sums exactly one copy of each shard."""
+    n = x_BSH.shape[1] // tp.size
+    lo, hi = tp.rank * n, (tp.rank + 1) * n
+    return torch.cat([x_BSH[:, :lo].detach(), x_BSH[:, lo:hi], x_BSH[:, hi:].detach()], dim=1)
 
 
 def _whole_rows(cp: Axis, mode: str):
@@ -237,8 +249,14 @@ def _whole_rows(cp: Axis, mode: str):
     return gather, take
 
 
-def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None):
+def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None):
     def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
+        # sequence parallelism: the whole sequence here (the norm gathered it), as on every tp rank;
+        # this rank's shard of the output out (ScatterToAxis: the output gradient all-gathered, so every
+        # tp rank computes the same gradients, as without sequence parallelism)
+        tp = sequence[0] if sequence is not None and not sequence[1].sequence_parallel_paused else None
+        if tp is not None:
+            x_BSH = _own_gradient(x_BSH, tp)
         x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         r = block.route(x_BSH, whole_rows)
@@ -262,7 +280,8 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None):
         else:  # transformers: one balancing loss over every layer (behemoth.parallel.expert.losses)
             self.token_counts = counts_E
             self._behemoth_router_terms = (counts_E, prob_sums_E, num_tokens)
-        return y_TH.view_as(x_BSH)
+        y_BSH = y_TH.view_as(x_BSH)
+        return y_BSH if tp is None else comm.ScatterToAxis.apply(y_BSH, tp, 1)
 
     return forward
 
@@ -295,11 +314,22 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         data_axis="dp_cp" if plan.cp > 1 else "dp",
         replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp",
         context=("cp", plan.cp_mode) if plan.cp > 1 else None,
+        sequence_parallel=_region_of(model) if plan.tp > 1 and plan.sequence_parallel else None,
     )
     styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
     if styled:
         apply_styles(model, styled, mesh, what="expert plan")
     return ExpertLayers(model, layers)
+
+
+def _region_of(model: nn.Module):
+    """The 1D tensor-parallel region of ``model`` (one per model: whether sequence parallelism is
+    paused, as generation pauses it)."""
+    for m in model.modules():
+        region = getattr(m, "region", None)
+        if isinstance(region, ParallelRegion):
+            return region
+    raise ValueError(f"sequence parallelism: {type(model).__name__} has no 1D tensor-parallel layer.")
 
 
 def gather_expert_state(model: nn.Module, mesh, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -339,7 +339,12 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
         )
     if sp:
         owned = {n for n, s in styles.items() if s.role != "attention"}
+        # a module marked _behemoth_sequence_parallel takes the gathered sequence and returns this rank's
+        # shard itself, its gradients whole (an MoE block under the expert style)
+        handled = tuple(n + "." for n, m in model.named_modules() if getattr(m, "_behemoth_sequence_parallel", False))
         for pname, _ in model.named_parameters():
+            if handled and pname.startswith(handled):
+                continue
             if in_blocks(pname) and pname.rsplit(".", 1)[0] not in owned:
                 raise ValueError(
                     f"sequence parallelism: parameter {pname} has no tensor-parallel role; inside the blocks every "
