@@ -13,7 +13,11 @@ the attention that owns it (:mod:`.cache`):
   row at its slot and position (1D sequence parallelism paused: one token cannot be split on
   the sequence). The vocabulary-parallel head gathers its logits, so every rank of a tp group
   holds the logits of all the group's rows and picks the same tokens (:mod:`.sampling`: greedy,
-  or seeded draws that do not depend on the plan) with no further communication.
+  or seeded draws that do not depend on the plan) with no further communication. 1D layers
+  run their no-grad forward for the duration (``tp1d.no_grad_forward``: plain Linears and
+  functional collectives), so a decode step issues one all-reduce per row layer and for the
+  embedding and one all-gather of the logits, syncs nothing to the host (without
+  ``eos_token_id``), and ``torch.compile`` of the model's forward traces it into one graph.
 * **Stop.** A row stops at its ``eos_token_id`` (later tokens are ``pad_token_id``); a tp
   group stops when all its rows have (under ZeRO-3 or expert parallelism, whose forward
   communicates over dp, when every dp rank's rows have: one vote per step); the data-parallel
