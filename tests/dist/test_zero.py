@@ -60,13 +60,13 @@ def _check(engine, losses, norms, family, opt_name, clip, precision, what):
     assert torch.equal(t, ref), f"{what}: ranks disagree on the loss"
 
 
-def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1):
+def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1, sp=False):
     torch.manual_seed(rank)
     batches = global_batches(STEPS, BATCH)
     for family, opt_name, stage, offload, micro, clip, precision in scenarios:
-        what = f"dp={world // tp // cp} tp={tp}/{tp_mode} cp={cp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
+        what = f"dp={world // tp // cp} tp={tp}/{tp_mode}{'+sp' if sp else ''} cp={cp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
         model = build(family)
-        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, cp=cp, zero=stage, offload=offload, microbatches=micro, precision=precision,
+        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, cp=cp, sequence_parallel=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
                        chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.grad_sync.stage == stage and engine.grad_sync.layout.num_chunks >= 3, what
@@ -100,6 +100,13 @@ def test_zero_with_1d_tensor_parallel():
     scen = [("gpt", "adamw", 1, None, 1, 1.0, "fp32"), ("hf-llama", "adamw", 3, "cpu", 2, 0.5, "fp32"),
             ("hf-gpt2", "sgd", 2, None, 1, None, "fp32")]
     bh.spawn(_parity_world, 4, scen, 2, "1d", timeout=600)
+
+
+def test_zero_with_1d_sequence_parallel():
+    """ZeRO-3 gathers a sequence-parallel norm's chunk again before its backward, though the column
+    layers after it send their gradient to its sequence shard (which the gather hook watches too)."""
+    scen = [("gpt", "adamw", 3, None, 2, 1.0, "fp32"), ("llama", "sgd", 3, None, 1, None, "bf16")]
+    bh.spawn(_parity_world, 4, scen, 2, "1d", 1, 1, True, timeout=600)
 
 
 def test_zero_with_2d_tensor_parallel():

@@ -220,6 +220,9 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
         shard = cast_to(y, autocast_dtype(y))
         y = comm.AllGatherToAxis.apply(shard, axis, SEQ_DIM)
         region.gathered(y, shard)
+        # the column layers send their input gradient to the shard, not to y: a module hook that
+        # must run before the norm's backward (ZeRO-3's gather of its parameters) hooks it there
+        y.grad_source = shard
         return y
 
     module.forward = forward

@@ -113,8 +113,11 @@ class GatherHooks:
                 self._active.pop()
             if torch.is_grad_enabled():
                 for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._pre_backward(chunks))
+                    # an output whose gradient also arrives by another path names that tensor
+                    # (1D sequence parallelism's norms: tp1d.make_sequence_parallel_norm)
+                    for u in (t, getattr(t, "grad_source", None)):
+                        if u is not None and u.requires_grad:
+                            u.register_hook(self._pre_backward(chunks))
             return None
 
         return hook
