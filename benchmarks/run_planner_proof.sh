@@ -1,16 +1,42 @@
 #!/usr/bin/env bash
-# One device call (4 GPUs, under 10 minutes): calibrate the machine (<= 60 s), then the proof on 2 and
-# 4 GPUs with that calibration: predicted vs measured step time and memory, one JSON line per
-# layout.   Usage: bash benchmarks/run_planner_proof.sh [model] [layouts]
+# One device call (under 10 minutes): calibrate the machine (<= 60 s; skipped when CAL names a
+# calibration), then the proof for each model on each GPU count with that calibration: predicted vs
+# measured step time and memory, one JSON line per layout and a summary line per run.
+#
+#   bash benchmarks/run_planner_proof.sh [model] [layouts]          # gpt-1.3b, 12: on 2 then 4 GPUs
+#   MODELS=gpt-6.9b GPUS=4 BUDGET=420 bash benchmarks/run_planner_proof.sh
+#   MODELS="llama-8b mixtral-4b" GPUS=2 CAL=h200 bash benchmarks/run_planner_proof.sh
+#
+# MODELS: presets of behemoth.models (gpt-1.3b, gpt-6.7b, llama-8b, mixtral-4b, ...) or gpt-6.9b
+# (gpt-6.7b with its own head table, as bench_gpt.py builds GPT-6.9B). GPUS: GPU counts (the
+# machine must have the largest). LAYOUTS (12), STEPS (timed steps after two warm-ups; 4).
+# BUDGET: seconds per run (default 200): a run starts no layout whose predicted time would take it
+# past them, prints its summary over the layouts it ran, and is stopped BUDGET + 100 s after it starts.
+# CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
+# planner_proof.py (e.g. --no-offload, --steps 3).
 set -u
-model=${1:-gpt-1.3b}; layouts=${2:-12}
+MODELS=${MODELS:-${1:-gpt-1.3b}}; LAYOUTS=${LAYOUTS:-${2:-12}}; GPUS=${GPUS:-2 4}
+STEPS=${STEPS:-4}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
 out=${OUT:-/tmp}
 source "$(dirname "$0")/env.sh" "$out/planner_proof.log"
-timeout 90 torchrun --standalone --nproc-per-node 4 benchmarks/calibrate.py --out "$out/calibration.json" \
-  > "$out/calibrate.log" 2>&1 || { echo "calibration failed: see calibrate.log" | tee -a "$out/planner_proof.log"; }
-cal="$out/calibration.json"; [ -f "$cal" ] || cal=h100
-for n in 2 4; do
-  devs=$(seq -s, 0 $((n - 1)))
-  CUDA_VISIBLE_DEVICES=$devs timeout 240 torchrun --standalone --nproc-per-node "$n" benchmarks/planner_proof.py \
-    --model "$model" --layouts "$layouts" --calibration "$cal" 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log"
+most=$(printf '%s\n' $GPUS | sort -n | tail -1)
+if [ -n "${CAL:-}" ]; then
+  cal=$CAL
+else
+  timeout 90 torchrun --standalone --nproc-per-node "$most" benchmarks/calibrate.py --out "$out/calibration.json" \
+    > "$out/calibrate.log" 2>&1 || echo "calibration failed: see calibrate.log" | tee -a "$out/planner_proof.log"
+  cal="$out/calibration.json"; [ -f "$cal" ] || cal=h100
+fi
+for model in $MODELS; do
+  case $model in
+    gpt-6.9b) args=(--model gpt-6.7b --untied) ;;
+    *) args=(--model "$model") ;;
+  esac
+  for n in $GPUS; do
+    devs=$(seq -s, 0 $((n - 1)))
+    echo "# $model on $n GPUs, calibration $cal, $(date -u +%H:%M:%S)" | tee -a "$out/planner_proof.log"
+    CUDA_VISIBLE_DEVICES=$devs timeout $((BUDGET + 100)) torchrun --standalone --nproc-per-node "$n" \
+      benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --budget-s "$BUDGET" \
+      --calibration "$cal" $EXTRA 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log"
+  done
 done

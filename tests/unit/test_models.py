@@ -282,11 +282,14 @@ def test_build_model_by_name():
         "llama-tiny",
         "llama-mini",
         "llama-1b",
+        "llama-8b",
         "llama-moe-tiny",
         "mixtral-4b",
         "olmoe-tiny",
         "olmoe-1b-7b",
     }
+    llama8 = build_model("llama-8b", vocab_size=128256, seq_len=8192, device="meta")
+    assert sum(p.numel() for p in llama8.parameters()) == 8_030_261_248  # Meta-Llama-3-8B's count
     with pytest.raises(ValueError, match="gpt-tiny.*llama-tiny"):
         build_model("gpt-7", vocab_size=V, seq_len=S_MAX)
     with pytest.raises(ValueError, match="num_layer"):

@@ -63,6 +63,10 @@ def test_moe_search_tries_expert_parallelism():
     r = search(w, Cluster(num_gpus=8, calibration=CAL), Limits(top=10000))
     eps = {p.plan.ep for p in r.ranked}
     assert eps >= {1, 2, 8} and all(p.plan.ep == 1 or p.bytes.get("ep", 0) > 0 for p in r.ranked)
+    # what bh.boost refuses for experts (parallel/expert/style.py): grid tp modes, sequence parallelism
+    tps = [p.plan for p in r.ranked if p.plan.tp > 1]
+    assert tps and all(p.tp_mode == "1d" and not p.sequence_parallel for p in tps)
+    assert r.refused["experts need 1D tensor parallelism without sequence parallelism"] > 0
 
 
 GPT_175B = TransformerShape(
@@ -107,3 +111,30 @@ def test_bf16_parameter_copies_only_when_asked_and_gather_half_the_bytes():
             # ZeRO-3 per micro-batch: fp32 gradients reduce-scattered, parameters gathered twice
             assert p.bytes["dp"] < fp32.bytes["dp"] and p.step <= fp32.step
     assert any(d == "bf16" for d, _ in by)
+
+
+@pytest.mark.parametrize(
+    "model, vocab, tied, params",
+    [
+        ("gpt-6.7b", 50304, False, 6_864_642_048),  # GPT-6.9B as benchmarks/bench_gpt.py builds it (untied head)
+        ("llama-8b", 128256, False, 8_030_261_248),  # Llama-3-8B's shape
+        ("mixtral-4b", 50304, False, None),
+    ],
+)
+def test_the_proofs_large_models_have_a_dozen_layouts(model, vocab, tied, params):
+    """benchmarks/planner_proof.py's workloads (8 sequences of 2048 tokens per GPU) on 2 and 4
+    GPUs of 80 GiB: the model's exact size, and at least 12 ranked plans that Plan and the shape accept."""
+    from behemoth.models import build_config, build_model
+
+    config = build_config(model, vocab_size=vocab, seq_len=2048, tie_embeddings=tied)
+    w = workload_for(config, seq_len=2048, global_batch=8)
+    meta = build_model(model, vocab_size=vocab, seq_len=2048, tie_embeddings=tied, device="meta")
+    assert w.num_params == sum(p.numel() for p in meta.parameters()) == (params or w.num_params)
+    for n in (2, 4):
+        w = workload_for(config, seq_len=2048, global_batch=8 * n)
+        c = Cluster(num_gpus=n, gpus_per_node=n, gpu_bytes=80 * 2**30, calibration=CAL)
+        r = search(w, c, Limits(top=5000))
+        assert len({p.plan for p in r.ranked}) >= 12, (model, n, len(r.ranked))
+        for p in r.ranked[:12]:
+            p.plan.check_supported()
+            assert not shape_refusal(p.plan, w, p.micro_batch_size) and p.memory.gpu_total <= c.memory_bytes

@@ -64,6 +64,8 @@ LLAMA_PRESETS: dict[str, dict] = {
     "llama-tiny": dict(num_layers=2, num_heads=4, num_kv_heads=2, hidden=64),
     "llama-mini": dict(num_layers=4, num_heads=4, num_kv_heads=2, hidden=128),
     "llama-1b": dict(num_layers=16, num_heads=32, num_kv_heads=8, hidden=2048, ffn_hidden=8192),
+    # Llama-3-8B's shape (8,030,261,248 parameters with its vocabulary: vocab_size=128256)
+    "llama-8b": dict(num_layers=32, num_heads=32, num_kv_heads=8, hidden=4096, ffn_hidden=14336, rope_theta=500000.0),
     # mixtures of experts: Mixtral's routing (top-2 of 8) at two sizes
     "llama-moe-tiny": dict(
         num_layers=2, num_heads=4, num_kv_heads=2, hidden=64, num_experts=4, experts_top_k=2, expert_ffn_hidden=64

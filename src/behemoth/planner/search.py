@@ -91,7 +91,8 @@ def _divisors(n: int) -> list[int]:
 
 def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
     """Why the model's shape cannot take ``plan`` at micro-batch size ``mbs`` ('' if it can):
-    the divisibility the tensor, context, pipeline and expert styles check at ``bh.boost``."""
+    the divisibility the tensor, context, pipeline and expert styles check at ``bh.boost``, and
+    the layouts experts do not compose with yet."""
     s = w.shape
     tp, cp = plan.tp, plan.cp
     if plan.pp * plan.virtual_stages > s.num_layers:
@@ -121,6 +122,9 @@ def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
             return "Ulysses needs cp | heads per tp rank"
     if plan.ep > 1 and (not w.num_experts or w.num_experts % plan.ep):
         return "ep must divide the experts"
+    if w.num_experts:  # what parallel/expert/style.py's check_experts refuses (bh.boost reads the model)
+        if tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel):
+            return "experts need 1D tensor parallelism without sequence parallelism"
     return ""
 
 
