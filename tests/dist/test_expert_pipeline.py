@@ -8,9 +8,10 @@ gradient norm, ``full_state_dict()``, rtol 1e-4, fp32):
 * its sigmoid router with the auxiliary-loss-free bias (moved once per step from the counts of
   every micro-batch), a shared expert and a capacity, under zero-bubble with activation
   checkpointing: the token and drop counts of every layer equal serial's on every rank;
-* transformers' Mixtral and Qwen3-MoE (whose first layer is dense: a stage without an MoE block),
-  whose one balancing loss pools every layer's counts and probabilities: each stage's share
-  needs the totals of the layers on the other stage, which ride with activations and gradients.
+* transformers' Mixtral, Qwen3-MoE (whose first layer is dense: a stage without an MoE block) and
+  OLMoE (8 experts, top-4), whose one balancing loss pools every layer's counts and probabilities:
+  each stage's share needs the totals of the layers on the other stage, which ride with
+  activations and gradients.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def _pipeline_world(rank: int, world: int) -> None:
     assert_state_close(state, want[1], what=what)
     assert all(state[f"layers.{i}.mlp.expert_bias"].abs().sum() > 0 for i in range(2)), what  # the biases moved
 
-    for family, zero in (("mixtral", 1), ("qwen3-moe", 0)):
+    for family, zero in (("mixtral", 1), ("qwen3-moe", 0), ("olmoe", 0)):
         what = f"transformers {family} pp=2 dp={DP} ep=2 zero={zero}"
         want = serial_hf_micro_run(family, batches, DP, MICRO)
         model = build_hf_moe(family)
