@@ -122,9 +122,8 @@ def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
             return "Ulysses needs cp | heads per tp rank"
     if plan.ep > 1 and (not w.num_experts or w.num_experts % plan.ep):
         return "ep must divide the experts"
-    if w.num_experts:  # what parallel/expert/style.py's check_experts refuses (bh.boost reads the model)
-        if tp > 1 and (plan.tp_mode != "1d" or plan.sequence_parallel):
-            return "experts need 1D tensor parallelism without sequence parallelism"
+    if w.num_experts and tp > 1 and plan.tp_mode != "1d":  # parallel/expert/style.py's check_experts
+        return "experts need 1D tensor parallelism"
     return ""
 
 
