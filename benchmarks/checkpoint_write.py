@@ -6,10 +6,12 @@ write of the same bytes (the disk's own speed, with the same fsyncs). No GPU nee
     python3 benchmarks/checkpoint_write.py --gb 2 --dir /tmp/bh-ckpt-write
 
 Prints, per repeat, the seconds of the write and its GB/s (bytes of the files over the time from
-the first rank's start to the last rank's return, the commit included), the bytes each rank's
-files hold (a replicated tensor is written once, by one of its ranks), the files per rank, and
-the staging copy's seconds (the first one allocates the host buffers, the later ones reuse them);
-the last line is one JSON object.
+the first rank's start to the last rank's return, the commit included), the CPU seconds the ranks
+spent on it (user + system, every thread: the write path's own cost, steadier than the wall time
+on a shared machine), the bytes each rank's files hold (a replicated tensor is written once, by
+one of its ranks), the files per rank, and the staging copy's seconds, CPU seconds and bytes (each
+rank copies the tensors it writes; the first copy allocates the host buffers unless ``--reserve``
+did, the later ones reuse them); the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import threading
@@ -59,6 +62,13 @@ def gpt_like_state(total_bytes: int, hidden: int = 1024) -> dict:
     return out
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process, all its threads (what the write costs the host,
+    however busy the machine is)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _worker(rank, world, a, results):
     import torch
     import torch.distributed as dist
@@ -70,18 +80,39 @@ def _worker(rank, world, a, results):
     state = gpt_like_state(int(a.gb * 1e9))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     snap = HostSnapshot()
+    try:  # as a background save does: each rank copies (and writes) only its share of the replicas
+        from behemoth.checkpoint_split import ReplicaSplit
+
+        split = ReplicaSplit()
+    except ImportError:  # a behemoth before it: every rank copies everything
+        split = None
     kwargs = {} if a.threads is None else {"threads": a.threads}
     runs = []
+    if a.reserve:  # the buffers allocated ahead (as engine.reserve_save_buffers does, in a background thread)
+        t = time.perf_counter()
+        need: dict = {}
+        for v in (split.select(state) if split is not None else state).values():
+            need[v.dtype] = need.get(v.dtype, 0) + v.numel()
+        snap.reserve(need, on_gpu=False)
+        if rank == 0:
+            print(f"reserve: {time.perf_counter() - t:.3f} s", flush=True)
     for r in range(a.repeat):
         path = os.path.join(a.dir, f"r{r}", "step-1")
-        t = time.perf_counter()
-        copies, _ = snap.copy(state) if a.source == "snapshot" else (state, None)
+        t, cpu = time.perf_counter(), _cpu_seconds()
+        mine = split.select(state) if split is not None else state
+        copies, _ = snap.copy(mine) if a.source == "snapshot" else (mine, None)
         staging = time.perf_counter() - t
+        staging_cpu = torch.tensor([_cpu_seconds() - cpu], dtype=torch.float64)
+        staged = torch.tensor([snap.bytes if a.source == "snapshot" else 0], dtype=torch.int64)
+        dist.all_reduce(staging_cpu)
+        dist.all_reduce(staged)
         dist.barrier()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu_seconds()
         ckpt.write_checkpoint(path, copies, {}, {"rng": {"x": torch.zeros(4)}}, extra={}, **kwargs)
         dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        cpu = torch.tensor([_cpu_seconds() - cpu], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu)
         if rank == 0:
             files = [f for f in os.listdir(path) if f.endswith(".distcp")]
             per_rank: dict[int, int] = {}
@@ -94,7 +125,10 @@ def _worker(rank, world, a, results):
             run = {
                 "write_s": round(float(dt), 3),
                 "write_GBps": round(written / float(dt) / 1e9, 3),
+                "write_cpu_s": round(float(cpu), 3),  # user + system seconds of every rank's threads
                 "staging_s": round(staging, 3),
+                "staging_cpu_s": round(float(staging_cpu), 3),
+                "staged_bytes": int(staged),  # host copies, every rank together
                 "bytes_per_rank": [per_rank.get(i, 0) for i in range(world)],
                 "files_per_rank": [nfiles.get(i, 0) for i in range(world)],
             }
@@ -145,6 +179,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="writer threads per rank (default: behemoth's)")
     p.add_argument("--source", choices=["snapshot", "plain"], default="snapshot")
+    p.add_argument("--reserve", action="store_true", help="reserve the host buffers before the first copy")
     p.add_argument("--raw", action="store_true", help="also time a plain threaded write of the same bytes")
     p.add_argument("--dir", default="/tmp/bh-ckpt-write")
     a = p.parse_args()

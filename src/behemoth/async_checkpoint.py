@@ -3,10 +3,12 @@
 :class:`AsyncSaver` splits :func:`behemoth.checkpoint.save_checkpoint` in two.
 
 * On the caller's thread, :meth:`AsyncSaver.save` first waits for the save before it (at most one
-  is in flight), then takes a **snapshot**: every component's tensors copied into host buffers
-  that the saver keeps from one save to the next (page-locked when a tensor is on a GPU), its
-  JSON values and the caller's ``extra`` copied too, this rank's RNG state read. Nothing training
-  does afterwards can change the snapshot. Then it returns.
+  is in flight), then takes a **snapshot**: the components' tensors that this rank writes (a tensor
+  that dp replicas hold alike is copied and written by one of them,
+  :mod:`behemoth.checkpoint_split`) copied into host buffers that the saver keeps from one save
+  to the next (page-locked when a tensor is on a GPU), their JSON values and the caller's
+  ``extra`` copied too, this rank's RNG state read. Nothing training does afterwards can change
+  the snapshot. Then it returns.
 * A writer thread writes the snapshot with :func:`behemoth.checkpoint.write_checkpoint`: the same
   files, the same ``step-N.partial`` directory and the same commit (rank 0 writes ``meta.json``
   and renames the directory only after every rank's files are written), so a save killed at any
@@ -28,7 +30,7 @@ The first save allocates the host buffers (page-locking a GPU's state takes seco
 :meth:`AsyncSaver.reserve`, called once the state exists (the engine's ``reserve_save_buffers``, the
 trainer after its first step), allocates them in a thread of their own while training goes on.
 
-Host memory: the snapshot is one more copy of the state in host memory. Where the buffers it would
+Host memory: the snapshot is one more copy of this rank's share of the state in host memory. Where the buffers it would
 allocate exceed half the host's available memory (over the host's processes, ``LOCAL_WORLD_SIZE``),
 every rank agrees to write that save synchronously instead, with one warning.
 
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import Stateful, check_extra, check_threads, collect, with_spec, write_checkpoint
+from .checkpoint_split import ReplicaSplit
 from .distributed import default_timeout
 from .parallel.tensor.layout import get_spec
 from .parallel.zero import pinned
@@ -176,6 +179,7 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._snapshot = HostSnapshot()
+        self._split = ReplicaSplit()
         self._group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -213,6 +217,7 @@ class AsyncSaver:
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=default_timeout())
         tensors, meta = collect(state)
+        tensors = self._split.select(tensors, self._group)  # a replicated tensor: copied and written by one rank
         rank_files = {
             name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.state_dict().items()}
             for name, c in (rank_state or {}).items()
@@ -262,7 +267,7 @@ class AsyncSaver:
         self._join_reserve()
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=default_timeout())
-        tensors, _ = collect(state)
+        tensors = self._split.select(collect(state)[0], self._group)
         need = _numel_by_dtype(tensors)
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
         new = self._snapshot.new_bytes(tensors) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -392,9 +392,13 @@ class Engine:
         :meth:`load`, wait for it); :meth:`wait_for_save` waits for it and raises its error.
         ``on_commit(path)`` runs on rank 0 once the checkpoint is complete (in the writer thread for
         a background save). ``threads``: writer threads (and files) per rank; None: one per GiB the
-        rank writes, up to 8."""
+        rank writes, up to 8.
+
+        Once background saves (or :meth:`reserve_save_buffers`) have host buffers, a blocking save
+        goes through them too -- the copy, then the same write, waited for -- rather than copying
+        each tensor to fresh host memory."""
         self.wait_for_save()
-        if blocking:
+        if blocking and self._saver is None:
             with self.grad_sync.gathered():  # ZeRO-3: parameters gathered while they are written
                 save_checkpoint(
                     path, self._checkpoint_parts(), extra=extra or {}, rank_state={"rng": RNGState()}, threads=threads
@@ -413,8 +417,10 @@ class Engine:
                 on_commit=on_commit,
                 threads=threads,
             )
-            if not self._state_is_live:  # copied from temporaries (gathered chunks, fp32 copies, offload)
+            if blocking or not self._state_is_live:  # copied from temporaries (gathered chunks, fp32 copies, ...)
                 self._saver.fence()
+        if blocking:
+            self._saver.wait()
 
     def reserve_save_buffers(self) -> None:
         """Allocate the host memory a background save copies the state into now, in a thread of its own,

@@ -1,7 +1,8 @@
 """How a checkpoint's bytes are written: a tensor the dp replicas hold is written once, and the
 replicas share the writing evenly; each rank writes with the number of threads (one file each)
-asked for, synchronous or in the background (from host buffers reserved ahead of the first
-background save); a process killed while its writer threads are
+asked for, synchronous or in the background (each rank copying only the tensors it writes, into
+host buffers reserved ahead of the first background save, which a later blocking save uses too);
+a process killed while its writer threads are
 writing leaves the previous checkpoint the newest complete one."""
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ def _written(path: str) -> tuple[dict[int, int], dict[int, int]]:
     return nbytes, files
 
 
-def ckpt_numel(tensors) -> dict:
-    out: dict = {}
-    for t in tensors.values():
-        out[t.dtype] = out.get(t.dtype, 0) + t.numel()
-    return out
-
-
 def _split_world(rank, world, root):
     batches = global_batches(2, BATCH)
     eng = _engine()
@@ -52,10 +46,18 @@ def _split_world(rank, world, root):
     eng.reserve_save_buffers()  # the background save's host buffers, allocated ahead of it
     eng._saver._join_reserve()
     reserved = {d: b.data_ptr() for d, b in eng._saver._snapshot._buffers.items()}
-    assert sum(n * d.itemsize for d, n in ckpt_numel(tensors).items()) == eng._saver._snapshot.bytes
+    copied = torch.tensor([eng._saver._snapshot.bytes], dtype=torch.int64)
+    torch.distributed.all_reduce(copied)
+    assert int(copied) == sum(sizes), (int(copied), sum(sizes))  # each rank copies its share: the state once
+    assert eng._saver._snapshot.bytes < 0.6 * sum(sizes)
     eng.save(os.path.join(root, "async"), threads=2, blocking=False)
     eng.wait_for_save()
     assert {d: b.data_ptr() for d, b in eng._saver._snapshot._buffers.items()} == reserved  # used, not replaced
+    eng.step(shard(batches[1], rank, world))
+    eng.save(os.path.join(root, "blocking"), threads=2)  # a blocking save goes through the same buffers
+    assert not eng._saver.in_flight and ckpt.is_complete(os.path.join(root, "blocking"))
+    assert {d: b.data_ptr() for d, b in eng._saver._snapshot._buffers.items()} == reserved
+    assert _written(os.path.join(root, "blocking"))[1] == {0: 2, 1: 2}
     for name, threads in (("sync", 3), ("async", 2)):
         nbytes, files = _written(os.path.join(root, name))
         assert files == {0: threads, 1: threads}, (name, files)
@@ -65,11 +67,12 @@ def _split_world(rank, world, root):
         assert sum(sizes) < total < sum(sizes) + 2048 * len(sizes), (name, total, sum(sizes))
         # and the replicas share the writing: the ranks' bytes differ by at most the largest tensor
         assert abs(nbytes[0] - nbytes[1]) <= sizes[-1] + 2048 * len(sizes), (name, nbytes, sizes[-1])
-    for name in ("sync", "async"):
+    for name, steps in (("sync", 1), ("async", 1), ("blocking", 2)):
         eng = _engine()
         eng.load(os.path.join(root, name))
-        _, want = serial_train("gpt", "adamw", batches[:1], max_grad_norm=1.0, num_layers=4)
+        _, want = serial_train("gpt", "adamw", batches[:steps], max_grad_norm=1.0, num_layers=4)
         assert_state_close(eng.full_state_dict(), want, what=name)
+        assert eng.step_count == steps
 
 
 def test_replicas_share_the_write_and_each_rank_uses_the_threads_asked_for(tmp_path):

@@ -325,9 +325,6 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
             )
         losses.append(out["loss"])
         last_step = step
-        if step == start + 1 and tc.async_checkpoint and tc.save_every:
-            if -(-step // tc.save_every) * tc.save_every < tc.steps:  # a background save is to come
-                engine.reserve_save_buffers()  # its host memory, allocated while training goes on
         if step > start + 1:  # the first step pays one-off costs (allocator, thread pools)
             seconds, tokens = seconds + out["seconds"], tokens + out["tokens"]
         metrics = _step_metrics(
@@ -348,6 +345,9 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
             text = sample_text(engine, tokenizer, tc.sample_prompt, tc.sample_tokens)  # every rank
             if rank0:
                 log(f"sample at step {step}: {text!r}")
+        if step == start + 1 and tc.async_checkpoint and tc.save_every:
+            if -(-step // tc.save_every) * tc.save_every < tc.steps:  # a background save is to come
+                engine.reserve_save_buffers()  # its host memory, allocated in the background from here
         stopping = stop.agreed(world)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or stopping:
             # the last save, and the one a SIGTERM asks for, are complete before the loop ends
