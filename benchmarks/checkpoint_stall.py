@@ -1,7 +1,7 @@
 """What checkpoints cost a GPU run: the training stall of synchronous and background saves, and
 the time from ``kill -9`` of one rank to the next completed step after the automatic restart.
 
-One command, no launcher needed (it starts its own ``torchrun`` and ``behemoth run``), under 4
+One command, no launcher needed (it starts its own ``torchrun`` and ``behemoth run``), about 5
 minutes on 2 GPUs::
 
     python3 benchmarks/checkpoint_stall.py                 # both parts, 2 GPUs
@@ -11,19 +11,20 @@ minutes on 2 GPUs::
 
 **stall** (``torchrun --nproc-per-node 2`` of this script): GPT-1.3B, seq 2048, bf16 autocast with
 fp32 AdamW state, dp = 2, ``--rows`` sequences per rank per step in micro-batches of ``--mbs``.
-After a warm-up of 3 steps (after the first, ``engine.reserve_save_buffers()`` allocates the
-page-locked host buffers in the background, as the trainer does; ``--no-reserve``: the first save
-allocates them, as before) and one background save (``first_background_save_stall_s``: what the
-first save costs training), three phases of ``--steps`` steps each: no checkpoint, a synchronous
-``engine.save`` every ``--every`` steps, and ``engine.save(blocking=False)`` every ``--every``
-steps. A phase's time runs from its first step to the return of its last step or save call: the
-background phase's second save waits for the first one's write, so a write slower than the steps
-between saves shows, as in a long run; the last save's write, which a long run would overlap with
-the next steps, is timed apart (``async_last_commit_wait_s``). ``stall_pct`` is a phase's extra
-time over the no-checkpoint phase, in percent. ``*_write_GBps``: the checkpoint's bytes over a
-save's time from start to commit (files, fsyncs, rename; ``--threads`` writer threads per rank);
-``disk_write_GBps``: every rank writing its share of the same bytes with plain threaded writes
-and fsyncs, the most a save can reach on this disk.
+After 3 warm-up steps, three phases of ``--steps`` steps each: no checkpoint, a synchronous
+``engine.save`` every ``--every`` steps (the plain path of a run with background saves off), and
+``engine.save(blocking=False)`` every ``--every`` steps. Before the background phase comes its
+first save, as in a run: ``engine.reserve_save_buffers()`` after a step allocates the page-locked
+host buffers in the background (``--no-reserve``: the first save allocates them, as before), and
+the first save follows ``--every`` steps later (``first_background_save_stall_s``: what it costs
+training). A phase's time runs from its first step to the return of its last step or save call:
+the background phase's second save waits for the first one's write, so a write slower than the
+steps between saves shows, as in a long run; the last save's write, which a long run would
+overlap with the next steps, is timed apart (``async_last_commit_wait_s``). ``stall_pct`` is a
+phase's extra time over the no-checkpoint phase, in percent. ``*_write_GBps``: the checkpoint's
+bytes over a save's time from start to commit (files, fsyncs, rename; ``--threads`` writer threads
+per rank); ``disk_write_GBps``: every rank writing its share of the same bytes from its host
+buffers with plain threaded writes and fsyncs, the most a save can reach on this disk.
 
 **restart**: ``behemoth run --nproc 2 --max-restarts 1 train`` of GPT-1.3B (byte tokenizer, the
 embedded corpus), a background checkpoint every ``--restart-every`` steps; rank 1 is SIGKILLed
@@ -83,30 +84,42 @@ def stall_worker(a) -> None:
             torch.cuda.synchronize()
 
     threads = a.threads or None
-    engine.step(batch)
-    reserve_call = 0.0
-    if not a.no_reserve:  # as the trainer does after its first step: the host buffers, allocated in the background
-        t = time.perf_counter()
-        engine.reserve_save_buffers()
-        reserve_call = time.perf_counter() - t
-    for _ in range(2):
+    for _ in range(3):
         engine.step(batch)
-    t = time.perf_counter()
-    engine.save(os.path.join(a.dir, "step"), blocking=False, threads=threads)
-    first_stall = time.perf_counter() - t
-    engine.step(batch)
-    engine.wait_for_save()
-    first_total = time.perf_counter() - t
-    reserve_background = engine._saver.last_reserve_seconds
-    ckpt_bytes = _dir_bytes(os.path.join(a.dir, "step"))
-    say(
-        f"warm-up background save: {first_stall:.2f} s stall, {first_total:.2f} s to commit; host buffers "
-        + (
-            "allocated by that save"
-            if a.no_reserve
-            else f"reserved after step 1 ({reserve_background:.2f} s in the background)"
+
+    def first_background_save() -> dict:
+        """As in a run: the host buffers reserved after a step, the first background save --every steps later."""
+        engine.step(batch)
+        reserve_call = 0.0
+        if not a.no_reserve:
+            t = time.perf_counter()
+            engine.reserve_save_buffers()
+            reserve_call = time.perf_counter() - t
+        for _ in range(max(2, a.every - 1)):
+            engine.step(batch)
+        t = time.perf_counter()
+        engine.save(os.path.join(a.dir, "step"), blocking=False, threads=threads)
+        first_stall = time.perf_counter() - t
+        engine.step(batch)
+        engine.wait_for_save()
+        first_total = time.perf_counter() - t
+        reserve_background = engine._saver.last_reserve_seconds
+        say(
+            f"first background save: {first_stall:.2f} s stall, {first_total:.2f} s to commit; host buffers "
+            + (
+                "allocated by that save"
+                if a.no_reserve
+                else f"reserved {a.every} steps before ({reserve_background:.2f} s in the background)"
+            )
         )
-    )
+        return {
+            "first_background_save_stall_s": round(first_stall, 3),
+            "first_background_save_commit_s": round(first_total, 3),
+            "host_buffers": "allocated by the first save" if a.no_reserve else f"reserved {a.every} steps before",
+            "reserve_call_s": round(reserve_call, 3),
+            "reserve_background_s": round(reserve_background, 3),
+            "checkpoint_bytes": _dir_bytes(os.path.join(a.dir, "step")),
+        }
 
     def phase(mode: str) -> dict:
         stalls, step_times, writes = [], [], []
@@ -144,7 +157,11 @@ def stall_worker(a) -> None:
             "write_s": [round(w, 3) for w in writes],
         }
 
-    results = {mode: phase(mode) for mode in ("none", "sync", "async")}
+    # plain synchronous saves first: once a background save has host buffers, blocking saves use them
+    results = {mode: phase(mode) for mode in ("none", "sync")}
+    first = first_background_save()
+    results["async"] = phase("async")
+    ckpt_bytes = first["checkpoint_bytes"]
     disk_s = _disk_probe(engine, a, ckpt_bytes, threads)
     base = results["none"]["seconds"]
     steps_sorted = sorted(results["none"]["step_s"])
@@ -159,12 +176,7 @@ def stall_worker(a) -> None:
         "steps_per_phase": a.steps,
         "save_every": a.every,
         "median_step_s": round(steps_sorted[len(steps_sorted) // 2], 4),
-        "first_background_save_stall_s": round(first_stall, 3),
-        "first_background_save_commit_s": round(first_total, 3),
-        "host_buffers": "allocated by the first save" if a.no_reserve else "reserved after step 1",
-        "reserve_call_s": round(reserve_call, 3),
-        "reserve_background_s": round(reserve_background, 3),
-        "checkpoint_bytes": ckpt_bytes,
+        **first,
         "writer_threads": threads or "default (one per GiB a rank writes, up to 8)",
         "card": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
     }
