@@ -12,6 +12,8 @@ Measures, on rank 0's GPU unless said otherwise:
 * device-memory bandwidth (a large copy);
 * every rank: all-reduce latency (8 KiB) and bus bandwidth (256 MiB) over groups of 2, 4, ...,
   the world (NVLink inside a node; across nodes, written as the "ib" link class);
+* every rank: ``overlap_slowdown``, what a 256 MiB all-reduce over the world on a side stream
+  adds to four 8192**3 GEMMs it runs beside, as a fraction of the all-reduce's own time;
 * pinned host <-> device copy rates, and a CPU AdamW update's parameters per second.
 
 Link classes it cannot measure (the inter-node fabric on one node) keep the shipped
@@ -122,6 +124,34 @@ def collectives(world: int, local: int) -> dict[str, list[list[float]]]:
     return out
 
 
+def overlap_slowdown() -> float:
+    """(GEMMs beside an all-reduce - GEMMs alone) / the all-reduce alone, clamped to [0, 1]. Every
+    rank runs the same collectives in the same order; the GEMMs outlast the all-reduce."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    buf = torch.ones(2**26, device="cuda")  # 256 MiB
+    side = torch.cuda.Stream()
+
+    def gemms():
+        for _ in range(4):
+            a @ b
+
+    def reduce():
+        dist.all_reduce(buf)
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dist.all_reduce(buf)
+        gemms()
+        torch.cuda.current_stream().wait_stream(side)
+
+    t_gemm = _time(gemms, iters=5)
+    t_reduce = _time(reduce, iters=5)
+    t_both = _time(both, iters=5)
+    return min(max((t_both - t_gemm) / t_reduce, 0.0), 1.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="where to write the calibration JSON")
@@ -148,6 +178,8 @@ def main() -> None:
             if pts:
                 d["links"][k] = pts
                 measured.append(f"{k} collectives")
+        d["overlap_slowdown"] = overlap_slowdown()
+        measured.append("overlap_slowdown")
     if rank == 0:
         name = torch.cuda.get_device_name(0)
         d["name"] = f"{name.lower().replace(' ', '-')}-measured"

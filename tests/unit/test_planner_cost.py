@@ -61,14 +61,15 @@ def test_link_classes_follow_the_mesh_layout():
 
 GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and GPU memory (bytes)
     # (tensor-parallel rows: replicated norms, biases and position table counted per rank, as
-    # tests/dist/test_planner_memory.py checks them against parallelized models)
-    (bh.Plan(precision="bf16", microbatches=2), 0.31596273798394836, 30917090816.0),
-    (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.11629724291371037, 22045154816.0),
-    (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.12637036883343444, 22010584576.0),
-    (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.11957424938352537, 19388620288.0),
+    # tests/dist/test_planner_memory.py checks them against parallelized models; under autocast
+    # every micro-batch casts the rank's weights and their gradients, compute.CAST_BYTES)
+    (bh.Plan(precision="bf16", microbatches=2), 0.32425247820866754, 30917090816.0),
+    (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.11767979823955306, 22045154816.0),
+    (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.12775266528287263, 22010584576.0),
+    (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.12026607068689615, 19388620288.0),
     (
         bh.Plan(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2, precision="bf16", zero=1),
-        0.10510319330531892,
+        0.11925956472104923,
         17061203456.0,
     ),
     (
@@ -167,3 +168,42 @@ def test_predicted_block_activations_against_the_memory_tracer(family):
                 got = saved_activation_bytes(lambda: block(x.clone().requires_grad_(), *extra), block)
             want = block_activation_bytes(bh.Plan(precision=precision).resolve(1), w, 2)[0]
             assert abs(want / got - 1) <= tol, (family, hidden, precision, got, want)
+
+
+def test_overlap_slowdown_charges_the_hidden_collectives():
+    """Calibration.overlap_slowdown: 0 hides the bucketed gradient all-reduce behind the backward
+    but its last bucket, 1 hides none of it, and the exposed time grows with it in between."""
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    cal = load_calibration(GOLDEN_CAL)
+    plan = bh.Plan(precision="bf16")
+    runs = [
+        predict(plan, w, Cluster(num_gpus=16, calibration=dataclasses.replace(cal, overlap_slowdown=s)))
+        for s in (0, 0.5, 1)
+    ]
+    exposed = [p.exposed["dp"] for p in runs]
+    assert exposed[0] < exposed[1] < exposed[2] == pytest.approx(runs[2].comm["dp"])
+    assert exposed[1] == pytest.approx((exposed[0] + exposed[2]) / 2)  # linear in the slowdown
+    assert runs[0].step < runs[1].step < runs[2].step
+    with pytest.raises(ValueError, match="overlap_slowdown"):
+        dataclasses.replace(cal, overlap_slowdown=1.5)
+
+
+def test_autocast_weight_casts_are_counted_per_micro_batch():
+    """Under autocast each micro-batch casts the block's fp32 weights to 16 bits (forward) and
+    their gradients back (backward), 6 bytes per parameter each at HBM speed; bf16 parameter
+    copies cast only the gradient; fp32 casts nothing; a recomputed forward casts again."""
+    from behemoth.planner.compute import _cast_seconds, block_times
+    from behemoth.planner.params import block_local_params
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    cal = load_calibration(GOLDEN_CAL)
+    n = block_local_params(bh.Plan(), w)
+    one = n * 6 / cal.hbm_bytes_per_s
+    assert _cast_seconds(bh.Plan(precision="bf16"), n, cal) == (one, one)
+    assert _cast_seconds(bh.Plan(precision="bf16", zero=3, param_dtype="bf16"), n, cal) == (0.0, one)
+    assert _cast_seconds(bh.Plan(precision="fp32"), n, cal) == (0.0, 0.0)
+    auto = block_times(bh.Plan(precision="bf16"), w, cal, 2)
+    copies = block_times(bh.Plan(precision="bf16", zero=3, param_dtype="bf16"), w, cal, 2)
+    assert auto.forward - copies.forward == pytest.approx(one) and auto.backward == pytest.approx(copies.backward)
+    ckpt = block_times(bh.Plan(precision="bf16", activation_checkpointing=True), w, cal, 2)
+    assert ckpt.backward == pytest.approx(auto.backward + auto.forward)

@@ -17,7 +17,8 @@ measure there)::
       "h2d_bytes_per_s": 2.5e10, "d2h_bytes_per_s": 2.5e10,
       "cpu_adam_params_per_s": 1e9,                  # one rank's CPU optimizer update
       "gpu_bytes": 85e9, "reserved_bytes": 3e9,      # device memory, and what the runtime keeps
-      "peak_flops_per_s": 9.89e14                    # dense bf16 peak, for MFU
+      "peak_flops_per_s": 9.89e14,                   # dense bf16 peak, for MFU
+      "overlap_slowdown": 0.45                       # what a collective beside compute still costs it
     }
 
 A collective over ``p`` ranks on a link class takes ``latency(p) + wire_bytes / bus_bw(p)``
@@ -81,6 +82,9 @@ class Calibration:
     attention_backward_ratio: float = 0.8
     peak_flops_per_s: float = 0.0
     """The card's dense peak (what MFU divides by); 0 takes the GEMM table's best rate."""
+    overlap_slowdown: float = 0.0
+    """The fraction of a collective's time that the compute it overlaps still loses (its kernels
+    take SMs and memory bandwidth from the GEMMs beside them): 0 hides it whole, 1 not at all."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -95,6 +99,10 @@ class Calibration:
         for k in ("attention_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be > 0.")
+        if not 0.0 <= self.overlap_slowdown <= 1.0:
+            raise ValueError(
+                f"calibration {self.name!r}: overlap_slowdown={self.overlap_slowdown!r} must be in [0, 1]."
+            )
 
     # -- rates -------------------------------------------------------------------------
     def gemm_seconds(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:

@@ -16,7 +16,11 @@ does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's atte
 (its backward at ``attention_backward_ratio`` of it, 2.5 times the flops). Norms, residual
 adds, activations and casts read and write about ``ELEMENTWISE`` bytes per token per hidden
 unit at HBM speed: split over tp where the layout shards them (sequence parallelism, 2D,
-3D), replicated where it does not (1D). Activation checkpointing adds a forward to the
+3D), replicated where it does not (1D). Under autocast every micro-batch also copies each
+parameter this rank holds: its fp32 weight cast to 16 bits in the forward (the executors open one
+autocast context per micro-batch, and ZeRO-3 keeps no cache) and the 16-bit weight gradient cast
+back to fp32 in the backward, ``CAST_BYTES`` each at HBM speed; with ``param_dtype='bf16'`` only
+the gradient's copy into its fp32 chunk. Activation checkpointing adds a forward to the
 backward. Pure; tests/unit/test_planner_cost.py.
 """
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .calibration import Calibration
+from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
 
@@ -36,6 +41,18 @@ ELEMENTWISE_REPLICATED = 16
 1D tensor parallelism without sequence parallelism repeats on every rank)."""
 ELEMENTWISE_SPLIT = 24
 """... and of the attention and MLP elementwise work every layout splits over tp."""
+CAST_BYTES = 6
+"""Bytes per parameter of one dtype-converting copy (read 4 and write 2 bytes, or the reverse)."""
+
+
+def _cast_seconds(plan: Plan, params: float, cal: Calibration) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's copies of ``params`` parameters."""
+    one = params * CAST_BYTES / cal.hbm_bytes_per_s
+    if plan.param_dtype == "bf16":  # computes in its bf16 copies: only the gradient goes to fp32
+        return 0.0, one
+    if plan.precision in ("bf16", "fp16"):
+        return one, one
+    return 0.0, 0.0
 
 
 @dataclass(frozen=True)
@@ -91,8 +108,9 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     attn_b = 2.5 * flops / (cal.attention_flops_per_s * cal.attention_backward_ratio)
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     elem = t * h * eb * (ELEMENTWISE_REPLICATED / shard + ELEMENTWISE_SPLIT / plan.tp) / cal.hbm_bytes_per_s
-    fwd = gemm + attn_f + elem
-    bwd = 2 * gemm + attn_b + 2 * elem
+    cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
+    fwd = gemm + attn_f + elem + cast_f
+    bwd = 2 * gemm + attn_b + 2 * elem + cast_b
     if plan.activation_checkpointing:
         bwd += fwd
     return BlockTimes(fwd, bwd, gemm, attn_f)
@@ -105,4 +123,5 @@ def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[flo
     t = mbs * w.seq_len / plan.cp
     g = _linear(cal, plan, t, s.hidden, s.vocab_size, "column", eb)
     ce = t * s.vocab_size / plan.tp * 4 * 3 / cal.hbm_bytes_per_s  # fp32 logits: write, read, gradient
-    return g + ce, 2 * g + ce
+    cast_f, cast_b = _cast_seconds(plan, s.vocab_size * s.hidden / weight_split(plan), cal)  # the head's table
+    return g + ce + cast_f, 2 * g + ce + cast_b

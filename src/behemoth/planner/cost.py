@@ -6,7 +6,8 @@
 * **communication** -- each axis's bytes (:mod:`.axis_traffic`, the ledger's formulas) at
   the alpha-beta speed of the link class its groups cross (:class:`~.cluster.Cluster`);
 * **overlap** -- the rules each style implements, each hiding at most the compute it runs
-  beside: bucketed gradient reduction (ZeRO 0-2) behind the backward, but the last bucket;
+  beside, and costing that compute ``Calibration.overlap_slowdown`` of the time it hides (the
+  collective's kernels share the SMs and memory bandwidth): bucketed gradient reduction (ZeRO 0-2) behind the backward, but the last bucket;
   ZeRO-1/2's parameter all-gather after the step exposed; ZeRO-3's prefetched gathers behind
   compute, but the first chunk; 1D's column backward all-reduce behind its weight-gradient
   GEMM, ``tp_overlap = k`` hiding ``(k-1)/k`` of the row collectives behind GEMMs (1D, 3D);
@@ -97,9 +98,10 @@ def _tp_calls(plan: Plan, w: Workload) -> float:
     return 6 * linears + 8
 
 
-def _hide(comm: float, cover: float, frac: float = 1.0) -> float:
-    """Exposed part of ``comm`` when up to ``frac`` of it can run under ``cover`` seconds of compute."""
-    return comm - min(comm * frac, max(cover, 0.0))
+def _hide(comm: float, cover: float, frac: float = 1.0, slowdown: float = 0.0) -> float:
+    """Exposed part of ``comm`` when up to ``frac`` of it can run under ``cover`` seconds of compute,
+    the part that does costing that compute ``slowdown`` of its time (``Calibration.overlap_slowdown``)."""
+    return comm - (1.0 - slowdown) * min(comm * frac, max(cover, 0.0))
 
 
 def _memo(cache: dict | None, key: tuple, fn):
@@ -138,7 +140,7 @@ def predict(
     per_rank = stage_layers(plan, w)
     layers = per_rank[-1]  # the last stage's blocks (it also holds the head)
     key = (plan.tp_mode, plan.tp, plan.tp_depth, plan.sequence_parallel, plan.tp_overlap, plan.cp, plan.ep)
-    key += (plan.activation_checkpointing, plan.precision, mbs)
+    key += (plan.activation_checkpointing, plan.precision, plan.param_dtype, mbs)
     bt = _memo(cache, ("block",) + key, lambda: block_times(plan, w, cal, mbs))
     hf, hb = _memo(cache, ("head",) + key, lambda: head_times(plan, w, cal, mbs))
     # the pipeline runs at its slowest stage's pace
@@ -147,6 +149,7 @@ def predict(
     compute = m * (t_f + t_b)
     nbytes = step_traffic(plan, w, dt=dt)
     strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp)
+    slow = cal.overlap_slowdown
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
 
@@ -161,10 +164,10 @@ def predict(
         fwd, bwd = one / 3, 2 * one / 3
         if plan.tp_mode == "1d":
             k = plan.tp_overlap
-            e = _hide(fwd, gemm, (k - 1) / k) + _hide(bwd, gemm / 2 + gemm * (k - 1) / k)
+            e = _hide(fwd, gemm, (k - 1) / k, slow) + _hide(bwd, gemm / 2 + gemm * (k - 1) / k, 1.0, slow)
         elif plan.tp_mode == "3d":
             k = plan.tp_overlap
-            e = _hide(one, 3 * gemm, (k - 1) / k)
+            e = _hide(one, 3 * gemm, (k - 1) / k, slow)
         else:  # SUMMA: the operands are gathered before the GEMM that needs them
             e = one
         t_f += e / 3
@@ -176,7 +179,7 @@ def predict(
         one = cluster.collective_seconds(size, stride, nbytes["cp"] / m, calls)
         comm["cp"] = one * m
         attn = layers * bt.attention_forward * 3.5
-        e = one if plan.cp_mode == "ulysses" else _hide(one, attn, (plan.cp - 1) / plan.cp)
+        e = one if plan.cp_mode == "ulysses" else _hide(one, attn, (plan.cp - 1) / plan.cp, slow)
         t_f += e / 3
         t_b += 2 * e / 3
         exposed["cp"] = e * m
@@ -218,7 +221,7 @@ def predict(
         else:
             cover, frac = (t_b if z < 2 else m * t_b) if pp == 1 else t_b, 1 - 1 / buckets
         hidden = min(reduce * frac, cover)
-        e = reduce - hidden + t_gather
+        e = reduce - (1.0 - slow) * hidden + t_gather
         exposed[axis] = e
     else:
         e = hidden = 0.0
