@@ -19,12 +19,12 @@ from common import (VOCAB, SEQ, assert_grad_norms_close, assert_losses_close, as
 STEPS, BATCH = 3, 8
 
 
-def build_hf_moe(family: str, coef: float = 0.05):
+def build_hf_moe(family: str, coef: float = 0.05, layers: int = 2):
     from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   max_position_embeddings=SEQ, output_router_logits=coef > 0, router_aux_loss_coef=coef,
                   initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
     if family == "mixtral":

@@ -11,7 +11,7 @@ gradient norm, ``full_state_dict()``, rtol 1e-4, fp32):
 * transformers' Mixtral, Qwen3-MoE (whose first layer is dense: a stage without an MoE block) and
   OLMoE (8 experts, top-4), whose one balancing loss pools every layer's counts and probabilities:
   each stage's share needs the totals of the layers on the other stage, which ride with
-  activations and gradients.
+  activations and gradients (also between the chunks of the interleaved schedule).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from test_expert_routing import build as build_routed, serial_run as serial_rout
 DP, MICRO = 2, 2
 
 
-def serial_hf_micro_run(family: str, batches, world: int, micro: int, clip=1.0):
+def serial_hf_micro_run(family: str, batches, world: int, micro: int, clip=1.0, layers=2):
     """Serial transformers over global micro-batches (micro-batch i of every data rank together):
     each one's token-loss sum over the step's token count plus ``router_aux_loss_coef *
     outputs.aux_loss / micro`` (transformers' balancing loss of that micro-batch)."""
-    model = build_hf_moe(family)
+    model = build_hf_moe(family, layers=layers)
     opt = adamw(model)
     coef = model.config.router_aux_loss_coef
     losses, norms = [], []
@@ -105,6 +105,14 @@ def _pipeline_world(rank: int, world: int) -> None:
         holds = len(engine.parallel.experts)
         assert holds == (0 if family == "qwen3-moe" and engine.mesh.axis("pp").rank == 0 else 1), (what, holds)
         _check(engine, batches, want, what)
+
+    # interleaved: 4 stages over 2 ranks, the totals passing rank 1 -> rank 0 between chunks
+    what = f"transformers mixtral pp=2 x 2 chunks dp={DP} ep=2 interleaved"
+    want = serial_hf_micro_run("mixtral", batches, DP, 4, layers=4)
+    model = build_hf_moe("mixtral", layers=4)
+    plan = bh.Plan(dp=DP, pp=2, ep=2, microbatches=4, schedule="interleaved", virtual_stages=2)
+    engine = bh.boost(model, adamw(model), plan, max_grad_norm=1.0)
+    _check(engine, batches, want, what)
 
 
 def test_experts_in_pipeline_stages_match_serial():
