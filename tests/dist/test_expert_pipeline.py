@@ -7,7 +7,8 @@ gradient norm, ``full_state_dict()``, rtol 1e-4, fp32):
   under ZeRO-2;
 * its sigmoid router with the auxiliary-loss-free bias (moved once per step from the counts of
   every micro-batch), a shared expert and a capacity, under zero-bubble with activation
-  checkpointing: the token and drop counts of every layer equal serial's on every rank;
+  checkpointing: the token and drop counts of every layer equal serial's on every rank; and with
+  the sequence split inside the stages (cp=2 ring, and 1D tp=2 with sequence parallelism);
 * transformers' Mixtral, Qwen3-MoE (whose first layer is dense: a stage without an MoE block) and
   OLMoE (8 experts, top-4), whose one balancing loss pools every layer's counts and probabilities:
   each stage's share needs the totals of the layers on the other stage, which ride with
@@ -95,6 +96,15 @@ def _pipeline_world(rank: int, world: int) -> None:
     state = engine.full_state_dict()
     assert_state_close(state, want[1], what=what)
     assert all(state[f"layers.{i}.mlp.expert_bias"].abs().sum() > 0 for i in range(2)), what  # the biases moved
+
+    # pipelines with the sequence split inside each stage (ep=1, dp=1: the style still runs the blocks):
+    # a capacity over ring's zigzag shares of the sequence, and 1D sequence parallelism
+    want = serial_routed_run(name, batches, 1, MICRO)
+    for plan in (bh.Plan(dp=1, pp=2, cp=2, cp_mode="ring", microbatches=MICRO),
+                 bh.Plan(dp=1, pp=2, tp=2, sequence_parallel=True, microbatches=MICRO)):
+        what = f"{name} {plan.describe()}"
+        model = build_routed(name)
+        _check(bh.boost(model, adamw(model), plan, max_grad_norm=1.0), batches, want, what)
 
     for family, zero in (("mixtral", 1), ("qwen3-moe", 0), ("olmoe", 0)):
         what = f"transformers {family} pp=2 dp={DP} ep=2 zero={zero}"

@@ -305,16 +305,17 @@ def dense_tensor_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, st
 
 def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
     """Apply :class:`ExpertParallel` to every MoE block of ``model`` (behemoth's layers need
-    nothing on a single data rank at ep = 1; transformers' blocks always get it, so that their
-    balancing loss joins the objective). Returns the :class:`~.losses.ExpertLayers` record.
-    Run :func:`check_experts` first."""
+    nothing on a single data rank at ep = 1 without sequence parallelism; transformers' blocks
+    always get it, so that their balancing loss joins the objective). Returns the
+    :class:`~.losses.ExpertLayers` record. Run :func:`check_experts` first."""
     layers = moe_layers(model)
-    spread = plan.ep > 1 or mesh.axis("dp").size > 1 or plan.cp > 1
+    sequence_parallel = plan.tp > 1 and plan.sequence_parallel  # the block returns its tp rank's shard
+    spread = plan.ep > 1 or mesh.axis("dp").size > 1 or plan.cp > 1 or sequence_parallel
     style = ExpertParallel(
         data_axis="dp_cp" if plan.cp > 1 else "dp",
         replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp",
         context=("cp", plan.cp_mode) if plan.cp > 1 else None,
-        sequence_parallel=_region_of(model) if plan.tp > 1 and plan.sequence_parallel else None,
+        sequence_parallel=_region_of(model) if sequence_parallel else None,
     )
     styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
     if styled:
