@@ -4,7 +4,7 @@ step's gradient norm, ``full_state_dict()``, rtol 1e-4, fp32) on dp=2 x tp=2 wit
 MoE Llama, the same under ZeRO-2, and a transformers Mixtral; with sequence parallelism too (the MoE
 Llama, its capacity router with the aux-free bias under micro-batches and activation checkpointing,
 dropping what serial drops, and Mixtral; greedy generation, which pauses sequence parallelism,
-equal to serial). What does not compose is refused on every rank before any
+equal to serial; and tp=2 with sequence parallelism alone, dp = ep = 1). What does not compose is refused on every rank before any
 collective: 2D tp, OLMoE under tp."""
 from __future__ import annotations
 
@@ -97,3 +97,21 @@ def _tensor_world(rank: int, world: int) -> None:
 
 def test_experts_with_1d_tensor_parallel_match_serial():
     bh.spawn(_tensor_world, 4, timeout=1200)
+
+
+def _sp_alone_world(rank: int, world: int) -> None:
+    """tp=2 with sequence parallelism and nothing else (dp = ep = 1): behemoth's MoE blocks still
+    take the gathered sequence and return this rank's shard."""
+    batches = global_batches(STEPS, BATCH)
+    want = serial_moe_run(batches, clip=1.0)
+    model = build_moe()
+    engine = bh.boost(model, optimizer_for(model), bh.Plan(tp=2, sequence_parallel=True), max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    what = "dp=1 tp=2 ep=1 sequence_parallel"
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+
+def test_experts_with_sequence_parallel_alone_match_serial():
+    bh.spawn(_sp_alone_world, 2, timeout=600)
