@@ -206,6 +206,8 @@ def _disk_probe(engine, a, nbytes: int, threads: int | None) -> float:
     threaded writes and an fsync per file (the save's threads, 8 by default): what the disk allows."""
     import torch
 
+    import behemoth as bh
+
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     buffers = [b.view(-1).view(torch.uint8) for b in engine._saver._snapshot._buffers.values()]
     flat = max(buffers, key=lambda b: b.numel())
@@ -233,11 +235,12 @@ def _disk_probe(engine, a, nbytes: int, threads: int | None) -> float:
         p.start()
     for p in pool:
         p.join()
-    seconds = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dev = bh.distributed.device_for_rank()  # NCCL reduces device tensors only
+    seconds = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
     torch.distributed.barrier()
     shutil.rmtree(root, ignore_errors=True)
-    return float(seconds) * nbytes / (share * world)  # scaled to the checkpoint's bytes
+    return float(seconds.item()) * nbytes / (share * world)  # scaled to the checkpoint's bytes
 
 
 def run_stall(a, work: str) -> dict | None:
