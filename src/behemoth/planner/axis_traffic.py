@@ -57,9 +57,9 @@ class Dtypes:
         return cls(compute=2 if low else 4, stream=4, param=4)
 
 
-def _tp_kwargs(plan: Plan) -> dict:
+def _tp_kwargs(plan: Plan, w: Workload) -> dict:
     if plan.tp_mode == "1d":
-        return {"sequence_parallel": plan.sequence_parallel}
+        return {"sequence_parallel": plan.sequence_parallel, **({"experts": True} if w.num_experts else {})}
     if plan.tp_mode in ("2d", "2.5d"):
         return {"depth": plan.tp_depth}
     return {}
@@ -76,7 +76,7 @@ def tp_step_bytes(
         return 0.0
     dt = dt or Dtypes.of(plan)
     mbs = w.global_batch // (plan.dp * plan.microbatches)
-    extra = tuple(sorted(_tp_kwargs(plan).items()))
+    extra = tuple(sorted(_tp_kwargs(plan, w).items()))
     if plan.tp_mode in ("2d", "2.5d") and diagonal:
         extra += (("diagonal", True),)
     block, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)

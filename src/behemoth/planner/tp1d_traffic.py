@@ -73,8 +73,13 @@ def tp1d_block_traffic(
     dtype_bytes: int = 2,
     stream_bytes: int | None = None,
     param_bytes: int = 4,
+    experts: bool = False,
 ) -> Traffic:
-    """One transformer block (attention pair + MLP pair), forward + backward, per rank."""
+    """One transformer block (attention pair + MLP pair), forward + backward, per rank. With
+    ``experts`` the MLP is a mixture of experts, whole on every tp rank: no collective of its own;
+    under sequence parallelism it reads the gathered sequence (the norm's all-gather forward,
+    one reduce-scatter of its input gradient backward) and returns this rank's shard (its output
+    gradient all-gathered backward)."""
     p, h, t = tp, shape.hidden, batch * seq
     if p == 1:
         return Traffic()
@@ -88,12 +93,21 @@ def tp1d_block_traffic(
         bias=shape.linear_bias,
     )
     attn_width = shape.num_heads * shape.head_dim
-    out = (
-        tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
-        + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
-        + tp1d_linear_traffic(in_features=h, out_features=shape.ffn_hidden, orientation="column", **kw)
-        + tp1d_linear_traffic(in_features=shape.ffn_hidden, out_features=h, orientation="row", **kw)
-    )
+    if experts:
+        x = t * h * dtype_bytes
+        mlp = Traffic(all_gather_bytes(x, p), 2 * all_gather_bytes(x, p)) if sequence_parallel else Traffic()
+        out = (
+            tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
+            + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
+            + mlp
+        )
+    else:
+        out = (
+            tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
+            + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
+            + tp1d_linear_traffic(in_features=h, out_features=shape.ffn_hidden, orientation="column", **kw)
+            + tp1d_linear_traffic(in_features=shape.ffn_hidden, out_features=h, orientation="row", **kw)
+        )
     k = shape.num_kv_heads
     if k < p and k < shape.num_heads:  # replicated k and v projections: their weight gradients are summed
         kv = k * shape.head_dim * (h + (1 if shape.linear_bias else 0))
@@ -113,6 +127,7 @@ def tp1d_model_traffic(
     dtype_bytes: int = 2,
     stream_bytes: int | None = None,
     param_bytes: int = 4,
+    experts: bool = False,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, head and vocab-parallel loss."""
     p, h, t = tp, shape.hidden, batch * seq
@@ -128,6 +143,7 @@ def tp1d_model_traffic(
         dtype_bytes=dtype_bytes,
         stream_bytes=stream_bytes,
         param_bytes=param_bytes,
+        experts=experts,
     )
     out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)  # vocab-parallel embedding
     out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))  # head's f (cast input)
