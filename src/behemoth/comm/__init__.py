@@ -16,6 +16,10 @@ The package, one module per kind of operation (every name is importable from her
   :func:`all_to_all_single` (uneven splits), :func:`all_gather_into`, and
   :func:`all_gather_async`, :func:`reduce_scatter_async` that return a handle; the scalar
   helpers :func:`all_reduce_scalars`, :func:`all_agree`;
+* :mod:`.traced` -- what :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` and
+  the ``*_async`` forms run inside ``torch.compile``'d code: functional collectives the
+  compiler traces (a 2D block with its SUMMA Linears is one graph), each booked in the ledger
+  by an op that runs with the graph;
 * :mod:`.functional` -- functional collectives for forwards without autograd, traceable by
   ``torch.compile`` (a compiled decode step is one graph, collectives inside):
   :func:`all_reduce_functional`, :func:`all_gather_functional`;
@@ -26,9 +30,9 @@ The package, one module per kind of operation (every name is importable from her
   :func:`send_async`, :func:`recv_async`.
 
 An axis of size 1 short-circuits every call: one code path for 1 rank and for N.
-Collectives run eagerly even inside ``torch.compile``'d blocks: the ledger's clock readings
-would otherwise become graph guards and force a recompile on every call (the functional
-collectives read no clock and are traced instead).
+Other collectives run eagerly even inside ``torch.compile``'d blocks (a graph break): the
+ledger's clock readings would otherwise become graph guards and force a recompile on every
+call (the functional and traced collectives read no clock and are traced instead).
 """
 
 from ..ledger import AxisTraffic, Ledger

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ..ledger import Ledger
 
 # Collectives run eagerly even inside ``torch.compile``'d blocks: the ledger's clock readings
-# would otherwise become graph guards and force a recompile on every call.
+# would otherwise become graph guards and force a recompile on every call. (all_reduce,
+# all_gather, reduce_scatter and their async forms trace functional collectives instead: traced.py.)
 eager = torch.compiler.disable
 
 

@@ -205,11 +205,11 @@ def _all_gather_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollective:
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t)
     n = axis.size
-    src = t.movedim(dim, 0).contiguous()
+    src = (t if dim == 0 else t.movedim(dim, 0)).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=t.dtype, device=t.device)
     work = _all_gather_single(out, src, group=axis.group, async_op=True)
     axis.ledger.record(axis.name, "all_gather", nbytes(out), (n - 1) * nbytes(src))
-    return AsyncCollective(work, axis, lambda: out.movedim(0, dim), src)
+    return AsyncCollective(work, axis, (lambda: out) if dim == 0 else (lambda: out.movedim(0, dim)), src)
 
 
 def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncCollective:
@@ -232,17 +232,18 @@ def _reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollect
             f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
             f"is not divisible by the axis size {n}."
         )
-    inp = t.movedim(dim, 0).contiguous()
+    inp = (t if dim == 0 else t.movedim(dim, 0)).contiguous()
     if dist.get_backend(axis.group) == "gloo":
         # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.
         inp = inp.clone() if inp.data_ptr() == t.data_ptr() else inp
         work = dist.all_reduce(inp, group=axis.group, async_op=True)
-        finish = lambda: inp.chunk(n, 0)[axis.rank].movedim(0, dim)  # noqa: E731
+        rows = inp.shape[0] // n
+        finish = lambda: inp[axis.rank * rows : (axis.rank + 1) * rows].movedim(0, dim)  # noqa: E731
         out = inp
     else:
         out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
         work = _reduce_scatter_single(out, inp, group=axis.group, async_op=True)
-        finish = lambda: out.movedim(0, dim)  # noqa: E731
+        finish = (lambda: out) if dim == 0 else (lambda: out.movedim(0, dim))
     axis.ledger.record(axis.name, "reduce_scatter", nbytes(t), (n - 1) / n * nbytes(t))
     return AsyncCollective(work, axis, finish, inp, out)
 

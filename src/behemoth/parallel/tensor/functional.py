@@ -41,9 +41,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def replicated(p: torch.Tensor, *axes: Axis) -> torch.Tensor:
     """Route a parameter replicated over ``axes`` through CopyToAxis (identity forward,
-    all-reduce of the gradient backward), so its gradient is summed there."""
+    all-reduce of the gradient backward), so its gradient is summed there. Axes of size 1
+    are skipped (no autograd node, no gradient copy)."""
     for a in axes:
-        p = comm.CopyToAxis.apply(p, a)
+        if not a.trivial:
+            p = comm.CopyToAxis.apply(p, a)
     return p
 
 

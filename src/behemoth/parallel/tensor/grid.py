@@ -100,7 +100,7 @@ def activation_spec(full_shape, g: Grid, hidden: bool) -> ShardSpec:
 def gather_batch(x: torch.Tensor, g: Grid) -> torch.Tensor:
     """All-gather this rank's batch block over ``tp_row`` then ``tp_depth``; slice backward."""
     x = comm.GatherFromAxis.apply(x, g.row_axis, 0)
-    return comm.GatherFromAxis.apply(x, g.depth_axis, 0)
+    return x if g.depth_axis.trivial else comm.GatherFromAxis.apply(x, g.depth_axis, 0)
 
 
 def gather_activation(x: torch.Tensor, g: Grid) -> torch.Tensor:
@@ -163,7 +163,8 @@ class SummaFn(torch.autograd.Function):
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
     """Route a parameter through CopyToAxis so its gradient is summed over the axes where
-    it is replicated (tp_row when ``rows``; tp_depth always -- a no-op in 2D)."""
-    if rows:
+    it is replicated (tp_row when ``rows``; tp_depth always -- absent in 2D). An axis of size
+    1 is skipped: no autograd node, no gradient copy."""
+    if rows and not g.row_axis.trivial:
         p = comm.CopyToAxis.apply(p, g.row_axis)
-    return comm.CopyToAxis.apply(p, g.depth_axis)
+    return p if g.depth_axis.trivial else comm.CopyToAxis.apply(p, g.depth_axis)
