@@ -10,7 +10,7 @@ and ``down_proj [E, H, I]``:
   ``(router_logits, top_k_weights, top_k_index)`` with the family's own scoring and
   normalisation, and ``block.experts`` holds the fused weights and ``act_fn``. Their
   load-balancing loss is transformers' ``load_balancing_loss_func``: one loss over every layer's
-  logits together (:class:`RouterLosses` adds it up across layers and ranks).
+  logits together (:class:`~.losses.ExpertLayers` adds it up across layers, ranks and stages).
 
 :class:`ExpertBlock` gives the style what it needs of either: the routing, the expert weights,
 the activation, the shared expert, and where to leave the router-loss terms. Pure: no
