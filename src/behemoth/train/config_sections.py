@@ -263,7 +263,7 @@ class TrainSection:
     """Write the save_every checkpoints in the background: training stops only to copy its state to host
     memory (which then holds one more copy of it) and goes on while the files are written; the previous
     save completes before the next begins. The last checkpoint and a SIGTERM's are written before the run ends."""
-    checkpoint_threads: int = 0
+    save_threads: int = 0
     """Threads (each writing its own file) with which a rank writes its part of a checkpoint; 0: one per GiB
     the rank writes, up to 8."""
     eval_every: int = 0
@@ -302,7 +302,7 @@ class TrainSection:
             ("eval_batches", 1),
             ("sample_every", 0),
             ("sample_tokens", 1),
-            ("checkpoint_threads", 0),
+            ("save_threads", 0),
         ):
             v = getattr(self, key)
             require(is_int(v) and v >= low, f"train.{key}={v!r}: must be an integer >= {low}.")

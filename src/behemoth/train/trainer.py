@@ -420,7 +420,7 @@ def _save(engine, sampler, config: Config, ckpt_dir: str, step: int, rank0: bool
         extra={"sampler": sampler.state_dict(), "config": config.to_dict()},
         blocking=not background,
         on_commit=committed if rank0 else None,
-        threads=tc.checkpoint_threads or None,
+        threads=tc.save_threads or None,
     )
 
 
