@@ -18,6 +18,11 @@ marked side-effectful so no compiler pass removes it; it runs every time the com
 runs (forward and backward), and records the call in the ledger named by its key, exactly as
 the eager collective would (op name, payload and wire bytes).
 
+Activation checkpointing: torch's partitioner never recomputes a collective, so a compiled
+checkpointed block keeps what its forward gathered for the backward instead of gathering it
+again (more saved memory than the eager checkpointed block; the ledger books the calls that
+run, fewer than eager's).
+
 Test: ``pytest tests/dist/test_tp2d_compile.py``.
 """
 

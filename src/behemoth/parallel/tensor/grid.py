@@ -123,7 +123,9 @@ class SummaFn(torch.autograd.Function):
     over ``tp_row``; the bias gradient is all-reduced over ``tp_row``, launched first so it runs
     beside the GEMMs. Bytes per rank equal SUMMA's (``3 (bsh + h h_o) / q`` elements a Linear);
     collectives and GEMMs are q times fewer and the GEMMs q times larger. Only the shards are
-    saved, so activations stay ``bsh/p``."""
+    saved, so activations stay ``bsh/p`` (compiled too: the backward's re-gathers go through
+    :func:`~behemoth.comm.traced.regather`, so the compiler cannot replace them by keeping the
+    forward's gathered blocks)."""
 
     @staticmethod
     def forward(ctx, x, w, b, g: Grid, in_out: bool):

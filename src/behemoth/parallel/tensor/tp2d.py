@@ -31,6 +31,11 @@ The 2.5D layers (``tp2p5d``, Tesseract) are these same classes with a depth axis
 is split by ``d*q`` (block ``depth*q + i``), weights are replicated over ``tp_depth`` and
 their gradients all-reduced over it. Here the depth axis has size 1, so it moves nothing.
 
+Compiled blocks (``Plan(compile=True)``): inside ``torch.compile``'d code every collective of
+these layers, forward and backward, is a traced functional collective (:mod:`behemoth.comm.traced`),
+so a transformer block is one graph with no break, booked in the ledger as in eager mode
+(tests/dist/test_tp2d_compile.py).
+
 Modules: :mod:`.grid` (the grid, activation layouts and SUMMA, shared with 2.5D), this one
 (Linear2D, norms, the replicated-kv projection), :mod:`.embed2d` (token and position
 embeddings, LM head, vocab-parallel loss), :mod:`.styles2d` (one style per role and the
