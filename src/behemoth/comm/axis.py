@@ -46,6 +46,17 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def check_scatter(t: torch.Tensor, axis: Axis, dim: int) -> int:
+    """``axis.size``, once it divides ``t``'s ``dim`` (a reduce-scatter's slices), else ValueError."""
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
+            f"is not divisible by the axis size {n}."
+        )
+    return n
+
+
 def device_for(axis: Axis) -> torch.device:
     """Where a small tensor must live to travel over ``axis`` (NCCL moves only GPU memory)."""
     if not axis.trivial and dist.get_backend(axis.group) == "nccl":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import traced
-from .axis import AsyncCollective, Axis, device_for, eager, nbytes
+from .axis import AsyncCollective, Axis, check_scatter, device_for, eager, nbytes
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,12 +84,7 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
 def _reduce_scatter(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     if axis.trivial:
         return t
-    n = axis.size
-    if t.shape[dim] % n:
-        raise ValueError(
-            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-            f"is not divisible by the axis size {n}."
-        )
+    n = check_scatter(t, axis, dim)
     t0 = time.perf_counter()
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=t.dtype, device=t.device)
@@ -226,12 +221,7 @@ def reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int = 0) -> AsyncColl
 def _reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollective:
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t)
-    n = axis.size
-    if t.shape[dim] % n:
-        raise ValueError(
-            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-            f"is not divisible by the axis size {n}."
-        )
+    n = check_scatter(t, axis, dim)
     inp = (t if dim == 0 else t.movedim(dim, 0)).contiguous()
     if dist.get_backend(axis.group) == "gloo":
         # gloo has no reduce-scatter: all-reduce a private copy, keep our slice when done.

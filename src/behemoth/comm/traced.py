@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..ledger import Ledger
-from .axis import Axis, nbytes
+from .axis import Axis, check_scatter, nbytes
 
 
 @torch.library.custom_op("behemoth::book", mutates_args=())
@@ -94,12 +94,7 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     payload = ``t``, wire = ``(size-1)/size`` of it."""
     if axis.trivial:
         return t
-    n = axis.size
-    if t.shape[dim] % n:
-        raise ValueError(
-            f"reduce_scatter over axis {axis.name!r}: dim {dim} of size {t.shape[dim]} "
-            f"is not divisible by the axis size {n}."
-        )
+    n = check_scatter(t, axis, dim)
     t = t.contiguous()
     _book(t, axis, "reduce_scatter", nbytes(t), (n - 1) / n * nbytes(t))
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", dim % t.dim(), axis.group))
