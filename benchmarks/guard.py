@@ -83,6 +83,13 @@ RUNS = [
     Run(name="tp4_1d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4"), peer="fsdp2_4"),
     Run(name="tp4_2d", gpus=4, script="bench_gpt.py", args=(*G13, "--tp", "4", "--tp-mode", "2d"), peer="fsdp2_4"),
     Run(
+        name="tp4_2d_compiled",
+        gpus=4,
+        script="bench_gpt.py",
+        args=(*G13, "--tp", "4", "--tp-mode", "2d", "--compile"),
+        peer="fsdp2_4",
+    ),
+    Run(
         name="stock_16k",
         gpus=1,
         script="peer_baseline.py",
