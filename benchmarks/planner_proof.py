@@ -13,15 +13,23 @@ All ranks run the same (deterministic) search for ``--model`` on this many GPUs 
 ``--batch`` sequences of ``--seq`` tokens per step, take its top pick and then, greedily,
 the layouts that show the most features not yet run (tp modes, sequence parallelism,
 over-decomposition, cp modes, pipeline schedules, ZeRO stages, offload, checkpointing), up to
-``--layouts``, and time each for ``--steps`` steps after two warm-up steps (median). Memory
-measured is the peak allocated (and reserved) of the rank that used most; the prediction's runtime
-reserve (``reserved_bytes``: CUDA context, NCCL buffers) is not in "allocated".
+``--layouts``, and time each for ``--steps`` steps after ``--warmup`` warm-up steps (median).
+Memory measured is the peak allocated (and reserved) of the rank that used most; the
+prediction's runtime reserve (``reserved_bytes``: CUDA context, NCCL buffers) is not in
+"allocated".
 
 Each layout builds the serial model on its GPU (fp32: 27.5 GB for GPT-6.9B, 32.1 GB for the
 Llama-8B shape, within an 80 GB card) and ``bh.boost`` shards it there, as ``bench_gpt.py``
-does; memory is measured from after ``boost``. ``--budget-s`` starts no layout whose predicted
-run (2 + ``--steps`` steps at twice its predicted step time, plus ``SETUP_S``) would end past that
-many seconds (all ranks agree), so one device call ends with its summary line.
+does; memory is measured from after ``boost``. The weights are drawn on the GPU (normal(0,
+0.02), norms one, biases zero: the presets' init, other draws; ``--seeded-init`` draws the
+presets' exact values on the CPU, a minute per 6.9B model), since step time does not depend on them.
+
+The budget (``--budget-s``) counts from the process's start: imports, the search, each layout's
+build, ``bh.boost`` and warm-up steps. A layout starts only if its expected run -- the slowest
+setup seen so far (``SETUP_S`` before the first), plus ``warmup + steps`` steps at its predicted
+step time times the worst measured / predicted ratio seen so far (at least 1.5 before the first)
+-- ends inside it (all ranks agree), so one device call ends with its summary. A summary line
+(``"final": false``) follows every layout, so a run stopped from outside still has one.
 
 Summary: mean absolute step-time error, Spearman rank correlation, the measured gap of the
 top pick to the best measured layout, mean memory error, and out-of-memory among layouts
@@ -31,21 +39,24 @@ one device call.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import sys
 import time
 
-import torch
-import torch.distributed as dist
+START = time.perf_counter()  # the budget counts the imports too
 
-import behemoth as bh
-from behemoth.models import build_config, build_model
-from behemoth.planner.calibration import load_calibration
-from behemoth.planner.cluster import Cluster
-from behemoth.planner.search import Limits, search
-from behemoth.planner.workload import workload_for
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import behemoth as bh  # noqa: E402
+from behemoth.models import build_config, build_model  # noqa: E402
+from behemoth.planner.calibration import load_calibration  # noqa: E402
+from behemoth.planner.cluster import Cluster  # noqa: E402
+from behemoth.planner.search import Limits, search  # noqa: E402
+from behemoth.planner.workload import workload_for  # noqa: E402
 
 
 def features(plan) -> set:
@@ -107,29 +118,64 @@ def shrunk_overrides(config) -> dict:
     return out
 
 
-def run_one(a, plan, dev, vocab: int) -> dict:
-    cuda = dev.type == "cuda"
+@torch.no_grad()
+def init_on_device(model: torch.nn.Module, seed: int = 0) -> None:
+    """The presets' init recipe drawn on the parameters' device: normal(0, 0.02) for weights,
+    ones for norm weights, zeros for biases and buffers (a tied weight drawn once)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    seen = set()
+    for module in model.modules():
+        norm = "Norm" in type(module).__name__
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if norm and name == "weight":
+                p.fill_(1.0)
+            elif name == "bias" or norm:
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    for b in model.buffers():  # the routers' load-balancing biases start at zero
+        b.zero_()
+
+
+def build(a, dev, vocab: int) -> torch.nn.Module:
     kw = model_overrides(a)
     if a.shrink:
         kw.update(shrunk_overrides(build_config(a.model, vocab_size=vocab, seq_len=a.seq)))
-    model = build_model(a.model, vocab_size=vocab, seq_len=a.seq, device=dev, **kw)
+    if a.seeded_init or dev.type != "cuda":
+        return build_model(a.model, vocab_size=vocab, seq_len=a.seq, device=dev, **kw)
+    model = build_model(a.model, vocab_size=vocab, seq_len=a.seq, device="meta", **kw)
+    model.to_empty(device=dev)
+    model.tie_weights()
+    init_on_device(model)
+    return model
+
+
+def run_one(a, plan, dev, vocab: int) -> dict:
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    model = build(a, dev, vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and plan.offload is None)
     engine = bh.boost(model, opt, plan)
+    sync()
+    built = time.perf_counter() - t0
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)
     share = a.batch // engine.dp_size
     x = torch.randint(0, vocab, (share, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(2 + a.steps):
+    for _ in range(a.warmup + a.steps):
         sync()
         t = time.perf_counter()
         engine.step(batch)
         sync()
         times.append(time.perf_counter() - t)
-    warm = sorted(times[2:])
+    warm = sorted(times[a.warmup :])
     # the most any rank used (a pipeline's last stage holds the head and the logits); no figure on CPU
     used = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()] if cuda else [float("nan")] * 2
     peak = torch.tensor(used, device=dev, dtype=torch.float64)
@@ -138,6 +184,8 @@ def run_one(a, plan, dev, vocab: int) -> dict:
         measured_step_s=warm[len(warm) // 2],
         measured_alloc_gib=peak[0].item() / 2**30,
         measured_reserved_gib=peak[1].item() / 2**30,
+        build_s=built,
+        first_step_s=times[0],
     )
     del engine, opt, model, batch, x
     free_memory()
@@ -150,17 +198,58 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-SETUP_S = 20.0
-"""Seconds to allow a layout for building the model, ``bh.boost`` and its process groups."""
+SETUP_S = 30.0
+"""Seconds to allow the first layout for building the model, ``bh.boost`` and its process
+groups, before one has been timed (later layouts: the slowest setup seen)."""
+FIRST_RATIO = 1.5
+"""Measured / predicted step time assumed before a layout has been measured."""
 
 
-def seconds_left(start: float, budget: float | None, dev) -> float:
-    """``budget`` less what the slowest rank has spent (every rank gets the same answer)."""
+def seconds_left(budget: float | None, dev) -> float:
+    """``budget`` less what the slowest rank has spent since its start (every rank gets the same answer)."""
     if budget is None:
         return float("inf")
-    spent = torch.tensor([time.perf_counter() - start], device=dev, dtype=torch.float64)
+    spent = torch.tensor([time.perf_counter() - START], device=dev, dtype=torch.float64)
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
     return budget - spent.item()
+
+
+def expected_seconds(p, rows: list[dict], warmup: int, steps: int) -> float:
+    """What running ``p`` is expected to take: the slowest setup seen (build, ``bh.boost``, the first
+    step's excess over a warm one), plus its steps at its predicted time times the worst
+    measured / predicted ratio seen."""
+    done = [r for r in rows if "measured_step_s" in r]
+    setup = max([SETUP_S] if not done else [r["build_s"] + r["first_step_s"] - r["measured_step_s"] for r in done])
+    ratio = max([FIRST_RATIO] if not done else [r["measured_step_s"] / r["predicted_step_s"] for r in done])
+    return setup + (warmup + steps) * p.step * max(ratio, 1.0)
+
+
+def summary(rows: list[dict], *, world: int, model: str, chosen: int, skipped: int, final: bool) -> dict | None:
+    """The proof's figures over the layouts measured so far (None before the first)."""
+    ok = [r for r in rows if not r["oom"] and "refused" not in r]
+    if not ok:
+        return None
+    pred = [r["predicted_step_s"] for r in ok]
+    meas = [r["measured_step_s"] for r in ok]
+    best = min(meas)
+    first = [r for r in rows if r["predicted_rank"] == 1]
+    top = first[0].get("measured_step_s", float("nan")) if first else float("nan")
+    return dict(
+        summary=True,
+        final=final,
+        gpus=world,
+        model=model,
+        layouts=len(rows),
+        chosen=chosen,
+        skipped_for_time=skipped,
+        seconds=round(time.perf_counter() - START, 1),
+        mean_abs_step_err_pct=round(sum(abs(r["step_err_pct"]) for r in ok) / len(ok), 1),
+        spearman=round(spearman(pred, meas), 3) if len(ok) > 1 else float("nan"),
+        top_pick_vs_best_measured_pct=round(100 * (top / best - 1), 1),
+        mean_abs_mem_err_pct=round(sum(abs(r["mem_err_pct"]) for r in ok) / len(ok), 1),
+        oom_predicted_to_fit=sum(r["oom"] for r in rows),
+        refused_by_boost=sum("refused" in r for r in rows),
+    )
 
 
 def main() -> None:
@@ -173,7 +262,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8 per GPU)")
     ap.add_argument("--layouts", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    ap.add_argument(
+        "--seeded-init",
+        action="store_true",
+        help="draw the presets' exact weights on the CPU (slow at 6.9B) instead of on the GPU",
+    )
     ap.add_argument("--calibration", default="h100", help="h100, h200 or a JSON from calibrate.py")
     ap.add_argument("--vocab", type=int, default=None, help="default: 128256 for llama-8b, else 50304")
     ap.add_argument(
@@ -197,7 +292,6 @@ def main() -> None:
     bh.init()
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = bh.distributed.device_for_rank()
-    start = time.perf_counter()
     a.batch = a.batch or 8 * world
     vocab = a.vocab or DEFAULT_VOCAB.get(a.model, 50304)
     cal = load_calibration(a.calibration)
@@ -223,9 +317,9 @@ def main() -> None:
     for p in chosen:
         if len(rows) == a.layouts:
             break
-        # a layout whose predicted run (with room for a 2x misprediction) would end past the budget
-        # is left out (the same on every rank: the prediction is deterministic), a cheaper one may fit
-        if SETUP_S + 2 * (2 + a.steps) * p.step > seconds_left(start, a.budget_s, dev):
+        # a layout expected to end past the budget is left out (the same on every rank: the
+        # prediction and the rows are), a cheaper one may fit
+        if expected_seconds(p, rows, a.warmup, a.steps) > seconds_left(a.budget_s, dev):
             skipped += 1
             continue
         row = dict(
@@ -259,34 +353,13 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
+            running = summary(rows, world=world, model=a.model, chosen=len(chosen), skipped=skipped, final=False)
+            if running:
+                print(json.dumps(running), flush=True)
         dist.barrier()
-    ok = [r for r in rows if not r["oom"] and "refused" not in r]
-    if rank == 0 and ok:
-        pred = [r["predicted_step_s"] for r in ok]
-        meas = [r["measured_step_s"] for r in ok]
-        best = min(meas)
-        first = [r for r in rows if r["predicted_rank"] == 1]
-        top = first[0].get("measured_step_s", float("nan")) if first else float("nan")
-        print(
-            json.dumps(
-                dict(
-                    summary=True,
-                    gpus=world,
-                    model=a.model,
-                    layouts=len(rows),
-                    chosen=len(chosen),
-                    skipped_for_time=skipped,
-                    seconds=round(time.perf_counter() - start, 1),
-                    mean_abs_step_err_pct=round(sum(abs(r["step_err_pct"]) for r in ok) / len(ok), 1),
-                    spearman=round(spearman(pred, meas), 3),
-                    top_pick_vs_best_measured_pct=round(100 * (top / best - 1), 1),
-                    mean_abs_mem_err_pct=round(sum(abs(r["mem_err_pct"]) for r in ok) / len(ok), 1),
-                    oom_predicted_to_fit=sum(r["oom"] for r in rows),
-                    refused_by_boost=sum("refused" in r for r in rows),
-                )
-            ),
-            flush=True,
-        )
+    final = summary(rows, world=world, model=a.model, chosen=len(chosen), skipped=skipped, final=True)
+    if rank == 0 and final:
+        print(json.dumps(final), flush=True)
     dist.destroy_process_group()
     sys.exit(0)
 

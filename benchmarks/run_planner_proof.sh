@@ -4,19 +4,20 @@
 # measured step time and memory, one JSON line per layout and a summary line per run.
 #
 #   bash benchmarks/run_planner_proof.sh [model] [layouts]          # gpt-1.3b, 12: on 2 then 4 GPUs
-#   MODELS=gpt-6.9b GPUS=4 BUDGET=420 bash benchmarks/run_planner_proof.sh
+#   MODELS=gpt-6.9b GPUS=4 BUDGET=240 bash benchmarks/run_planner_proof.sh
 #   MODELS="llama-8b mixtral-4b" GPUS=2 CAL=h200 bash benchmarks/run_planner_proof.sh
 #
 # MODELS: presets of behemoth.models (gpt-1.3b, gpt-6.7b, llama-8b, mixtral-4b, ...) or gpt-6.9b
 # (gpt-6.7b with its own head table, as bench_gpt.py builds GPT-6.9B). GPUS: GPU counts (the
-# machine must have the largest). LAYOUTS (12), STEPS (timed steps after two warm-ups; 4).
-# BUDGET: seconds per run (default 200): a run starts no layout whose predicted time would take it
-# past them, prints its summary over the layouts it ran, and is stopped BUDGET + 100 s after it starts.
+# machine must have the largest). LAYOUTS (12), STEPS (timed steps after WARMUP untimed ones; 3, 1).
+# BUDGET: seconds per run (default 200), counted from its start (imports, search, every layout's
+# build and warm-up): a run starts no layout expected to take it past them, prints a running summary
+# after each layout and a final one, and is stopped BUDGET + 60 s after it starts.
 # CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
 # planner_proof.py (e.g. --no-offload, --steps 3).
 set -u
 MODELS=${MODELS:-${1:-gpt-1.3b}}; LAYOUTS=${LAYOUTS:-${2:-12}}; GPUS=${GPUS:-2 4}
-STEPS=${STEPS:-4}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
+STEPS=${STEPS:-3}; WARMUP=${WARMUP:-1}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
 out=${OUT:-/tmp}
 source "$(dirname "$0")/env.sh" "$out/planner_proof.log"
 most=$(printf '%s\n' $GPUS | sort -n | tail -1)
@@ -35,8 +36,8 @@ for model in $MODELS; do
   for n in $GPUS; do
     devs=$(seq -s, 0 $((n - 1)))
     echo "# $model on $n GPUs, calibration $cal, $(date -u +%H:%M:%S)" | tee -a "$out/planner_proof.log"
-    CUDA_VISIBLE_DEVICES=$devs timeout $((BUDGET + 100)) torchrun --standalone --nproc-per-node "$n" \
-      benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --budget-s "$BUDGET" \
+    CUDA_VISIBLE_DEVICES=$devs timeout $((BUDGET + 60)) torchrun --standalone --nproc-per-node "$n" \
+      benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --warmup "$WARMUP" --budget-s "$BUDGET" \
       --calibration "$cal" $EXTRA 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log"
   done
 done
