@@ -56,7 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import Stateful, check_extra, check_threads, collect, with_spec, write_checkpoint
+from .checkpoint import Stateful, check_extra, check_threads, collect, write_checkpoint
+from .checkpoint_shards import with_spec
 from .checkpoint_split import ReplicaSplit
 from .distributed import default_timeout
 from .parallel.tensor.layout import get_spec

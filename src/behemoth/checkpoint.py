@@ -5,7 +5,9 @@ state -- the model's shards, the gradient sync's optimizer state, the engine's s
 loss scaler, this process's RNG -- is handed in as a named component with ``state_dict()`` and
 ``load_state_dict()``. A component's tensors go to DCP as ``<component>/<key>``; its other values
 (JSON) go to ``meta.json`` under their own keys. A tensor carrying a tensor-parallel ShardSpec
-(``parallel.tensor.layout.get_spec``) is written as its rectangles of the serial tensor.
+(``parallel.tensor.layout.get_spec``) is written as its rectangles of the serial tensor
+(:mod:`behemoth.checkpoint_shards`), so a checkpoint saved under dp=2 loads under tp=2 and vice
+versa, each rank reading only its rectangles.
 
 Layout of one checkpoint directory ``step-N/``::
 
@@ -30,14 +32,6 @@ the next save replaces.
 Safety: DCP's own loader unpickles its metadata file and non-tensor items; behemoth stores
 only tensors in DCP and reads the metadata with a restricted unpickler that admits only
 DCP's metadata classes, so a crafted checkpoint cannot run code.
-
-Tensor-parallel shards: a parameter with a ShardSpec (and its optimizer state) goes to DCP
-as a :class:`ShardChunks` view: the serial tensor's name and shape, and this rank's shard as
-one or more rectangles with their real offsets in the serial tensor (a fused QKV shard is
-three). Replicas (dp ranks, replicated tp ranks) write identical chunks, which DCP keeps
-once. A plain tensor and a chunked one of the same name are the same serial tensor to DCP,
-so a checkpoint saved under dp=2 loads under tp=2 and vice versa, each rank reading only
-its rectangles.
 
 Pipeline stages: each rank's model holds only its stage's tensors, under the serial names,
 so each stage writes (and reads) just those; the tensors of all stages together are the
@@ -66,11 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .parallel.tensor import is_sharded, shard_rectangles
-from .parallel.tensor.layout import ShardSpec, get_spec
+from .checkpoint_shards import dcp_view, serial_shape
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step-(\d+)(\.old)?$")
@@ -136,65 +127,6 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-# ------------------------------------------------------------------ tensor-parallel shards
-class ShardChunks(torch.Tensor):
-    """A local shard as DCP sees it: a tensor of the *serial* shape whose data is this rank's
-    rectangles of it (from the ShardSpec), views into ``local`` -- so a load writes straight
-    into the parameter or optimizer state. It implements DCP's chunk protocol (the
-    ``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__`` methods
-    DTensor uses) and nothing else: any tensor operation on it raises."""
-
-    @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: ShardSpec):
-        self = torch.Tensor._make_wrapper_subclass(cls, spec.full_shape, dtype=local.dtype, device=local.device)
-        view = local.reshape(spec.local_view_shape())
-        if view.data_ptr() != local.data_ptr():
-            raise AssertionError("a shard must be contiguous to be checkpointed in place")
-        self._chunks = [(torch.Size(off), torch.Size(size), view[index]) for index, off, size in shard_rectangles(spec)]
-        return self
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(
-            f"ShardChunks is a checkpoint view of a tensor-parallel shard; {func} on it is not supported."
-        )
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, off),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=off, sizes=size),
-                    properties=TensorProperties.create_from_tensor(data),
-                    size=self.size(),
-                ),
-            )
-            for off, size, data in self._chunks
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=off, sizes=size) for off, size, _ in self._chunks]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for off, _, data in self._chunks:
-            if off == index.offset:
-                return data
-        raise ValueError(f"no shard of {index.fqn} at offset {tuple(index.offset or ())} on this rank")
-
-
-def _for_dcp(t: torch.Tensor, spec: ShardSpec | None):
-    """``t`` as DCP should see it: chunked for a tensor-parallel shard, plain otherwise."""
-    return ShardChunks(t.detach(), spec) if is_sharded(spec) else t.detach()
-
-
-def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    spec = get_spec(t)
-    return spec.full_shape if is_sharded(spec) else tuple(t.shape)
-
-
 # ------------------------------------------------------------------ discovery
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META))
@@ -237,15 +169,6 @@ class LazyStateful(Stateful, Protocol):
         (``key -> DCP TensorStorageMetadata``: ``size``, ``properties.dtype``). Raises ValueError,
         before anything is read, for a checkpoint this component cannot load."""
         ...
-
-
-def with_spec(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
-    """An alias of ``t`` (same storage) that a checkpoint writes and reads as the shard ``spec`` of
-    the serial tensor (optimizer state shaped like a tensor-parallel parameter)."""
-    alias = t.detach()
-    if is_sharded(spec):
-        alias._bh_shard = spec
-    return alias
 
 
 class RNGState:
@@ -414,7 +337,7 @@ def write_checkpoint(
         os.makedirs(partial)
     dist.barrier(group=group)
     dcp.save(
-        {k: _for_dcp(v, get_spec(v)) for k, v in tensors.items()},
+        {k: dcp_view(v) for k, v in tensors.items()},
         storage_writer=dcp.FileSystemWriter(partial, thread_count=threads or writer_threads(tensors.values())),
         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),  # a replica goes to the least-loaded rank
         process_group=group,
@@ -515,10 +438,10 @@ def load_checkpoint(
             )
         for k, v in want.items():
             shape = tuple(stored[prefix + k].size)
-            if shape != _full_shape(v):
-                raise ValueError(f"checkpoint tensor {prefix}{k} has shape {shape}, the model's is {_full_shape(v)}.")
+            if shape != serial_shape(v):
+                raise ValueError(f"checkpoint tensor {prefix}{k} has shape {shape}, the model's is {serial_shape(v)}.")
         targets[name] = want
-    reads = {f"{name}/{k}": _for_dcp(v, get_spec(v)) for name, ts in targets.items() for k, v in ts.items()}
+    reads = {f"{name}/{k}": dcp_view(v) for name, ts in targets.items() for k, v in ts.items()}
     dcp.load(reads, storage_reader=reader)
     values = {k: v for k, v in meta.items() if k not in ("format", "world_size", "extra")}
     for name, component in state.items():

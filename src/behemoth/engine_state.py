@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import with_spec
+from .checkpoint_shards import with_spec
 from .parallel.tensor import is_sharded
 from .parallel.tensor.layout import get_spec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from behemoth.checkpoint import with_spec
+from behemoth.checkpoint_shards import with_spec
 from behemoth.checkpoint_split import assign_writers, holding
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from behemoth.async_checkpoint import HostSnapshot
-from behemoth.checkpoint import with_spec
+from behemoth.checkpoint_shards import with_spec
 from behemoth.parallel.tensor.layout import get_spec
 
 

@@ -27,6 +27,11 @@ RULES = [
     ("behemoth.planner", ("behemoth.mesh", "behemoth.comm", "behemoth.engine"), "the planner is pure"),
     ("behemoth.parallelize", ("behemoth.engine", "behemoth.train", "behemoth.cli"), "parallelize needs no engine"),
     ("behemoth.checkpoint", ("behemoth.engine", "behemoth.train", "behemoth.cli"), "checkpoints know components"),
+    (
+        "behemoth.checkpoint_shards",
+        ("behemoth.engine", "behemoth.train", "behemoth.cli"),
+        "checkpoints know components",
+    ),
     ("behemoth.async_checkpoint", ("behemoth.engine", "behemoth.train", "behemoth.cli"), "checkpoints know components"),
     ("behemoth.engine", ("behemoth.train", "behemoth.cli"), "the core never imports the application"),
     ("behemoth.executor", ("behemoth.engine", "behemoth.train", "behemoth.cli"), "executors know no engine"),
