@@ -53,6 +53,20 @@ class Run:
 
 G13 = ("--size", "gpt-1.3b", "--mbs", "8")
 CP13 = ("--size", "gpt-1.3b", "--mbs", "1")  # one sequence of --seq tokens per cp group
+
+
+def cp_run(cp: int, mode: str, seq: int) -> Run:
+    """GPT-1.3B's context parallelism over ``cp`` GPUs (``mode``: ulysses or ring) at ``seq`` tokens,
+    beside the stock 16k run."""
+    return Run(
+        name=f"cp{cp}_{mode}",
+        gpus=cp,
+        script="bench_cp.py",
+        args=(*CP13, "--cp", str(cp), "--mode", mode, "--seq", str(seq)),
+        peer="stock_16k",
+    )
+
+
 RUNS = [
     Run(name="fsdp2_2", gpus=2, script="peer_baseline.py", args=("--size", "1.3b", "--mode", "fsdp"), is_peer=True),
     Run(name="fsdp2_4", gpus=4, script="peer_baseline.py", args=("--size", "1.3b", "--mode", "fsdp"), is_peer=True),
@@ -97,27 +111,9 @@ RUNS = [
         is_peer=True,
     ),
     Run(name="single_16k", gpus=1, script="bench_cp.py", args=(*CP13, "--cp", "1", "--seq", "16384"), peer="stock_16k"),
-    Run(
-        name="cp2_ulysses",
-        gpus=2,
-        script="bench_cp.py",
-        args=(*CP13, "--cp", "2", "--mode", "ulysses", "--seq", "32768"),
-        peer="stock_16k",
-    ),
-    Run(
-        name="cp4_ring",
-        gpus=4,
-        script="bench_cp.py",
-        args=(*CP13, "--cp", "4", "--mode", "ring", "--seq", "65536"),
-        peer="stock_16k",
-    ),
-    Run(
-        name="cp4_ulysses",
-        gpus=4,
-        script="bench_cp.py",
-        args=(*CP13, "--cp", "4", "--mode", "ulysses", "--seq", "65536"),
-        peer="stock_16k",
-    ),
+    cp_run(2, "ulysses", 32768),
+    cp_run(4, "ring", 65536),
+    cp_run(4, "ulysses", 65536),
     Run(
         name="offload_6.9b",
         gpus=1,
