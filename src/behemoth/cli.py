@@ -58,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="launch N local processes with torchrun, each running a behemoth command or your script",
-        description="launch N local processes (torchrun --standalone) running `behemoth train|config|generate ...` "
-        "or `python SCRIPT.py ARGS...`; a failed rank restarts the group up to --max-restarts times (the "
-        "trainer resumes from its newest checkpoint)",
+        description="launch N local processes (torchrun --standalone) running `behemoth "
+        "train|config|generate ...` or `python SCRIPT.py ARGS...`; a failed rank restarts the group up to "
+        "--max-restarts times (the trainer resumes from its newest checkpoint)",
     )
     r.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
     r.add_argument(
@@ -74,13 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "plan",
         help="plan a job without a GPU: search every layout (--search) or plan ZeRO memory (--memory)",
-        description="--search MODEL: enumerate every legal layout of MODEL on --gpus GPUs, predict each one's "
-        "step time and memory, print the fastest that fit. --memory: the chunk layout, per-rank model data per "
-        "ZeRO stage and, when the model does not fit, the GPU/host split offload='auto' would choose",
-        epilog="examples:\n  behemoth plan --search gpt-1.3b --gpus 8 --explain\n"
+        description="--search MODEL: enumerate every legal layout of MODEL on --gpus GPUs, predict each "
+        "one's step time and memory, print the fastest that fit. --memory: the chunk layout, per-rank model "
+        "data per ZeRO stage and, when the model does not fit, the GPU/host split offload='auto' would "
+        "choose",
+        epilog="examples:\n"
+        "  behemoth plan --search gpt-1.3b --gpus 8 --explain\n"
         "  behemoth plan --search gpt-13b --gpus 64 --nodes 8 --gpu-gb 80 --batch 512\n"
         "  behemoth plan --memory --model gpt-1.3b --dp 8\n"
-        "  behemoth plan --memory --model gpt-13b --gpu-gb 80 --host-gb 256 --param-dtype bf16 --activations-gb 15",
+        "  behemoth plan --memory --model gpt-13b --gpu-gb 80 --host-gb 256 --param-dtype bf16 "
+        "--activations-gb 15",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = m.add_mutually_exclusive_group(required=True)
@@ -89,8 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument(
         "--scale",
         metavar="MODEL",
-        help="simulate MODEL from 64 (or 8) GPUs up to --gpus, doubling: each tensor-parallel mode's best plan, "
-        "where 2D/2.5D/3D overtake 1D",
+        help="simulate MODEL from 64 (or 8) GPUs up to --gpus, doubling: each tensor-parallel mode's best "
+        "plan, where 2D/2.5D/3D overtake 1D",
     )
     m.add_argument("--model", help="--memory: a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
     m.add_argument("--gpus", type=int, default=8, help="--search: GPUs in the job (default 8)")
@@ -114,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         "--param-dtype",
         default="fp32",
         choices=["fp32", "bf16"],
-        help="parameter copies the model runs on: fp32 (Plan.param_dtype=None, the default) or bf16 copies of "
-        "the fp32 masters (Plan.param_dtype='bf16'; under zero=3, offloaded ones on the host)",
+        help="parameter copies the model runs on: fp32 (Plan.param_dtype=None, the default) or bf16 copies "
+        "of the fp32 masters (Plan.param_dtype='bf16'; under zero=3, offloaded ones on the host)",
     )
     m.add_argument(
         "--activations-gb",
@@ -126,9 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export",
         help="write a checkpoint (of any plan) as a transformers checkpoint directory",
-        description="write the model of a `behemoth train` checkpoint as config.json, generation_config.json, "
-        "sharded .safetensors with model.safetensors.index.json and the run's tokenizer files, loadable with "
-        "transformers' AutoModelForCausalLM.from_pretrained(OUT); tensors are streamed one at a time",
+        description="write the model of a `behemoth train` checkpoint as config.json, "
+        "generation_config.json, sharded .safetensors with model.safetensors.index.json and the run's "
+        "tokenizer files, loadable with transformers' AutoModelForCausalLM.from_pretrained(OUT); tensors "
+        "are streamed one at a time",
     )
     e.add_argument("checkpoint", help="a checkpoint directory (runs/demo/checkpoints/step-200) or a run's out_dir")
     e.add_argument("out", help="the directory to write")
@@ -143,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         description="load CHECKPOINT (written under any plan) into the model and tokenizer of its run, "
         "parallelize it under --plan.key=value options (default: data parallelism over every process; under "
         "torchrun or `behemoth run`, e.g. --plan.tp=2) and print each prompt followed by its continuation",
-        epilog="example:\n  behemoth generate runs/demo/checkpoints/step-200 --prompt 'def main(' --max-new-tokens 64\n"
+        epilog="example:\n"
+        "  behemoth generate runs/demo/checkpoints/step-200 --prompt 'def main(' --max-new-tokens 64\n"
         "  behemoth run --nproc 2 -- generate CKPT --prompt 'import' --plan.tp=2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -167,8 +172,8 @@ def cmd_export(a) -> int:
     )
     extra = f" and the tokenizer ({', '.join(info['tokenizer'])})" if info["tokenizer"] else ""
     print(
-        f"exported {info['checkpoint']} to {info['out']}: {len(info['files'])} .safetensors file(s), vocabulary "
-        f"{info['vocab_size']}{extra}",
+        f"exported {info['checkpoint']} to {info['out']}: {len(info['files'])} .safetensors file(s), "
+        f"vocabulary {info['vocab_size']}{extra}",
         flush=True,
     )
     return 0
@@ -187,8 +192,8 @@ def cmd_search(a) -> int:
     cal = cluster.calibration
     print(
         f"{a.search}: {w.num_params / 1e9:.2f}B parameters, {w.global_batch} x {w.seq_len} tokens per step, "
-        f"{a.gpus} GPUs on {nodes} node(s), {cluster.memory_bytes / gib:.0f} GiB each; calibration {cal.name} "
-        f"({cal.source.split(',')[0].split('(')[0].strip()})"
+        f"{a.gpus} GPUs on {nodes} node(s), {cluster.memory_bytes / gib:.0f} GiB each; calibration "
+        f"{cal.name} ({cal.source.split(',')[0].split('(')[0].strip()})"
     )
     print(table(res, a.top))
     if a.explain:
@@ -232,9 +237,9 @@ def cmd_scale(a) -> int:
     cluster = dataclasses.replace(_cluster(a, start), gpus_per_node=min(8, start))
     w = workload_for(a.scale, seq_len=a.seq, global_batch=a.batch or 8 * start, vocab_size=a.vocab)
     print(
-        f"{a.scale}: {w.num_params / 1e9:.2f}B parameters, {w.seq_len} tokens a sequence, {w.global_batch} sequences "
-        f"per step at {start} GPUs (growing with the GPUs); NVLink islands of {cluster.gpus_per_node}; "
-        f"calibration {cluster.calibration.name}"
+        f"{a.scale}: {w.num_params / 1e9:.2f}B parameters, {w.seq_len} tokens a sequence, {w.global_batch} "
+        f"sequences per step at {start} GPUs (growing with the GPUs); NVLink islands of "
+        f"{cluster.gpus_per_node}; calibration {cluster.calibration.name}"
     )
     points = scale_sweep(w, cluster, tuple(counts))
     print(format_sweep(points))

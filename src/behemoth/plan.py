@@ -142,9 +142,10 @@ class Plan:
             )
         if self.param_dtype is not None and (self.param_dtype != "bf16" or self.zero == 0 or self.precision != "bf16"):
             raise ValueError(
-                f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, precision={self.precision!r}): "
-                f"bf16 parameters need fp32 masters that ZeRO keeps, under precision='bf16'. Use param_dtype='bf16' "
-                f"with zero=1, 2 or 3 and precision='bf16', or param_dtype=None."
+                f"Plan.param_dtype={self.param_dtype!r} (with zero={self.zero}, "
+                f"precision={self.precision!r}): bf16 parameters need fp32 masters that ZeRO keeps, under "
+                "precision='bf16'. Use param_dtype='bf16' with zero=1, 2 or 3 and precision='bf16', or "
+                "param_dtype=None."
             )
         if self.offload is not None and self.zero == 0:
             raise ValueError(f"Plan.offload={self.offload!r} needs ZeRO sharding; got zero=0. Set zero=1, 2 or 3.")
@@ -196,15 +197,16 @@ class Plan:
         if self.dp is None:
             if world_size % mp:
                 raise ValueError(
-                    f"world size {world_size} is not divisible by pp*tp*cp = {self.pp}*{self.tp}*{self.cp} = {mp}; "
-                    f"launch a multiple of {mp} processes or lower those degrees."
+                    f"world size {world_size} is not divisible by pp*tp*cp = {self.pp}*{self.tp}*{self.cp} "
+                    f"= {mp}; launch a multiple of {mp} processes or lower those degrees."
                 )
             return dataclasses.replace(self, dp=world_size // mp)
         if self.dp * mp != world_size:
             raise ValueError(
-                f"Plan degrees dp*pp*tp*cp = {self.dp}*{self.pp}*{self.tp}*{self.cp} = {self.dp * mp} "
-                f"must equal the world size {world_size}; set dp={world_size // mp if world_size % mp == 0 else 'None'} "
-                f"or launch {self.dp * mp} processes."
+                f"Plan degrees dp*pp*tp*cp = {self.dp}*{self.pp}*{self.tp}*{self.cp} = {self.dp * mp} must "
+                f"equal the world size {world_size}; set "
+                f"dp={world_size // mp if world_size % mp == 0 else 'None'} or launch {self.dp * mp} "
+                "processes."
             )
         return self
 
@@ -223,11 +225,12 @@ class Plan:
             return
         if self.tp > 1 and self.tp_mode != "1d":
             raise NotImplementedError(
-                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r} is not built "
-                f"yet (the grid splits every activation's rows and hidden over the tp grid, and the experts need "
-                f"whole hidden rows of their tokens). Use tp_mode='1d' (attention split over tp, experts whole on "
-                f"every tp rank; with or without sequence_parallel), or tp=1. Expert parallelism composes with dp, "
-                f"ZeRO 1-3, 1D tp, cp, pp, microbatches, every precision and activation checkpointing."
+                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r} is "
+                "not built yet (the grid splits every activation's rows and hidden over the tp grid, and "
+                "the experts need whole hidden rows of their tokens). Use tp_mode='1d' (attention split "
+                "over tp, experts whole on every tp rank; with or without sequence_parallel), or tp=1. "
+                "Expert parallelism composes with dp, ZeRO 1-3, 1D tp, cp, pp, microbatches, every "
+                "precision and activation checkpointing."
             )
 
     def _check_pipeline_composes(self) -> None:
@@ -237,8 +240,8 @@ class Plan:
         micro-batches < pp run correctly. Only interleaving without a pipeline is refused."""
         if self.pp == 1 and self.virtual_stages > 1:
             raise NotImplementedError(
-                f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp >= 2, "
-                f"or virtual_stages=1."
+                f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp "
+                ">= 2, or virtual_stages=1."
             )
 
     def describe(self) -> str:

@@ -9,11 +9,12 @@ Layout::
 A job either continues the run its ``out_dir`` holds (``train.resume``, the default; or from
 a chosen checkpoint, ``train.resume_from``) or starts a new one. A resume keeps what the
 saved weights and data position mean (:func:`check_resume`: the model, the data, the batch
-size and the data seed), and names every other setting that changed. A new run never writes beside another run's files, where keep-last pruning would
-delete its own checkpoints against the old run's newer ones and the logs would mix: it is
-refused with the fix (:func:`check_out_dir`), or, with ``train.overwrite``, the old run's
-files are deleted first (:func:`clear_run`). A resumed run drops the records past its
-checkpoint from ``metrics.jsonl`` (:func:`truncate_metrics`), so no step appears twice.
+size and the data seed), and names every other setting that changed. A new run never writes
+beside another run's files, where keep-last pruning would delete its own checkpoints against
+the old run's newer ones and the logs would mix: it is refused with the fix
+(:func:`check_out_dir`), or, with ``train.overwrite``, the old run's files are deleted first
+(:func:`clear_run`). A resumed run drops the records past its checkpoint from
+``metrics.jsonl`` (:func:`truncate_metrics`), so no step appears twice.
 
 Everything here is file-system work for rank 0 (or, for the checks, every rank); nothing
 communicates. Test: ``pytest tests/unit/test_run_dir.py``.
@@ -65,8 +66,8 @@ def _steps(ckpt_dir: str) -> list[int]:
 
 
 def previous_run(out_dir: str) -> list[str]:
-    """The run files ``out_dir`` already holds, for messages: e.g. ``["checkpoints (step-40)", "metrics.jsonl"]``.
-    An empty ``checkpoints/`` counts as nothing."""
+    """The run files ``out_dir`` already holds, for messages: e.g.
+    ``["checkpoints (step-40)", "metrics.jsonl"]``. An empty ``checkpoints/`` counts as nothing."""
     found = []
     for name in RUN_FILES:
         path = os.path.join(out_dir, name)
@@ -115,9 +116,9 @@ def check_out_dir(train: TrainSection) -> None:
         found = [] if train.overwrite else previous_run(train.out_dir)
         if found:
             raise ConfigError(
-                f"train.resume_from={train.resume_from!r} is another run's checkpoint, but train.out_dir="
-                f"{train.out_dir!r} already holds a run ({', '.join(found)}). Choose another --train.out_dir, or "
-                f"pass --train.overwrite=true to delete that run first."
+                f"train.resume_from={train.resume_from!r} is another run's checkpoint, but "
+                f"train.out_dir={train.out_dir!r} already holds a run ({', '.join(found)}). Choose another "
+                "--train.out_dir, or pass --train.overwrite=true to delete that run first."
             )
         return
     if train.resume or train.overwrite:
@@ -125,10 +126,10 @@ def check_out_dir(train: TrainSection) -> None:
     found = previous_run(train.out_dir)
     if found:
         raise ConfigError(
-            f"train.out_dir={train.out_dir!r} already holds a run ({', '.join(found)}) and train.resume=false "
-            f"would start a new one beside it (mixed logs; keep-last would prune against the old checkpoints). "
-            f"Continue that run with --train.resume=true, choose another --train.out_dir, or pass "
-            f"--train.overwrite=true to delete its files and start over."
+            f"train.out_dir={train.out_dir!r} already holds a run ({', '.join(found)}) and "
+            "train.resume=false would start a new one beside it (mixed logs; keep-last would prune against "
+            "the old checkpoints). Continue that run with --train.resume=true, choose another "
+            "--train.out_dir, or pass --train.overwrite=true to delete its files and start over."
         )
 
 
@@ -271,9 +272,9 @@ def check_resume(checkpoint: str, config: Config) -> list[str]:
     refused, noted = resume_changes(saved, config.to_dict())
     if refused:
         raise ConfigError(
-            f"cannot resume {checkpoint!r}: it was trained with other settings ({'; '.join(refused)}), and its "
-            f"weights and data position belong to those. Resume with the checkpoint's values, or start a new run "
-            f"(another --train.out_dir, or --train.overwrite=true)."
+            f"cannot resume {checkpoint!r}: it was trained with other settings ({'; '.join(refused)}), and "
+            "its weights and data position belong to those. Resume with the checkpoint's values, or start a "
+            "new run (another --train.out_dir, or --train.overwrite=true)."
         )
     return noted
 

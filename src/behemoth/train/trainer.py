@@ -267,8 +267,8 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
     start = engine.step_count
     if rank0:
         log(
-            f"model {mc.name}: {format_count(num_params)} parameters, {mc.num_layers} layers x {mc.hidden} hidden, "
-            f"seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
+            f"model {mc.name}: {format_count(num_params)} parameters, {mc.num_layers} layers x {mc.hidden} "
+            f"hidden, seq_len {mc.seq_len} | {engine.plan.describe()} on {world_size} process(es), "
             f"{engine.device.type} | data: {len(dataset):,} {tokenizer.name} tokens, "
             f"{sampler.steps_per_epoch} steps/epoch"
         )
@@ -278,15 +278,15 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         )
         if config.optim.warmup_steps >= tc.steps:
             log(
-                f"warning: optim.warmup_steps={config.optim.warmup_steps} >= train.steps={tc.steps}: the learning "
-                f"rate never reaches optim.lr={config.optim.lr:g} (it ends at "
+                f"warning: optim.warmup_steps={config.optim.warmup_steps} >= train.steps={tc.steps}: the "
+                f"learning rate never reaches optim.lr={config.optim.lr:g} (it ends at "
                 f"{lr_at(tc.steps - 1, config.optim, tc.steps):.2e}); lower the warm-up or train longer."
             )
         skipped = skipped_checkpoints(ckpt_dir, resumed_from)
         if skipped:
             log(
-                f"warning: {', '.join(skipped)} in {ckpt_dir} has no meta.json (an interrupted save, or a damaged "
-                f"checkpoint) and is not used"
+                f"warning: {', '.join(skipped)} in {ckpt_dir} has no meta.json (an interrupted save, or a "
+                "damaged checkpoint) and is not used"
             )
         if resumed_from:
             log(f"resumed from {resumed_from} at step {start}")
@@ -297,7 +297,8 @@ def _train(config: Config, stop: StopRequest, t_start: float) -> dict:
         rewound = rewind(ckpt_dir, start) if resumed_from and tc.resume_from is not None else []
         if rewound:
             log(
-                f"train.resume_from rewinds the run to step {start}: deleted {', '.join(map(os.path.basename, rewound))}"
+                f"train.resume_from rewinds the run to step {start}: deleted "
+                f"{', '.join(map(os.path.basename, rewound))}"
             )
         # The log holds this run's lineage only: steps past the checkpoint are about to be redone.
         dropped = truncate_metrics(os.path.join(tc.out_dir, "metrics.jsonl"), start)
@@ -439,13 +440,13 @@ def _report(summary: dict, out_dir: str) -> None:
     verdict = "below" if summary["final_loss_mean10"] < summary["unigram_entropy"] else "NOT below"
     if summary["stopped_by"]:
         log(
-            f"stopped by {summary['stopped_by']} after step {summary['last_step']} of {summary['steps']}: checkpoint "
-            f"{summary['checkpoint']} saved; run the same command again to resume."
+            f"stopped by {summary['stopped_by']} after step {summary['last_step']} of {summary['steps']}: "
+            f"checkpoint {summary['checkpoint']} saved; run the same command again to resume."
         )
     log(
-        f"done: steps {summary['start_step'] + 1}-{summary['last_step']} | loss {summary['first_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} the "
-        f"unigram entropy {summary['unigram_entropy']:.4f})"
+        f"done: steps {summary['start_step'] + 1}-{summary['last_step']} | loss {summary['first_loss']:.4f} "
+        f"-> {summary['final_loss']:.4f} (mean of last 10: {summary['final_loss_mean10']:.4f}, {verdict} "
+        f"the unigram entropy {summary['unigram_entropy']:.4f})"
         + (f" | validation loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "")
         + f" | {tps} | {summary['wall_seconds']:.1f} s"
     )
