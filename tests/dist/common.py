@@ -44,6 +44,28 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
     raise ValueError(family)
 
 
+def build_hf_moe(family: str, **config) -> torch.nn.Module:
+    """A tiny transformers mixture of experts -- ``family``: mixtral, qwen3-moe or olmoe -- the
+    same on every call; ``config`` adds to or overrides its config's fields."""
+    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    if family == "mixtral":
+        shape = dict(intermediate_size=24, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+        return MixtralForCausalLM(MixtralConfig(**{**common, **shape, **config}))
+    if family == "qwen3-moe":
+        shape = dict(intermediate_size=48, moe_intermediate_size=24, num_key_value_heads=2, head_dim=8, num_experts=4,
+                     num_experts_per_tok=2, mlp_only_layers=[0])
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**common, **shape, **config}))
+    if family == "olmoe":
+        shape = dict(intermediate_size=16, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4)
+        return OlmoeForCausalLM(OlmoeConfig(**{**common, **shape, **config}))
+    raise ValueError(family)
+
+
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW's eps is 1e-5 (not 1e-8): a gradient element's rounding error d, which differs with
     the order of summation, moves its update by up to lr * d / eps. With eps 1e-6 a d of 6e-9 in

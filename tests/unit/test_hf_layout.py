@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
+from hf_export_checks import check_serial_export, export, logits, tensors_of
 
-from behemoth.hf.export import write_hf
 from behemoth.hf.names import layout_for
 from behemoth.hf.writer import ShardedWriter, parse_size, plan_shards
 
@@ -19,20 +19,6 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 V, S = 96, 16
-
-
-def tensors_of(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of a transformers checkpoint directory: name -> (shape, dtype), from the files."""
-    from safetensors import safe_open
-
-    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
-    out = {}
-    for name in files:
-        with safe_open(os.path.join(directory, name), framework="pt") as f:
-            for k in f.keys():
-                t = f.get_tensor(k)
-                out[k] = (tuple(t.shape), t.dtype)
-    return out
 
 
 def build(family: str) -> torch.nn.Module:
@@ -102,40 +88,10 @@ def reference(family: str, model) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def export(model, out: str, **kw):
-    state = model.state_dict()
-    return write_hf(
-        out,
-        layout=layout_for(model),
-        model_config=model.config,
-        stored={k: (tuple(v.shape), v.dtype) for k, v in state.items()},
-        read=lambda k: state[k].clone(),
-        **kw,
-    )
-
-
-def logits(model, x):
-    with torch.no_grad():
-        out = model(x)
-    return out.logits if hasattr(out, "logits") else out
-
-
 @pytest.mark.parametrize("family", ["gpt", "gpt-untied", "llama", "llama-tied", "hf-gpt2", "hf-llama"])
 def test_export_loads_in_transformers_with_the_same_logits_and_layout(tmp_path, family):
     model = build(family).eval()
-    with torch.no_grad():  # weights far from the init, so every tensor and its layout matters
-        g = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    writer = export(model, str(tmp_path / "out"), max_shard_size="20KB")
-    assert len(writer.files) > 1
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
-    x = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(logits(hf.eval(), x), logits(model, x), atol=1e-5, rtol=1e-4)
-    ref = reference(family, model)
-    ref.save_pretrained(str(tmp_path / "ref"))
-    assert tensors_of(str(tmp_path / "out")) == tensors_of(str(tmp_path / "ref"))
+    writer, _ = check_serial_export(model, reference(family, model), tmp_path, V, S)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == writer.files
     assert index["metadata"]["total_size"] == sum((tmp_path / "out" / f).stat().st_size for f in writer.files) - sum(
