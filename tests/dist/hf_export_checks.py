@@ -56,12 +56,54 @@ def export(model, out: str, **kw):
     )
 
 
+def transformers_twin(model) -> torch.nn.Module:
+    """transformers' own model of ``model``'s shape, configured by hand here (not from the export's
+    config.json): GPT-2 for behemoth's GPT, Llama for its Llama, Mixtral for its Llama with
+    experts; a transformers model is its own twin."""
+    import transformers
+
+    from behemoth.models import GPTConfig, LlamaConfig
+
+    c = model.config
+    if isinstance(c, GPTConfig):
+        cfg = transformers.GPT2Config(
+            vocab_size=c.vocab_size,
+            n_positions=c.seq_len,
+            n_embd=c.hidden,
+            n_layer=c.num_layers,
+            n_head=c.num_heads,
+            activation_function="gelu_new",
+            tie_word_embeddings=c.tie_embeddings,
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    if not isinstance(c, LlamaConfig):
+        return model
+    shape = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        max_position_embeddings=c.seq_len,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    if c.num_experts:
+        cfg = transformers.MixtralConfig(
+            **shape,
+            intermediate_size=c.expert_ffn_hidden,
+            num_local_experts=c.num_experts,
+            num_experts_per_tok=c.experts_top_k,
+        )
+        return transformers.MixtralForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, intermediate_size=c.resolved_ffn_hidden))
+
+
 def check_serial_export(model, reference, root, vocab: int, seq: int):
     """``model``'s weights moved far from the init (so every tensor, and which is which, matters),
     then exported to ``root/out`` in shards of 20KB: more than one file, loading with no missing,
     unexpected or mismatched tensor to ``model``'s logits on ids below ``vocab``, holding the
-    tensors that ``reference`` (transformers' own model of that shape, configured by hand, or
-    ``model`` itself) saves to ``root/ref``. Returns the writer and the loaded model."""
+    tensors that ``reference`` (:func:`transformers_twin`) saves to ``root/ref``. Returns the writer
+    and the loaded model."""
     import transformers
 
     with torch.no_grad():

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from hf_export_checks import check_serial_export, export, logits, tensors_of
+from hf_export_checks import check_serial_export, export, logits, tensors_of, transformers_twin
 
 from behemoth.hf.names import layout_for
 from behemoth.hf.writer import ShardedWriter, parse_size, plan_shards
@@ -59,39 +59,10 @@ def build(family: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def reference(family: str, model) -> torch.nn.Module:
-    """transformers' own model of the same weights, configured by hand (not from the export)."""
-    if family.startswith("hf-"):
-        return model
-    c = model.config
-    if family.startswith("gpt"):
-        cfg = transformers.GPT2Config(
-            vocab_size=V,
-            n_positions=S,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            activation_function="gelu_new",
-            tie_word_embeddings=c.tie_embeddings,
-        )
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=c.resolved_ffn_hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=S,
-        tie_word_embeddings=c.tie_embeddings,
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("family", ["gpt", "gpt-untied", "llama", "llama-tied", "hf-gpt2", "hf-llama"])
 def test_export_loads_in_transformers_with_the_same_logits_and_layout(tmp_path, family):
     model = build(family).eval()
-    writer, _ = check_serial_export(model, reference(family, model), tmp_path, V, S)
+    writer, _ = check_serial_export(model, transformers_twin(model), tmp_path, V, S)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == writer.files
     assert index["metadata"]["total_size"] == sum((tmp_path / "out" / f).stat().st_size for f in writer.files) - sum(

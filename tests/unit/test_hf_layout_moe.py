@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from common import build_hf_moe
-from hf_export_checks import check_serial_export
+from hf_export_checks import check_serial_export, transformers_twin
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -40,27 +40,8 @@ def build(family: str) -> torch.nn.Module:
     return build_hf_moe(family.removeprefix("hf-"))
 
 
-def mixtral_of(model) -> torch.nn.Module:
-    """transformers' Mixtral for behemoth's Llama with experts, configured by hand (not from the export)."""
-    c = model.config
-    cfg = transformers.MixtralConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=c.expert_ffn_hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=S,
-        num_local_experts=c.num_experts,
-        num_experts_per_tok=c.experts_top_k,
-        tie_word_embeddings=c.tie_embeddings,
-    )
-    return transformers.MixtralForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_export_loads_in_transformers_with_the_same_logits_and_layout(tmp_path, family):
     model = build(family).eval()
-    reference = mixtral_of(model) if family == "llama-moe" else model
-    _, hf = check_serial_export(model, reference, tmp_path, V, S)
+    _, hf = check_serial_export(model, transformers_twin(model), tmp_path, V, S)
     assert type(hf).__name__ == ("MixtralForCausalLM" if family == "llama-moe" else type(model).__name__)
