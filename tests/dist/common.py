@@ -181,14 +181,28 @@ def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_gr
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
-def train_steps(engine, batches: list[dict]) -> tuple[list[float], list[float]]:
+def train_steps(engine, batches: list[dict], after_step=None) -> tuple[list[float], list[float]]:
     """``engine.step`` on this rank's share of each global batch: ``(losses, grad norms)``, the
-    norm read after each step (``engine.last_grad_norm``, on every rank)."""
+    norm read after each step (``engine.last_grad_norm``, on every rank). ``after_step(i)``, when
+    given, runs after step ``i`` (a check of that step's state)."""
     losses, norms = [], []
-    for b in batches:
+    for i, b in enumerate(batches):
         losses.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
         norms.append(float(engine.last_grad_norm))
+        if after_step is not None:
+            after_step(i)
     return losses, norms
+
+
+def train_steps_dropping_as_serial(engine, batches: list[dict], want_counts, what: str = ""):
+    """:func:`train_steps`, and after each step every block's expert token and drop counts
+    (``mlp.token_counts``, ``mlp.dropped_counts``) equal the serial model's ``want_counts[step]``."""
+
+    def check(step: int) -> None:
+        got = [(l.mlp.token_counts.tolist(), l.mlp.dropped_counts.tolist()) for l in engine.model.layers]
+        assert got == want_counts[step], (what, step, got, want_counts[step])  # the serial model's drops
+
+    return train_steps(engine, batches, after_step=check)
 
 
 def assert_grad_norms_close(got, want, rtol=1e-4, what: str = "") -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import behemoth as bh
 
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard,
-                    train_steps)
+from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps,
+                    train_steps_dropping_as_serial)
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
 from test_expert_routing import adamw, build as build_routed, serial_run as serial_routed_run
 
@@ -38,12 +38,7 @@ def _context_world(rank: int, world: int) -> None:
         what = f"{name} dp=2 cp=2 ({mode}) ep=2"
         model = build_routed(name)
         engine = bh.boost(model, adamw(model), bh.Plan(dp=2, cp=2, cp_mode=mode, ep=2), max_grad_norm=1.0)
-        losses, norms = [], []
-        for step, b in enumerate(batches):
-            losses.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
-            norms.append(engine.last_grad_norm)
-            got = [(l.mlp.token_counts.tolist(), l.mlp.dropped_counts.tolist()) for l in engine.model.layers]
-            assert got == want[3][step], (what, step, got, want[3][step])  # the serial model's drops
+        losses, norms = train_steps_dropping_as_serial(engine, batches, want[3], what)
         assert_losses_close(losses, want[0], what=what)
         assert_grad_norms_close(norms, want[2], what=what)
         assert_state_close(engine.full_state_dict(), want[1], what=what)

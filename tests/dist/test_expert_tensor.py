@@ -13,7 +13,7 @@ import torch
 import behemoth as bh
 
 from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error, global_batches,
-                    shard, train_steps)
+                    train_steps, train_steps_dropping_as_serial)
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
 from test_expert_routing import adamw as routed_adamw, build as build_routed, serial_run as serial_routed_run
@@ -66,12 +66,7 @@ def _tensor_world(rank: int, world: int) -> None:
     model = build_routed(name)
     plan = bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True, microbatches=2, activation_checkpointing=True)
     engine = bh.boost(model, routed_adamw(model), plan, max_grad_norm=1.0)
-    losses, norms = [], []
-    for step, b in enumerate(batches):
-        losses.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
-        norms.append(engine.last_grad_norm)
-        got = [(l.mlp.token_counts.tolist(), l.mlp.dropped_counts.tolist()) for l in engine.model.layers]
-        assert got == want[3][step], (what, step, got, want[3][step])  # the serial model's drops
+    losses, norms = train_steps_dropping_as_serial(engine, batches, want[3], what)
     assert_losses_close(losses, want[0], what=what)
     assert_grad_norms_close(norms, want[2], what=what)
     assert_state_close(engine.full_state_dict(), want[1], what=what)
