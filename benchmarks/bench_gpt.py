@@ -54,6 +54,12 @@ def main() -> None:
         action="store_true",
         help="tie input/output embeddings (off by default: peer_baseline.py's model is untied)",
     )
+    p.add_argument(
+        "--ledger",
+        action="store_true",
+        help="after timing: one more step's wire bytes per axis (the comm ledger) beside "
+        "planner/axis_traffic.py's prediction for this rank",
+    )
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage (Plan.zero)")
     p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="Plan.offload")
     p.add_argument("--chunk-mb", type=float, default=None, help="Plan.chunk_mb (default: searched)")
@@ -177,6 +183,7 @@ def main_run(a) -> None:
                 )
     if a.profile and dev.type == "cuda":
         profile_steps(engine, batch, a.profile, rank, a.trace)
+    ledger = ledger_vs_planner(engine, model, batch, a) if a.ledger else None
     warm = times[3:] or times
     dt = sorted(warm)[len(warm) // 2]
     tok_per_gpu = a.mbs * a.seq / dt / a.tp  # mbs sequences per dp rank, shared by its tp ranks
@@ -202,6 +209,8 @@ def main_run(a) -> None:
             loss=round(loss, 3),
             comm={k: v["seconds"] for k, v in engine.comm_stats().items()},
         )
+        if ledger is not None:
+            r["ledger_bytes"], r["planner_bytes"] = ledger
         if zero is not None:
             gib = lambda d: {k: round(v / 2**30, 2) for k, v in d.items()}  # noqa: E731
             r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
@@ -214,6 +223,27 @@ def main_run(a) -> None:
             print(_placement(zero).explain(), flush=True)
         print("RESULT " + json.dumps(r), flush=True)
     torch.distributed.destroy_process_group()
+
+
+def ledger_vs_planner(engine, model, batch, a) -> tuple[dict, dict]:
+    """One step's wire bytes per axis as the comm ledger booked them on this rank (the tp axes
+    summed), and what ``step_traffic`` predicts for the same rank, plan and global batch. The step
+    also sums the gradient norm's square over the tensor-parallel group (one fp32 all-reduce:
+    ``2 (tp - 1) / tp * 4`` bytes) that ``step_traffic``, a forward and backward's bytes, leaves out."""
+    from behemoth.planner.axis_traffic import step_traffic
+    from behemoth.planner.workload import workload_for
+
+    engine.reset_comm_stats()
+    engine.step(batch)
+    got: dict[str, int] = {}
+    for axis, st in engine.comm_stats().items():
+        key = "tp" if axis.startswith("tp") else axis
+        got[key] = got.get(key, 0) + int(st["wire_bytes"])
+    plan, mesh = engine.plan, engine.mesh
+    w = workload_for(model, seq_len=a.seq, global_batch=a.mbs * plan.dp)
+    diagonal = plan.tp_mode in ("2d", "2.5d") and plan.tp > 1 and mesh.coord("tp_row") == mesh.coord("tp_col")
+    want = {k: int(v) for k, v in step_traffic(plan, w, diagonal=diagonal).items()}
+    return got, want
 
 
 def profile_steps(engine, batch, steps: int, rank: int, trace: str | None = None) -> None:
