@@ -229,6 +229,19 @@ def assert_losses_close(got, want, rtol=1e-4, atol=1e-6, what: str = "") -> None
         assert abs(a - b) <= atol + rtol * abs(b), f"{what}: step {i} loss {a} != serial {b}"
 
 
+def check_last_complete_checkpoint(root: str, engine, name: str, batches: list[dict], what: str, **serial) -> None:
+    """The newest complete checkpoint under ``root`` is ``name``, and ``engine`` loaded from it holds
+    the serial GPT trained on ``batches`` (AdamW, gradients clipped at 1.0; ``serial``: more of
+    :func:`serial_train`'s options)."""
+    from behemoth.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(root)
+    assert path is not None and path.endswith(name), path
+    engine.load(path)
+    _, want = serial_train("gpt", "adamw", batches, max_grad_norm=1.0, **serial)
+    assert_state_close(engine.full_state_dict(), want, what=what)
+
+
 def expect_error(fn, *needles, kind=ValueError) -> None:
     """``fn()`` must raise ``kind`` whose message contains every needle."""
     try:

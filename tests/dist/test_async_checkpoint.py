@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import assert_state_close, build, global_batches, make_optimizer, serial_train, shard
+from common import (assert_state_close, build, check_last_complete_checkpoint, global_batches, make_optimizer,
+                    serial_train, shard)
 
 BATCH = 8
 PLANS = {
@@ -116,12 +117,8 @@ def _killed_world(rank, world, root):
 
 
 def _survivor_world(rank, world, root):
-    path = ckpt.latest_checkpoint(root)
-    assert path is not None and path.endswith("step-1"), path
-    eng = _engine(PLANS["dp2"], dropout=0.0)
-    eng.load(path)
-    _, want = serial_train("gpt", "adamw", global_batches(1, BATCH), max_grad_norm=1.0)
-    assert_state_close(eng.full_state_dict(), want, what="last complete checkpoint")
+    engine = _engine(PLANS["dp2"], dropout=0.0)
+    check_last_complete_checkpoint(root, engine, "step-1", global_batches(1, BATCH), "last complete checkpoint")
 
 
 def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path):

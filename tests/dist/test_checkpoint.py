@@ -11,7 +11,8 @@ import torch
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import assert_losses_close, assert_state_close, build, global_batches, make_optimizer, serial_train, shard
+from common import (assert_losses_close, assert_state_close, build, check_last_complete_checkpoint, global_batches,
+                    make_optimizer, serial_train, shard)
 
 BATCH = 8
 
@@ -94,13 +95,7 @@ def _killed_save_world(rank, world, root):
 
 
 def _check_survivor_world(rank, world, root):
-    batches = global_batches(2, BATCH)
-    path = ckpt.latest_checkpoint(root)
-    assert path.endswith("step-2"), path
-    eng = _engine(world)
-    eng.load(path)
-    _, want = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
-    assert_state_close(eng.full_state_dict(), want, what="last good checkpoint")
+    check_last_complete_checkpoint(root, _engine(world), "step-2", global_batches(2, BATCH), "last good checkpoint")
 
 
 def test_killed_save_leaves_last_good_checkpoint(tmp_path):

@@ -14,7 +14,8 @@ import torch
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import assert_state_close, build, global_batches, make_optimizer, serial_train, shard
+from common import (assert_state_close, build, check_last_complete_checkpoint, global_batches, make_optimizer,
+                    serial_train, shard)
 
 BATCH = 8
 
@@ -113,12 +114,8 @@ def _killed_world(rank, world, root):
 
 
 def _survivor_world(rank, world, root):
-    path = ckpt.latest_checkpoint(root)
-    assert path is not None and path.endswith("step-1"), path
-    eng = _engine()
-    eng.load(path)
-    _, want = serial_train("gpt", "adamw", global_batches(1, BATCH), max_grad_norm=1.0, num_layers=4)
-    assert_state_close(eng.full_state_dict(), want, what="last complete checkpoint")
+    batches = global_batches(1, BATCH)
+    check_last_complete_checkpoint(root, _engine(), "step-1", batches, "last complete checkpoint", num_layers=4)
 
 
 def test_a_kill_while_several_threads_write_keeps_the_previous_checkpoint(tmp_path):
