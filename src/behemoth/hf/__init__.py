@@ -4,7 +4,8 @@
   ``generation_config.json``, sharded ``.safetensors`` with their index and the run's tokenizer
   files, streamed tensor by tensor; ``AutoModelForCausalLM.from_pretrained(OUT)`` loads them.
 * ``bh.load_hf(engine_or_model, DIR)`` (:mod:`.load`): each rank reads only its slices of a
-  transformers checkpoint; ``model_from_hf(DIR)`` builds the matching serial model.
+  transformers checkpoint (an expert-parallel rank only its experts: :mod:`.experts`);
+  ``model_from_hf(DIR)`` builds the matching serial model.
 
 Name and layout maps per family live in :mod:`.names`, configs in :mod:`.configs`.
 Export needs no extra package; import reads with ``safetensors`` (``pip install 'behemoth[hf]'``).

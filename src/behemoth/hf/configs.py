@@ -5,8 +5,9 @@
 ``MixtralForCausalLM`` (same math: GPT-2's tanh GELU is transformers' ``gelu_new``; Llama's
 rotate-half RoPE with ``rope_theta``; Mixtral's softmax router, top-k weights renormalised); a transformers model's
 own config is written as it is. :func:`behemoth_config` reads such a ``config.json`` back into a
-behemoth ``GPTConfig`` / ``LlamaConfig``, refusing what behemoth's models do not compute
-(another activation, rope scaling, biases in Llama).
+behemoth ``GPTConfig`` / ``LlamaConfig`` (a Mixtral one into a ``LlamaConfig`` with experts),
+refusing what behemoth's models do not compute (another activation, rope scaling, biases in
+Llama, Mixtral's router jitter or a sliding window shorter than the context).
 
 Plain dicts, no transformers import: written as transformers 4.x writes them (``torch_dtype``,
 ``rope_theta``), which transformers 5 reads too.
@@ -109,11 +110,15 @@ def _need(cfg: dict, key: str, ok, fix: str) -> None:
 
 
 def behemoth_config(cfg: dict, *, seed: int = 0):
-    """behemoth's ``GPTConfig`` / ``LlamaConfig`` for a transformers ``config.json`` (as a dict)."""
+    """behemoth's ``GPTConfig`` / ``LlamaConfig`` for a transformers ``config.json`` (as a dict):
+    GPT-2, Llama, or Mixtral (a ``LlamaConfig`` with experts in every block)."""
     from behemoth.models import GPTConfig, LlamaConfig
 
     kind = cfg.get("model_type")
-    fix = "load it into the transformers model instead (bh.boost runs transformers' GPT-2 and Llama too)."
+    fix = (
+        "load it into the transformers model instead (behemoth.hf.model_from_hf(path, transformers=True); bh.boost "
+        "runs transformers' GPT-2, Llama, Mixtral, Qwen3-MoE and OLMoE too)."
+    )
     if kind == "gpt2":
         _need(cfg, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), fix)
         for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
@@ -132,7 +137,7 @@ def behemoth_config(cfg: dict, *, seed: int = 0):
             norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
             seed=seed,
         )
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         _need(cfg, "hidden_act", lambda v: v == "silu", fix)
         _need(cfg, "attention_bias", lambda v: not v, fix)
         _need(cfg, "mlp_bias", lambda v: not v, fix)
@@ -141,6 +146,17 @@ def behemoth_config(cfg: dict, *, seed: int = 0):
         _need(rope, "rope_type", lambda v: v == "default", fix)
         heads = cfg["num_attention_heads"]
         _need(cfg, "head_dim", lambda v: v is None or v == cfg["hidden_size"] // heads, fix)
+        experts = {}
+        if kind == "mixtral":  # softmax router, top-k weights renormalised (behemoth's defaults)
+            seq = cfg.get("max_position_embeddings", 2048)
+            _need(cfg, "router_jitter_noise", lambda v: not v, fix)
+            _need(cfg, "sliding_window", lambda v: v is None or v >= seq, fix)
+            experts = dict(
+                num_experts=cfg["num_local_experts"],
+                experts_top_k=cfg["num_experts_per_tok"],
+                expert_ffn_hidden=cfg["intermediate_size"],
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+            )
         return LlamaConfig(
             vocab_size=cfg["vocab_size"],
             seq_len=cfg.get("max_position_embeddings", 2048),
@@ -153,8 +169,9 @@ def behemoth_config(cfg: dict, *, seed: int = 0):
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             seed=seed,
+            **experts,
         )
     raise ValueError(
-        f"config.json has model_type={kind!r}; behemoth builds its own models from 'gpt2' and 'llama' checkpoints "
-        f"only ({fix})"
+        f"config.json has model_type={kind!r}; behemoth builds its own models from 'gpt2', 'llama' and 'mixtral' "
+        f"checkpoints only ({fix})"
     )

@@ -24,7 +24,9 @@ Experts. behemoth and transformers 5 hold each MoE block's experts fused, ``gate
 ``save_pretrained`` writes them one tensor per expert, as the families' published checkpoints
 hold them: Mixtral ``experts.e.w1`` (gate), ``w3`` (up), ``w2`` (down); Qwen3-MoE and OLMoE
 ``experts.e.gate_proj``, ``up_proj``, ``down_proj``. :meth:`Layout.targets` splits a fused
-tensor into those (:attr:`HFTensor.expert`, :attr:`HFTensor.chunk`).
+tensor into those (:attr:`HFTensor.expert`, :attr:`HFTensor.chunk`); an import reads them back
+(:mod:`.experts`), or the fused tensor itself where a checkpoint holds it (:meth:`Layout.fused_source`:
+``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``, the names of transformers 5's modules).
 
 The embedding and the head have the vocabulary on dim 0, so a padded vocabulary is trimmed
 there on export. With tied embeddings transformers stores the tensor once, under the
@@ -136,6 +138,13 @@ _HF_MIXTRAL_EXPERTS = (
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", _LLAMA_MOE_EXPERTS[1][1]),
 )
 _HF_EXPERTS = r"model.layers.\1.mlp.experts.{e}"
+# names under transformers 5's own modules (experts fused, Mixtral's block as ``mlp``), where a checkpoint
+# written without save_pretrained's per-expert conversion holds them (transformers' from_pretrained reads both)
+_LLAMA_MOE_FUSED = (
+    (r"layers\.(\d+)\.mlp\.(gate_up_proj|down_proj)", r"model.layers.\1.mlp.experts.\2"),
+    (r"layers\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+)
+_HF_MOE_FUSED = ((r"(model\.layers\.\d+\.mlp\.(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight))", r"\1"),)
 _HF_MOE_EXPERTS = (  # Qwen3-MoE, OLMoE
     (
         r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
@@ -164,6 +173,11 @@ class Layout:
     experts: tuple = ()
     """``(pattern, templates)`` per fused expert tensor: each expert e (``{e}`` in a template)
     becomes one tensor per template, the expert's rows cut in ``len(templates)`` chunks."""
+    fused: tuple = ()
+    """``(pattern, template)``: behemoth's tensor's name in a checkpoint written under transformers
+    5's own module names (the experts fused ``[E, ...]`` as behemoth holds them, Mixtral's router
+    as ``mlp.gate``), where it differs from what ``save_pretrained`` writes; an import reads it
+    there when the checkpoint holds that name."""
 
     def targets(self, name: str, shape: tuple[int, ...]) -> list[HFTensor]:
         """The transformers tensors behemoth's tensor ``name`` (of ``shape``) is written as: one,
@@ -182,14 +196,26 @@ class Layout:
                 ]
         return [self.tensor(name)]
 
+    def is_experts(self, name: str) -> bool:
+        """Whether behemoth's tensor ``name`` holds every expert of a mixture-of-experts block."""
+        return any(re.fullmatch(pattern, name) for pattern, _ in self.experts)
+
+    def fused_source(self, name: str) -> str | None:
+        """behemoth's tensor ``name`` under transformers 5's module names (:attr:`fused`; a fused
+        expert tensor held whole, ``[E, ...]``), or None when the family has no other name for it."""
+        for pattern, template in self.fused:
+            if re.fullmatch(pattern, name):
+                return re.sub(pattern, template, name)
+        return None
+
     def tensor(self, name: str) -> HFTensor:
         """Where behemoth's tensor ``name`` goes; a ValueError for a tensor the family lacks
         (or a fused expert tensor, which goes to many: :meth:`targets`)."""
         if any(re.fullmatch(pattern, name) for pattern, _ in self.experts):
             raise ValueError(
                 f"tensor {name!r} holds every expert of a mixture-of-experts block, which transformers' "
-                f"{self.architecture} checkpoints store one tensor per expert; reading such checkpoints into "
-                f"behemoth is not supported (exporting them is: behemoth.hf.export)."
+                f"{self.architecture} checkpoints store one tensor per expert: Layout.targets lists them (export "
+                f"writes them, behemoth.hf.experts reads them back)."
             )
         if self.rules is None:
             vocab = 0 if name in (self.embedding, self.head) else None
@@ -247,6 +273,7 @@ def layout_for_config(config) -> Layout:
                 config.tie_embeddings,
                 _LLAMA_MOE_RULES,
                 experts=_LLAMA_MOE_EXPERTS,
+                fused=_LLAMA_MOE_FUSED,
             )
         return Layout("LlamaForCausalLM", "llama", "embed.weight", config.tie_embeddings, _LLAMA_RULES)
     model_type = getattr(config, "model_type", None)
@@ -259,9 +286,19 @@ def layout_for_config(config) -> Layout:
         )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if model_type == "mixtral":
-        return Layout(arch, model_type, _HF_EMBEDDINGS[arch], tied, _HF_MIXTRAL_RULES, experts=_HF_MIXTRAL_EXPERTS)
+        return Layout(
+            arch,
+            model_type,
+            _HF_EMBEDDINGS[arch],
+            tied,
+            _HF_MIXTRAL_RULES,
+            experts=_HF_MIXTRAL_EXPERTS,
+            fused=_HF_MOE_FUSED,
+        )
     if model_type in ("qwen3_moe", "olmoe"):
-        return Layout(arch, model_type, _HF_EMBEDDINGS[arch], tied, _HF_MOE_RULES, experts=_HF_MOE_EXPERTS)
+        return Layout(
+            arch, model_type, _HF_EMBEDDINGS[arch], tied, _HF_MOE_RULES, experts=_HF_MOE_EXPERTS, fused=_HF_MOE_FUSED
+        )
     return Layout(arch, model_type, _HF_EMBEDDINGS[arch], tied)
 
 
