@@ -205,42 +205,19 @@ def _disk_probe(engine, a, nbytes: int, threads: int | None) -> float:
     """Seconds for every rank to write its share of ``nbytes`` from its host buffers with plain
     threaded writes and an fsync per file (the save's threads, 8 by default): what the disk allows."""
     import torch
+    from checkpoint_write import raw_write_seconds
 
     import behemoth as bh
 
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    world = torch.distributed.get_world_size()
     buffers = [b.view(-1).view(torch.uint8) for b in engine._saver._snapshot._buffers.values()]
     flat = max(buffers, key=lambda b: b.numel())
     share = min(nbytes // world, flat.numel())
-    n = threads or 8
     root = os.path.join(a.dir, "disk-probe")
-    os.makedirs(root, exist_ok=True)
-
-    def write(i: int) -> None:
-        part = share // n
-        view = memoryview(flat[i * part : (i + 1) * part].numpy())
-        fd = os.open(os.path.join(root, f"{rank}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done : done + (64 << 20)])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    torch.distributed.barrier()
-    t = time.perf_counter()
-    pool = [threading.Thread(target=write, args=(i,)) for i in range(n)]
-    for p in pool:
-        p.start()
-    for p in pool:
-        p.join()
-    dev = bh.distributed.device_for_rank()  # NCCL reduces device tensors only
-    seconds = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=dev)
-    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    seconds = raw_write_seconds(flat[:share], root, threads or 8, bh.distributed.device_for_rank())
     torch.distributed.barrier()
     shutil.rmtree(root, ignore_errors=True)
-    return float(seconds.item()) * nbytes / (share * world)  # scaled to the checkpoint's bytes
+    return seconds * nbytes / (share * world)  # scaled to the checkpoint's bytes
 
 
 def run_stall(a, work: str) -> dict | None:

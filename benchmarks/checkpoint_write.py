@@ -62,6 +62,41 @@ def gpt_like_state(total_bytes: int, hidden: int = 1024) -> dict:
     return out
 
 
+def raw_write_seconds(data, directory: str, threads: int, device=None) -> float:
+    """Seconds, the slowest rank's, for every rank to write its ``data`` (a CPU uint8 tensor) into
+    ``threads`` files of ``directory`` with plain threaded writes and an fsync per file: the disk's
+    own speed, with a save's fsyncs. Collective over the world; ``device``: where the seconds are
+    reduced (NCCL reduces device tensors only)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    part = data.numel() // threads
+    os.makedirs(directory, exist_ok=True)
+
+    def write(i: int) -> None:
+        view = memoryview(data[i * part : (i + 1) * part].numpy())
+        fd = os.open(os.path.join(directory, f"{rank}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done : done + (64 << 20)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    dist.barrier()
+    t = time.perf_counter()
+    pool = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for p in pool:
+        p.start()
+    for p in pool:
+        p.join()
+    seconds = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item())
+
+
 def _cpu_seconds() -> float:
     """User and system CPU seconds of this process, all its threads (what the write costs the host,
     however busy the machine is)."""
@@ -137,31 +172,9 @@ def _worker(rank, world, a, results):
             shutil.rmtree(os.path.dirname(path))
         dist.barrier()
     if a.raw:  # the disk's own speed: this rank's share of the same bytes, plain threaded writes and fsyncs
-        threads = a.threads or 8
         flat = torch.cat([t.reshape(-1) for t in state.values()]).view(torch.uint8)
         share = flat.numel() // world
-        mine = flat[rank * share : (rank + 1) * share]
-        os.makedirs(os.path.join(a.dir, "raw"), exist_ok=True)
-
-        def write(i):
-            fd = os.open(os.path.join(a.dir, "raw", f"{rank}_{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            part = share // threads
-            view = memoryview(mine[i * part : (i + 1) * part].numpy())
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done : done + (64 << 20)])
-            os.fsync(fd)
-            os.close(fd)
-
-        dist.barrier()
-        t = time.perf_counter()
-        pool = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
-        for p in pool:
-            p.start()
-        for p in pool:
-            p.join()
-        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = raw_write_seconds(flat[rank * share : (rank + 1) * share], os.path.join(a.dir, "raw"), a.threads or 8)
         if rank == 0:
             shutil.rmtree(os.path.join(a.dir, "raw"))
             raw = {"raw_s": round(float(dt), 3), "raw_GBps": round(share * world / float(dt) / 1e9, 3)}
