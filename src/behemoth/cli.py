@@ -254,7 +254,8 @@ def cmd_scale(a) -> int:
 def _generation_plan(overrides: list[str]):
     """``--plan.key=value`` options as a Plan (any other section is an error)."""
     import behemoth as bh
-    from behemoth.train.config import ConfigError, parse_overrides
+    from behemoth.train.config import parse_overrides
+    from behemoth.train.config_sections import ConfigError
 
     parsed = parse_overrides(overrides)
     other = sorted(set(parsed) - {"plan"})

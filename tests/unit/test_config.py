@@ -9,17 +9,8 @@ import os
 import pytest
 
 from behemoth import Plan
-from behemoth.train.config import (
-    Config,
-    ConfigError,
-    DataSection,
-    ModelSection,
-    OptimSection,
-    TrainSection,
-    format_config,
-    load_config,
-    parse_overrides,
-)
+from behemoth.train.config import Config, format_config, load_config, parse_overrides
+from behemoth.train.config_sections import ConfigError, DataSection, ModelSection, OptimSection, TrainSection
 from behemoth.train.trainer import lr_at
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

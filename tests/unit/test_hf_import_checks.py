@@ -12,7 +12,7 @@ import torch
 
 from behemoth.hf import load_hf, model_from_hf
 from behemoth.hf.configs import behemoth_config
-from behemoth.train.config import ConfigError
+from behemoth.train.config_sections import ConfigError
 from behemoth.train.run_dir import load_weights
 
 transformers = pytest.importorskip("transformers")

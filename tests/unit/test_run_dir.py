@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from behemoth.train.config import ConfigError, TrainSection, load_config
+from behemoth.train.config import load_config
+from behemoth.train.config_sections import ConfigError, TrainSection
 from behemoth.train.metrics import format_count, format_duration, format_step
 from behemoth.train.run_dir import (
     check_out_dir,

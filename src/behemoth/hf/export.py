@@ -168,7 +168,7 @@ def export_checkpoint(
     "vocab_size", "peak_bytes"}``."""
     from behemoth.checkpoint import latest_checkpoint
     from behemoth.models import build_config
-    from behemoth.train.config import TOKENIZER_VOCAB
+    from behemoth.train.config_sections import TOKENIZER_VOCAB
 
     if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
         newest = latest_checkpoint(os.path.join(checkpoint, "checkpoints"))
@@ -238,7 +238,7 @@ def save_engine_hf(
     if tokenizer not in (None, "byte", "gpt2"):
         raise ValueError(f"tokenizer={tokenizer!r}: must be 'gpt2', 'byte' or None (no tokenizer files).")
     if tokenizer is not None and eos_token_id is None:
-        from behemoth.train.config import TOKENIZER_VOCAB
+        from behemoth.train.config_sections import TOKENIZER_VOCAB
 
         eos_token_id = TOKENIZER_VOCAB[tokenizer] - 1  # both tokenizers' end-of-text id is their last
     if bos_token_id is None:

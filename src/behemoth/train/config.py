@@ -34,7 +34,6 @@ from behemoth.train.config_sections import (
     DataSection,
     ModelSection,
     OptimSection,
-    PlanSection,
     TrainSection,
     is_int,
     is_number,
@@ -47,13 +46,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = [
-    "ConfigError",
-    "ModelSection",
-    "DataSection",
-    "OptimSection",
-    "PlanSection",
-    "TrainSection",
-    "TOKENIZER_VOCAB",
     "Config",
     "load_config",
     "parse_overrides",

@@ -210,7 +210,7 @@ def check_wandb(train) -> None:
     try:
         import wandb  # noqa: F401
     except ImportError as e:
-        from behemoth.train.config import ConfigError
+        from behemoth.train.config_sections import ConfigError
 
         raise ConfigError(
             f"train.wandb_project={train.wandb_project!r} logs to Weights & Biases, but wandb cannot be imported "

@@ -28,7 +28,8 @@ import os
 import re
 import shutil
 
-from behemoth.train.config import Config, ConfigError, TrainSection
+from behemoth.train.config import Config
+from behemoth.train.config_sections import ConfigError, TrainSection
 
 __all__ = [
     "RUN_FILES",

@@ -20,7 +20,8 @@ import torch
 import behemoth as bh
 from behemoth.checkpoint import latest_checkpoint
 from behemoth.models import build_model
-from behemoth.train.config import Config, ConfigError
+from behemoth.train.config import Config
+from behemoth.train.config_sections import ConfigError
 from behemoth.train.run_dir import load_weights
 from behemoth.train.tokenizer import Tokenizer, get_tokenizer
 

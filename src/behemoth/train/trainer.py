@@ -31,7 +31,8 @@ from behemoth import comm
 from behemoth.checkpoint import latest_checkpoint
 from behemoth.launcher import write_status
 from behemoth.models import build_model
-from behemoth.train.config import Config, DataSection, OptimSection, format_config
+from behemoth.train.config import Config, format_config
+from behemoth.train.config_sections import DataSection, OptimSection
 from behemoth.train.data import BatchSampler
 from behemoth.train.dataset import TokenDataset, check_vocab, default_corpus_text, unigram_entropy
 from behemoth.train.evaluate import Validation, split_held_out
