@@ -52,30 +52,8 @@ def hf_config(model_config, layout, *, vocab_size: int, dtype: torch.dtype, bos:
             "attn_pdrop": c.dropout,
             "initializer_range": 0.02,
         }
-    if isinstance(c, LlamaConfig) and c.num_experts:
-        return {
-            **common,
-            "hidden_size": c.hidden,
-            "intermediate_size": c.expert_ffn_hidden or c.resolved_ffn_hidden,
-            "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
-            "max_position_embeddings": c.seq_len,
-            "rms_norm_eps": c.norm_eps,
-            "rope_theta": c.rope_theta,
-            "hidden_act": "silu",
-            "num_local_experts": c.num_experts,
-            "num_experts_per_tok": c.experts_top_k,
-            "router_aux_loss_coef": c.router_aux_loss_coef,
-            "router_jitter_noise": 0.0,
-            "output_router_logits": False,
-            "sliding_window": None,
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-        }
     if isinstance(c, LlamaConfig):
-        return {
+        llama = {
             **common,
             "hidden_size": c.hidden,
             "intermediate_size": c.resolved_ffn_hidden,
@@ -86,12 +64,21 @@ def hf_config(model_config, layout, *, vocab_size: int, dtype: torch.dtype, bos:
             "max_position_embeddings": c.seq_len,
             "rms_norm_eps": c.norm_eps,
             "rope_theta": c.rope_theta,
-            "rope_scaling": None,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
+        }
+        if not c.num_experts:
+            return {**llama, "rope_scaling": None, "attention_bias": False, "mlp_bias": False}
+        return {  # Mixtral: every MLP a mixture of experts of that width
+            **llama,
+            "intermediate_size": c.expert_ffn_hidden or c.resolved_ffn_hidden,
+            "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.experts_top_k,
+            "router_aux_loss_coef": c.router_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "sliding_window": None,
         }
     out = c.to_dict()  # a transformers config: its own fields, as its version writes them
     out.update(architectures=[layout.architecture], vocab_size=vocab_size)
