@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from common import expect_error, make_optimizer
 
 import behemoth as bh
 from behemoth.hf import load_hf, model_from_hf
-from common import expect_error, make_optimizer
+from behemoth.hf.load import HFCheckpoint
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 V, S, WORLD = 96, 16, 4
+NUM_EXPERTS = {"mixtral": 4, "qwen3-moe": 4, "olmoe": 8}
 PLANS = {
     "mixtral": (
         ("ep2-tp2", bh.Plan(dp=2, ep=2, tp=2)),
@@ -38,16 +41,17 @@ PLANS = {
     "qwen3-moe": (
         ("ep2-tp2", bh.Plan(dp=2, ep=2, tp=2)),
         ("dp2-ep2-zero3", bh.Plan(dp=4, ep=2, zero=3)),
+        ("ep2-cp2", bh.Plan(dp=2, ep=2, cp=2)),
     ),
     # OLMoE's q/k norms span every head: no tensor parallelism for it (refused, checked below)
     "olmoe": (
         ("dp2-ep2", bh.Plan(dp=4, ep=2)),
-        ("ep4-zero3", bh.Plan(dp=4, ep=4, zero=3)),
+        ("ep4-zero3-offload", bh.Plan(dp=4, ep=4, zero=3, offload="cpu")),
     ),
 }
 
 
-def build_reference(family: str, num_experts: int = 4):
+def build_reference(family: str, num_experts: int | None = None):
     """A transformers MoE model with weights far from any init."""
     from transformers import (
         MixtralConfig,
@@ -59,6 +63,7 @@ def build_reference(family: str, num_experts: int = 4):
     )
 
     torch.manual_seed(0)
+    num_experts = num_experts or NUM_EXPERTS[family]
     common = dict(
         vocab_size=V,
         hidden_size=32,
@@ -155,21 +160,54 @@ def logits_of(model, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+def spied_load(target, src: str) -> tuple[dict, list[tuple]]:
+    """``load_hf(target, src)`` and the ``(name, offsets, sizes)`` of every read it made."""
+    reads = []
+    read = HFCheckpoint.read
+
+    def spy(self, name, offsets, sizes, transpose=False):
+        reads.append((name, tuple(offsets), tuple(sizes)))
+        return read(self, name, offsets, sizes, transpose)
+
+    HFCheckpoint.read = spy
+    try:
+        return load_hf(target, src), reads
+    finally:
+        HFCheckpoint.read = read
+
+
+def check_own_experts(reads, num_experts: int, ep: int, ep_rank: int, what: str) -> None:
+    """Every expert this rank read is one of its ep rank's ``num_experts / ep``."""
+    first, count = ep_rank * num_experts // ep, num_experts // ep
+    experts = 0
+    for name, offsets, sizes in reads:
+        one = re.search(r"\.experts\.(\d+)\.", name)
+        if one is not None:
+            assert first <= int(one.group(1)) < first + count, (what, name, ep_rank)
+        elif re.search(r"\.experts\.(gate_up|down)_proj$", name):  # fused: a block of its experts
+            assert first <= offsets[0] and offsets[0] + sizes[0] <= first + count, (what, name, offsets, sizes)
+        else:
+            continue
+        experts += 1
+    assert experts > 0 or ep == 1, (what, "read no expert")  # someone reads each expert: the state check
+
+
 def check_import(rank, root, family, src, native, name, plan, ref_state, want_logits, x, total):
     what = f"{family} {'transformers' if native else 'behemoth'} {name} from {os.path.basename(src)}"
     model = model_from_hf(src, transformers=native, seed=11)
     engine = bh.boost(model, make_optimizer("adamw", model), plan)
-    stats = load_hf(engine, src)
+    stats, reads = spied_load(engine, src)
     state = engine.full_state_dict()
     for k, v in ref_state.items():
         assert torch.equal(state[k], v), (what, k)
+    check_own_experts(reads, NUM_EXPERTS[family], plan.ep, engine.mesh.coord("ep"), what)
     read = [None] * WORLD
     dist.all_gather_object(read, stats["bytes_read"])
     # each rank reads its experts and its share of the dense tensors, every byte about once
     # (norms replicated over tp read by each tp rank)
     assert max(read) <= 1.3 * total / WORLD, (what, read, total)
     assert total <= sum(read) <= 1.1 * total, (what, read, total)
-    if plan.pp == 1:
+    if plan.pp == 1 and plan.cp == 1:  # (a pipeline's and context parallelism's forward take a schedule)
         got = logits_of(engine.model, x)
         torch.testing.assert_close(got, want_logits, rtol=1e-5, atol=1e-5, msg=what)
     if rank == 0:
@@ -206,6 +244,7 @@ def _import_world(rank, world, root, family):
             fused = os.path.join(root, "fused")
             check_import(rank, root, family, fused, native, "ep2-tp2", PLANS[family][0][1], ref_state, want, x, total)
     if family == "mixtral":
+        parallelized_alone(src, hf_ref.state_dict(), want, x, total)
         bad_inputs(root)
     if family == "olmoe":
         model = model_from_hf(src, transformers=True)
@@ -215,6 +254,22 @@ def _import_world(rank, world, root, family):
             "Use tp=1",
             kind=NotImplementedError,
         )
+
+
+def parallelized_alone(src, ref_state, want_logits, x, total):
+    """``bh.parallelize`` alone (no optimizer, no engine): the same slices, the same serial state."""
+    from behemoth.parallelize import serial_state_dict
+
+    plan = bh.Plan(dp=2, ep=2, tp=2)
+    model = bh.parallelize(model_from_hf(src, transformers=True, seed=11), plan)
+    stats, reads = spied_load(model, src)
+    state = serial_state_dict(model)
+    for k, v in ref_state.items():
+        assert torch.equal(state[k], v), ("bh.parallelize", k)
+    record = model.__dict__["_behemoth_parallelization"]
+    check_own_experts(reads, NUM_EXPERTS["mixtral"], plan.ep, record.mesh.coord("ep"), "bh.parallelize")
+    assert stats["bytes_read"] <= 1.3 * total / WORLD, stats
+    torch.testing.assert_close(logits_of(model, x), want_logits, rtol=1e-5, atol=1e-5)
 
 
 def bad_inputs(root):
