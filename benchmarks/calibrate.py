@@ -14,7 +14,18 @@ Measures, on rank 0's GPU unless said otherwise:
   the world (NVLink inside a node; across nodes, written as the "ib" link class);
 * every rank: ``overlap_slowdown``, what a 256 MiB all-reduce over the world on a side stream
   adds to four 8192**3 GEMMs it runs beside, as a fraction of the all-reduce's own time;
-* pinned host <-> device copy rates, and a CPU AdamW update's parameters per second.
+* pinned host <-> device copy rates, and a CPU AdamW update's parameters per second;
+* every rank at once: ``sustained_ratio``, the rate of 8192**3 GEMMs run back to back for
+  ``SUSTAIN_S`` seconds (the last part of it) over their rate in a short burst (what the GEMM
+  table measured), as a training step's seconds of work see clocks drop;
+* every rank: the host figures of :mod:`behemoth.planner.host`, from behemoth's tiny GPT (hidden
+  64, 128 tokens: kernels that take no time, so a step takes its host time) at 2 and 6 blocks:
+  per block, the host seconds of one training step (``engine.step``) and the kernels it launches
+  (the profiler's count), serially and under 1D tensor parallelism over the world (2D too when
+  the world is a square): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
+  from the serial block; ``host_call_s[mode]`` (seconds per collective call beyond its kernels)
+  and ``kernels_per_collective`` from each mode's extra kernels and NCCL kernels per block.
+  The JSON is written before this part and again after it, so a failure there keeps the rest.
 
 Link classes it cannot measure (the inter-node fabric on one node) keep the shipped
 calibration's figures, and ``source`` says which figures were measured. Prints the JSON too.
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -152,6 +164,110 @@ def overlap_slowdown() -> float:
     return min(max((t_both - t_gemm) / t_reduce, 0.0), 1.0)
 
 
+SUSTAIN_S = 3.0
+"""Seconds of back-to-back GEMMs for ``sustained_ratio`` (the rate of the last two thirds)."""
+
+
+def sustained_ratio() -> float:
+    """Sustained / burst bf16 GEMM rate on this rank's GPU (every rank runs at once: the node's
+    power draw is that of a training step), clamped to [0.5, 1]."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    burst = _time(lambda: a @ b, warmup=2, iters=5)
+    t0 = time.perf_counter()
+    rates = []
+    while time.perf_counter() - t0 < SUSTAIN_S:
+        t = _time(lambda: a @ b, warmup=0, iters=20)
+        rates.append((time.perf_counter() - t0, burst / t))
+    late = [r for at, r in rates if at > SUSTAIN_S / 3] or [rates[-1][1]]
+    return min(max(sum(late) / len(late), 0.5), 1.0)
+
+
+HOST_LAYERS = (2, 6)
+HOST_STEPS = 6
+
+
+def _tiny_engine(layers: int, plan, dev):
+    import behemoth as bh
+    from behemoth.models import build_model
+
+    model = build_model("gpt-tiny", vocab_size=512, seq_len=128, num_layers=layers, device=dev)
+    engine = bh.boost(model, torch.optim.SGD(model.parameters(), lr=1e-3), plan)
+    x = torch.randint(0, 512, (2 * engine.dp_size, 129), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    share = x[engine.dp_rank * 2 : engine.dp_rank * 2 + 2]
+    batch = {"input_ids": share[:, :-1], "labels": share[:, 1:]}
+    return engine, batch
+
+
+def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
+    """(seconds per step, kernels per step, NCCL kernels per step) of the tiny GPT under ``plan``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    engine, batch = _tiny_engine(layers, plan, dev)
+    for _ in range(2):
+        engine.step(batch)
+    sync()
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(HOST_STEPS):
+        engine.step(batch)
+    sync()
+    seconds = (time.perf_counter() - t0) / HOST_STEPS
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        engine.step(batch)
+        sync()
+    events = prof.events()
+    if cuda:
+        kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [k for k in kernels if not k.startswith(("Memcpy", "Memset"))]
+        launches = sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in events)
+        count = max(len(kernels), launches)  # the kernels, or their launches where the trace lacks them
+    else:  # no kernels on a CPU: the leaf operators stand in (a smoke run of this code)
+        kernels = [e.name for e in events if e.name.startswith("aten::") and not e.cpu_children]
+        count = len(kernels)
+    calls = max(sum("nccl" in k.lower() for k in kernels), sum(e.name.startswith("nccl:") for e in events))
+    return seconds, count, calls
+
+
+def host_figures(world: int, dev) -> dict:
+    """The host figures of behemoth.planner.host (see the module docstring); every rank runs it."""
+    import behemoth as bh
+
+    plans = {"serial": bh.Plan(dp=world)}
+    if world > 1:
+        plans["1d"] = bh.Plan(tp=world)
+        q = round(world**0.5)
+        if q > 1 and q * q == world:
+            plans["2d"] = bh.Plan(tp=world, tp_mode="2d")
+    per_block = {}
+    for mode, plan in plans.items():
+        lo, hi = (_host_step(n, plan, dev) for n in HOST_LAYERS)
+        span = HOST_LAYERS[1] - HOST_LAYERS[0]
+        per_block[mode] = [max((h - l) / span, 0.0) for h, l in zip(hi, lo)]
+    seconds, kernels, _ = per_block["serial"]
+    per_kernel = seconds / max(kernels, 1.0)
+    out = {"host_block_kernels": kernels, "host_kernel_s": per_kernel, "host_call_s": {}}
+    for mode in ("1d", "2d"):
+        if mode in per_block:
+            sec, kern, calls = per_block[mode]
+            if calls > 0:
+                out["host_call_s"][mode] = max(sec - kern * per_kernel, 0.0) / calls
+                out["kernels_per_collective"] = max(kern - kernels, 0.0) / calls
+    out["host_blocks"] = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2]) for m, v in per_block.items()}
+    return out
+
+
+def write(d: dict, path: str) -> None:
+    text = json.dumps(d, indent=1)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print(text, flush=True)
+    load_calibration(path)  # the file reads back
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="where to write the calibration JSON")
@@ -160,8 +276,8 @@ def main() -> None:
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank = dist.get_rank() if world > 1 else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     measured = ["gemm", "attention", "hbm", "host", "cpu_adam", "gpu memory"]
@@ -180,19 +296,34 @@ def main() -> None:
                 measured.append(f"{k} collectives")
         d["overlap_slowdown"] = overlap_slowdown()
         measured.append("overlap_slowdown")
+    ratio = sustained_ratio()
     if rank == 0:
-        name = torch.cuda.get_device_name(0)
+        d["sustained_ratio"] = ratio
+        measured.append("sustained_ratio")
+    name = torch.cuda.get_device_name(0)
+
+    def stamp() -> None:
         d["name"] = f"{name.lower().replace(' ', '-')}-measured"
         d["source"] = (
             f"measured by benchmarks/calibrate.py on {world} x {name} in {time.perf_counter() - t_start:.0f} s: "
             f"{', '.join(measured)}; other figures from the shipped {a.base} calibration (estimated)"
         )
         d["extra"] = {**d.get("extra", {}), "torch": torch.__version__, "world": world}
-        text = json.dumps(d, indent=1)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-        print(text)
-        load_calibration(a.out)  # the file reads back
+
+    if rank == 0:
+        stamp()
+        write(d, a.out)
+    try:
+        host = host_figures(world, torch.device("cuda", torch.cuda.current_device()))
+    except Exception as e:  # keep what was measured: the file above stands
+        print(f"calibrate: host figures not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        host = None
+    if rank == 0 and host is not None:
+        d["extra"] = {**d.get("extra", {}), "host_blocks": host.pop("host_blocks")}
+        d.update(host)
+        measured.append("host issue")
+        stamp()
+        write(d, a.out)
     if world > 1:
         dist.destroy_process_group()
 

@@ -332,6 +332,14 @@ def main() -> None:
             predicted_step_s=round(p.step, 4),
             predicted_gib=round(p.memory.gpu_total / 2**30, 2),
             predicted_alloc_gib=round((p.memory.gpu_total - p.memory.reserved) / 2**30, 2),
+            predicted_parts=dict(
+                compute=round(p.compute, 4),
+                bubble=round(p.bubble, 4),
+                exposed={k: round(v, 4) for k, v in p.exposed.items()},
+                optimizer=round(p.optimizer + p.offload, 4),
+                host=round(p.host, 4),
+                host_bound=p.host_bound,
+            ),
         )
         try:
             if a.shrink:

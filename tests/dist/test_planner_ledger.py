@@ -137,6 +137,37 @@ def test_predicted_bytes_per_axis_equal_the_ledger(world, limit):
     bh.spawn(_world, world, plans, timeout=500)
 
 
+def _repeats_world(rank, world):
+    """Activation checkpointing's recomputed forward and zero-bubble's second backward (BW) run
+    their blocks' collectives again; the planner counts them as the ledger books them (a
+    pipeline's last stage exactly; the others hold no head, an upper bound there)."""
+    for plan in (bh.Plan(tp=2, pp=2, microbatches=2, schedule="zero-bubble"),
+                 bh.Plan(tp=2, cp=2, activation_checkpointing=True),
+                 bh.Plan(dp=2, tp=2, sequence_parallel=True, activation_checkpointing=True)):
+        model = build("gpt", num_layers=LAYERS)
+        w = _workload(model)
+        engine = bh.boost(model, make_optimizer("sgd", model), plan)
+        batches = global_batches(2, BATCH)
+        engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
+        engine.reset_comm_stats()
+        engine._forward_backward(shard(batches[1], engine.dp_rank, engine.dp_size))
+        got = _ledger(engine)
+        stage = engine.mesh.coord("pp") if plan.pp > 1 else 0
+        want = step_traffic(engine.plan, w, stage=stage, dt=FP32)
+        what = f"{engine.plan.describe()} rank {rank} stage {stage}"
+        for axis in ("tp", "cp"):
+            if axis not in want:
+                continue
+            if stage == plan.pp - 1:
+                assert got.get(axis, 0) == int(want[axis]), f"{what}: {axis} ledger {got.get(axis)} vs {want[axis]}"
+            else:
+                assert got.get(axis, 0) <= int(want[axis]), f"{what}: {axis} ledger {got.get(axis)} vs {want[axis]}"
+
+
+def test_recompute_and_zero_bubble_bytes_equal_the_ledger():
+    bh.spawn(_repeats_world, 4, timeout=500)
+
+
 if __name__ == "__main__":
     for w in (2, 4):
         for p in emitted_layouts(w, 8):

@@ -5,7 +5,10 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
 * ``tp`` (every tensor-parallel sub-axis together): :func:`~.traffic.model_traffic` of the
   micro-batch (``seq / cp`` tokens per sequence under context parallelism), once per
   micro-batch; under a pipeline, the blocks of one stage (the embedding's, head's and loss's
-  collectives counted on every stage: an upper bound for the middle ones);
+  collectives counted on every stage: an upper bound for the middle ones); a checkpointed
+  block's recomputed forward runs its forward collectives again, and under the zero-bubble
+  schedule a stage with an input gradient runs its blocks' backward collectives twice (BI, then
+  BW backpropagating through the stage again), as the ledger books them;
 * ``cp``: :func:`~.context_traffic.cp_model_traffic` of the stage's layers, per micro-batch;
   under the zero-bubble schedule a stage with an input gradient (all but the first) sends the
   backward's share twice: its weight-gradient pass (BW) backpropagates through the attention's
@@ -21,7 +24,10 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
   on its sender); the all-reduce of a tied embedding's gradient between the first and the
   last stage; the loss sum's all-reduce over the stages;
-* ``ep``: each MoE layer's dispatch and combine all-to-alls, forward and backward.
+* ``ep``: each MoE layer's split-size exchange (one even all-to-all of ``E`` int64 counts),
+  dispatch and combine all-to-alls forward, the reverse pair backward (all three again in a
+  checkpointed block's recompute; the pair again in zero-bubble's BW); the rows as if routing were even (the ledger books the
+  routed ones).
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
 of real runs in tests/dist/test_planner_ledger.py.
@@ -66,12 +72,21 @@ def _tp_kwargs(plan: Plan, w: Workload) -> dict:
 
 
 def tp_step_bytes(
-    plan: Plan, w: Workload, *, layers: int, edges: bool = True, dt: Dtypes | None = None, diagonal: bool = False
+    plan: Plan,
+    w: Workload,
+    *,
+    layers: int,
+    edges: bool = True,
+    dt: Dtypes | None = None,
+    diagonal: bool = False,
+    twice_backward: bool = False,
 ) -> float:
     """Wire bytes over the tensor-parallel axes for one step of ``layers`` blocks (plus the
     embedding, head and loss when ``edges``); ``diagonal``: a 2D/2.5D rank on its grid's
     diagonal (no embedding swap). Grid modes also all-reduce the step's float64 loss sum
-    over each tp axis that splits the batch (2D: one of q; 2.5D: depth and one of q; 3D: two of q)."""
+    over each tp axis that splits the batch (2D: one of q; 2.5D: depth and one of q; 3D: two of q).
+    Activation checkpointing runs each block's forward collectives again in its backward;
+    ``twice_backward`` (a zero-bubble stage with an input gradient) the blocks' backward ones."""
     if plan.tp == 1:
         return 0.0
     dt = dt or Dtypes.of(plan)
@@ -79,7 +94,8 @@ def tp_step_bytes(
     extra = tuple(sorted(_tp_kwargs(plan, w).items()))
     if plan.tp_mode in ("2d", "2.5d") and diagonal:
         extra += (("diagonal", True),)
-    block, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)
+    fwd, bwd, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)
+    block = fwd + bwd + (fwd if plan.activation_checkpointing else 0.0) + (bwd if twice_backward else 0.0)
     total = (block * layers + (rest if edges else 0.0)) * plan.microbatches
     if plan.tp_mode != "1d":
         q, d = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
@@ -89,13 +105,14 @@ def tp_step_bytes(
 
 
 @lru_cache(maxsize=65536)
-def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes) -> tuple[float, float]:
-    """(one block's bytes, the embedding's + head's + loss's bytes) of one micro-batch."""
+def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes) -> tuple[float, float, float]:
+    """(one block's forward bytes, its backward bytes, the embedding's + head's + loss's bytes)
+    of one micro-batch."""
     kw = dict(batch=mbs, seq=seq, tp=tp, dtype_bytes=dt.compute, param_bytes=dt.param, **dict(extra))
     model_only = {k: kw.pop(k) for k in ("diagonal",) if k in kw}
-    block = block_traffic(mode, shape, **kw).total
+    block = block_traffic(mode, shape, **kw)
     full = model_traffic(mode, shape, stream_bytes=dt.stream, **kw, **model_only).total
-    return block, full - block * shape.num_layers
+    return block.forward, block.backward, full - block.total * shape.num_layers
 
 
 _cp_traffic = lru_cache(maxsize=65536)(cp_model_traffic)  # one per micro-batch shape, shared by the search's plans
@@ -119,8 +136,9 @@ def step_traffic(
     stage = pp - 1 if stage is None else stage
     layers = stage_layers(plan, w)[stage]
     out: dict[str, float] = {}
+    zb_twice = plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0
     if plan.tp > 1:
-        out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal)
+        out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal, twice_backward=zb_twice)
     if plan.cp > 1:
         t = _cp_traffic(
             s,
@@ -134,8 +152,10 @@ def step_traffic(
             dtype_bytes=dt.compute,
         )
         fwd, bwd = t.forward, t.backward
-        if plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0:
+        if zb_twice:
             bwd *= 2  # the weight-gradient pass (BW) runs the attention's backward collectives again
+        if plan.activation_checkpointing:
+            fwd *= 2  # the recomputed forward runs them again
         out["cp"] = (fwd + bwd) / s.num_layers * layers * m
     g = plan.dp * plan.cp
     if g > 1:
@@ -168,9 +188,14 @@ def step_traffic(
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
         one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep
-        # dispatch + combine, forward and backward, all in the experts' GEMM dtype (dispatch casts
-        # the rows to autocast's before they leave: parallel/expert/traffic.py)
-        out["ep"] = 4 * one * layers * m
+        # the split sizes' even all-to-all (int64, one per expert; ledger: (ep-1)/ep of them leave),
+        # dispatch + combine forward and backward, all in the experts' GEMM dtype (dispatch casts the
+        # rows to autocast's before they leave: parallel/expert/traffic.py); a recomputed forward
+        # runs its three all-to-alls again
+        splits = w.num_experts * 8 * (plan.ep - 1) / plan.ep
+        forward = splits + 2 * one
+        backward = 2 * one * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
+        out["ep"] = (forward * (2 if plan.activation_checkpointing else 1) + backward) * layers * m
     return out
 
 

@@ -18,8 +18,17 @@ measure there)::
       "cpu_adam_params_per_s": 1e9,                  # one rank's CPU optimizer update
       "gpu_bytes": 85e9, "reserved_bytes": 3e9,      # device memory, and what the runtime keeps
       "peak_flops_per_s": 9.89e14,                   # dense bf16 peak, for MFU
-      "overlap_slowdown": 0.45                       # what a collective beside compute still costs it
+      "overlap_slowdown": 0.45,                      # what a collective beside compute still costs it
+      "sustained_ratio": 0.9,                        # GEMM rate over seconds of back-to-back work / burst
+      "host_kernel_s": 1.2e-05,                      # host seconds per kernel an eager op launches
+      "host_call_s": {"1d": 6e-05, "2d": 2.5e-04},  # ... per collective call, by tensor-parallel mode
+      "host_block_kernels": 90,                      # kernels of one block's forward + backward
+      "kernels_per_collective": 2.5                  # kernels a collective call launches (itself, copies)
     }
+
+The host figures feed :mod:`.host` (the step is at least its host issue time); all zero (the
+default) predicts no host bound. ``sustained_ratio`` scales the GEMM table and the attention
+rate (a short burst runs at boost clocks that a step's seconds of work do not hold); default 1.
 
 A collective over ``p`` ranks on a link class takes ``latency(p) + wire_bytes / bus_bw(p)``
 (the alpha-beta model, with ``wire_bytes`` the ledger's ring bytes per rank, so the bus
@@ -85,6 +94,18 @@ class Calibration:
     overlap_slowdown: float = 0.0
     """The fraction of a collective's time that the compute it overlaps still loses (its kernels
     take SMs and memory bandwidth from the GEMMs beside them): 0 hides it whole, 1 not at all."""
+    sustained_ratio: float = 1.0
+    """Compute rate over seconds of back-to-back GEMMs / the burst rate the GEMM table and the
+    attention rate were measured at (clocks drop under sustained power)."""
+    host_kernel_s: float = 0.0
+    """Host seconds per kernel an eager op launches (Python, dispatch, autograd, the launch)."""
+    host_call_s: dict = field(default_factory=dict)
+    """Host seconds per collective call beyond its kernels, by tensor-parallel mode ("1d" also
+    serves the other axes' calls); see :mod:`.host`."""
+    host_block_kernels: float = 0.0
+    """Kernels one serial transformer block launches per micro-batch, forward and backward."""
+    kernels_per_collective: float = 0.0
+    """Kernels per collective call (its own and the copies around it)."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -99,6 +120,15 @@ class Calibration:
         for k in ("attention_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be > 0.")
+        if not 0.0 < self.sustained_ratio <= 1.5:
+            raise ValueError(
+                f"calibration {self.name!r}: sustained_ratio={self.sustained_ratio!r} must be in (0, 1.5]."
+            )
+        for k in ("host_kernel_s", "host_block_kernels", "kernels_per_collective"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be >= 0.")
+        if any(not (v >= 0) for v in self.host_call_s.values()):
+            raise ValueError(f"calibration {self.name!r}: host_call_s={self.host_call_s!r} needs seconds >= 0.")
         if not 0.0 <= self.overlap_slowdown <= 1.0:
             raise ValueError(
                 f"calibration {self.name!r}: overlap_slowdown={self.overlap_slowdown!r} must be in [0, 1]."
@@ -110,7 +140,7 @@ class Calibration:
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
         flops = 2.0 * m * n * k
-        rate = _interp(list(self.gemm), flops)
+        rate = _interp(list(self.gemm), flops) * self.sustained_ratio
         memory = (m * k + k * n + m * n) * element_bytes / self.hbm_bytes_per_s
         return max(flops / rate, memory)
 

@@ -13,15 +13,18 @@ splits it runs at the calibration's rate for its size (:meth:`Calibration.gemm_s
 with ``T`` the tokens of one micro-batch on this rank's context-parallel share. Backward
 runs the input- and weight-gradient GEMMs, twice the forward's work. Causal attention
 does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's attention rate
-(its backward at ``attention_backward_ratio`` of it, 2.5 times the flops). Norms, residual
+(its backward at ``attention_backward_ratio`` of it, 2.5 times the flops), both times the
+calibration's ``sustained_ratio``, as GEMMs are (:meth:`Calibration.gemm_seconds`). Norms, residual
 adds, activations and casts read and write about ``ELEMENTWISE`` bytes per token per hidden
 unit at HBM speed: split over tp where the layout shards them (sequence parallelism, 2D,
 3D), replicated where it does not (1D). Under autocast every micro-batch also copies each
 parameter this rank holds: its fp32 weight cast to 16 bits in the forward (the executors open one
 autocast context per micro-batch, and ZeRO-3 keeps no cache) and the 16-bit weight gradient cast
 back to fp32 in the backward, ``CAST_BYTES`` each at HBM speed; with ``param_dtype='bf16'`` only
-the gradient's copy into its fp32 chunk. Activation checkpointing adds a forward to the
-backward. Pure; tests/unit/test_planner_cost.py.
+the gradient's copy into its fp32 chunk. Ring attention (``cp_mode='ring'``) merges each of its
+``cp`` steps' block into fp32 accumulators, ``RING_MERGE_BYTES`` per element at HBM speed: the
+output forward, dQ and the travelling dK/dV backward. Activation checkpointing adds a forward to
+the backward. Pure; tests/unit/test_planner_cost.py.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ ELEMENTWISE_REPLICATED = 16
 ELEMENTWISE_SPLIT = 24
 """... and of the attention and MLP elementwise work every layout splits over tp."""
 CAST_BYTES = 6
+RING_MERGE_BYTES = 10
+"""Bytes per element of a ring-attention step's merge into its fp32 accumulator: read it (4) and
+the block's 16-bit result (2), write it back (4)."""
 """Bytes per parameter of one dtype-converting copy (read 4 and write 2 bytes, or the reverse)."""
 
 
@@ -65,6 +71,10 @@ class BlockTimes:
     """The GEMMs' part of ``forward`` (what over-decomposition can hide communication behind)."""
     attention_forward: float
     """Attention's part of ``forward`` (what ring attention hides its K/V shifts behind)."""
+    weight_grad: float = 0.0
+    """The part of ``backward`` that only the parameters' gradients need (the weight-gradient
+    GEMMs and the gradients' casts): what zero-bubble's input-gradient pass (BI) skips and its
+    weight-gradient pass (BW) runs after backpropagating through the block again."""
 
 
 def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: str, eb: int) -> float:
@@ -104,16 +114,23 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
             cal, plan, t, f, h, "row", eb
         )
     flops = 2.0 * mbs * w.seq_len * w.seq_len * dh * s.num_heads / (plan.tp * plan.cp)
-    attn_f = flops / cal.attention_flops_per_s
-    attn_b = 2.5 * flops / (cal.attention_flops_per_s * cal.attention_backward_ratio)
+    rate = cal.attention_flops_per_s * cal.sustained_ratio
+    attn_f = flops / rate
+    attn_b = 2.5 * flops / (rate * cal.attention_backward_ratio)
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     elem = t * h * eb * (ELEMENTWISE_REPLICATED / shard + ELEMENTWISE_SPLIT / plan.tp) / cal.hbm_bytes_per_s
+    ring_f = ring_b = 0.0
+    if plan.cp > 1 and plan.cp_mode == "ring":  # each of the cp steps merges its block in fp32
+        kv_share = s.num_kv_heads / s.num_heads
+        rows = t * attn_w / plan.tp / cal.hbm_bytes_per_s
+        ring_f = plan.cp * RING_MERGE_BYTES * rows
+        ring_b = plan.cp * RING_MERGE_BYTES * rows * (1 + 2 * kv_share)
     cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
-    fwd = gemm + attn_f + elem + cast_f
-    bwd = 2 * gemm + attn_b + 2 * elem + cast_b
+    fwd = gemm + attn_f + elem + cast_f + ring_f
+    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b
     if plan.activation_checkpointing:
         bwd += fwd
-    return BlockTimes(fwd, bwd, gemm, attn_f)
+    return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b)
 
 
 def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[float, float]:

@@ -14,8 +14,16 @@
   ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
   reduce-scatters (one of each operand around one GEMM), Ulysses' and experts' all-to-alls
   exposed;
+* **repeated work** -- activation checkpointing's recompute runs a block's forward (and its
+  collectives) again in the backward; zero-bubble's weight-gradient pass (BW) backpropagates
+  through the stage again after its input-gradient pass (BI), so a stage with an input gradient
+  runs its blocks' backward but the weight gradients twice, collectives included (the bytes of
+  :mod:`.axis_traffic` count both, as the ledger books them);
+* **host** -- each stage's micro-batch forward and backward take at least the host's time to
+  issue their kernels and collectives (:mod:`.host`): eager layouts of many small kernels and
+  collectives are host-bound;
 * **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times,
-  point-to-point latency included;
+  point-to-point latency included (zero-bubble with its BI and BW times);
 * **offload** -- gradients down, parameters up over the host link and the CPU Adam update,
   overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
   offload also fetches each chunk forward and backward.
@@ -34,6 +42,7 @@ from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import block_times, head_times
 from .footprint import Footprint, footprint
+from .host import cp_block_calls, host_times, tp_block_calls
 from .params import local_params, stage_layers
 from .traffic import tp_grid
 from .workload import Workload
@@ -71,6 +80,11 @@ class Prediction:
     stage_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """One micro-batch's forward and backward through a pipeline stage, and one hand-off's
     latency (what the schedule simulator ran with)."""
+    host: float = 0.0
+    """Host seconds to issue the critical rank's kernels and collectives, all micro-batches
+    (:mod:`.host`); where it exceeds the device's time it sets the micro-batch's pace."""
+    host_bound: bool = False
+    """The host, not the device, sets the pace of the forward or the backward."""
 
     @property
     def exposed_comm(self) -> float:
@@ -84,18 +98,6 @@ def model_flops_per_token(w: Workload) -> float:
     if w.num_experts:
         n -= s.num_layers * w.expert_params * (1 - w.experts_top_k / w.num_experts)
     return 6 * n + 6 * s.num_layers * s.hidden * w.seq_len
-
-
-def _tp_calls(plan: Plan, w: Workload) -> float:
-    """Collectives per block per micro-batch (their latencies)."""
-    if plan.tp == 1:
-        return 0
-    if plan.tp_mode == "1d":
-        return (4 + 2 * plan.sequence_parallel) * plan.tp_overlap
-    linears = 6 if w.shape.gated_mlp else 5
-    if plan.tp_mode == "3d":
-        return 8 * linears * plan.tp_overlap + 8
-    return 6 * linears + 8
 
 
 def _hide(comm: float, cover: float, frac: float = 1.0, slowdown: float = 0.0) -> float:
@@ -147,6 +149,7 @@ def predict(
     t_f = max(n * bt.forward + (hf if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
     t_b = max(n * bt.backward + (hb if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
     compute = m * (t_f + t_b)
+    t_b_compute = t_b
     nbytes = step_traffic(plan, w, dt=dt)
     strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp)
     slow = cal.overlap_slowdown
@@ -154,11 +157,17 @@ def predict(
     exposed: dict[str, float] = {}
 
     # tensor parallelism, per micro-batch; a third of the bytes forward, two thirds backward
+    # what a block's backward repeats: a checkpointed block's forward, zero-bubble's BW (on a stage
+    # with an input gradient: the critical, last one) its backward; the bytes count both already
+    twice = pp > 1 and plan.schedule == "zero-bubble"
+    ckpt = plan.activation_checkpointing
     if "tp" in nbytes:
         q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
         group = plan.tp if plan.tp_mode == "1d" else q
         link = cluster.link(plan.tp, 1)
-        one = cal.collective_seconds(link, group, nbytes["tp"] / m, _tp_calls(plan, w) * layers)
+        cf, cb = tp_block_calls(plan, w)
+        calls = (cf * (1 + ckpt) + cb * (1 + twice)) * layers
+        one = cal.collective_seconds(link, group, nbytes["tp"] / m, calls)
         comm["tp"] = one * m
         gemm = layers * bt.gemm_forward
         fwd, bwd = one / 3, 2 * one / 3
@@ -175,7 +184,8 @@ def predict(
         exposed["tp"] = e * m
     if "cp" in nbytes:
         size, stride = strides["cp"]
-        calls = (4 if plan.cp_mode == "ulysses" else 3 * (plan.cp - 1)) * layers
+        cf, cb = cp_block_calls(plan)
+        calls = (cf * (1 + ckpt) + cb * (1 + twice)) * layers
         one = cluster.collective_seconds(size, stride, nbytes["cp"] / m, calls)
         comm["cp"] = one * m
         attn = layers * bt.attention_forward * 3.5
@@ -185,10 +195,30 @@ def predict(
         exposed["cp"] = e * m
     if "ep" in nbytes:
         size, stride = plan.ep, plan.cp * plan.tp
-        one = cluster.collective_seconds(size, stride, nbytes["ep"] / m, 4 * layers)
+        calls = (3 * (1 + ckpt) + 2 * (1 + twice)) * layers  # split sizes, dispatch, combine; the pair back
+        one = cluster.collective_seconds(size, stride, nbytes["ep"] / m, calls)
         comm["ep"] = exposed["ep"] = one * m
         t_f += one / 3
         t_b += 2 * one / 3
+
+    # zero-bubble: a stage with an input gradient runs BI (the backward without the weight
+    # gradients) and then BW, which backpropagates through the stage again into its parameters;
+    # the backward's collectives run in both (the bytes above count them), half in each
+    t_bi = None
+    zb = twice
+    if zb:
+        again = layers * (bt.backward - bt.weight_grad)
+        t_bi = again + (t_b - t_b_compute) / 2
+        t_b += again
+
+    # the host issues every kernel and collective; the device waits where it falls behind
+    ht = host_times(plan, w, cal)
+    host_f = layers * ht.forward + ht.pipeline / 2
+    host_b = (layers * ht.backward) * (1.5 if zb else 1.0) + ht.pipeline / 2
+    host_bound = host_f > t_f or host_b > t_b
+    if zb and t_bi is not None and host_b > t_b:
+        t_bi = t_bi * host_b / t_b
+    t_f, t_b = max(t_f, host_f), max(t_b, host_b)
 
     # the pipeline: the simulator over the stage's micro-batch times
     t_comm = 0.0
@@ -198,7 +228,7 @@ def predict(
         t_comm = cluster.collective_seconds(2, stride, act)
         comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
         exposed["pp"] = 0.0  # inside the makespan (its latency per hand-off)
-    makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, t_comm)
+    makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, t_comm, t_bi)
 
     # data parallelism / ZeRO over dp (x cp)
     g = plan.dp * plan.cp
@@ -274,4 +304,6 @@ def predict(
         why_not=why,
         phases=phases,
         stage_times=(t_f, t_b, t_comm),
+        host=m * (host_f + host_b),
+        host_bound=host_bound,
     )

@@ -1,0 +1,164 @@
+"""The planner's host-issue bound (planner/host.py), the terms that repeat a block's work
+(activation checkpointing's recompute, zero-bubble's second backward) in bytes and time, the
+MoE split-size exchange in the ep bytes, and the zero-bubble closed form for any BI/BW split."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import behemoth as bh
+from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
+from behemoth.planner.axis_traffic import Dtypes, step_traffic
+from behemoth.planner.bubble import _closed, _simulated
+from behemoth.planner.calibration import Calibration, load_calibration
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.cost import predict
+from behemoth.planner.host import block_calls, cp_block_calls, host_times, pipeline_calls, tp_block_calls
+from behemoth.planner.params import stage_layers
+from behemoth.planner.traffic import block_traffic
+from behemoth.planner.workload import workload_for
+
+GOLDEN_CAL = Path(__file__).parent / "data" / "planner_calibration.json"
+GPT = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+
+
+def _plan(**kw) -> bh.Plan:
+    return bh.Plan(precision="bf16", **kw).resolve(16)
+
+
+def test_collective_calls_per_block():
+    """GPT-1.3B (biases, 16 heads, plain MLP): the calls each layout's block issues per micro-batch."""
+    assert tp_block_calls(_plan(), GPT) == (0.0, 0.0)
+    assert tp_block_calls(_plan(tp=4), GPT) == (2.0, 2.0)  # rows' all-reduces; columns' fused dX
+    assert tp_block_calls(_plan(tp=4, tp_overlap=2), GPT) == (4.0, 2.0)
+    # gathers + reduce-scatters (2 + 2 k); re-gathers, dX scatters, dY gathers (4 + 2 k), norms and row biases (4)
+    assert tp_block_calls(_plan(tp=4, sequence_parallel=True), GPT) == (4.0, 10.0)
+    assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == pytest.approx((38 / 3, 76 / 3))
+    assert tp_block_calls(_plan(tp=8, tp_mode="3d", tp_overlap=2), GPT) == pytest.approx((88 / 3, 176 / 3))
+    assert cp_block_calls(_plan(cp=2)) == (2.0, 2.0)  # Ulysses: q/k/v and the output, each way
+    assert cp_block_calls(_plan(cp=4, cp_mode="ring")) == (3.0, 7.0)  # cp - 1 shifts; 2 cp - 1 back
+    # ZeRO-3 gathers forward and backward and reduce-scatters; a checkpointed block repeats its forward
+    assert block_calls(_plan(tp=4, zero=3), GPT) == (3.0, 4.0)
+    assert block_calls(_plan(tp=4, zero=3, activation_checkpointing=True), GPT) == (3.0, 7.0)
+    assert block_calls(_plan(pp=2, microbatches=4, tp=4, zero=3), GPT) == (3.0, 3.0)  # reduced once a step
+    assert pipeline_calls(_plan(pp=2, microbatches=4)) == (2.0, 2.0)
+    assert pipeline_calls(_plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)) == (4.0, 4.0)
+    moe = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
+    assert block_calls(_plan(ep=2), moe) == (3.0, 2.0)  # split sizes, dispatch, combine; the pair back
+
+
+def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
+    cal = load_calibration(GOLDEN_CAL)
+    plan = _plan(tp=4, sequence_parallel=True)
+    f, b = block_calls(plan, GPT)
+    kern, kpc, c_k, c_c = cal.host_block_kernels, cal.kernels_per_collective, cal.host_kernel_s, cal.host_call_s["1d"]
+    ht = host_times(plan, GPT, cal)
+    assert ht.forward == pytest.approx((kern / 3 + kpc * f) * c_k + f * c_c)
+    assert ht.backward == pytest.approx((2 * kern / 3 + kpc * b) * c_k + b * c_c)
+    grid = host_times(_plan(tp=4, tp_mode="2d"), GPT, cal)  # 2D's calls at 2D's own cost
+    f2, b2 = block_calls(_plan(tp=4, tp_mode="2d"), GPT)
+    assert grid.forward == pytest.approx((kern / 3 + kpc * f2) * c_k + f2 * cal.host_call_s["2d"])
+    ckpt = host_times(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT, cal)
+    assert ckpt.backward == pytest.approx(ht.backward + ht.forward)  # the recompute's kernels and calls
+    none = dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={})
+    assert host_times(plan, GPT, none) == host_times(plan, GPT, none).__class__(0.0, 0.0)
+
+
+def test_the_step_is_at_least_its_host_time():
+    """2D with 8 one-sequence micro-batches per step is host-bound on the golden calibration: the
+    step is its host time (plus what follows the last micro-batch); without host figures it is the
+    device's, smaller; a costlier host never predicts faster, and a host-bound plan's step does not
+    move with faster GEMMs."""
+    cal = load_calibration(GOLDEN_CAL)
+    plan = bh.Plan(tp=4, tp_mode="2d", microbatches=8, precision="bf16")
+    c = Cluster(num_gpus=16, calibration=cal)
+    p = predict(plan, GPT, c)
+    assert p.host_bound and p.step >= p.host
+    device = predict(
+        plan, GPT, Cluster(num_gpus=16, calibration=dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={}))
+    )
+    assert not device.host_bound and device.step < p.step
+    slower = dataclasses.replace(cal, host_kernel_s=2 * cal.host_kernel_s)
+    assert predict(plan, GPT, Cluster(num_gpus=16, calibration=slower)).step > p.step
+    fast = dataclasses.replace(cal, gemm=tuple((f, 2 * r) for f, r in cal.gemm))
+    assert predict(plan, GPT, Cluster(num_gpus=16, calibration=fast)).step == pytest.approx(p.step)
+    dense = predict(bh.Plan(precision="bf16", microbatches=2), GPT, c)
+    assert not dense.host_bound and dense.host < dense.compute
+
+
+def test_recompute_and_zero_bubble_repeat_the_blocks_collectives():
+    """The ledger books a checkpointed block's forward collectives again in its backward, and
+    zero-bubble's BW the blocks' backward ones on every stage but the first (tests/dist/
+    test_planner_ledger.py checks both against real runs)."""
+    fp32 = Dtypes(compute=4, stream=4, param=4)
+    base = bh.Plan(tp=2, cp=2).resolve(4)
+    ckpt = dataclasses.replace(base, activation_checkpointing=True)
+    one = block_traffic("1d", GPT.shape, batch=32, seq=1024, tp=2, dtype_bytes=4, param_bytes=4)
+    layers = GPT.shape.num_layers
+    want, got = step_traffic(base, GPT, dt=fp32), step_traffic(ckpt, GPT, dt=fp32)
+    assert got["tp"] - want["tp"] == layers * one.forward
+    assert got["cp"] == pytest.approx(1.5 * want["cp"])  # Ulysses: as many bytes forward as backward
+    zb = bh.Plan(tp=2, pp=2, microbatches=4, schedule="zero-bubble").resolve(4)
+    fb = dataclasses.replace(zb, schedule="1f1b")
+    stage_block = block_traffic("1d", GPT.shape, batch=8, seq=2048, tp=2, dtype_bytes=4, param_bytes=4)
+    layers = stage_layers(zb, GPT)
+    for stage in (0, 1):
+        extra = step_traffic(zb, GPT, stage=stage, dt=fp32)["tp"] - step_traffic(fb, GPT, stage=stage, dt=fp32)["tp"]
+        assert extra == (stage > 0) * layers[stage] * stage_block.backward * zb.microbatches
+
+
+def test_moe_split_size_exchange_is_in_the_ep_bytes():
+    """Per rank, an even routing's ep wire bytes are (ep-1)/ep of its share of the group's payload,
+    ``ep_all_to_all_bytes`` (the split sizes' exchange included, twice with recomputation)."""
+    w = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
+    s = w.shape
+    for ckpt in (False, True):
+        plan = bh.Plan(ep=4, microbatches=2, precision="bf16", activation_checkpointing=ckpt).resolve(8)
+        mbs = w.global_batch // (plan.dp * plan.microbatches)
+        rows = plan.ep * mbs * w.seq_len * w.experts_top_k
+        group = ep_all_to_all_bytes(
+            rows=rows, num_experts=w.num_experts, ep=plan.ep, hidden=s.hidden, elem_bytes=2, recompute=ckpt
+        )
+        want = (plan.ep - 1) / plan.ep * group / plan.ep * s.num_layers * plan.microbatches
+        assert step_traffic(plan, w)["ep"] == pytest.approx(want, rel=1e-12)
+
+
+def test_zero_bubble_closed_form_is_the_simulator_for_any_split():
+    for pp in (2, 3, 4):
+        for m in (pp, 2 * pp, 8):
+            for ratio in (0.5, 1.0, 2.0, 3.0):
+                for bi in (0.125, 0.25, 0.5, 0.75, 0.875):
+                    sim = _simulated("zero-bubble", pp, m, 1, ratio, bi)
+                    assert sim == pytest.approx(_closed("zero-bubble", pp, m, 1, ratio, bi)), (pp, m, ratio, bi)
+
+
+def test_zero_bubble_runs_the_backward_twice():
+    """A zero-bubble stage's BW backpropagates through the stage again: its micro-batch backward
+    (device time) is the 1F1B one plus the input-gradient path again."""
+    from behemoth.planner.compute import block_times
+
+    cal = dataclasses.replace(load_calibration(GOLDEN_CAL), host_kernel_s=0.0, host_call_s={})
+    c = Cluster(num_gpus=16, calibration=cal)
+    zb = predict(bh.Plan(pp=2, microbatches=4, schedule="zero-bubble", precision="bf16"), GPT, c)
+    fb = predict(bh.Plan(pp=2, microbatches=4, schedule="1f1b", precision="bf16"), GPT, c)
+    bt = block_times(zb.plan, GPT, cal, zb.micro_batch_size)
+    layers = stage_layers(zb.plan, GPT)[-1]  # the last stage's (it holds the head)
+    assert zb.stage_times[0] == pytest.approx(fb.stage_times[0])
+    assert zb.stage_times[1] - fb.stage_times[1] == pytest.approx(layers * (bt.backward - bt.weight_grad))
+
+
+def test_calibration_host_figures_round_trip_and_are_checked():
+    cal = load_calibration(GOLDEN_CAL)
+    again = Calibration.from_dict(json.loads(cal.to_json()))
+    assert again.host_call_s == cal.host_call_s and again.sustained_ratio == cal.sustained_ratio
+    for bad in (dict(host_kernel_s=-1.0), dict(host_call_s={"1d": -1e-6}), dict(sustained_ratio=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dataclasses.replace(cal, **bad)
+    slow = dataclasses.replace(cal, sustained_ratio=0.5)
+    assert slow.gemm_seconds(4096, 4096, 4096) == pytest.approx(
+        2 * dataclasses.replace(cal, sustained_ratio=1.0).gemm_seconds(4096, 4096, 4096)
+    )
