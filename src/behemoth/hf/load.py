@@ -248,7 +248,7 @@ def load_hf(target, path: str) -> dict:
     layout = layout_for(model)
     ckpt = HFCheckpoint(path)
     record = model.__dict__.get("_behemoth_parallelization")
-    _, problems = _problems(layout, ckpt, model.state_dict(keep_vars=True))
+    sources, problems = _problems(layout, ckpt, model.state_dict(keep_vars=True))
     if record is not None and not comm.all_agree(not problems, record.mesh.axis("world")) and not problems:
         raise ValueError(
             f"transformers checkpoint {path!r} does not fit this {type(model).__name__}: another rank (another "
@@ -265,7 +265,6 @@ def load_hf(target, path: str) -> dict:
     gathered = engine.grad_sync.gathered(writable=True) if engine is not None else contextlib.nullcontext()
     with gathered, torch.no_grad():
         state = model.state_dict(keep_vars=True)  # under ZeRO-3: the gathered parameters
-        sources, _ = _problems(layout, ckpt, state)
         unique: dict[str, torch.Tensor] = {}
         seen = set()
         for name, t in state.items():
