@@ -10,7 +10,8 @@ and memory, one JSON line per layout, then a summary line.
         --steps 1 --gpu-gb 80 --budget-s 120                  # no GPU: a smoke run on gloo
 
 All ranks run the same (deterministic) search for ``--model`` on this many GPUs with
-``--batch`` sequences of ``--seq`` tokens per step, take its top pick and then, greedily,
+``--batch`` sequences of ``--seq`` tokens per step, run the layouts ``--include`` names (if any),
+then take its top pick and, greedily,
 the layouts that show the most features not yet run (tp modes, sequence parallelism,
 over-decomposition, cp modes, pipeline schedules, ZeRO stages, offload, checkpointing), up to
 ``--layouts``, and time each for ``--steps`` steps after ``--warmup`` warm-up steps (median).
@@ -55,6 +56,7 @@ import behemoth as bh  # noqa: E402
 from behemoth.models import build_config, build_model  # noqa: E402
 from behemoth.planner.calibration import load_calibration  # noqa: E402
 from behemoth.planner.cluster import Cluster  # noqa: E402
+from behemoth.planner.cost import predict  # noqa: E402
 from behemoth.planner.search import Limits, search  # noqa: E402
 from behemoth.planner.workload import workload_for  # noqa: E402
 
@@ -198,6 +200,22 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def parse_plan(text: str) -> bh.Plan:
+    """A ``Plan(...)`` as ``Plan.describe()`` prints it."""
+    text = text.strip()
+    if not (text.startswith("Plan(") and text.endswith(")")):
+        raise SystemExit(f"planner_proof: --include takes Plan(...) texts separated by ';', got {text!r}")
+    return eval(text, {"__builtins__": {}}, {"Plan": bh.Plan})  # noqa: S307 -- the command line's own text
+
+
+def rank_of(ranked: list, p) -> int | None:
+    """``p``'s place in the search's ranking (1 = predicted fastest); None when it is not there."""
+    for i, q in enumerate(ranked):
+        if q.plan == p.plan:
+            return i + 1
+    return None
+
+
 SETUP_S = 30.0
 """Seconds to allow the first layout for building the model, ``bh.boost`` and its process
 groups, before one has been timed (later layouts: the slowest setup seen)."""
@@ -281,6 +299,11 @@ def main() -> None:
         "--no-offload", action="store_true", help="leave offload out of the search (CPU Adam steps are slow)"
     )
     ap.add_argument("--budget-s", type=float, default=None, help="start no layout after this many seconds")
+    ap.add_argument(
+        "--include",
+        default="",
+        help="layouts to run first, as Plan.describe() prints them, separated by ';' (e.g. an earlier run's)",
+    )
     ap.add_argument("--gpu-gb", type=float, default=None, help="memory per device to plan for (default: the GPU's)")
     ap.add_argument(
         "--shrink",
@@ -304,6 +327,10 @@ def main() -> None:
     limits = Limits(top=5000, offloads=(None,) if a.no_offload else Limits().offloads)
     res = search(w, cluster, limits)
     chosen = pick(res.ranked, 2 * a.layouts)  # the first --layouts, and stand-ins for those left out for time
+    if a.include:  # named layouts first (e.g. an earlier run's, to compare), then the picks
+        named = [predict(parse_plan(t), w, cluster) for t in a.include.split(";") if t.strip()]
+        keys = {p.plan for p in named}
+        chosen = named + [p for p in chosen if p.plan not in keys]
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     if rank == 0:
         print(
@@ -328,7 +355,7 @@ def main() -> None:
             card=card,
             calibration=cal.name,
             plan=p.plan.describe(),
-            predicted_rank=res.ranked.index(p) + 1,
+            predicted_rank=rank_of(res.ranked, p),
             predicted_step_s=round(p.step, 4),
             predicted_gib=round(p.memory.gpu_total / 2**30, 2),
             predicted_alloc_gib=round((p.memory.gpu_total - p.memory.reserved) / 2**30, 2),

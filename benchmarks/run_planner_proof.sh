@@ -14,7 +14,8 @@
 # build and warm-up): a run starts no layout expected to take it past them, prints a running summary
 # after each layout and a final one, and is stopped BUDGET + 60 s after it starts.
 # CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
-# planner_proof.py (e.g. --no-offload, --steps 3).
+# planner_proof.py (e.g. --no-offload, --steps 3). PLANS: layouts to run first, as
+# Plan.describe() prints them, separated by ';' (e.g. an earlier run's, to compare).
 set -u
 MODELS=${MODELS:-${1:-gpt-1.3b}}; LAYOUTS=${LAYOUTS:-${2:-12}}; GPUS=${GPUS:-2 4}
 STEPS=${STEPS:-3}; WARMUP=${WARMUP:-1}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
@@ -33,6 +34,7 @@ for model in $MODELS; do
     gpt-6.9b) args=(--model gpt-6.7b --untied) ;;
     *) args=(--model "$model") ;;
   esac
+  [ -n "${PLANS:-}" ] && args+=(--include "$PLANS")
   for n in $GPUS; do
     devs=$(seq -s, 0 $((n - 1)))
     echo "# $model on $n GPUs, calibration $cal, $(date -u +%H:%M:%S)" | tee -a "$out/planner_proof.log"
