@@ -7,7 +7,8 @@ Each plan gives the serial state transformers' weights give (``full_state_dict``
 logits equal to transformers' ``from_pretrained`` model's on the same input, each rank reading
 only its experts and its share of the dense tensors (bytes read per rank counted: about
 model/world, every byte read about once), and an ``engine.save_hf`` of the imported model holding
-exactly the tensors of the checkpoint it read (the round trip). A checkpoint holding the experts
+exactly the tensors of the checkpoint it read (the round trip); trained one step under ep x tp,
+exported and imported under ep = 4, the trained state exactly, exported again identically. A checkpoint holding the experts
 fused under transformers 5's module names (which ``from_pretrained`` reads too) loads the same.
 Bad input -- a missing expert tensor, an expert of the wrong shape, a number of experts ep does
 not divide, OLMoE with tp > 1 -- raises on every rank, naming the value, the rule and the fix."""
@@ -21,7 +22,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from common import expect_error, make_optimizer
+from common import expect_error, global_batches, make_optimizer, shard
 
 import behemoth as bh
 from behemoth.hf import load_hf, model_from_hf
@@ -244,6 +245,8 @@ def _import_world(rank, world, root, family):
             fused = os.path.join(root, "fused")
             check_import(rank, root, family, fused, native, "ep2-tp2", PLANS[family][0][1], ref_state, want, x, total)
     if family == "mixtral":
+        for native in natives:
+            trained_round_trip(rank, root, src, native)
         parallelized_alone(src, hf_ref.state_dict(), want, x, total)
         bad_inputs(root)
     if family == "olmoe":
@@ -254,6 +257,34 @@ def _import_world(rank, world, root, family):
             "Use tp=1",
             kind=NotImplementedError,
         )
+
+
+def trained_round_trip(rank, root, src, native):
+    """Import under ep x tp, one training step, export; import that under ep = 4: the trained
+    state exactly, and its export the same tensors again."""
+    model = model_from_hf(src, transformers=native, seed=11)
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=2, ep=2, tp=2))
+    load_hf(engine, src)
+    before = engine.full_state_dict()
+    engine.step(shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size))
+    trained = engine.full_state_dict()
+    experts = [k for k in trained if k.endswith("gate_up_proj")]
+    assert experts and all(not torch.equal(trained[k], before[k]) for k in experts)  # the step moved them
+    first, second = (os.path.join(root, "trained", f"{native}-{i}") for i in (1, 2))
+    engine.save_hf(first, max_shard_size="40KB")
+    model = model_from_hf(first, transformers=native, seed=5)
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=4, ep=4))
+    load_hf(engine, first)
+    state = engine.full_state_dict()
+    assert sorted(state) == sorted(trained)
+    for k, v in trained.items():
+        assert torch.equal(state[k], v), ("trained round trip", native, k)
+    engine.save_hf(second, max_shard_size="40KB")
+    if rank == 0:
+        back, original = stored(second), stored(first)
+        assert sorted(back) == sorted(original)
+        for k, v in original.items():
+            assert torch.equal(back[k], v), ("trained round trip", native, k)
 
 
 def parallelized_alone(src, ref_state, want_logits, x, total):
