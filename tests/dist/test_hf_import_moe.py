@@ -1,17 +1,19 @@
 """Import of mixture-of-experts checkpoints from transformers under expert parallelism: Mixtral,
 Qwen3-MoE and OLMoE directories written by ``save_pretrained`` (one tensor per expert, sharded
 files with their index) read by ``bh.load_hf`` into transformers' own models -- and, for Mixtral,
-behemoth's Llama with experts -- under ep x 1D tp, dp x ep, ep x ZeRO-3, ep x pp and ep = 4.
+behemoth's Llama with experts -- under ep x 1D tp, dp x ep, ep x pp, ep x cp, ep x ZeRO-3 (with
+CPU offload at ep = 4), and into a model of ``bh.parallelize`` alone.
 
 Each plan gives the serial state transformers' weights give (``full_state_dict`` exactly equal),
 logits equal to transformers' ``from_pretrained`` model's on the same input, each rank reading
-only its experts and its share of the dense tensors (bytes read per rank counted: about
-model/world, every byte read about once), and an ``engine.save_hf`` of the imported model holding
-exactly the tensors of the checkpoint it read (the round trip); trained one step under ep x tp,
-exported and imported under ep = 4, the trained state exactly, exported again identically. A checkpoint holding the experts
-fused under transformers 5's module names (which ``from_pretrained`` reads too) loads the same.
-Bad input -- a missing expert tensor, an expert of the wrong shape, a number of experts ep does
-not divide, OLMoE with tp > 1 -- raises on every rank, naming the value, the rule and the fix."""
+only its own experts (every read recorded) and its share of the dense tensors (bytes read per
+rank counted: about model/world, every byte read about once), and an ``engine.save_hf`` of the
+imported model holding exactly the tensors of the checkpoint it read (the round trip). Trained
+one step under ep x tp, exported, and imported under ep = 4: the trained state exactly, exported
+again identically. A checkpoint holding the experts fused under transformers 5's module names
+(which ``from_pretrained`` reads too) loads the same. Bad input -- a missing expert tensor, an
+expert of the wrong shape, a number of experts ep does not divide, OLMoE with tp > 1 -- raises
+on every rank, naming the value, the rule and the fix."""
 
 from __future__ import annotations
 
