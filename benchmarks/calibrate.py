@@ -16,8 +16,8 @@ Measures, on rank 0's GPU unless said otherwise:
   adds to four 8192**3 GEMMs it runs beside, as a fraction of the all-reduce's own time;
 * pinned host <-> device copy rates, and a CPU AdamW update's parameters per second;
 * every rank at once: ``sustained_ratio``, the rate of 8192**3 GEMMs run back to back for
-  ``SUSTAIN_S`` seconds (the last part of it) over their rate in a short burst (what the GEMM
-  table measured), as a training step's seconds of work see clocks drop;
+  ``SUSTAIN_S`` seconds (the last part of it) over the GEMM table's rate at that size (short
+  bursts), as a training step's seconds of work see clocks drop;
 * every rank: the host figures of :mod:`behemoth.planner.host`, from behemoth's tiny GPT (hidden
   64, 128 tokens: kernels that take no time, so a step takes its host time) at 2 and 6 blocks:
   per block, the host seconds of one training step (``engine.step``) and the kernels it launches
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from behemoth.planner.calibration import load_calibration
+from behemoth.planner.calibration import _interp, load_calibration
 
 
 def _time(fn, warmup: int = 2, iters: int = 5) -> float:
@@ -168,19 +168,23 @@ SUSTAIN_S = 3.0
 """Seconds of back-to-back GEMMs for ``sustained_ratio`` (the rate of the last two thirds)."""
 
 
-def sustained_ratio() -> float:
-    """Sustained / burst bf16 GEMM rate on this rank's GPU (every rank runs at once: the node's
-    power draw is that of a training step), clamped to [0.5, 1]."""
+def sustained_ratio(gemm_table: list[list[float]] | None) -> float:
+    """The rate of 8192**3 bf16 GEMMs run back to back for ``SUSTAIN_S`` seconds (the last two
+    thirds) over the GEMM table's rate at that size, clamped to [0.5, 1]. Every rank runs it at
+    once (the node's power draw is a training step's); rank 0, which measured the table, answers."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    burst = _time(lambda: a @ b, warmup=2, iters=5)
+    flops = 2.0 * 8192**3
     t0 = time.perf_counter()
     rates = []
     while time.perf_counter() - t0 < SUSTAIN_S:
         t = _time(lambda: a @ b, warmup=0, iters=20)
-        rates.append((time.perf_counter() - t0, burst / t))
+        rates.append((time.perf_counter() - t0, flops / t))
     late = [r for at, r in rates if at > SUSTAIN_S / 3] or [rates[-1][1]]
-    return min(max(sum(late) / len(late), 0.5), 1.0)
+    if not gemm_table:
+        return 1.0
+    table = _interp([tuple(p) for p in sorted(gemm_table)], flops)
+    return min(max(sum(late) / len(late) / table, 0.5), 1.0)
 
 
 HOST_LAYERS = (2, 6)
@@ -216,7 +220,7 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
     sync()
     seconds = (time.perf_counter() - t0) / HOST_STEPS
     cuda = dev.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         engine.step(batch)
         sync()
     events = prof.events()
@@ -228,7 +232,7 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
     else:  # no kernels on a CPU: the leaf operators stand in (a smoke run of this code)
         kernels = [e.name for e in events if e.name.startswith("aten::") and not e.cpu_children]
         count = len(kernels)
-    calls = max(sum("nccl" in k.lower() for k in kernels), sum(e.name.startswith("nccl:") for e in events))
+    calls = max(sum("nccl" in k.lower() for k in kernels), sum(e.name.startswith(("nccl:", "gloo:")) for e in events))
     return seconds, count, calls
 
 
@@ -236,12 +240,12 @@ def host_figures(world: int, dev) -> dict:
     """The host figures of behemoth.planner.host (see the module docstring); every rank runs it."""
     import behemoth as bh
 
-    plans = {"serial": bh.Plan(dp=world)}
+    plans = {"serial": bh.Plan(dp=world, precision="bf16")}
     if world > 1:
-        plans["1d"] = bh.Plan(tp=world)
+        plans["1d"] = bh.Plan(tp=world, precision="bf16")
         q = round(world**0.5)
         if q > 1 and q * q == world:
-            plans["2d"] = bh.Plan(tp=world, tp_mode="2d")
+            plans["2d"] = bh.Plan(tp=world, tp_mode="2d", precision="bf16")
     per_block = {}
     for mode, plan in plans.items():
         lo, hi = (_host_step(n, plan, dev) for n in HOST_LAYERS)
@@ -296,7 +300,7 @@ def main() -> None:
                 measured.append(f"{k} collectives")
         d["overlap_slowdown"] = overlap_slowdown()
         measured.append("overlap_slowdown")
-    ratio = sustained_ratio()
+    ratio = sustained_ratio(d["gemm"] if rank == 0 else None)
     if rank == 0:
         d["sustained_ratio"] = ratio
         measured.append("sustained_ratio")
@@ -320,6 +324,7 @@ def main() -> None:
         host = None
     if rank == 0 and host is not None:
         d["extra"] = {**d.get("extra", {}), "host_blocks": host.pop("host_blocks")}
+        host["host_call_s"] = {**d.get("host_call_s", {}), **host["host_call_s"]}  # modes not measured: the base's
         d.update(host)
         measured.append("host issue")
         stamp()
