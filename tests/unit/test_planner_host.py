@@ -17,7 +17,14 @@ from behemoth.planner.bubble import _closed, _simulated
 from behemoth.planner.calibration import Calibration, load_calibration
 from behemoth.planner.cluster import Cluster
 from behemoth.planner.cost import predict
-from behemoth.planner.host import block_calls, cp_block_calls, host_times, pipeline_calls, tp_block_calls
+from behemoth.planner.host import (
+    block_calls,
+    cp_block_calls,
+    host_call_seconds,
+    host_times,
+    pipeline_calls,
+    tp_block_calls,
+)
 from behemoth.planner.params import stage_layers
 from behemoth.planner.traffic import block_traffic
 from behemoth.planner.workload import workload_for
@@ -62,6 +69,8 @@ def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
     grid = host_times(_plan(tp=4, tp_mode="2d"), GPT, cal)  # 2D's calls at 2D's own cost
     f2, b2 = block_calls(_plan(tp=4, tp_mode="2d"), GPT)
     assert grid.forward == pytest.approx((kern / 3 + kpc * f2) * c_k + f2 * cal.host_call_s["2d"])
+    assert host_call_seconds(cal, "3d") == host_call_seconds(cal, "2.5d") == cal.host_call_s["2d"]
+    assert host_call_seconds(dataclasses.replace(cal, host_call_s={"1d": 1e-5}), "3d") == 1e-5
     ckpt = host_times(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT, cal)
     assert ckpt.backward == pytest.approx(ht.backward + ht.forward)  # the recompute's kernels and calls
     none = dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={})

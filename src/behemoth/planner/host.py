@@ -41,7 +41,15 @@ from ..plan import Plan
 from .calibration import Calibration
 from .workload import Workload
 
-__all__ = ["HostTimes", "block_calls", "tp_block_calls", "cp_block_calls", "pipeline_calls", "host_times"]
+__all__ = [
+    "HostTimes",
+    "block_calls",
+    "tp_block_calls",
+    "cp_block_calls",
+    "pipeline_calls",
+    "host_call_seconds",
+    "host_times",
+]
 
 
 def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
@@ -112,10 +120,15 @@ class HostTimes:
 
 
 def host_call_seconds(cal: Calibration, tp_mode: str) -> float:
-    """Host seconds per collective call of a layout whose tensor parallelism is ``tp_mode``
-    (the calibration's figure for that mode, else its 1D one, else 0)."""
+    """Host seconds per collective call of a layout whose tensor parallelism is ``tp_mode``:
+    the calibration's figure for that mode, else (2.5D, 3D) its 2D one -- the grid layouts share
+    their SUMMA machinery -- else its 1D one, else 0."""
     calls = cal.host_call_s
-    return calls.get(tp_mode, calls.get("1d", 0.0))
+    if tp_mode in calls:
+        return calls[tp_mode]
+    if tp_mode in ("2.5d", "3d") and "2d" in calls:
+        return calls["2d"]
+    return calls.get("1d", 0.0)
 
 
 def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
