@@ -42,9 +42,11 @@ def test_collective_calls_per_block():
     assert tp_block_calls(_plan(), GPT) == (0.0, 0.0)
     assert tp_block_calls(_plan(tp=4), GPT) == (2.0, 2.0)  # rows' all-reduces; columns' fused dX
     assert tp_block_calls(_plan(tp=4, tp_overlap=2), GPT) == (4.0, 2.0)
-    # gathers + reduce-scatters (2 + 2 k); re-gathers, dX scatters, dY gathers (4 + 2 k), norms and row biases (4)
-    assert tp_block_calls(_plan(tp=4, sequence_parallel=True), GPT) == (4.0, 10.0)
-    assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == pytest.approx((38 / 3, 76 / 3))
+    # gathers + reduce-scatters (2 + 2 k); re-gathers, dX scatters, dY gathers (4 + 2 k), norms'
+    # weights and biases and the rows' biases (6)
+    assert tp_block_calls(_plan(tp=4, sequence_parallel=True), GPT) == (4.0, 12.0)
+    # SUMMA: 2 gathers per Linear and the norms' statistics; 4 per Linear, 2 per norm, 1 per bias back
+    assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == (10.0, 24.0)
     assert tp_block_calls(_plan(tp=8, tp_mode="3d", tp_overlap=2), GPT) == pytest.approx((88 / 3, 176 / 3))
     assert cp_block_calls(_plan(cp=2)) == (2.0, 2.0)  # Ulysses: q/k/v and the output, each way
     assert cp_block_calls(_plan(cp=4, cp_mode="ring")) == (3.0, 7.0)  # cp - 1 shifts; 2 cp - 1 back

@@ -30,7 +30,8 @@ bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code 
 which ``benchmarks/calibrate.py`` measures on small models whose kernels take no time. A
 pipeline stage also sends and receives its activation and its gradient per micro-batch
 (:func:`pipeline_calls`). A calibration without host figures (all zero) predicts no host bound.
-Pure; tests/unit/test_planner_host.py.
+Pure; tests/unit/test_planner_host.py; the tensor-parallel counts against a run's collectives in
+tests/dist/test_planner_host_calls.py.
 """
 
 from __future__ import annotations
@@ -53,24 +54,32 @@ __all__ = [
 
 
 def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
-    """Tensor-parallel collective calls of one block per micro-batch: ``(forward, backward)``."""
+    """Tensor-parallel collective calls of one block per micro-batch: ``(forward, backward)``.
+    1D and 2D as behemoth's layers issue them (GPT's counted from a run's record functions:
+    1D 4, with sequence parallelism 16, 2D 34 per block); 3D from its layers' structure."""
     if plan.tp == 1:
         return 0.0, 0.0
     s = w.shape
     k = plan.tp_overlap
+    norm_vectors = s.norm_params / s.hidden  # a norm's weight (and bias)
     if plan.tp_mode == "1d":
         replicated_kv = 2.0 if s.num_kv_heads < plan.tp and s.num_kv_heads < s.num_heads else 0.0
         if not plan.sequence_parallel:
             return 2.0 * k, 2.0 + replicated_kv
-        # norms' gathers + rows' reduce-scatters; re-gather + dX reduce-scatter + rows' dY gathers
-        vectors = 2.0 + (2.0 if s.linear_bias else 0.0)  # norm weights, row biases: summed over tp
+        # norms' gathers + rows' reduce-scatters; re-gather + dX reduce-scatter + rows' dY gathers,
+        # and the gradients of the norms' vectors and the rows' biases summed over tp
+        vectors = 2 * norm_vectors + (2.0 if s.linear_bias else 0.0)
         return 2.0 + 2.0 * k, 4.0 + 2.0 * k + vectors + replicated_kv
-    linears = 6 if s.gated_mlp else 5
     if plan.tp_mode == "3d":
+        linears = 6 if s.gated_mlp else 5
         total = 8.0 * linears * k + 8
-    else:
-        total = 6.0 * linears + 8
-    return total / 3, 2 * total / 3
+        return total / 3, 2 * total / 3
+    # SUMMA per Linear: gathers of X and W forward; re-gathers and the dX, dW reduce-scatters
+    # backward; each norm gathers its statistics forward, all-reduces its sums and its vectors'
+    # gradients backward; each bias's gradient is summed down the grid column
+    linears = 6 if s.gated_mlp else 4
+    biases = linears if s.linear_bias else 0
+    return 2.0 * linears + 2, 4.0 * linears + 4 + biases
 
 
 def cp_block_calls(plan: Plan) -> tuple[float, float]:

@@ -1,0 +1,40 @@
+"""The planner's collective calls per block (behemoth.planner.host.tp_block_calls) against a
+run's: the process group's record functions (``gloo:*``) of one forward + backward of a tiny
+GPT with 4 blocks less those of the same model with 2, halved, under 1D, 1D with sequence
+parallelism and 2D tensor parallelism on 4 gloo ranks."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import behemoth as bh
+from behemoth.planner.host import tp_block_calls
+from behemoth.planner.workload import workload_for
+from common import SEQ, build, global_batches, make_optimizer, shard
+
+PLANS = (bh.Plan(tp=4), bh.Plan(tp=4, sequence_parallel=True), bh.Plan(tp=4, tp_mode="2d"))
+
+
+def _calls(plan, layers: int) -> int:
+    model = build("gpt", num_layers=layers)
+    engine = bh.boost(model, make_optimizer("sgd", model), plan)
+    batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
+    engine.step(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine._forward_backward(batch)
+    return sum(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")).values())
+
+
+def _world(rank, world):
+    for plan in PLANS:
+        got = (_calls(plan, 4) - _calls(plan, 2)) / 2
+        w = workload_for(build("gpt", num_layers=2), seq_len=SEQ, global_batch=8)
+        want = sum(tp_block_calls(plan.resolve(world), w))
+        assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
+
+
+def test_collective_calls_per_block_are_the_runs():
+    torch.manual_seed(0)
+    bh.spawn(_world, 4, timeout=500)
