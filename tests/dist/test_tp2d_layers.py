@@ -244,17 +244,24 @@ def layer_scenarios(mesh, L):
     check_lm(mesh, L, tied=False)
     check_lm(mesh, L, tied=True)
 
-    # Ledger: one Linear forward + backward moves 3 (BSh/d + h h_o)/q elements per device.
+    # Ledger: one Linear forward + backward moves (3 BSh/d + 2 h h_o)/q elements per device
+    # keeping its gathered weight, 3 (BSh/d + h h_o)/q gathering it again; the gradients agree.
     for bias in (False, True):
         lin = nn.Linear(H, 2 * H, bias=bias).double()
-        layer = L.Linear.from_serial(lin, mesh)
-        xl = L.split(x, mesh).requires_grad_()
-        mesh.ledger.reset()
-        layer(xl).sum().backward()
-        stats = mesh.ledger.stats()
-        got = sum(stats.get(a, {}).get("bytes", 0) for a in TP_AXES)
-        want = summa_linear_bytes(B * S, H, 2 * H, q, depth=d, bias=bias, element_size=8)
-        assert got == want, f"ledger {got} B vs formula {want} B (bias={bias})"  # exact, so within 10%
+        grads = {}
+        for keep in (True, False):
+            layer = L.Linear.from_serial(lin, mesh)
+            layer.keep_gathered_weight = keep
+            xl = L.split(x, mesh).requires_grad_()
+            mesh.ledger.reset()
+            layer(xl).sum().backward()
+            stats = mesh.ledger.stats()
+            got = sum(stats.get(a, {}).get("bytes", 0) for a in TP_AXES)
+            want = summa_linear_bytes(B * S, H, 2 * H, q, depth=d, bias=bias, element_size=8, keep_weights=keep)
+            assert got == want, f"ledger {got} B vs formula {want} B (bias={bias}, keep={keep})"  # exact
+            grads[keep] = [xl.grad] + [p.grad for p in layer.parameters()]
+        for a, b in zip(grads[True], grads[False]):
+            assert torch.equal(a, b), f"keep_gathered_weight changes a gradient (bias={bias})"
 
     # Errors, raised on every rank before any collective.
     with pytest.raises(ValueError, match="in_features = 7 is not divisible by 2"):
@@ -359,5 +366,9 @@ def test_pure_layout_and_errors():
         tp2d.Linear2D(8, 8, mesh)
     with pytest.raises(ValueError, match="Linear25D out_features = 9 is not divisible by 2"):
         tp2p5d.Linear25D(8, 9, mesh)
-    assert summa_linear_bytes(64, 16, 32, 2) == 4 * 3 * (64 * 16 + 16 * 32) // 2
-    assert summa_linear_bytes(64, 16, 32, 2, depth=2) == 4 * (3 * (32 * 16 + 16 * 32) // 2 + 16 * 32 // 4)
+    assert summa_linear_bytes(64, 16, 32, 2, keep_weights=False) == 4 * 3 * (64 * 16 + 16 * 32) // 2
+    assert summa_linear_bytes(64, 16, 32, 2) == 4 * (3 * 64 * 16 + 2 * 16 * 32) // 2
+    assert summa_linear_bytes(64, 16, 32, 2, depth=2, keep_weights=False) == 4 * (
+        3 * (32 * 16 + 16 * 32) // 2 + 16 * 32 // 4
+    )
+    assert summa_linear_bytes(64, 16, 32, 2, depth=2) == 4 * ((3 * 32 * 16 + 2 * 16 * 32) // 2 + 16 * 32 // 4)

@@ -124,33 +124,40 @@ def test_shape_from_configs():
 def test_2d_linear_is_summa_and_matches_the_layer_formula():
     for depth in (1, 2):
         for bias in (False, True):
-            kw = dict(
-                tokens=64,
-                in_features=16,
-                out_features=32,
-                tp=4 * depth,
-                depth=depth,
-                bias=bias,
-                dtype_bytes=4,
-                param_bytes=4,
-            )
-            paid, got = t2.tp2d_linear_traffic(**kw, wire=False), t2.tp2d_linear_traffic(**kw)
-            assert paid.total == t2.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias)
-            # forward: gather the q X blocks (64/(d q) x 16/q) of the grid row and the q W blocks
-            # (16/q x 32/q) of the grid column; backward: the same twice (re-gathers and
-            # reduce-scatters), the depth all-reduce of dW (16/q x 32/q) and the bias gradient's
-            # all-reduces over tp_row and depth (32/q each); fp32, q = 2
-            assert paid.forward == (64 * 16 / depth + 16 * 32) / 2 * 4
-            dw = 16 * 32 / 4 * 4 if depth > 1 else 0
-            db = 32 / 2 * 4 * (2 if depth > 1 else 1) if bias else 0
-            assert paid.backward == 2 * paid.forward + dw + db
-            # on the wire a ring gather / reduce-scatter over q = 2 sends half its payload; an
-            # all-reduce over 2 sends its payload
-            assert got.forward == paid.forward / 2
-            assert got.backward == 2 * got.forward + dw + db
-    # Optimus: 3 (bsh + h h_o) / q per Linear per device, of which a ring sends (q-1)/q.
+            for keep in (True, False):
+                kw = dict(
+                    tokens=64,
+                    in_features=16,
+                    out_features=32,
+                    tp=4 * depth,
+                    depth=depth,
+                    bias=bias,
+                    dtype_bytes=4,
+                    param_bytes=4,
+                    keep_weights=keep,
+                )
+                paid, got = t2.tp2d_linear_traffic(**kw, wire=False), t2.tp2d_linear_traffic(**kw)
+                assert paid.total == t2.summa_linear_bytes(64, 16, 32, 2, depth=depth, bias=bias, keep_weights=keep)
+                # forward: gather the q X blocks (64/(d q) x 16/q) of the grid row and the q W blocks
+                # (16/q x 32/q) of the grid column; backward: re-gather X (and W unless kept), the
+                # reduce-scatters of both partials, the depth all-reduce of dW (16/q x 32/q) and the
+                # bias gradient's all-reduces over tp_row and depth (32/q each); fp32, q = 2
+                act, wgt = 64 * 16 / depth / 2 * 4, 16 * 32 / 2 * 4
+                assert paid.forward == act + wgt
+                dw = 16 * 32 / 4 * 4 if depth > 1 else 0
+                db = 32 / 2 * 4 * (2 if depth > 1 else 1) if bias else 0
+                assert paid.backward == 2 * act + (1 if keep else 2) * wgt + dw + db
+                # on the wire a ring gather / reduce-scatter over q = 2 sends half its payload; an
+                # all-reduce over 2 sends its payload
+                assert got.forward == paid.forward / 2
+                assert got.backward == (2 * act + (1 if keep else 2) * wgt) / 2 + dw + db
+    # Optimus: 3 (bsh + h h_o) / q per Linear per device re-gathering W, (3 bsh + 2 h h_o) / q
+    # keeping it, of which a ring sends (q-1)/q.
+    assert tr.linear_traffic(
+        "2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1, keep_weights=False
+    ).total == (pytest.approx(3 * (64 * 16 + 16 * 32) / 3 * 2 / 3))
     assert tr.linear_traffic("2d", tokens=64, in_features=16, out_features=32, tp=9, dtype_bytes=1).total == (
-        pytest.approx(3 * (64 * 16 + 16 * 32) / 3 * 2 / 3)
+        pytest.approx((3 * 64 * 16 + 2 * 16 * 32) / 3 * 2 / 3)
     )
     with pytest.raises(ValueError, match="tp_depth"):
         t2.tp2d_linear_traffic(tokens=8, in_features=8, out_features=8, tp=6)
@@ -161,7 +168,8 @@ def test_2d_model_traffic_by_hand():
     # embedding (ids, reduce-scatter, swap), positions, final norm, head and loss.
     t, h, f, v, q, e = 4 * 16, 32, 128, 96, 2, 4
     # a Linear's gathers and reduce-scatters put (q-1)/q of their payload on the wire
-    lin = lambda i, o, b=True: 3 * (t * i + i * o) / q * e * (q - 1) / q + (o / q * e if b else 0)  # noqa: E731
+    # (X gathered forward and backward, W gathered once and kept for the backward)
+    lin = lambda i, o, b=True: (3 * t * i + 2 * i * o) / q * e * (q - 1) / q + (o / q * e if b else 0)  # noqa: E731
     norm = (2 * t / q * e) + (2 * t / q * e) + 2 * (h / q * e)  # stats fwd, sums bwd, weight + bias
     block = lin(h, 3 * h) + lin(h, h) + lin(h, f) + lin(f, h) + 2 * norm
     emb = (t / q * 8) + (t * h / q * e / 2) + 2 * (t / q * h / q * e) + (t * h / q * e / 2)

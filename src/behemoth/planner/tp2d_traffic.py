@@ -4,8 +4,9 @@
 on a d x q x q grid; each rank holds T/(d q) tokens and h/q hidden. Per SUMMA Linear,
 forward: an all-gather of X(i, :) along the grid row and of W(:, j) down the grid column (the
 blocks SUMMA's q broadcasts deliver), ``(T h_in / d + h_in h_out) / q`` elements of payload;
-backward twice that (re-gathers plus reduce-scatters of the dX and dW partials): Optimus's
-``3 (bsh + h h_o)/q`` (:func:`summa_linear_bytes`). 2.5D adds the all-reduce of dW over
+backward the re-gather of X (the forward's gathered W is kept) and the reduce-scatters of the dX
+and dW partials: ``(3 bsh + 2 h h_o)/q`` (:func:`summa_linear_bytes`; Optimus's
+``3 (bsh + h h_o)/q`` when W is gathered again, ``keep_weights=False``). 2.5D adds the all-reduce of dW over
 depth. Biases and norm weights (replicated over ``tp_row``) all-reduce their gradients over
 ``tp_row`` (and depth); with fewer kv heads than q, the k and v projections are replicated
 over ``tp_col`` and all-reduce their weight gradients over it; norms all-gather (LayerNorm:
@@ -48,13 +49,15 @@ def tp2d_linear_traffic(
     dtype_bytes: int = 2,
     param_bytes: int = 4,
     wire: bool = True,
+    keep_weights: bool = True,
 ) -> Traffic:
     """One SUMMA Linear (2D; 2.5D with ``depth`` > 1; ``behemoth.parallel.tensor.tp2d.Linear2D``),
     forward + backward, per rank. ``tokens``: B*S of the tp group. The forward gathers the q
     X blocks ``tokens/(d q) * in/q`` of its grid row and the q W blocks ``in/q * out/q`` of its
-    grid column; the backward re-gathers both and reduce-scatters partials of the same sizes:
-    ``3 (tokens*in/d + in*out) / q`` elements of payload, in ``dtype_bytes`` (the autocast dtype),
-    of which a ring sends ``(q-1)/q``. Tesseract adds the all-reduce of dW over depth,
+    grid column; the backward re-gathers X (W too when not ``keep_weights``: the layer's
+    ``keep_gathered_weight``) and reduce-scatters partials of the same sizes:
+    ``(3 tokens*in/d + 2 in*out) / q`` elements of payload (``3 (tokens*in/d + in*out) / q``
+    re-gathering W), in ``dtype_bytes`` (the autocast dtype), of which a ring sends ``(q-1)/q``. Tesseract adds the all-reduce of dW over depth,
     ``in*out/q**2``; a bias the all-reduce of its gradient over ``tp_row`` (and depth), ``out/q``
     each; both in ``param_bytes``. ``wire=False`` counts payload (the ledger's ``bytes``)
     instead of ring wire bytes."""
@@ -62,10 +65,11 @@ def tp2d_linear_traffic(
     if tp == 1:
         return Traffic()
     reduce = all_reduce_bytes if wire else payload
-    fwd = (tokens * in_features / depth + in_features * out_features) / q * dtype_bytes
-    if wire:  # a ring all-gather or reduce-scatter sends (q-1)/q of its payload
-        fwd *= (q - 1) / q
-    bwd = 2 * fwd + reduce(in_features * out_features / q**2 * param_bytes, depth)
+    ring = (q - 1) / q if wire else 1.0  # a ring all-gather or reduce-scatter sends (q-1)/q of its payload
+    act = tokens * in_features / depth / q * dtype_bytes * ring
+    wgt = in_features * out_features / q * dtype_bytes * ring
+    fwd = act + wgt
+    bwd = 2 * act + (1 if keep_weights else 2) * wgt + reduce(in_features * out_features / q**2 * param_bytes, depth)
     if bias:
         b = out_features / q * param_bytes
         bwd += reduce(b, q) + reduce(b, depth)
@@ -81,10 +85,12 @@ def summa_linear_bytes(
     depth: int = 1,
     bias: bool = False,
     element_size: int = 4,
+    keep_weights: bool = True,
 ) -> int:
     """Payload bytes one rank moves for one SUMMA Linear, forward + backward, as the ledger's
     ``bytes`` counts them: :func:`tp2d_linear_traffic` with ``wire=False`` and one element size.
-    d = 1 is Optimus (``3 (tokens*in + in*out) / q`` elements), d > 1 Tesseract."""
+    d = 1 is Optimus (``(3 tokens*in + 2 in*out) / q`` elements keeping the gathered weight for
+    the backward, ``3 (tokens*in + in*out) / q`` re-gathering it), d > 1 Tesseract."""
     t = tp2d_linear_traffic(
         tokens=tokens,
         in_features=in_features,
@@ -95,20 +101,30 @@ def summa_linear_bytes(
         dtype_bytes=element_size,
         param_bytes=element_size,
         wire=False,
+        keep_weights=keep_weights,
     )
     return round(t.total)
 
 
 def _kv_replicated2d(
-    tokens: int, hidden: int, shape: TransformerShape, tp: int, depth: int, dtype_bytes: int, param_bytes: int
+    tokens: int,
+    hidden: int,
+    shape: TransformerShape,
+    tp: int,
+    depth: int,
+    dtype_bytes: int,
+    param_bytes: int,
+    keep_weights: bool = True,
 ) -> Traffic:
     """A k or v projection with K < q kv heads (tp2d.KVReplicatedLinear2D): SUMMA with a
     ``[D, h/q]`` weight block, then all-reduces of the ``[K D, h/q]`` weight gradient over
     ``tp_col`` and depth (and of a bias over the whole grid)."""
     q, k, d = grid_side(tp, depth), shape.num_kv_heads, shape.head_dim
-    fwd = (tokens * hidden / (depth * q) + d * hidden) * (q - 1) / q * dtype_bytes  # ring gathers
+    act = tokens * hidden / (depth * q) * (q - 1) / q * dtype_bytes  # ring gathers
+    wgt = d * hidden * (q - 1) / q * dtype_bytes
+    fwd = act + wgt
     grad = k * d * hidden / q * param_bytes
-    bwd = 2 * fwd + all_reduce_bytes(grad, q) + all_reduce_bytes(grad, depth)
+    bwd = 2 * act + (1 if keep_weights else 2) * wgt + all_reduce_bytes(grad, q) + all_reduce_bytes(grad, depth)
     if shape.linear_bias:
         bwd += all_reduce_bytes(k * d * param_bytes, tp)
     return Traffic(fwd, bwd)
@@ -152,6 +168,7 @@ def tp2d_block_traffic(
     depth: int = 1,
     dtype_bytes: int = 2,
     param_bytes: int = 4,
+    keep_weights: bool = True,
 ) -> Traffic:
     """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
     down), forward + backward, per rank; attention itself is local."""
@@ -167,10 +184,11 @@ def tp2d_block_traffic(
         bias=shape.linear_bias,
         dtype_bytes=dtype_bytes,
         param_bytes=param_bytes,
+        keep_weights=keep_weights,
     )
     kv = None
     if not shape.fused_qkv and shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated
-        kv = _kv_replicated2d(t, shape.hidden, shape, tp, depth, dtype_bytes, param_bytes)
+        kv = _kv_replicated2d(t, shape.hidden, shape, tp, depth, dtype_bytes, param_bytes, keep_weights)
     return grid_linears_traffic(shape, lin, kv) + 2 * norm2d(shape, t / (depth * q), q, depth, param_bytes)
 
 
@@ -185,11 +203,13 @@ def tp2d_model_traffic(
     stream_bytes: int | None = None,
     param_bytes: int = 4,
     diagonal: bool = False,
+    keep_weights: bool = True,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, final norm, head and loss, for a
     rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
     embedding's transpose swap). ``stream_bytes``: the residual stream's element size (the
-    embedding output's gradient)."""
+    embedding output's gradient). ``keep_weights``: the Linears keep their gathered weights for
+    the backward (``Linear2D.keep_gathered_weight``, the default)."""
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
@@ -197,7 +217,14 @@ def tp2d_model_traffic(
     h, v, t = shape.hidden, shape.vocab_size, batch * seq
     local = t / (depth * q)
     out = shape.num_layers * tp2d_block_traffic(
-        shape, batch=batch, seq=seq, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+        shape,
+        batch=batch,
+        seq=seq,
+        tp=tp,
+        depth=depth,
+        dtype_bytes=dtype_bytes,
+        param_bytes=param_bytes,
+        keep_weights=keep_weights,
     )
     swap = 0.0 if diagonal else local * h / q
     out += Traffic(
@@ -213,7 +240,14 @@ def tp2d_model_traffic(
         out += Traffic(0.0, all_reduce_bytes(pos, q) + all_reduce_bytes(pos, depth))
     out += norm2d(shape, local, q, depth, param_bytes)  # final norm
     out += tp2d_linear_traffic(
-        tokens=t, in_features=h, out_features=v, tp=tp, depth=depth, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+        tokens=t,
+        in_features=h,
+        out_features=v,
+        tp=tp,
+        depth=depth,
+        dtype_bytes=dtype_bytes,
+        param_bytes=param_bytes,
+        keep_weights=keep_weights,
     )  # head
     out += Traffic(all_reduce_bytes(local * 4, q) + all_reduce_bytes(2 * local * 4, q), 0.0)  # loss
     return out

@@ -11,7 +11,9 @@ vary j); ``"tp_row"`` is *my grid column* (members share j, vary i).
   (:func:`activation_spec`).
 * SUMMA (:class:`SummaFn`): ``y = x W^T`` with x block (i, k) and W block (k, j): the blocks
   SUMMA's q steps broadcast along the grid row and down the grid column, gathered by one
-  all-gather each, then one GEMM; backward re-gathers and reduce-scatters the partials. Per device ``3 (bsh/d + h h_o) / q`` elements per Linear (``behemoth.planner.tp2d_traffic``).
+  all-gather each, then one GEMM; backward re-gathers X (W is kept from the forward) and
+  reduce-scatters the partials. Per device ``(3 bsh/d + 2 h h_o) / q`` elements per Linear
+  (``behemoth.planner.tp2d_traffic``).
 * Parameters replicated over ``tp_row`` (biases, norm weights) or ``tp_depth`` (every weight
   under Tesseract) go through :func:`replicate_on`, so their gradients are summed there.
 
@@ -117,40 +119,61 @@ class SummaFn(torch.autograd.Function):
     SUMMA's q steps, each a broadcast of X(i, k) along the grid row and of W(k, j) down the
     grid column, deliver exactly the blocks an all-gather does: so the forward all-gathers X(i, :)
     over ``tp_col`` and W(:, j) over ``tp_row`` (both in flight at once) and runs one GEMM,
-    ``Y(i, j) = X(i, :) W(:, j)``. Backward: re-gather both; ``dy @ W(:, j)`` holds this rank's
-    part of dX(i, k) for every k and is reduce-scattered over ``tp_col`` (rank (i, j) keeps
-    dX(i, j)); ``X(i, :).T @ dy`` holds its part of dW(k, j) for every k and is reduce-scattered
-    over ``tp_row``; the bias gradient is all-reduced over ``tp_row``, launched first so it runs
-    beside the GEMMs. Bytes per rank equal SUMMA's (``3 (bsh + h h_o) / q`` elements a Linear);
-    collectives and GEMMs are q times fewer and the GEMMs q times larger. Only the shards are
-    saved, so activations stay ``bsh/p`` (compiled too: the backward's re-gathers go through
-    :func:`~behemoth.comm.traced.regather`, so the compiler cannot replace them by keeping the
-    forward's gathered blocks)."""
+    ``Y(i, j) = X(i, :) W(:, j)``. Backward: re-gather X (and W, unless ``keep_w``); ``dy @
+    W(:, j)`` holds this rank's part of dX(i, k) for every k and is reduce-scattered over
+    ``tp_col`` (rank (i, j) keeps dX(i, j)); ``X(i, :).T @ dy`` holds its part of dW(k, j) for
+    every k and is reduce-scattered over ``tp_row``; the bias gradient is all-reduced over
+    ``tp_row``, launched first so it runs beside the GEMMs. With ``keep_w`` the dX GEMM starts
+    while X is being re-gathered.
+
+    Bytes per rank: SUMMA's ``3 (bsh + h h_o) / q`` elements a Linear re-gathering W, ``(3 bsh +
+    2 h h_o) / q`` with ``keep_w``; collectives and GEMMs are q times fewer and the GEMMs q times
+    larger. Of the activations only the shard x is saved, so they stay ``bsh/p`` (compiled too:
+    the backward's re-gather goes through :func:`~behemoth.comm.traced.regather`, so the compiler
+    cannot replace it by keeping the forward's gathered block). ``keep_w`` keeps the gathered
+    W(:, j) (``q`` weight shards, in the compute dtype) from forward to backward: in eager mode
+    on ``ctx``, outside the saved-tensor hooks (it is a weight copy, not an activation: activation
+    checkpointing does not drop it), in compiled code as a saved tensor."""
 
     @staticmethod
-    def forward(ctx, x, w, b, g: Grid, in_out: bool):
+    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False):
         ctx.g, ctx.in_out, ctx.b_dtype = g, in_out, None if b is None else b.dtype
-        ctx.save_for_backward(x, w)  # x itself: often saved already by the op that made it
         hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
         hw = comm.all_gather_async(w if in_out else w.t(), g.row_axis)  # W(:, j) as [in, out/q]
-        y = hx.wait().t() @ hw.wait()
+        w_col = hw.wait()
+        y = hx.wait().t() @ w_col
         if b is not None:
             y.add_(b.to(y.dtype))
+        ctx.w_col = None
+        if not keep_w:
+            ctx.save_for_backward(x, w)  # x itself: often saved already by the op that made it
+        elif torch.compiler.is_compiling():
+            ctx.save_for_backward(x, w_col)
+        else:  # a copy of the weights, not an activation: held on ctx, out of saved-tensor hooks
+            ctx.save_for_backward(x)
+            ctx.w_col = w_col
+        ctx.keep_w = keep_w
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
         g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        db = hb = None
+        if not ctx.keep_w:
+            x, w = ctx.saved_tensors
+        elif ctx.w_col is None:
+            x, w_col = ctx.saved_tensors
+        else:
+            (x,), w_col = ctx.saved_tensors, ctx.w_col
+        db = hb = hw = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
-        hw = comm.all_gather_async(regather(w if in_out else w.t()), g.row_axis) if need_x else None
+        if need_x and not ctx.keep_w:
+            hw = comm.all_gather_async(regather(w if in_out else w.t()), g.row_axis)
         hx = comm.all_gather_async(regather(x.t()), g.col_axis) if need_w else None
         dx = dw = hdx = hdw = None
         if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
-            hdx = comm.reduce_scatter_async(hw.wait() @ dy.t(), g.col_axis)
+            hdx = comm.reduce_scatter_async((w_col if hw is None else hw.wait()) @ dy.t(), g.col_axis)
         if need_w:  # dW(:, j)^T partial = X(i, :)^T dy, summed down the grid column
             hdw = comm.reduce_scatter_async(hx.wait() @ dy, g.row_axis)
         if hdx is not None:
@@ -160,7 +183,7 @@ class SummaFn(torch.autograd.Function):
             dw = dw if in_out else dw.t().contiguous()
         if hb is not None:
             db = hb.wait()
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:

@@ -18,9 +18,10 @@ mesh.coord("tp_row")`` and ``j = mesh.coord("tp_col")``, tp rank ``i*q + j``. Th
 
 Communication per layer (all through ``comm``): a Linear is SUMMA -- forward gathers X(i, :)
 along the grid row and W(:, j) down the grid column (the blocks SUMMA's q steps would broadcast)
-for one GEMM; backward re-gathers them and reduce-scatters the dX partials along the row and
-the dW partials down the column. Per device that
-is ``3 (bsh + h h_o) / q`` elements (``behemoth.planner.tp2d_traffic.summa_linear_bytes``). Norms
+for one GEMM; backward re-gathers X (the gathered W is kept, ``Linear2D.keep_gathered_weight``)
+and reduce-scatters the dX partials along the row and the dW partials down the column. Per
+device that is ``(3 bsh + 2 h h_o) / q`` elements (``3 (bsh + h h_o) / q`` re-gathering W;
+``behemoth.planner.tp2d_traffic.summa_linear_bytes``). Norms
 all-gather their per-shard statistics over ``tp_col`` forward and all-reduce two sums
 backward. The embeddings, head and loss live in :mod:`.embed2d`: the embedding looks up its
 vocab block for the tp group's batch, reduce-scatters over
@@ -115,6 +116,11 @@ class Linear2D(nn.Module):
     """
 
     MODE = "2d"
+    keep_gathered_weight: bool = True
+    """Keep the forward's gathered weight column W(:, j) (in the compute dtype) for the backward
+    instead of gathering it again: one all-gather fewer per Linear and step, for ``q`` times a
+    weight shard's elements held from forward to backward (set False, on the class or an
+    instance, to re-gather)."""
 
     def __init__(
         self,
@@ -208,7 +214,7 @@ class Linear2D(nn.Module):
         if dt is not None:  # cast the shards before they travel: half the bytes
             x, w = x.to(dt), w.to(dt)
         b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
-        y = SummaFn.apply(x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out")
+        y = SummaFn.apply(x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -225,7 +231,10 @@ class KVReplicatedLinear2D(nn.Module):
     the D rows of head c: input ``[b, S, in/q]`` -> output ``[b, S, D]`` (one local kv head).
     Communication: a Linear2D's with a ``[D, in/q]`` weight block; backward adds the
     all-reduce of the weight gradient over ``tp_col`` (each column contributes its head's
-    rows). A bias is replicated over the whole grid (gradient all-reduced over ``tp``)."""
+    rows). A bias is replicated over the whole grid (gradient all-reduced over ``tp``).
+    ``keep_gathered_weight``: as :class:`Linear2D`'s."""
+
+    keep_gathered_weight: bool = True
 
     def __init__(self, module: nn.Linear, mesh, mode: str, kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -250,7 +259,7 @@ class KVReplicatedLinear2D(nn.Module):
         dt = autocast_dtype(x)
         if dt is not None:
             x, w = x.to(dt), w.to(dt)
-        y = SummaFn.apply(x.reshape(-1, x.shape[-1]), w, None, g, False)
+        y = SummaFn.apply(x.reshape(-1, x.shape[-1]), w, None, g, False, self.keep_gathered_weight)
         y = y.view(*x.shape[:-1], hi - lo)
         if self.bias is not None:
             y = y + comm.CopyToAxis.apply(self.bias, g.tp_axis)[lo:hi].to(y.dtype)
