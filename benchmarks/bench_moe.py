@@ -16,7 +16,10 @@ dispatch -> combine -> backward round trip, and of the bare ``all_to_all_single`
 tokens of the residual stream in, sent as bf16 rows (dispatch casts them before the exchange, as
 the experts' GEMMs would after it), the experts' bf16 rows combined back into fp32. Each line says
 the rows' dtype on the wire (``wire_dtype``) and the padding of the experts' groups (``align``:
-16 where the grouped GEMMs run, as the layer dispatches them; 1 elsewhere).
+16 where the grouped GEMMs run, as the layer dispatches them; 1 elsewhere), and per call the ATen
+ops run (``ops``: about one kernel each on a GPU) and the host syncs CUDA's sync debug mode reports
+(``host_syncs``: a value read with ``item``/``tolist``, a blocking copy; null on the CPU; the
+dispatch's one wait for its split sizes, an event, is not among them).
 
 ``layer`` (``what: moe-layer``): one :class:`~behemoth.models.moe.MoEFeedForward` (hidden 4,096,
 expert FFN 14,336, 8 experts, top-2) under :class:`~behemoth.parallel.expert.ExpertParallel` at
@@ -58,10 +61,12 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 from moe_routing import ROUTINGS, routing_input
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 from behemoth import comm
@@ -135,6 +140,35 @@ def timed_us(fn, dev: torch.device, iters: int, warmup: int) -> float:
     return slowest(sorted(times)[len(times) // 2], dev)
 
 
+class OpCount(TorchDispatchMode):
+    """ATen ops run inside the block (each about one kernel on a GPU; the collectives count one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn, dev: torch.device) -> tuple[int, int | None]:
+    """``(ATen ops, host syncs)`` of one call of ``fn``: the syncs are those CUDA's sync debug mode
+    reports (a value read to the host, a blocking copy), None on the CPU, where nothing syncs."""
+    syncs = None
+    with OpCount() as ops, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+                syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return ops.ops, syncs
+
+
 def _peak_gib(dev: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
 
@@ -189,6 +223,9 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
             y_TH.backward(dy_TH)
 
         round_trip_us = timed_us(round_trip, **timing)
+        dispatch_ops, dispatch_syncs = counted(dispatch_only, dev)
+        combine_ops, combine_syncs = counted(combine_only, dev)
+        round_trip_ops, round_trip_syncs = counted(round_trip, dev)
         sorted_AH = x_TH.detach().to(x_NH.dtype)[routed.order_A // K]  # the rows dispatch sends
         a2a_us = timed_us(
             lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes),
@@ -212,6 +249,8 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
                 combine_us=round(combine_us, 1),
                 round_trip_fwd_bwd_us=round(round_trip_us, 1),
                 a2a_only_us=round(a2a_us, 1),
+                ops=dict(dispatch=dispatch_ops, combine=combine_ops, round_trip_fwd_bwd=round_trip_ops),
+                host_syncs=dict(dispatch=dispatch_syncs, combine=combine_syncs, round_trip_fwd_bwd=round_trip_syncs),
                 dispatch_mib_sent_per_rank=round(sum(routed.send_sizes) * row_bytes / 2**20, 1),
                 dispatch_mib_leaving_rank0=round(leaving * row_bytes / 2**20, 1),
                 target_us=250,

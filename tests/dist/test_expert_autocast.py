@@ -5,7 +5,8 @@ stream), at ep = 2:
   and the same float32 input gradient (the k copies of a token summed in float32); combine
   weighs and sums in float32 and returns the float32 stream, bit for bit as after a float32
   dispatch; also with a rank that has no tokens, and with the groups padded for the grouped
-  GEMMs (``align``: the same outputs and gradients);
+  GEMMs (``align``: the same outputs and gradients); the host reads device values once for all of
+  it (the split sizes);
 * training at dp = 2 x ep = 2 under ``Plan(precision="bf16")`` books exactly
   ``ep_all_to_all_bytes(elem_bytes=2)`` on the ep axis (every row exchange in bf16) and follows
   serial autocast training.
@@ -19,6 +20,7 @@ from behemoth.mesh import ParallelMesh
 from behemoth.parallel.expert.dispatch import combine, dispatch
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
 
+from host_reads import HostReads
 from common import SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps
 from test_expert_parallel import build_moe, optimizer_for, serial_moe_run
 
@@ -64,6 +66,9 @@ def _dispatch_world(rank: int, world: int) -> None:
         for name, a, b in zip(("y", "x.grad", "weights.grad"), got[2:], want[2:]):
             assert a.dtype == b.dtype == torch.float32, (what, name, a.dtype, b.dtype)
             assert torch.equal(a, b), (what, name, (a - b).abs().max())
+        with HostReads() as reads:  # dispatch -> combine -> backward at ep = 2: the split sizes, read once
+            _exchange(*args, autocast=True, align=16)
+        assert dict(reads.counts) == {"tolist": 1}, (what, reads.counts)
         padded = _exchange(*args, autocast=True, align=16)
         assert all(n % 16 == 0 and n > 0 for n in padded[1]), (what, padded[1])
         for name, a, b in zip(("y", "x.grad", "weights.grad"), padded[2:], got[2:]):

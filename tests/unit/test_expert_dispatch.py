@@ -60,3 +60,58 @@ def test_expert_parallel_on_one_rank_equals_serial():
     (y_p.square().sum() + parallel.aux_loss).backward()
     for (name, a), b in zip(serial.named_parameters(), parallel.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_block_shifts_place_rows_as_local_order_and_padded_rows():
+    """The scatter dispatch makes (row i of block b to ``i + shift[b]``) is the inverse of the
+    regrouping :func:`local_order` gives, and with padding lands each row where
+    :func:`~behemoth.parallel.expert.grouped.padded_rows` puts it."""
+    from behemoth.parallel.expert.dispatch import block_shifts, padding_rows
+    from behemoth.parallel.expert.grouped import pad_groups, padded_rows
+
+    recv = [[2, 0, 1], [1, 2, 0], [0, 3, 4]]
+    local = [sum(r[l] for r in recv) for l in range(3)]
+    flat = torch.tensor(sum(recv, []))
+    for align in (1, 4, 16):
+        padded, shift = pad_groups(local, align) if align > 1 else (local, [0, 0, 0])
+        moved = torch.repeat_interleave(torch.tensor(block_shifts(recv, padded)), flat)
+        slot = torch.arange(int(flat.sum())) + moved
+        want = padded_rows(local, shift, torch.device("cpu"))[torch.argsort(local_order(torch.tensor(recv)))]
+        assert slot.tolist() == want.tolist(), align
+    assert block_shifts([[3, 1]], [3, 1]) == [0, 0]  # one member, unpadded: rows stay where they arrive
+    # the padding: every row of the padded layout that no received row lands on
+    padded = pad_groups(local, 4)[0]
+    slot = torch.arange(int(flat.sum())) + torch.repeat_interleave(torch.tensor(block_shifts(recv, padded)), flat)
+    free = sorted(set(range(sum(padded))) - set(slot.tolist()))
+    assert padding_rows(local, padded) == free and len(free) == sum(padded) - sum(local)
+    assert padding_rows([2, 0], [16, 16]) == list(range(2, 32)) and padding_rows([3], [3]) == []
+
+
+def test_one_host_read_per_moe_layer():
+    """An expert-parallel MoE layer's forward reads device values to the host once (the split
+    sizes, one ``tolist``) and its backward never: no ``item``, no boolean mask, no ``bincount``,
+    no ``repeat_interleave`` without ``output_size`` (each a device sync on a GPU). Also with a
+    capacity, the groups padded, and bf16 autocast."""
+    from host_reads import HostReads
+
+    from behemoth.parallel.expert import style
+
+    for capacity, align, autocast in ((None, 1, False), (1.0, 16, False), (None, 16, True)):
+        what = f"capacity={capacity} align={align} autocast={autocast}"
+        torch.manual_seed(0)
+        layer = MoEFeedForward(16, 12, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=capacity)
+        ExpertParallel().apply(layer, OneRankMesh())
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        real = style.group_alignment
+        style.group_alignment = lambda x_TH: align
+        try:
+            with HostReads() as forward:
+                with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                    y = layer(x)
+            loss = y.float().square().sum() + layer.aux_loss
+            with HostReads() as backward:
+                loss.backward()
+        finally:
+            style.group_alignment = real
+        assert dict(forward.counts) == {"tolist": 1}, (what, forward.counts)
+        assert backward.total() == 0, (what, backward.counts)

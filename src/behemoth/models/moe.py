@@ -124,8 +124,14 @@ def balance_terms(probs_TE: torch.Tensor, experts_TK: torch.Tensor) -> tuple[tor
     router probabilities summed over tokens. The balancing loss over T tokens is
     ``E * sum(counts_E * prob_sums_E) / T**2``; both terms add up over any split of the tokens."""
     num_experts = probs_TE.shape[-1]
-    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
-    return counts_E, probs_TE.sum(dim=0)
+    counts_E = _count(experts_TK.reshape(-1), torch.ones_like(experts_TK.reshape(-1)), num_experts)
+    return counts_E.to(probs_TE.dtype), probs_TE.sum(dim=0)
+
+
+def _count(index_A: torch.Tensor, weight_A: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """``torch.bincount(index_A, weight_A, minlength=num_bins)`` for integer weights, in int64,
+    without bincount's read of the largest index to the host (a device sync on a GPU)."""
+    return index_A.new_zeros(num_bins, dtype=torch.int64).scatter_add_(0, index_A.long(), weight_A.long())
 
 
 def z_loss_sum(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -161,8 +167,8 @@ class Routing:
     def dropped_counts(self) -> torch.Tensor:
         """Assignments dropped by the capacity, per expert (float, detached)."""
         num_experts = self.logits_TE.shape[-1]
-        dropped = self.chosen_TK[self.experts_TK == num_experts]
-        return torch.bincount(dropped, minlength=num_experts).to(self.probs_TE.dtype)
+        dropped_A = (self.experts_TK == num_experts).reshape(-1)
+        return _count(self.chosen_TK.reshape(-1), dropped_A, num_experts).to(self.probs_TE.dtype)
 
 
 class SharedExpert(nn.Module):

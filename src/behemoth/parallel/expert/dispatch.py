@@ -3,21 +3,32 @@
 The E experts are sharded over the ``ep`` axis in contiguous blocks (member r holds experts
 ``r*E/n ... (r+1)*E/n - 1``). A forward through the experts is
 
-1. **sort**: the T*K (token, slot) assignments sorted by expert (stable), so the rows for
-   member r are one contiguous run;
-2. **split sizes**: every member's per-expert counts exchanged with one even all-to-all of
-   ``E`` integers (each member learns how many rows it receives, from whom, for which of its
-   experts);
-3. **dispatch**: the rows exchanged with one uneven ``all_to_all_single``
-   (:class:`~behemoth.comm.AllToAllSingleAxis`), then regrouped by local expert (each group
-   padded with zero rows to a multiple of ``align`` where the grouped GEMMs want it);
+1. **sort**: the T*K (token, slot) assignments sorted by expert, once (one stable argsort, which
+   the combine and both backwards reuse), so the rows for member r are one contiguous run; the
+   assignments per expert counted on the device (no host read);
+2. **split sizes**: every member's per-expert counts exchanged with one even all-to-all of ``E``
+   integers, then read to the host **once** (:class:`HostSizes`: started right after the
+   exchange, into pinned memory, while the device goes on gathering the rows): the only wait of
+   the host per layer and step -- the backward reads nothing;
+3. **dispatch**: the rows gathered in expert order (cast to the GEMM dtype first,
+   :class:`SendRows`), exchanged with one uneven ``all_to_all_single``
+   (:class:`~behemoth.comm.AllToAllSingleAxis`), then placed by local expert in one scatter
+   (:class:`PlaceRows`; each group padded with zero rows to a multiple of ``align`` where the
+   grouped GEMMs want it) -- skipped where they arrive in that layout already (one member, or
+   one expert per member, unpadded);
 4. the local experts (:func:`~.grouped.grouped_swiglu`);
-5. **combine**: the inverse regrouping, the reverse all-to-all, and each token's k outputs
-   summed with its routing weights.
+5. **combine**: the rows taken back in the order they arrived (:class:`TakeRows`), the reverse
+   all-to-all, and each token's k outputs weighted and summed in one ``index_add``.
 
-Each backward runs the reverse all-to-alls, on every member, even one that received no rows
-(its empty output stays in the autograd graph), so an expert with no tokens cannot hang a step.
-The permutation math (:func:`sort_by_expert`, :func:`local_order`) is pure and unit-tested.
+Every permutation's backward is the adjoint gather or scatter over the same index (no sort and no
+atomic accumulation: each is a permutation, and a token's k row gradients are summed as one
+``[T, K, H]`` reduction); the all-to-alls' backwards reuse the forward's split sizes. Each backward
+runs the reverse all-to-alls on every member, even one that received no rows (its empty output
+stays in the autograd graph), so an expert with no tokens cannot hang a step.
+
+The bookkeeping (:func:`sort_by_expert`, :func:`local_order`, :func:`block_shifts`,
+:func:`padding_rows`) is pure and
+unit-tested.
 
 Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then of the
 ``T*K`` rows of width H out and back (and the same two in backward), in the experts' GEMM dtype
@@ -25,7 +36,8 @@ Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then
 assignment to expert ``E`` is dropped: never sent).
 :func:`behemoth.parallel.expert.traffic.ep_all_to_all_bytes` is the formula.
 
-Tested in tests/unit/test_expert_dispatch.py and tests/dist/test_expert_parallel.py.
+Tested in tests/unit/test_expert_dispatch.py (the host reads per layer pinned too),
+tests/dist/test_expert_autocast.py and tests/dist/test_expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -36,17 +48,39 @@ import torch
 
 from ... import comm
 from ...comm import Axis
-from .grouped import gemm_dtype, pad_groups, padded_rows
+from .grouped import gemm_dtype, pad_groups, to_device
 
-__all__ = ["CastRows", "Routed", "combine", "dispatch", "local_order", "sort_by_expert"]
+__all__ = [
+    "HostSizes",
+    "PlaceRows",
+    "Routed",
+    "SendRows",
+    "TakeRows",
+    "block_shifts",
+    "combine",
+    "count_experts",
+    "dispatch",
+    "local_order",
+    "padding_rows",
+    "sort_by_expert",
+]
+
+
+def count_experts(experts_A: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Assignments per expert of the flat ``experts_A`` (values in ``[0, num_bins)``), int64, on
+    ``experts_A``'s device: ``torch.bincount`` without its host read of the largest value."""
+    return experts_A.new_zeros(num_bins, dtype=torch.int64).scatter_add_(
+        0, experts_A.long(), torch.ones_like(experts_A, dtype=torch.int64)
+    )
 
 
 def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order_A, counts_E)``: the flat (token, slot) indices ``t*K + k`` sorted by expert
     (stable, so token order is kept within an expert) and the assignments per expert. An
-    assignment to expert ``num_experts`` (dropped by a capacity) is left out of both."""
+    assignment to expert ``num_experts`` (dropped by a capacity) is left out of both. Reads the
+    drop count to the host (:func:`dispatch` sorts without)."""
     flat_A = experts_TK.reshape(-1)
-    counts = torch.bincount(flat_A, minlength=num_experts + 1)
+    counts = count_experts(flat_A, num_experts + 1)
     kept = flat_A.numel() - int(counts[num_experts])
     return torch.argsort(flat_A, stable=True)[:kept], counts[:num_experts]
 
@@ -54,31 +88,63 @@ def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Te
 def local_order(recv_counts_RL: torch.Tensor) -> torch.Tensor:
     """The rows received from members ``0..R-1`` (each in local-expert order, ``recv_counts_RL[r,
     l]`` rows for local expert l) regrouped by local expert: the permutation ``perm`` such that
-    ``received[perm]`` lists local expert 0's rows (from every member, in member order) first."""
+    ``received[perm]`` lists local expert 0's rows (from every member, in member order) first.
+    The reference :func:`block_shifts` is tested against (``slot`` is ``perm``'s inverse)."""
     num_local = recv_counts_RL.shape[1]
     expert_of_row = torch.arange(num_local, device=recv_counts_RL.device).repeat(recv_counts_RL.shape[0])
     expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts_RL.reshape(-1))
     return torch.argsort(expert_of_row, stable=True)
 
 
-class CastRows(torch.autograd.Function):
-    """``x_TH.to(dtype)[token_A]`` forward: a token's rows cast once, then gathered (one per
-    (token, slot) assignment). Backward: the rows' gradients cast back to ``x_TH``'s dtype and
-    summed per token in it (index_put with accumulate, as the backward of
-    ``x_TH[token_A].to(dtype)`` sums them), so where the cast happens changes no bit of either
-    direction. Local, no communication."""
+def block_shifts(recv_counts_RL: list[list[int]], padded_L: list[int]) -> list[int]:
+    """How far each block of received rows moves into the experts' layout: the rows arrive member
+    by member, each member's in local-expert order (block ``r*L + l``: ``recv_counts_RL[r][l]``
+    rows), and go to local expert l's group (``padded_L[l]`` rows, its rows from every member in
+    member order, then its padding). Row i of block b lands at ``i + shift[b]``. Pure."""
+    num_local = len(padded_L)
+    group_start, at = [], 0
+    for p in padded_L:
+        group_start.append(at)
+        at += p
+    filled = [0] * num_local
+    shifts, src = [], 0
+    for row in recv_counts_RL:
+        for l, c in enumerate(row):
+            shifts.append(group_start[l] + filled[l] - src)
+            filled[l] += c
+            src += c
+    return shifts
 
-    @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, token_A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(token_A)
-        ctx.shape, ctx.dtype = x_TH.shape, x_TH.dtype
-        return x_TH.to(dtype)[token_A]
 
-    @staticmethod
-    def backward(ctx, grad_AH: torch.Tensor):
-        (token_A,) = ctx.saved_tensors
-        grad_TH = grad_AH.new_zeros(ctx.shape, dtype=ctx.dtype)
-        return grad_TH.index_put_((token_A,), grad_AH.to(ctx.dtype), accumulate=True), None, None
+def padding_rows(counts_L: list[int], padded_L: list[int]) -> list[int]:
+    """The rows of the experts' layout that are padding: group l (``padded_L[l]`` rows, after the
+    groups before it) holds its ``counts_L[l]`` rows first, then its padding. Pure."""
+    rows, at = [], 0
+    for c, p in zip(counts_L, padded_L):
+        rows.extend(range(at + c, at + p))
+        at += p
+    return rows
+
+
+class HostSizes:
+    """One device-to-host read of a small int64 tensor, started at construction (into pinned
+    memory, without waiting, on a CUDA device) and waited for by :meth:`wait`: the host can queue
+    more device work in between. On the CPU the tensor is read as it is."""
+
+    def __init__(self, sizes: torch.Tensor) -> None:
+        self.event = None
+        if sizes.is_cuda:
+            self.host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self.host.copy_(sizes, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = sizes.to("cpu")
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 @dataclass
@@ -87,48 +153,150 @@ class Routed:
 
     axis: Axis
     order_A: torch.Tensor
-    """Flat (token, slot) indices in the order their rows were sent."""
+    """Flat (token, slot) indices ``t*K + k`` in the order their rows were sent (the kept ones)."""
+    token_A: torch.Tensor
+    """Their tokens: ``order_A // K``."""
     send_sizes: list[int]
     recv_sizes: list[int]
-    slot: torch.Tensor
+    slot: torch.Tensor | None
     """Where each received row sits in the experts' rows (grouped by local expert, padded where
-    :func:`dispatch` was asked to align the groups)."""
+    :func:`dispatch` was asked to align the groups); None where they arrive in that layout."""
+    pad: torch.Tensor | None
+    """The experts' rows that are padding (None: none)."""
+    num_rows: int
+    """Rows of the experts' layout (the padding included)."""
     dtype: torch.dtype
     """The dispatched tokens' dtype (the residual stream's): :func:`combine` returns it."""
+
+
+class _Pending:
+    """The split sizes of one dispatch, read once (:class:`HostSizes`): the assignments per expert
+    and dropped (``E + 1``), then the rows each member sends for each local expert (``E``)."""
+
+    def __init__(self, sizes: HostSizes, num_experts: int, members: int) -> None:
+        self.sizes, self.num_experts, self.members = sizes, num_experts, members
+        self.values: list[int] | None = None
+
+    def read(self) -> tuple[list[int], int, list[list[int]]]:
+        """``(counts_E, dropped, recv_counts_RL)``."""
+        if self.values is None:
+            self.values = self.sizes.wait()
+        E, n = self.num_experts, self.members
+        v, L = self.values, self.num_experts // self.members
+        return v[:E], v[E], [v[E + 1 + r * L : E + 1 + (r + 1) * L] for r in range(n)]
+
+
+class SendRows(torch.autograd.Function):
+    """The rows a dispatch sends, local: forward ``x_TH.to(dtype)[token_A[:kept]]`` (``token_A =
+    order_A // K``: a
+    token's row cast once, then gathered once per kept assignment, in expert order; the gather is
+    queued before the host waits for ``pending``'s sizes, which say how many are kept). Backward:
+    each row's gradient put back at its (token, slot) position (zero for a dropped one) and a
+    token's K summed in ``x_TH``'s dtype, as the backward of ``x_TH[token].to(dtype)`` sums them."""
+
+    @staticmethod
+    def forward(ctx, x_TH, order_A, token_A, top_k: int, dtype: torch.dtype, pending: _Pending):
+        rows_AH = x_TH.to(dtype).index_select(0, token_A)
+        _, dropped, _ = pending.read()
+        kept = order_A.numel() - dropped
+        ctx.save_for_backward(order_A[:kept])
+        ctx.shape, ctx.dtype, ctx.top_k = x_TH.shape, x_TH.dtype, top_k
+        return rows_AH[:kept]
+
+    @staticmethod
+    def backward(ctx, grad_AH: torch.Tensor):
+        (order_A,) = ctx.saved_tensors
+        (T, H), K = ctx.shape, ctx.top_k
+        make = grad_AH.new_empty if order_A.numel() == T * K else grad_AH.new_zeros  # every slot written
+        grad_TKH = make((T * K, H)).index_copy_(0, order_A, grad_AH.contiguous()).view(T, K, H)
+        return grad_TKH.sum(1, dtype=ctx.dtype), None, None, None, None, None
+
+
+def _scatter(rows_NH: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """``out[slot[i]] = rows_NH[i]`` in ``num_rows`` rows, the rows ``pad`` lists (all the others)
+    zero: written once each, no full memset."""
+    out = rows_NH.new_empty((num_rows, *rows_NH.shape[1:])).index_copy_(0, slot, rows_NH.contiguous())
+    return out if pad is None else out.index_fill_(0, pad, 0)
+
+
+class PlaceRows(torch.autograd.Function):
+    """Received rows into the experts' layout, local: forward ``out[slot[i]] = rows[i]`` in
+    ``num_rows`` rows (the rows ``pad`` lists, the groups' padding, zero); backward ``grad[slot]``
+    (the adjoint gather)."""
+
+    @staticmethod
+    def forward(ctx, rows_NH, slot, pad, num_rows: int):
+        ctx.save_for_backward(slot)
+        return _scatter(rows_NH, slot, pad, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot,) = ctx.saved_tensors
+        return grad.index_select(0, slot), None, None, None
+
+
+class TakeRows(torch.autograd.Function):
+    """The adjoint of :class:`PlaceRows`, local: forward ``rows[slot]``; backward the gradient put
+    back at ``slot`` in ``num_rows`` rows (zero at the rows ``pad`` lists)."""
+
+    @staticmethod
+    def forward(ctx, rows_NH, slot, pad, num_rows: int):
+        ctx.save_for_backward(slot, *(() if pad is None else (pad,)))
+        ctx.num_rows = num_rows
+        return rows_NH.index_select(0, slot)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot, *pad = ctx.saved_tensors
+        return _scatter(grad, slot, pad[0] if pad else None, ctx.num_rows), None, None, None
 
 
 def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, align: int = 1):
     """``(x_NH, local_counts, routed)``: the rows this member's experts must process, grouped
     by local expert (``local_counts[l]`` rows for local expert l), and the record for
-    :func:`combine`. Collective over ``axis``: the split sizes, then the rows.
+    :func:`combine`. Collective over ``axis``: the split sizes, then the rows. One host read
+    (:class:`HostSizes`), no other.
 
     The rows travel in the dtype the experts' GEMMs read them in (:func:`~.grouped.gemm_dtype`:
     autocast's under autocast, where the residual stream stays float32): cast before the
-    exchange, bit for bit what a cast after it gives, for half the bytes (:class:`CastRows`).
+    exchange, bit for bit what a cast after it gives, for half the bytes (:class:`SendRows`).
 
     ``align`` > 1: each local expert's group is padded with zero rows to a multiple of ``align``
     rows, at least ``align`` (:func:`~.grouped.pad_groups`; ``local_counts`` then count the
     padding, which :func:`combine` drops): the layout the grouped GEMMs want
-    (:func:`~.grouped.group_alignment`), made in the permutation the rows take anyway."""
+    (:func:`~.grouped.group_alignment`), made in the scatter the rows take anyway."""
     n = axis.size
     num_local = num_experts // n
-    order_A, counts_E = sort_by_expert(experts_TK, num_experts)
-    recv_counts = comm.all_to_all_single(counts_E, axis, [num_local] * n, [num_local] * n).view(n, num_local)
-    send_sizes = counts_E.view(n, num_local).sum(1).tolist()
-    recv_sizes = recv_counts.sum(1).tolist()
-    token_A, wire = order_A // experts_TK.shape[-1], gemm_dtype(x_TH)
-    x_AH = x_TH[token_A] if wire == x_TH.dtype else CastRows.apply(x_TH, token_A, wire)
+    top_k = experts_TK.shape[-1]
+    flat_A = experts_TK.reshape(-1)
+    counts = count_experts(flat_A, num_experts + 1)  # the last: assignments a capacity dropped
+    recv = comm.all_to_all_single(counts[:num_experts], axis, [num_local] * n, [num_local] * n)
+    pending = _Pending(HostSizes(torch.cat([counts, recv])), num_experts, n)
+    # the one sort, of narrow keys (fewer radix passes on a GPU); dropped assignments (expert E) last
+    order_A = torch.argsort(flat_A.to(torch.int16 if num_experts < 2**15 else torch.int32), stable=True)
+    token_A = order_A // top_k
+    x_AH = SendRows.apply(x_TH, order_A, token_A, top_k, gemm_dtype(x_TH), pending)  # waits for the sizes
+    counts_E, dropped, recv_RL = pending.read()
+    kept = order_A.numel() - dropped
+    order_A, token_A = order_A[:kept], token_A[:kept]
+    send_sizes = [sum(counts_E[r * num_local : (r + 1) * num_local]) for r in range(n)]
+    recv_sizes = [sum(row) for row in recv_RL]
+    local_counts = [sum(row[l] for row in recv_RL) for l in range(num_local)]
     x_recv = comm.AllToAllSingleAxis.apply(x_AH, axis, send_sizes, recv_sizes)
-    perm = local_order(recv_counts)
-    local_counts = recv_counts.sum(0).tolist()
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    padded, shift = pad_groups(local_counts, align) if align > 1 else (local_counts, None)
-    if padded == local_counts:  # nothing to pad
-        return x_recv[perm], local_counts, Routed(axis, order_A, send_sizes, recv_sizes, inverse, x_TH.dtype)
-    slot = padded_rows(local_counts, shift, x_recv.device)[inverse]
-    x_NH = x_recv.new_zeros(sum(padded), x_recv.shape[-1]).index_copy(0, slot, x_recv)
-    return x_NH, padded, Routed(axis, order_A, send_sizes, recv_sizes, slot, x_TH.dtype)
+    padded = pad_groups(local_counts, align)[0] if align > 1 else local_counts
+    shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
+    slot = pad = None
+    x_NH = x_recv
+    if any(shifts) or pad_rows:
+        received = x_recv.shape[0]
+        moved, pad = to_device(shifts + pad_rows, x_recv.device).split([len(shifts), len(pad_rows)])
+        slot = torch.arange(received, device=x_recv.device) + torch.repeat_interleave(
+            moved, recv.reshape(-1), output_size=received
+        )
+        pad = pad if pad_rows else None
+        x_NH = PlaceRows.apply(x_recv, slot, pad, sum(padded))
+    routed = Routed(axis, order_A, token_A, send_sizes, recv_sizes, slot, pad, sum(padded), x_TH.dtype)
+    return x_NH, padded, routed
 
 
 def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
@@ -137,10 +305,11 @@ def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> tor
     travel in ``y_NH``'s dtype; each is weighted and the k summed in the product's dtype (float32
     for float32 weights, as the serial layer weighs its experts' bf16 rows under autocast), and
     the sum returned in the dispatched tokens' dtype (the residual stream's: float32 under
-    autocast, as the serial layer returns it). Collective over the axis of :func:`dispatch`."""
-    y_AH = comm.AllToAllSingleAxis.apply(y_NH[routed.slot], routed.axis, routed.recv_sizes, routed.send_sizes)
-    num_tokens, top_k = weights_TK.shape
-    token_A = routed.order_A // top_k
-    weighted_AH = y_AH * weights_TK.reshape(-1)[routed.order_A, None]
-    y_TH = weighted_AH.new_zeros((num_tokens, y_NH.shape[-1])).index_add(0, token_A, weighted_AH)
+    autocast, as the serial layer returns it). Collective over the axis of :func:`dispatch`;
+    no host read."""
+    rows_NH = y_NH if routed.slot is None else TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
+    y_AH = comm.AllToAllSingleAxis.apply(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
+    num_tokens = weights_TK.shape[0]
+    weighted_AH = y_AH * weights_TK.reshape(-1).index_select(0, routed.order_A)[:, None]
+    y_TH = weighted_AH.new_zeros((num_tokens, y_NH.shape[-1])).index_add_(0, routed.token_A, weighted_AH)
     return y_TH.to(routed.dtype)

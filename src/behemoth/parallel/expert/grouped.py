@@ -44,12 +44,22 @@ __all__ = [
     "padded_rows",
     "swiglu_grouped_mm",
     "swiglu_loop",
+    "to_device",
 ]
 
 GROUP_ROWS = 16
 """Rows each expert's group is padded to a multiple of on the grouped path (bf16 rows of a
 multiple of 8 elements keep every group's start 16-byte aligned, for the forward and for the
 weight gradients' grouped GEMM over the same offsets; 16 is also what fp8 kernels ask)."""
+
+
+def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device`` without the host waiting: through pinned memory,
+    copied without blocking, on a CUDA device (a plain host-to-device copy waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def gemm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -133,8 +143,8 @@ def pad_groups(counts: list[int], multiple: int) -> tuple[list[int], list[int]]:
 def padded_rows(counts: list[int], shift: list[int], device: torch.device) -> torch.Tensor:
     """Where each of the ``sum(counts)`` rows lands in the padded layout of :func:`pad_groups`."""
     total = sum(counts)
-    shift_E = torch.tensor(shift, dtype=torch.int64, device=device)
-    moved = torch.repeat_interleave(shift_E, torch.tensor(counts, device=device), output_size=total)
+    shift_E, counts_E = to_device(list(shift) + list(counts), device).split([len(shift), len(counts)])
+    moved = torch.repeat_interleave(shift_E, counts_E, output_size=total)
     return torch.arange(total, device=device) + moved
 
 
@@ -177,7 +187,7 @@ def swiglu_grouped_mm(
     if padded != list(counts):
         rows = padded_rows(counts, shift, x_NH.device)
         x_NH = x_NH.new_zeros(sum(padded), x_NH.shape[-1]).index_copy(0, rows, x_NH)
-    offsets = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=x_NH.device)
+    offsets = to_device(list(itertools.accumulate(padded)), x_NH.device, torch.int32)
     gate_PI, up_PI = _grouped_mm(x_NH, gate_up, offsets).chunk(2, dim=-1)
     y_PH = _grouped_mm(act(gate_PI) * up_PI, down, offsets)
     return _ContiguousGrad.apply(y_PH if rows is None else y_PH.index_select(0, rows))

@@ -270,7 +270,7 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
             y_TH = y_TH + shared_TH
         counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
         # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
-        local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_tensor([x_TH.shape[0]])])
+        local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
         totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
         num_experts = block.num_experts
         counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]

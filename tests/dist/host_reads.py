@@ -1,0 +1,58 @@
+"""Count the reads of device values by the host inside a block (each one a wait for the device on a
+GPU): the Python conversions of a tensor (``tolist``, ``item``, ``int()``, ``float()``, ``bool()``,
+``numpy``) and the ATen ops that read a device value to size their output (``nonzero`` and boolean
+masks, ``bincount``, ``repeat_interleave`` without ``output_size``, ``unique``, ``masked_select``).
+On the CPU none of them waits, but each is the same read on a GPU: counting them here pins a
+layer's waits without one."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CONVERSIONS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy")
+SYNCING_OPS = {"nonzero", "bincount", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select"}
+
+
+class HostReads(TorchDispatchMode):
+    """``with HostReads() as reads: ...`` -- then ``reads.counts``: ``{what: how many}`` (a
+    conversion's name, or ``op:<name>`` for a reading ATen op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+        self._saved: dict = {}
+
+    def __enter__(self):
+        for name in CONVERSIONS:
+            real = getattr(torch.Tensor, name)
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+
+            def counting(t, *args, _real=real, _name=name, **kwargs):
+                self.counts[_name] += 1
+                return _real(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counting)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, saved)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in SYNCING_OPS:
+            self.counts[f"op:{name}"] += 1
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+            self.counts["op:repeat_interleave"] += 1
+        return func(*args, **kwargs)
+
+    def total(self) -> int:
+        return sum(self.counts.values())
