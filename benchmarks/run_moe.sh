@@ -13,6 +13,7 @@
 #        OLMOE_MBS: olmoe's sequences per rank at ep = 2, default 4 on cards of 120 GB or more, else 2
 #        (its experts' fp32 state alone is 54 GiB per rank at ep = 2), halved once after an OOM;
 #        DEADLINE: seconds by which the last run ends (default 570); SKIP_PEER=1 skips the peer;
+#        QUICK=1 stops after behemoth's Mixtral (dispatch, layer and one model: about 2 minutes);
 #        a CPU smoke check of the script:
 #        NGPU=2 SKIP_PEER=1 BENCH_EXTRA="--tiny --device cpu" bash benchmarks/run_moe.sh)
 set -u
@@ -47,6 +48,7 @@ olmoe_ep2() {   # name, extra flags...
 }
 bench layer 120 --part dispatch,layer --precisions bf16,autocast
 bench mixtral-ep$n 110 --part model --size mixtral-4b --mbs 4
+[ -n "${QUICK:-}" ] && exit 0
 [ -z "${SKIP_PEER:-}" ] && run peer-hf-mixtral 110 benchmarks/peer_hf_mixtral.py --experts grouped_mm --mbs 4
 if [ "$n" -ge 4 ]; then
   bench olmoe-ep$n 110 --part model --size olmoe-1b-7b --mbs 4

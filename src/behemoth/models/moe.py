@@ -167,6 +167,8 @@ class Routing:
     def dropped_counts(self) -> torch.Tensor:
         """Assignments dropped by the capacity, per expert (float, detached)."""
         num_experts = self.logits_TE.shape[-1]
+        if self.experts_TK is self.chosen_TK:  # no capacity: nothing dropped
+            return self.probs_TE.new_zeros(num_experts)
         dropped_A = (self.experts_TK == num_experts).reshape(-1)
         return _count(self.chosen_TK.reshape(-1), dropped_A, num_experts).to(self.probs_TE.dtype)
 
