@@ -68,7 +68,7 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     (bh.Plan(precision="bf16", microbatches=2), 0.3285203996041999, 30917090816.0),
     (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.1260789716511748, 22045154816.0),
     (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.29374048834900607, 22010584576.0),
-    (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.7028776767415731, 19388620288.0),
+    (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.5806120767415731, 19388620288.0),
     (
         bh.Plan(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2, precision="bf16", zero=1),
         0.12754654121596293,

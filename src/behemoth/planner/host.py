@@ -53,10 +53,16 @@ __all__ = [
 ]
 
 
+def block_linears(shape) -> int:
+    """Linear layers in one block: q/k/v (one fused or three), the output projection, and the
+    MLP's two (three gated)."""
+    return (1 if shape.fused_qkv else 3) + 1 + (3 if shape.gated_mlp else 2)
+
+
 def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
     """Tensor-parallel collective calls of one block per micro-batch: ``(forward, backward)``.
-    1D and 2D as behemoth's layers issue them (GPT's counted from a run's record functions:
-    1D 4, with sequence parallelism 16, 2D 34 per block); 3D from its layers' structure."""
+    As behemoth's layers issue them: a run's record functions agree for GPT and Llama blocks
+    under 1D (4 ranks), 2D (4), 2.5D and 3D (8; tests/dist/test_planner_host_calls.py)."""
     if plan.tp == 1:
         return 0.0, 0.0
     s = w.shape
@@ -71,15 +77,21 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
         vectors = 2 * norm_vectors + (2.0 if s.linear_bias else 0.0)
         return 2.0 + 2.0 * k, 4.0 + 2.0 * k + vectors + replicated_kv
     if plan.tp_mode == "3d":
-        linears = 6 if s.gated_mlp else 5
-        total = 8.0 * linears * k + 8
+        # 8 per Linear and 5 more per extra over-decomposition piece; each norm combines and sums
+        # its statistics and, as each bias, sums its vectors' gradients over the cube's two other axes
+        linears = block_linears(s)
+        vectors = 2 * norm_vectors + (linears if s.linear_bias else 0)
+        total = linears * (8.0 + 5.0 * (k - 1)) + 2 * 2 + 2 * vectors
         return total / 3, 2 * total / 3
     # SUMMA per Linear: gathers of X and W forward; re-gathers and the dX, dW reduce-scatters
-    # backward; each norm gathers its statistics forward, all-reduces its sums and its vectors'
-    # gradients backward; each bias's gradient is summed down the grid column
-    linears = 6 if s.gated_mlp else 4
+    # backward; each norm combines its statistics forward (LayerNorm gathers, RMSNorm sums), and
+    # all-reduces its sums and its vectors' gradients backward; each bias's gradient is summed
+    # down the grid column
+    linears = block_linears(s)
     biases = linears if s.linear_bias else 0
-    return 2.0 * linears + 2, 4.0 * linears + 4 + biases
+    # 2.5D: every parameter's gradient is also summed over the depth axis
+    depth = linears + biases + 2 * norm_vectors if plan.tp_mode == "2.5d" and plan.tp_depth > 1 else 0
+    return 2.0 * linears + 2, 4.0 * linears + 4 + biases + depth
 
 
 def cp_block_calls(plan: Plan) -> tuple[float, float]:
