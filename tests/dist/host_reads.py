@@ -18,11 +18,13 @@ SYNCING_OPS = {"nonzero", "bincount", "unique", "_unique", "_unique2", "unique_c
 
 class HostReads(TorchDispatchMode):
     """``with HostReads() as reads: ...`` -- then ``reads.counts``: ``{what: how many}`` (a
-    conversion's name, or ``op:<name>`` for a reading ATen op)."""
+    conversion's name, or ``op:<name>`` for a reading ATen op), and ``reads.ops``: every ATen op."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.ops: Counter = Counter()
+        """Every ATen op run in the block, by name (what the block costs in kernels, roughly)."""
         self._saved: dict = {}
 
     def __enter__(self):
@@ -48,6 +50,7 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name.split("::")[-1]
+        self.ops[name] += 1
         if name in SYNCING_OPS:
             self.counts[f"op:{name}"] += 1
         elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:

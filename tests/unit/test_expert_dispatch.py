@@ -90,8 +90,8 @@ def test_block_shifts_place_rows_as_local_order_and_padded_rows():
 def test_one_host_read_per_moe_layer():
     """An expert-parallel MoE layer's forward reads device values to the host once (the split
     sizes, one ``tolist``) and its backward never: no ``item``, no boolean mask, no ``bincount``,
-    no ``repeat_interleave`` without ``output_size`` (each a device sync on a GPU). Also with a
-    capacity, the groups padded, and bf16 autocast."""
+    no ``repeat_interleave`` without ``output_size`` (each a device sync on a GPU); one sort in the
+    forward, none in the backward. Also with a capacity, the groups padded, and bf16 autocast."""
     from host_reads import HostReads
 
     from behemoth.parallel.expert import style
@@ -115,3 +115,7 @@ def test_one_host_read_per_moe_layer():
             style.group_alignment = real
         assert dict(forward.counts) == {"tolist": 1}, (what, forward.counts)
         assert backward.total() == 0, (what, backward.counts)
+        # one sort (by expert) in the forward; the backward sorts nothing (no index_put with accumulate,
+        # which sorts its indices on a GPU: every permutation's backward is its adjoint gather or scatter)
+        assert forward.ops["sort"] == 1, (what, forward.ops)
+        assert not {"sort", "index_put", "index_put_"} & set(backward.ops), (what, backward.ops)

@@ -139,12 +139,15 @@ class ExpertLayers:
         pipeline axis when a rank holds some of the layers only -- the counts are then summed over
         it (a collective: every rank calls it, ``device`` where the axis's collectives run) so that
         every rank reports every layer."""
-        if axis is None or axis.trivial:
-            return {
-                n: m.token_counts.tolist()
-                for n, m in self.layers.items()
-                if getattr(m, "token_counts", None) is not None
-            }
+        if axis is None or axis.trivial:  # every layer's counts read to the host at once
+            ran = {n: m.token_counts for n, m in self.layers.items() if getattr(m, "token_counts", None) is not None}
+            if not ran:
+                return {}
+            values = torch.cat([c.detach().reshape(-1).double() for c in ran.values()]).tolist()
+            out, at = {}, 0
+            for n, c in ran.items():
+                out[n], at = values[at : at + c.numel()], at + c.numel()
+            return out
         width = max(self.num_experts.values()) + 1  # the counts, then 1 where the layer has run
         table = torch.zeros(len(self.names), width, dtype=torch.float64)
         for i, n in enumerate(self.names):
