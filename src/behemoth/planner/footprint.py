@@ -22,7 +22,9 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ("Reducing Activation Recomputation in Large Transformer Models", with flash attention, so no
 ``s**2`` term): ``T (A_rep h / r + (A_h h + A_f f) / p)`` (``ACTIVATION_BYTES``) with
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
-``T`` tokens of the micro-batch on this context-parallel rank; with activation
+``T`` tokens of the micro-batch on this context-parallel rank; 2D and 2.5D add each Linear's
+gathered weight column (its weights / q, in the compute dtype), which SUMMA keeps from the
+forward for the backward (``Linear2D.keep_gathered_weight``); with activation
 checkpointing only the block input (``4 T h / r``) is kept, plus one block's full set while
 it is recomputed. A pipeline rank holds its peak in-flight micro-batches of its stage's
 blocks (:mod:`.bubble`); the last stage adds the fp32 logits and their gradient. Pure.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .params import block_local_params, local_params, stage_layers
+from .traffic import tp_grid
 from .workload import Workload
 
 __all__ = ["Footprint", "footprint"]
@@ -75,6 +78,11 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else s.ffn_hidden
     a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
     full = t * (a_rep * s.hidden / rep + (a_h * s.hidden + a_f * f) / plan.tp)
+    if plan.tp > 1 and plan.tp_mode in ("2d", "2.5d"):
+        # SUMMA keeps each Linear's gathered weight column (q shards, compute dtype) for the backward
+        q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
+        weights = w.attention_params + (0 if w.num_experts else w.mlp_params)
+        full += weights / q * (2 if plan.precision in ("bf16", "fp16") else 4)
     return full, 4 * t * s.hidden / rep
 
 

@@ -83,15 +83,15 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
         vectors = 2 * norm_vectors + (linears if s.linear_bias else 0)
         total = linears * (8.0 + 5.0 * (k - 1)) + 2 * 2 + 2 * vectors
         return total / 3, 2 * total / 3
-    # SUMMA per Linear: gathers of X and W forward; re-gathers and the dX, dW reduce-scatters
-    # backward; each norm combines its statistics forward (LayerNorm gathers, RMSNorm sums), and
+    # SUMMA per Linear: gathers of X and W forward; X's re-gather (W's gathered block is kept)
+    # and the dX, dW reduce-scatters backward; each norm combines its statistics forward (LayerNorm gathers, RMSNorm sums), and
     # all-reduces its sums and its vectors' gradients backward; each bias's gradient is summed
     # down the grid column
     linears = block_linears(s)
     biases = linears if s.linear_bias else 0
     # 2.5D: every parameter's gradient is also summed over the depth axis
     depth = linears + biases + 2 * norm_vectors if plan.tp_mode == "2.5d" and plan.tp_depth > 1 else 0
-    return 2.0 * linears + 2, 4.0 * linears + 4 + biases + depth
+    return 2.0 * linears + 2, 3.0 * linears + 4 + biases + depth
 
 
 def cp_block_calls(plan: Plan) -> tuple[float, float]:
