@@ -135,9 +135,9 @@ class HostSizes:
         self.event = None
         if sizes.is_cuda:
             self.host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-            self.host.copy_(sizes, non_blocking=True)
+            self.host.copy_(sizes, non_blocking=True)  # queued on sizes' device's current stream
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(sizes.device))
         else:
             self.host = sizes.to("cpu")
 
@@ -251,6 +251,7 @@ class TakeRows(torch.autograd.Function):
         return _scatter(grad, slot, pad[0] if pad else None, ctx.num_rows), None, None, None
 
 
+@torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
 def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, align: int = 1):
     """``(x_NH, local_counts, routed)``: the rows this member's experts must process, grouped
     by local expert (``local_counts[l]`` rows for local expert l), and the record for
@@ -299,6 +300,7 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
     return x_NH, padded, routed
 
 
+@torch.compiler.disable  # eager in compiled blocks, as dispatch
 def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
     """``y_TH``: the experts' outputs (rows as :func:`dispatch` returned them) sent back to their
     tokens' members and summed over each token's k experts with its routing weights. The rows
