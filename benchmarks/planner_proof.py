@@ -365,6 +365,7 @@ def main() -> None:
                 exposed={k: round(v, 4) for k, v in p.exposed.items()},
                 optimizer=round(p.optimizer + p.offload, 4),
                 host=round(p.host, 4),
+                host_wait=round(p.host_wait, 4),
                 host_bound=p.host_bound,
             ),
         )

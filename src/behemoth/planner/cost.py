@@ -85,6 +85,8 @@ class Prediction:
     (:mod:`.host`); where it exceeds the device's time it sets the micro-batch's pace."""
     host_bound: bool = False
     """The host, not the device, sets the pace of the forward or the backward."""
+    host_wait: float = 0.0
+    """What the host bound adds to the micro-batches' time, all of them (the device waiting)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -216,6 +218,7 @@ def predict(
     host_f = layers * ht.forward + ht.pipeline / 2
     host_b = (layers * ht.backward) * (1.5 if zb else 1.0) + ht.pipeline / 2
     host_bound = host_f > t_f or host_b > t_b
+    host_wait = m * (max(0.0, host_f - t_f) + max(0.0, host_b - t_b))
     if zb and t_bi is not None and host_b > t_b:
         t_bi = t_bi * host_b / t_b
     t_f, t_b = max(t_f, host_f), max(t_b, host_b)
@@ -306,4 +309,5 @@ def predict(
         stage_times=(t_f, t_b, t_comm),
         host=m * (host_f + host_b),
         host_bound=host_bound,
+        host_wait=host_wait,
     )

@@ -77,6 +77,7 @@ def _parts(p: Prediction) -> dict[str, float]:
         "exposed ep": p.exposed.get("ep", 0.0),
         "exposed gradient sync": p.exposed.get("dp", 0.0) + p.exposed.get("dp_cp", 0.0),
         "pipeline bubble": p.bubble,
+        "host issue (device waits)": p.host_wait,
         "optimizer": p.optimizer,
         "offload": p.offload,
     }
@@ -97,12 +98,12 @@ def explain(res: SearchResult) -> str:
     ]
     for d, k in diffs:
         if d > 1e-6:
-            lines.append(f"  {k:<24} {pb[k]:.4f} s vs {pa[k]:.4f} s  (+{d:.4f} s)")
+            lines.append(f"  {k:<25} {pb[k]:.4f} s vs {pa[k]:.4f} s  (+{d:.4f} s)")
     gains = [(d, k) for d, k in diffs if d < -1e-6]
     if gains:
         lines.append("and saves on:")
         for d, k in sorted(gains):
-            lines.append(f"  {k:<24} {pb[k]:.4f} s vs {pa[k]:.4f} s  ({d:.4f} s)")
+            lines.append(f"  {k:<25} {pb[k]:.4f} s vs {pa[k]:.4f} s  ({d:.4f} s)")
     return "\n".join(lines)
 
 
