@@ -323,10 +323,54 @@ def autocast_smoke(mesh, L):
     close(gather_full(y.float(), L.spec((B, S, H), mesh), mesh), want.float(), "autocast", rtol=2e-2, atol=2e-2)
 
 
+def prefetch_passes(mesh, L, prefetch: bool, autocast: bool):
+    """Three training passes of a chain of Linears (an SGD update between them): outputs,
+    input and parameter gradients, parameters and the ledger per axis."""
+    torch.manual_seed(11)
+    dtype = torch.float32 if autocast else F64
+    serial = [nn.Linear(H, 2 * H), nn.Linear(2 * H, H, bias=False), nn.Linear(H, H)]
+    chain = [L.Linear.from_serial(m.to(dtype), mesh) for m in serial]
+    for m in chain:
+        m.prefetch_weight = prefetch
+    mesh.ledger.reset()
+    outs = []
+    for step in range(3):
+        xl = L.split(rand(B, S, H, seed=step, dtype=dtype), mesh).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = xl
+            for m in chain:
+                y = m(y)
+        y.float().pow(2).sum().backward()
+        outs += [y.detach(), xl.grad] + [p.grad.clone() for m in chain for p in m.parameters()]
+        with torch.no_grad():
+            for m in chain:
+                for p in m.parameters():
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+    outs += [p.detach() for m in chain for p in m.parameters()]
+    return outs, mesh.ledger.stats(), chain
+
+
+def prefetch_matches(mesh, L):
+    """Prefetching the weight columns changes no value and no ledger entry (only when they travel)."""
+    from behemoth.parallel.tensor.weight_prefetch import prefetch_of
+
+    for autocast in (False, True):
+        want, want_ledger, _ = prefetch_passes(mesh, L, False, autocast)
+        got, ledger, chain = prefetch_passes(mesh, L, True, autocast)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"prefetch changes a value (autocast={autocast})"
+        strip = lambda st: {a: {k: v for k, v in s.items() if k != "seconds"} for a, s in st.items()}  # noqa: E731
+        assert strip(ledger) == strip(want_ledger), (ledger, want_ledger)
+        if mesh.axis("tp_row").size > 1:  # passes 2 and 3 take the 2nd and 3rd Linears' columns prefetched
+            assert prefetch_of(chain[0]).taken >= 4
+
+
 def _world_2d(rank, world):
     mesh = ParallelMesh(bh.Plan(tp=4, tp_mode="2d"), rank, world)
     layer_scenarios(mesh, LAYERS_2D)
     autocast_smoke(mesh, LAYERS_2D)
+    prefetch_matches(mesh, LAYERS_2D)
     mesh25 = ParallelMesh(bh.Plan(tp=4, tp_mode="2.5d", tp_depth=1), rank, world)
     depth_one_is_2d(mesh, mesh25)
 
@@ -334,6 +378,7 @@ def _world_2d(rank, world):
 def _world_25d(rank, world):
     mesh = ParallelMesh(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), rank, world)
     layer_scenarios(mesh, LAYERS_25D)
+    prefetch_matches(mesh, LAYERS_25D)
 
 
 # --------------------------------------------------------------------------- tests

@@ -136,11 +136,11 @@ class SummaFn(torch.autograd.Function):
     checkpointing does not drop it), in compiled code as a saved tensor."""
 
     @staticmethod
-    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False):
-        ctx.g, ctx.in_out, ctx.b_dtype = g, in_out, None if b is None else b.dtype
+    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None):
+        ctx.g, ctx.in_out, ctx.b_dtype, ctx.w_dtype = g, in_out, None if b is None else b.dtype, w.dtype
         hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
-        hw = comm.all_gather_async(w if in_out else w.t(), g.row_axis)  # W(:, j) as [in, out/q]
-        w_col = hw.wait()
+        if w_col is None:  # else gathered ahead (weight_prefetch), in x's dtype
+            w_col = comm.all_gather_async(w if in_out else w.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
         y = hx.wait().t() @ w_col
         if b is not None:
             y.add_(b.to(y.dtype))
@@ -180,10 +180,10 @@ class SummaFn(torch.autograd.Function):
             dx = hdx.wait().t().contiguous()
         if hdw is not None:
             dw = hdw.wait()
-            dw = dw if in_out else dw.t().contiguous()
+            dw = (dw if in_out else dw.t().contiguous()).to(ctx.w_dtype)
         if hb is not None:
             db = hb.wait()
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:

@@ -59,6 +59,7 @@ from .functional import ShardedNormFn, autocast_dtype
 from .grid import SummaFn, activation_spec, gather_activation, gather_batch, grid_of, replicate_on
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, linear_layout
+from .weight_prefetch import may_prefetch, prefetch_of, prefetching_pass
 
 __all__ = [
     "activation_spec_2d",
@@ -121,6 +122,9 @@ class Linear2D(nn.Module):
     instead of gathering it again: one all-gather fewer per Linear and step, for ``q`` times a
     weight shard's elements held from forward to backward (set False, on the class or an
     instance, to re-gather)."""
+    prefetch_weight: bool = True
+    """Gather the weight column ahead, when the pass starts (:mod:`.weight_prefetch`; only while
+    ``keep_gathered_weight``)."""
 
     def __init__(
         self,
@@ -211,10 +215,16 @@ class Linear2D(nn.Module):
             )
         w = replicate_on(self.weight, g, rows=False)
         dt = autocast_dtype(x)
+        w_col = None
+        if not g.row_axis.trivial and prefetching_pass() and may_prefetch(self):
+            w_col = prefetch_of(self).take(self, dt)
         if dt is not None:  # cast the shards before they travel: half the bytes
-            x, w = x.to(dt), w.to(dt)
+            x = x.to(dt)
+            w = w if w_col is not None else w.to(dt)
         b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
-        y = SummaFn.apply(x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight)
+        y = SummaFn.apply(
+            x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col
+        )
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
