@@ -187,10 +187,10 @@ class _Pending:
 
 
 class SendRows(torch.autograd.Function):
-    """The rows a dispatch sends, local: forward ``x_TH.to(dtype)[token_A[:kept]]`` (``token_A =
-    order_A // K``: a
-    token's row cast once, then gathered once per kept assignment, in expert order; the gather is
-    queued before the host waits for ``pending``'s sizes, which say how many are kept). Backward:
+    """The rows a dispatch sends, local: forward ``x_TH.to(dtype)[token_A[:kept]]`` with ``token_A
+    = order_A // K`` (a token's row cast once, then gathered once per kept assignment, in expert
+    order; the gather is queued before the host waits for ``pending``'s sizes, which say how many
+    are kept). Backward:
     each row's gradient put back at its (token, slot) position (zero for a dropped one) and a
     token's K summed in ``x_TH``'s dtype, as the backward of ``x_TH[token].to(dtype)`` sums them."""
 
