@@ -364,6 +364,7 @@ def prefetch_matches(mesh, L):
         assert strip(ledger) == strip(want_ledger), (ledger, want_ledger)
         if mesh.axis("tp_row").size > 1:  # passes 2 and 3 take the 2nd and 3rd Linears' columns prefetched
             assert prefetch_of(chain[0]).taken >= 4
+        assert not prefetch_of(chain[0]).pending  # nothing outlives its pass
 
 
 def _world_2d(rank, world):

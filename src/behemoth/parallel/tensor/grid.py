@@ -136,7 +136,7 @@ class SummaFn(torch.autograd.Function):
     checkpointing does not drop it), in compiled code as a saved tensor."""
 
     @staticmethod
-    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None):
+    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None, prefetch=None):
         ctx.g, ctx.in_out, ctx.b_dtype, ctx.w_dtype = g, in_out, None if b is None else b.dtype, w.dtype
         hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
         if w_col is None:  # else gathered ahead (weight_prefetch), in x's dtype
@@ -152,12 +152,14 @@ class SummaFn(torch.autograd.Function):
         else:  # a copy of the weights, not an activation: held on ctx, out of saved-tensor hooks
             ctx.save_for_backward(x)
             ctx.w_col = w_col
-        ctx.keep_w = keep_w
+        ctx.keep_w, ctx.prefetch = keep_w, prefetch
         return y
 
     @staticmethod
     def backward(ctx, dy):
         g, dy, in_out = ctx.g, dy.contiguous(), ctx.in_out
+        if ctx.prefetch is not None:
+            ctx.prefetch.drop()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not ctx.keep_w:
             x, w = ctx.saved_tensors
@@ -183,7 +185,7 @@ class SummaFn(torch.autograd.Function):
             dw = (dw if in_out else dw.t().contiguous()).to(ctx.w_dtype)
         if hb is not None:
             db = hb.wait()
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:

@@ -215,15 +215,16 @@ class Linear2D(nn.Module):
             )
         w = replicate_on(self.weight, g, rows=False)
         dt = autocast_dtype(x)
-        w_col = None
+        w_col = pf = None
         if not g.row_axis.trivial and prefetching_pass() and may_prefetch(self):
-            w_col = prefetch_of(self).take(self, dt)
+            pf = prefetch_of(self)
+            w_col = pf.take(self, dt)
         if dt is not None:  # cast the shards before they travel: half the bytes
             x = x.to(dt)
             w = w if w_col is not None else w.to(dt)
         b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
         y = SummaFn.apply(
-            x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col
+            x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col, pf
         )
         return y.view(*x.shape[:-1], y.shape[-1])
 

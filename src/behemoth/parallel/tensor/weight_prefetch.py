@@ -19,7 +19,8 @@ gathers a module's parameters in one, and frees them after), a weight with stora
 prefetched only with gradients enabled, outside the backward (activation checkpointing's
 recomputation gathers as it goes) and outside compiled code. A prefetched weight is used
 only if its parameter's version, storage and the compute dtype are those it was gathered
-from; otherwise it is dropped (the Linear gathers again). Every member of ``tp_row`` runs the
+from; otherwise it is dropped (the Linear gathers again); what no Linear took is dropped when
+a Linear's backward runs, so a gathered column never outlives its forward pass. Every member of ``tp_row`` runs the
 same Linears in the same order, so they issue the same gathers.
 
 Tested in tests/dist/test_tp2d_layers.py (a chain of Linears over several passes: the
@@ -98,9 +99,7 @@ class WeightPrefetch:
                 self.recording.append(weakref.ref(module))
                 self.taken += 1
                 return got
-        for left in self.pending.values():  # this pass runs differently from the last one
-            left.handle.wait()
-        self.pending.clear()
+        self.drop()  # what is left pending: this pass runs differently from the last one
         if any(r() is module for r in self.recording):
             self.order, self.recording = self.recording, []
         mods = [r() for r in self.order]
@@ -114,6 +113,14 @@ class WeightPrefetch:
                 continue
             self.pending[id(m)] = _Pending(weakref.ref(m), gather_column(m, dtype), weight_key(m, dtype))
         return None
+
+    def drop(self) -> None:
+        """Drop the prefetched columns no Linear took: the backward of a Linear calls this, so
+        none outlives the forward pass it was gathered for (and can see the weights change)."""
+        if self.pending:
+            for left in self.pending.values():
+                left.handle.wait()
+            self.pending.clear()
 
 
 _BY_GROUP: dict[int, WeightPrefetch] = {}
