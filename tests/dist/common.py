@@ -5,6 +5,7 @@ Each spawned world runs many scenarios in one go (process start-up costs seconds
 cores). A scenario failure raises AssertionError inside the child; bh.spawn turns it
 into a test failure with the child's traceback.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,23 +24,50 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
     """A tiny model of ``family``, identical for the same seed in every process."""
     if family == "gpt":
         from behemoth.models import GPT, GPTConfig
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, hidden=32,
-                             dropout=dropout, seed=seed))
+
+        return GPT(
+            GPTConfig(
+                vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, hidden=32, dropout=dropout, seed=seed
+            )
+        )
     if family == "llama":
         from behemoth.models import Llama, LlamaConfig
-        return Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                                 hidden=32, seed=seed))
+
+        return Llama(
+            LlamaConfig(
+                vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=4, num_kv_heads=2, hidden=32, seed=seed
+            )
+        )
     torch.manual_seed(seed)
     if family == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=num_layers, n_head=4,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         bos_token_id=0, eos_token_id=0)
+
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=num_layers,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return GPT2LMHeadModel(cfg)
     if family == "hf-llama":
-        from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
-        cfg = HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+        from transformers import LlamaConfig as HFLlamaConfig
+        from transformers import LlamaForCausalLM
+
+        cfg = HFLlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
         return LlamaForCausalLM(cfg)
     raise ValueError(family)
 
@@ -47,18 +75,39 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
 def build_hf_moe(family: str, **config) -> torch.nn.Module:
     """A tiny transformers mixture of experts -- ``family``: mixtral, qwen3-moe or olmoe -- the
     same on every call; ``config`` adds to or overrides its config's fields."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     if family == "mixtral":
         shape = dict(intermediate_size=24, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
         return MixtralForCausalLM(MixtralConfig(**{**common, **shape, **config}))
     if family == "qwen3-moe":
-        shape = dict(intermediate_size=48, moe_intermediate_size=24, num_key_value_heads=2, head_dim=8, num_experts=4,
-                     num_experts_per_tok=2, mlp_only_layers=[0])
+        shape = dict(
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+        )
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**common, **shape, **config}))
     if family == "olmoe":
         shape = dict(intermediate_size=16, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4)
@@ -128,8 +177,16 @@ class SerialRun:
     (``get_total_norm`` of the same gradients when not clipping)."""
 
 
-def serial_run(family: str, opt_name: str, batches: list[dict], *, max_grad_norm=None,
-               precision: str = "fp32", seed: int = 0, num_layers: int = 2) -> SerialRun:
+def serial_run(
+    family: str,
+    opt_name: str,
+    batches: list[dict],
+    *,
+    max_grad_norm=None,
+    precision: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 2,
+) -> SerialRun:
     """Plain single-process PyTorch: the reference every plan must reproduce."""
     model = build(family, seed, num_layers=num_layers)
     opt = make_optimizer(opt_name, model)
@@ -155,8 +212,9 @@ def serial_train(family: str, opt_name: str, batches: list[dict], **kwargs):
     return run.losses, run.state
 
 
-def bf16_param_reference(family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None,
-                         num_layers: int = 2):
+def bf16_param_reference(
+    family: str, opt_name: str, batches: list[dict], max_grad_norm: float | None, num_layers: int = 2
+):
     """Serial training that keeps fp32 master weights and runs forward and backward on a bf16
     copy of them (the model in bf16, no autocast), the gradients added into fp32: ZeRO-3
     param_dtype's math."""
@@ -303,6 +361,7 @@ def block_saved_bytes(family: str, plan, split, batch: int) -> tuple[int, int]:
     must save at most 1.02x the serial block's bytes / tp (partitioned activations: Optimus; the
     README reports 1.00x for 2D, 2.5D and 3D)."""
     from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+
     cfg = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=64)
     make = (lambda: GPT(GPTConfig(**cfg))) if family == "gpt" else (lambda: Llama(LlamaConfig(num_kv_heads=2, **cfg)))
     serial, model = make(), make()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
+from common import SEQ, VOCAB, global_batches, make_optimizer, shard
 
 import behemoth as bh
-from common import SEQ, VOCAB, global_batches, make_optimizer, shard
 
 PADDED_VOCAB, KEEP = 300, 257  # a vocabulary padded past the byte tokenizer's 257 ids
 

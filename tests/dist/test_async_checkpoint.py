@@ -2,6 +2,7 @@
 even though training goes on while it is written -- bit-for-bit the files a synchronous save of
 that state writes -- resuming from it is bit-exact, and a process killed while the files are
 written leaves the previous checkpoint the newest complete one."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,19 @@ import os
 
 import pytest
 import torch
+from common import (
+    assert_state_close,
+    build,
+    check_last_complete_checkpoint,
+    global_batches,
+    make_optimizer,
+    serial_train,
+    shard,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import (assert_state_close, build, check_last_complete_checkpoint, global_batches, make_optimizer,
-                    serial_train, shard)
 
 BATCH = 8
 PLANS = {

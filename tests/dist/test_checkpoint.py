@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact resume under the same plan, loading under another world size
 (resharding), a save killed midway never corrupts the last good checkpoint, and only
 safe loading."""
+
 from __future__ import annotations
 
 import os
@@ -8,11 +9,19 @@ import pickle
 
 import pytest
 import torch
+from common import (
+    assert_losses_close,
+    assert_state_close,
+    build,
+    check_last_complete_checkpoint,
+    global_batches,
+    make_optimizer,
+    serial_train,
+    shard,
+)
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import (assert_losses_close, assert_state_close, build, check_last_complete_checkpoint, global_batches,
-                    make_optimizer, serial_train, shard)
 
 BATCH = 8
 
@@ -39,7 +48,7 @@ def _resume_world(rank, world, root):
     extra = eng.load(ckpt.latest_checkpoint(root))
     assert extra == {"data": {"step": 2}} and eng.step_count == 2
     rest = [eng.step(shard(b, rank, world)) for b in batches[2:]]
-    assert first + rest == straight, (first + rest, straight)   # bit-exact
+    assert first + rest == straight, (first + rest, straight)  # bit-exact
     for k, v in eng.full_state_dict().items():
         assert torch.equal(v, final[k]), k
 

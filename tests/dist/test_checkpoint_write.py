@@ -11,11 +11,18 @@ import os
 
 import pytest
 import torch
+from common import (
+    assert_state_close,
+    build,
+    check_last_complete_checkpoint,
+    global_batches,
+    make_optimizer,
+    serial_train,
+    shard,
+)
 
 import behemoth as bh
 from behemoth import checkpoint as ckpt
-from common import (assert_state_close, build, check_last_complete_checkpoint, global_batches, make_optimizer,
-                    serial_train, shard)
 
 BATCH = 8
 

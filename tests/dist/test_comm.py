@@ -1,5 +1,6 @@
 """Every named collective in behemoth.comm: forward and backward against the serial formula,
 and the ledger's byte counts."""
+
 from __future__ import annotations
 
 import torch
@@ -76,7 +77,7 @@ def _comm_world(rank, world):
     # AllToAllAxis: rank r's part i goes to rank i; backward is the inverse exchange.
     xr, xs = _data(rank, world, (world * 2, 3 * world), 12)
     xr = xr.clone().requires_grad_()
-    y = comm.AllToAllAxis.apply(xr, ax, 1, 0)    # scatter columns, gather rows
+    y = comm.AllToAllAxis.apply(xr, ax, 1, 0)  # scatter columns, gather rows
     close(y, torch.cat([xs[i].chunk(world, 1)[rank] for i in range(world)], 0))
     _, ws = _data(rank, world, tuple(y.shape), 13)
     (y * ws[rank]).sum().backward()

@@ -30,19 +30,30 @@ and 3D tensor parallelism, and pipelines with context parallelism.
 Two spawned worlds (8 and 16 ranks) run every scenario (spawning costs seconds on two cores;
 the 16-rank world keeps to one or two scenarios per composition).
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
+from common import (
+    SEQ,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    shard,
+    train_steps,
+)
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import Dtypes, step_traffic
 from behemoth.planner.context_traffic import cp_model_traffic
 from behemoth.planner.workload import workload_for
 from behemoth.specs import shape_of
-from common import (SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,
-                    make_optimizer, serial_run, shard, train_steps)
 
 STEPS, BATCH, LAYERS = 2, 8, 4
 _SERIAL: dict = {}
@@ -51,8 +62,7 @@ _SERIAL: dict = {}
 def _serial(family, layers, steps=STEPS):
     key = (family, layers, steps)
     if key not in _SERIAL:
-        _SERIAL[key] = serial_run(family, "adamw", global_batches(steps, BATCH), max_grad_norm=1.0,
-                                  num_layers=layers)
+        _SERIAL[key] = serial_run(family, "adamw", global_batches(steps, BATCH), max_grad_norm=1.0, num_layers=layers)
     return _SERIAL[key]
 
 
@@ -100,7 +110,8 @@ def _check_planner_bytes(engine, family, layers, axes):
     for axis in axes:
         assert got[axis]["wire_bytes"] == int(want[axis]), (
             f"{engine.plan.describe()} {family} stage {stage}: {axis} ledger {got[axis]['wire_bytes']} vs "
-            f"planner {want[axis]}")
+            f"planner {want[axis]}"
+        )
 
 
 def _pipeline_grid():
@@ -153,7 +164,11 @@ def _check_context(family, plan, layers=2, traffic=False):
     op = "all_to_all" if plan.cp_mode == "ulysses" else "ring_shift"
     stats = engine.comm_stats()["cp"]
     assert stats["ops"] == {op: STEPS * plan.microbatches * here * (fwd * (1 + recompute) + bwd)}, (
-        engine.plan.describe(), family, here, stats)
+        engine.plan.describe(),
+        family,
+        here,
+        stats,
+    )
     if not traffic:
         return engine
     assert plan.pp == 1 and plan.microbatches == 1 and not plan.activation_checkpointing
@@ -161,8 +176,16 @@ def _check_context(family, plan, layers=2, traffic=False):
     engine.reset_comm_stats()
     engine._forward_backward(batch)
     got = engine.comm_stats()["cp"]
-    kw = dict(batch=batch["input_ids"].shape[0], seq=SEQ, cp=cp, mode=plan.cp_mode, tp=plan.tp,
-              tp_mode=plan.tp_mode, tp_depth=plan.tp_depth, dtype_bytes=4)
+    kw = dict(
+        batch=batch["input_ids"].shape[0],
+        seq=SEQ,
+        cp=cp,
+        mode=plan.cp_mode,
+        tp=plan.tp,
+        tp_mode=plan.tp_mode,
+        tp_depth=plan.tp_depth,
+        dtype_bytes=4,
+    )
     for key, wire in (("bytes", False), ("wire_bytes", True)):
         want = cp_model_traffic(shape_of(engine.model.config), wire=wire, **kw).total
         assert want > 0 and got[key] == want, f"{engine.plan.describe()} {family}: ledger {key} {got[key]} vs {want}"
@@ -196,6 +219,7 @@ def _pipelined_forward_with_context():
     this rank's share of the sequence (``context.split``) runs the pipeline forward, and the last
     stage returns the serial logits of those tokens."""
     from behemoth.parallel.context import split_sequence
+
     ids = global_batches(1, BATCH)[0]["input_ids"]
     for family, mode in (("hf-llama", "ulysses"), ("gpt", "ring")):
         serial = build(family).eval()
@@ -203,8 +227,9 @@ def _pipelined_forward_with_context():
         par = bh.parallelization(model)
         local, kwargs = par.context.split({"input_ids": ids})
         with torch.no_grad():
-            want = split_sequence(serial(ids) if family == "gpt" else serial(ids).logits, 1, 2, par.context.axis.rank,
-                                  mode)
+            want = split_sequence(
+                serial(ids) if family == "gpt" else serial(ids).logits, 1, 2, par.context.axis.rank, mode
+            )
             out = model(local["input_ids"], **kwargs)
         if par.pipeline.rank == 0:
             assert out is None, (family, mode)
@@ -216,18 +241,29 @@ def _pipelined_forward_with_context():
 def _world8(rank, world, root):
     torch.manual_seed(rank)
     grid_2d = dict(tp=4, tp_mode="2d")
-    for family, mode, traffic in (("gpt", "ulysses", True), ("llama", "ring", False), ("hf-gpt2", "ring", False),
-                                  ("hf-llama", "ulysses", True), ("llama", "ulysses", True)):
+    for family, mode, traffic in (
+        ("gpt", "ulysses", True),
+        ("llama", "ring", False),
+        ("hf-gpt2", "ring", False),
+        ("hf-llama", "ulysses", True),
+        ("llama", "ulysses", True),
+    ):
         _check_context(family, bh.Plan(cp=2, cp_mode=mode, **grid_2d), traffic=traffic)
     _check_context("gpt", bh.Plan(cp=2, cp_mode="ring", microbatches=2, activation_checkpointing=True, **grid_2d))
     # pipelines with context parallelism: every stage runs its share of the sequence
     for family, plan in (
         ("gpt", bh.Plan(dp=2, pp=2, cp=2, cp_mode="ulysses", microbatches=2)),
-        ("hf-gpt2", bh.Plan(dp=2, pp=2, cp=2, cp_mode="ring", microbatches=2, schedule="interleaved",
-                            virtual_stages=2)),
+        (
+            "hf-gpt2",
+            bh.Plan(dp=2, pp=2, cp=2, cp_mode="ring", microbatches=2, schedule="interleaved", virtual_stages=2),
+        ),
         ("llama", bh.Plan(pp=2, cp=2, tp=2, cp_mode="ring", microbatches=2, schedule="zero-bubble")),
-        ("hf-llama", bh.Plan(pp=2, cp=2, tp=2, cp_mode="ulysses", microbatches=2, schedule="gpipe",
-                             activation_checkpointing=True)),
+        (
+            "hf-llama",
+            bh.Plan(
+                pp=2, cp=2, tp=2, cp_mode="ulysses", microbatches=2, schedule="gpipe", activation_checkpointing=True
+            ),
+        ),
     ):
         engine = _check_context(family, plan, layers=LAYERS)
         _check_planner_bytes(engine, family, LAYERS, ("pp",))
@@ -240,14 +276,13 @@ def _world8(rank, world, root):
 
 
 def _world16(rank, world, root):
-    torch.manual_seed(rank)   # per-rank RNG differs: every rank must start from one model
+    torch.manual_seed(rank)  # per-rank RNG differs: every rank must start from one model
     _pipeline_grid()
     _pipeline_grid_checkpoint(root)
     _check_context("gpt", bh.Plan(cp=2, cp_mode="ulysses", tp=8, tp_mode="3d"), traffic=True)
     _check_context("hf-llama", bh.Plan(cp=2, cp_mode="ring", tp=8, tp_mode="3d"))
     _check_context("llama", bh.Plan(cp=2, cp_mode="ring", tp=8, tp_mode="2.5d", tp_depth=2), traffic=True)
-    _check_context("hf-gpt2", bh.Plan(pp=2, cp=2, cp_mode="ulysses", tp=4, tp_mode="2d", microbatches=2),
-                   layers=LAYERS)
+    _check_context("hf-gpt2", bh.Plan(pp=2, cp=2, cp_mode="ulysses", tp=4, tp_mode="2d", microbatches=2), layers=LAYERS)
 
 
 def test_compositions_on_8_ranks_match_serial(tmp_path):

@@ -8,6 +8,7 @@ bytes equal ``ulysses_bytes`` / ``ring_bytes`` (and their ratio to the published
 what the docstrings state); ring attention saves O(S/cp) per rank, not O(S^2). One spawned
 world per cp degree runs every case.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,12 @@ from behemoth import comm
 from behemoth.distributed import device_for_rank
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.context import (
-    gather_sequence, ring_attention, ring_bytes, split_sequence, ulysses_attention, ulysses_bytes,
+    gather_sequence,
+    ring_attention,
+    ring_bytes,
+    split_sequence,
+    ulysses_attention,
+    ulysses_bytes,
     ulysses_kv_heads,
 )
 
@@ -34,7 +40,7 @@ def _full(n, k_heads, seed, dtype=torch.float64, s=S):
     q = torch.randn(B, n, s, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, k_heads, s, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, k_heads, s, D, generator=g, dtype=torch.float64)
-    w = torch.randn(B, n, s, D, generator=g, dtype=torch.float64)   # upstream gradient
+    w = torch.randn(B, n, s, D, generator=g, dtype=torch.float64)  # upstream gradient
     return [t.to(dtype) for t in (q, k, v, w)]
 
 
@@ -72,8 +78,13 @@ def _parity(axis, mode, n, k_heads, scale, seed):
     want = _reference(q, k, v, w, scale)
     *got, fwd, bwd = _run(mode, axis, q, k, v, w, scale)
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(_gather(g, axis, mode), ref, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"{mode} cp={cp} N={n} K={k_heads} scale={scale} {name}: {m}")
+        torch.testing.assert_close(
+            _gather(g, axis, mode),
+            ref,
+            rtol=1e-10,
+            atol=1e-12,
+            msg=lambda m: f"{mode} cp={cp} N={n} K={k_heads} scale={scale} {name}: {m}",
+        )
     e = 8
     if mode == "ulysses":
         formula = ulysses_bytes(B, S, n, k_heads, D, cp, e)
@@ -100,8 +111,9 @@ def _low_precision_ring(axis):
     *got, fwd, bwd = _run("ring", axis, q, k, v, w, None)
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == torch.bfloat16, name
-        torch.testing.assert_close(_gather(g, axis, "ring").double(), ref, rtol=3e-2, atol=3e-2,
-                                   msg=lambda m: f"bf16 ring cp={cp} {name}: {m}")
+        torch.testing.assert_close(
+            _gather(g, axis, "ring").double(), ref, rtol=3e-2, atol=3e-2, msg=lambda m: f"bf16 ring cp={cp} {name}: {m}"
+        )
     assert fwd["bytes"] == ring_bytes(B, S, k_heads, D, cp, 2)
     assert bwd["bytes"] == ring_bytes(B, S, k_heads, D, cp, 2, backward=True)
 

@@ -19,21 +19,33 @@
 
 Two spawned worlds (2 and 4 ranks) run every scenario.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    VOCAB,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    serial_train,
+    shard,
+    train_steps,
+)
 
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.context import ring
 from behemoth.planner.context_traffic import cp_model_traffic
-from behemoth.specs import TransformerShape
-from behemoth.specs import shape_of, transformer_blocks
-from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,
-                    global_batches, make_optimizer, serial_run, serial_train, shard, train_steps)
+from behemoth.specs import TransformerShape, shape_of, transformer_blocks
 
 STEPS, BATCH = 3, 8
 FAMILIES = ("gpt", "llama", "hf-gpt2", "hf-llama")
@@ -49,7 +61,7 @@ def _serial(family, opt, clip, batches, key="parity"):
 
 def _build_hf(family):
     model = build(family)
-    if family == "hf-gpt2":   # transformers' GPT-2 default has attention dropout; build() sets 0
+    if family == "hf-gpt2":  # transformers' GPT-2 default has attention dropout; build() sets 0
         assert model.config.attn_pdrop == 0.0
     return model
 
@@ -134,12 +146,23 @@ LONG = 1024
 def _long_model(family):
     if family == "gpt":
         from behemoth.models import GPT, GPTConfig
+
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=LONG, num_layers=1, num_heads=4, hidden=32))
-    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=LONG))
+    return LlamaForCausalLM(
+        HFLlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LONG,
+        )
+    )
 
 
 class _SavedBytes:
@@ -177,8 +200,10 @@ def _check_memory(family, mode, cp):
     with _SavedBytes(engine.model) as saved:
         engine.step(batch)
     ratio = saved.total / (serial_saved.total / cp)
-    assert ratio <= 1.02, (f"cp={cp} {mode} {family}: {saved.total} B saved per rank vs serial "
-                           f"{serial_saved.total} B / cp = {serial_saved.total / cp:.0f} B (ratio {ratio:.3f})")
+    assert ratio <= 1.02, (
+        f"cp={cp} {mode} {family}: {saved.total} B saved per rank vs serial "
+        f"{serial_saved.total} B / cp = {serial_saved.total / cp:.0f} B (ratio {ratio:.3f})"
+    )
     return ratio
 
 
@@ -188,6 +213,7 @@ def _fused_seam(axis):
     backward, fed the merged out/lse) equals full attention in float64 and bf16: the GPU
     path's bookkeeping (lse merge, global out/lse in the backward, row/column slices)."""
     import test_context_attention as core
+
     old = ring.BLOCK_KERNEL
     ring.BLOCK_KERNEL = "flash"
     try:
@@ -225,13 +251,21 @@ def _check_style(rank, world):
     the sequence with its global position ids gives the serial logits' share, and the
     parameter gradients summed over cp are the serial ones. Bad modes and modules are refused
     before anything changes."""
-    from behemoth.parallel.context import (ContextParallelAttention, ContextSDPA, parallelize_context,
-                                           position_ids_for, split_sequence)
+    from behemoth.parallel.context import (
+        ContextParallelAttention,
+        ContextSDPA,
+        parallelize_context,
+        position_ids_for,
+        split_sequence,
+    )
     from behemoth.parallel.style import apply_styles
+
     batch = global_batches(1, 4)[0]
     ids, labels = batch["input_ids"], batch["labels"]
-    for family, pattern, kwarg in (("gpt", "blocks.*.attn", "position_ids_BS"),
-                                   ("hf-gpt2", "transformer.h.*.attn", "position_ids")):
+    for family, pattern, kwarg in (
+        ("gpt", "blocks.*.attn", "position_ids_BS"),
+        ("hf-gpt2", "transformer.h.*.attn", "position_ids"),
+    ):
         for mode in ("ulysses", "ring"):
             what = f"style {family}/{mode}"
             serial, model = build(family), build(family)
@@ -239,19 +273,25 @@ def _check_style(rank, world):
             logits = out if isinstance(out, torch.Tensor) else out.logits
             F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
             mesh = ParallelMesh(bh.Plan(cp=world, cp_mode=mode, dp=1), rank, world)
-            if family == "gpt":   # the style through the generic plan mechanism
+            if family == "gpt":  # the style through the generic plan mechanism
                 apply_styles(model, {pattern: ContextParallelAttention(mode)}, mesh)
                 assert all(isinstance(m.attention_fn, ContextSDPA) for m in (b.attn for b in model.blocks)), what
-            else:                 # the function the engine calls, given the pattern
+            else:  # the function the engine calls, given the pattern
                 record = parallelize_context(model, mesh, mesh.plan, attention=pattern)
                 assert record.attention == ("transformer.h.0.attn", "transformer.h.1.attn"), record.attention
             positions = position_ids_for(SEQ, world, rank, mode).unsqueeze(0)
             out = model(split_sequence(ids, 1, world, rank, mode), **{kwarg: positions})
             got = out if isinstance(out, torch.Tensor) else out.logits
-            torch.testing.assert_close(got, split_sequence(logits, 1, world, rank, mode), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{what} logits: {m}")
-            loss = F.cross_entropy(got.flatten(0, 1), split_sequence(labels, 1, world, rank, mode).flatten(),
-                                   reduction="sum")
+            torch.testing.assert_close(
+                got,
+                split_sequence(logits, 1, world, rank, mode),
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m: f"{what} logits: {m}",
+            )
+            loss = F.cross_entropy(
+                got.flatten(0, 1), split_sequence(labels, 1, world, rank, mode).flatten(), reduction="sum"
+            )
             loss.backward()
             for (n, p), (_, q) in zip(model.named_parameters(), serial.named_parameters()):
                 g = p.grad.clone()
@@ -260,14 +300,26 @@ def _check_style(rank, world):
     _expect(ValueError, lambda: ContextParallelAttention("rings"), "mode='rings'", "ulysses")
     model = build("gpt")
     mesh = ParallelMesh(bh.Plan(cp=world, dp=1), rank, world)
-    _expect(ValueError, lambda: apply_styles(model, {"blocks.*.mlp.fc": ContextParallelAttention()}, mesh),
-            "Linear", "attention_fn")
-    _expect(ValueError, lambda: parallelize_context(model, mesh, mesh.plan, attention="blocks.*.atn"),
-            "'blocks.*.atn'", "matches no module")
+    _expect(
+        ValueError,
+        lambda: apply_styles(model, {"blocks.*.mlp.fc": ContextParallelAttention()}, mesh),
+        "Linear",
+        "attention_fn",
+    )
+    _expect(
+        ValueError,
+        lambda: parallelize_context(model, mesh, mesh.plan, attention="blocks.*.atn"),
+        "'blocks.*.atn'",
+        "matches no module",
+    )
     hf = build("hf-gpt2")
     hf.transformer.h[1].attn.is_causal = False
-    _expect(ValueError, lambda: parallelize_context(hf, mesh, mesh.plan), "transformer.h.1.attn",
-            "not causal self-attention")
+    _expect(
+        ValueError,
+        lambda: parallelize_context(hf, mesh, mesh.plan),
+        "transformer.h.1.attn",
+        "not causal self-attention",
+    )
     assert hf.config._attn_implementation != "behemoth_context_parallel", "a refused plan changed the model"
 
 
@@ -303,28 +355,45 @@ def _expect(exc, fn, *needles):
 
 def _gpt(plan, **cfg):
     from behemoth.models import GPT, GPTConfig
+
     model = GPT(GPTConfig(**{**dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32), **cfg}))
     return bh.boost(model, make_optimizer("sgd", model), plan)
 
 
 def _errors(world):
     cp = world
-    _expect(ValueError, lambda: _gpt(bh.Plan(cp=cp), num_heads=3, hidden=24),
-            "cp_mode='ulysses'", "num_heads=3", f"cp={cp}", "cp_mode='ring'")
+    _expect(
+        ValueError,
+        lambda: _gpt(bh.Plan(cp=cp), num_heads=3, hidden=24),
+        "cp_mode='ulysses'",
+        "num_heads=3",
+        f"cp={cp}",
+        "cp_mode='ring'",
+    )
     _expect(ValueError, lambda: _gpt(bh.Plan(cp=cp, cp_mode="ring"), dropout=0.1), "dropout=0.1")
     batch = global_batches(1, 2)[0]
     ring_engine = _gpt(bh.Plan(cp=cp, cp_mode="ring"))
-    crop = SEQ - 2   # 14: not a multiple of 2*cp
-    _expect(ValueError, lambda: ring_engine.step({k: v[:, :crop] for k, v in batch.items()}),
-            f"seq_len={crop}", f"2*cp={2 * cp}")
+    crop = SEQ - 2  # 14: not a multiple of 2*cp
+    _expect(
+        ValueError,
+        lambda: ring_engine.step({k: v[:, :crop] for k, v in batch.items()}),
+        f"seq_len={crop}",
+        f"2*cp={2 * cp}",
+    )
     uly_engine = _gpt(bh.Plan(cp=cp))
-    _expect(ValueError, lambda: uly_engine.step({k: v[:, :SEQ - 1] for k, v in batch.items()}),
-            f"seq_len={SEQ - 1}", f"cp={cp}")
+    _expect(
+        ValueError,
+        lambda: uly_engine.step({k: v[:, : SEQ - 1] for k, v in batch.items()}),
+        f"seq_len={SEQ - 1}",
+        f"cp={cp}",
+    )
     long = {k: torch.cat([v, v], 1) for k, v in batch.items()}
     _expect(ValueError, lambda: uly_engine.step(long), f"sequence length {2 * SEQ}", f"{SEQ} positions")
     from transformers import GPT2Config, GPT2LMHeadModel
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4,
-                                    bos_token_id=0, eos_token_id=0))   # stock attn_pdrop=0.1
+
+    hf = GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)
+    )  # stock attn_pdrop=0.1
     _expect(ValueError, lambda: bh.boost(hf, make_optimizer("sgd", hf), bh.Plan(cp=cp)), "attn_pdrop=0.1")
     # the engines still train after the refused batches, and every rank is alive
     ring_engine.step(batch)
@@ -336,10 +405,16 @@ def _errors(world):
 def test_context_parallelism_composes_with_every_plan():
     """Pure: what bh.boost calls (Plan.check_supported) accepts cp with every tp mode and with
     pipelines (tests/dist/test_compositions.py trains them against serial training)."""
-    for plan in (bh.Plan(cp=2, pp=2, dp=1), bh.Plan(cp=2, pp=2, tp=8, tp_mode="3d", schedule="interleaved",
-                                                     virtual_stages=2),bh.Plan(cp=4), bh.Plan(cp=2, tp=2, dp=2, cp_mode="ring"), bh.Plan(cp=2, tp=2, sequence_parallel=True),
-                 bh.Plan(cp=2, tp=4, tp_mode="2d", dp=1), bh.Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
-                 bh.Plan(cp=2, tp=8, tp_mode="3d", dp=1)):
+    for plan in (
+        bh.Plan(cp=2, pp=2, dp=1),
+        bh.Plan(cp=2, pp=2, tp=8, tp_mode="3d", schedule="interleaved", virtual_stages=2),
+        bh.Plan(cp=4),
+        bh.Plan(cp=2, tp=2, dp=2, cp_mode="ring"),
+        bh.Plan(cp=2, tp=2, sequence_parallel=True),
+        bh.Plan(cp=2, tp=4, tp_mode="2d", dp=1),
+        bh.Plan(cp=2, tp=8, tp_mode="2.5d", tp_depth=2, dp=1),
+        bh.Plan(cp=2, tp=8, tp_mode="3d", dp=1),
+    ):
         plan.check_supported()
 
 
@@ -347,43 +422,67 @@ def test_traffic_formulas_are_the_issues():
     """Pure: per-layer forward payloads equal the published formulas (Ulysses 4bsh/cp for
     multi-head attention, ring 2(cp-1) b (s/cp) h_kv), Ulysses moves the same backward, the
     ring's backward adds the dK/dV buffer's cp shifts, and cp=1 moves nothing."""
-    shape = TransformerShape(hidden=64, ffn_hidden=256, num_layers=3, num_heads=8, num_kv_heads=2, vocab_size=100,
-                             norm_params=64, linear_bias=False)
-    mha = TransformerShape(hidden=64, ffn_hidden=256, num_layers=3, num_heads=8, num_kv_heads=8, vocab_size=100,
-                           norm_params=64, linear_bias=False)
+    shape = TransformerShape(
+        hidden=64,
+        ffn_hidden=256,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=100,
+        norm_params=64,
+        linear_bias=False,
+    )
+    mha = TransformerShape(
+        hidden=64,
+        ffn_hidden=256,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=8,
+        vocab_size=100,
+        norm_params=64,
+        linear_bias=False,
+    )
     b, s, e = 2, 64, 2
     for cp in (2, 4):
         u = cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", dtype_bytes=e, wire=False)
         assert u.forward == u.backward == 3 * 4 * b * s * 64 // cp * e
-        assert cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", dtype_bytes=e).forward == \
-            u.forward * (cp - 1) / cp
+        assert (
+            cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", dtype_bytes=e).forward
+            == u.forward * (cp - 1) / cp
+        )
         r = cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", dtype_bytes=e)
-        kv = b * (s // cp) * 2 * 8   # h_kv = 2 kv heads x head dim 8
+        kv = b * (s // cp) * 2 * 8  # h_kv = 2 kv heads x head dim 8
         assert r.forward == 3 * 2 * (cp - 1) * kv * e
         assert r.backward == 3 * (2 * (cp - 1) * kv * e + 2 * cp * kv * 4)
         # with tp=2: 4 query heads and 1 kv head per rank
-        assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=2, dtype_bytes=e).forward == \
-            r.forward / 2
+        assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=2, dtype_bytes=e).forward == r.forward / 2
         # 2D tp=4 (q=2): heads split 2 ways (1 kv head per rank), the rows 2 ways; 3D tp=8: heads 2
         # ways, rows 4 ways; 2.5D tp=8 with depth 2: heads 2 ways, rows 4 ways
-        assert cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=4, tp_mode="2d",
-                                dtype_bytes=e).forward == r.forward / 4
+        assert (
+            cp_model_traffic(shape, batch=b, seq=s, cp=cp, mode="ring", tp=4, tp_mode="2d", dtype_bytes=e).forward
+            == r.forward / 4
+        )
         b4 = 4 * b
         for grid in (dict(tp=8, tp_mode="3d"), dict(tp=8, tp_mode="2.5d", tp_depth=2)):
-            assert cp_model_traffic(mha, batch=b4, seq=s, cp=cp, mode="ulysses", dtype_bytes=e, **grid).forward == \
-                cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", tp=2, dtype_bytes=e).forward
+            assert (
+                cp_model_traffic(mha, batch=b4, seq=s, cp=cp, mode="ulysses", dtype_bytes=e, **grid).forward
+                == cp_model_traffic(mha, batch=b, seq=s, cp=cp, mode="ulysses", tp=2, dtype_bytes=e).forward
+            )
     assert cp_model_traffic(shape, batch=b, seq=s, cp=1, mode="ring").total == 0
 
 
 # ----------------------------------------------------------------------------- worlds
 def _world2(rank, world, root):
-    torch.manual_seed(rank)   # per-rank global RNG differs: the engine must not depend on it
+    torch.manual_seed(rank)  # per-rank global RNG differs: the engine must not depend on it
     for i, family in enumerate(FAMILIES):
         for j, mode in enumerate(("ulysses", "ring")):
             opt, clip = ("adamw", 1.0) if (i + j) % 2 == 0 else ("sgd", None)
             _check_plan(family, bh.Plan(cp=2, cp_mode=mode), opt=opt, clip=clip)
-    _check_plan("llama", bh.Plan(cp=2, cp_mode="ring", microbatches=2, activation_checkpointing=True),
-                what="cp=2 ring, microbatches=2, activation checkpointing")
+    _check_plan(
+        "llama",
+        bh.Plan(cp=2, cp_mode="ring", microbatches=2, activation_checkpointing=True),
+        what="cp=2 ring, microbatches=2, activation checkpointing",
+    )
     _check_plan("hf-gpt2", bh.Plan(cp=2, microbatches=2), opt="sgd", clip=0.5, what="cp=2 ulysses, microbatches=2")
     _check_plan("gpt", bh.Plan(cp=2, cp_mode="ring", compile=True), what="cp=2 ring, compiled blocks")
     _check_loss_fn()
@@ -402,20 +501,31 @@ def _world2(rank, world, root):
 
 def _world4(rank, world):
     torch.manual_seed(rank)
-    for i, family in enumerate(FAMILIES):   # Llama's 2 kv heads < cp=4: Ulysses replicates them
+    for i, family in enumerate(FAMILIES):  # Llama's 2 kv heads < cp=4: Ulysses replicates them
         for j, mode in enumerate(("ulysses", "ring")):
             _check_plan(family, bh.Plan(cp=4, cp_mode=mode), opt="adamw" if (i + j) % 2 else "sgd")
     for i, family in enumerate(FAMILIES):
         mode = ("ring", "ulysses")[i % 2]
         _check_plan(family, bh.Plan(dp=2, cp=2, cp_mode=mode), opt="adamw" if i % 2 else "sgd", clip=1.0)
-        _check_plan(family, bh.Plan(cp=2, tp=2, cp_mode=("ulysses", "ring")[i % 2],
-                                    sequence_parallel=family.startswith("hf")), opt="adamw")
-    _check_plan("gpt", bh.Plan(dp=2, cp=2, cp_mode="ring", microbatches=2), opt="adamw", clip=0.5,
-                what="dp=2 x cp=2 ring, microbatches=2")
-    for family, plan in (("llama", bh.Plan(cp=4, cp_mode="ulysses")), ("hf-gpt2", bh.Plan(cp=4, cp_mode="ring")),
-                         ("llama", bh.Plan(cp=2, tp=2, cp_mode="ulysses")),
-                         ("hf-llama", bh.Plan(cp=2, tp=2, cp_mode="ring", sequence_parallel=True)),
-                         ("gpt", bh.Plan(dp=2, cp=2, cp_mode="ulysses"))):
+        _check_plan(
+            family,
+            bh.Plan(cp=2, tp=2, cp_mode=("ulysses", "ring")[i % 2], sequence_parallel=family.startswith("hf")),
+            opt="adamw",
+        )
+    _check_plan(
+        "gpt",
+        bh.Plan(dp=2, cp=2, cp_mode="ring", microbatches=2),
+        opt="adamw",
+        clip=0.5,
+        what="dp=2 x cp=2 ring, microbatches=2",
+    )
+    for family, plan in (
+        ("llama", bh.Plan(cp=4, cp_mode="ulysses")),
+        ("hf-gpt2", bh.Plan(cp=4, cp_mode="ring")),
+        ("llama", bh.Plan(cp=2, tp=2, cp_mode="ulysses")),
+        ("hf-llama", bh.Plan(cp=2, tp=2, cp_mode="ring", sequence_parallel=True)),
+        ("gpt", bh.Plan(dp=2, cp=2, cp_mode="ulysses")),
+    ):
         _check_traffic(family, plan)
     ratios = {m: _check_memory("gpt", m, 4) for m in ("ulysses", "ring")}
     if rank == 0:

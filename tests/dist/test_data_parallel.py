@@ -2,16 +2,27 @@
 models and transformers' models, with accumulation, clipping, AdamW and SGD, and a user
 loss_fn: losses, weights and every step's gradient norm; the ledger's bytes exactly; the
 bucketed all-reduce really overlaps backward; bad plans fail on every rank."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    full_label_batches,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    serial_train,
+    shard,
+    train_steps,
+)
 
 import behemoth as bh
-import torch.nn.functional as F
-
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, full_label_batches,
-                    global_batches, make_optimizer, serial_run, serial_train, shard, train_steps)
 
 STEPS, BATCH = 3, 16
 
@@ -36,10 +47,12 @@ def _parity_world(rank: int, world: int, scenarios) -> None:
     for family, opt_name, micro, clip, precision, ckpt in scenarios:
         what = f"dp={world} {family}/{opt_name}/micro={micro}/clip={clip}/{precision}/ckpt={ckpt}"
         model = build(family)
-        engine = bh.boost(model, make_optimizer(opt_name, model),
-                          bh.Plan(dp=world, microbatches=micro, precision=precision,
-                                  activation_checkpointing=ckpt, bucket_mb=0.01),
-                          max_grad_norm=clip)
+        engine = bh.boost(
+            model,
+            make_optimizer(opt_name, model),
+            bh.Plan(dp=world, microbatches=micro, precision=precision, activation_checkpointing=ckpt, bucket_mb=0.01),
+            max_grad_norm=clip,
+        )
         losses, norms = train_steps(engine, batches)
         want = serial_run(family, opt_name, batches, max_grad_norm=clip, precision=precision)
         if precision != "fp32":  # low-precision matmuls on differently split batches round differently
@@ -63,7 +76,7 @@ def _parity_world(rank: int, world: int, scenarios) -> None:
             dp = engine.comm_stats()["dp"]
             nb, params = engine.grad_sync.layout.num_chunks, engine.grad_sync.params  # plain dp = ZeRO stage 0
             synced = list(engine.model.parameters()) + list(engine.model.buffers())
-            calls = nb + len(synced) - len(params)   # a bucket of trainable parameters is one call
+            calls = nb + len(synced) - len(params)  # a bucket of trainable parameters is one call
             assert dp["ops"] == {"broadcast": calls, "all_reduce": STEPS * (nb + 2)}, (what, dp, nb)
             sync_bytes = sum(t.numel() * t.element_size() for t in synced)
             grad_bytes = 4 * sum(p.numel() for p in params)
@@ -86,8 +99,13 @@ def _check_loss_fn(world):
     for family, opt_name, micro, clip in (("gpt", "sgd", 2, None), ("hf-gpt2", "adamw", 1, 1.0)):
         what = f"dp={world} loss_fn {family}/{opt_name}/micro={micro}/clip={clip}"
         model = build(family)
-        engine = bh.boost(model, make_optimizer(opt_name, model), bh.Plan(dp=world, microbatches=micro),
-                          loss_fn=_mean_ce, max_grad_norm=clip)
+        engine = bh.boost(
+            model,
+            make_optimizer(opt_name, model),
+            bh.Plan(dp=world, microbatches=micro),
+            loss_fn=_mean_ce,
+            max_grad_norm=clip,
+        )
         losses, norms = train_steps(engine, batches)
         want = serial_run(family, opt_name, batches, max_grad_norm=clip)
         assert_losses_close(losses, want.losses, what=what)
@@ -103,19 +121,21 @@ def test_dp_matches_serial(world):
 def _overlap_world(rank: int, world: int) -> None:
     model = build("gpt")
     engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=world, bucket_mb=0.005))
-    store = engine.grad_sync.store   # plain dp = ZeRO stage 0: buckets are unsharded chunks
+    store = engine.grad_sync.store  # plain dp = ZeRO stage 0: buckets are unsharded chunks
     nparams = len(engine.grad_sync.params)
     assert len(store.chunks) > 2
     engine.step(shard(global_batches(1, 4)[0], engine.dp_rank, engine.dp_size))
-    log = engine.grad_sync.reducer.launch_log   # the fixed order: the last chunk (the last parameters' gradients) first
+    log = engine.grad_sync.reducer.launch_log  # the fixed order: the last chunk (the last parameters' gradients) first
     assert [b for b, _ in log] == list(reversed(range(len(store.chunks)))), log
     first_bucket, hooks_when_launched = log[0]
     # The first bucket's collective started while backward still had gradients to produce.
     assert hooks_when_launched < nparams, (log, nparams)
     # Gradients live inside the reduced buffers (no copies): .grad is a view of a bucket.
     ptrs = {p.grad.data_ptr() for p in engine.grad_sync.params}
-    inside = [any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() * 4 for buf in engine.grad_sync.reducer.grads())
-              for ptr in ptrs]
+    inside = [
+        any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() * 4 for buf in engine.grad_sync.reducer.grads())
+        for ptr in ptrs
+    ]
     assert all(inside)
 
 
@@ -151,12 +171,14 @@ def test_bad_plan_fails_on_every_rank(tmp_path):
 
 def _dead_rank_world(rank: int, world: int, out_path: str) -> None:
     import time
+
     model = build("gpt")
     engine = bh.boost(model, make_optimizer("sgd", model), bh.Plan(dp=world))
     batch = shard(global_batches(1, 4)[0], engine.dp_rank, engine.dp_size)
     engine.step(batch)
     if rank == 1:
         import os
+
         os._exit(0)  # vanish without a word (exit 0, so spawn does not kill the survivor)
     t0 = time.monotonic()
     try:
@@ -192,8 +214,9 @@ def test_spawn_propagates_child_failure_without_hanging():
 def _compile_world(rank: int, world: int) -> None:
     batches = global_batches(2, BATCH)
     model = build("gpt")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(dp=world, compile=True, bucket_mb=0.01),
-                      max_grad_norm=1.0)
+    engine = bh.boost(
+        model, make_optimizer("adamw", model), bh.Plan(dp=world, compile=True, bucket_mb=0.01), max_grad_norm=1.0
+    )
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
     assert_losses_close(losses, want_losses, what="compile")

@@ -11,18 +11,18 @@ stream), at ep = 2:
   ``ep_all_to_all_bytes(elem_bytes=2)`` on the ep axis (every row exchange in bf16) and follows
   serial autocast training.
 """
+
 from __future__ import annotations
 
 import torch
+from common import SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps
+from host_reads import HostReads
+from test_expert_parallel import build_moe, optimizer_for, serial_moe_run
 
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.expert.dispatch import combine, dispatch
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
-
-from host_reads import HostReads
-from common import SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps
-from test_expert_parallel import build_moe, optimizer_for, serial_moe_run
 
 STEPS, BATCH = 3, 8
 H, E, K = 16, 4, 2

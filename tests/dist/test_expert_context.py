@@ -5,14 +5,23 @@ norm, ``full_state_dict()``, rtol 1e-4, fp32) on dp=2 x cp=2 with ep=2, plain an
 A capacity per sequence (with a sigmoid router, its auxiliary-loss-free bias and a shared expert)
 drops, under Ulysses' and ring's layouts of the sequence, exactly the assignments the serial model
 drops: the per-expert token and drop counts of every step equal serial's."""
+
 from __future__ import annotations
 
-import behemoth as bh
-
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps,
-                    train_steps_dropping_as_serial)
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    global_batches,
+    train_steps,
+    train_steps_dropping_as_serial,
+)
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
-from test_expert_routing import adamw, build as build_routed, serial_run as serial_routed_run
+from test_expert_routing import adamw
+from test_expert_routing import build as build_routed
+from test_expert_routing import serial_run as serial_routed_run
+
+import behemoth as bh
 
 
 def _context_world(rank: int, world: int) -> None:

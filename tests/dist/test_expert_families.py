@@ -5,38 +5,74 @@ and ``OlmoeForCausalLM`` (8 experts, top-4, unnormalised) train as serial transf
 own ``load_balancing_loss_func`` on the serial batch (``outputs.aux_loss``). Losses, every step's
 gradient norm and ``full_state_dict()`` (transformers' keys, experts in the serial ``[E, ...]``
 shapes), rtol 1e-4 in fp32, for ep=2 alone and dp=4 x ep=2 / ep=4 (gloo)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    VOCAB,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    global_batches,
+    train_steps,
+)
 
 import behemoth as bh
-
-from common import (VOCAB, SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches,
-                    train_steps)
 
 STEPS, BATCH = 3, 8
 
 
 def build_hf_moe(family: str, coef: float = 0.05, layers: int = 2):
-    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                  max_position_embeddings=SEQ, output_router_logits=coef > 0, router_aux_loss_coef=coef,
-                  initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        output_router_logits=coef > 0,
+        router_aux_loss_coef=coef,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     if family == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=24, num_key_value_heads=2,
-                                                num_local_experts=4, num_experts_per_tok=2))
+        return MixtralForCausalLM(
+            MixtralConfig(
+                **common, intermediate_size=24, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+            )
+        )
     if family == "qwen3-moe":
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
-                                                  num_key_value_heads=2, head_dim=8, num_experts=4,
-                                                  num_experts_per_tok=2, mlp_only_layers=[0]))
+        return Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                **common,
+                intermediate_size=48,
+                moe_intermediate_size=24,
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                mlp_only_layers=[0],
+            )
+        )
     if family == "olmoe":
-        return OlmoeForCausalLM(OlmoeConfig(**common, intermediate_size=16, num_key_value_heads=4, num_experts=8,
-                                            num_experts_per_tok=4))
+        return OlmoeForCausalLM(
+            OlmoeConfig(**common, intermediate_size=16, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4)
+        )
     raise ValueError(family)
 
 

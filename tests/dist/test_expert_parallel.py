@@ -6,25 +6,47 @@ activation checkpointing, with bf16 autocast under SGD, and with fp16 and its lo
 overflow vote covers every ep rank's experts); the ep axis's ledger bytes exactly; a step in which one ep rank's
 experts get no token does not hang and still matches; what does not compose yet is refused on
 every rank before any collective; a checkpoint saved at ep=2 loads at ep=1 and ep=2."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    VOCAB,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    expect_error,
+    global_batches,
+    shard,
+    train_steps,
+)
 
 import behemoth as bh
 from behemoth.models import Llama, LlamaConfig
-
-from common import (VOCAB, SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error,
-                    global_batches, shard, train_steps)
 
 STEPS, BATCH = 3, 8
 
 
 def build_moe(seed: int = 0, frozen_router: bool = False) -> Llama:
-    model = Llama(LlamaConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32,
-                              num_experts=4, experts_top_k=2, expert_ffn_hidden=24, router_aux_loss_coef=0.05,
-                              router_z_loss_coef=0.01, seed=seed))
+    model = Llama(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            seq_len=SEQ,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            hidden=32,
+            num_experts=4,
+            experts_top_k=2,
+            expert_ffn_hidden=24,
+            router_aux_loss_coef=0.05,
+            router_z_loss_coef=0.01,
+            seed=seed,
+        )
+    )
     if frozen_router:  # every router scores the experts equally: every token goes to the same two experts
         for layer in model.layers:
             layer.mlp.router.weight.data.zero_()
@@ -53,8 +75,9 @@ def serial_moe_run(batches, clip, frozen_router=False, world=1, micro=1, dtype=N
             g = {k: torch.cat([shard(b, r, world)[k].chunk(micro)[i] for r in range(world)]) for k in b}
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 logits = model(g["input_ids"])
-            ce = F.cross_entropy(logits.float().flatten(0, 1), g["labels"].flatten(), ignore_index=-100,
-                                 reduction="sum")
+            ce = F.cross_entropy(
+                logits.float().flatten(0, 1), g["labels"].flatten(), ignore_index=-100, reduction="sum"
+            )
             part = ce / n + model.aux_loss() / micro
             part.backward()
             loss += part.item()
@@ -132,7 +155,9 @@ def _micro_and_bf16_world(rank: int, world: int) -> None:
         tol = dict(rtol=2e-2) if dtype else {}
         assert_losses_close(losses, want[0], what=what, **tol)
         assert_grad_norms_close(norms, want[2], what=what, **tol)
-        assert_state_close(engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if dtype else {}))
+        assert_state_close(
+            engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if dtype else {})
+        )
 
 
 def _fp16_world(rank: int, world: int) -> None:
@@ -194,9 +219,11 @@ def _refusals_world(rank: int, world: int) -> None:
     from common import build
 
     dense = build("llama")
-    expect_error(lambda: bh.boost(dense, optimizer_for(dense), bh.Plan(dp=world, ep=2)), "Plan.ep=2",
-                 "no mixture-of-experts layer")
-    moe = build_moe()
+    expect_error(
+        lambda: bh.boost(dense, optimizer_for(dense), bh.Plan(dp=world, ep=2)),
+        "Plan.ep=2",
+        "no mixture-of-experts layer",
+    )
     # (ZeRO 1-3 and cp with experts train now: tests/dist/test_expert_zero.py, test_expert_context.py)
     # (pipelines with experts train now: tests/dist/test_expert_pipeline.py; fp16: test_expert_parallel_fp16)
     # (1D tp with experts trains now, with sequence parallelism too: tests/dist/test_expert_tensor.py)

@@ -14,18 +14,18 @@ gradient norm, ``full_state_dict()``, rtol 1e-4, fp32):
   each stage's share needs the totals of the layers on the other stage, which ride with
   activations and gradients (also between the chunks of the interleaved schedule).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-import behemoth as bh
-
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard,
-                    train_steps)
+from common import assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard, train_steps
 from test_expert_families import adamw, build_hf_moe
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
-from test_expert_routing import build as build_routed, serial_run as serial_routed_run
+from test_expert_routing import build as build_routed
+from test_expert_routing import serial_run as serial_routed_run
+
+import behemoth as bh
 
 DP, MICRO = 2, 2
 
@@ -44,8 +44,9 @@ def serial_hf_micro_run(family: str, batches, world: int, micro: int, clip=1.0, 
         for i in range(micro):
             g = {k: torch.cat([shard(b, r, world)[k].chunk(micro)[i] for r in range(world)]) for k in b}
             out = model(g["input_ids"])
-            ce = F.cross_entropy(out.logits.float().flatten(0, 1), g["labels"].flatten(), ignore_index=-100,
-                                 reduction="sum")
+            ce = F.cross_entropy(
+                out.logits.float().flatten(0, 1), g["labels"].flatten(), ignore_index=-100, reduction="sum"
+            )
             part = ce / n + coef * out.aux_loss / micro
             part.backward()
             loss += part.item()
@@ -110,8 +111,10 @@ def _pipeline_world(rank: int, world: int, path: str) -> None:
     # pipelines with the sequence split inside each stage (ep=1, dp=1: the style still runs the blocks):
     # a capacity over ring's zigzag shares of the sequence, and 1D sequence parallelism
     want = serial_routed_run(name, batches, 1, MICRO)
-    for plan in (bh.Plan(dp=1, pp=2, cp=2, cp_mode="ring", microbatches=MICRO),
-                 bh.Plan(dp=1, pp=2, tp=2, sequence_parallel=True, microbatches=MICRO)):
+    for plan in (
+        bh.Plan(dp=1, pp=2, cp=2, cp_mode="ring", microbatches=MICRO),
+        bh.Plan(dp=1, pp=2, tp=2, sequence_parallel=True, microbatches=MICRO),
+    ):
         what = f"{name} {plan.describe()}"
         model = build_routed(name)
         _check(bh.boost(model, adamw(model), plan, max_grad_norm=1.0), batches, want, what)

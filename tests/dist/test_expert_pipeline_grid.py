@@ -9,20 +9,20 @@ per layer), 1F1B with two micro-batches:
 
 Every layer's tokens per expert in the last micro-batch equal serial's on every rank.
 """
-from __future__ import annotations
 
-import behemoth as bh
+from __future__ import annotations
 
 from common import assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
+
+import behemoth as bh
 
 MICRO = 2
 
 
 def _grid_world(rank: int, world: int) -> None:
     batches = global_batches(STEPS, BATCH)
-    for plan in (bh.Plan(dp=4, pp=2, ep=2, microbatches=MICRO),
-                 bh.Plan(dp=2, pp=2, tp=2, ep=2, microbatches=MICRO)):
+    for plan in (bh.Plan(dp=4, pp=2, ep=2, microbatches=MICRO), bh.Plan(dp=2, pp=2, tp=2, ep=2, microbatches=MICRO)):
         what = plan.describe()
         want = serial_moe_run(batches, clip=1.0, world=plan.dp, micro=MICRO)
         model = build_moe()

@@ -11,33 +11,47 @@ per-expert token and drop counts, rtol 1e-4 in fp32, at dp=2 x ep=2.
   expert chunks unsharded, the idle rank's experts still gathered and reduced in step);
 * a rank whose batch is empty (0 rows) while the other holds the whole global batch.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from common import SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard
 
 import behemoth as bh
 from behemoth.models import Llama, LlamaConfig
 from behemoth.models.moe import update_expert_bias
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
 
-from common import (VOCAB, SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches,
-                    shard)
-
 STEPS, BATCH = 3, 8
 
 OPTIONS = {
-    "sigmoid-bias-shared-capacity": dict(router_score_func="sigmoid", router_bias_update_rate=0.05,
-                                         shared_expert_ffn_hidden=16, router_norm_topk=False,
-                                         expert_capacity_factor=1.0),
+    "sigmoid-bias-shared-capacity": dict(
+        router_score_func="sigmoid",
+        router_bias_update_rate=0.05,
+        shared_expert_ffn_hidden=16,
+        router_norm_topk=False,
+        expert_capacity_factor=1.0,
+    ),
     "hot-expert": dict(experts_top_k=1),
     "hot-expert-capacity": dict(experts_top_k=1, expert_capacity_factor=2.0),
 }
 
 
 def build(name: str) -> Llama:
-    kw = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32, num_experts=4,
-              experts_top_k=2, expert_ffn_hidden=24, router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
+    kw = dict(
+        vocab_size=VOCAB,
+        seq_len=SEQ,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        hidden=32,
+        num_experts=4,
+        experts_top_k=2,
+        expert_ffn_hidden=24,
+        router_aux_loss_coef=0.05,
+        router_z_loss_coef=0.01,
+    )
     model = Llama(LlamaConfig(**{**kw, **OPTIONS[name]}))
     if name.startswith("hot"):  # equal scores: top-1 is the same expert for every token
         for layer in model.layers:
@@ -83,15 +97,25 @@ def check_ledger(engine, rows, world, recompute, what) -> None:
     norm's one fp32 all-reduce per step."""
     sent = torch.tensor([float(engine.comm_stats()["ep"]["bytes"])], dtype=torch.float64)
     torch.distributed.all_reduce(sent)
-    want = sum(ep_all_to_all_bytes(rows=r, num_experts=4, ep=2, hidden=32, recompute=recompute)
-               for step in rows for r in step) + len(rows) * world * 4
+    want = (
+        sum(
+            ep_all_to_all_bytes(rows=r, num_experts=4, ep=2, hidden=32, recompute=recompute)
+            for step in rows
+            for r in step
+        )
+        + len(rows) * world * 4
+    )
     assert sent.item() == want, (what, sent.item(), want)
 
 
 def _routing_world(rank: int, world: int) -> None:
     batches = global_batches(STEPS, BATCH)
-    for name, micro, ckpt, zero in (("sigmoid-bias-shared-capacity", 2, True, 0), ("hot-expert", 1, False, 0),
-                                    ("hot-expert-capacity", 1, False, 0), ("hot-expert", 1, False, 3)):
+    for name, micro, ckpt, zero in (
+        ("sigmoid-bias-shared-capacity", 2, True, 0),
+        ("hot-expert", 1, False, 0),
+        ("hot-expert-capacity", 1, False, 0),
+        ("hot-expert", 1, False, 3),
+    ):
         what = f"{name} dp={world} ep=2 micro={micro} ckpt={ckpt} zero={zero}"
         want = serial_run(name, batches, world, micro)
         model = build(name)

@@ -6,17 +6,26 @@ Llama, its capacity router with the aux-free bias under micro-batches and activa
 dropping what serial drops, and Mixtral; greedy generation, which pauses sequence parallelism,
 equal to serial; and tp=2 with sequence parallelism alone, dp = ep = 1). What does not compose is refused on every rank before any
 collective: 2D tp, OLMoE under tp."""
+
 from __future__ import annotations
 
 import torch
-
-import behemoth as bh
-
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, expect_error, global_batches,
-                    train_steps, train_steps_dropping_as_serial)
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    expect_error,
+    global_batches,
+    train_steps,
+    train_steps_dropping_as_serial,
+)
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
-from test_expert_routing import adamw as routed_adamw, build as build_routed, serial_run as serial_routed_run
+from test_expert_routing import adamw as routed_adamw
+from test_expert_routing import build as build_routed
+from test_expert_routing import serial_run as serial_routed_run
+
+import behemoth as bh
 
 
 def _tensor_world(rank: int, world: int) -> None:
@@ -47,8 +56,7 @@ def _tensor_world(rank: int, world: int) -> None:
     what = "dp=2 tp=2 ep=2 sequence_parallel"
     want = serial_moe_run(batches, clip=1.0)
     model = build_moe()
-    engine = bh.boost(model, optimizer_for(model), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True),
-                      max_grad_norm=1.0)
+    engine = bh.boost(model, optimizer_for(model), bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True), max_grad_norm=1.0)
     losses, norms = train_steps(engine, batches)
     assert_losses_close(losses, want[0], what=what)
     assert_grad_norms_close(norms, want[2], what=what)
@@ -81,8 +89,11 @@ def _tensor_world(rank: int, world: int) -> None:
     assert_state_close(engine.full_state_dict(), want[1], what=what)
 
     moe = build_moe()
-    expect_error(lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=4, tp_mode="2d", ep=1)), "tp_mode='2d'",
-                 kind=NotImplementedError)
+    expect_error(
+        lambda: bh.boost(moe, optimizer_for(moe), bh.Plan(dp=1, tp=4, tp_mode="2d", ep=1)),
+        "tp_mode='2d'",
+        kind=NotImplementedError,
+    )
     olmoe = build_hf_moe("olmoe")
     expect_error(lambda: bh.boost(olmoe, adamw(olmoe), bh.Plan(dp=2, tp=2, ep=2)), "OLMoE", kind=NotImplementedError)
     t = torch.ones(1)

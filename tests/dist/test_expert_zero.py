@@ -7,15 +7,14 @@ offload='cpu': the expert chunks' masters and Adam state on the host), and a tra
 at ZeRO-3; a checkpoint saved at ep=2 x ZeRO-2 loads at ep=1 x ZeRO-3 and at ep=4 (one expert per
 rank) and keeps matching serial. Adam's state and the gradient shards per rank equal the formula
 dense / dp + experts / (ep * ep_dp) plus padding, within 5%."""
+
 from __future__ import annotations
-
-import torch
-
-import behemoth as bh
 
 from common import assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, train_steps
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
+
+import behemoth as bh
 
 
 def check_expert_chunks(engine, ep, what) -> None:
@@ -58,13 +57,18 @@ def check_memory(engine, zero, what) -> None:
 
 def _zero_world(rank: int, world: int, path: str) -> None:
     batches = global_batches(STEPS, BATCH)
-    for zero, micro, ckpt, offload in ((1, 1, False, None), (2, 2, False, None), (3, 1, True, None),
-                                       (3, 1, False, "cpu")):
+    for zero, micro, ckpt, offload in (
+        (1, 1, False, None),
+        (2, 2, False, None),
+        (3, 1, True, None),
+        (3, 1, False, "cpu"),
+    ):
         what = f"dp={world} ep=2 zero={zero} micro={micro} ckpt={ckpt} offload={offload}"
         want = serial_moe_run(batches, clip=1.0, world=world, micro=micro)
         model = build_moe()
-        plan = bh.Plan(dp=world, ep=2, zero=zero, microbatches=micro, activation_checkpointing=ckpt, chunk_mb=0.02,
-                       offload=offload)
+        plan = bh.Plan(
+            dp=world, ep=2, zero=zero, microbatches=micro, activation_checkpointing=ckpt, chunk_mb=0.02, offload=offload
+        )
         engine = bh.boost(model, optimizer_for(model), plan, max_grad_norm=1.0)
         check_expert_chunks(engine, 2, what)
         losses, norms = train_steps(engine, batches)

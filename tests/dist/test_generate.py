@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 
 import torch
+from common import expect_error
 
 import behemoth as bh
 from behemoth.generation import kv_cache_bytes
-from common import expect_error
 
 VOCAB, SEQ, NEW = 96, 64, 32
 FAMILIES = ("gpt", "llama", "hf-gpt2", "hf-llama")

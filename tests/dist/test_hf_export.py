@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 import pytest
-
-import behemoth as bh
 from common import build
 from hf_export_checks import check_native_export, check_plan_exports
+
+import behemoth as bh
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

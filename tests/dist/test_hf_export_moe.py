@@ -15,10 +15,10 @@ import os
 from functools import partial
 
 import pytest
-
-import behemoth as bh
 from common import build_hf_moe
 from hf_export_checks import check_native_export, check_plan_exports
+
+import behemoth as bh
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from common import global_batches, make_optimizer, serial_loss, shard
 
 import behemoth as bh
 from behemoth.hf import load_hf, model_from_hf
-from common import global_batches, make_optimizer, serial_loss, shard
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -35,13 +35,30 @@ def save_reference(family: str, path: str) -> None:
     """A transformers model with weights far from any init, saved as transformers saves it."""
     torch.manual_seed(0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=V, n_positions=S, n_embd=32, n_layer=2, n_head=4, eos_token_id=0,
-                                      bos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            vocab_size=V,
+            n_positions=S,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            eos_token_id=0,
+            bos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
-                                       rope_theta=500.0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=S,
+            rope_theta=500.0,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():

@@ -6,10 +6,10 @@ engine then trains exactly like a serial model on transformers' own loss."""
 from __future__ import annotations
 
 import torch
+from common import build, expect_error, make_optimizer
 
 import behemoth as bh
 from behemoth.train.data import shift_labels
-from common import build, expect_error, make_optimizer
 
 
 def _labels_world(rank, world):

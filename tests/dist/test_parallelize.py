@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common import build, expect_error, global_batches
 
 import behemoth as bh
 from behemoth.parallelize import serial_state_dict
-from common import build, expect_error, global_batches
 
 BATCH = 4
 

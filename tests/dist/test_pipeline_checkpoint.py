@@ -3,14 +3,15 @@ serial model's names (a tied embedding copy on the last stage under the embeddin
 so a pp = 2 checkpoint resumes under pp = 2 and under pp = 1 (dp = 2), and a pp = 1
 checkpoint resumes under pp = 2; with ZeRO-1 inside the pipeline likewise -- each matching
 serial training over all four steps."""
+
 from __future__ import annotations
 
 import os
 
 import torch
+from common import assert_losses_close, assert_state_close, build, global_batches, make_optimizer, serial_train, shard
 
 import behemoth as bh
-from common import assert_losses_close, assert_state_close, build, global_batches, make_optimizer, serial_train, shard
 
 BATCH, LAYERS = 8, 4
 
@@ -30,8 +31,11 @@ def _world(rank: int, world: int, root: str) -> None:
     pp_plan = bh.Plan(pp=2, microbatches=2, schedule="1f1b")
     dp_plan = bh.Plan(dp=2, microbatches=2)
     pp_zero = bh.Plan(pp=2, microbatches=2, schedule="1f1b", zero=1, chunk_mb=0.05)
-    for save_plan, load_plans in ((pp_plan, (pp_plan, dp_plan, bh.Plan(pp=2, microbatches=4, schedule="zero-bubble"))),
-                                  (dp_plan, (pp_plan, pp_zero)), (pp_zero, (dp_plan, pp_zero))):
+    for save_plan, load_plans in (
+        (pp_plan, (pp_plan, dp_plan, bh.Plan(pp=2, microbatches=4, schedule="zero-bubble"))),
+        (dp_plan, (pp_plan, pp_zero)),
+        (pp_zero, (dp_plan, pp_zero)),
+    ):
         path = os.path.join(root, f"pp{save_plan.pp}-zero{save_plan.zero}")
         first = _engine(save_plan)
         assert_losses_close(_train(first, batches[:2]), want_losses[:2], what="before save")

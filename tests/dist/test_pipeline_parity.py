@@ -14,13 +14,23 @@
 
 Each world runs many scenarios (spawning costs seconds on two cores).
 """
+
 from __future__ import annotations
 
 import torch
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    shard,
+    train_steps,
+)
 
 import behemoth as bh
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,
-                    make_optimizer, serial_run, shard, train_steps)
 
 STEPS, BATCH = 2, 8
 FAMILIES = ("gpt", "llama", "hf-gpt2", "hf-llama")
@@ -31,8 +41,9 @@ _SERIAL: dict = {}
 def _serial(family, layers, opt="adamw", clip=1.0, precision="fp32"):
     key = (family, layers, opt, clip, precision)
     if key not in _SERIAL:
-        _SERIAL[key] = serial_run(family, opt, global_batches(STEPS, BATCH), max_grad_norm=clip,
-                                  precision=precision, num_layers=layers)
+        _SERIAL[key] = serial_run(
+            family, opt, global_batches(STEPS, BATCH), max_grad_norm=clip, precision=precision, num_layers=layers
+        )
     return _SERIAL[key]
 
 
@@ -50,7 +61,7 @@ def _check(family, plan, layers, *, opt="adamw", clip=1.0, stages=None, loss_fn=
     losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
     want = _serial(family, layers, opt, clip, plan.precision)
     what = f"{what}{engine.plan.describe()} {family}/{opt}"
-    if plan.precision == "bf16":   # bf16 matmuls on differently split operands round differently
+    if plan.precision == "bf16":  # bf16 matmuls on differently split operands round differently
         assert_losses_close(losses, want.losses, rtol=2e-2, what=what)
         assert_state_close(engine.full_state_dict(), want.state, rtol=2e-2, atol=2e-3, what=what)
         assert_grad_norms_close(norms, want.grad_norms, rtol=2e-2, what=what)
@@ -74,8 +85,8 @@ def _check_traffic(engine, pp, v, m):
 
 
 def _pp_world(rank: int, world: int) -> None:
-    torch.manual_seed(rank)   # per-rank RNG differs: stages get rank 0's initial weights
-    layers = 2 * world        # interleaving needs pp * 2 blocks
+    torch.manual_seed(rank)  # per-rank RNG differs: stages get rank 0's initial weights
+    layers = 2 * world  # interleaving needs pp * 2 blocks
     for family in FAMILIES:
         for schedule, v in SCHEDULES:
             for m in (4, 8):
@@ -85,8 +96,12 @@ def _pp_world(rank: int, world: int) -> None:
                     _check_traffic(engine, world, v, m)
     # Fewer micro-batches than stages: runs (and matches) rather than hangs.
     for schedule, v in SCHEDULES:
-        _check("gpt", bh.Plan(pp=world, microbatches=world // 2, schedule=schedule, virtual_stages=v), layers,
-               what="m < pp: ")
+        _check(
+            "gpt",
+            bh.Plan(pp=world, microbatches=world // 2, schedule=schedule, virtual_stages=v),
+            layers,
+            what="m < pp: ",
+        )
     if world != 2:
         return
     # A user's stage split instead of the balance by cost.
@@ -105,12 +120,14 @@ def _pp_world(rank: int, world: int) -> None:
     # bf16 autocast with fp32 master weights; SGD, whose update is linear in the gradient, so
     # rounding differences of micro-batched bf16 matmuls are not amplified as AdamW does.
     _check("hf-gpt2", bh.Plan(pp=2, microbatches=4, precision="bf16"), 4, opt="sgd")
-    _check("llama", bh.Plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2, precision="bf16"), 4,
-           opt="sgd")
+    _check(
+        "llama", bh.Plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2, precision="bf16"), 4, opt="sgd"
+    )
 
     # A custom loss_fn (mean per micro-batch) on the last stage.
     def mean_ce(out, batch):
         return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch["labels"].flatten())
+
     model = build("gpt", num_layers=4)
     eng = bh.boost(model, make_optimizer("sgd", model), bh.Plan(pp=2, microbatches=2), loss_fn=mean_ce)
     ref = build("gpt", num_layers=4)
@@ -150,8 +167,12 @@ def _zero_world(rank: int, world: int) -> None:
     """ZeRO-1 under pipelines (dp 2 x pp 2): optimizer state sharded over dp within each stage,
     tied copies summed before the reduce-scatter, the norm summed over stages once."""
     torch.manual_seed(rank)
-    for family, schedule, v, opt in (("gpt", "1f1b", 1, "adamw"), ("hf-gpt2", "zero-bubble", 1, "adamw"),
-                                     ("hf-gpt2", "interleaved", 2, "sgd"), ("llama", "gpipe", 1, "adamw")):
+    for family, schedule, v, opt in (
+        ("gpt", "1f1b", 1, "adamw"),
+        ("hf-gpt2", "zero-bubble", 1, "adamw"),
+        ("hf-gpt2", "interleaved", 2, "sgd"),
+        ("llama", "gpipe", 1, "adamw"),
+    ):
         plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=1, chunk_mb=0.02)
         engine = _check(family, plan, 4, opt=opt)
         assert engine.grad_sync.stage == 1 and engine.grad_sync.layout.num_chunks >= 2

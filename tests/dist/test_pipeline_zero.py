@@ -29,18 +29,28 @@ pp 2) match serial training (the parity law).
 One 4-rank world runs every scenario but the compiled ones, which get their own (spawning costs
 seconds on two cores).
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    bf16_param_reference,
+    build,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    train_steps,
+)
 
 import behemoth as bh
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, bf16_param_reference, build,
-                    global_batches, make_optimizer, serial_run, train_steps)
 
 STEPS, BATCH, LAYERS = 2, 8, 4
-CHUNK_MB = 0.02   # several chunks per stage of the tiny models
+CHUNK_MB = 0.02  # several chunks per stage of the tiny models
 
 # (family, zero, offload, schedule, virtual stages, optimizer, max_grad_norm[, cp, activation checkpointing])
 SCENARIOS = [
@@ -81,8 +91,18 @@ def _agree(values, what):
 
 
 def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
-    plan = bh.Plan(dp=2 // cp, pp=2, cp=cp, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero,
-                   chunk_mb=CHUNK_MB, offload=offload, activation_checkpointing=ac)
+    plan = bh.Plan(
+        dp=2 // cp,
+        pp=2,
+        cp=cp,
+        microbatches=4,
+        schedule=schedule,
+        virtual_stages=v,
+        zero=zero,
+        chunk_mb=CHUNK_MB,
+        offload=offload,
+        activation_checkpointing=ac,
+    )
     engine = _engine(family, plan, opt, clip)
     engine.reset_comm_stats()
     losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
@@ -94,7 +114,7 @@ def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
     if zero == 3:
         assert not any(st.resident for st in sync.store.chunks), what
     n = sync.layout.num_chunks
-    if offload == "auto":   # this stage's own placement: some of its chunks kept, some offloaded
+    if offload == "auto":  # this stage's own placement: some of its chunks kept, some offloaded
         assert 0 < sync.placement.keep[1] < n, (what, sync.placement.keep)
     if offload == "cpu":
         assert sync.placement.keep[1] == 0, what
@@ -112,10 +132,23 @@ def _low_precision():
     batches = global_batches(STEPS, BATCH)
     # SGD: its update is linear in the gradient, so bf16/fp16 rounding of differently split sums
     # is not amplified as AdamW's would be (the serial low-precision tests do the same)
-    for family, zero, offload, schedule in (("hf-gpt2", 3, None, "1f1b"), ("llama", 1, None, "zero-bubble"),
-                                            ("gpt", 2, None, "gpipe"), ("gpt", 3, "auto", "1f1b")):
-        plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, zero=zero, chunk_mb=CHUNK_MB,
-                       precision="bf16", param_dtype="bf16", offload=offload)
+    for family, zero, offload, schedule in (
+        ("hf-gpt2", 3, None, "1f1b"),
+        ("llama", 1, None, "zero-bubble"),
+        ("gpt", 2, None, "gpipe"),
+        ("gpt", 3, "auto", "1f1b"),
+    ):
+        plan = bh.Plan(
+            dp=2,
+            pp=2,
+            microbatches=4,
+            schedule=schedule,
+            zero=zero,
+            chunk_mb=CHUNK_MB,
+            precision="bf16",
+            param_dtype="bf16",
+            offload=offload,
+        )
         what = f"{plan.describe()} {family}/sgd"
         engine = _engine(family, plan, "sgd", 1.0)
         assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()), what
@@ -126,10 +159,21 @@ def _low_precision():
         assert_state_close(state, want_state, rtol=2e-2, atol=3e-3, what=what)
         assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point()), what
         _agree(losses, what)
-    for family, zero, schedule, v in (("gpt", 2, "interleaved", 2), ("hf-llama", 0, "gpipe", 1),
-                                      ("hf-gpt2", 3, "zero-bubble", 1)):
-        plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero,
-                       chunk_mb=CHUNK_MB if zero else None, precision="fp16")
+    for family, zero, schedule, v in (
+        ("gpt", 2, "interleaved", 2),
+        ("hf-llama", 0, "gpipe", 1),
+        ("hf-gpt2", 3, "zero-bubble", 1),
+    ):
+        plan = bh.Plan(
+            dp=2,
+            pp=2,
+            microbatches=4,
+            schedule=schedule,
+            virtual_stages=v,
+            zero=zero,
+            chunk_mb=CHUNK_MB if zero else None,
+            precision="fp16",
+        )
         what = f"{plan.describe()} {family}/sgd"
         engine = _engine(family, plan, "sgd", 1.0)
         losses, norms = train_steps(engine, batches)
@@ -156,7 +200,7 @@ def _overflow_vote(batches):
         handle.remove()
     assert norms == [float("inf")] and engine.scaler.scale == scale / 2 and engine.scaler.skipped_steps == 1
     assert_state_close(engine.full_state_dict(), before, rtol=0, atol=0, what="skipped step")
-    train_steps(engine, batches[1:2])   # the same batch again: as serial's second step
+    train_steps(engine, batches[1:2])  # the same batch again: as serial's second step
     want = serial_run("gpt", "sgd", batches, max_grad_norm=1.0, precision="fp16", num_layers=LAYERS)
     assert_state_close(engine.full_state_dict(), want.state, rtol=2e-2, atol=2e-3, what="after a skipped step")
 
@@ -181,7 +225,7 @@ def _checkpoints(root):
 
 
 def _world(rank: int, world: int, root: str) -> None:
-    torch.manual_seed(rank)   # per-rank RNG differs: every stage gets rank 0's initial weights
+    torch.manual_seed(rank)  # per-rank RNG differs: every stage gets rank 0's initial weights
     for scenario in SCENARIOS:
         _parity(*scenario)
     _low_precision()
@@ -200,11 +244,13 @@ COMPILED = [("gpt", 3, "1f1b", 1), ("hf-gpt2", 2, "zero-bubble", 1), ("llama", 1
 
 def _compile_world(rank: int, world: int) -> None:
     import torch._dynamo
+
     torch.manual_seed(rank)
     for family, zero, schedule, v in COMPILED:
         torch._dynamo.reset()
-        plan = bh.Plan(dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero, chunk_mb=CHUNK_MB,
-                       compile=True)
+        plan = bh.Plan(
+            dp=2, pp=2, microbatches=4, schedule=schedule, virtual_stages=v, zero=zero, chunk_mb=CHUNK_MB, compile=True
+        )
         engine = _engine(family, plan)
         losses, norms = train_steps(engine, global_batches(STEPS, BATCH))
         want = serial_run(family, "adamw", global_batches(STEPS, BATCH), max_grad_norm=1.0, num_layers=LAYERS)

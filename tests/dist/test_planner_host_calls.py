@@ -4,18 +4,19 @@ GPT and a tiny Llama (separate q/k/v, gated MLP, RMSNorm, replicated kv heads un
 with 4 blocks less those of the same model with 2, halved, under 1D, 1D with sequence
 parallelism and 2D tensor parallelism on 4 gloo ranks, and 2.5D (depth 2) and 3D (with and
 without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2."""
+
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 import torch
+from common import SEQ, build, global_batches, make_optimizer, shard
 from torch.profiler import ProfilerActivity, profile
 
 import behemoth as bh
 from behemoth.planner.host import block_calls, tp_block_calls
 from behemoth.planner.workload import workload_for
-from common import SEQ, build, global_batches, make_optimizer, shard
 
 PLANS = (bh.Plan(tp=4), bh.Plan(tp=4, sequence_parallel=True), bh.Plan(tp=4, tp_mode="2d"))
 

@@ -11,17 +11,18 @@ at tp = cp = 1. The MoE Llama's tp bytes under 1D tp, with and without sequence 
 equal the ledger's too. And ``bh.boost(..., plan="auto")`` trains the planner's choice to the
 serial losses.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from common import SEQ, assert_losses_close, build, global_batches, make_optimizer, serial_run, shard
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import Dtypes, step_traffic
 from behemoth.planner.cluster import Cluster
 from behemoth.planner.search import Limits, search
 from behemoth.planner.workload import workload_for
-from common import SEQ, assert_losses_close, build, global_batches, make_optimizer, serial_run, shard
 
 LAYERS, BATCH = 4, 8
 FP32 = Dtypes(compute=4, stream=4, param=4)
@@ -32,15 +33,28 @@ def _workload(model):
 
 
 def _kind(plan) -> tuple:
-    return (plan.dp > 1, plan.tp_mode if plan.tp > 1 else None, plan.sequence_parallel, plan.tp_overlap,
-            plan.cp_mode if plan.cp > 1 else None, plan.schedule if plan.pp > 1 else None, plan.zero)
+    return (
+        plan.dp > 1,
+        plan.tp_mode if plan.tp > 1 else None,
+        plan.sequence_parallel,
+        plan.tp_overlap,
+        plan.cp_mode if plan.cp > 1 else None,
+        plan.schedule if plan.pp > 1 else None,
+        plan.zero,
+    )
 
 
 def emitted_layouts(world: int, limit: int) -> list:
     """One plan of each kind the search emits for the tiny GPT on ``world`` ranks (fastest first)."""
     w = _workload(build("gpt", num_layers=LAYERS))
-    limits = Limits(precision="fp32", offloads=(None,), activation_checkpointing=(False,), zero_stages=(0,),
-                    micro_batch_sizes=(1, 2, 4, 8), top=100000)
+    limits = Limits(
+        precision="fp32",
+        offloads=(None,),
+        activation_checkpointing=(False,),
+        zero_stages=(0,),
+        micro_batch_sizes=(1, 2, 4, 8),
+        top=100000,
+    )
     res = search(w, Cluster(num_gpus=world), limits)
     cands, seen = [], set()
     for p in res.ranked:
@@ -62,8 +76,12 @@ def emitted_layouts(world: int, limit: int) -> list:
 def _features(plan) -> set:
     f = {("dp", plan.dp > 1), ("schedule", plan.schedule if plan.pp > 1 else None)}
     if plan.tp > 1:
-        f |= {("tp", plan.tp_mode, plan.tp), ("sp", plan.sequence_parallel), ("overlap", plan.tp_mode, plan.tp_overlap),
-              ("dp x tp", plan.dp > 1)}
+        f |= {
+            ("tp", plan.tp_mode, plan.tp),
+            ("sp", plan.sequence_parallel),
+            ("overlap", plan.tp_mode, plan.tp_overlap),
+            ("dp x tp", plan.dp > 1),
+        }
     if plan.cp > 1:
         f |= {("cp", plan.cp_mode, plan.cp)}
     if plan.pp > 1:
@@ -85,7 +103,7 @@ def _check(plan, rank):
     w = _workload(model)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batches = global_batches(2, BATCH)
-    engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))   # the pipeline's shape headers
+    engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))  # the pipeline's shape headers
     engine.reset_comm_stats()
     engine._forward_backward(shard(batches[1], engine.dp_rank, engine.dp_size))
     got = _ledger(engine)
@@ -118,14 +136,18 @@ def _world(rank, world, plans):
 def _auto(rank, world):
     """plan='auto' on gloo: the planner's fp32 choice for 8 sequences per rank trains to serial."""
     from behemoth.planner.auto import auto_plan
+
     model = build("gpt", num_layers=LAYERS)
     engine = bh.boost(model, make_optimizer("sgd", model), "auto")
     want_plan = auto_plan(build("gpt", num_layers=LAYERS), world, limits=Limits(precision="fp32"))
     assert engine.plan == want_plan.resolve(world), (engine.plan, want_plan)
     batches = global_batches(2, 8 * world)
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
-    assert_losses_close(losses, serial_run("gpt", "sgd", batches, num_layers=LAYERS).losses,
-                        what=f"plan='auto' {engine.plan.describe()}")
+    assert_losses_close(
+        losses,
+        serial_run("gpt", "sgd", batches, num_layers=LAYERS).losses,
+        what=f"plan='auto' {engine.plan.describe()}",
+    )
 
 
 @pytest.mark.parametrize("world, limit", [(2, 8), (4, 8)])
@@ -141,9 +163,11 @@ def _repeats_world(rank, world):
     """Activation checkpointing's recomputed forward and zero-bubble's second backward (BW) run
     their blocks' collectives again; the planner counts them as the ledger books them (a
     pipeline's last stage exactly; the others hold no head, an upper bound there)."""
-    for plan in (bh.Plan(tp=2, pp=2, microbatches=2, schedule="zero-bubble"),
-                 bh.Plan(tp=2, cp=2, activation_checkpointing=True),
-                 bh.Plan(dp=2, tp=2, sequence_parallel=True, activation_checkpointing=True)):
+    for plan in (
+        bh.Plan(tp=2, pp=2, microbatches=2, schedule="zero-bubble"),
+        bh.Plan(tp=2, cp=2, activation_checkpointing=True),
+        bh.Plan(dp=2, tp=2, sequence_parallel=True, activation_checkpointing=True),
+    ):
         model = build("gpt", num_layers=LAYERS)
         w = _workload(model)
         engine = bh.boost(model, make_optimizer("sgd", model), plan)
@@ -176,8 +200,10 @@ if __name__ == "__main__":
 
 
 def _experts_world(rank, world):
-    from behemoth.models import build_model
     from common import VOCAB
+
+    from behemoth.models import build_model
+
     for fields in (dict(tp=2), dict(tp=2, sequence_parallel=True)):
         model = build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=LAYERS)
         w = _workload(model)

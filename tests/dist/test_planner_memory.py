@@ -11,6 +11,8 @@ step equals ``step_traffic``'s (the same per-rank count, in fp32 gradients).
 
 from __future__ import annotations
 
+from common import SEQ, VOCAB, build, global_batches, make_optimizer, shard
+
 import behemoth as bh
 from behemoth.models import build_model
 from behemoth.parallelize import parallelization
@@ -19,7 +21,6 @@ from behemoth.planner.cluster import Cluster
 from behemoth.planner.cost import plan_memory
 from behemoth.planner.params import local_params
 from behemoth.planner.workload import workload_for
-from common import SEQ, VOCAB, build, global_batches, make_optimizer, shard
 
 WORLD, LAYERS, BATCH = 8, 4, 8
 FP32 = Dtypes(compute=4, stream=4, param=4)

@@ -14,6 +14,7 @@
 
 Each world runs many scenarios (spawning costs seconds on two cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,21 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    expect_error,
+    global_batches,
+    make_optimizer,
+    serial_run,
+    serial_train,
+    shard,
+    train_and_save,
+    train_steps,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
@@ -30,9 +46,6 @@ from behemoth.parallel.tensor import tp1d, vocab1d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, set_spec, shard_tensor
 from behemoth.planner.tp1d_traffic import tp1d_model_traffic
 from behemoth.specs import shape_of
-from common import expect_error, train_and_save
-from common import (SEQ, assert_grad_norms_close, assert_losses_close, assert_state_close, build, global_batches,
-                    make_optimizer, serial_run, serial_train, shard, train_steps)
 
 STEPS, BATCH = 3, 8
 close = torch.testing.assert_close
@@ -178,7 +191,7 @@ def _layers(rank, world):
         labels[0, :3] = -100
         emb, x = rnd(V, H), rnd(B, S, H)
         es, xs = emb.clone().requires_grad_(), x.clone().requires_grad_()
-        hs = (F.embedding(ids, es) + xs)
+        hs = F.embedding(ids, es) + xs
         loss_s = F.cross_entropy(F.linear(hs, es).float().flatten(0, 1), labels.flatten(), reduction="sum")
         loss_s.backward()
         espec = _spec(emb.shape, 0, p, r)
@@ -212,6 +225,7 @@ def test_shard_rectangles_rebuild_the_serial_tensor():
     """Pure: every rank's rectangles (what checkpoints write, with offsets) tile the serial
     tensor exactly once, for plain, fused (Linear [3h, in] and Conv1D [in, 3h]) and nested specs."""
     from behemoth.parallel.tensor import place_shard, shard_rectangles
+
     h, hin, p = 8, 6, 4
     cases = [
         (lambda r: _spec((16, hin), 0, p, r), (16, hin)),
@@ -219,8 +233,10 @@ def test_shard_rectangles_rebuild_the_serial_tensor():
         (lambda r: _spec((3 * h, hin), 1, p, r, (3, h, hin), 0), (3 * h, hin)),
         (lambda r: _spec((hin, 3 * h), 2, p, r, (hin, 3, h), 1), (hin, 3 * h)),
         (lambda r: _spec((3 * h,), 1, p, r, (3, h), 0), (3 * h,)),
-        (lambda r: ShardSpec((8, 8), (DimShard(0, 2, r // 2, ("tp_row",)), DimShard(1, 2, r % 2, ("tp_col",)))),
-         (8, 8)),
+        (
+            lambda r: ShardSpec((8, 8), (DimShard(0, 2, r // 2, ("tp_row",)), DimShard(1, 2, r % 2, ("tp_col",)))),
+            (8, 8),
+        ),
         (lambda r: ShardSpec((16, 2), (DimShard(0, 2, r // 2, ("a",)), DimShard(0, 2, r % 2, ("b",)))), (16, 2)),
     ]
     for spec_of, shape in cases:
@@ -238,7 +254,7 @@ def test_shard_rectangles_rebuild_the_serial_tensor():
         assert torch.equal(rebuilt, full), spec_of(0)
         assert torch.equal(covered, torch.ones(shape)), spec_of(0)
     fused = shard_rectangles(_spec((3 * h, hin), 1, p, 1, (3, h, hin), 0))
-    assert [off for _, off, _ in fused] == [(2, 0), (10, 0), (18, 0)]   # rank 1's q, k, v rows
+    assert [off for _, off, _ in fused] == [(2, 0), (10, 0), (18, 0)]  # rank 1's q, k, v rows
 
 
 # ----------------------------------------------------------------------------- overlap
@@ -273,7 +289,7 @@ def _overlap(rank, world):
         ax = ParallelMesh(bh.Plan(tp=world), rank, world).axis("tp")
         p, r = world, rank
         g = torch.Generator().manual_seed(0)
-        B, S, H, Fh = 3, 2 * p, 8, 16 * p      # dW of the column layer [Fh/p, H]; dX [B*S, H]
+        B, S, H, Fh = 3, 2 * p, 8, 16 * p  # dW of the column layer [Fh/p, H]; dX [B*S, H]
         rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
         dw_shape = (Fh // p, H)
         for sp in (False, True):
@@ -294,7 +310,7 @@ def _overlap(rank, world):
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
                 yp = row(F.gelu(col(par(xp))))
-            if sp:   # only X's sequence shard is kept; the gathered [B, S, H] is re-gathered in backward
+            if sp:  # only X's sequence shard is kept; the gathered [B, S, H] is re-gathered in backward
                 assert (B, S, H) not in saved and (B, S // p, H) in saved, saved
             log = ax.ledger.trace = []
             with _MatmulLog(log):
@@ -327,8 +343,9 @@ def _overlap(rank, world):
             hs = h.clone().requires_grad_()
             F.linear(hs, w2s).backward(dy)
             W2 = _param(w2, s2)
-            row = tp1d.RowParallelLinear(W2, None, axis=ax, region=tp1d.ParallelRegion(ax), sequence_parallel=sp,
-                                         pieces=2)
+            row = tp1d.RowParallelLinear(
+                W2, None, axis=ax, region=tp1d.ParallelRegion(ax), sequence_parallel=sp, pieces=2
+            )
             hp = h.chunk(p, 2)[r].clone().requires_grad_()
             log = ax.ledger.trace = []
             with _MatmulLog(log):
@@ -360,7 +377,7 @@ def _overlap(rank, world):
         with _MatmulLog(log):
             torch.autograd.backward(yp, dy, inputs=[W1])
         ax.ledger.trace = None
-        assert log == [("mm", (B * S, Fh // p)), ("mm", dw_shape)], log   # row's dX (on the way to W1), W1's dW
+        assert log == [("mm", (B * S, Fh // p)), ("mm", dw_shape)], log  # row's dX (on the way to W1), W1's dW
         close(gx, xs.grad)
         close(W1.grad, shard_tensor(w1s.grad, s1))
 
@@ -390,8 +407,15 @@ def _check_traffic(family, plan):
     engine.reset_comm_stats()
     engine._forward_backward(batch)
     got = engine.comm_stats()["tp"]["wire_bytes"]
-    want = tp1d_model_traffic(shape, batch=batch["input_ids"].shape[0], seq=SEQ, tp=plan.tp,
-                              sequence_parallel=plan.sequence_parallel, dtype_bytes=4, param_bytes=4).total
+    want = tp1d_model_traffic(
+        shape,
+        batch=batch["input_ids"].shape[0],
+        seq=SEQ,
+        tp=plan.tp,
+        sequence_parallel=plan.sequence_parallel,
+        dtype_bytes=4,
+        param_bytes=4,
+    ).total
     assert got == want, f"{plan.describe()} {family}: ledger {got} B vs formula {want:.0f} B"
     return got, want
 
@@ -399,6 +423,7 @@ def _check_traffic(family, plan):
 # ----------------------------------------------------------------------------- errors
 def _boost_gpt(plan, **cfg):
     from behemoth.models import GPT, GPTConfig
+
     base = dict(vocab_size=96, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
     model = GPT(GPTConfig(**{**base, **cfg}))
     return bh.boost(model, make_optimizer("sgd", model), plan)
@@ -412,17 +437,25 @@ def _errors(world):
     engine = _boost_gpt(bh.Plan(tp=world, tp_overlap=4))
     expect_error(lambda: engine.step(global_batches(1, 2)[0]), "tp_overlap=4", "a batch of 2 rows")
     engine = _boost_gpt(bh.Plan(tp=world, sequence_parallel=True))
-    odd = {k: v[:, :SEQ - 1] for k, v in global_batches(1, 2)[0].items()}
+    odd = {k: v[:, : SEQ - 1] for k, v in global_batches(1, 2)[0].items()}
     expect_error(lambda: engine.step(odd), "sequence length", f"= {SEQ - 1}", f"by {world}")
     model = build("gpt")
     opt = make_optimizer("sgd", model)
-    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkvv": "colwise"}),
-                  "'blocks.*.attn.qkvv'", "matches no module")
-    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkv": "columnwise"}),
-                  "not a tensor-parallel role")
+    expect_error(
+        lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkvv": "colwise"}),
+        "'blocks.*.attn.qkvv'",
+        "matches no module",
+    )
+    expect_error(
+        lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.attn.qkv": "columnwise"}), "not a tensor-parallel role"
+    )
     from behemoth.parallel.tensor import ColwiseParallel2D
-    expect_error(lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.mlp.fc": ColwiseParallel2D()}),
-                 "tp_mode='2d' style", "use ColwiseParallel1D or the role string 'colwise'")
+
+    expect_error(
+        lambda: bh.boost(model, opt, plan, tp_policy={"blocks.*.mlp.fc": ColwiseParallel2D()}),
+        "tp_mode='2d' style",
+        "use ColwiseParallel1D or the role string 'colwise'",
+    )
     # Every rank got here without a collective hanging; prove all are alive.
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -459,8 +492,13 @@ class TinyLM(nn.Module):
         return self.out(x)
 
 
-TINY_POLICY = {"tok": "embedding", "stack.*.norm": "norm", "stack.*.up": "colwise", "stack.*.down": "rowwise",
-               "out": "head"}
+TINY_POLICY = {
+    "tok": "embedding",
+    "stack.*.norm": "norm",
+    "stack.*.up": "colwise",
+    "stack.*.down": "rowwise",
+    "out": "head",
+}
 
 
 def _check_user_model(world, sp, policy=TINY_POLICY):
@@ -475,12 +513,14 @@ def _check_user_model(world, sp, policy=TINY_POLICY):
         opt.zero_grad()
         want.append(loss.item())
     model = TinyLM()
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(tp=world, sequence_parallel=sp),
-                      tp_policy=policy)
+    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(tp=world, sequence_parallel=sp), tp_policy=policy)
     got = [engine.step(b) for b in batches]
     assert_losses_close(got, want, what=f"TinyLM tp={world} sp={sp}")
-    assert_state_close(engine.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()},
-                       what=f"TinyLM tp={world} sp={sp}")
+    assert_state_close(
+        engine.full_state_dict(),
+        {k: v.detach() for k, v in ref.state_dict().items()},
+        what=f"TinyLM tp={world} sp={sp}",
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -506,27 +546,40 @@ def _world_tp2(rank, world, root):
     for family in FAMILIES:
         for sp in (False, True):
             _check_plan(family, bh.Plan(tp=2, sequence_parallel=sp))
-    _check_plan("llama", bh.Plan(tp=2, sequence_parallel=True, microbatches=2, activation_checkpointing=True),
-                opt="sgd", clip=None)
+    _check_plan(
+        "llama",
+        bh.Plan(tp=2, sequence_parallel=True, microbatches=2, activation_checkpointing=True),
+        opt="sgd",
+        clip=None,
+    )
     # A user loss_fn gets the full logits (gathered over tp); dp=1, one micro-batch: the mean is serial's.
-    _check_plan("hf-gpt2", bh.Plan(tp=2), what="loss_fn",
-                loss_fn=lambda out, b: F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten(),
-                                                       ignore_index=-100))
+    _check_plan(
+        "hf-gpt2",
+        bh.Plan(tp=2),
+        what="loss_fn",
+        loss_fn=lambda out, b: F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100),
+    )
     _check_plan("gpt", bh.Plan(tp=2, sequence_parallel=True, precision="bf16"), opt="sgd")
     _check_plan("gpt", bh.Plan(tp=2, tp_overlap=2, precision="bf16"), opt="sgd")
     _check_plan("llama", bh.Plan(tp=2, precision="fp16"), opt="sgd")
-    for family, sp in (("gpt", False), ("hf-gpt2", False), ("hf-llama", True)):   # row GEMMs in 2 pieces
+    for family, sp in (("gpt", False), ("hf-gpt2", False), ("hf-llama", True)):  # row GEMMs in 2 pieces
         _check_plan(family, bh.Plan(tp=2, sequence_parallel=sp, tp_overlap=2))
     _check_user_model(world, sp=False)
     _check_user_model(world, sp=True)
     # Style objects in place of role strings, with their own layout (the row layers in 2 pieces).
     from behemoth.parallel import tensor as tp
-    styles = {"tok": tp.EmbeddingParallel1D(), "stack.*.norm": "norm", "stack.*.up": tp.ColwiseParallel1D(),
-              "stack.*.down": tp.RowwiseParallel1D(pieces=2), "out": tp.HeadParallel1D()}
+
+    styles = {
+        "tok": tp.EmbeddingParallel1D(),
+        "stack.*.norm": "norm",
+        "stack.*.up": tp.ColwiseParallel1D(),
+        "stack.*.down": tp.RowwiseParallel1D(pieces=2),
+        "out": tp.HeadParallel1D(),
+    }
     _check_user_model(world, sp=True, policy=styles)
     for family, sp in (("gpt", False), ("gpt", True), ("llama", True), ("hf-gpt2", True)):
         _check_traffic(family, bh.Plan(tp=2, sequence_parallel=sp))
-    _check_traffic("gpt", bh.Plan(tp=2, sequence_parallel=True, tp_overlap=2))   # the same bytes
+    _check_traffic("gpt", bh.Plan(tp=2, sequence_parallel=True, tp_overlap=2))  # the same bytes
     _errors(world)
     # Checkpoints: tp=2 -> dp=2 and dp=2 -> tp=2 (+SP), in the same processes.
     for family in ("hf-gpt2", "llama"):
@@ -537,7 +590,7 @@ def _world_tp2(rank, world, root):
 
 
 def _world_tp4(rank, world, root):
-    for family in FAMILIES:   # Llama's 2 kv heads < tp=4: replicated kv heads
+    for family in FAMILIES:  # Llama's 2 kv heads < tp=4: replicated kv heads
         for sp in (False, True):
             _check_plan(family, bh.Plan(tp=4, sequence_parallel=sp), opt="adamw" if sp else "sgd")
     for family in FAMILIES:
@@ -546,9 +599,13 @@ def _world_tp4(rank, world, root):
         _check_traffic(family, bh.Plan(tp=4, sequence_parallel=sp))
     # tp=4 with 3 kv heads: neither a multiple nor a divisor of 4.
     from behemoth.models import Llama, LlamaConfig
+
     model = Llama(LlamaConfig(vocab_size=96, seq_len=SEQ, num_layers=1, num_heads=12, num_kv_heads=3, hidden=48))
-    expect_error(lambda: bh.boost(model, make_optimizer("sgd", model), bh.Plan(tp=4)),
-                  "key/value heads (num_kv_heads of layers.0.attn) = 3", "tp = 4")
+    expect_error(
+        lambda: bh.boost(model, make_optimizer("sgd", model), bh.Plan(tp=4)),
+        "key/value heads (num_kv_heads of layers.0.attn) = 3",
+        "tp = 4",
+    )
     for family in ("hf-gpt2", "llama"):  # the tp=2 checkpoint under dp=2 x tp=2
         _load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "tp2", "step-2"))
 
@@ -574,6 +631,7 @@ def _compile_world(rank, world):
     block reuses the first one's compiled code (a recompile, e.g. per block on a guard on
     a layer's name, is an error here)."""
     import torch._dynamo
+
     batches = global_batches(2, BATCH)
     torch._dynamo.config.error_on_recompile = True
     try:

@@ -14,6 +14,7 @@ training (the parity law), through the same ``engine.step(batch)`` as every plan
 
 Two spawned worlds (4 and 8 ranks) run every scenario (spawning costs seconds on two cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,14 +22,28 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    TINY_POLICY,
+    VOCAB,
+    TinyLM,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    block_saved_bytes,
+    build,
+    expect_error,
+    global_batches,
+    make_optimizer,
+    shard,
+    train_and_save,
+    train_steps,
+)
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp2d, tp2p5d
 from behemoth.planner.tp2d_traffic import tp2d_model_traffic
 from behemoth.specs import shape_of
-from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
-from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,
-                    global_batches, make_optimizer, shard, train_steps)
 
 STEPS, BATCH = 3, 8
 TP_AXES = ("tp", "tp_row", "tp_col", "tp_depth")
@@ -39,10 +54,21 @@ def _build(family):
     """common.build, plus HF Llama with one kv head (fewer than q: replicated kv projections)."""
     if family != "hf-llama-kv1":
         return build(family)
-    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(HFLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=SEQ))
+    return LlamaForCausalLM(
+        HFLlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+        )
+    )
 
 
 def _serial(family, opt_name, batches, clip, key, precision="fp32"):
@@ -85,14 +111,13 @@ def _check_plan(family, plan, *, opt="adamw", clip=1.0, loss_fn=None, what=""):
     losses, norms = train_steps(engine, batches)
     want_losses, want_state, want_norms = _serial(family, opt, batches, clip, "parity", plan.precision)
     what = f"{what or engine.plan.describe()} {family}/{opt}/clip={clip}"
-    rtol = 1e-4 if plan.precision == "fp32" else 2e-2   # low-precision GEMMs of other splits round differently
+    rtol = 1e-4 if plan.precision == "fp32" else 2e-2  # low-precision GEMMs of other splits round differently
     assert_losses_close(losses, want_losses, rtol=rtol, what=what)
-    assert_state_close(engine.full_state_dict(), want_state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3,
-                       what=what)
+    assert_state_close(engine.full_state_dict(), want_state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
     _agree(losses, f"{what} loss")
     # every step's norm is the serial one: shards replicated on tp_row / tp_depth count once
     assert_grad_norms_close(norms, want_norms, rtol=rtol, what=what)
-    if plan.tp_mode == "2d" and family == "hf-gpt2":   # tied embeddings stay one Parameter
+    if plan.tp_mode == "2d" and family == "hf-gpt2":  # tied embeddings stay one Parameter
         assert engine.model.lm_head.weight is engine.model.transformer.wte.weight
     return engine
 
@@ -112,9 +137,16 @@ def _check_traffic(family, plan):
     stats = engine.comm_stats()
     got = sum(stats.get(a, {}).get("wire_bytes", 0) for a in TP_AXES)
     mesh = engine.mesh
-    want = tp2d_model_traffic(shape, batch=batch["input_ids"].shape[0], seq=SEQ, tp=plan.tp, depth=plan.tp_depth,
-                              dtype_bytes=4, param_bytes=4,
-                              diagonal=mesh.coord("tp_row") == mesh.coord("tp_col")).total
+    want = tp2d_model_traffic(
+        shape,
+        batch=batch["input_ids"].shape[0],
+        seq=SEQ,
+        tp=plan.tp,
+        depth=plan.tp_depth,
+        dtype_bytes=4,
+        param_bytes=4,
+        diagonal=mesh.coord("tp_row") == mesh.coord("tp_col"),
+    ).total
     # and the engine's report of the loss: its float64 sum all-reduced over each batch axis
     want += sum(2 * (ax.size - 1) * 8 / ax.size for ax in engine.parallel.batch_axes)
     assert got == want, f"{plan.describe()} {family}: ledger {got} B vs formula {want:.0f} B"
@@ -135,20 +167,30 @@ def _boost(model, plan, **kw):
 
 def _errors(world):
     from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+
     plan = bh.Plan(tp=4, tp_mode="2d")
     gpt = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
-    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24})), plan),
-                  "attention heads (num_heads of blocks.0.attn) = 3", "by 2")
-    expect_error(lambda: _boost(Llama(LlamaConfig(**{**gpt, "num_heads": 6, "hidden": 48}, num_kv_heads=3)), plan),
-                  "key/value heads (num_kv_heads of layers.0.attn) = 3", "neither a multiple nor a divisor of q = 2")
-    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 95})), plan), "vocab_size (rows of wte) = 95",
-                  "by 2")
-    expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=33)), plan),
-                  "out features of blocks.0.mlp.fc", "= 33")
+    expect_error(
+        lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24})), plan),
+        "attention heads (num_heads of blocks.0.attn) = 3",
+        "by 2",
+    )
+    expect_error(
+        lambda: _boost(Llama(LlamaConfig(**{**gpt, "num_heads": 6, "hidden": 48}, num_kv_heads=3)), plan),
+        "key/value heads (num_kv_heads of layers.0.attn) = 3",
+        "neither a multiple nor a divisor of q = 2",
+    )
+    expect_error(
+        lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 95})), plan), "vocab_size (rows of wte) = 95", "by 2"
+    )
+    expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=33)), plan), "out features of blocks.0.mlp.fc", "= 33")
     expect_error(lambda: _boost(TinyLM(15), plan, tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
     expect_error(lambda: _boost(TinyLM(16), plan, tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
-    expect_error(lambda: _boost(TinyLM(16), plan, tp_policy={"up": "colwise", "down": "rowwise"}),
-                  "'embedding' role", "'head' role")
+    expect_error(
+        lambda: _boost(TinyLM(16), plan, tp_policy={"up": "colwise", "down": "rowwise"}),
+        "'embedding' role",
+        "'head' role",
+    )
     engine = _boost(build("gpt"), plan)
     odd = {k: v[:5] for k, v in global_batches(1, BATCH)[0].items()}
     expect_error(lambda: engine.step(odd), "batch size = 5", "not divisible by 2", "tp_row=2")
@@ -161,7 +203,7 @@ def _errors(world):
     assert t.item() == world
 
 
-def test_plan_accepts_2d_and_25d():   # 3D: tests/dist/test_tp3d.py
+def test_plan_accepts_2d_and_25d():  # 3D: tests/dist/test_tp3d.py
     bh.Plan(tp=4, tp_mode="2d").check_supported()
     bh.Plan(dp=2, tp=8, tp_mode="2.5d", tp_depth=2).check_supported()
 
@@ -179,7 +221,7 @@ def _load_and_continue(family, plan, path):
     assert_state_close(engine.full_state_dict(), want_state, what=what)
 
 
-CKPT_FAMILIES = ("hf-gpt2", "llama")   # tied + fused Conv1D; GQA without ties
+CKPT_FAMILIES = ("hf-gpt2", "llama")  # tied + fused Conv1D; GQA without ties
 PLAN_2D = bh.Plan(tp=4, tp_mode="2d")
 
 
@@ -194,8 +236,8 @@ def _world_4(rank, world, root):
     _check_plan("llama", bh.Plan(tp=4, tp_mode="2d", microbatches=2), opt="sgd", clip=None)
     _check_plan("hf-gpt2", bh.Plan(tp=4, tp_mode="2d", microbatches=2))
     _check_plan("hf-llama", PLAN_2D, opt="sgd")
-    _check_plan("hf-gpt2", PLAN_2D, what="loss_fn", loss_fn=_loss_fn, clip=None)   # full logits, gathered
-    _check_plan("hf-llama-kv1", PLAN_2D)   # 1 kv head < q = 2: each grid column computes it
+    _check_plan("hf-gpt2", PLAN_2D, what="loss_fn", loss_fn=_loss_fn, clip=None)  # full logits, gathered
+    _check_plan("hf-llama-kv1", PLAN_2D)  # 1 kv head < q = 2: each grid column computes it
     _check_plan("gpt", bh.Plan(tp=4, tp_mode="2d", precision="bf16", activation_checkpointing=True), opt="sgd")
     for family in ("gpt", "hf-llama", "hf-llama-kv1"):
         _check_traffic(family, PLAN_2D)

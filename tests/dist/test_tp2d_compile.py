@@ -17,6 +17,7 @@ The blocks compile with the ``aot_eager`` backend (``nn.Module.compile``'s defau
 patched in the spawned processes) to keep CPU time low: it runs the same traced forward and
 backward graphs that inductor would compile.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,19 @@ def _model(family):
     if family != "hf-llama-kv1":
         return build(family, num_layers=3)
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=SEQ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+        )
+    )
 
 
 def _serial(family, batches):

@@ -7,6 +7,7 @@ serial layer run on the full input (float64, tight tolerance). Also: layers chai
 redistribution, the ledger's bytes for one Linear against ``summa_linear_bytes``, errors for
 non-divisible dims, and 2.5D at depth 1 bit-identical to 2D.
 """
+
 from __future__ import annotations
 
 import types
@@ -14,6 +15,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from common import saved_activation_bytes
 from torch import nn
 
 import behemoth as bh
@@ -22,22 +24,37 @@ from behemoth.mesh import ParallelMesh, ravel, unravel
 from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 from behemoth.planner.tp2d_traffic import summa_linear_bytes
-from common import saved_activation_bytes
 
 B, S, H, V = 4, 3, 8, 16
 F64 = torch.float64
 TP_AXES = ("tp_depth", "tp_row", "tp_col")
 
 LAYERS_2D = types.SimpleNamespace(
-    Linear=tp2d.Linear2D, LayerNorm=tp2d.LayerNorm2D, RMSNorm=tp2d.RMSNorm2D, Embedding=embed2d.Embedding2D,
-    PositionEmbedding=embed2d.PositionEmbedding2D, Head=embed2d.VocabParallelHead2D,
-    cross_entropy=embed2d.vocab_parallel_cross_entropy_2d, spec=tp2d.activation_spec_2d,
-    split_batch=tp2d.split_batch_2d, split=tp2d.split_activation_2d, gather=tp2d.gather_activation_2d)
+    Linear=tp2d.Linear2D,
+    LayerNorm=tp2d.LayerNorm2D,
+    RMSNorm=tp2d.RMSNorm2D,
+    Embedding=embed2d.Embedding2D,
+    PositionEmbedding=embed2d.PositionEmbedding2D,
+    Head=embed2d.VocabParallelHead2D,
+    cross_entropy=embed2d.vocab_parallel_cross_entropy_2d,
+    spec=tp2d.activation_spec_2d,
+    split_batch=tp2d.split_batch_2d,
+    split=tp2d.split_activation_2d,
+    gather=tp2d.gather_activation_2d,
+)
 LAYERS_25D = types.SimpleNamespace(
-    Linear=tp2p5d.Linear25D, LayerNorm=tp2p5d.LayerNorm25D, RMSNorm=tp2p5d.RMSNorm25D,
-    Embedding=tp2p5d.Embedding25D, PositionEmbedding=tp2p5d.PositionEmbedding25D, Head=tp2p5d.VocabParallelHead25D,
-    cross_entropy=tp2p5d.vocab_parallel_cross_entropy_25d, spec=tp2p5d.activation_spec_25d,
-    split_batch=tp2p5d.split_batch_25d, split=tp2p5d.split_activation_25d, gather=tp2p5d.gather_activation_25d)
+    Linear=tp2p5d.Linear25D,
+    LayerNorm=tp2p5d.LayerNorm25D,
+    RMSNorm=tp2p5d.RMSNorm25D,
+    Embedding=tp2p5d.Embedding25D,
+    PositionEmbedding=tp2p5d.PositionEmbedding25D,
+    Head=tp2p5d.VocabParallelHead25D,
+    cross_entropy=tp2p5d.vocab_parallel_cross_entropy_25d,
+    spec=tp2p5d.activation_spec_25d,
+    split_batch=tp2p5d.split_batch_25d,
+    split=tp2p5d.split_activation_25d,
+    gather=tp2p5d.gather_activation_25d,
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -103,8 +120,13 @@ def fused_spec(shape, parts, mesh, L):
     base = L.spec(shape, mesh)
     view = tuple(shape[:-1]) + (parts, shape[-1] // parts)
     q = mesh.axis("tp_col").size
-    return ShardSpec(tuple(shape), (base.dims[0], DimShard(len(shape), q, mesh.coord("tp_col"), ("tp_col",))),
-                     base.replicated_on, view, fused_dim=len(shape) - 1)
+    return ShardSpec(
+        tuple(shape),
+        (base.dims[0], DimShard(len(shape), q, mesh.coord("tp_col"), ("tp_col",))),
+        base.replicated_on,
+        view,
+        fused_dim=len(shape) - 1,
+    )
 
 
 def rand(*shape, seed=0, dtype=F64):
@@ -149,8 +171,12 @@ class LM(nn.Module):
 
 
 def shard_block(mesh, L, serial):
-    return MLPBlock(H, L.LayerNorm.from_serial(serial.norm, mesh), L.Linear.from_serial(serial.fc1, mesh),
-                    L.Linear.from_serial(serial.fc2, mesh))
+    return MLPBlock(
+        H,
+        L.LayerNorm.from_serial(serial.norm, mesh),
+        L.Linear.from_serial(serial.fc1, mesh),
+        L.Linear.from_serial(serial.fc2, mesh),
+    )
 
 
 def shard_lm(mesh, L, serial, tied):
@@ -181,7 +207,7 @@ def check_lm(mesh, L, tied):
     if tied:  # the engine's protocol: the tp group's total, the same on every rank
         total = lm.head.vocab_parallel_loss_sum(logits, labels)
         total.backward()
-    else:     # this rank's block; the total is the sum over grid rows (and depth)
+    else:  # this rank's block; the total is the sum over grid rows (and depth)
         local = L.cross_entropy(logits, L.split_batch(labels, mesh), mesh)
         local.backward()
         total = torch.tensor(tp_sum(local.item(), mesh), dtype=F64)
@@ -215,10 +241,18 @@ def layer_scenarios(mesh, L):
     q_local = yl.split(H // q, dim=-1)[0]  # the local heads' q, as the serial model splits [q | k | v]
     close(q_local, L.split(qkv(x)[..., :H].detach(), mesh), "fused qkv: local q rows")
     from transformers.pytorch_utils import Conv1D
+
     conv = Conv1D(3 * H, H).double()
     nn.init.normal_(conv.bias)
-    check_layer(mesh, L, conv, L.Linear.from_serial(conv, mesh, fused=3), x, "fused Conv1D",
-                out_spec=fused_spec((B, S, 3 * H), 3, mesh, L))
+    check_layer(
+        mesh,
+        L,
+        conv,
+        L.Linear.from_serial(conv, mesh, fused=3),
+        x,
+        "fused Conv1D",
+        out_spec=fused_spec((B, S, 3 * H), 3, mesh, L),
+    )
 
     ln = nn.LayerNorm(H).double()
     nn.init.normal_(ln.weight), nn.init.normal_(ln.bias)
@@ -229,6 +263,7 @@ def layer_scenarios(mesh, L):
     nn.init.normal_(rms.weight)
     check_layer(mesh, L, rms, L.RMSNorm.from_serial(rms, mesh), x, "rmsnorm")
     from behemoth.models.llama import RMSNorm  # computes in float32: compare in float32
+
     rms = RMSNorm(H)
     nn.init.normal_(rms.weight)
     check_layer(mesh, L, rms, L.RMSNorm.from_serial(rms, mesh), x.float(), "llama rmsnorm", rtol=1e-5, atol=1e-6)
@@ -406,7 +441,7 @@ def test_pure_layout_and_errors():
     qkv = tp2p5d.Linear25D(8, 24, mesh, fused=3)
     assert qkv.weight.shape == (12, 4) and get_spec(qkv.weight).local_view_shape() == (3, 4, 4)
     full = torch.arange(24 * 8.0).view(24, 8)
-    want = full.view(3, 8, 8)[:, 0:4, 4:8].reshape(12, 4)   # q, k, v rows of heads block 0, in block 1
+    want = full.view(3, 8, 8)[:, 0:4, 4:8].reshape(12, 4)  # q, k, v rows of heads block 0, in block 1
     assert torch.equal(shard_tensor(full, get_spec(qkv.weight)), want)
     with pytest.raises(ValueError, match="tp_mode='2d'"):
         tp2d.Linear2D(8, 8, mesh)

@@ -17,22 +17,37 @@ matches serial training (the parity law), through the same ``engine.step(batch)`
 
 One spawned world of 8 ranks (q = 2) runs every scenario (spawning costs seconds on two cores).
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 import torch.nn.functional as F
+from common import (
+    SEQ,
+    TINY_POLICY,
+    VOCAB,
+    TinyLM,
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    block_saved_bytes,
+    build,
+    expect_error,
+    global_batches,
+    make_optimizer,
+    shard,
+    train_and_save,
+    train_steps,
+)
 
 import behemoth as bh
 from behemoth.parallel.tensor import tp3d
 from behemoth.planner.tp3d_traffic import tp3d_model_traffic
 from behemoth.specs import shape_of
-from common import TINY_POLICY, TinyLM, block_saved_bytes, expect_error, train_and_save
-from common import (SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, build,
-                    global_batches, make_optimizer, shard, train_steps)
 
-STEPS, BATCH = 3, 8          # q = 2: 8 rows -> 2 per rank (1 per rank with 2 micro-batches)
+STEPS, BATCH = 3, 8  # q = 2: 8 rows -> 2 per rank (1 per rank with 2 micro-batches)
 TP_AXES = ("tp", "tp_row", "tp_col", "tp_depth")
 PLAN_3D = bh.Plan(tp=8, tp_mode="3d")
 PLAN_3D_K2 = bh.Plan(tp=8, tp_mode="3d", tp_overlap=2)
@@ -83,13 +98,13 @@ def _check_plan(family, plan, *, opt="adamw", clip=1.0):
     want_losses, want_state, want_norms = _serial(family, opt, batches, clip, "parity", plan.precision)
     what = f"{engine.plan.describe()} {family}/{opt}/clip={clip}"
     state = engine.full_state_dict()
-    rtol = 1e-4 if plan.precision == "fp32" else 2e-2   # low-precision GEMMs of other splits round differently
+    rtol = 1e-4 if plan.precision == "fp32" else 2e-2  # low-precision GEMMs of other splits round differently
     assert_losses_close(losses, want_losses, rtol=rtol, what=what)
     assert_state_close(state, want_state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
     _agree(losses, f"{what} loss")
     # every step's norm is the serial one: shards replicated over tp_row / tp_depth / tp_col count once
     assert_grad_norms_close(norms, want_norms, rtol=rtol, what=what)
-    if family in ("gpt", "hf-gpt2"):   # tied embeddings stay one Parameter
+    if family in ("gpt", "hf-gpt2"):  # tied embeddings stay one Parameter
         m = engine.model
         emb, head = (m.wte, m.lm_head) if family == "gpt" else (m.transformer.wte, m.lm_head)
         assert head.weight is emb.weight, f"{what}: the tied head and embedding hold different Parameters"
@@ -173,19 +188,27 @@ def _boost(model, plan=PLAN_3D, **kw):
 
 def _errors(world):
     from behemoth.models import GPT, GPTConfig, Llama, LlamaConfig
+
     gpt = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=4, hidden=32)
-    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24}))),
-                  "attention heads (num_heads of blocks.0.attn) = 3", "by 2")
-    expect_error(lambda: _boost(Llama(LlamaConfig(**gpt, num_kv_heads=1))),
-                  "key/value heads (num_kv_heads of layers.0.attn) = 1", "not divisible by q = 2")
-    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 98}))), "vocab_size (rows of wte", "= 98",
-                  "by 4")
-    expect_error(lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=34))), "out features of blocks.0.mlp.fc", "= 34",
-                  "by 4")
+    expect_error(
+        lambda: _boost(GPT(GPTConfig(**{**gpt, "num_heads": 3, "hidden": 24}))),
+        "attention heads (num_heads of blocks.0.attn) = 3",
+        "by 2",
+    )
+    expect_error(
+        lambda: _boost(Llama(LlamaConfig(**gpt, num_kv_heads=1))),
+        "key/value heads (num_kv_heads of layers.0.attn) = 1",
+        "not divisible by q = 2",
+    )
+    expect_error(lambda: _boost(GPT(GPTConfig(**{**gpt, "vocab_size": 98}))), "vocab_size (rows of wte", "= 98", "by 4")
+    expect_error(
+        lambda: _boost(GPT(GPTConfig(**gpt, ffn_hidden=34))), "out features of blocks.0.mlp.fc", "= 34", "by 4"
+    )
     expect_error(lambda: _boost(TinyLM(15), tp_policy=TINY_POLICY), "hidden (embedding dim of tok) = 15")
     expect_error(lambda: _boost(TinyLM(16), tp_policy=TINY_POLICY), "parameter gate has no tensor-parallel role")
-    expect_error(lambda: _boost(TinyLM(16), tp_policy={"up": "colwise", "down": "rowwise"}),
-                  "'embedding' role", "'head' role")
+    expect_error(
+        lambda: _boost(TinyLM(16), tp_policy={"up": "colwise", "down": "rowwise"}), "'embedding' role", "'head' role"
+    )
     six = {k: v[:6] for k, v in global_batches(1, BATCH)[0].items()}
     engine = _boost(build("gpt"))
     expect_error(lambda: engine.step(six), "batch size = 6", "not divisible by 4", "tp_depth=2 x tp_col=2")
@@ -211,7 +234,7 @@ def _load_and_continue(family, plan, path):
 
 
 def _checkpoints(root):
-    for family in ("hf-gpt2", "llama"):    # tied + fused Conv1D; GQA without ties
+    for family in ("hf-gpt2", "llama"):  # tied + fused Conv1D; GQA without ties
         train_and_save(family, PLAN_3D, os.path.join(root, family, "3d-tp8", "step-2"), BATCH)
         _load_and_continue(family, bh.Plan(dp=8), os.path.join(root, family, "3d-tp8", "step-2"))
     _load_and_continue("llama", bh.Plan(dp=2, tp=4), os.path.join(root, "llama", "3d-tp8", "step-2"))
@@ -225,10 +248,11 @@ def _world(rank, world, root):
     _check_overlap("llama", "sgd", None, microbatches=2)
     _check_overlap("hf-gpt2", "adamw", 1.0)
     _check_overlap("hf-llama", "sgd", 1.0)
-    _check_plan("gpt", bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16", activation_checkpointing=True),
-                opt="sgd")
-    _check_positions("gpt")      # learned table: positions re-indexed onto the residual rows
-    _check_positions("llama")    # RoPE: positions follow the batch split into attention
+    _check_plan(
+        "gpt", bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16", activation_checkpointing=True), opt="sgd"
+    )
+    _check_positions("gpt")  # learned table: positions re-indexed onto the residual rows
+    _check_positions("llama")  # RoPE: positions follow the batch split into attention
     for family, plan in (("gpt", PLAN_3D), ("hf-llama", PLAN_3D_K2)):
         _check_traffic(family, plan)
     for family in ("gpt", "llama"):

@@ -10,6 +10,7 @@ tied and untied, overlap k = 2 against k = 1, the ledger against ``linear3d_byte
 activations within 1.25x of serial / p. A no-process test covers specs, the overlap
 schedule and the errors.
 """
+
 from __future__ import annotations
 
 import types
@@ -17,6 +18,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from common import saved_activation_bytes
+from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
 from torch import nn
 
 import behemoth as bh
@@ -25,10 +28,8 @@ from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import embed3d, tp3d
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 from behemoth.planner.tp3d_traffic import linear3d_bytes
-from common import saved_activation_bytes
-from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
 
-B, S, H, V = 4, 4, 8, 16          # q = 2: B/q^2 = 1 row of 4 tokens per rank (overlap 2 splits it)
+B, S, H, V = 4, 4, 8, 16  # q = 2: B/q^2 = 1 row of 4 tokens per rank (overlap 2 splits it)
 F64 = torch.float64
 TP_AXES = ("tp_depth", "tp_row", "tp_col")
 L = types.SimpleNamespace(spec=tp3d.activation_spec_3d)
@@ -42,8 +43,13 @@ def fused_spec(shape, parts, mesh, swapped):
     """Layout of a fused ``[.., parts*h]`` output: the view ``[.., parts, h]`` blocked on h."""
     batch, hidden = spec(shape, mesh, swapped).dims
     view = tuple(shape[:-1]) + (parts, shape[-1] // parts)
-    return ShardSpec(tuple(shape), (batch, DimShard(len(shape), hidden.parts, hidden.index, hidden.axes)), (),
-                     view, fused_dim=len(shape) - 1)
+    return ShardSpec(
+        tuple(shape),
+        (batch, DimShard(len(shape), hidden.parts, hidden.index, hidden.axes)),
+        (),
+        view,
+        fused_dim=len(shape) - 1,
+    )
 
 
 def tp_bytes(mesh, wire=False):
@@ -73,9 +79,12 @@ class AttnBlock(nn.Module):
 
 
 def shard_mlp(mesh, serial, overlap=1):
-    return MLPBlock(H, tp3d.LayerNorm3D.from_serial(serial.norm, mesh),
-                    tp3d.Linear3D.from_serial(serial.fc1, mesh, overlap=overlap),
-                    tp3d.Linear3D.from_serial(serial.fc2, mesh, swapped=True, overlap=overlap))
+    return MLPBlock(
+        H,
+        tp3d.LayerNorm3D.from_serial(serial.norm, mesh),
+        tp3d.Linear3D.from_serial(serial.fc1, mesh, overlap=overlap),
+        tp3d.Linear3D.from_serial(serial.fc2, mesh, swapped=True, overlap=overlap),
+    )
 
 
 def serial_lm(tied, seed=5):
@@ -88,29 +97,52 @@ def serial_lm(tied, seed=5):
 
 # --------------------------------------------------------------------------- scenarios
 def linear_scenarios(mesh):
-    torch.manual_seed(0)   # the serial layers must be identical on every rank
+    torch.manual_seed(0)  # the serial layers must be identical on every rank
     x = rand(B, S, H)
     for swapped in (False, True):
         for bias in (True, False):
             lin = nn.Linear(H, 12, bias=bias).double()
-            check_layer(mesh, L, lin, tp3d.Linear3D.from_serial(lin, mesh, swapped=swapped), x,
-                        f"linear swapped={swapped} bias={bias}", in_spec=spec(x.shape, mesh, swapped),
-                        out_spec=spec((B, S, 12), mesh, not swapped))
+            check_layer(
+                mesh,
+                L,
+                lin,
+                tp3d.Linear3D.from_serial(lin, mesh, swapped=swapped),
+                x,
+                f"linear swapped={swapped} bias={bias}",
+                in_spec=spec(x.shape, mesh, swapped),
+                out_spec=spec((B, S, 12), mesh, not swapped),
+            )
     # Fused QKV: the local output is [q_i | k_i | v_i] of heads block i (tp_row).
     qkv = nn.Linear(H, 3 * H).double()
     layer = tp3d.Linear3D.from_serial(qkv, mesh, fused=3)
     assert get_spec(layer.weight).view_shape == (3, H, H) and layer.weight.shape == (3 * H // 4, H // 2)
     yl = check_layer(mesh, L, qkv, layer, x, "fused qkv", out_spec=fused_spec((B, S, 3 * H), 3, mesh, True))
-    k_rows = shard_tensor(qkv(x)[..., H:2 * H].detach(), spec((B, S, H), mesh, True))
+    k_rows = shard_tensor(qkv(x)[..., H : 2 * H].detach(), spec((B, S, H), mesh, True))
     close(yl.split(H // 2, dim=-1)[1], k_rows, "fused qkv: the local k rows")
     from transformers.pytorch_utils import Conv1D
+
     conv = Conv1D(3 * H, H).double()
     nn.init.normal_(conv.bias)
-    check_layer(mesh, L, conv, tp3d.Linear3D.from_serial(conv, mesh, fused=3), x, "fused Conv1D",
-                out_spec=fused_spec((B, S, 3 * H), 3, mesh, True))
-    conv = Conv1D(H, 12).double()   # Conv1D(nf=H, nx=12): [12, H] weight, swapped orientation
-    check_layer(mesh, L, conv, tp3d.Linear3D.from_serial(conv, mesh, swapped=True), rand(B, S, 12, seed=1),
-                "Conv1D swapped", in_spec=spec((B, S, 12), mesh, True), out_spec=spec((B, S, H), mesh))
+    check_layer(
+        mesh,
+        L,
+        conv,
+        tp3d.Linear3D.from_serial(conv, mesh, fused=3),
+        x,
+        "fused Conv1D",
+        out_spec=fused_spec((B, S, 3 * H), 3, mesh, True),
+    )
+    conv = Conv1D(H, 12).double()  # Conv1D(nf=H, nx=12): [12, H] weight, swapped orientation
+    check_layer(
+        mesh,
+        L,
+        conv,
+        tp3d.Linear3D.from_serial(conv, mesh, swapped=True),
+        rand(B, S, 12, seed=1),
+        "Conv1D swapped",
+        in_spec=spec((B, S, 12), mesh, True),
+        out_spec=spec((B, S, H), mesh),
+    )
 
 
 def norm_scenarios(mesh):
@@ -120,20 +152,39 @@ def norm_scenarios(mesh):
         ln = nn.LayerNorm(H).double()
         nn.init.normal_(ln.weight), nn.init.normal_(ln.bias)
         sp = spec(x.shape, mesh, swapped)
-        check_layer(mesh, L, ln, tp3d.LayerNorm3D.from_serial(ln, mesh, swapped=swapped), x * 3 + 1,
-                    f"layernorm swapped={swapped}", in_spec=sp, out_spec=sp)
+        check_layer(
+            mesh,
+            L,
+            ln,
+            tp3d.LayerNorm3D.from_serial(ln, mesh, swapped=swapped),
+            x * 3 + 1,
+            f"layernorm swapped={swapped}",
+            in_spec=sp,
+            out_spec=sp,
+        )
         rms = nn.RMSNorm(H, eps=1e-6).double()
         nn.init.normal_(rms.weight)
-        check_layer(mesh, L, rms, tp3d.RMSNorm3D.from_serial(rms, mesh, swapped=swapped), x,
-                    f"rmsnorm swapped={swapped}", in_spec=sp, out_spec=sp)
+        check_layer(
+            mesh,
+            L,
+            rms,
+            tp3d.RMSNorm3D.from_serial(rms, mesh, swapped=swapped),
+            x,
+            f"rmsnorm swapped={swapped}",
+            in_spec=sp,
+            out_spec=sp,
+        )
     ln = nn.LayerNorm(H, bias=False).double()
     check_layer(mesh, L, ln, tp3d.LayerNorm3D.from_serial(ln, mesh), x, "layernorm no bias")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from behemoth.models.llama import RMSNorm   # both compute in float32: compare in float32
+
+    from behemoth.models.llama import RMSNorm  # both compute in float32: compare in float32
+
     for rms in (RMSNorm(H), LlamaRMSNorm(H, eps=1e-6)):
         nn.init.normal_(rms.weight)
-        check_layer(mesh, L, rms, tp3d.RMSNorm3D.from_serial(rms, mesh), x.float(), type(rms).__name__,
-                    rtol=1e-5, atol=1e-6)
+        check_layer(
+            mesh, L, rms, tp3d.RMSNorm3D.from_serial(rms, mesh), x.float(), type(rms).__name__, rtol=1e-5, atol=1e-6
+        )
 
 
 def block_scenarios(mesh):
@@ -152,8 +203,9 @@ def block_scenarios(mesh):
     block_bytes, ops = tp_bytes(mesh), {o for a in TP_AXES for o in mesh.ledger.stats().get(a, {}).get("ops", {})}
     mesh.ledger.reset()
     par.norm(xl).sum().backward()
-    linears = linear3d_bytes(T, H, 4 * H, q, bias=True, element_size=8) + \
-        linear3d_bytes(T, 4 * H, H, q, bias=True, element_size=8)
+    linears = linear3d_bytes(T, H, 4 * H, q, bias=True, element_size=8) + linear3d_bytes(
+        T, 4 * H, H, q, bias=True, element_size=8
+    )
     assert block_bytes == tp_bytes(mesh) + linears, (block_bytes, tp_bytes(mesh), linears)
     assert ops <= {"all_gather", "reduce_scatter", "all_reduce"}, ops
     # Saved activations: only shards (the Linears re-gather in backward).
@@ -164,8 +216,12 @@ def block_scenarios(mesh):
     # Attention: fused QKV (heads block over tp_row) -> local attention -> out projection.
     torch.manual_seed(1)
     attn = AttnBlock(nn.LayerNorm(H), nn.Linear(H, 3 * H), nn.Linear(H, H), heads=2).double()
-    par = AttnBlock(tp3d.LayerNorm3D.from_serial(attn.norm, mesh), tp3d.Linear3D.from_serial(attn.qkv, mesh, fused=3),
-                    tp3d.Linear3D.from_serial(attn.proj, mesh, swapped=True), heads=2 // q)
+    par = AttnBlock(
+        tp3d.LayerNorm3D.from_serial(attn.norm, mesh),
+        tp3d.Linear3D.from_serial(attn.qkv, mesh, fused=3),
+        tp3d.Linear3D.from_serial(attn.proj, mesh, swapped=True),
+        heads=2 // q,
+    )
     check_layer(mesh, L, attn, par, x, "attention block")
 
 
@@ -182,8 +238,15 @@ def overlap_scenarios(mesh):
         mesh.ledger.reset()
         y = par(xl)
         (y * G).sum().backward()
-        runs.append((y.detach(), xl.grad, [p.grad for p in par.parameters()], tp_bytes(mesh),
-                     sum(mesh.ledger.stats()[a]["calls"] for a in ("tp_row", "tp_col"))))  # per piece
+        runs.append(
+            (
+                y.detach(),
+                xl.grad,
+                [p.grad for p in par.parameters()],
+                tp_bytes(mesh),
+                sum(mesh.ledger.stats()[a]["calls"] for a in ("tp_row", "tp_col")),
+            )
+        )  # per piece
     (y1, dx1, g1, b1, c1), (y2, dx2, g2, b2, c2) = runs
     # Rows are computed independently (bit-equal with the CPU BLAS here); dW sums the pieces'
     # partial products, so it is equal up to rounding.
@@ -201,8 +264,12 @@ def lm_scenarios(mesh):
         serial = serial_lm(tied)
         wte = embed3d.Embedding3D.from_serial(serial.wte, mesh)
         head = embed3d.VocabParallelHead3D.from_serial(serial.head, mesh, tied=wte if tied else None)
-        lm = LM(wte, embed3d.PositionEmbedding3D.from_serial(serial.wpe, mesh),
-                tp3d.LayerNorm3D.from_serial(serial.ln, mesh), head)
+        lm = LM(
+            wte,
+            embed3d.PositionEmbedding3D.from_serial(serial.wpe, mesh),
+            tp3d.LayerNorm3D.from_serial(serial.ln, mesh),
+            head,
+        )
         loss = F.cross_entropy(serial(ids).flatten(0, 1), labels.flatten(), reduction="sum")
         loss.backward()
         emb = lm.wte(ids)
@@ -212,8 +279,10 @@ def lm_scenarios(mesh):
         if tied:  # the engine's protocol: the tp group's total, the same on every rank
             total = head.vocab_parallel_loss_sum(logits, labels)
             total.backward()
-        else:     # this rank's block; the total is the sum over the two batch axes
-            local = embed3d.vocab_parallel_cross_entropy_3d(logits, tp3d.split_batch_3d(labels, mesh, swapped=True), mesh)
+        else:  # this rank's block; the total is the sum over the two batch axes
+            local = embed3d.vocab_parallel_cross_entropy_3d(
+                logits, tp3d.split_batch_3d(labels, mesh, swapped=True), mesh
+            )
             local.backward()
             s = comm.all_reduce_scalars([local.item()], mesh.axis("tp_col"))
             total = torch.tensor(comm.all_reduce_scalars(s, mesh.axis("tp_depth"))[0], dtype=F64)
@@ -299,15 +368,19 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     a, b = tp3d.Linear3D(8, 12, mesh), tp3d.Linear3D(8, 12, mesh, swapped=True)
     # canonical: out block r*q + d = 3 of 4 over (tp_row, tp_depth), in block c = 0 over tp_col
     assert [(d.dim, d.parts, d.index, d.axes) for d in get_spec(a.weight).dims] == [
-        (0, 4, 3, ("tp_row", "tp_depth")), (1, 2, 0, ("tp_col",))]
+        (0, 4, 3, ("tp_row", "tp_depth")),
+        (1, 2, 0, ("tp_col",)),
+    ]
     assert torch.equal(shard_tensor(full, get_spec(a.weight)), full[9:12, 0:4])
     # swapped: out block c*q + d = 1 over (tp_col, tp_depth), in block r = 1 over tp_row
     assert torch.equal(shard_tensor(full, get_spec(b.weight)), full[3:6, 4:8])
     assert get_spec(a.bias).dims[0] == DimShard(0, 2, 1, ("tp_row",))
     assert set(get_spec(a.bias).replicated_on) == {"tp_depth", "tp_col"}
     assert spec((8, 3, 8), mesh).dims == (DimShard(0, 4, 3, ("tp_depth", "tp_row")), DimShard(2, 2, 0, ("tp_col",)))
-    assert spec((8, 3, 8), mesh, True).dims == (DimShard(0, 4, 2, ("tp_depth", "tp_col")),
-                                                DimShard(2, 2, 1, ("tp_row",)))
+    assert spec((8, 3, 8), mesh, True).dims == (
+        DimShard(0, 4, 2, ("tp_depth", "tp_col")),
+        DimShard(2, 2, 1, ("tp_row",)),
+    )
     assert spec((8, 3), mesh, hidden=False).replicated_on == ("tp_col",)
     qkv = tp3d.Linear3D(8, 24, mesh, fused=3)
     assert qkv.weight.shape == (6, 4) and get_spec(qkv.weight).local_view_shape() == (3, 2, 4)
@@ -365,6 +438,7 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
             issued.append(n)
             log.append(("issue", op, n))
             return types.SimpleNamespace(wait=lambda: (log.append(("wait", op, n)), h.wait())[1])
+
         return call
 
     monkeypatch.setattr(comm, "all_gather_async", logged(comm.all_gather_async, "ag"))
@@ -373,15 +447,38 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     layer = tp3d.Linear3D.from_serial(lin, mesh1, overlap=2)
     x = torch.randn(2, 2, 4, requires_grad=True)
     y = layer(x)
-    assert log == [("issue", "ag", 0), ("issue", "ag", 1), ("wait", "ag", 0), ("wait", "ag", 1),   # W, x0
-                   ("issue", "ag", 2), ("issue", "rs", 3), ("wait", "ag", 2), ("issue", "rs", 4),  # x1, y0, y1
-                   ("wait", "rs", 3), ("wait", "rs", 4)]
+    assert log == [
+        ("issue", "ag", 0),
+        ("issue", "ag", 1),
+        ("wait", "ag", 0),
+        ("wait", "ag", 1),  # W, x0
+        ("issue", "ag", 2),
+        ("issue", "rs", 3),
+        ("wait", "ag", 2),
+        ("issue", "rs", 4),  # x1, y0, y1
+        ("wait", "rs", 3),
+        ("wait", "rs", 4),
+    ]
     torch.testing.assert_close(y, lin(x).detach(), rtol=1e-6, atol=1e-6)
     # Backward: W once (for dX); pieces' dY and x gathers one piece ahead; dX pieces and dW in flight.
     log.clear(), issued.clear()
     y.sum().backward()
-    assert log == [("issue", "ag", 0), ("issue", "ag", 1), ("issue", "ag", 2), ("wait", "ag", 0),   # W, dy0, x0
-                   ("wait", "ag", 1), ("wait", "ag", 2), ("issue", "ag", 3), ("issue", "ag", 4),    # dy1, x1
-                   ("issue", "rs", 5), ("wait", "ag", 3), ("wait", "ag", 4), ("issue", "rs", 6),    # dx0, dx1
-                   ("issue", "rs", 7), ("wait", "rs", 5), ("wait", "rs", 6), ("wait", "rs", 7)]     # dW
+    assert log == [
+        ("issue", "ag", 0),
+        ("issue", "ag", 1),
+        ("issue", "ag", 2),
+        ("wait", "ag", 0),  # W, dy0, x0
+        ("wait", "ag", 1),
+        ("wait", "ag", 2),
+        ("issue", "ag", 3),
+        ("issue", "ag", 4),  # dy1, x1
+        ("issue", "rs", 5),
+        ("wait", "ag", 3),
+        ("wait", "ag", 4),
+        ("issue", "rs", 6),  # dx0, dx1
+        ("issue", "rs", 7),
+        ("wait", "rs", 5),
+        ("wait", "rs", 6),
+        ("wait", "rs", 7),
+    ]  # dW
     torch.testing.assert_close(layer.weight.grad, torch.ones(4, 1) * x.detach().sum((0, 1)), rtol=1e-6, atol=1e-6)

@@ -4,6 +4,7 @@ fp16/bf16, composed with 1D and 2D tensor parallelism; checkpoints written under
 under any other plan; the per-chunk reduce-scatter overlaps backward; ZeRO-3 at dp=4 holds a
 quarter of the serial model data plus the chunk padding; offload='auto''s re-placement keeps
 the learning rate set before the step; bad input fails on every rank."""
+
 from __future__ import annotations
 
 import gc
@@ -12,14 +13,26 @@ import weakref
 
 import pytest
 import torch
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    build,
+    expect_error,
+    global_batches,
+    make_optimizer,
+    serial_loss,
+    serial_run,
+    serial_train,
+    shard,
+    train_and_save,
+    train_steps,
+)
 
 import behemoth as bh
-from common import (assert_grad_norms_close, assert_losses_close, assert_state_close, build, expect_error,
-                    global_batches, make_optimizer, serial_loss, serial_run, serial_train, shard, train_and_save,
-                    train_steps)
 
 STEPS, BATCH = 3, 8
-CHUNK_MB = 0.02   # ~5k elements: the tiny models span several chunks (and one chunk straddles shards)
+CHUNK_MB = 0.02  # ~5k elements: the tiny models span several chunks (and one chunk straddles shards)
 
 # (family, optimizer, stage, offload, microbatches, max_grad_norm, precision)
 SCENARIOS_2 = [
@@ -34,7 +47,7 @@ SCENARIOS_2 = [
     ("gpt", "sgd", 3, None, 1, 1.0, "bf16"),
     ("llama", "sgd", 2, None, 1, None, "fp16"),
 ]
-SCENARIOS_1 = [   # one rank: the same code path (a ZeRO-3 chunk kept on the device is its own shard)
+SCENARIOS_1 = [  # one rank: the same code path (a ZeRO-3 chunk kept on the device is its own shard)
     ("gpt", "adamw", 3, None, 2, 1.0, "fp32"),
     ("hf-gpt2", "adamw", 3, "auto", 1, 0.5, "fp32"),
     ("llama", "sgd", 2, "cpu", 1, None, "fp32"),
@@ -51,8 +64,9 @@ def _check(engine, losses, norms, family, opt_name, clip, precision, what):
     want = serial_run(family, opt_name, global_batches(STEPS, BATCH), max_grad_norm=clip, precision=precision)
     tol = {} if precision == "fp32" else {"rtol": 2e-2}
     assert_losses_close(losses, want.losses, what=what, **tol)
-    assert_state_close(engine.full_state_dict(), want.state, what=what,
-                       **({} if precision == "fp32" else {"rtol": 2e-2, "atol": 2e-3}))
+    assert_state_close(
+        engine.full_state_dict(), want.state, what=what, **({} if precision == "fp32" else {"rtol": 2e-2, "atol": 2e-3})
+    )
     assert_grad_norms_close(norms, want.grad_norms, what=what, **tol)
     t = torch.tensor(losses, dtype=torch.float64)
     ref = t.clone()
@@ -66,15 +80,25 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1, 
     for family, opt_name, stage, offload, micro, clip, precision in scenarios:
         what = f"dp={world // tp // cp} tp={tp}/{tp_mode}{'+sp' if sp else ''} cp={cp} zero={stage} offload={offload} {family}/{opt_name}/m{micro}/{precision}"
         model = build(family)
-        plan = bh.Plan(tp=tp, tp_mode=tp_mode, tp_depth=tp_depth, cp=cp, sequence_parallel=sp, zero=stage, offload=offload, microbatches=micro, precision=precision,
-                       chunk_mb=CHUNK_MB / (tp // tp_depth))   # tp shards are smaller: smaller chunks keep several
+        plan = bh.Plan(
+            tp=tp,
+            tp_mode=tp_mode,
+            tp_depth=tp_depth,
+            cp=cp,
+            sequence_parallel=sp,
+            zero=stage,
+            offload=offload,
+            microbatches=micro,
+            precision=precision,
+            chunk_mb=CHUNK_MB / (tp // tp_depth),
+        )  # tp shards are smaller: smaller chunks keep several
         engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
         assert engine.grad_sync.stage == stage and engine.grad_sync.layout.num_chunks >= 3, what
         losses, norms = train_steps(engine, batches)
         _check(engine, losses, norms, family, opt_name, clip, precision, what)
         if offload == "auto":
             assert engine.grad_sync.placement.explain(), what
-        if offload is not None and clip is None and precision != "fp16":   # nothing global before the
+        if offload is not None and clip is None and precision != "fp16":  # nothing global before the
             # update: every offloaded chunk was updated on the host during the backward (under auto not
             # in the warm-up step, nor in the step after it, which may run again after out of memory)
             offloaded = sum(not st.optim_on_gpu for st in engine.grad_sync.store.chunks)
@@ -82,10 +106,12 @@ def _parity_world(rank, world, scenarios, tp=1, tp_mode="1d", cp=1, tp_depth=1, 
             assert offloaded and engine.grad_sync.early_updates == want, (what, engine.grad_sync.early_updates, want)
         elif offload is not None:
             assert engine.grad_sync.early_updates == 0, what
-        if offload == "cpu":   # masters and optimizer state really are the host copies
-            assert all(st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() !=
-                                                           st.shard.data_ptr()) for st in engine.grad_sync.store.chunks)
-        if world // tp // cp > 1 and cp == 1:    # one reduce-scatter per chunk per reduced micro-batch, over dp
+        if offload == "cpu":  # masters and optimizer state really are the host copies
+            assert all(
+                st.master.device.type == "cpu" and (st.shard is None or st.master.data_ptr() != st.shard.data_ptr())
+                for st in engine.grad_sync.store.chunks
+            )
+        if world // tp // cp > 1 and cp == 1:  # one reduce-scatter per chunk per reduced micro-batch, over dp
             dp = engine.comm_stats()["dp"]
             reduced = micro if stage >= 2 else 1
             assert dp["ops"]["reduce_scatter"] == STEPS * reduced * engine.grad_sync.layout.num_chunks, (what, dp)
@@ -97,8 +123,11 @@ def test_zero_matches_serial(world):
 
 
 def test_zero_with_1d_tensor_parallel():
-    scen = [("gpt", "adamw", 1, None, 1, 1.0, "fp32"), ("hf-llama", "adamw", 3, "cpu", 2, 0.5, "fp32"),
-            ("hf-gpt2", "sgd", 2, None, 1, None, "fp32")]
+    scen = [
+        ("gpt", "adamw", 1, None, 1, 1.0, "fp32"),
+        ("hf-llama", "adamw", 3, "cpu", 2, 0.5, "fp32"),
+        ("hf-gpt2", "sgd", 2, None, 1, None, "fp32"),
+    ]
     bh.spawn(_parity_world, 4, scen, 2, "1d", timeout=600)
 
 
@@ -150,8 +179,10 @@ def _overlap_memory_errors_world(rank, world):
     bound = 16 * serial // world + padding + 4 * layout.num_chunks
     assert held <= bound, (mem, held, bound)
     if rank == 0:
-        print(f"ZeRO-3 dp={world}: {held} B per rank at rest vs serial {16 * serial} B "
-              f"(bound {bound}); padding {100 * layout.padding_fraction:.2f}%")
+        print(
+            f"ZeRO-3 dp={world}: {held} B per rank at rest vs serial {16 * serial} B "
+            f"(bound {bound}); padding {100 * layout.padding_fraction:.2f}%"
+        )
 
     # The same tracer without ZeRO: everything replicated, 16 B per element (+ AdamW's step counters).
     m = build("gpt")
@@ -164,18 +195,28 @@ def _overlap_memory_errors_world(rank, world):
 
     # Bad input, on every rank.
     m = build("gpt")
-    expect_error(lambda: bh.boost(m, torch.optim.LBFGS(m.parameters()), bh.Plan(zero=2)),
-                 "zero=2", "element-wise", "LBFGS")
+    expect_error(
+        lambda: bh.boost(m, torch.optim.LBFGS(m.parameters()), bh.Plan(zero=2)), "zero=2", "element-wise", "LBFGS"
+    )
     m = build("gpt")
-    expect_error(lambda: bh.boost(m, make_optimizer("adamw", m), bh.Plan(zero=1, chunk_mb=0.001)),
-                 "chunk_mb=0.001", "never split", "chunk_mb >=")
+    expect_error(
+        lambda: bh.boost(m, make_optimizer("adamw", m), bh.Plan(zero=1, chunk_mb=0.001)),
+        "chunk_mb=0.001",
+        "never split",
+        "chunk_mb >=",
+    )
     m = build("gpt")
-    expect_error(lambda: bh.boost(m, make_optimizer("adamw", m),
-                                  bh.Plan(zero=3, offload="auto", offload_budget_gb=1e-6, chunk_mb=CHUNK_MB)),
-                 "offload_budget_gb", "largest chunk")
+    expect_error(
+        lambda: bh.boost(
+            m, make_optimizer("adamw", m), bh.Plan(zero=3, offload="auto", offload_budget_gb=1e-6, chunk_mb=CHUNK_MB)
+        ),
+        "offload_budget_gb",
+        "largest chunk",
+    )
     expect_error(lambda: bh.Plan(offload="cpu"), "zero=0")
     # A problem only one rank sees (pipeline stages hold different parameters) fails every rank.
     from behemoth.parallel.zero.auto import raise_everywhere
+
     mine = ValueError("Plan.chunk_mb=1: too small") if rank == 0 else None
     expect_error(lambda: raise_everywhere(engine.mesh.axis("world"), mine, "Plan.chunk_mb"), "Plan.chunk_mb")
     expect_error(lambda: bh.Plan(zero=1, offload_budget_gb=4), "offload='auto'")
@@ -190,9 +231,11 @@ def test_zero_overlap_memory_and_errors():
 
 # ----------------------------------------------------------------------------- checkpoints
 def _save_world(rank, world, root):
-    for name, plan in (("z3", bh.Plan(zero=3, chunk_mb=CHUNK_MB)),
-                       ("z1-cpu", bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB)),
-                       ("plain", bh.Plan())):
+    for name, plan in (
+        ("z3", bh.Plan(zero=3, chunk_mb=CHUNK_MB)),
+        ("z1-cpu", bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB)),
+        ("plain", bh.Plan()),
+    ):
         train_and_save("gpt", plan, os.path.join(root, name), 8)
 
 
@@ -200,11 +243,14 @@ def _load_world(rank, world, root):
     """Every checkpoint, loaded under other plans, finishes the four steps like serial training."""
     batches = global_batches(4, 8)
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
-    for name, plan in (("z3", bh.Plan()), ("z3", bh.Plan(zero=2, chunk_mb=0.03)),
-                       ("z1-cpu", bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB)),
-                       ("plain", bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB))):
+    for name, plan in (
+        ("z3", bh.Plan()),
+        ("z3", bh.Plan(zero=2, chunk_mb=0.03)),
+        ("z1-cpu", bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB)),
+        ("plain", bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB)),
+    ):
         what = f"{name} -> {plan.describe()} at world {world}"
-        model = build("gpt", seed=7)   # different init: everything must come from the checkpoint
+        model = build("gpt", seed=7)  # different init: everything must come from the checkpoint
         engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
         engine.load(os.path.join(root, name))
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
@@ -227,16 +273,20 @@ def _replace_keeps_hyper_world(rank, world):
     engine = bh.boost(model, user, bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
     zero, old = engine.grad_sync, engine.optimizer
     assert old is user, "bh.boost replaced the user's optimizer"
-    zero.placement._auto_budget = lambda measured, other_peak=None: 0   # on CPU the measured budget is the guess: force a move
+    zero.placement._auto_budget = lambda measured, other_peak=None: (
+        0
+    )  # on CPU the measured budget is the guess: force a move
     placed = [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks]
     for g in old.param_groups:
-        g["lr"] = 0.0    # AdamW with lr 0 leaves the weights exactly as they are (decay is lr * wd)
+        g["lr"] = 0.0  # AdamW with lr 0 leaves the weights exactly as they are (decay is lr * wd)
     before = engine.full_state_dict()
     engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
     assert engine.optimizer is user and [(st.param_on_gpu, st.optim_on_gpu) for st in zero.store.chunks] != placed
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.0] * len(old.param_groups)
     after = engine.full_state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items()), "the rebuilt optimizer lost the lr set before step 1"
+    assert all(torch.equal(after[k], v) for k, v in before.items()), (
+        "the rebuilt optimizer lost the lr set before step 1"
+    )
 
 
 def test_zero_auto_replacement_keeps_the_learning_rate():
@@ -252,6 +302,7 @@ def _oom_after(model: torch.nn.Module, failures: int):
         if left[0] > 0:
             left[0] -= 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB.")
+
     return model.blocks[0].register_full_backward_pre_hook(hook)
 
 
@@ -280,8 +331,9 @@ def _warmup_oom_world(rank, world):
     batches = global_batches(STEPS, BATCH)
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
     model = build("gpt")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB),
-                      max_grad_norm=1.0)
+    engine = bh.boost(
+        model, make_optimizer("adamw", model), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB), max_grad_norm=1.0
+    )
     zero = engine.grad_sync
     handle = _oom_after(model, 1)
     kept = sum(zero.store.bytes_on("cpu").values()) / 2**30
@@ -291,10 +343,10 @@ def _warmup_oom_world(rank, world):
         # started by each attempt, sampled at every gather hook forward and backward, finished
         # by the re-placement, then no longer called.
         probe = _ProbeLog()
-        zero.placement.other = probe   # the gather hooks call placement.sample
+        zero.placement.other = probe  # the gather hooks call placement.sample
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         assert probe.calls.count("start") == 2 and probe.calls[-1] == "finish", probe.calls
-        retried = probe.calls[probe.calls.index("start", 1) + 1:-1]
+        retried = probe.calls[probe.calls.index("start", 1) + 1 : -1]
         assert retried.count("sample") >= 2 * len(model.blocks) and set(retried) == {"sample"}, probe.calls
         assert zero.placement.oom_retries == 1, zero.placement.oom_retries
         assert sum(o for _, o in on_device) > 0 and zero.placement.guess > 0, "the first guess kept nothing to move"
@@ -307,8 +359,7 @@ def _warmup_oom_world(rank, world):
         # in the steps after it).
         ref_losses, ref_state = serial_train("gpt", "adamw", batches)
         model2 = build("gpt")
-        engine2 = bh.boost(model2, make_optimizer("adamw", model2),
-                           bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
+        engine2 = bh.boost(model2, make_optimizer("adamw", model2), bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB))
         got = [engine2.step(batches[0])]
         z2 = engine2.grad_sync
         placed = [(st.param_on_gpu, st.optim_on_gpu) for st in z2.store.chunks]
@@ -320,10 +371,11 @@ def _warmup_oom_world(rank, world):
         assert z2.placement.oom_retries == 1 and now != placed, (z2.placement.oom_retries, placed, now)
         assert z2.early_updates > 0, "the steps after the retried one updated nothing early: the test lost its point"
         assert_losses_close(got, ref_losses, what="auto: step after the re-placement retried after out of memory")
-        assert_state_close(engine2.full_state_dict(), ref_state,
-                           what="auto: step after the re-placement retried after out of memory")
-        handle = _oom_after(model, 1)   # after the warm-up: no retry
-    for warmup in ((True, False) if world > 1 else (False,)):
+        assert_state_close(
+            engine2.full_state_dict(), ref_state, what="auto: step after the re-placement retried after out of memory"
+        )
+        handle = _oom_after(model, 1)  # after the warm-up: no retry
+    for warmup in (True, False) if world > 1 else (False,):
         zero.placement.warmup = warmup
         try:
             engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
@@ -350,8 +402,9 @@ def _compile_world(rank, world):
     batches = global_batches(STEPS, BATCH)
     want_losses, want_state = serial_train("gpt", "adamw", batches, max_grad_norm=1.0)
     model = build("gpt")
-    engine = bh.boost(model, make_optimizer("adamw", model), bh.Plan(zero=3, compile=True, chunk_mb=CHUNK_MB),
-                      max_grad_norm=1.0)
+    engine = bh.boost(
+        model, make_optimizer("adamw", model), bh.Plan(zero=3, compile=True, chunk_mb=CHUNK_MB), max_grad_norm=1.0
+    )
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
     assert_losses_close(losses, want_losses, what="zero=3 compile")
     assert_state_close(engine.full_state_dict(), want_state, what="zero=3 compile")
@@ -368,16 +421,20 @@ def _early_update_world(rank, world):
     gradient norms and states to the update after it: the same plan with a clip threshold no
     gradient reaches (factor exactly 1.0) updates after the backward."""
     batches = global_batches(STEPS, BATCH)
-    bf16 = {"precision": "bf16", "param_dtype": "bf16"}   # bf16 parameter copies refreshed from the masters
-    for stage, micro, opt_name, extra in ((3, 2, "adamw", {}), (3, 1, "adamw", bf16), (2, 1, "adamw", {}),
-                                          (1, 2, "sgd", {})):
+    bf16 = {"precision": "bf16", "param_dtype": "bf16"}  # bf16 parameter copies refreshed from the masters
+    for stage, micro, opt_name, extra in (
+        (3, 2, "adamw", {}),
+        (3, 1, "adamw", bf16),
+        (2, 1, "adamw", {}),
+        (1, 2, "sgd", {}),
+    ):
         runs = []
         for clip in (None, 1e30):
             model = build("gpt")
             plan = bh.Plan(zero=stage, offload="cpu", microbatches=micro, chunk_mb=CHUNK_MB, **extra)
             engine = bh.boost(model, make_optimizer(opt_name, model), plan, max_grad_norm=clip)
             losses = []
-            for b in batches:   # each step's loss and gradient norm (m2: the worker reads the host sum's)
+            for b in batches:  # each step's loss and gradient norm (m2: the worker reads the host sum's)
                 losses += [engine.step(shard(b, engine.dp_rank, engine.dp_size)), float(engine.last_grad_norm)]
             runs.append((losses, engine.full_state_dict(), engine.grad_sync.early_updates))
         (l_early, s_early, n_early), (l_after, s_after, n_after) = runs
@@ -396,9 +453,14 @@ def test_zero_cpu_update_during_backward_is_exact():
 def _collected_world(rank, world):
     """A dropped engine frees its model: gradient hooks live in C++ autograd state Python's
     collector cannot walk, so they must not hold the engine (or its buffers) strongly."""
-    for plan in (bh.Plan(), bh.Plan(tp=2, dp=1), bh.Plan(cp=2, dp=1), bh.Plan(pp=2, dp=1, microbatches=2),
-                 bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
-                 bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)):
+    for plan in (
+        bh.Plan(),
+        bh.Plan(tp=2, dp=1),
+        bh.Plan(cp=2, dp=1),
+        bh.Plan(pp=2, dp=1, microbatches=2),
+        bh.Plan(zero=3, offload="cpu", chunk_mb=CHUNK_MB),
+        bh.Plan(zero=1, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB),
+    ):
         model = build("gpt")
         engine = bh.boost(model, make_optimizer("adamw", model), plan)
         engine.step(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
@@ -413,7 +475,7 @@ def test_dropped_engines_are_collected():
 
 
 # ----------------------------------------------------------------------------- the user's optimizer stays the optimizer
-LR_FACTORS = (1.0, 0.3, 0.0, 1.5)   # lr 0 in step 3: AdamW leaves the weights where they are
+LR_FACTORS = (1.0, 0.3, 0.0, 1.5)  # lr 0 in step 3: AdamW leaves the weights where they are
 
 
 def _lr_schedule(opt):
@@ -426,8 +488,12 @@ def _scheduler_world(rank, world):
     is the user's object, under ZeRO-3, under offload='auto' (re-placed after its warm-up, offloaded
     chunks updated by the CPU optimizer during the backward), under offload='cpu' and under plain dp."""
     batches = global_batches(len(LR_FACTORS), BATCH)
-    for plan, clip in ((bh.Plan(zero=3, chunk_mb=CHUNK_MB), 1.0), (bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB), None),
-                       (bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB), None), (bh.Plan(bucket_mb=0.01), 1.0)):
+    for plan, clip in (
+        (bh.Plan(zero=3, chunk_mb=CHUNK_MB), 1.0),
+        (bh.Plan(zero=3, offload="auto", chunk_mb=CHUNK_MB), None),
+        (bh.Plan(zero=1, offload="cpu", chunk_mb=CHUNK_MB), None),
+        (bh.Plan(bucket_mb=0.01), 1.0),
+    ):
         what = f"{plan.describe()} clip={clip}"
         model = build("gpt")
         ref = build("gpt")
@@ -447,14 +513,14 @@ def _scheduler_world(rank, world):
         groups = list(opt.param_groups)
         sched = _lr_schedule(opt)
         engine = bh.boost(model, opt, plan, max_grad_norm=clip)
-        if plan.offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
+        if plan.offload == "auto":  # on CPU the measured budget equals the guess: force a move at the warm-up
             engine.grad_sync.placement._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
         got = []
         for b in batches:
             got.append(engine.step(shard(b, engine.dp_rank, engine.dp_size)))
             sched.step()
             assert engine.optimizer is opt and all(g is h for g, h in zip(opt.param_groups, groups)), what
-        if plan.offload is not None:   # offloaded chunks were updated by the CPU optimizer during a backward
+        if plan.offload is not None:  # offloaded chunks were updated by the CPU optimizer during a backward
             assert engine.grad_sync.early_updates > 0, what
         assert_losses_close(got, want, what=what)
         assert_state_close(engine.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()}, what=what)

@@ -7,14 +7,24 @@ the gathered chunks half the bytes; ``full_state_dict`` and checkpoints hold the
 never bf16-rounded values, and a checkpoint resumes exactly; it composes with CPU and
 automatic offload (offloaded chunks gathered from bf16 host copies), 1D and 2D tp and cp;
 bad plans are refused."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from common import (
+    assert_losses_close,
+    assert_state_close,
+    bf16_param_reference,
+    build,
+    expect_error,
+    global_batches,
+    make_optimizer,
+    serial_train,
+    shard,
+)
 
 import behemoth as bh
-from common import (assert_losses_close, assert_state_close, bf16_param_reference, build, expect_error,
-                    global_batches, make_optimizer, serial_train, shard)
 
 STEPS, BATCH, CHUNK_MB = 3, 8, 0.02
 BF16 = dict(zero=3, precision="bf16", param_dtype="bf16", chunk_mb=CHUNK_MB)
@@ -38,7 +48,7 @@ def _parity_world(rank, world, zero):
         assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()), what
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         want_losses, want_state = bf16_param_reference(family, opt_name, batches, 1.0)
-        tight = world == 1   # the same arithmetic up to the loss scaling order
+        tight = world == 1  # the same arithmetic up to the loss scaling order
         assert_losses_close(losses, want_losses, what=what, rtol=1e-4 if tight else 2e-2)
         state = engine.full_state_dict()
         assert_state_close(state, want_state, what=what, rtol=2e-2, atol=2e-4 if tight else 3e-3)
@@ -59,8 +69,8 @@ def _parity_world(rank, world, zero):
         # the fp32 master is this rank's shard only, apart from the bf16 parameters
         assert st.master.dtype == torch.float32 and st.master.numel() == st.shard_size < st.size or world == 1, what
         assert st.master.untyped_storage().data_ptr() != st.full.untyped_storage().data_ptr(), what
-        if zero < 3:   # the bf16 shard the all-gather reads is this rank's slot of full, not a copy beside it
-            assert st.low.data_ptr() == st.full[st.start:].data_ptr() and st.low.numel() == st.shard_size, what
+        if zero < 3:  # the bf16 shard the all-gather reads is this rank's slot of full, not a copy beside it
+            assert st.low.data_ptr() == st.full[st.start :].data_ptr() and st.low.numel() == st.shard_size, what
         store.release(st)
 
 
@@ -109,19 +119,27 @@ def _offload_world(rank, world):
         what = f"param_dtype=bf16 zero={stage} offload={offload} dp={world} {family}/sgd"
         engine = _engine(family, plan=bh.Plan(**{**BF16, "zero": stage}, offload=offload), opt_name="sgd")
         zero = engine.grad_sync
-        if offload == "auto":   # on CPU the measured budget equals the guess: force a move at the warm-up
+        if offload == "auto":  # on CPU the measured budget equals the guess: force a move at the warm-up
             zero.placement._auto_budget = lambda measured, other_peak=None: 0 if measured else 10**12
         losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
         chunks = zero.store.chunks
-        if offload == "cpu":   # parameters stay on the device as bf16 copies, masters on the host only
-            assert all(st.master.device.type == "cpu" and st.shard is None and st.low is not None
-                       and st.low_host is None for st in chunks), f"{what}: placement"
-        elif stage < 3:        # parameters stay on the device (bf16): only masters and state moved
-            assert all(st.low is not None and st.low_host is None for st in chunks) and \
-                any(st.master.device.type == "cpu" and st.shard is None for st in chunks), f"{what}: placement"
-        else:                  # the moved chunks are gathered from pinned bf16 host copies
-            assert any(st.low_host is not None and st.low is None and st.low_host.dtype == torch.bfloat16
-                       and st.master.device.type == "cpu" for st in chunks), f"{what}: no chunk left the device"
+        if offload == "cpu":  # parameters stay on the device as bf16 copies, masters on the host only
+            assert all(
+                st.master.device.type == "cpu" and st.shard is None and st.low is not None and st.low_host is None
+                for st in chunks
+            ), f"{what}: placement"
+        elif stage < 3:  # parameters stay on the device (bf16): only masters and state moved
+            assert all(st.low is not None and st.low_host is None for st in chunks) and any(
+                st.master.device.type == "cpu" and st.shard is None for st in chunks
+            ), f"{what}: placement"
+        else:  # the moved chunks are gathered from pinned bf16 host copies
+            assert any(
+                st.low_host is not None
+                and st.low is None
+                and st.low_host.dtype == torch.bfloat16
+                and st.master.device.type == "cpu"
+                for st in chunks
+            ), f"{what}: no chunk left the device"
         want_losses, want_state = bf16_param_reference(family, "sgd", batches, 1.0)
         assert_losses_close(losses, want_losses, what=what, rtol=2e-2)
         assert_state_close(engine.full_state_dict(), want_state, what=what, rtol=2e-2, atol=3e-3)
@@ -151,16 +169,18 @@ def _resume_world(rank, world, root, zero):
     full = _engine("gpt", plan=plan)
     want = [full.step(shard(b, full.dp_rank, full.dp_size)) for b in batches]
     want_state = full.full_state_dict()
-    engine = _engine("gpt", plan=plan, seed=7)   # different init: everything must come from the checkpoint
+    engine = _engine("gpt", plan=plan, seed=7)  # different init: everything must come from the checkpoint
     engine.load(root)
     got = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
     assert_losses_close(got, want[2:], what=f"param_dtype zero={zero} resume", rtol=1e-5)
-    assert_state_close(engine.full_state_dict(), want_state, what=f"param_dtype zero={zero} resume", rtol=1e-5, atol=1e-6)
+    assert_state_close(
+        engine.full_state_dict(), want_state, what=f"param_dtype zero={zero} resume", rtol=1e-5, atol=1e-6
+    )
     plain = _engine("gpt", plan=bh.Plan(), seed=7)
     plain.load(root)
     ref = _engine("gpt", plan=plan, seed=3)
     ref.load(root)
-    with ref.grad_sync.gathered():   # the masters the checkpoint holds, as fp32 parameters
+    with ref.grad_sync.gathered():  # the masters the checkpoint holds, as fp32 parameters
         masters = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
     assert_state_close(plain.full_state_dict(), masters, what="param_dtype checkpoint -> plain", rtol=0, atol=0)
 
@@ -172,8 +192,10 @@ def test_zero_bf16_params_checkpoint_resumes_exactly(tmp_path, zero):
 
 
 def test_param_dtype_refusals():
-    for kwargs in (dict(zero=0, precision="bf16", param_dtype="bf16"),
-                   dict(zero=3, precision="fp32", param_dtype="bf16"),
-                   dict(zero=1, precision="fp16", param_dtype="bf16"),
-                   dict(zero=3, precision="bf16", param_dtype="fp16")):
+    for kwargs in (
+        dict(zero=0, precision="bf16", param_dtype="bf16"),
+        dict(zero=3, precision="fp32", param_dtype="bf16"),
+        dict(zero=1, precision="fp16", param_dtype="bf16"),
+        dict(zero=3, precision="bf16", param_dtype="fp16"),
+    ):
         expect_error(lambda: bh.Plan(**kwargs), "Plan.param_dtype", "zero=1, 2 or 3 and precision='bf16'")
