@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from common import (
     SEQ,
-    VOCAB,
     assert_grad_norms_close,
     assert_losses_close,
     assert_state_close,
     global_batches,
     train_steps,
+)
+from common import (
+    build_hf_moe as build_hf_moe_common,
 )
 
 import behemoth as bh
@@ -27,53 +29,14 @@ STEPS, BATCH = 3, 8
 
 
 def build_hf_moe(family: str, coef: float = 0.05, layers: int = 2):
-    from transformers import (
-        MixtralConfig,
-        MixtralForCausalLM,
-        OlmoeConfig,
-        OlmoeForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
+    """common.build_hf_moe with its router losses on (weight ``coef``) and weights far from zero."""
+    return build_hf_moe_common(
+        family,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        max_position_embeddings=SEQ,
         output_router_logits=coef > 0,
         router_aux_loss_coef=coef,
         initializer_range=0.2,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
     )
-    if family == "mixtral":
-        return MixtralForCausalLM(
-            MixtralConfig(
-                **common, intermediate_size=24, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
-            )
-        )
-    if family == "qwen3-moe":
-        return Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                **common,
-                intermediate_size=48,
-                moe_intermediate_size=24,
-                num_key_value_heads=2,
-                head_dim=8,
-                num_experts=4,
-                num_experts_per_tok=2,
-                mlp_only_layers=[0],
-            )
-        )
-    if family == "olmoe":
-        return OlmoeForCausalLM(
-            OlmoeConfig(**common, intermediate_size=16, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4)
-        )
-    raise ValueError(family)
 
 
 def adamw(model):

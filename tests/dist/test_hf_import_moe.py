@@ -24,7 +24,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from common import expect_error, global_batches, make_optimizer, shard
+from common import build_hf_moe, expect_error, global_batches, make_optimizer, shard
 
 import behemoth as bh
 from behemoth.hf import load_hf, model_from_hf
@@ -56,45 +56,9 @@ PLANS = {
 
 def build_reference(family: str, num_experts: int | None = None):
     """A transformers MoE model with weights far from any init."""
-    from transformers import (
-        MixtralConfig,
-        MixtralForCausalLM,
-        OlmoeConfig,
-        OlmoeForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    num_experts = num_experts or NUM_EXPERTS[family]
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=S,
-        rope_theta=500.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        num_experts_per_tok=2,
-    )
-    if family == "mixtral":
-        cfg = MixtralConfig(**common, intermediate_size=24, num_key_value_heads=2, num_local_experts=num_experts)
-        model = MixtralForCausalLM(cfg)
-    elif family == "qwen3-moe":
-        cfg = Qwen3MoeConfig(
-            **common,
-            intermediate_size=48,
-            moe_intermediate_size=24,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=num_experts,
-            mlp_only_layers=[0],
-        )
-        model = Qwen3MoeForCausalLM(cfg)
-    else:
-        cfg = OlmoeConfig(**common, intermediate_size=16, num_key_value_heads=4, num_experts=num_experts)
-        model = OlmoeForCausalLM(cfg)
+    n = num_experts or NUM_EXPERTS[family]
+    experts = {"num_local_experts": n} if family == "mixtral" else {"num_experts": n}
+    model = build_hf_moe(family, rope_theta=500.0, pad_token_id=None, **experts)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape))
