@@ -9,7 +9,27 @@ import torch
 from behemoth.comm import Axis, Ledger
 from behemoth.models.moe import MoEFeedForward, swiglu_expert
 from behemoth.parallel.expert import ExpertParallel, grouped_swiglu
-from behemoth.parallel.expert.dispatch import local_order, sort_by_expert
+from behemoth.parallel.expert.dispatch import count_experts
+
+
+def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: ``(order_A, counts_E)``, the flat (token, slot) indices ``t*K + k`` sorted by
+    expert (stable) and the assignments per expert; an assignment to expert ``num_experts``
+    (dropped by a capacity) left out of both -- what dispatch's one sort and count give."""
+    flat_A = experts_TK.reshape(-1)
+    counts = count_experts(flat_A, num_experts + 1)
+    kept = flat_A.numel() - int(counts[num_experts])
+    return torch.argsort(flat_A, stable=True)[:kept], counts[:num_experts]
+
+
+def local_order(recv_counts_RL: torch.Tensor) -> torch.Tensor:
+    """Reference: the rows received from members ``0..R-1`` (each in local-expert order) regrouped
+    by local expert, as a permutation ``perm`` (``received[perm]`` lists local expert 0's rows
+    first); dispatch's scatter by :func:`block_shifts` is its inverse."""
+    num_local = recv_counts_RL.shape[1]
+    expert_of_row = torch.arange(num_local, device=recv_counts_RL.device).repeat(recv_counts_RL.shape[0])
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts_RL.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)
 
 
 class OneRankMesh:

@@ -26,9 +26,8 @@ atomic accumulation: each is a permutation, and a token's k row gradients are su
 runs the reverse all-to-alls on every member, even one that received no rows (its empty output
 stays in the autograd graph), so an expert with no tokens cannot hang a step.
 
-The bookkeeping (:func:`sort_by_expert`, :func:`local_order`, :func:`block_shifts`,
-:func:`padding_rows`) is pure and
-unit-tested.
+The bookkeeping (:func:`count_experts`, :func:`block_shifts`, :func:`padding_rows`) is pure and
+unit-tested (against a plain sort and regrouping, in tests/unit/test_expert_dispatch.py).
 
 Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then of the
 ``T*K`` rows of width H out and back (and the same two in backward), in the experts' GEMM dtype
@@ -60,9 +59,7 @@ __all__ = [
     "combine",
     "count_experts",
     "dispatch",
-    "local_order",
     "padding_rows",
-    "sort_by_expert",
 ]
 
 
@@ -72,28 +69,6 @@ def count_experts(experts_A: torch.Tensor, num_bins: int) -> torch.Tensor:
     return experts_A.new_zeros(num_bins, dtype=torch.int64).scatter_add_(
         0, experts_A.long(), torch.ones_like(experts_A, dtype=torch.int64)
     )
-
-
-def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order_A, counts_E)``: the flat (token, slot) indices ``t*K + k`` sorted by expert
-    (stable, so token order is kept within an expert) and the assignments per expert. An
-    assignment to expert ``num_experts`` (dropped by a capacity) is left out of both. Reads the
-    drop count to the host (:func:`dispatch` sorts without)."""
-    flat_A = experts_TK.reshape(-1)
-    counts = count_experts(flat_A, num_experts + 1)
-    kept = flat_A.numel() - int(counts[num_experts])
-    return torch.argsort(flat_A, stable=True)[:kept], counts[:num_experts]
-
-
-def local_order(recv_counts_RL: torch.Tensor) -> torch.Tensor:
-    """The rows received from members ``0..R-1`` (each in local-expert order, ``recv_counts_RL[r,
-    l]`` rows for local expert l) regrouped by local expert: the permutation ``perm`` such that
-    ``received[perm]`` lists local expert 0's rows (from every member, in member order) first.
-    The reference :func:`block_shifts` is tested against (``slot`` is ``perm``'s inverse)."""
-    num_local = recv_counts_RL.shape[1]
-    expert_of_row = torch.arange(num_local, device=recv_counts_RL.device).repeat(recv_counts_RL.shape[0])
-    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts_RL.reshape(-1))
-    return torch.argsort(expert_of_row, stable=True)
 
 
 def block_shifts(recv_counts_RL: list[list[int]], padded_L: list[int]) -> list[int]:
