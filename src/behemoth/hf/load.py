@@ -36,6 +36,7 @@ import os
 import torch
 from torch import nn
 
+from ..checkpoint_shards import serial_shape
 from .experts import ExpertSource
 from .names import HFTensor, layout_for
 from .writer import INDEX_NAME
@@ -122,14 +123,6 @@ def _rectangles(t: torch.Tensor):
     return [(view[index], off, size) for index, off, size in shard_rectangles(spec)]
 
 
-def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    from behemoth.parallel.tensor import is_sharded
-    from behemoth.parallel.tensor.layout import get_spec
-
-    spec = get_spec(t)
-    return tuple(spec.full_shape) if is_sharded(spec) else tuple(t.shape)
-
-
 def _owners(tensors: dict[str, torch.Tensor], size: int) -> dict[str, int]:
     """Which member of a data axis of ``size`` reads each tensor: the largest first, each to
     the member with the fewest bytes so far (every member computes the same answer)."""
@@ -166,7 +159,7 @@ def _problems(layout, ckpt: HFCheckpoint, state: dict[str, torch.Tensor]) -> tup
     expert tensor, :class:`~.experts.ExpertSource`), and a line per missing or misshapen one."""
     sources, problems = {}, []
     for name, t in state.items():
-        want = _full_shape(t)
+        want = tuple(serial_shape(t))
         if layout.is_experts(name):
             source = ExpertSource.find(layout, name, want, ckpt.weight_map)
             problems += source.problems(ckpt.shape)
