@@ -25,10 +25,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+"""The reductions the collectives' ``op`` names."""
+
+
 # --------------------------------------------------------------------------- collectives
-def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place all-reduce of ``t`` over ``axis``. Returns a handle with ``wait()`` when async.
-    Inside compiled code: :func:`.traced.all_reduce` (a new tensor; use the return value)."""
+def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``axis``; ``op``: "sum", "max" or "min" (a string, not a
+    ``dist.ReduceOp``: hashing one inside compiled code is a graph break under some torch
+    versions). Returns a handle with ``wait()`` when async. Inside compiled code:
+    :func:`.traced.all_reduce` (a new tensor; use the return value)."""
     if torch.compiler.is_compiling():
         out = traced.all_reduce(t, axis, op)
         return traced.Ready(out) if async_op else out
@@ -41,7 +47,7 @@ def _all_reduce(t: torch.Tensor, axis: Axis, op, async_op: bool):
         return AsyncCollective(None, axis, lambda: t) if async_op else t
     n = axis.size
     t0 = time.perf_counter()
-    work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
+    work = dist.all_reduce(t, op=REDUCE_OPS[op], group=axis.group, async_op=async_op)
     axis.ledger.record(
         axis.name, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t), 0.0 if async_op else time.perf_counter() - t0
     )
@@ -113,7 +119,7 @@ def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = 
 
 
 @eager
-def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM, async_op: bool = False):
+def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op: str = "sum", async_op: bool = False):
     """In-place reduce (sum) of ``t`` over ``axis`` onto the member ``dst_index``; ``t`` holds
     the result only there (other members' ``t`` is left unspecified). SUMMA's backward
     step. ``async_op``: returns an :class:`AsyncCollective` whose ``wait()`` returns ``t``.
@@ -121,7 +127,7 @@ def reduce(t: torch.Tensor, axis: Axis, dst_index: int, op=dist.ReduceOp.SUM, as
     if axis.trivial:
         return AsyncCollective(None, axis, lambda: t) if async_op else t
     t0 = time.perf_counter()
-    work = dist.reduce(t, dst=axis.ranks[dst_index], op=op, group=axis.group, async_op=async_op)
+    work = dist.reduce(t, dst=axis.ranks[dst_index], op=REDUCE_OPS[op], group=axis.group, async_op=async_op)
     axis.ledger.record(axis.name, "reduce", nbytes(t), nbytes(t), 0.0 if async_op else time.perf_counter() - t0)
     return AsyncCollective(work, axis, lambda: t, t) if async_op else t
 

@@ -29,7 +29,6 @@ Test: ``pytest tests/dist/test_tp2d_compile.py``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..ledger import Ledger
@@ -66,16 +65,14 @@ class Ready:
         return self.result
 
 
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
-
-
-def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """The all-reduce of ``t`` over ``axis`` (a new tensor). Ledger as the eager form."""
+def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
+    """The all-reduce of ``t`` over ``axis`` (a new tensor); ``op``: "sum", "max" or "min".
+    Ledger as the eager form."""
     if axis.trivial:
         return t
     n = axis.size
     _book(t, axis, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t))
-    return funcol.wait_tensor(funcol.all_reduce(t, _OPS[op], axis.group))
+    return funcol.wait_tensor(funcol.all_reduce(t, op, axis.group))
 
 
 def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:

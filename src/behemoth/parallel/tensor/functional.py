@@ -129,7 +129,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, axis: Axis, vocab_start: int, ignore_index: int):
         z = logits.to(compute_dtype(logits))
         v = z.shape[-1]
-        zmax = comm.all_reduce(z.max(-1).values, axis, op=torch.distributed.ReduceOp.MAX)
+        zmax = comm.all_reduce(z.max(-1).values, axis, op="max")
         z = z - zmax[..., None]
         local = labels - vocab_start
         mine = (local >= 0) & (local < v) & (labels != ignore_index)
