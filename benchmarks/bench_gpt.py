@@ -11,6 +11,7 @@ bf16 peak (989 TFLOP/s for H100/H200 SXM).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -86,7 +87,20 @@ def main() -> None:
         default=None,
         help="record CUDA allocations; on an exception, rank 0 dumps a snapshot there (torch.cuda.memory)",
     )
+    p.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --compile: set torch._inductor.config.KEY (a Python literal), e.g. "
+        "reorder_for_compute_comm_overlap=True; repeatable",
+    )
     a = p.parse_args()
+    for item in a.inductor:
+        key, _, value = item.partition("=")
+        import torch._inductor.config as inductor_config
+
+        setattr(inductor_config, key, ast.literal_eval(value))
     if a.mem_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=50000)
         try:
