@@ -32,10 +32,19 @@ step time times the worst measured / predicted ratio seen so far (at least 1.5 b
 -- ends inside it (all ranks agree), so one device call ends with its summary. A summary line
 (``"final": false``) follows every layout, so a run stopped from outside still has one.
 
+A layout that fails (out of memory on any rank, or refused by ``bh.boost``) is reported as such
+and everything it held is freed before the next one starts -- its engine and model, the frames
+of its traceback, and the process groups its mesh created (their NCCL buffers live outside
+PyTorch's allocator); each row records what was left over when it started (``leftover_gib``,
+``leftover_groups``: 0 and 0). A run whose processes die inside a layout (a line
+``"started": true`` with no result after it) is finished by running it again with ``--resume``
+and its output: the layouts done are kept, the one it died in counts as failed (``crashed``);
+``run_planner_proof.sh`` does this itself.
+
 Summary: mean absolute step-time error, Spearman rank correlation, the measured gap of the
 top pick to the best measured layout, mean memory error, and out-of-memory among layouts
-predicted to fit. ``benchmarks/run_planner_proof.sh`` calibrates and runs 2 and 4 GPUs in
-one device call.
+predicted to fit (and layouts a run died inside). ``benchmarks/run_planner_proof.sh``
+calibrates and runs 2 and 4 GPUs in one device call.
 """
 
 from __future__ import annotations
@@ -45,9 +54,12 @@ import time
 START = time.perf_counter()  # the budget counts the imports too
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -171,7 +183,11 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(a.warmup + a.steps):
+    for i in range(a.warmup + a.steps):
+        if i == 0 and INJECT.get("oom") == plan:  # a test's stand-in for running out of device memory
+            raise torch.OutOfMemoryError("injected out-of-memory (--inject-oom)")
+        if i == 0 and INJECT.get("crash") == plan:  # a test's stand-in for a rank dying mid-layout
+            os._exit(3)
         sync()
         t = time.perf_counter()
         engine.step(batch)
@@ -182,22 +198,78 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     used = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()] if cuda else [float("nan")] * 2
     peak = torch.tensor(used, device=dev, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    out = dict(
+    return dict(
         measured_step_s=warm[len(warm) // 2],
         measured_alloc_gib=peak[0].item() / 2**30,
         measured_reserved_gib=peak[1].item() / 2**30,
         build_s=built,
         first_step_s=times[0],
     )
-    del engine, opt, model, batch, x
+
+
+INJECT: dict = {}
+"""``--inject-oom`` / ``--inject-crash``: the Plan whose first step raises out-of-memory or ends
+the process (tests of the recovery and of ``--resume``)."""
+
+
+def run_guarded(run, dev) -> tuple[dict | None, str]:
+    """``run()`` on every rank, whatever it raises: ``(its result, "")``, or ``(None, kind: message)``
+    when any rank failed (agreed over the world group, which no layout destroys). What the layout
+    held is freed before returning -- its engine, optimizer and model (the exception's traceback
+    and frames are dropped first: they keep every local of the failed step alive, and the
+    allocator's cache cannot be emptied under them) and the process groups its mesh created
+    (each holds an NCCL communicator's buffers on the device, outside PyTorch's allocator):
+    else the next layout starts with less memory than the plan assumed, or fails to create its
+    groups at all."""
+    before = set(_process_groups())
+    out, err = None, ""
+    try:
+        out = run()
+    except torch.OutOfMemoryError as e:  # predicted to fit: a failure of the model, reported
+        err = "oom: " + str(e).splitlines()[0]
+        _drop(e)
+    except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
+        err = "refused: " + str(e).splitlines()[0]
+        _drop(e)
     free_memory()
-    return out
+    for pg in _process_groups():
+        if pg not in before:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(pg)
+    free_memory()
+    failed = torch.tensor([1.0 if err else 0.0], device=dev)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() and not err:
+        err = "oom: another rank failed this layout"
+    return (None, err) if err else (out, "")
+
+
+def _process_groups() -> list:
+    """The process groups that exist now but the world's (torch's own registry of them)."""
+    world = dist.group.WORLD
+    return [pg for pg in list(dist.distributed_c10d._world.pg_map) if pg is not world]
+
+
+def _drop(e: BaseException) -> None:
+    """Release what an exception keeps alive: its traceback's frames and their locals."""
+    tb = e.__traceback__
+    traceback.clear_frames(tb)
+    e.__traceback__ = e.__context__ = e.__cause__ = None
 
 
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def leftover_gib(dev) -> float:
+    """Device memory still allocated before a layout starts (the most on any rank): a layout that
+    did not free what it held would inflate the next one's measured peak."""
+    used = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    t = torch.tensor([float(used)], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() / 2**30
 
 
 def parse_plan(text: str) -> bh.Plan:
@@ -244,11 +316,12 @@ def expected_seconds(p, rows: list[dict], warmup: int, steps: int) -> float:
 
 def summary(rows: list[dict], *, world: int, model: str, chosen: int, skipped: int, final: bool) -> dict | None:
     """The proof's figures over the layouts measured so far (None before the first)."""
-    ok = [r for r in rows if not r["oom"] and "refused" not in r]
-    if not ok:
+    ok = [r for r in rows if "measured_step_s" in r]
+    if not rows:
         return None
-    pred = [r["predicted_step_s"] for r in ok]
-    meas = [r["measured_step_s"] for r in ok]
+    nan = float("nan")
+    pred = [r["predicted_step_s"] for r in ok] or [nan]
+    meas = [r["measured_step_s"] for r in ok] or [nan]
     best = min(meas)
     first = [r for r in rows if r["predicted_rank"] == 1]
     top = first[0].get("measured_step_s", float("nan")) if first else float("nan")
@@ -261,13 +334,33 @@ def summary(rows: list[dict], *, world: int, model: str, chosen: int, skipped: i
         chosen=chosen,
         skipped_for_time=skipped,
         seconds=round(time.perf_counter() - START, 1),
-        mean_abs_step_err_pct=round(sum(abs(r["step_err_pct"]) for r in ok) / len(ok), 1),
+        mean_abs_step_err_pct=round(sum(abs(r["step_err_pct"]) for r in ok) / len(ok), 1) if ok else nan,
         spearman=round(spearman(pred, meas), 3) if len(ok) > 1 else float("nan"),
         top_pick_vs_best_measured_pct=round(100 * (top / best - 1), 1),
-        mean_abs_mem_err_pct=round(sum(abs(r["mem_err_pct"]) for r in ok) / len(ok), 1),
+        mean_abs_mem_err_pct=round(sum(abs(r["mem_err_pct"]) for r in ok) / len(ok), 1) if ok else nan,
         oom_predicted_to_fit=sum(r["oom"] for r in rows),
+        crashed=sum(bool(r.get("crashed")) for r in rows),
         refused_by_boost=sum("refused" in r for r in rows),
     )
+
+
+def resumed_rows(path: str) -> list[dict]:
+    """The layouts an earlier attempt of this run finished (its JSON lines in ``path``), and the one it
+    ended inside (a ``started`` line with no result after it), counted as failed (``crashed``)."""
+    rows: dict[str, dict] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(r, dict) or "plan" not in r:
+                continue
+            if r.pop("started", False):
+                rows.setdefault(r["plan"], dict(r, oom=False, crashed=True, error="the run ended during this layout"))
+            else:
+                rows[r["plan"]] = r
+    return list(rows.values())
 
 
 def main() -> None:
@@ -306,12 +399,21 @@ def main() -> None:
     )
     ap.add_argument("--gpu-gb", type=float, default=None, help="memory per device to plan for (default: the GPU's)")
     ap.add_argument(
+        "--resume",
+        default="",
+        help="the output of an earlier attempt of this run that ended early: its layouts are not run again "
+        "(one it ended inside counts as failed) and the summary covers them",
+    )
+    ap.add_argument("--inject-oom", default="", help="a Plan(...) whose first step raises out-of-memory (tests)")
+    ap.add_argument("--inject-crash", default="", help="a Plan(...) whose first step ends the process (tests)")
+    ap.add_argument(
         "--shrink",
         action="store_true",
         help=f"search for --model, but run each layout on a small model of its family ({SHRUNK_SEQ}-token "
         f"sequences, vocabulary {SHRUNK_VOCAB}): a CPU check that bh.boost accepts and steps every layout",
     )
     a = ap.parse_args()
+    INJECT.update({k: parse_plan(v) for k, v in (("oom", a.inject_oom), ("crash", a.inject_crash)) if v})
     bh.init()
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = bh.distributed.device_for_rank()
@@ -339,9 +441,12 @@ def main() -> None:
             ),
             flush=True,
         )
-    rows = []
+    rows = resumed_rows(a.resume) if a.resume else []
+    done = {r["plan"] for r in rows}
     skipped = 0
     for p in chosen:
+        if p.plan.describe() in done:
+            continue
         if len(rows) == a.layouts:
             break
         # a layout expected to end past the budget is left out (the same on every rank: the
@@ -369,23 +474,24 @@ def main() -> None:
                 host_bound=p.host_bound,
             ),
         )
-        try:
-            if a.shrink:
-                small = argparse.Namespace(**{**vars(a), "seq": SHRUNK_SEQ})
-                row.update(
-                    shrunk=True, **{k: round(v, 4) for k, v in run_one(small, p.plan, dev, SHRUNK_VOCAB).items()}
-                )
-            else:
-                row.update({k: round(v, 4) for k, v in run_one(a, p.plan, dev, vocab).items()})
+        if rank == 0:  # what --resume reads back when the run ends inside this layout
+            print(json.dumps(dict(row, started=True)), flush=True)
+        row["leftover_gib"], row["leftover_groups"] = round(leftover_gib(dev), 3), len(_process_groups())
+        if a.shrink:
+            small = argparse.Namespace(**{**vars(a), "seq": SHRUNK_SEQ})
+            out, err = run_guarded(lambda: run_one(small, p.plan, dev, SHRUNK_VOCAB), dev)
+            row["shrunk"] = True
+        else:
+            out, err = run_guarded(lambda: run_one(a, p.plan, dev, vocab), dev)
+        if out is not None:
+            row.update({k: round(v, 4) for k, v in out.items()})
             row["oom"] = False
             row["step_err_pct"] = round(100 * (row["predicted_step_s"] / row["measured_step_s"] - 1), 1)
             row["mem_err_pct"] = round(100 * (row["predicted_alloc_gib"] / row["measured_alloc_gib"] - 1), 1)
-        except torch.cuda.OutOfMemoryError as e:  # predicted to fit: a failure of the model, reported
-            row.update(oom=True, error=str(e).splitlines()[0])
-            free_memory()
-        except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
-            row.update(oom=False, refused=str(e).splitlines()[0])
-            free_memory()
+        elif err.startswith("refused: "):
+            row.update(oom=False, refused=err.removeprefix("refused: "))
+        else:
+            row.update(oom=True, error=err.removeprefix("oom: "))
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -12,7 +12,9 @@
 # machine must have the largest). LAYOUTS (12), STEPS (timed steps after WARMUP untimed ones; 3, 1).
 # BUDGET: seconds per run (default 200), counted from its start (imports, search, every layout's
 # build and warm-up): a run starts no layout expected to take it past them, prints a running summary
-# after each layout and a final one, and is stopped BUDGET + 60 s after it starts.
+# after each layout and a final one, and is stopped BUDGET + 60 s after it starts. A run whose
+# processes die before the final summary (a failed layout taking NCCL down) is started again, up to
+# twice, with --resume: the layouts done are kept, the one it died in counts as failed.
 # CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
 # planner_proof.py (e.g. --no-offload, --steps 3). PLANS: layouts to run first, as
 # Plan.describe() prints them, separated by ';' (e.g. an earlier run's, to compare).
@@ -38,8 +40,18 @@ for model in $MODELS; do
   for n in $GPUS; do
     devs=$(seq -s, 0 $((n - 1)))
     echo "# $model on $n GPUs, calibration $cal, $(date -u +%H:%M:%S)" | tee -a "$out/planner_proof.log"
-    CUDA_VISIBLE_DEVICES=$devs timeout $((BUDGET + 60)) torchrun --standalone --nproc-per-node "$n" \
-      benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --warmup "$WARMUP" --budget-s "$BUDGET" \
-      --calibration "$cal" $EXTRA 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log"
+    # a run that ends early (a rank killed by an error its layout caused) is resumed without the
+    # layouts it finished, the one it ended inside counted as failed, within the same budget
+    rows="$out/proof_${model}_${n}gpus.jsonl"; : > "$rows"; start=$(date +%s)
+    for attempt in 1 2 3; do
+      left=$((BUDGET - ($(date +%s) - start)))
+      [ "$left" -gt 20 ] || break
+      resume=(); [ -s "$rows" ] && resume=(--resume "$rows")
+      CUDA_VISIBLE_DEVICES=$devs timeout $((left + 60)) torchrun --standalone --nproc-per-node "$n" \
+        benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --warmup "$WARMUP" --budget-s "$left" \
+        --calibration "$cal" ${resume[@]+"${resume[@]}"} $EXTRA 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log" "$rows"
+      grep -q '"final": true' "$rows" && break
+      echo "# the run ended before its summary (attempt $attempt); resuming" | tee -a "$out/planner_proof.log"
+    done
   done
 done
