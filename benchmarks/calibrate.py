@@ -10,6 +10,9 @@ Measures, on rank 0's GPU unless said otherwise:
   parameters make under 1-8-way tensor parallelism, as ``[flops, flops_per_s]`` points;
 * causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio;
 * device-memory bandwidth (a large copy);
+* first, every rank: the device memory outside PyTorch's allocator (``mem_get_info`` against
+  ``memory_reserved``) of the CUDA context, of one NCCL communicator's buffers after its
+  collectives, and of one 2-rank point-to-point channel's (:mod:`behemoth.planner.reserve`);
 * every rank: all-reduce latency (8 KiB) and bus bandwidth (256 MiB) over groups of 2, 4, ...,
   the world (NVLink inside a node; across nodes, written as the "ib" link class);
 * every rank: ``overlap_slowdown``, what a 256 MiB all-reduce over the world on a side stream
@@ -133,6 +136,81 @@ def collectives(world: int, local: int) -> dict[str, list[list[float]]]:
             out["nvlink" if g <= local else "ib"].append([g, lat, bus])
         dist.barrier()
         g *= 2
+    return out
+
+
+def _outside(dev) -> float:
+    """Device memory in use beyond what PyTorch's allocator holds (the most on any rank)."""
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    t = torch.tensor([float(total - free - torch.cuda.memory_reserved(dev))], device=dev, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _touch(group) -> None:
+    """One collective of each size class NCCL picks its algorithm and protocol by, so each
+    connects the buffers it uses (they are set up at first use)."""
+    for n in (2048, 2**18, 2**24):
+        x = torch.ones(n, device="cuda")
+        dist.all_reduce(x, group=group)
+        out = torch.empty(n * dist.get_world_size(group), device="cuda")
+        dist.all_gather_into_tensor(out, x, group=group)
+        dist.reduce_scatter_tensor(x[: n // dist.get_world_size(group)], out[:n], group=group)
+    torch.cuda.synchronize()
+
+
+def device_memory(world: int, dev) -> dict[str, float]:
+    """What :mod:`behemoth.planner.reserve` reads: the device memory outside PyTorch's allocator
+    of the CUDA context (after a GEMM: its libraries' handles too) and, on several ranks, of one
+    communicator's NCCL buffers once it has run collectives (the world's; then 2-rank groups like
+    a mesh axis's, every rank in one of each) and of one 2-rank point-to-point channel once it
+    has carried a small and a 4 MiB message each way (as a pipeline's channels connect)."""
+    a = torch.randn(256, 256, device=dev)
+    (a @ a).sum().item()
+    out = {"cuda_context_bytes": _outside(dev)}
+    if world < 2:
+        return out
+    before = _outside(dev)
+    _touch(None)
+    out["nccl_comm_bytes"] = _outside(dev) - before
+    rank, made = dist.get_rank(), []
+    pairs = [[[i, i ^ 1] for i in range(0, world - world % 2, 2)]]  # neighbours
+    if world >= 4:
+        pairs.append([[i, i ^ 2] for i in range(world - world % 4)])  # one further
+    before, n = _outside(dev), 0
+    for axis in pairs:
+        for members in sorted({tuple(sorted(p)) for p in axis}):
+            g = dist.new_group(list(members))
+            made.append(g)
+            if rank in members:
+                _touch(g)
+                n += 1
+        dist.barrier()
+    per = torch.tensor([float(n)], device=dev)
+    dist.all_reduce(per, op=dist.ReduceOp.MIN)
+    if per.item() > 0:
+        out["nccl_comm_bytes"] = max(out["nccl_comm_bytes"], (_outside(dev) - before) / per.item())
+    before, n = _outside(dev), 0
+    for src in range(0, world - world % 2, 2):
+        for s, d in ((src, src + 1), (src + 1, src)):  # one-way channels, as a pipeline's are
+            g = dist.new_group(sorted((s, d)))
+            made.append(g)
+            for size in (8, 1 << 20):
+                if rank == s:
+                    dist.send(torch.zeros(size, device=dev), d, group=g)
+                elif rank == d:
+                    dist.recv(torch.empty(size, device=dev), s, group=g)
+            n += rank in (s, d)
+            dist.barrier()
+    torch.cuda.synchronize(dev)
+    per = torch.tensor([float(n)], device=dev)
+    dist.all_reduce(per, op=dist.ReduceOp.MIN)
+    if per.item() > 0:
+        out["nccl_p2p_bytes"] = (_outside(dev) - before) / per.item()
+    for g in made:  # their buffers would count against the figures measured after this
+        dist.destroy_process_group(g)
     return out
 
 
@@ -286,6 +364,9 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     measured = ["gemm", "attention", "hbm", "host", "cpu_adam", "gpu memory"]
     d = json.loads(load_calibration(a.base).to_json())
+    mem = device_memory(world, torch.device("cuda", torch.cuda.current_device()))
+    d.update(mem)
+    measured.append("device memory outside the allocator (" + ", ".join(mem) + ")")
     if rank == 0:
         d["gemm"] = gemm_points()
         d["attention_flops_per_s"], d["attention_backward_ratio"] = attention()

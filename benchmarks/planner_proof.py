@@ -16,8 +16,8 @@ the layouts that show the most features not yet run (tp modes, sequence parallel
 over-decomposition, cp modes, pipeline schedules, ZeRO stages, offload, checkpointing), up to
 ``--layouts``, and time each for ``--steps`` steps after ``--warmup`` warm-up steps (median).
 Memory measured is the peak allocated (and reserved) of the rank that used most; the
-prediction's runtime reserve (``reserved_bytes``: CUDA context, NCCL buffers) is not in
-"allocated".
+prediction's device reserve (``behemoth.planner.reserve``: CUDA context, NCCL buffers per
+communicator, the allocator's slack) is not in "allocated".
 
 Each layout builds the serial model on its GPU (fp32: 27.5 GB for GPT-6.9B, 32.1 GB for the
 Llama-8B shape, within an 80 GB card) and ``bh.boost`` shards it there, as ``bench_gpt.py``

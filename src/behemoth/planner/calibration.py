@@ -17,6 +17,9 @@ measure there)::
       "h2d_bytes_per_s": 2.5e10, "d2h_bytes_per_s": 2.5e10,
       "cpu_adam_params_per_s": 1e9,                  # one rank's CPU optimizer update
       "gpu_bytes": 85e9, "reserved_bytes": 3e9,      # device memory, and what the runtime keeps
+      "cuda_context_bytes": 5.4e8,                   # ... or, in its place: the CUDA context,
+      "nccl_comm_bytes": 7e8, "nccl_p2p_bytes": 4e8, # one communicator's NCCL buffers (planner/reserve.py)
+      "allocator_slack": 0.05,                       # the caching allocator's reserve over its peak
       "peak_flops_per_s": 9.89e14,                   # dense bf16 peak, for MFU
       "overlap_slowdown": 0.45,                      # what a collective beside compute still costs it
       "sustained_ratio": 0.9,                        # GEMM rate over seconds of back-to-back work / burst
@@ -106,6 +109,15 @@ class Calibration:
     """Kernels one serial transformer block launches per micro-batch, forward and backward."""
     kernels_per_collective: float = 0.0
     """Kernels per collective call (its own and the copies around it)."""
+    cuda_context_bytes: float = 0.0
+    """Device memory a process holds outside PyTorch's allocator before any communicator (the
+    CUDA context, library workspaces); 0: ``reserved_bytes`` stands for it and the NCCL buffers."""
+    nccl_comm_bytes: float = 0.0
+    """Device memory one NCCL communicator holds once it has run collectives (its buffers)."""
+    nccl_p2p_bytes: float = 0.0
+    """Device memory one 2-rank NCCL communicator holds once it has sent and received."""
+    allocator_slack: float = 0.0
+    """Memory the caching allocator keeps reserved beyond the allocated peak, as a fraction of it."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -124,7 +136,16 @@ class Calibration:
             raise ValueError(
                 f"calibration {self.name!r}: sustained_ratio={self.sustained_ratio!r} must be in (0, 1.5]."
             )
-        for k in ("host_kernel_s", "host_block_kernels", "kernels_per_collective"):
+        if not 0.0 <= self.allocator_slack <= 1.0:
+            raise ValueError(f"calibration {self.name!r}: allocator_slack={self.allocator_slack!r} must be in [0, 1].")
+        for k in (
+            "host_kernel_s",
+            "host_block_kernels",
+            "kernels_per_collective",
+            "cuda_context_bytes",
+            "nccl_comm_bytes",
+            "nccl_p2p_bytes",
+        ):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be >= 0.")
         if any(not (v >= 0) for v in self.host_call_s.values()):

@@ -28,11 +28,12 @@
   overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
   offload also fetches each chunk forward and backward.
 
-Memory: :mod:`.footprint`. Pure; tests/unit/test_planner_cost.py.
+Memory: :mod:`.footprint` and :mod:`.reserve`. Pure; tests/unit/test_planner_cost.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from .compute import block_times, head_times
 from .footprint import Footprint, footprint
 from .host import cp_block_calls, host_times, tp_block_calls
 from .params import local_params, stage_layers
+from .reserve import device_reserve
 from .traffic import tp_grid
 from .workload import Workload
 
@@ -119,10 +121,12 @@ def _memo(cache: dict | None, key: tuple, fn):
 
 def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
     """Predicted memory per GPU (and host) of ``plan`` (resolved) on ``cluster``: :mod:`.footprint`
-    with the schedule's peak in-flight micro-batches."""
+    with the schedule's peak in-flight micro-batches, and :mod:`.reserve`'s device memory beyond
+    the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``."""
     mbs = w.global_batch // (plan.dp * plan.microbatches)
     inflight = peak_inflight(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-    return footprint(plan, w, mbs=mbs, inflight=inflight, reserved=cluster.calibration.reserved_bytes)
+    mem = footprint(plan, w, mbs=mbs, inflight=inflight, reserved=0.0)
+    return dataclasses.replace(mem, reserved=device_reserve(plan, cluster.calibration, mem.gpu_total))
 
 
 def predict(

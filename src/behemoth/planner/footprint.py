@@ -63,6 +63,7 @@ class Footprint:
     optimizer: float
     activations: float
     reserved: float
+    """Device memory beyond the tensors above (CUDA context, NCCL buffers, allocator slack: :mod:`.reserve`)."""
     host: float
 
     @property

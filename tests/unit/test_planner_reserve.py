@@ -1,0 +1,75 @@
+"""planner/reserve.py: the device memory a rank holds beyond PyTorch's tensors (CUDA context,
+NCCL buffers per communicator it opens, the allocator's slack), and "fits" counting it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import behemoth as bh
+from behemoth.planner.calibration import load_calibration
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.cost import plan_memory, predict
+from behemoth.planner.reserve import communicators, device_reserve
+from behemoth.planner.workload import workload_for
+
+GOLDEN_CAL = Path(__file__).parent / "data" / "planner_calibration.json"
+
+
+@pytest.mark.parametrize(
+    "plan, world, want",
+    [
+        (bh.Plan(zero=1), 4, (0, 0)),  # dp over the world: the world's communicator
+        (bh.Plan(dp=2, tp=2), 4, (2, 0)),  # dp, tp
+        (bh.Plan(tp=2, cp=2), 4, (3, 0)),  # tp, cp, dp_cp (cp's members, its own group)
+        (bh.Plan(tp=2, pp=2, microbatches=8), 4, (2, 4)),  # tp, pp; four channels
+        (bh.Plan(pp=4, microbatches=8), 4, (0, 4)),  # pp over the world; four channels
+        (bh.Plan(pp=2, cp=2, microbatches=8), 4, (3, 4)),  # cp, dp_cp, pp
+        (bh.Plan(tp=4, tp_mode="2d"), 4, (2, 0)),  # the grid is the world; its rows and columns
+        (bh.Plan(tp=4, tp_mode="2d"), 8, (4, 0)),  # dp, tp, rows, columns
+        (bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), 8, (3, 0)),  # rows, columns, depth
+        (bh.Plan(tp=8, tp_mode="3d"), 16, (5, 0)),  # dp, tp, three grid axes
+        (bh.Plan(cp=4), 4, (0, 0)),  # cp and dp_cp are the world's; dp has one rank
+    ],
+)
+def test_communicators_a_rank_opens(plan, world, want):
+    assert communicators(plan.resolve(world)) == want
+
+
+def test_device_reserve_is_context_communicators_and_slack():
+    cal = dataclasses.replace(
+        load_calibration(GOLDEN_CAL),
+        cuda_context_bytes=5e8,
+        nccl_comm_bytes=7e8,
+        nccl_p2p_bytes=4e8,
+        allocator_slack=0.05,
+    )
+    plan = bh.Plan(tp=2, pp=2, microbatches=8).resolve(4)
+    assert device_reserve(plan, cal, 100e9) == pytest.approx(5e8 + 3 * 7e8 + 4 * 4e8 + 5e9)
+    # an older calibration: its flat reserve, and the slack
+    old = dataclasses.replace(cal, cuda_context_bytes=0.0, reserved_bytes=3e9)
+    assert device_reserve(plan, old, 100e9) == pytest.approx(3e9 + 5e9)
+    # plan_memory carries it as the footprint's reserve, over the tensors' peak
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    mem = plan_memory(plan, w, Cluster(num_gpus=4, calibration=cal))
+    tensors = mem.params + mem.grads + mem.optimizer + mem.activations
+    assert mem.reserved == pytest.approx(device_reserve(plan, cal, tensors))
+    assert mem.gpu_total == pytest.approx(tensors + mem.reserved)
+
+
+def test_a_layout_fits_only_with_its_communicators_and_slack():
+    """The memory a layout's tensors leave on a card is not all its own: a card just large enough
+    for the tensors and the context does not fit the layout once its NCCL buffers and the
+    allocator's slack count."""
+    cal = load_calibration(GOLDEN_CAL)
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    plan = bh.Plan(tp=2, pp=2, microbatches=8)
+    bare = dataclasses.replace(cal, cuda_context_bytes=5e8)
+    full = dataclasses.replace(bare, nccl_comm_bytes=7e8, nccl_p2p_bytes=4e8, allocator_slack=0.05)
+    tensors = plan_memory(plan.resolve(4), w, Cluster(num_gpus=4, calibration=bare))
+    card = tensors.gpu_total + 1e8
+    assert predict(plan, w, Cluster(num_gpus=4, gpu_bytes=card, calibration=bare)).fits
+    p = predict(plan, w, Cluster(num_gpus=4, gpu_bytes=card, calibration=full))
+    assert not p.fits and "GiB per GPU" in p.why_not
