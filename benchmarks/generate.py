@@ -12,13 +12,19 @@ size; the other ranks of the world run the same configuration as data-parallel r
 tp group's. ``--sweep 2d-vs-1d``: tp = 4 in 1D and 2D for batch 1, 8, 64, 256 (2D splits the
 batch over its grid rows: a batch of 1 runs as 2 rows, one a copy). tokens/s counts the real
 rows' new tokens: ``batch * new_tokens / seconds`` of the whole ``generate`` call (prefill
-included), and ``decode_ms`` is the time per decode step after the prefill.
+included); ``decode_ms`` is the time per decode step after the prefill and ``prefill_ms`` the
+prefill's, both measured by ``bh.generate(return_timing=True)`` with CUDA events around them in
+the timed call itself (no second call, no subtraction).
 
-``--compile`` wraps the model's forward in ``torch.compile(mode="reduce-overhead")`` (CUDA
-graphs) for the decode steps. Under 1D tensor parallelism generation runs the layers' no-grad
-forward (functional collectives), so a decode step is one graph with its all-reduces inside;
-2D / 2.5D / 3D layers keep their collectives eager (``torch.compiler.disable``), so their
-graphs are cut around them.
+``--compile`` (``--compile step``) runs ``bh.generate(compile=True)``: the whole decode step
+(forward, sampling, cache position and bookkeeping, advanced in place on the device) compiled by
+inductor and replayed as one CUDA graph per token, the prefill compiled without CUDA graphs, the
+KV cache and buffers kept on the model between calls (the timed call replays the graphs the
+earlier calls recorded). ``--compile forward`` is the older way: ``torch.compile(model.forward,
+mode="reduce-overhead")``, the sampling and bookkeeping eager around it. Under 1D tensor
+parallelism generation runs the layers' no-grad forward (functional collectives), so a decode
+step is one graph with its all-reduces inside; 2D / 2.5D / 3D layers keep their collectives eager
+(``torch.compiler.disable``), so their graphs are cut around them.
 
 Each run prints ``decode_ms`` (ms per decode step) in its RESULT line; ``--profile`` adds, per
 run, a torch.profiler table of the top operators per decode step (rank 0, lines prefixed
@@ -85,35 +91,33 @@ def build(seq_len: int, layers: int | None, tiny: bool) -> Llama:
     return model.eval()
 
 
-def timed_generate(model, prompts, new: int, repeats: int) -> tuple[float, float]:
-    """Seconds of the last of ``repeats`` calls, and of its prefill alone (the second of two 1-token calls)."""
+def timed_generate(model, prompts, new: int, repeats: int, compile_step: bool):
+    """The last of ``repeats`` calls: its wall seconds (prefill included) and its
+    :class:`~behemoth.generation.Generation` (the prefill's and the decode steps' seconds, read
+    from CUDA events on the stream; the earlier calls compile and record the CUDA graphs)."""
     for _ in range(repeats):
         _sync()
         dist.barrier()
         t = time.perf_counter()
-        bh.generate(model, prompts, max_new_tokens=new)
+        out = bh.generate(model, prompts, max_new_tokens=new, compile=compile_step, return_timing=True)
         _sync()
         total = time.perf_counter() - t
-    for _ in range(2):  # the first call compiles for its cache length under --compile
-        _sync()
-        t = time.perf_counter()
-        bh.generate(model, prompts, max_new_tokens=1)
-        _sync()
-        prefill = time.perf_counter() - t
-    return total, prefill
+    return total, out
 
 
-def profile_decode(model, prompts, new: int, tag: str) -> None:
+def profile_decode(model, prompts, new: int, tag: str, compile_step: bool) -> None:
     """Print (rank 0) the top operators per decode step: a profile of a ``new``-token call minus
-    one of a 1-token call (the prefill), divided by the ``new - 1`` decode steps."""
+    one of a 1-token call (the prefill), divided by the ``new - 1`` decode steps. Each profiled
+    call follows an unprofiled one of the same shape, so neither compiles nor records a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def ops(new: int) -> dict:
+        bh.generate(model, prompts, max_new_tokens=new, compile=compile_step)
         _sync()
         with profile(activities=activities) as prof:
-            bh.generate(model, prompts, max_new_tokens=new)
+            bh.generate(model, prompts, max_new_tokens=new, compile=compile_step)
             _sync()
         return {
             e.key: (e.count, e.self_cpu_time_total, getattr(e, "self_device_time_total", 0.0))
@@ -149,13 +153,13 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = bh.parallelize(build(args.prompt + args.new, args.layers, args.tiny), plan)
-    if args.compile:
+    if args.compile == "forward":
         model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
     g = torch.Generator().manual_seed(1)
     # every dp replica decodes the same batch: one row block per replica
     vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
     prompts = torch.randint(0, vocab, (batch, args.prompt), generator=g).repeat(world // tp, 1)
-    total, prefill = timed_generate(model, prompts, args.new, args.repeats)
+    total, out = timed_generate(model, prompts, args.new, args.repeats, args.compile == "step")
     result = dict(
         what="behemoth-generate",
         tp=tp,
@@ -167,16 +171,18 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
         compile=args.compile,
         s=round(total, 3),
         tok_s=round(batch * args.new / total, 1),
-        decode_ms=round((total - prefill) / max(1, args.new - 1) * 1e3, 2),
-        prefill_tok_s=round(batch * args.prompt / prefill, 1),
+        decode_ms=round(out.decode_s / max(1, out.decode_steps) * 1e3, 3),
+        decode_tok_s=round(batch * out.decode_steps / out.decode_s, 1) if out.decode_s > 0 else None,
+        prefill_ms=round(out.prefill_s * 1e3, 2),
+        prefill_tok_s=round(batch * args.prompt / out.prefill_s, 1),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         gpu=torch.cuda.get_device_name() if cuda else "cpu",
     )
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     if args.profile:
-        tag = f"tp={tp} {mode} batch={batch}" + (" compiled" if args.compile else "")
-        profile_decode(model, prompts, args.new, tag)
+        tag = f"tp={tp} {mode} batch={batch}" + (f" compiled ({args.compile})" if args.compile != "none" else "")
+        profile_decode(model, prompts, args.new, tag, args.compile == "step")
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -224,7 +230,15 @@ def main() -> None:
     p.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
     p.add_argument("--batches", default="1,8,64,256", help="2d-vs-1d: batch sizes")
     p.add_argument("--repeats", type=int, default=2, help="calls per configuration; the last is timed")
-    p.add_argument("--compile", action="store_true", help="torch.compile (CUDA graphs) of the forward")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="step",
+        default="none",
+        choices=["none", "step", "forward"],
+        help="step (the default of a bare --compile): bh.generate(compile=True), the whole decode step one "
+        "CUDA graph; forward: torch.compile(model.forward, mode='reduce-overhead') only",
+    )
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
     p.add_argument("--profile", action="store_true", help="print the top ops per decode step of each run")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")

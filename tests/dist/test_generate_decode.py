@@ -8,7 +8,12 @@
   bookkeeping, functional collectives);
 * ``torch.compile`` of the model's forward under tp = 2 traces prefill and decode into one
   graph each (``fullgraph=True``: the collectives are inside the graph), compiles nothing
-  new on a second call, and gives the serial model's tokens.
+  new on a second call, and gives the serial model's tokens;
+* ``bh.generate(compile=backend)`` compiles the whole decode step (forward, pick, bookkeeping)
+  once and the prefill once, compiles nothing new on a second call, syncs the host a fixed
+  number of times per call, and gives the serial model's greedy tokens, seeded samples and
+  EOS-stopped rows; checking EOS every 5 steps gives the tokens of checking after every step;
+  the timings are positive.
 
 The reference is the serial model's greedy tokens, computed in each process.
 """
@@ -110,8 +115,43 @@ def _compiled(model, want) -> None:
         torch._dynamo.reset()
 
 
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=7)
+
+
+def _compiled_step(model, want, sampled, want_eos, eos) -> None:
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    try:
+        for _ in range(2):
+            assert bh.generate(model, ROWS, max_new_tokens=12, compile=counter) == want
+            assert counter.frame_count == 2, counter.frame_count  # the prefill and the decode step, once
+        counts = []
+        for new in (3, 12):
+            with counted_host_syncs() as calls:
+                out = bh.generate(model, ROWS, max_new_tokens=new, compile=counter)
+            assert out == [r[:new] for r in want]
+            counts.append(sorted(calls))
+        assert counts[0] == counts[1], f"host syncs grow with the decode steps: {counts}"
+        assert bh.generate(model, ROWS, max_new_tokens=12, compile=counter, **SAMPLING) == sampled
+        assert bh.generate(model, ROWS, max_new_tokens=12, compile=counter, eos_token_id=eos) == want_eos
+        got = bh.generate(model, ROWS, max_new_tokens=12, compile=counter, eos_token_id=eos, return_timing=True)
+        assert got.tokens == want_eos and got.logits_BTV is None
+        assert got.prefill_s > 0 and got.decode_s > 0 and got.decode_steps == 11, vars(got)
+    finally:
+        torch._dynamo.reset()
+    for every in (1, 5):
+        assert bh.generate(model, ROWS, max_new_tokens=12, eos_token_id=eos, stop_check_every=every) == want_eos
+
+
 def _world(rank, world):
     want = bh.generate(build(), ROWS, max_new_tokens=12)
+    sampled = bh.generate(build(), ROWS, max_new_tokens=12, **SAMPLING)
+    eos = want[0][3]
+    want_eos = bh.generate(build(), ROWS, max_new_tokens=12, eos_token_id=eos, stop_check_every=1)
+    assert len(want_eos[0]) == 4 and len(want_eos[1]) > 4, want_eos  # rows stop at different steps
     serial_syncs = []
     for new in (2, 12):
         with counted_host_syncs() as calls:
@@ -123,6 +163,7 @@ def _world(rank, world):
     _host_syncs(model, want)
     _no_autograd_functions(model)
     _compiled(model, want)
+    _compiled_step(model, want, sampled, want_eos, eos)
     # sequence parallelism: the decode steps pause it, so they communicate as plain 1D does
     sp = bh.parallelize(build(), bh.Plan(tp=world, sequence_parallel=True))
     assert bh.generate(sp, ROWS, max_new_tokens=12) == want

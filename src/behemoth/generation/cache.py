@@ -55,16 +55,28 @@ class KVCache:
         device: torch.device,
     ) -> None:
         rows, prompt = valid_BP.shape
-        self.attentions, self.length = attentions, length
-        valid_BL = torch.ones(rows, length, dtype=torch.bool, device=device)
-        valid_BL[:, :prompt] = valid_BP.to(device=device, dtype=torch.bool)
-        self.valid_B11L = valid_BL[:, None, None, :]
+        self.attentions, self.length, self.prompt = attentions, length, prompt
+        self.valid_B11L = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device)
+        self.valid_B11L[:, 0, 0, :prompt] = valid_BP.to(device=device, dtype=torch.bool)
         self.slots_L = torch.arange(length, device=device)
+        self.token_mask_B11L = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device)
         self.layers = [
             LayerCache(self, rows, _kv_heads(m), length, m.head_dim, dtype=dtype, device=device) for m in attentions
         ]
+        for t in (self.valid_B11L, self.slots_L, self.token_mask_B11L):
+            _static(t)
         self.mask_B1SL: torch.Tensor | None = None
         self.position_S: torch.Tensor | None = None
+
+    def reset(self, valid_BP: torch.Tensor) -> None:
+        """Start another generation of the same shape in these buffers (their addresses, which a
+        recorded CUDA graph holds, stay): every slot emptied, ``valid_BP`` the new prompts' mask."""
+        self.valid_B11L.fill_(True)
+        self.valid_B11L[:, 0, 0, : self.prompt].copy_(valid_BP)
+        for layer in self.layers:
+            layer.k.zero_()
+            layer.v.zero_()
+        self.mask_B1SL = self.position_S = None
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +91,17 @@ class KVCache:
         self.mask_B1SL = (causal_SL & self.valid_B11L) | own_SL
         self.position_S = position_S
 
+    def follow(self, slot_1: torch.Tensor) -> None:
+        """Decode steps from now on write one token per row into slot ``slot_1`` (a one-element
+        tensor the caller advances in place); call :meth:`advance` before each of them."""
+        self.position_S, self.mask_B1SL = slot_1, self.token_mask_B11L
+
+    def advance(self) -> None:
+        """The mask of the next one-token forward, for the slot :meth:`follow` named, written in
+        place (no new tensor: a compiled decode step reads the same buffer every time)."""
+        slot = self.position_S
+        self.token_mask_B11L.copy_(((self.slots_L <= slot) & self.valid_B11L) | (self.slots_L == slot))
+
     def attached(self):
         """Context manager: each attention module holds its layer's cache for the duration."""
         return _Attached(self)
@@ -91,9 +114,8 @@ class LayerCache:
         self.owner = owner
         self.k = torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        if self.k.device.type == "cuda":  # written in place: a compiled decode step keeps its CUDA graph
-            torch._dynamo.mark_static_address(self.k)
-            torch._dynamo.mark_static_address(self.v)
+        _static(self.k)
+        _static(self.v)
 
     def update(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor):
         """Write this forward's keys and values into their slots; return every slot's keys and
@@ -102,6 +124,13 @@ class LayerCache:
         self.k.index_copy_(2, pos, k_BKSD.to(self.k.dtype))
         self.v.index_copy_(2, pos, v_BKSD.to(self.v.dtype))
         return self.k, self.v, self.owner.mask_B1SL
+
+
+def _static(t: torch.Tensor) -> None:
+    """Written in place between steps: a compiled decode step's CUDA graph reads it where it is
+    (``mark_static_address``) instead of copying it in, and so sees every update."""
+    if t.device.type == "cuda":
+        torch._dynamo.mark_static_address(t)
 
 
 class _Attached:

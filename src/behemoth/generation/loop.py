@@ -16,12 +16,16 @@ the attention that owns it (:mod:`.cache`):
   or seeded draws that do not depend on the plan) with no further communication. 1D layers
   run their no-grad forward for the duration (``tp1d.no_grad_forward``: plain Linears and
   functional collectives), so a decode step issues one all-reduce per row layer and for the
-  embedding and one all-gather of the logits, syncs nothing to the host (without
-  ``eos_token_id``), and ``torch.compile`` of the model's forward traces it into one graph.
+  embedding and one all-gather of the logits, syncs nothing to the host, and ``torch.compile``
+  of the model's forward traces it into one graph. The step's token, position, slot and
+  bookkeeping live in device tensors advanced in place (:mod:`.decode`), so
+  ``generate(compile=True)`` compiles the whole step -- forward, pick, bookkeeping -- once and,
+  on GPUs, replays it as one CUDA graph per token.
 * **Stop.** A row stops at its ``eos_token_id`` (later tokens are ``pad_token_id``); a tp
-  group stops when all its rows have (under ZeRO-3 or expert parallelism, whose forward
-  communicates over dp, when every dp rank's rows have: one vote per step); the data-parallel
-  ranks then all-gather their rows' tokens over dp.
+  group stops when all its rows have, read from the device every ``stop_check_every`` steps
+  (under ZeRO-3 or expert parallelism, whose forward communicates over dp, when every dp rank's
+  rows have: one vote per read); steps run past the last row's end change no token. The
+  data-parallel ranks then all-gather their rows' tokens over dp.
 
 behemoth's models take the cache through their attention modules' ``kv_cache`` seam;
 transformers models (GPT-2, Llama) through their own ``StaticCache`` (``past_key_values``,
@@ -29,13 +33,13 @@ transformers models (GPT-2, Llama) through their own ``StaticCache`` (``past_key
 blocks need nothing more. Pipeline and context parallelism are refused.
 
 Tested in tests/dist/test_generate.py (tokens equal to transformers' ``generate`` and to a
-no-cache serial loop, logits at every step, sampling across plans, KV bytes per rank).
+no-cache serial loop, logits at every step, sampling across plans, KV bytes per rank) and
+tests/dist/test_generate_decode.py (a decode step's collectives and host syncs, compiled steps).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 from torch import nn
@@ -44,20 +48,34 @@ from .. import comm
 from ..parallel.tensor.tp1d import no_grad_forward, sequence_parallel_paused
 from ..specs import max_seq_len_of
 from .cache import KVCache, cached_attentions
+from .decode import CompiledDecode, Decoder, DecodeState, StepClock, decode_step, prefill_step
 from .prompts import Prompts, left_pad, padded_rows, positions
 from .sampling import Sampler, Sampling
+from .steps import CachedStep, TransformersStep
 
 __all__ = ["generate", "Generation"]
 
 
 class Generation:
-    """What :func:`generate` returns with ``return_logits=True``: ``tokens`` (as without it) and
-    ``logits_BTV``, the fp32 logits each new token was chosen from (``[B, T, V]``, T the steps
-    run; a row's entries after its end are undefined), and ``cache_bytes``, the KV cache's bytes
-    on this rank."""
+    """What :func:`generate` returns with ``return_logits=True`` or ``return_timing=True``:
+    ``tokens`` (as without them); ``logits_BTV``, the fp32 logits each new token was chosen from
+    (``[B, T, V]``, T the steps run; a row's entries after its end are undefined; None without
+    ``return_logits``); ``cache_bytes``, the KV cache's bytes on this rank; ``prefill_s``, the
+    seconds of the prefill (the prompts' forward and the first token's pick); ``decode_s``, the
+    seconds of the ``decode_steps`` decode steps after it (``decode_s / decode_steps`` is the
+    time per token; both measured on the device's stream, so no step waits for the clock)."""
 
-    def __init__(self, tokens, logits_BTV: torch.Tensor, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        tokens,
+        logits_BTV: torch.Tensor | None,
+        cache_bytes: int,
+        prefill_s: float = 0.0,
+        decode_s: float = 0.0,
+        decode_steps: int = 0,
+    ) -> None:
         self.tokens, self.logits_BTV, self.cache_bytes = tokens, logits_BTV, cache_bytes
+        self.prefill_s, self.decode_s, self.decode_steps = prefill_s, decode_s, decode_steps
 
 
 def generate(
@@ -74,6 +92,9 @@ def generate(
     pad_token_id: int | None = None,
     attention_mask: torch.Tensor | None = None,
     return_logits: bool = False,
+    return_timing: bool = False,
+    compile=False,
+    stop_check_every: int = 16,
 ):
     """Continue each prompt by up to ``max_new_tokens`` tokens with ``model`` (serial, or
     parallelized by ``bh.parallelize`` / ``bh.boost`` under any plan without pp or cp; every rank
@@ -86,10 +107,21 @@ def generate(
     each row's new tokens (up to and including its ``eos_token_id``). ``do_sample=False`` is
     greedy; otherwise tokens are drawn after ``temperature``, ``top_k`` and ``top_p`` with the
     draws of ``seed``, identical under every plan. ``pad_token_id`` (default: ``eos_token_id``,
-    else 0) fills padding. ``return_logits``: a :class:`Generation` instead."""
+    else 0) fills padding. ``return_logits`` / ``return_timing``: a :class:`Generation` instead.
+
+    ``compile``: False runs the decode steps as they are (a ``torch.compile``'d ``model.forward``
+    still compiles); True compiles the whole decode step -- the forward, the pick, the
+    bookkeeping -- into one function (inductor; on GPUs replayed as a CUDA graph,
+    ``mode="reduce-overhead"``), and the prefill without CUDA graphs; a ``torch.compile``
+    backend (a name or a callable) compiles both with it. A compiled call keeps its KV cache and
+    buffers on the model for the next call of the same shape (behemoth's models only).
+    ``stop_check_every``: with ``eos_token_id``, how many steps run between two reads of "has
+    every row stopped" (each read waits for the device; the tokens do not depend on it)."""
     sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1.")
+    if not isinstance(stop_check_every, int) or stop_check_every < 1:
+        raise ValueError(f"stop_check_every={stop_check_every!r}: must be an int >= 1 (1 checks after every step).")
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     run = _Run.of(model)
     prompts_in = prompts
@@ -99,18 +131,27 @@ def generate(
     batch = padded_rows(batch, run.row_split)
 
     with run.active():
-        tokens_bT, lengths_b, logits_bTV, nbytes = run.loop(
-            batch, real_rows, max_new_tokens, sampling, eos_token_id, pad, return_logits
+        out = run.loop(
+            batch,
+            real_rows,
+            max_new_tokens,
+            sampling,
+            eos_token_id,
+            pad,
+            keep=return_logits,
+            compile=compile,
+            check_every=stop_check_every,
         )
-    tokens, lengths = run.gather_rows(tokens_bT, real_rows), run.gather_rows(lengths_b, real_rows)
+    tokens, lengths = run.gather_rows(out.tokens_BT, real_rows), run.gather_rows(out.lengths_B, real_rows)
     steps = int(lengths.max())
     if isinstance(prompts_in, torch.Tensor):
-        out = torch.cat([prompts_in.to(tokens.device).long(), tokens[:, :steps]], 1)
+        result = torch.cat([prompts_in.to(tokens.device).long(), tokens[:, :steps]], 1)
     else:
-        out = [row[:n].tolist() for row, n in zip(tokens, lengths.tolist())]
-    if return_logits:
-        return Generation(out, run.gather_rows(logits_bTV, real_rows)[:, :steps], nbytes)
-    return out
+        result = [row[:n].tolist() for row, n in zip(tokens, lengths.tolist())]
+    if not (return_logits or return_timing):
+        return result
+    logits = run.gather_rows(out.logits_BTV, real_rows)[:, :steps] if return_logits else None
+    return Generation(result, logits, out.nbytes, out.prefill_s, out.decode_s, out.decode_steps)
 
 
 def _check_length(model: nn.Module, needed: int) -> None:
@@ -193,126 +234,112 @@ class _Run:
         return t[:real_rows].cpu()
 
     # -------------------------------------------------------------- the loop
-    def loop(self, batch: Prompts, real_rows: int, max_new: int, sampling: Sampling, eos, pad: int, keep: bool):
-        """This rank's rows' tokens ``[b, max_new]``, their counts, their logits (``keep``) and the cache's bytes."""
+    def loop(
+        self,
+        batch: Prompts,
+        real_rows: int,
+        max_new: int,
+        sampling: Sampling,
+        eos,
+        pad: int,
+        *,
+        keep,
+        compile,
+        check_every,
+    ):
+        """This rank's rows' tokens ``[b, max_new]``, their counts, their logits (``keep``), the
+        cache's bytes and the clock's readings (:class:`_Loop`)."""
         dev = self.device
         ids_BP, valid_BP = self.dp_block(batch.ids_BP).to(dev), self.dp_block(batch.valid_BP).to(dev)
         rows_global = self.dp_block(torch.arange(batch.rows))
         B, P = ids_BP.shape
         real = rows_global < real_rows
         sampler = Sampler(sampling, real_rows, rows_global)
-        step = self._step_fn(self.tp_block(valid_BP), P + max_new)
-        pos_BP = positions(valid_BP)
-        next_pos_B = valid_BP.long().sum(-1)
-
-        tokens_BT = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
-        lengths_B = torch.zeros(B, dtype=torch.long, device=dev)
-        done_B = ~real.to(dev)
-        kept: list[torch.Tensor] = []
+        valid_bP = self.tp_block(valid_BP)
+        if compile:
+            compiled = self._compiled(valid_bP, B, P + max_new, max_new, compile)
+            step, state = CachedStep(self.model, compiled.cache), compiled.state
+            decode, prefill = compiled.decode, compiled.prefill
+        else:
+            step, state = self._step_fn(valid_bP, P + max_new), DecodeState(B, max_new, dev)
+            decode, prefill = decode_step, prefill_step
+        state.start(
+            done_B=~real.to(dev),
+            next_pos_B=valid_BP.long().sum(-1),
+            prompt=P,
+            pad=pad,
+            uniforms_TB=sampler.draws(max_new, dev),
+        )
+        decoder = Decoder(step, sampler, state, eos=eos, pad=pad, block=self.tp_block)
+        clock = StepClock(dev)
+        steps = 1
         with step.attached():
-            logits_BV = step(self.tp_block(ids_BP), self.tp_block(pos_BP), 0)
-            for t in range(max_new):
-                if t > 0:
-                    with sequence_parallel_paused(self.model) if self.sp else contextlib.nullcontext():
-                        logits_BV = step(
-                            self.tp_block(tokens_BT[:, t - 1 : t]),
-                            self.tp_block((next_pos_B + t - 1)[:, None]),
-                            P + t - 1,
-                        )
-                if keep:
-                    kept.append(logits_BV)
-                token_B = sampler(logits_BV).masked_fill(done_B, pad)
-                tokens_BT[:, t] = token_B
-                lengths_B += (~done_B).long()
-                if eos is None:
-                    continue  # no row stops early: no host sync per step
-                done_B |= token_B == eos
-                finished = bool(done_B.all())
-                if self.lockstep:
-                    finished = comm.all_agree(finished, self.dp)
-                if finished:
-                    break
-        logits = torch.stack(kept, 1) if kept else torch.zeros(B, 0, 0, device=dev)
-        if kept and logits.shape[1] < max_new:
-            logits = torch.cat([logits, logits.new_zeros(B, max_new - logits.shape[1], logits.shape[2])], 1)
-        return tokens_BT, lengths_B, logits, step.nbytes
+            clock.mark()
+            logits_BV = prefill(step, self.tp_block(ids_BP), self.tp_block(positions(valid_BP)))
+            if keep:
+                state.keep_logits(logits_BV.shape[-1])
+            decoder.choose(logits_BV)
+            clock.mark()
+            step.follow(state.slot_1)
+            # one token cannot be split on the sequence: sequence parallelism pauses for the decode steps
+            with sequence_parallel_paused(self.model) if self.sp else contextlib.nullcontext():
+                for t in range(1, max_new):
+                    if eos is not None and t % check_every == 0 and self._finished(state.done_B):
+                        break
+                    decode(decoder)
+                    steps += 1
+            clock.mark()
+        prefill_s, decode_s = clock.spans()
+        logits = state.logits_BTV if keep else torch.zeros(B, 0, 0, device=dev)
+        # a compiled call's buffers serve the next call: hand out copies
+        return _Loop(
+            state.tokens_BT.clone(), state.lengths_B.clone(), logits, step.nbytes, prefill_s, decode_s, steps - 1
+        )
+
+    def _finished(self, done_B: torch.Tensor) -> bool:
+        """Whether every row has stopped (one host read; under ZeRO-3 or experts every dp rank's rows, one vote)."""
+        finished = bool(done_B.all())
+        if self.lockstep:
+            finished = comm.all_agree(finished, self.dp)
+        return finished
 
     def _step_fn(self, valid_bP: torch.Tensor, length: int):
         attentions = cached_attentions(self.model)
         if attentions:
-            return _CachedStep(self.model, attentions, valid_bP, length, self.device)
+            dtype = next(self.model.parameters()).dtype
+            return CachedStep(self.model, KVCache(attentions, valid_bP, length, dtype=dtype, device=self.device))
         if hasattr(getattr(self.model, "config", None), "num_hidden_layers"):
-            return _TransformersStep(self.model, valid_bP, length)
+            return TransformersStep(self.model, valid_bP, length)
         raise ValueError(
             f"{type(self.model).__name__} has no attention module with a kv_cache seam (behemoth's GPT and Llama) "
             f"and is not a transformers model; generation cannot cache its keys and values."
         )
 
+    def _compiled(self, valid_bP: torch.Tensor, rows: int, length: int, max_new: int, compile) -> CompiledDecode:
+        """The model's kept :class:`CompiledDecode` for this shape (a new one for another)."""
+        attentions = cached_attentions(self.model)
+        if not attentions:
+            raise ValueError(
+                f"generate(compile=...) compiles the decode step of behemoth's models (their attention's kv_cache "
+                f"seam); {type(self.model).__name__} has none. Pass compile=False, and torch.compile the model's "
+                f"forward instead if you want it compiled."
+            )
+        backend = "inductor" if compile is True else compile
+        dtype = next(self.model.parameters()).dtype
+        key = (tuple(valid_bP.shape), rows, length, max_new, dtype, self.device, backend)
 
-class _CachedStep:
-    """One forward of a behemoth model with its :class:`~.cache.KVCache`; returns the last
-    position's fp32 logits of the tp group's rows."""
+        def build() -> CompiledDecode:
+            cache = KVCache(attentions, valid_bP, length, dtype=dtype, device=self.device)
+            return CompiledDecode(key, cache, DecodeState(rows, max_new, self.device), backend, self.device)
 
-    def __init__(self, model, attentions, valid_bP, length, device) -> None:
-        dtype = next(model.parameters()).dtype
-        self.model = model
-        self.cache = KVCache(attentions, valid_bP, length, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
-
-    def attached(self):
-        return self.cache.attached()
-
-    def __call__(self, ids_bS, pos_bS, start: int) -> torch.Tensor:
-        """Logits of the last position of ``ids_bS``, written into slots ``start, start + 1, ...``."""
-        self.cache.begin(torch.arange(start, start + ids_bS.shape[1], device=ids_bS.device))
-        out = self.model(ids_bS, pos_bS, logits_to_keep=1)
-        return _logits(out)[:, -1].float()
+        compiled = CompiledDecode.of(self.model, key, build)
+        compiled.cache.reset(valid_bP)
+        return compiled
 
 
-class _TransformersStep:
-    """One forward of a transformers model with its own ``StaticCache``."""
+class _Loop:
+    """What :meth:`_Run.loop` hands back."""
 
-    def __init__(self, model, valid_bP, length) -> None:
-        from transformers import StaticCache
-
-        self.model = model
-        self.cache = StaticCache(config=model.config, max_cache_len=length)
-        mask = torch.ones(valid_bP.shape[0], length, dtype=torch.long, device=valid_bP.device)
-        mask[:, : valid_bP.shape[1]] = valid_bP.long()
-        self.mask_bL = mask
-        # transformers renamed ``past_key_values`` to ``cache``; pass the name this version reads
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.cache.layers
-            if getattr(layer, "is_initialized", False)
-            for t in (layer.keys, layer.values)
-        )
-
-    def attached(self):
-        return contextlib.nullcontext()
-
-    def __call__(self, ids_bS, pos_bS, start: int) -> torch.Tensor:
-        end = start + ids_bS.shape[1]
-        slots_S = torch.arange(start, end, device=ids_bS.device)
-        out = self.model(
-            input_ids=ids_bS,
-            attention_mask=self.mask_bL[:, :end],
-            position_ids=pos_bS,
-            cache_position=slots_S,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_arg: self.cache},
-        )
-        return _logits(out)[:, -1].float()
-
-
-def _logits(out) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else out.logits
+    def __init__(self, tokens_BT, lengths_B, logits_BTV, nbytes, prefill_s, decode_s, decode_steps) -> None:
+        self.tokens_BT, self.lengths_B, self.logits_BTV, self.nbytes = tokens_BT, lengths_B, logits_BTV, nbytes
+        self.prefill_s, self.decode_s, self.decode_steps = prefill_s, decode_s, decode_steps

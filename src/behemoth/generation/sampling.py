@@ -64,7 +64,11 @@ def filter_logits(logits_BV: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 class Sampler:
     """Picks each step's tokens for ``rows`` (global row indices of the batch held here) of a
-    batch of ``batch`` rows; rows at or past ``batch`` (padding rows) draw nothing of their own."""
+    batch of ``batch`` rows; rows at or past ``batch`` (padding rows) draw nothing of their own.
+
+    Calling it draws the next step's numbers from its generator; :meth:`draws` takes those of
+    many steps at once (the same numbers: the generator's stream does not depend on how it is
+    cut), so a decode loop can keep them on the device and pick with :meth:`pick`."""
 
     def __init__(self, sampling: Sampling, batch: int, rows: torch.Tensor) -> None:
         self.sampling, self.batch = sampling, batch
@@ -75,9 +79,23 @@ class Sampler:
         """Token ids ``[b]`` (int64, on the logits' device) for this step."""
         if not self.sampling.do_sample:
             return logits_BV.argmax(-1)
-        u_B = torch.rand(self.batch, generator=self.generator, dtype=torch.float64)[self.rows]
+        return self.pick(logits_BV, self.draws(1, logits_BV.device)[0])
+
+    def draws(self, steps: int, device: torch.device) -> torch.Tensor | None:
+        """The uniform numbers of the next ``steps`` steps for this rank's rows, ``[steps, b]``
+        float64 on ``device`` (None for greedy decoding, which draws nothing)."""
+        if not self.sampling.do_sample:
+            return None
+        u_TB = torch.rand(steps, self.batch, generator=self.generator, dtype=torch.float64)
+        return u_TB[:, self.rows].to(device)
+
+    def pick(self, logits_BV: torch.Tensor, u_B: torch.Tensor | None) -> torch.Tensor:
+        """Token ids ``[b]`` from ``logits_BV`` and this step's numbers ``u_B`` (ignored when
+        greedy). No host sync: traceable into a compiled decode step."""
+        if not self.sampling.do_sample:
+            return logits_BV.argmax(-1)
         probs_BV = filter_logits(logits_BV, self.sampling).softmax(-1).double()
         cdf_BV = probs_BV.cumsum(-1)
-        target_B1 = (u_B.to(cdf_BV.device) * cdf_BV[:, -1])[:, None]
+        target_B1 = (u_B * cdf_BV[:, -1])[:, None]
         token_B = torch.searchsorted(cdf_BV, target_B1, right=True)[:, 0]
         return token_B.clamp(max=logits_BV.shape[-1] - 1)
