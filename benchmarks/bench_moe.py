@@ -3,6 +3,7 @@ line per measurement (rank 0 prints it; times are the slowest rank's):
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part dispatch,layer
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model --size mixtral-4b
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part layer,model --chunks 1,2,4
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part all --tiny --device cpu  # smoke, gloo
 
 ``dispatch`` (``what: moe-dispatch``): behemoth's own :func:`~behemoth.parallel.expert.dispatch.dispatch`
@@ -49,6 +50,11 @@ parameters, fused AdamW): tokens/s per GPU, MFU on active FLOPs (``Llama.flops_p
 ``6 * N_active + 12 * L * H * S``, N_active counting k of E experts per layer, as
 ``peer_hf_mixtral.py`` counts; peak 989 TFLOP/s) and peak memory.
 
+``--chunks 1,2,4`` (layer, model): each figure once per number of chunks the MoE layers split
+their tokens into, the all-to-alls overlapped with the experts' GEMMs
+(:mod:`behemoth.parallel.expert.overlap`; ``ExpertParallel(chunks=...)``, ``Plan(ep_overlap=...)``;
+1 is the exchange at once), each line saying its ``chunks``. The dispatch part measures one chunk.
+
 Every line also says which path behemoth's grouped expert GEMMs took (``paths``: calls through
 ``torch._grouped_mm`` and through the per-expert loop, :mod:`behemoth.parallel.expert.grouped`).
 """
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import sys
@@ -294,12 +301,13 @@ def time_dense(a, dev: torch.device, g: torch.Generator, pdtype: torch.dtype, au
     return timed_us(step, dev, a.iters, a.warmup)
 
 
-def build_layer(a, dev: torch.device, mesh: ParallelMesh, g: torch.Generator, pdtype: torch.dtype):
+def build_layer(a, dev: torch.device, mesh: ParallelMesh, g: torch.Generator, pdtype: torch.dtype, chunks: int):
     """A :class:`MoEFeedForward` under :class:`ExpertParallel` over the mesh's ep axis (this rank
-    keeps its E/ep experts), expert weights normal(0, 0.02), in ``pdtype``."""
+    keeps its E/ep experts; ``chunks``: its exchange overlapped in that many chunks), expert
+    weights normal(0, 0.02), in ``pdtype``."""
     with torch.device(dev):
         moe = MoEFeedForward(a.hidden, a.ffn, a.experts, a.top_k)
-    ExpertParallel().apply(moe, mesh)
+    ExpertParallel(chunks=chunks).apply(moe, mesh)
     with torch.no_grad():
         for p in (moe.gate_up_proj, moe.down_proj):
             p.normal_(0.0, 0.02, generator=g)
@@ -326,7 +334,7 @@ def time_layer(a, dev, moe, kind: str, ep_size: int, g: torch.Generator, autocas
 
 
 def part_layer(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
-    T, H, I, E, K = a.layer_tokens, a.hidden, a.ffn, a.experts, a.top_k
+    T, H, I, K = a.layer_tokens, a.hidden, a.ffn, a.top_k
     ep = mesh.axis("ep")
     flops = 18 * T * K * H * I
     g = torch.Generator(device=dev).manual_seed(2000 + dist.get_rank())
@@ -336,41 +344,49 @@ def part_layer(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> No
         _fresh_peak(dev)
         dense_us = time_dense(a, dev, g, pdtype, autocast)
         dense_peak = _peak_gib(dev)
-        _fresh_peak(dev)
-        moe = build_layer(a, dev, mesh, g, pdtype)
-        for kind in a.routings.split(","):
-            paths.take()
-            moe_us = time_layer(a, dev, moe, kind, ep.size, g, autocast)
-            calls = paths.take()
-            counts_E = moe.token_counts.double()  # the last forward's, over every rank's tokens
-            per_rank = counts_E.view(ep.size, -1).sum(1)
-            emit(
-                dict(
-                    what="moe-layer",
-                    routing=kind,
-                    precision=precision,
-                    ep=ep.size,
-                    tokens_per_rank=T,
-                    hidden=H,
-                    ffn=I,
-                    experts=E,
-                    top_k=K,
-                    iters=a.iters,
-                    moe_ms=round(moe_us / 1e3, 3),
-                    dense_ms=round(dense_us / 1e3, 3),
-                    moe_tflops_gpu=round(flops / moe_us / 1e6, 1),
-                    dense_tflops_gpu=round(flops / dense_us / 1e6, 1),
-                    ratio=round(dense_us / moe_us, 3),
-                    target_ratio=0.9 if kind in ("balanced", "uniform") else 0.8,
-                    rank_load=[round(v, 3) for v in (per_rank / per_rank.mean()).tolist()],
-                    expert_share=[round(v, 3) for v in (counts_E / counts_E.sum()).tolist()],
-                    paths={k: v // (a.iters + a.warmup) for k, v in calls.items()},
-                    peak_gib_dense=dense_peak,
-                    peak_gib_moe=_peak_gib(dev),
-                    gpu=_gpu_name(dev),
-                )
-            )
-        del moe
+        for chunks in a.chunk_counts:
+            _fresh_peak(dev)
+            moe = build_layer(a, dev, mesh, g, pdtype, chunks)
+            for kind in a.routings.split(","):
+                _layer_line(a, dev, moe, kind, ep, g, autocast, precision, chunks, flops, dense_us, dense_peak, paths)
+            del moe
+
+
+def _layer_line(a, dev, moe, kind, ep, g, autocast, precision, chunks, flops, dense_us, dense_peak, paths) -> None:
+    """Time ``moe`` on ``kind`` routing and emit its RESULT line against the dense FFN's time."""
+    T, H, I, E, K = a.layer_tokens, a.hidden, a.ffn, a.experts, a.top_k
+    paths.take()
+    moe_us = time_layer(a, dev, moe, kind, ep.size, g, autocast)
+    calls = paths.take()
+    counts_E = moe.token_counts.double()  # the last forward's, over every rank's tokens
+    per_rank = counts_E.view(ep.size, -1).sum(1)
+    emit(
+        dict(
+            what="moe-layer",
+            routing=kind,
+            chunks=chunks,
+            precision=precision,
+            ep=ep.size,
+            tokens_per_rank=T,
+            hidden=H,
+            ffn=I,
+            experts=E,
+            top_k=K,
+            iters=a.iters,
+            moe_ms=round(moe_us / 1e3, 3),
+            dense_ms=round(dense_us / 1e3, 3),
+            moe_tflops_gpu=round(flops / moe_us / 1e6, 1),
+            dense_tflops_gpu=round(flops / dense_us / 1e6, 1),
+            ratio=round(dense_us / moe_us, 3),
+            target_ratio=0.9 if kind in ("balanced", "uniform") else 0.8,
+            rank_load=[round(v, 3) for v in (per_rank / per_rank.mean()).tolist()],
+            expert_share=[round(v, 3) for v in (counts_E / counts_E.sum()).tolist()],
+            paths={k: v // (a.iters + a.warmup) for k, v in calls.items()},
+            peak_gib_dense=dense_peak,
+            peak_gib_moe=_peak_gib(dev),
+            gpu=_gpu_name(dev),
+        )
+    )
 
 
 # ---------------------------------------------------------------- part 3: end-to-end training
@@ -391,6 +407,20 @@ def _init_on_device(model: torch.nn.Module, seed: int) -> None:
 
 
 def part_model(a, dev: torch.device, paths: PathCount) -> None:
+    """One training run per ``--chunks`` entry, one after the other in this process (each model,
+    engine and optimizer freed before the next is built)."""
+    ep = a.ep or dist.get_world_size()
+    for chunks in a.chunk_counts:
+        if chunks > 1 and ep == 1:
+            emit(dict(what="moe-model", model=a.size, chunks=chunks, skipped="ep=1 has no all-to-all to overlap"))
+            continue
+        run_model(a, dev, paths, chunks)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = a.ep or world
     overrides = dict(num_layers=a.layers) if a.layers else {}
@@ -411,6 +441,7 @@ def part_model(a, dev: torch.device, paths: PathCount) -> None:
         offload=a.offload,
         param_dtype=a.param_dtype,
         activation_checkpointing=a.ckpt,
+        ep_overlap=chunks,
     )
     t0 = time.perf_counter()
     engine = bh.boost(model, opt, plan)
@@ -441,11 +472,13 @@ def part_model(a, dev: torch.device, paths: PathCount) -> None:
         loads.append(float(c.max() / c.mean()))
     mode = f"behemoth-ep{ep}" + (f"-epdp{world // ep}" if world > ep else "")
     mode += f"-zero{a.zero}" if a.zero else ""
+    mode += f"-overlap{chunks}" if chunks > 1 else ""
     emit(
         dict(
             what="moe-model",
             model=a.size,
             mode=mode,
+            chunks=chunks,
             gpus=world,
             ep=ep,
             ep_dp=world // ep,
@@ -517,9 +550,20 @@ def parse_args(argv=None):
     p.add_argument("--offload", default=None, choices=[None, "cpu", "auto"], help="model: Plan.offload")
     p.add_argument("--param-dtype", default=None, choices=[None, "bf16"], help="model: Plan.param_dtype")
     p.add_argument("--ckpt", action="store_true", help="model: activation checkpointing")
+    p.add_argument(
+        "--chunks",
+        default="1",
+        help="layer, model: comma-separated chunk counts of the overlapped expert exchange (1: at once)",
+    )
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 peak FLOP/s per GPU (H100/H200 SXM)")
     a = p.parse_args(argv)
     a.parts = PARTS if a.part == "all" else tuple(a.part.split(","))
+    try:
+        a.chunk_counts = [int(c) for c in a.chunks.split(",")]
+    except ValueError:
+        p.error(f"--chunks {a.chunks!r}: comma-separated integers >= 1, e.g. 1,2,4.")
+    if min(a.chunk_counts) < 1:
+        p.error(f"--chunks {a.chunks!r}: comma-separated integers >= 1, e.g. 1,2,4.")
     unknown = [x for x in a.parts if x not in PARTS]
     if unknown:
         p.error(f"--part {a.part!r}: unknown {unknown}; choose among {PARTS} or all.")

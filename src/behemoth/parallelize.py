@@ -48,6 +48,8 @@ from .parallel.expert import (
     gather_expert_state,
     moe_layers,
     parallelize_experts,
+    recorded,
+    replays_routing,
 )
 from .parallel.pipeline.forward import install_pipelined_forward
 from .parallel.pipeline.p2p import StageChannels, pipeline_channels
@@ -270,8 +272,9 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
         inner = block.forward
 
         @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def forward(*args, _inner=inner, _moe=replays_routing(block), **kwargs):
+            # an MoE block's recompute reuses its forward's routes (no second sort or host read)
+            return checkpoint(recorded(_inner) if _moe else _inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
         block._behemoth_checkpointed = True

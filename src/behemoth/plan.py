@@ -72,6 +72,10 @@ class Plan:
     """'ulysses' (all-to-all over heads) or 'ring' (ring attention)."""
     ep: int = 1
     """Expert-parallel degree, a subdivision of the data-parallel axis."""
+    ep_overlap: int = 1
+    """Over-decomposition of expert parallelism: every MoE layer splits its tokens into this many
+    chunks, chunk i+1's dispatch all-to-all running during chunk i's expert GEMMs and chunk i's
+    combine during chunk i+1's (backward likewise). The same sums as 1, up to GEMM rounding."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters."""
     offload: str | None = None
@@ -101,7 +105,7 @@ class Plan:
     """Compile each transformer block with torch.compile (after activation checkpointing)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "cp", "ep"):
+        for name in ("tp", "tp_depth", "tp_overlap", "pp", "microbatches", "virtual_stages", "cp", "ep", "ep_overlap"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Plan.{name}={v!r}: must be an integer >= 1; set {name}=1 to disable it.")
@@ -117,6 +121,11 @@ class Plan:
         if not self.bucket_mb > 0:
             raise ValueError(f"Plan.bucket_mb={self.bucket_mb!r}: must be > 0 (100 is a good default).")
         self._check_tp_shape()
+        if self.ep_overlap > 1 and self.ep == 1:
+            raise ValueError(
+                f"Plan.ep_overlap={self.ep_overlap} overlaps expert-parallel all-to-alls; there is none "
+                f"with ep=1. Set ep > 1 or ep_overlap=1."
+            )
         if self.sequence_parallel and (self.tp_mode != "1d" or self.tp == 1):
             raise ValueError(
                 f"Plan.sequence_parallel=True needs 1D tensor parallelism with tp > 1; got tp={self.tp}, "

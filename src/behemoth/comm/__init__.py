@@ -14,8 +14,8 @@ The package, one module per kind of operation (every name is importable from her
   buckets, ZeRO chunks, SUMMA's steps): :func:`all_reduce`, :func:`all_gather`,
   :func:`reduce_scatter`, :func:`broadcast`, :func:`reduce`, :func:`all_to_all`,
   :func:`all_to_all_single` (uneven splits), :func:`all_gather_into`, and
-  :func:`all_gather_async`, :func:`reduce_scatter_async` that return a handle; the scalar
-  helpers :func:`all_reduce_scalars`, :func:`all_agree`;
+  :func:`all_gather_async`, :func:`reduce_scatter_async`, :func:`all_to_all_single_async` that
+  return a handle; the scalar helpers :func:`all_reduce_scalars`, :func:`all_agree`;
 * :mod:`.traced` -- what :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` and
   the ``*_async`` forms run inside ``torch.compile``'d code: functional collectives the
   compiler traces (a 2D block with its SUMMA Linears is one graph), each booked in the ledger
@@ -46,6 +46,7 @@ from .collectives import (
     all_reduce_scalars,
     all_to_all,
     all_to_all_single,
+    all_to_all_single_async,
     broadcast,
     reduce,
     reduce_scatter,
@@ -77,6 +78,7 @@ __all__ = [
     "reduce",
     "all_to_all",
     "all_to_all_single",
+    "all_to_all_single_async",
     "all_gather_into",
     "all_gather_async",
     "reduce_scatter_async",

@@ -167,6 +167,35 @@ def all_to_all_single(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_s
 
 
 @eager
+def all_to_all_single_async(
+    t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int], out: torch.Tensor | None = None
+) -> AsyncCollective:
+    """Start :func:`all_to_all_single` (uneven rows out and in along dim 0) into ``out`` (a new
+    tensor when None; its rows are defined once waited for); the handle's ``wait()`` returns
+    the rows received. ``t`` must not change until then. Ledger as :func:`all_to_all_single`
+    (booked when issued; the wait books the blocked time)."""
+    if axis.trivial:
+        if out is not None:
+            out.copy_(t)
+        return AsyncCollective(None, axis, lambda: t if out is None else out)
+    src = t.contiguous()
+    if out is None:
+        out = src.new_empty((sum(recv_sizes), *src.shape[1:]))
+    row = src.element_size() * math.prod(src.shape[1:])
+    work = dist.all_to_all_single(
+        out,
+        src,
+        output_split_sizes=list(recv_sizes),
+        input_split_sizes=list(send_sizes),
+        group=axis.group,
+        async_op=True,
+    )
+    sent = sum(send_sizes) * row
+    axis.ledger.record(axis.name, "all_to_all", sent, sent - send_sizes[axis.rank] * row)
+    return AsyncCollective(work, axis, lambda: out, src, out)
+
+
+@eager
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
     """Gather every member's 1-D ``shard`` into ``out`` (member ``i``'s at ``[i*n, (i+1)*n)``).
     ``shard`` may be ``out``'s own slot (in place, as ZeRO stages 1-2 gather updated shards).

@@ -1,12 +1,16 @@
 """Expert parallelism: the router's tokens dispatched to the ranks holding their experts
-(:mod:`.dispatch`), grouped expert GEMMs (:mod:`.grouped`), the MoE blocks it knows
+(:mod:`.dispatch`), chunk by chunk with the all-to-alls overlapped with the experts' GEMMs
+(:mod:`.overlap`), grouped expert GEMMs (:mod:`.grouped`), the MoE blocks it knows
 (:mod:`.blocks`: behemoth's and transformers'), the style that plugs them into a model's MoE
-blocks (:mod:`.style`), and their router losses (:mod:`.losses`)."""
+blocks (:mod:`.style`), their routes kept for activation checkpointing's recompute
+(:mod:`.replay`), and their router losses (:mod:`.losses`)."""
 
 from .blocks import ExpertBlock, is_transformers_moe_block
-from .dispatch import combine, dispatch
+from .dispatch import Routes, combine, dispatch
 from .grouped import grouped_swiglu
 from .losses import ExpertLayers
+from .overlap import exchange
+from .replay import recorded, replays_routing
 from .style import (
     ExpertParallel,
     ExpertShard,
@@ -25,11 +29,13 @@ __all__ = [
     "ExpertLayers",
     "ExpertParallel",
     "ExpertShard",
+    "Routes",
     "check_experts",
     "combine",
     "data_axis_of",
     "dense_tensor_plan",
     "dispatch",
+    "exchange",
     "expert_param_axes",
     "expert_shard",
     "gather_expert_state",
@@ -37,4 +43,6 @@ __all__ = [
     "is_transformers_moe_block",
     "moe_layers",
     "parallelize_experts",
+    "recorded",
+    "replays_routing",
 ]

@@ -3,14 +3,18 @@
 The E experts are sharded over the ``ep`` axis in contiguous blocks (member r holds experts
 ``r*E/n ... (r+1)*E/n - 1``). A forward through the experts is
 
-1. **sort**: the T*K (token, slot) assignments sorted by expert, once (one stable argsort, which
-   the combine and both backwards reuse), so the rows for member r are one contiguous run; the
-   assignments per expert counted on the device (no host read);
-2. **split sizes**: every member's per-expert counts exchanged with one even all-to-all of ``E``
-   integers, then read to the host **once** (:class:`HostSizes`: started right after the
-   exchange, into pinned memory, while the device goes on gathering the rows): the only wait of
-   the host per layer and step -- the backward reads nothing;
-3. **dispatch**: the rows gathered in expert order (cast to the GEMM dtype first,
+1. **routes** (:class:`Routes`, made once per layer and forward): the T*K (token, slot)
+   assignments sorted by (chunk, expert) in one stable argsort, which the combine and both
+   backwards reuse (the tokens are split into ``chunks`` contiguous runs, :func:`chunk_sizes`:
+   one unless the exchange is overlapped with the experts' GEMMs, :mod:`.overlap`), so the rows
+   of one chunk for member r are one contiguous run; the assignments per chunk and expert
+   counted on the device (no host read);
+2. **split sizes**: every member's per-chunk, per-expert counts exchanged with one even
+   all-to-all of ``chunks * E`` integers, then read to the host **once** (:class:`HostSizes`:
+   started right after the exchange, into pinned memory, while the device goes on gathering the
+   rows): the only wait of the host per layer and step -- the backward reads nothing, and a
+   recompute under activation checkpointing replays the routes (:mod:`.replay`);
+3. **dispatch**: each chunk's rows gathered in expert order (cast to the GEMM dtype first,
    :class:`SendRows`), exchanged with one uneven ``all_to_all_single``
    (:class:`~behemoth.comm.AllToAllSingleAxis`), then placed by local expert in one scatter
    (:class:`PlaceRows`; each group padded with zero rows to a multiple of ``align`` where the
@@ -26,17 +30,19 @@ atomic accumulation: each is a permutation, and a token's k row gradients are su
 runs the reverse all-to-alls on every member, even one that received no rows (its empty output
 stays in the autograd graph), so an expert with no tokens cannot hang a step.
 
-The bookkeeping (:func:`count_experts`, :func:`block_shifts`, :func:`padding_rows`) is pure and
-unit-tested (against a plain sort and regrouping, in tests/unit/test_expert_dispatch.py).
+The bookkeeping (:func:`count_experts`, :func:`block_shifts`, :func:`padding_rows`,
+:func:`chunk_sizes`) is pure and unit-tested (against a plain sort and regrouping, in
+tests/unit/test_expert_dispatch.py).
 
-Communication per forward per MoE layer: all-to-all of ``E`` int64 (sizes), then of the
+Communication per forward per MoE layer: all-to-all of ``chunks * E`` int64 (sizes), then of the
 ``T*K`` rows of width H out and back (and the same two in backward), in the experts' GEMM dtype
-(bf16 under bf16 autocast, both ways); fewer rows when a capacity drops assignments (an
-assignment to expert ``E`` is dropped: never sent).
+(bf16 under bf16 autocast, both ways), one call per chunk each way; fewer rows when a capacity
+drops assignments (an assignment to expert ``E`` is dropped: never sent).
 :func:`behemoth.parallel.expert.traffic.ep_all_to_all_bytes` is the formula.
 
 Tested in tests/unit/test_expert_dispatch.py (the host reads per layer pinned too),
-tests/dist/test_expert_autocast.py and tests/dist/test_expert_parallel.py.
+tests/dist/test_expert_autocast.py, tests/dist/test_expert_parallel.py and
+tests/dist/test_expert_overlap.py (chunks).
 """
 
 from __future__ import annotations
@@ -53,9 +59,11 @@ __all__ = [
     "HostSizes",
     "PlaceRows",
     "Routed",
+    "Routes",
     "SendRows",
     "TakeRows",
     "block_shifts",
+    "chunk_sizes",
     "combine",
     "count_experts",
     "dispatch",
@@ -101,6 +109,13 @@ def padding_rows(counts_L: list[int], padded_L: list[int]) -> list[int]:
     return rows
 
 
+def chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
+    """Tokens in each of ``chunks`` contiguous runs of ``num_tokens`` tokens: as even as can be,
+    the longer runs first (every rank makes the same number of runs, some maybe empty). Pure."""
+    base, extra = divmod(num_tokens, chunks)
+    return [base + (c < extra) for c in range(chunks)]
+
+
 class HostSizes:
     """One device-to-host read of a small int64 tensor, started at construction (into pinned
     memory, without waiting, on a CUDA device) and waited for by :meth:`wait`: the host can queue
@@ -124,11 +139,12 @@ class HostSizes:
 
 @dataclass
 class Routed:
-    """What :func:`combine` needs from :func:`dispatch`."""
+    """One chunk's routes, what :func:`combine` needs from :func:`dispatch`."""
 
     axis: Axis
     order_A: torch.Tensor
-    """Flat (token, slot) indices ``t*K + k`` in the order their rows were sent (the kept ones)."""
+    """Flat (token, slot) indices ``t*K + k`` of the chunk's tokens in the order their rows were
+    sent (the kept ones)."""
     token_A: torch.Tensor
     """Their tokens: ``order_A // K``."""
     send_sizes: list[int]
@@ -142,38 +158,47 @@ class Routed:
     """Rows of the experts' layout (the padding included)."""
     dtype: torch.dtype
     """The dispatched tokens' dtype (the residual stream's): :func:`combine` returns it."""
+    counts: list[int] | None = None
+    """Rows of each local expert in the experts' layout (its padding included)."""
 
 
 class _Pending:
-    """The split sizes of one dispatch, read once (:class:`HostSizes`): the assignments per expert
-    and dropped (``E + 1``), then the rows each member sends for each local expert (``E``)."""
+    """The split sizes of one layer's routes, read once (:class:`HostSizes`): for each chunk the
+    assignments per expert and dropped (``chunks * (E + 1)``), then for each member, chunk and
+    local expert the rows that member sends (``chunks * E``)."""
 
-    def __init__(self, sizes: HostSizes, num_experts: int, members: int) -> None:
-        self.sizes, self.num_experts, self.members = sizes, num_experts, members
+    def __init__(self, sizes: HostSizes, num_experts: int, members: int, chunks: int) -> None:
+        self.sizes, self.num_experts, self.members, self.chunks = sizes, num_experts, members, chunks
         self.values: list[int] | None = None
 
-    def read(self) -> tuple[list[int], int, list[list[int]]]:
-        """``(counts_E, dropped, recv_counts_RL)``."""
+    def read(self, chunk: int) -> tuple[list[int], int, list[list[int]]]:
+        """``(counts_E, dropped, recv_counts_RL)`` of ``chunk``."""
         if self.values is None:
             self.values = self.sizes.wait()
-        E, n = self.num_experts, self.members
-        v, L = self.values, self.num_experts // self.members
-        return v[:E], v[E], [v[E + 1 + r * L : E + 1 + (r + 1) * L] for r in range(n)]
+        E, n, C = self.num_experts, self.members, self.chunks
+        v, L = self.values, E // n
+        at = chunk * (E + 1)
+        recv = C * (E + 1)  # where the received counts start: member r, chunk c at recv + (r*C + c)*L
+        rows = [v[recv + (r * C + chunk) * L : recv + (r * C + chunk + 1) * L] for r in range(n)]
+        return v[at : at + E], v[at + E], rows
+
+    def kept(self, chunk: int, assignments: int) -> int:
+        """Assignments of ``chunk`` (``assignments`` of them) its capacity kept."""
+        return assignments - self.read(chunk)[1]
 
 
 class SendRows(torch.autograd.Function):
     """The rows a dispatch sends, local: forward ``x_TH.to(dtype)[token_A[:kept]]`` with ``token_A
     = order_A // K`` (a token's row cast once, then gathered once per kept assignment, in expert
-    order; the gather is queued before the host waits for ``pending``'s sizes, which say how many
-    are kept). Backward:
+    order; the gather is queued before the host waits for the split sizes, ``kept()``, which say
+    how many are kept). Backward:
     each row's gradient put back at its (token, slot) position (zero for a dropped one) and a
     token's K summed in ``x_TH``'s dtype, as the backward of ``x_TH[token].to(dtype)`` sums them."""
 
     @staticmethod
-    def forward(ctx, x_TH, order_A, token_A, top_k: int, dtype: torch.dtype, pending: _Pending):
+    def forward(ctx, x_TH, order_A, token_A, top_k: int, dtype: torch.dtype, kept):
         rows_AH = x_TH.to(dtype).index_select(0, token_A)
-        _, dropped, _ = pending.read()
-        kept = order_A.numel() - dropped
+        kept = kept()
         ctx.save_for_backward(order_A[:kept])
         ctx.shape, ctx.dtype, ctx.top_k = x_TH.shape, x_TH.dtype, top_k
         return rows_AH[:kept]
@@ -226,12 +251,130 @@ class TakeRows(torch.autograd.Function):
         return _scatter(grad, slot, pad[0] if pad else None, ctx.num_rows), None, None, None
 
 
+class Routes:
+    """One MoE layer's routes for one forward: the tokens split into ``chunks`` contiguous runs
+    (:func:`chunk_sizes`), each run's (token, slot) assignments sorted by expert, and -- once the
+    split sizes are on the host -- each chunk's :class:`Routed`. Made by :meth:`build` (the one
+    sort, the split-size exchange and its one host read); a recompute of the layer under
+    activation checkpointing reuses the forward's (:mod:`.replay`), so it sorts and reads nothing.
+    ``align``: see :func:`dispatch`."""
+
+    def __init__(self, axis: Axis, num_experts: int, top_k: int, token_sizes: list[int], order_A, recv, pending, align):
+        self.axis, self.num_experts, self.top_k, self.align = axis, num_experts, top_k, align
+        self.token_sizes = token_sizes
+        """Tokens in each chunk."""
+        self.recv = recv
+        """The received split sizes on the device (member, chunk, local expert)."""
+        self.pending: _Pending = pending
+        self.orders, self.tokens = [], []  # each chunk's assignments in expert order (its dropped ones last)
+        at = 0
+        for size in token_sizes:
+            block = order_A[at : at + size * top_k]
+            block = block - at if at else block  # flat indices within the chunk
+            self.orders.append(block)
+            self.tokens.append(block // top_k)
+            at += size * top_k
+        self._routed: dict[int, Routed] = {}
+
+    @property
+    def chunks(self) -> int:
+        return len(self.token_sizes)
+
+    @staticmethod
+    def build(experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, chunks: int = 1, align: int = 1) -> Routes:
+        """The routes of ``experts_TK`` (``[T, K]``; expert ``num_experts``: dropped by a
+        capacity) over ``axis``. Collective over ``axis``: the split sizes' even all-to-all; their
+        host read is started, not waited for (the first chunk's rows wait for it)."""
+        n = axis.size
+        num_local = num_experts // n
+        T, top_k = experts_TK.shape
+        sizes = chunk_sizes(T, chunks)
+        bins = num_experts + 1  # the last: assignments a capacity dropped
+        key_A = experts_TK.reshape(-1)
+        if chunks > 1:  # the chunk first, then the expert
+            runs = to_device([s * top_k for s in sizes], key_A.device)
+            chunk_A = torch.repeat_interleave(torch.arange(chunks, device=key_A.device), runs, output_size=T * top_k)
+            key_A = key_A + bins * chunk_A
+        counts = count_experts(key_A, chunks * bins)
+        send = counts[:num_experts]
+        if chunks > 1:  # member r gets, chunk by chunk, the counts of its local experts
+            send = counts.view(chunks, bins)[:, :num_experts].reshape(chunks, n, num_local).transpose(0, 1).reshape(-1)
+        block = [chunks * num_local] * n
+        recv = comm.all_to_all_single(send, axis, block, block)
+        pending = _Pending(HostSizes(torch.cat([counts, recv])), num_experts, n, chunks)
+        # the one sort, of narrow keys (fewer radix passes on a GPU); each chunk's dropped assignments last
+        narrow = torch.int16 if chunks * bins <= 2**15 else torch.int32
+        order_A = torch.argsort(key_A.to(narrow), stable=True)
+        return Routes(axis, num_experts, top_k, sizes, order_A, recv, pending, align)
+
+    def send_rows(self, x_TH: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The rows chunk ``chunk`` (its ``token_sizes[chunk]`` tokens, ``x_TH``) sends, in expert
+        order, in the experts' GEMM dtype (:class:`SendRows`). The first call waits for the split
+        sizes."""
+        order, token = self.orders[chunk], self.tokens[chunk]
+        kept = lambda: self.pending.kept(chunk, order.numel())  # noqa: E731
+        return SendRows.apply(x_TH, order, token, self.top_k, gemm_dtype(x_TH), kept)
+
+    def routed(self, chunk: int, dtype: torch.dtype) -> Routed:
+        """Chunk ``chunk``'s :class:`Routed` (made once; the split sizes on the host by then)."""
+        if chunk in self._routed:
+            return self._routed[chunk]
+        n, num_local = self.axis.size, self.num_experts // self.axis.size
+        counts_E, dropped, recv_RL = self.pending.read(chunk)
+        order = self.orders[chunk]
+        kept = order.numel() - dropped
+        send_sizes = [sum(counts_E[r * num_local : (r + 1) * num_local]) for r in range(n)]
+        recv_sizes = [sum(row) for row in recv_RL]
+        local_counts = [sum(row[l] for row in recv_RL) for l in range(num_local)]
+        padded = pad_groups(local_counts, self.align)[0] if self.align > 1 else local_counts
+        shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
+        slot = pad = None
+        if any(shifts) or pad_rows:
+            received, device = sum(recv_sizes), order.device
+            moved, pad = to_device(shifts + pad_rows, device).split([len(shifts), len(pad_rows)])
+            recv = self.recv if self.chunks == 1 else self.recv.view(n, self.chunks, num_local)[:, chunk]
+            slot = torch.arange(received, device=device) + torch.repeat_interleave(
+                moved, recv.reshape(-1), output_size=received
+            )
+            pad = pad if pad_rows else None
+        order = order[:kept]
+        routed = Routed(
+            self.axis, order, self.tokens[chunk][:kept], send_sizes, recv_sizes, slot, pad, sum(padded), dtype, padded
+        )
+        self._routed[chunk] = routed
+        return routed
+
+
+def place_rows(x_recv: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """The received rows in the experts' layout (:class:`PlaceRows`; as they are where they
+    arrive in it)."""
+    if routed.slot is None:
+        return x_recv
+    return PlaceRows.apply(x_recv, routed.slot, routed.pad, routed.num_rows)
+
+
+def take_rows(y_NH: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """The experts' output rows in the order their inputs arrived (:class:`TakeRows`)."""
+    if routed.slot is None:
+        return y_NH
+    return TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
+
+
+def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """``y_TH``: the rows back at their tokens, each token's k weighted by ``weights_TK`` and
+    summed (in the product's dtype), returned in the dispatched tokens' dtype. Local."""
+    num_tokens = weights_TK.shape[0]
+    weighted_AH = y_AH * weights_TK.reshape(-1).index_select(0, routed.order_A)[:, None]
+    y_TH = weighted_AH.new_zeros((num_tokens, y_AH.shape[-1])).index_add_(0, routed.token_A, weighted_AH)
+    return y_TH.to(routed.dtype)
+
+
 @torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
 def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, align: int = 1):
     """``(x_NH, local_counts, routed)``: the rows this member's experts must process, grouped
     by local expert (``local_counts[l]`` rows for local expert l), and the record for
     :func:`combine`. Collective over ``axis``: the split sizes, then the rows. One host read
-    (:class:`HostSizes`), no other.
+    (:class:`HostSizes`), no other. :func:`dispatch_routes` with routes of one chunk made here.
 
     The rows travel in the dtype the experts' GEMMs read them in (:func:`~.grouped.gemm_dtype`:
     autocast's under autocast, where the residual stream stays float32): cast before the
@@ -241,38 +384,19 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
     rows, at least ``align`` (:func:`~.grouped.pad_groups`; ``local_counts`` then count the
     padding, which :func:`combine` drops): the layout the grouped GEMMs want
     (:func:`~.grouped.group_alignment`), made in the scatter the rows take anyway."""
-    n = axis.size
-    num_local = num_experts // n
-    top_k = experts_TK.shape[-1]
-    flat_A = experts_TK.reshape(-1)
-    counts = count_experts(flat_A, num_experts + 1)  # the last: assignments a capacity dropped
-    recv = comm.all_to_all_single(counts[:num_experts], axis, [num_local] * n, [num_local] * n)
-    pending = _Pending(HostSizes(torch.cat([counts, recv])), num_experts, n)
-    # the one sort, of narrow keys (fewer radix passes on a GPU); dropped assignments (expert E) last
-    order_A = torch.argsort(flat_A.to(torch.int16 if num_experts < 2**15 else torch.int32), stable=True)
-    token_A = order_A // top_k
-    x_AH = SendRows.apply(x_TH, order_A, token_A, top_k, gemm_dtype(x_TH), pending)  # waits for the sizes
-    counts_E, dropped, recv_RL = pending.read()
-    kept = order_A.numel() - dropped
-    order_A, token_A = order_A[:kept], token_A[:kept]
-    send_sizes = [sum(counts_E[r * num_local : (r + 1) * num_local]) for r in range(n)]
-    recv_sizes = [sum(row) for row in recv_RL]
-    local_counts = [sum(row[l] for row in recv_RL) for l in range(num_local)]
-    x_recv = comm.AllToAllSingleAxis.apply(x_AH, axis, send_sizes, recv_sizes)
-    padded = pad_groups(local_counts, align)[0] if align > 1 else local_counts
-    shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
-    slot = pad = None
-    x_NH = x_recv
-    if any(shifts) or pad_rows:
-        received = x_recv.shape[0]
-        moved, pad = to_device(shifts + pad_rows, x_recv.device).split([len(shifts), len(pad_rows)])
-        slot = torch.arange(received, device=x_recv.device) + torch.repeat_interleave(
-            moved, recv.reshape(-1), output_size=received
-        )
-        pad = pad if pad_rows else None
-        x_NH = PlaceRows.apply(x_recv, slot, pad, sum(padded))
-    routed = Routed(axis, order_A, token_A, send_sizes, recv_sizes, slot, pad, sum(padded), x_TH.dtype)
-    return x_NH, padded, routed
+    return dispatch_routes(x_TH, Routes.build(experts_TK, num_experts, axis, align=align))
+
+
+@torch.compiler.disable  # eager in compiled blocks, as dispatch
+def dispatch_routes(x_TH: torch.Tensor, routes: Routes):
+    """:func:`dispatch` along ``routes`` (of one chunk): ``(x_NH, local_counts, routed)``.
+    Collective over the routes' axis: the rows."""
+    if routes.chunks != 1:
+        raise ValueError(f"dispatch_routes: routes of {routes.chunks} chunks; overlap.exchange runs those.")
+    x_AH = routes.send_rows(x_TH, 0)  # waits for the sizes
+    routed = routes.routed(0, x_TH.dtype)
+    x_recv = comm.AllToAllSingleAxis.apply(x_AH, routes.axis, routed.send_sizes, routed.recv_sizes)
+    return place_rows(x_recv, routed), routed.counts, routed
 
 
 @torch.compiler.disable  # eager in compiled blocks, as dispatch
@@ -284,9 +408,6 @@ def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> tor
     the sum returned in the dispatched tokens' dtype (the residual stream's: float32 under
     autocast, as the serial layer returns it). Collective over the axis of :func:`dispatch`;
     no host read."""
-    rows_NH = y_NH if routed.slot is None else TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
+    rows_NH = take_rows(y_NH, routed)
     y_AH = comm.AllToAllSingleAxis.apply(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
-    num_tokens = weights_TK.shape[0]
-    weighted_AH = y_AH * weights_TK.reshape(-1).index_select(0, routed.order_A)[:, None]
-    y_TH = weighted_AH.new_zeros((num_tokens, y_NH.shape[-1])).index_add_(0, routed.token_A, weighted_AH)
-    return y_TH.to(routed.dtype)
+    return weigh_rows(y_AH, weights_TK, routed)

@@ -31,7 +31,8 @@ rank's block of experts *in place* (the same Parameter objects, so an optimizer 
 serial model keeps them, and the state-dict keys stay the model's) and replaces the block's
 forward (on the instance) by the block's own routing -> :func:`~.dispatch.dispatch` -> local
 experts (:func:`~.grouped.grouped_swiglu`) -> :func:`~.dispatch.combine` over
-``mesh.axis('ep')`` (+ the shared expert). The router losses are those of the serial model on
+``mesh.axis('ep')`` (+ the shared expert); with ``chunks`` > 1 (``Plan.ep_overlap``) chunk by
+chunk, the all-to-alls overlapped with the experts' GEMMs (:func:`~.overlap.exchange`). The router losses are those of the serial model on
 the *global* batch: the expert counts, the capacity's drops and the token count are summed over
 ``dp`` (one all-reduce of 2E + 1 numbers per layer; ``token_counts`` holds the global counts), and
 each rank's loss is its share (the router probabilities of its tokens), so the shares summed
@@ -67,9 +68,10 @@ from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
-from .dispatch import combine, dispatch
 from .grouped import group_alignment
 from .losses import ExpertLayers
+from .overlap import exchange
+from .replay import routes
 
 __all__ = [
     "ExpertParallel",
@@ -187,7 +189,9 @@ class ExpertParallel:
     ``context``: ``(cp axis, cp mode)`` when the sequence is split over ranks (a capacity then
     sees the whole sequences), else None. ``sequence_parallel``: the model's 1D
     :class:`~behemoth.parallel.tensor.region1d.ParallelRegion` under sequence parallelism (the
-    block reads the norm's gathered sequence and returns this tp rank's shard), else None."""
+    block reads the norm's gathered sequence and returns this tp rank's shard), else None.
+    ``chunks``: the tokens of each forward split into this many runs, each run's all-to-alls
+    overlapped with another's expert GEMMs (:mod:`.overlap`); 1 exchanges them at once."""
 
     def __init__(
         self,
@@ -196,9 +200,12 @@ class ExpertParallel:
         replica_axis: str = "ep_dp",
         context: tuple[str, str] | None = None,
         sequence_parallel=None,
+        chunks: int = 1,
     ) -> None:
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"ExpertParallel(chunks={chunks!r}): must be an integer >= 1 (1: no overlap).")
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
-        self.context, self.sequence_parallel = context, sequence_parallel
+        self.context, self.sequence_parallel, self.chunks = context, sequence_parallel, chunks
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -221,7 +228,9 @@ class ExpertParallel:
         sequence = None
         if self.sequence_parallel is not None and not mesh.axis("tp").trivial:
             sequence = (mesh.axis("tp"), self.sequence_parallel)
-        module.forward = types.MethodType(_make_forward(block, ep, data, whole_rows, sequence), module)
+        forward = _make_forward(block, ep, data, whole_rows, sequence, self.chunks)
+        module.forward = types.MethodType(forward, module)
+        module._behemoth_expert_routes = True  # its routes are kept for a recompute (replay.recorded)
         return module
 
 
@@ -249,7 +258,7 @@ def _whole_rows(cp: Axis, mode: str):
     return gather, take
 
 
-def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None):
+def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None, chunks: int = 1):
     def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
         # sequence parallelism: the whole sequence here (the norm gathered it), as on every tp rank;
         # this rank's shard of the output out (ScatterToAxis: the output gradient all-gathered, so every
@@ -260,11 +269,10 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
         x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         r = block.route(x_BSH, whole_rows)
-        # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway)
-        align = group_alignment(x_TH)
-        x_NH, local_counts, routed = dispatch(x_TH, r.experts_TK, block.num_experts, ep, align=align)
-        y_NH = block.run_experts(x_NH, local_counts)
-        y_TH = combine(y_NH, r.weights_TK, routed)
+        # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
+        # a checkpointed block's recompute gets its forward's routes back (no sort, no host read)
+        routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
+        y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts)
         shared_TH = block.shared(x_TH)
         if shared_TH is not None:
             y_TH = y_TH + shared_TH
@@ -316,6 +324,7 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp",
         context=("cp", plan.cp_mode) if plan.cp > 1 else None,
         sequence_parallel=_region_of(model) if sequence_parallel else None,
+        chunks=plan.ep_overlap,
     )
     styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
     if styled:
