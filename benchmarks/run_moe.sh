@@ -14,6 +14,9 @@
 #        (its experts' fp32 state alone is 54 GiB per rank at ep = 2), halved once after an OOM;
 #        DEADLINE: seconds by which the last run ends (default 570); SKIP_PEER=1 skips the peer;
 #        QUICK=1 stops after behemoth's Mixtral (dispatch, layer and one model: about 2 minutes);
+#        OVERLAP=1 runs only the overlapped expert exchange, chunks 1 vs 2 vs 4 (Plan.ep_overlap):
+#        the layer part (bf16; balanced, zipf, zipf-spread) with --chunks 1,2,4 in one process, then
+#        mixtral-4b at ep = NGPU once per chunk count (a process each); about 4 minutes on 2 GPUs;
 #        a CPU smoke check of the script:
 #        NGPU=2 SKIP_PEER=1 BENCH_EXTRA="--tiny --device cpu" bash benchmarks/run_moe.sh)
 set -u
@@ -46,6 +49,11 @@ olmoe_ep2() {   # name, extra flags...
     bench "$name-mbs$((olmoe_mbs / 2))" 110 --part model --size olmoe-1b-7b --mbs $((olmoe_mbs / 2)) "$@"
   fi
 }
+if [ -n "${OVERLAP:-}" ]; then
+  bench overlap-layer 120 --part layer --precisions bf16 --routings balanced,zipf,zipf-spread --chunks 1,2,4 --iters 20
+  for c in 1 2 4; do bench "overlap-mixtral-chunks$c" 75 --part model --size mixtral-4b --mbs 4 --chunks "$c"; done
+  exit 0
+fi
 bench layer 120 --part dispatch,layer --precisions bf16,autocast
 bench mixtral-ep$n 110 --part model --size mixtral-4b --mbs 4
 [ -n "${QUICK:-}" ] && exit 0

@@ -3,7 +3,9 @@ behemoth.parallel.expert.overlap) matches serial training at dp=2 x ep=2: losses
 gradient norm, ``full_state_dict()`` and the per-expert token counts, rtol 1e-4 in fp32 -- with 2
 chunks; with 3 chunks, micro-batches and activation checkpointing (the recompute replays the
 forward's routes: no second split-size exchange in the ledger); and with a rank whose batch is
-empty (every chunk of it empty). The ep axis's ledger equals the formula exactly (the same rows
+empty (every chunk of it empty); and transformers' Mixtral under ZeRO-3 with activation
+checkpointing (its experts module called once per chunk, each call gathering through ZeRO-3's
+hooks, in the forward and the recompute). The ep axis's ledger equals the formula exactly (the same rows
 as one exchange, one call per chunk each way), and the order in which the all-to-alls are
 started and waited for is the overlapped one, forward and backward."""
 
@@ -19,6 +21,7 @@ from common import (
     shard,
     train_steps,
 )
+from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import build_moe, optimizer_for, serial_moe_run
 
 import behemoth as bh
@@ -89,6 +92,16 @@ def _overlap_world(rank: int, world: int) -> None:
         losses.append(engine.step(mine))
         norms.append(engine.last_grad_norm)
     check_ledger(engine, rows, 2, 1, False, what)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+    what = f"transformers Mixtral dp={world} ep=2 ep_overlap=2 zero=3 ckpt"
+    want = serial_hf_run("mixtral", batches)
+    model = build_hf_moe("mixtral")
+    plan = bh.Plan(dp=world, ep=2, ep_overlap=2, zero=3, activation_checkpointing=True)
+    engine = bh.boost(model, adamw(model), plan, max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
     assert_losses_close(losses, want[0], what=what)
     assert_grad_norms_close(norms, want[2], what=what)
     assert_state_close(engine.full_state_dict(), want[1], what=what)
