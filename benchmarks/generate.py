@@ -26,6 +26,11 @@ parallelism generation runs the layers' no-grad forward (functional collectives)
 step is one graph with its all-reduces inside; 2D / 2.5D / 3D layers keep their collectives eager
 (``torch.compiler.disable``), so their graphs are cut around them.
 
+``--one-shot on|both`` (tp > 1) runs ``bh.generate(one_shot_all_reduce=True)``: the decode
+steps' small all-reduces over tp as a symmetric-memory one-shot all-reduce (no NVLink multicast;
+``behemoth.comm.oneshot``; NCCL where it cannot run), ``both`` with and without it on the same
+model, one RESULT line each (key ``one_shot``).
+
 Each run prints ``decode_ms`` (ms per decode step) in its RESULT line; ``--profile`` adds, per
 run, a torch.profiler table of the top operators per decode step (rank 0, lines prefixed
 ``PROFILE``): a profile of the timed call (``--new`` tokens, so a compiled run replays the graphs
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 import behemoth as bh
+from behemoth.comm import oneshot
 from behemoth.models import Llama, LlamaConfig
 
 LLAMA3_8B = dict(
@@ -91,7 +97,7 @@ def build(seq_len: int, layers: int | None, tiny: bool) -> Llama:
     return model.eval()
 
 
-def timed_generate(model, prompts, new: int, repeats: int, compile_step: bool):
+def timed_generate(model, prompts, new: int, repeats: int, compile_step: bool, one_shot: bool = False):
     """The last of ``repeats`` calls: its wall seconds (prefill included) and its
     :class:`~behemoth.generation.Generation` (the prefill's and the decode steps' seconds, read
     from CUDA events on the stream; the earlier calls compile and record the CUDA graphs)."""
@@ -99,7 +105,14 @@ def timed_generate(model, prompts, new: int, repeats: int, compile_step: bool):
         _sync()
         dist.barrier()
         t = time.perf_counter()
-        out = bh.generate(model, prompts, max_new_tokens=new, compile=compile_step, return_timing=True)
+        out = bh.generate(
+            model,
+            prompts,
+            max_new_tokens=new,
+            compile=compile_step,
+            return_timing=True,
+            one_shot_all_reduce=one_shot,
+        )
         _sync()
         total = time.perf_counter() - t
     return total, out
@@ -159,27 +172,35 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
     # every dp replica decodes the same batch: one row block per replica
     vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
     prompts = torch.randint(0, vocab, (batch, args.prompt), generator=g).repeat(world // tp, 1)
-    total, out = timed_generate(model, prompts, args.new, args.repeats, args.compile == "step")
-    result = dict(
-        what="behemoth-generate",
-        tp=tp,
-        tp_mode=mode,
-        dp=world // tp,
-        batch=batch,
-        prompt=args.prompt,
-        new_tokens=args.new,
-        compile=args.compile,
-        s=round(total, 3),
-        tok_s=round(batch * args.new / total, 1),
-        decode_ms=round(out.decode_s / max(1, out.decode_steps) * 1e3, 3),
-        decode_tok_s=round(batch * out.decode_steps / out.decode_s, 1) if out.decode_s > 0 else None,
-        prefill_ms=round(out.prefill_s * 1e3, 2),
-        prefill_tok_s=round(batch * args.prompt / out.prefill_s, 1),
-        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        gpu=torch.cuda.get_device_name() if cuda else "cpu",
-    )
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+    one_shots = {"off": [False], "on": [True], "both": [False, True]}[args.one_shot] if tp > 1 else [False]
+    first = None
+    for one_shot in one_shots:
+        total, out = timed_generate(model, prompts, args.new, args.repeats, args.compile == "step", one_shot)
+        first = out.tokens if first is None else first
+        result = dict(
+            what="behemoth-generate",
+            tp=tp,
+            tp_mode=mode,
+            dp=world // tp,
+            batch=batch,
+            prompt=args.prompt,
+            new_tokens=args.new,
+            compile=args.compile,
+            one_shot=one_shot,
+            # switched on where every rank could run it (else the usual all-reduce ran)
+            one_shot_ran=one_shot and bool(oneshot._KEPT),
+            same_tokens_as_first=bool(torch.equal(out.tokens, first)),
+            s=round(total, 3),
+            tok_s=round(batch * args.new / total, 1),
+            decode_ms=round(out.decode_s / max(1, out.decode_steps) * 1e3, 3),
+            decode_tok_s=round(batch * out.decode_steps / out.decode_s, 1) if out.decode_s > 0 else None,
+            prefill_ms=round(out.prefill_s * 1e3, 2),
+            prefill_tok_s=round(batch * args.prompt / out.prefill_s, 1),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            gpu=torch.cuda.get_device_name() if cuda else "cpu",
+        )
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
     if args.profile:
         tag = f"tp={tp} {mode} batch={batch}" + (f" compiled ({args.compile})" if args.compile != "none" else "")
         profile_decode(model, prompts, args.new, tag, args.compile == "step")
@@ -238,6 +259,13 @@ def main() -> None:
         choices=["none", "step", "forward"],
         help="step (the default of a bare --compile): bh.generate(compile=True), the whole decode step one "
         "CUDA graph; forward: torch.compile(model.forward, mode='reduce-overhead') only",
+    )
+    p.add_argument(
+        "--one-shot",
+        default="off",
+        choices=["off", "on", "both"],
+        help="tp > 1: the decode steps' small all-reduces as the symmetric-memory one-shot all-reduce "
+        "(bh.generate(one_shot_all_reduce=True)); both: one RESULT line each, the same model",
     )
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
     p.add_argument("--profile", action="store_true", help="print the top ops per decode step of each run")

@@ -13,7 +13,10 @@
   once and the prefill once, compiles nothing new on a second call, syncs the host a fixed
   number of times per call, and gives the serial model's greedy tokens, seeded samples and
   EOS-stopped rows; checking EOS every 5 steps gives the tokens of checking after every step;
-  the timings are positive.
+  the timings are positive;
+* ``one_shot_all_reduce=True`` under gloo falls back to the usual all-reduce (same tokens, same
+  ledger); with a stand-in switched on for the tp axis, exactly the decode steps' all-reduces
+  (those within its byte bound) go through it, booked in the ledger as before.
 
 The reference is the serial model's greedy tokens, computed in each process.
 """
@@ -146,6 +149,46 @@ def _compiled_step(model, want, sampled, want_eos, eos) -> None:
         assert bh.generate(model, ROWS, max_new_tokens=12, eos_token_id=eos, stop_check_every=every) == want_eos
 
 
+def _one_shot(model, want) -> None:
+    import torch.distributed as dist
+
+    from behemoth.comm import oneshot
+
+    axis = model._behemoth_parallelization.mesh.axis("tp")
+    ledger = model._behemoth_parallelization.mesh.ledger
+    per_forward = {"all_reduce": 1 + 2 * LAYERS, "all_gather": 1}
+    with bh.comm.one_shot_all_reduce(axis) as impl:
+        assert impl is None  # gloo on CPU: the usual all-reduce stays
+    ledger.reset()
+    assert bh.generate(model, ROWS, max_new_tokens=9, one_shot_all_reduce=True) == [r[:9] for r in want]
+    assert ledger.stats()["tp"]["ops"] == {k: 9 * n for k, n in per_forward.items()}
+
+    class StandIn:  # sums as the one-shot kernel would, through gloo, and counts what it is given
+        max_bytes = 1024  # a decode step's [3, 1, 32] fp32 (384 bytes), not the prefill's [3, 5, 32] (1920)
+        group_name = axis.group.group_name
+
+        def __init__(self):
+            self.sizes = []
+
+        def __call__(self, t):
+            self.sizes.append(t.numel() * t.element_size())
+            out = t.clone()
+            dist.all_reduce(out, group=axis.group)
+            return out
+
+    stand_in, rule = StandIn(), oneshot.eligible
+    oneshot._ACTIVE[axis.group.group_name] = stand_in
+    oneshot.eligible = lambda nbytes, dtype, device_type, max_bytes: rule(nbytes, dtype, "cuda", max_bytes)
+    try:
+        ledger.reset()
+        assert bh.generate(model, ROWS, max_new_tokens=9) == [r[:9] for r in want]
+    finally:
+        oneshot._ACTIVE.pop(axis.group.group_name)
+        oneshot.eligible = rule
+    assert stand_in.sizes == [384] * 8 * (1 + 2 * LAYERS), stand_in.sizes  # 8 decode steps
+    assert ledger.stats()["tp"]["ops"] == {k: 9 * n for k, n in per_forward.items()}
+
+
 def _world(rank, world):
     want = bh.generate(build(), ROWS, max_new_tokens=12)
     sampled = bh.generate(build(), ROWS, max_new_tokens=12, **SAMPLING)
@@ -164,6 +207,7 @@ def _world(rank, world):
     _no_autograd_functions(model)
     _compiled(model, want)
     _compiled_step(model, want, sampled, want_eos, eos)
+    _one_shot(model, want)
     # sequence parallelism: the decode steps pause it, so they communicate as plain 1D does
     sp = bh.parallelize(build(), bh.Plan(tp=world, sequence_parallel=True))
     assert bh.generate(sp, ROWS, max_new_tokens=12) == want

@@ -23,6 +23,9 @@ The package, one module per kind of operation (every name is importable from her
 * :mod:`.functional` -- functional collectives for forwards without autograd, traceable by
   ``torch.compile`` (a compiled decode step is one graph, collectives inside):
   :func:`all_reduce_functional`, :func:`all_gather_functional`;
+* :mod:`.oneshot` -- :func:`one_shot_all_reduce`: for its duration, the small all-reduces of
+  :func:`all_reduce_functional` over an axis run as a symmetric-memory one-shot all-reduce
+  (CUDA, one host; elsewhere the usual all-reduce stays);
 * :mod:`.functions` -- named autograd Functions for model-level communication, each docstring
   stating the forward and the backward operation (Megatron's f/g mappings and their
   relatives, and :class:`ExchangeWithPeer` over :func:`exchange`);
@@ -64,6 +67,7 @@ from .functions import (
     ReduceScatterToAxis,
     ScatterToAxis,
 )
+from .oneshot import one_shot_all_reduce
 from .p2p import exchange, recv_async, ring_shift_async, send_async
 
 __all__ = [
@@ -86,6 +90,7 @@ __all__ = [
     "all_agree",
     "all_reduce_functional",
     "all_gather_functional",
+    "one_shot_all_reduce",
     "CopyToAxis",
     "ReduceFromAxis",
     "GatherFromAxis",

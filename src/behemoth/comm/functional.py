@@ -17,16 +17,21 @@ from __future__ import annotations
 import torch
 
 from .axis import Axis, nbytes
+from .oneshot import one_shot_for
 
 
 def all_reduce_functional(t: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Sum ``t`` over ``axis`` into a new tensor (``t`` is not modified). Ledger as
-    :func:`~.collectives.all_reduce`."""
+    :func:`~.collectives.all_reduce`. Inside :func:`~.oneshot.one_shot_all_reduce` for
+    ``axis``, a small CUDA tensor goes through the one-shot all-reduce instead (booked alike)."""
     if axis.trivial:
         return t
     if not torch.compiler.is_compiling():
         n = axis.size
         axis.ledger.record(axis.name, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t))
+    one_shot = one_shot_for(axis, t)  # None unless switched on for this axis (oneshot.py) and t is small
+    if one_shot is not None:
+        return one_shot(t)
     out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", axis.group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 

@@ -95,6 +95,7 @@ def generate(
     return_timing: bool = False,
     compile=False,
     stop_check_every: int = 16,
+    one_shot_all_reduce: bool = False,
 ):
     """Continue each prompt by up to ``max_new_tokens`` tokens with ``model`` (serial, or
     parallelized by ``bh.parallelize`` / ``bh.boost`` under any plan without pp or cp; every rank
@@ -116,7 +117,10 @@ def generate(
     backend (a name or a callable) compiles both with it. A compiled call keeps its KV cache and
     buffers on the model for the next call of the same shape (behemoth's models only).
     ``stop_check_every``: with ``eos_token_id``, how many steps run between two reads of "has
-    every row stopped" (each read waits for the device; the tokens do not depend on it)."""
+    every row stopped" (each read waits for the device; the tokens do not depend on it).
+    ``one_shot_all_reduce``: the tp axis's small all-reduces (a decode step's, up to
+    ``comm.oneshot.ONE_SHOT_MAX_BYTES``) run as a symmetric-memory one-shot all-reduce where every
+    rank of the axis can (CUDA, one host; :mod:`behemoth.comm.oneshot`), else as usual."""
     sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1.")
@@ -130,7 +134,7 @@ def generate(
     real_rows = batch.rows
     batch = padded_rows(batch, run.row_split)
 
-    with run.active():
+    with run.active(one_shot_all_reduce):
         out = run.loop(
             batch,
             real_rows,
@@ -199,16 +203,21 @@ class _Run:
         return cls(model, model.__dict__.get("_behemoth_parallelization"))
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self, one_shot: bool = False):
         """Evaluation mode, no autograd (1D layers: their no-grad forward), the head's logits
-        gathered, for the duration."""
+        gathered, and (``one_shot``) the tp axis's one-shot all-reduce, for the duration."""
         head = self.record.vocab_head if self.record is not None else None
         gather, training = (head.gather_output if head is not None else None), self.model.training
+        tp = self.record.mesh.axis("tp") if self.record is not None and self.record.plan.tp > 1 else None
         self.model.eval()
         if head is not None:
             head.gather_output = True
         try:
-            with torch.no_grad(), no_grad_forward(self.model):
+            with (
+                torch.no_grad(),
+                no_grad_forward(self.model),
+                comm.one_shot_all_reduce(tp) if one_shot and tp is not None else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             self.model.train(training)
