@@ -42,7 +42,7 @@ drops assignments (an assignment to expert ``E`` is dropped: never sent).
 
 Tested in tests/unit/test_expert_dispatch.py (the host reads per layer pinned too),
 tests/dist/test_expert_autocast.py, tests/dist/test_expert_parallel.py and
-tests/dist/test_expert_overlap.py (chunks).
+tests/dist/test_expert_overlap.py and tests/unit/test_expert_routes.py (chunks).
 """
 
 from __future__ import annotations

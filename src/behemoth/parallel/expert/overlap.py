@@ -20,9 +20,9 @@ all-to-all waited for where it is issued. Either way the rows and the bytes are 
 exchange (the ledger books one call per chunk each way, and ``chunks * E`` split sizes:
 :func:`~.traffic.ep_all_to_all_bytes`).
 
-Tested in tests/dist/test_expert_overlap.py (chunks 2 and 3 against serial training and against
-chunks = 1, the ledger's bytes and the order of starts and waits) and
-tests/unit/test_expert_dispatch.py (one rank).
+Tested in tests/dist/test_expert_overlap.py (chunks 2 and 3 against serial training, the
+ledger's bytes and calls, and the order of starts and waits) and tests/unit/test_expert_routes.py
+(one rank).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ zero-bubble schedule runs the backward of the input and of the weights apart) re
 the first. :func:`routes` is what an MoE layer calls for its routes. ``recorded`` keeps the routes
 as long as the checkpoint keeps the function (until the block's backward is done).
 
-Tested in tests/unit/test_expert_dispatch.py (the host reads and sorts of a checkpointed model's
+Tested in tests/unit/test_expert_routes.py (the host reads and sorts of a checkpointed model's
 forward and backward) and the checkpointed runs of tests/dist/test_expert_routing.py and
 tests/dist/test_expert_overlap.py (their ledgers count no second split-size exchange).
 """
