@@ -18,8 +18,8 @@ the timed call itself (no second call, no subtraction).
 
 ``--compile`` (``--compile step``) runs ``bh.generate(compile=True)``: the whole decode step
 (forward, sampling, cache position and bookkeeping, advanced in place on the device) compiled by
-inductor and replayed as one CUDA graph per token, the prefill compiled without CUDA graphs, the
-KV cache and buffers kept on the model between calls (the timed call replays the graphs the
+inductor and replayed as one CUDA graph per token (the prefill eager), the KV cache and buffers
+kept on the model between calls (the timed call replays the graphs the
 earlier calls recorded). ``--compile forward`` is the older way: ``torch.compile(model.forward,
 mode="reduce-overhead")``, the sampling and bookkeeping eager around it. Under 1D tensor
 parallelism generation runs the layers' no-grad forward (functional collectives), so a decode

@@ -151,8 +151,8 @@ def _local_support(axis: Axis) -> tuple[bool, str]:
 
 @torch.library.custom_op("behemoth::one_shot_all_reduce", mutates_args=())
 def _one_shot_op(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    if t.storage_offset() * t.element_size() % _ALIGN:
-        t = t.clone()  # the kernel wants both buffers 16-byte aligned
+    if not t.is_contiguous() or t.storage_offset() * t.element_size() % _ALIGN:
+        t = t.clone(memory_format=torch.contiguous_format)  # the kernel wants both buffers dense, 16-byte aligned
     buf = _KEPT[group_name].buffers[t.dtype]
     return torch.ops.symm_mem.one_shot_all_reduce_copy(buf[: t.numel()].view(t.shape), t, "sum", group_name)
 

@@ -109,16 +109,13 @@ def decode_step(decoder: Decoder) -> None:
     decoder.decode()
 
 
-def prefill_step(step, ids_bP: torch.Tensor, pos_bP: torch.Tensor) -> torch.Tensor:
-    return step(ids_bP, pos_bP, 0)
-
-
 class CompiledDecode:
-    """The buffers and compiled functions of ``bh.generate(..., compile=...)`` for one shape,
-    kept on the model between calls: the KV cache and :class:`DecodeState` (their addresses
-    stay, so the CUDA graphs recorded by an earlier call replay), the decode step compiled
-    (``mode="reduce-overhead"``, CUDA graphs, with inductor on GPUs) and the prefill compiled
-    (no CUDA graphs: its shape is the prompts'). Another shape replaces them."""
+    """The buffers and the compiled decode step of ``bh.generate(..., compile=...)`` for one
+    shape, kept on the model between calls: the KV cache and :class:`DecodeState` (their
+    addresses stay, so the CUDA graph recorded by an earlier call replays) and the step compiled
+    (``mode="reduce-overhead"``, CUDA graphs, with inductor on GPUs). The prefill stays eager:
+    it runs once a call, and compiled it would compile again for every prompt length. Another
+    shape replaces them."""
 
     ATTRIBUTE = "_behemoth_compiled_decode"
 
@@ -126,7 +123,6 @@ class CompiledDecode:
         self.key, self.cache, self.state = key, cache, state
         graphs = backend == "inductor" and device.type == "cuda"
         self.decode = torch.compile(decode_step, backend=backend, mode="reduce-overhead" if graphs else None)
-        self.prefill = torch.compile(prefill_step, backend=backend, dynamic=False)
 
     @classmethod
     def of(cls, model, key, build):

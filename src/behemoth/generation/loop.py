@@ -48,7 +48,7 @@ from .. import comm
 from ..parallel.tensor.tp1d import no_grad_forward, sequence_parallel_paused
 from ..specs import max_seq_len_of
 from .cache import KVCache, cached_attentions
-from .decode import CompiledDecode, Decoder, DecodeState, StepClock, decode_step, prefill_step
+from .decode import CompiledDecode, Decoder, DecodeState, StepClock, decode_step
 from .prompts import Prompts, left_pad, padded_rows, positions
 from .sampling import Sampler, Sampling
 from .steps import CachedStep, TransformersStep
@@ -113,8 +113,8 @@ def generate(
     ``compile``: False runs the decode steps as they are (a ``torch.compile``'d ``model.forward``
     still compiles); True compiles the whole decode step -- the forward, the pick, the
     bookkeeping -- into one function (inductor; on GPUs replayed as a CUDA graph,
-    ``mode="reduce-overhead"``), and the prefill without CUDA graphs; a ``torch.compile``
-    backend (a name or a callable) compiles both with it. A compiled call keeps its KV cache and
+    ``mode="reduce-overhead"``; the prefill stays as it is); a ``torch.compile`` backend (a
+    name or a callable) compiles the step with it. A compiled call keeps its KV cache and
     buffers on the model for the next call of the same shape (behemoth's models only).
     ``stop_check_every``: with ``eos_token_id``, how many steps run between two reads of "has
     every row stopped" (each read waits for the device; the tokens do not depend on it).
@@ -268,10 +268,10 @@ class _Run:
         if compile:
             compiled = self._compiled(valid_bP, B, P + max_new, max_new, compile)
             step, state = CachedStep(self.model, compiled.cache), compiled.state
-            decode, prefill = compiled.decode, compiled.prefill
+            decode = compiled.decode
         else:
             step, state = self._step_fn(valid_bP, P + max_new), DecodeState(B, max_new, dev)
-            decode, prefill = decode_step, prefill_step
+            decode = decode_step
         state.start(
             done_B=~real.to(dev),
             next_pos_B=valid_BP.long().sum(-1),
@@ -284,7 +284,7 @@ class _Run:
         steps = 1
         with step.attached():
             clock.mark()
-            logits_BV = prefill(step, self.tp_block(ids_BP), self.tp_block(positions(valid_BP)))
+            logits_BV = step(self.tp_block(ids_BP), self.tp_block(positions(valid_BP)), 0)
             if keep:
                 state.keep_logits(logits_BV.shape[-1])
             decoder.choose(logits_BV)
