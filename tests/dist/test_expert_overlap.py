@@ -3,7 +3,9 @@ behemoth.parallel.expert.overlap) matches serial training at dp=2 x ep=2: losses
 gradient norm, ``full_state_dict()`` and the per-expert token counts, rtol 1e-4 in fp32 -- with 2
 chunks; with 3 chunks, micro-batches and activation checkpointing (the recompute replays the
 forward's routes: no second split-size exchange in the ledger); and with a rank whose batch is
-empty (every chunk of it empty); and transformers' Mixtral under ZeRO-3 with activation
+empty (every chunk of it empty); with sigmoid scores, the balancing bias, a capacity that drops
+(the serial drops) and a shared expert (computed while the last combines travel); and
+transformers' Mixtral under ZeRO-3 with activation
 checkpointing (its experts module called once per chunk, each call gathering through ZeRO-3's
 hooks, in the forward and the recompute). The ep axis's ledger equals the formula exactly (the same rows
 as one exchange, one call per chunk each way), and the order in which the all-to-alls are
@@ -20,9 +22,13 @@ from common import (
     global_batches,
     shard,
     train_steps,
+    train_steps_dropping_as_serial,
 )
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import build_moe, optimizer_for, serial_moe_run
+from test_expert_routing import adamw as routing_adamw
+from test_expert_routing import build as build_routing
+from test_expert_routing import serial_run as serial_routing_run
 
 import behemoth as bh
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
@@ -92,6 +98,17 @@ def _overlap_world(rank: int, world: int) -> None:
         losses.append(engine.step(mine))
         norms.append(engine.last_grad_norm)
     check_ledger(engine, rows, 2, 1, False, what)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+    name = "sigmoid-bias-shared-capacity"
+    what = f"{name} dp={world} ep=2 ep_overlap=2"
+    want = serial_routing_run(name, batches, world, 1)
+    model = build_routing(name)
+    engine = bh.boost(model, routing_adamw(model), bh.Plan(dp=world, ep=2, ep_overlap=2), max_grad_norm=1.0)
+    losses, norms = train_steps_dropping_as_serial(engine, batches, want[3], what)
+    assert any(sum(d) > 0 for step in want[3] for _, d in step), what  # the capacity dropped some
     assert_losses_close(losses, want[0], what=what)
     assert_grad_norms_close(norms, want[2], what=what)
     assert_state_close(engine.full_state_dict(), want[1], what=what)

@@ -275,6 +275,7 @@ class Routes:
             self.tokens.append(block // top_k)
             at += size * top_k
         self._routed: dict[int, Routed] = {}
+        self._moves: dict[int, tuple[list[int], list[int]] | None] = {}
 
     @property
     def chunks(self) -> int:
@@ -316,32 +317,40 @@ class Routes:
         return SendRows.apply(x_TH, order, token, self.top_k, gemm_dtype(x_TH), kept)
 
     def routed(self, chunk: int, dtype: torch.dtype) -> Routed:
-        """Chunk ``chunk``'s :class:`Routed` (made once; the split sizes on the host by then)."""
+        """Chunk ``chunk``'s :class:`Routed`, its sizes only -- host arithmetic on the split sizes
+        (read by then), no device work, so the chunk's all-to-all can start at once; where its
+        rows go in the experts' layout is :meth:`lay_out`'s. Made once."""
         if chunk in self._routed:
             return self._routed[chunk]
         n, num_local = self.axis.size, self.num_experts // self.axis.size
         counts_E, dropped, recv_RL = self.pending.read(chunk)
-        order = self.orders[chunk]
-        kept = order.numel() - dropped
+        kept = self.orders[chunk].numel() - dropped
         send_sizes = [sum(counts_E[r * num_local : (r + 1) * num_local]) for r in range(n)]
         recv_sizes = [sum(row) for row in recv_RL]
         local_counts = [sum(row[l] for row in recv_RL) for l in range(num_local)]
         padded = pad_groups(local_counts, self.align)[0] if self.align > 1 else local_counts
+        order, token = self.orders[chunk][:kept], self.tokens[chunk][:kept]
+        routed = Routed(self.axis, order, token, send_sizes, recv_sizes, None, None, sum(padded), dtype, padded)
         shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
-        slot = pad = None
-        if any(shifts) or pad_rows:
-            received, device = sum(recv_sizes), order.device
+        self._routed[chunk] = routed
+        self._moves[chunk] = (shifts, pad_rows) if any(shifts) or pad_rows else None
+        return routed
+
+    def lay_out(self, chunk: int) -> Routed:
+        """:meth:`routed` of ``chunk`` with ``slot`` and ``pad`` (where its received rows go in
+        the experts' layout, and the padding) on the device. Made once."""
+        routed = self._routed[chunk]
+        moves = self._moves.pop(chunk, None)
+        if moves is not None:
+            shifts, pad_rows = moves
+            n, num_local = self.axis.size, self.num_experts // self.axis.size
+            received, device = sum(routed.recv_sizes), routed.order_A.device
             moved, pad = to_device(shifts + pad_rows, device).split([len(shifts), len(pad_rows)])
             recv = self.recv if self.chunks == 1 else self.recv.view(n, self.chunks, num_local)[:, chunk]
-            slot = torch.arange(received, device=device) + torch.repeat_interleave(
+            routed.slot = torch.arange(received, device=device) + torch.repeat_interleave(
                 moved, recv.reshape(-1), output_size=received
             )
-            pad = pad if pad_rows else None
-        order = order[:kept]
-        routed = Routed(
-            self.axis, order, self.tokens[chunk][:kept], send_sizes, recv_sizes, slot, pad, sum(padded), dtype, padded
-        )
-        self._routed[chunk] = routed
+            routed.pad = pad if pad_rows else None
         return routed
 
 
@@ -396,7 +405,7 @@ def dispatch_routes(x_TH: torch.Tensor, routes: Routes):
     x_AH = routes.send_rows(x_TH, 0)  # waits for the sizes
     routed = routes.routed(0, x_TH.dtype)
     x_recv = comm.AllToAllSingleAxis.apply(x_AH, routes.axis, routed.send_sizes, routed.recv_sizes)
-    return place_rows(x_recv, routed), routed.counts, routed
+    return place_rows(x_recv, routes.lay_out(0)), routed.counts, routed
 
 
 @torch.compiler.disable  # eager in compiled blocks, as dispatch

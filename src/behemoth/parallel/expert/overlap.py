@@ -105,27 +105,35 @@ def wait(buffer: torch.Tensor, e: Exchange) -> torch.Tensor:
     return WaitExchange.apply(buffer, e)
 
 
-def exchange(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_experts) -> torch.Tensor:
+def exchange(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_experts, shared=None) -> torch.Tensor:
     """``y_TH``: each token's rows through its experts (``run_experts(x_NH, local_counts)``, this
     member's experts on their rows) and back, weighted and summed (as :func:`~.dispatch.combine`
     sums them), along ``routes`` -- chunk by chunk with the all-to-alls overlapped when the
-    routes have more than one chunk (see the module docstring). Collective over the routes' axis."""
+    routes have more than one chunk (see the module docstring) -- plus ``shared(x_TH)`` where
+    given (a shared expert; over chunks, computed while the last combines travel). Collective
+    over the routes' axis."""
     if routes.chunks == 1:
         x_NH, local_counts, routed = dispatch_routes(x_TH, routes)
-        return combine(run_experts(x_NH, local_counts), weights_TK, routed)
-    return _exchange_chunks(x_TH, weights_TK, routes, run_experts)
+        y_TH = combine(run_experts(x_NH, local_counts), weights_TK, routed)
+        shared_TH = None if shared is None else shared(x_TH)
+        return y_TH if shared_TH is None else y_TH + shared_TH
+    return _exchange_chunks(x_TH, weights_TK, routes, run_experts, shared)
 
 
 @torch.compiler.disable  # eager in compiled blocks: the chunks' collectives interleave with the experts
-def _exchange_chunks(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_experts) -> torch.Tensor:
+def _exchange_chunks(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_experts, shared):
     xs, ws = x_TH.split(routes.token_sizes), weights_TK.split(routes.token_sizes)
-    rows = [routes.send_rows(x, c) for c, x in enumerate(xs)]  # the first waits for the split sizes
-    chunks: list[Routed] = [routes.routed(c, x_TH.dtype) for c in range(routes.chunks)]
-    sent = [start(x_AH, routes.axis, r.send_sizes, r.recv_sizes) for x_AH, r in zip(rows, chunks)]
+    chunks: list[Routed] = []
+    sent = []
+    for c, x in enumerate(xs):
+        x_AH = routes.send_rows(x, c)  # the first waits for the split sizes
+        chunks.append(routes.routed(c, x_TH.dtype))
+        sent.append(start(x_AH, routes.axis, chunks[c].send_sizes, chunks[c].recv_sizes))
     back = []
-    for (buffer, e), r in zip(sent, chunks):
-        x_NH = place_rows(wait(buffer, e), r)
+    for c, ((buffer, e), r) in enumerate(zip(sent, chunks)):
+        x_NH = place_rows(wait(buffer, e), routes.lay_out(c))
         y_NH = run_experts(x_NH, r.counts)
         back.append(start(take_rows(y_NH, r), routes.axis, r.recv_sizes, r.send_sizes))
-    ys = [weigh_rows(wait(buffer, e), w, r) for (buffer, e), w, r in zip(back, ws, chunks)]
-    return torch.cat(ys)
+    shared_TH = None if shared is None else shared(x_TH)
+    y_TH = torch.cat([weigh_rows(wait(buffer, e), w, r) for (buffer, e), w, r in zip(back, ws, chunks)])
+    return y_TH if shared_TH is None else y_TH + shared_TH

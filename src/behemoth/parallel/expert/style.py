@@ -272,10 +272,7 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
         # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
         # a checkpointed block's recompute gets its forward's routes back (no sort, no host read)
         routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
-        y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts)
-        shared_TH = block.shared(x_TH)
-        if shared_TH is not None:
-            y_TH = y_TH + shared_TH
+        y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
         counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
         # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
         local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
