@@ -130,15 +130,24 @@ def test_recompute_and_zero_bubble_repeat_the_blocks_collectives():
 
 def test_moe_split_size_exchange_is_in_the_ep_bytes():
     """Per rank, an even routing's ep wire bytes are (ep-1)/ep of its share of the group's payload,
-    ``ep_all_to_all_bytes`` (the split sizes' exchange included, twice with recomputation)."""
+    ``ep_all_to_all_bytes`` (the split sizes' exchange included, once per chunk of ``ep_overlap``;
+    a recomputation runs the row all-to-alls again, not the split sizes')."""
     w = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
     s = w.shape
-    for ckpt in (False, True):
-        plan = bh.Plan(ep=4, microbatches=2, precision="bf16", activation_checkpointing=ckpt).resolve(8)
+    for ckpt, chunks in ((False, 1), (True, 1), (True, 2)):
+        plan = bh.Plan(
+            ep=4, ep_overlap=chunks, microbatches=2, precision="bf16", activation_checkpointing=ckpt
+        ).resolve(8)
         mbs = w.global_batch // (plan.dp * plan.microbatches)
         rows = plan.ep * mbs * w.seq_len * w.experts_top_k
         group = ep_all_to_all_bytes(
-            rows=rows, num_experts=w.num_experts, ep=plan.ep, hidden=s.hidden, elem_bytes=2, recompute=ckpt
+            rows=rows,
+            num_experts=w.num_experts,
+            ep=plan.ep,
+            hidden=s.hidden,
+            elem_bytes=2,
+            recompute=ckpt,
+            chunks=chunks,
         )
         want = (plan.ep - 1) / plan.ep * group / plan.ep * s.num_layers * plan.microbatches
         assert step_traffic(plan, w)["ep"] == pytest.approx(want, rel=1e-12)

@@ -188,14 +188,15 @@ def step_traffic(
     if plan.ep > 1 and w.num_experts:
         tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
         one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep
-        # the split sizes' even all-to-all (int64, one per expert; ledger: (ep-1)/ep of them leave),
-        # dispatch + combine forward and backward, all in the experts' GEMM dtype (dispatch casts the
-        # rows to autocast's before they leave: parallel/expert/traffic.py); a recomputed forward
-        # runs its three all-to-alls again
-        splits = w.num_experts * 8 * (plan.ep - 1) / plan.ep
-        forward = splits + 2 * one
+        # the split sizes' even all-to-all (int64, one per expert and chunk of Plan.ep_overlap;
+        # ledger: (ep-1)/ep of them leave), dispatch + combine forward and backward, all in the
+        # experts' GEMM dtype (dispatch casts the rows to autocast's before they leave:
+        # parallel/expert/traffic.py); a recomputed forward runs its two row all-to-alls again (it
+        # reuses the forward's split sizes: parallel/expert/replay.py)
+        splits = plan.ep_overlap * w.num_experts * 8 * (plan.ep - 1) / plan.ep
+        rows = 2 * one * (2 if plan.activation_checkpointing else 1)
         backward = 2 * one * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
-        out["ep"] = (forward * (2 if plan.activation_checkpointing else 1) + backward) * layers * m
+        out["ep"] = (splits + rows + backward) * layers * m
     return out
 
 
