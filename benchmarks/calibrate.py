@@ -27,7 +27,9 @@ Measures, on rank 0's GPU unless said otherwise:
   (the profiler's count), serially and under 1D tensor parallelism over the world (2D too when
   the world is a square): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
   from the serial block; ``host_call_s[mode]`` (seconds per collective call beyond its kernels)
-  and ``kernels_per_collective`` from each mode's extra kernels and NCCL kernels per block.
+  and ``kernels_per_collective`` from each mode's extra kernels and NCCL kernels per block;
+  ``host_forward_share``, a serial block's forward (recording its graph, no backward) over its
+  whole step, per block.
   The JSON is written before this part and again after it, so a failure there keeps the rest.
 
 Link classes it cannot measure (the inter-node fabric on one node) keep the shipped
@@ -314,6 +316,26 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
     return seconds, count, calls
 
 
+def _host_forward(layers: int, plan, dev) -> float:
+    """Host seconds of one forward (with the loss, recording the graph, no backward) of the tiny GPT."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    engine, batch = _tiny_engine(layers, plan, dev)
+
+    def forward() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = engine.model(batch["input_ids"])
+        F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+    for _ in range(2):
+        forward()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(HOST_STEPS):
+        forward()
+    sync()
+    return (time.perf_counter() - t0) / HOST_STEPS
+
+
 def host_figures(world: int, dev) -> dict:
     """The host figures of behemoth.planner.host (see the module docstring); every rank runs it."""
     import behemoth as bh
@@ -332,6 +354,10 @@ def host_figures(world: int, dev) -> dict:
     seconds, kernels, _ = per_block["serial"]
     per_kernel = seconds / max(kernels, 1.0)
     out = {"host_block_kernels": kernels, "host_kernel_s": per_kernel, "host_call_s": {}}
+    lo, hi = (_host_forward(n, plans["serial"], dev) for n in HOST_LAYERS)
+    forward = max(hi - lo, 0.0) / (HOST_LAYERS[1] - HOST_LAYERS[0])
+    if seconds > 0 and 0 < forward < seconds:
+        out["host_forward_share"] = forward / seconds
     for mode in ("1d", "2d"):
         if mode in per_block:
             sec, kern, calls = per_block[mode]

@@ -204,7 +204,29 @@ def run_one(a, plan, dev, vocab: int) -> dict:
         measured_reserved_gib=peak[1].item() / 2**30,
         build_s=built,
         first_step_s=times[0],
+        step_times_s=times,
+        **card_state(dev),
     )
+
+
+def card_state(dev) -> dict:
+    """This rank's GPU after the timed steps: SM clock (MHz), power (W), temperature (C), where
+    torch can read them (pynvml); what a step time measured slower than predicted may owe to."""
+    if dev.type != "cuda":
+        return {}
+    out = {}
+    for key, fn in (("sm_clock_mhz", torch.cuda.clock_rate), ("power_w", torch.cuda.power_draw)):
+        try:
+            out[key] = float(fn(dev)) / (1000.0 if key == "power_w" else 1.0)
+        except Exception:  # no pynvml, or a driver that does not say
+            pass
+    with contextlib.suppress(Exception):
+        out["temperature_c"] = float(torch.cuda.temperature(dev))
+    return out
+
+
+def _rounded(v):
+    return [round(x, 4) for x in v] if isinstance(v, list) else round(v, 4)
 
 
 INJECT: dict = {}
@@ -484,7 +506,7 @@ def main() -> None:
         else:
             out, err = run_guarded(lambda: run_one(a, p.plan, dev, vocab), dev)
         if out is not None:
-            row.update({k: round(v, 4) for k, v in out.items()})
+            row.update({k: _rounded(v) for k, v in out.items()})
             row["oom"] = False
             row["step_err_pct"] = round(100 * (row["predicted_step_s"] / row["measured_step_s"] - 1), 1)
             row["mem_err_pct"] = round(100 * (row["predicted_alloc_gib"] / row["measured_alloc_gib"] - 1), 1)

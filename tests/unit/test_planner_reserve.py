@@ -73,3 +73,22 @@ def test_a_layout_fits_only_with_its_communicators_and_slack():
     assert predict(plan, w, Cluster(num_gpus=4, gpu_bytes=card, calibration=bare)).fits
     p = predict(plan, w, Cluster(num_gpus=4, gpu_bytes=card, calibration=full))
     assert not p.fits and "GiB per GPU" in p.why_not
+
+
+def test_autocast_weight_copies_count_once_per_micro_batch_in_flight():
+    """Under bf16 autocast every GEMM keeps the 16-bit copy of its fp32 weight until its backward:
+    a block's saved set holds 2 bytes a parameter besides its activations, once per micro-batch a
+    pipeline rank holds; fp32 and bf16 parameter copies (param_dtype) keep none."""
+    from behemoth.planner.footprint import block_activation_bytes, footprint
+    from behemoth.planner.params import block_local_params, stage_layers
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    bf16 = bh.Plan(tp=2, precision="bf16").resolve(2)
+    own = bh.Plan(tp=2, precision="bf16", zero=1, param_dtype="bf16").resolve(2)
+    copies = 2 * block_local_params(bf16, w)
+    assert block_activation_bytes(bf16, w, 4)[0] - block_activation_bytes(own, w, 4)[0] == pytest.approx(copies)
+    pipe = bh.Plan(pp=4, microbatches=8, precision="bf16").resolve(4)
+    layers = max(stage_layers(pipe, w))
+    one, four = (footprint(pipe, w, mbs=1, inflight=k, reserved=0.0).activations for k in (1, 4))
+    assert four - one == pytest.approx(3 * layers * block_activation_bytes(pipe, w, 1)[0])
+    assert block_activation_bytes(pipe, w, 1)[0] > 2 * block_local_params(pipe, w)  # the copies are in it

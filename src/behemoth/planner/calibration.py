@@ -26,7 +26,8 @@ measure there)::
       "host_kernel_s": 1.2e-05,                      # host seconds per kernel an eager op launches
       "host_call_s": {"1d": 6e-05, "2d": 2.5e-04},  # ... per collective call, by tensor-parallel mode
       "host_block_kernels": 90,                      # kernels of one block's forward + backward
-      "kernels_per_collective": 2.5                  # kernels a collective call launches (itself, copies)
+      "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
+      "host_forward_share": 0.33                     # the forward's share of a block's host time
     }
 
 The host figures feed :mod:`.host` (the step is at least its host issue time); all zero (the
@@ -109,6 +110,8 @@ class Calibration:
     """Kernels one serial transformer block launches per micro-batch, forward and backward."""
     kernels_per_collective: float = 0.0
     """Kernels per collective call (its own and the copies around it)."""
+    host_forward_share: float = 1 / 3
+    """The forward's share of a serial block's host time per micro-batch (forward and backward)."""
     cuda_context_bytes: float = 0.0
     """Device memory a process holds outside PyTorch's allocator before any communicator (the
     CUDA context, library workspaces); 0: ``reserved_bytes`` stands for it and the NCCL buffers."""
@@ -135,6 +138,10 @@ class Calibration:
         if not 0.0 < self.sustained_ratio <= 1.5:
             raise ValueError(
                 f"calibration {self.name!r}: sustained_ratio={self.sustained_ratio!r} must be in (0, 1.5]."
+            )
+        if not 0.0 < self.host_forward_share < 1.0:
+            raise ValueError(
+                f"calibration {self.name!r}: host_forward_share={self.host_forward_share!r} must be in (0, 1)."
             )
         if not 0.0 <= self.allocator_slack <= 1.0:
             raise ValueError(f"calibration {self.name!r}: allocator_slack={self.allocator_slack!r} must be in [0, 1].")

@@ -22,8 +22,11 @@
 * **host** -- each stage's micro-batch forward and backward take at least the host's time to
   issue their kernels and collectives (:mod:`.host`): eager layouts of many small kernels and
   collectives are host-bound;
-* **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times,
-  point-to-point latency included (zero-bubble with its BI and BW times);
+* **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times
+  (zero-bubble with its BI and BW times), each including its receive: the pipeline executor
+  waits on a stage's activation (per chunk) and output gradient when the action starts, and
+  NCCL's send/receive moves a message only once both sides posted, so each transfer is on the
+  stage's path every micro-batch;
 * **offload** -- gradients down, parameters up over the host link and the CPU Adam update,
   overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
   offload also fetches each chunk forward and backward.
@@ -217,6 +220,22 @@ def predict(
         t_bi = again + (t_b - t_b_compute) / 2
         t_b += again
 
+    # a pipeline stage receives each micro-batch's activation (each of its chunks) before the
+    # forward and its output gradient before the backward: the executor posts a receive when its
+    # action starts and waits on it at once, and NCCL moves a message only once both sides have
+    # posted, so every hand-off's transfer is on the stage's path (also in the fill and drain)
+    t_comm = 0.0
+    if pp > 1:
+        size, stride = strides["pp"]
+        act = mbs * w.seq_len / plan.cp * s.hidden * dt.stream
+        t_comm = cluster.collective_seconds(2, stride, act)
+        recv = plan.virtual_stages * t_comm
+        t_f, t_b = t_f + recv, t_b + recv
+        if t_bi is not None:
+            t_bi += recv
+        comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
+        exposed["pp"] = 2 * m * recv  # inside the makespan: the receives' waits
+
     # the host issues every kernel and collective; the device waits where it falls behind
     ht = host_times(plan, w, cal)
     host_f = layers * ht.forward + ht.pipeline / 2
@@ -228,14 +247,7 @@ def predict(
     t_f, t_b = max(t_f, host_f), max(t_b, host_b)
 
     # the pipeline: the simulator over the stage's micro-batch times
-    t_comm = 0.0
-    if pp > 1:
-        size, stride = strides["pp"]
-        act = mbs * w.seq_len / plan.cp * s.hidden * dt.stream
-        t_comm = cluster.collective_seconds(2, stride, act)
-        comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
-        exposed["pp"] = 0.0  # inside the makespan (its latency per hand-off)
-    makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, t_comm, t_bi)
+    makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, 0.0, t_bi)
 
     # data parallelism / ZeRO over dp (x cp)
     g = plan.dp * plan.cp

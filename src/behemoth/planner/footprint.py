@@ -22,7 +22,12 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ("Reducing Activation Recomputation in Large Transformer Models", with flash attention, so no
 ``s**2`` term): ``T (A_rep h / r + (A_h h + A_f f) / p)`` (``ACTIVATION_BYTES``) with
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
-``T`` tokens of the micro-batch on this context-parallel rank; 2D and 2.5D add each Linear's
+``T`` tokens of the micro-batch on this context-parallel rank. Under 16-bit autocast (fp32
+parameters) every GEMM keeps the 16-bit copy of its weight that autocast made for it until its
+backward, so a block's saved set holds its weights once more in 2 bytes a parameter: once per
+micro-batch in flight (a pipeline rank holding 4 micro-batches holds 4 copies; this, not the
+activations, is most of what the interleaved schedule's extra in-flight micro-batches cost at
+small micro-batches). 2D and 2.5D add instead each Linear's
 gathered weight column (its weights / q, in the compute dtype), which SUMMA keeps from the
 forward for the backward (``Linear2D.keep_gathered_weight``); with activation
 checkpointing only the block input (``4 T h / r``) is kept, plus one block's full set while
@@ -43,12 +48,17 @@ __all__ = ["Footprint", "footprint"]
 
 ACTIVATION_BYTES = {
     # (gated MLP, 16-bit autocast): bytes per token saved by one block, per hidden unit kept on
-    # every 1D rank without sequence parallelism (norm inputs, the residual stream), per hidden
-    # unit split over tp (q, k, v, attention output, casts), per FFN unit (the MLP's inner
-    # activations); read off behemoth's GPT (LayerNorm, GELU) and Llama (RMSNorm, RoPE, SwiGLU)
-    # with autograd's saved-tensor hooks (tests/unit/test_planner_cost.py checks them)
-    (False, True): (12, 16, 8),
-    (True, True): (12, 27, 14),
+    # every 1D rank without sequence parallelism (norm inputs, the fp32 residual stream, the casts
+    # of the norms' outputs), per hidden unit split over tp (q, k, v, attention output), per FFN
+    # unit (the MLP's inner activations); read off behemoth's GPT (LayerNorm, GELU) and Llama
+    # (RMSNorm, RoPE, SwiGLU) with autograd's saved-tensor hooks on the CPU (tests/unit/
+    # test_planner_cost.py checks them): fp32 (16, 16, 8) and (16, 21, 16); under bf16 autocast the
+    # CPU shows (12, 8, 4) and (12, 21, 8), and the 16-bit rows here carry 8 more replicated bytes
+    # per hidden unit that GPUs keep (the 4 x H200 proof of GPT-6.9B, layouts of tp 1-4 with and
+    # without sequence parallelism, pp 1-4: its measured peaks less the other terms here). The
+    # 16-bit weight copies the GEMMs keep are not in these rows (``block_activation_bytes`` adds them).
+    (False, True): (20, 8, 4),
+    (True, True): (20, 21, 8),
     (False, False): (16, 16, 8),
     (True, False): (16, 21, 16),
 }
@@ -72,7 +82,8 @@ class Footprint:
 
 
 def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, float]:
-    """(kept between forward and backward, kept under activation checkpointing) for one block."""
+    """(kept between forward and backward, kept under activation checkpointing) for one block and
+    one micro-batch: activations, and the 16-bit weight copies (or SUMMA's gathered weights)."""
     s = w.shape
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
@@ -84,6 +95,10 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
         q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
         weights = w.attention_params + (0 if w.num_experts else w.mlp_params)
         full += weights / q * (2 if plan.precision in ("bf16", "fp16") else 4)
+    elif plan.precision in ("bf16", "fp16") and plan.param_dtype is None:
+        # autocast casts each fp32 weight to 16 bits once per forward, and the GEMM keeps the copy
+        # for its backward: one copy of the block's weights per micro-batch in flight
+        full += 2 * block_local_params(plan, w)
     return full, 4 * t * s.hidden / rep
 
 

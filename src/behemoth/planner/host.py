@@ -23,7 +23,9 @@ Per block and micro-batch, from the same structure the traffic formulas count
   pipeline); activation checkpointing repeats the forward's calls in the backward;
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
   measured) plus ``kernels_per_collective`` per call (the collective and the copies around it);
-  a third forward, two thirds backward; checkpointing adds a forward;
+  the serial block's split between forward and backward measured too
+  (``host_forward_share``, default a third), the collectives' as the layers issue them;
+  checkpointing adds a forward;
 
 at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its Python and
 bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code around them),
@@ -159,8 +161,9 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     f, b = block_calls(plan, w)
     one = host_call_seconds(cal, plan.tp_mode if plan.tp > 1 else "1d")
     kern = cal.host_block_kernels
-    kf = kern / 3 + cal.kernels_per_collective * f
-    kb = 2 * kern / 3 + cal.kernels_per_collective * b + (kern / 3 if plan.activation_checkpointing else 0.0)
+    share = cal.host_forward_share
+    kf = kern * share + cal.kernels_per_collective * f
+    kb = kern * (1 - share) + cal.kernels_per_collective * b + (kern * share if plan.activation_checkpointing else 0.0)
     pf, pb = pipeline_calls(plan)
     p2p = (pf + pb) * (cal.host_call_s.get("1d", one) + cal.host_kernel_s)
     return HostTimes(
