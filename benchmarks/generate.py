@@ -48,6 +48,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 import behemoth as bh
 from behemoth.comm import oneshot
@@ -198,6 +199,9 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
             prefill_tok_s=round(batch * args.prompt / out.prefill_s, 1),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             gpu=torch.cuda.get_device_name() if cuda else "cpu",
+            # so far in this process: graphs compiled, and compiled graphs run without CUDA graphs
+            graphs=counters["stats"]["unique_graphs"],
+            cudagraph_skips=counters["inductor"]["cudagraph_skips"],
         )
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
