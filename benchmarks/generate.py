@@ -6,8 +6,8 @@ weights, bf16), one RESULT json line per configuration, with transformers' own `
     torchrun --standalone --nproc-per-node 4 benchmarks/generate.py --compile       # decode step compiled
     torchrun --standalone --nproc-per-node 4 benchmarks/generate.py --sweep 2d-vs-1d
 
-``--sweep tp`` (default): batch 1, prompt 128, 256 new tokens, tp = 1, 2, 4 (1D) up to the world
-size; the other ranks of the world run the same configuration as data-parallel replicas
+``--sweep tp`` (default): batch 1 (``--batch 1,64``: each), prompt 128, 256 new tokens, tp = 1,
+2, 4 (1D) up to the world size; the other ranks of the world run the same configuration as data-parallel replicas
 (``dp = world / tp``; each replica decodes its own copy of the batch), so the figures are one
 tp group's. ``--sweep 2d-vs-1d``: tp = 4 in 1D and 2D for batch 1, 8, 64, 256 (2D splits the
 batch over its grid rows: a batch of 1 runs as 2 rows, one a copy). tokens/s counts the real
@@ -253,6 +253,7 @@ def main() -> None:
     p.add_argument("--sweep", default="tp", choices=["tp", "2d-vs-1d"])
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
+    p.add_argument("--batch", default="1", help="tp sweep: batch sizes (comma-separated; default 1)")
     p.add_argument("--batches", default="1,8,64,256", help="2d-vs-1d: batch sizes")
     p.add_argument("--repeats", type=int, default=2, help="calls per configuration; the last is timed")
     p.add_argument(
@@ -283,7 +284,12 @@ def main() -> None:
     world = dist.get_world_size()
     configs = []
     if args.sweep == "tp":
-        configs = [dict(tp=tp, mode="1d", batch=1) for tp in (1, 2, 4) if tp <= world and world % tp == 0]
+        configs = [
+            dict(tp=tp, mode="1d", batch=b)
+            for b in map(int, args.batch.split(","))
+            for tp in (1, 2, 4)
+            if tp <= world and world % tp == 0
+        ]
     else:
         if world < 4:
             sys.exit("--sweep 2d-vs-1d needs 4 GPUs (tp = 4).")
