@@ -8,7 +8,8 @@ Measures, on rank 0's GPU unless said otherwise:
 
 * GEMM rate by size: bf16 ``[m, k] @ [k, n]`` for the shapes transformer blocks of 1-13B
   parameters make under 1-8-way tensor parallelism, as ``[flops, flops_per_s]`` points;
-* causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio;
+* causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio, and
+  both by sequence length (``attention_by_seq``: longer sequences run flash attention faster);
 * device-memory bandwidth (a large copy);
 * first, every rank: the device memory outside PyTorch's allocator (``mem_get_info`` against
   ``memory_reserved``) of the CUDA context, of one NCCL communicator's buffers after its
@@ -79,23 +80,28 @@ def gemm_points() -> list[list[float]]:
     return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
 
 
-def attention() -> tuple[float, float]:
-    rates, ratios = [], []
-    for b, n, s, d in ((4, 16, 2048, 128), (2, 32, 4096, 128)):
-        q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        flops = 2.0 * b * s * s * d * n  # causal: half of 4 b s^2 d n
-        fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        g = torch.randn_like(out)
+def _attention_point(b: int, n: int, s: int, d: int) -> tuple[float, float]:
+    """(forward flops/s, backward rate / forward rate) of causal SDPA on ``[b, n, s, d]``."""
+    q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    flops = 2.0 * b * s * s * d * n  # causal: half of 4 b s^2 d n
+    fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    g = torch.randn_like(out)
 
-        def both():
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            o.backward(g)
+    def both():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o.backward(g)
 
-        bwd = _time(both) - fwd
-        rates.append(flops / fwd)
-        ratios.append((2.5 * flops / max(bwd, 1e-9)) / (flops / fwd))
-    return sum(rates) / len(rates), sum(ratios) / len(ratios)
+    bwd = _time(both) - fwd
+    return flops / fwd, (2.5 * flops / max(bwd, 1e-9)) / (flops / fwd)
+
+
+def attention() -> tuple[float, float, list[list[float]]]:
+    """The forward rate and backward ratio at 2048 and 4096 tokens (their means), and by sequence
+    length from 1,024 to 16,384 (32 heads of 128, 16,384 tokens a call) as ``[seq, rate, ratio]``."""
+    rates, ratios = zip(*(_attention_point(b, n, s, d) for b, n, s, d in ((4, 16, 2048, 128), (2, 32, 4096, 128))))
+    by_seq = [[float(s), *_attention_point(max(1, 16384 // s), 32, s, 128)] for s in (1024, 2048, 4096, 8192, 16384)]
+    return sum(rates) / len(rates), sum(ratios) / len(ratios), by_seq
 
 
 def hbm() -> float:
@@ -395,7 +401,7 @@ def main() -> None:
     measured.append("device memory outside the allocator (" + ", ".join(mem) + ")")
     if rank == 0:
         d["gemm"] = gemm_points()
-        d["attention_flops_per_s"], d["attention_backward_ratio"] = attention()
+        d["attention_flops_per_s"], d["attention_backward_ratio"], d["attention_by_seq"] = attention()
         d["hbm_bytes_per_s"] = hbm()
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)

@@ -65,11 +65,12 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     # every micro-batch casts the rank's weights and their gradients, compute.CAST_BYTES; 2D keeps
     # each Linear's gathered weight column for the backward, 1D and 3D the 16-bit copies autocast made
     # of the weights, per micro-batch in flight (footprint.py); a pipeline stage's receives are in
-    # its micro-batch times (cost.py); the
+    # its micro-batch times (cost.py); 1D with sequence parallelism exposes the all-gathers its GEMMs
+    # wait for and hides its re-gathers and reduce-scatters behind the columns' GEMMs; the
     # calibration's host figures make 2D, 3D and the zero-bubble pipeline of 1-sequence
     # micro-batches host-bound, planner/host.py; its sustained_ratio 0.9 slows every GEMM)
     (bh.Plan(precision="bf16", microbatches=2), 0.3285203996041999, 31723675136.0),
-    (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.1260789716511748, 19428670976.0),
+    (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.11798601835340004, 19428670976.0),
     (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.2631740883490061, 19997761024.0),
     (bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"), 0.5806120767415731, 16470023680.0),
     (
@@ -214,3 +215,23 @@ def test_autocast_weight_casts_are_counted_per_micro_batch():
     assert auto.forward - copies.forward == pytest.approx(one) and auto.backward == pytest.approx(copies.backward)
     ckpt = block_times(bh.Plan(precision="bf16", activation_checkpointing=True), w, cal, 2)
     assert ckpt.backward == pytest.approx(auto.backward + auto.forward)
+
+
+def test_attention_rate_by_sequence_length():
+    """Calibration.attention_by_seq: the rate and backward ratio interpolated in log2(seq) between
+    measured lengths (clamped at the ends), read back from JSON; ring attention's kernels see
+    s / cp tokens, Ulysses' the whole sequence; without the table, the single figures."""
+    cal = load_calibration(GOLDEN_CAL)
+    table = dataclasses.replace(cal, attention_by_seq=((1024.0, 2e14, 0.6), (4096.0, 4e14, 0.8)))
+    assert table.attention_rate(2048) == pytest.approx((3e14, 0.7))
+    assert table.attention_rate(512) == (2e14, 0.6) and table.attention_rate(1 << 15) == (4e14, 0.8)
+    assert cal.attention_rate(2048) == (cal.attention_flops_per_s, cal.attention_backward_ratio)
+    assert Calibration.from_dict(json.loads(table.to_json())) == table
+    from behemoth.planner.compute import block_times
+
+    w = workload_for("gpt-1.3b", seq_len=4096, global_batch=8)
+    fast = dataclasses.replace(table, attention_by_seq=((1024.0, 2e14, 0.6), (4096.0, 8e14, 0.8)))
+    for mode, sees_whole in (("ulysses", True), ("ring", False)):
+        plan = bh.Plan(cp=4, cp_mode=mode, precision="bf16").resolve(4)
+        a, b = (block_times(plan, w, c, 1).attention_forward for c in (table, fast))
+        assert (a == pytest.approx(2 * b)) is sees_whole and (a == pytest.approx(b)) is not sees_whole

@@ -11,6 +11,7 @@ measure there)::
       "gemm": [[flops, flops_per_s], ...],          # achieved bf16 GEMM rate by GEMM size (2mnk)
       "attention_flops_per_s": 3.5e14,               # causal flash attention, forward
       "attention_backward_ratio": 0.8,              # backward rate / forward rate
+      "attention_by_seq": [[seq, flops_per_s, backward_ratio], ...],  # ... by sequence length
       "hbm_bytes_per_s": 2.8e12,                     # achieved device-memory bandwidth
       "links": {"nvlink": [[group, latency_s, bus_bytes_per_s], ...],
                 "ib":     [[group, latency_s, bus_bytes_per_s], ...]},
@@ -93,6 +94,10 @@ class Calibration:
     gpu_bytes: float
     reserved_bytes: float = 3e9
     attention_backward_ratio: float = 0.8
+    attention_by_seq: tuple[tuple[float, float, float], ...] = ()
+    """``(sequence length, forward flops/s, backward ratio)`` points of causal attention: its rate
+    grows with the length a kernel sees; empty: ``attention_flops_per_s`` and
+    ``attention_backward_ratio`` at every length."""
     peak_flops_per_s: float = 0.0
     """The card's dense peak (what MFU divides by); 0 takes the GEMM table's best rate."""
     overlap_slowdown: float = 0.0
@@ -132,6 +137,10 @@ class Calibration:
                 raise ValueError(
                     f"calibration {self.name!r}: links[{name!r}] needs [group, latency_s, bus_bytes_per_s] points."
                 )
+        if any(not (p[0] > 0 and p[1] > 0 and p[2] > 0) for p in self.attention_by_seq):
+            raise ValueError(
+                f"calibration {self.name!r}: attention_by_seq needs [seq, flops_per_s, backward_ratio] points > 0."
+            )
         for k in ("attention_flops_per_s", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be > 0.")
@@ -163,6 +172,14 @@ class Calibration:
             )
 
     # -- rates -------------------------------------------------------------------------
+    def attention_rate(self, seq: float) -> tuple[float, float]:
+        """(forward flops/s, backward rate / forward rate) of causal attention over ``seq`` tokens,
+        interpolated in log2(seq) between the measured lengths (clamped at the ends)."""
+        pts = self.attention_by_seq
+        if not pts:
+            return self.attention_flops_per_s, self.attention_backward_ratio
+        return _interp([(p[0], p[1]) for p in pts], seq), _interp([(p[0], p[2]) for p in pts], seq)
+
     def gemm_seconds(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:
         """One GEMM ``[m, k] @ [k, n]``: its flops at the table's rate, or its bytes at HBM speed."""
         if m <= 0 or n <= 0 or k <= 0:
@@ -188,6 +205,7 @@ class Calibration:
         d = asdict(self)
         d["gemm"] = [list(p) for p in self.gemm]
         d["links"] = {k: [list(p) for p in v] for k, v in self.links.items()}
+        d["attention_by_seq"] = [list(p) for p in self.attention_by_seq]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -197,6 +215,9 @@ class Calibration:
         extra = {k: d.pop(k) for k in list(d) if k not in known}
         d["gemm"] = tuple(sorted((float(a), float(b)) for a, b in d["gemm"]))
         d["links"] = {k: tuple(sorted((int(p), float(a), float(b)) for p, a, b in v)) for k, v in d["links"].items()}
+        d["attention_by_seq"] = tuple(
+            sorted((float(s), float(r), float(b)) for s, r, b in d.get("attention_by_seq", ()))
+        )
         d["extra"] = {**d.get("extra", {}), **extra}
         return cls(**d)
 

@@ -13,7 +13,8 @@ splits it runs at the calibration's rate for its size (:meth:`Calibration.gemm_s
 with ``T`` the tokens of one micro-batch on this rank's context-parallel share. Backward
 runs the input- and weight-gradient GEMMs, twice the forward's work. Causal attention
 does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's attention rate
-(its backward at ``attention_backward_ratio`` of it, 2.5 times the flops), both times the
+(its backward at ``attention_backward_ratio`` of it, 2.5 times the flops; both by the length a
+kernel sees where the calibration measured them by length: the sequence, or ring's ``s/cp`` blocks), both times the
 calibration's ``sustained_ratio``, as GEMMs are (:meth:`Calibration.gemm_seconds`). Norms, residual
 adds, activations and casts read and write about ``ELEMENTWISE`` bytes per token per hidden
 unit at HBM speed: split over tp where the layout shards them (sequence parallelism, 2D,
@@ -114,9 +115,12 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
             cal, plan, t, f, h, "row", eb
         )
     flops = 2.0 * mbs * w.seq_len * w.seq_len * dh * s.num_heads / (plan.tp * plan.cp)
-    rate = cal.attention_flops_per_s * cal.sustained_ratio
+    # the length each attention kernel sees: the whole sequence (Ulysses gathers it), or ring's blocks
+    seen = w.seq_len / plan.cp if plan.cp > 1 and plan.cp_mode == "ring" else w.seq_len
+    rate, ratio = cal.attention_rate(seen)
+    rate *= cal.sustained_ratio
     attn_f = flops / rate
-    attn_b = 2.5 * flops / (rate * cal.attention_backward_ratio)
+    attn_b = 2.5 * flops / (rate * ratio)
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     elem = t * h * eb * (ELEMENTWISE_REPLICATED / shard + ELEMENTWISE_SPLIT / plan.tp) / cal.hbm_bytes_per_s
     ring_f = ring_b = 0.0

@@ -11,6 +11,8 @@
   ZeRO-1/2's parameter all-gather after the step exposed; ZeRO-3's prefetched gathers behind
   compute, but the first chunk; 1D's column backward all-reduce behind its weight-gradient
   GEMM, ``tp_overlap = k`` hiding ``(k-1)/k`` of the row collectives behind GEMMs (1D, 3D);
+  with sequence parallelism the all-gathers a GEMM waits for (the norms' outputs forward, the
+  rows' output gradients backward) exposed, the re-gathers and reduce-scatters hidden as above;
   ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
   reduce-scatters (one of each operand around one GEMM), Ulysses' and experts' all-to-alls
   exposed;
@@ -180,17 +182,31 @@ def predict(
         comm["tp"] = one * m
         gemm = layers * bt.gemm_forward
         fwd, bwd = one / 3, 2 * one / 3
-        if plan.tp_mode == "1d":
-            k = plan.tp_overlap
-            e = _hide(fwd, gemm, (k - 1) / k, slow) + _hide(bwd, gemm / 2 + gemm * (k - 1) / k, 1.0, slow)
-        elif plan.tp_mode == "3d":
-            k = plan.tp_overlap
-            e = _hide(one, 3 * gemm, (k - 1) / k, slow)
-        else:  # SUMMA: the operands are gathered before the GEMM that needs them
-            e = one
-        t_f += e / 3
-        t_b += 2 * e / 3
-        exposed["tp"] = e * m
+        k = plan.tp_overlap
+        if plan.tp_mode == "1d" and plan.sequence_parallel:
+            # per block, collectives of one [T, h] activation each. Forward: the norms' all-gathers,
+            # which the column GEMMs wait for, and the rows' reduce-scatters (tp_overlap pieces,
+            # each behind the next piece's GEMM). Backward: the rows' output-gradient all-gathers,
+            # which both their GEMMs wait for, the columns' input re-gathers (behind the dX GEMM)
+            # and dX reduce-scatters (behind their weight-gradient GEMM); a recomputed forward
+            # repeats its four, zero-bubble's BW the backward's
+            reps = 1 + twice
+            unit = one / (4 + 6 * reps + 4 * ckpt)
+            e_f = 2 * unit + _hide(2 * unit, gemm, (k - 1) / k, slow)
+            hid = _hide(2 * reps * unit, reps * gemm / 2, 1.0, slow)  # behind the columns' GEMMs, about half
+            e_b = 2 * reps * unit + 2 * hid
+            e_b += ckpt * (2 * unit + _hide(2 * unit, gemm, (k - 1) / k, slow))
+        else:
+            if plan.tp_mode == "1d":
+                e = _hide(fwd, gemm, (k - 1) / k, slow) + _hide(bwd, gemm / 2 + gemm * (k - 1) / k, 1.0, slow)
+            elif plan.tp_mode == "3d":
+                e = _hide(one, 3 * gemm, (k - 1) / k, slow)
+            else:  # SUMMA: the operands are gathered before the GEMM that needs them
+                e = one
+            e_f, e_b = e / 3, 2 * e / 3
+        t_f += e_f
+        t_b += e_b
+        exposed["tp"] = (e_f + e_b) * m
     if "cp" in nbytes:
         size, stride = strides["cp"]
         cf, cb = cp_block_calls(plan)
