@@ -8,6 +8,8 @@ and memory, one JSON line per layout, then a summary line.
     torchrun --standalone --nproc-per-node 2 benchmarks/planner_proof.py --model mixtral-4b  # experts (ep)
     torchrun --standalone --nproc-per-node 2 benchmarks/planner_proof.py --model gpt-tiny --seq 64 \
         --steps 1 --gpu-gb 80 --budget-s 120                  # no GPU: a smoke run on gloo
+    python benchmarks/planner_proof.py --model gpt-6.7b --untied --calibration cal.json \
+        --repredict planner_proof.log                         # an earlier run's layouts, predicted again
 
 All ranks run the same (deterministic) search for ``--model`` on this many GPUs with
 ``--batch`` sequences of ``--seq`` tokens per step, run the layouts ``--include`` names (if any),
@@ -385,6 +387,61 @@ def resumed_rows(path: str) -> list[dict]:
     return list(rows.values())
 
 
+def repredict(a) -> None:
+    """``--repredict LOG``: the layouts an earlier run measured (its JSON lines), predicted again by
+    this tree's model with ``--calibration``, beside what they measured and what that run
+    predicted; one line per layout and a summary. No GPU, no process group. (A model tuned on
+    these measurements and judged on them proves little: the next run on GPUs is the test.)"""
+    rows = [r for r in resumed_rows(a.repredict) if "measured_step_s" in r]
+    if not rows:
+        raise SystemExit(f"planner_proof: no measured layouts in {a.repredict}")
+    cal = load_calibration(a.calibration)
+    config = build_config(
+        a.model, vocab_size=a.vocab or DEFAULT_VOCAB.get(a.model, 50304), seq_len=a.seq, **model_overrides(a)
+    )
+    out = []
+    for r in rows:
+        world = r["gpus"]
+        gpu = a.gpu_gb * 2**30 if a.gpu_gb else cal.gpu_bytes
+        cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal)
+        w = workload_for(config, seq_len=a.seq, global_batch=a.batch or 8 * world)
+        p = predict(parse_plan(r["plan"]), w, cluster)
+        alloc = (p.memory.gpu_total - p.memory.reserved) / 2**30
+        line = dict(
+            plan=r["plan"],
+            measured_step_s=r["measured_step_s"],
+            was_step_err_pct=r["step_err_pct"],
+            predicted_step_s=round(p.step, 4),
+            step_err_pct=round(100 * (p.step / r["measured_step_s"] - 1), 1),
+            measured_alloc_gib=r["measured_alloc_gib"],
+            was_mem_err_pct=r["mem_err_pct"],
+            predicted_alloc_gib=round(alloc, 2),
+            mem_err_pct=round(100 * (alloc / r["measured_alloc_gib"] - 1), 1),
+            predicted_gib=round(p.memory.gpu_total / 2**30, 2),
+            fits=p.fits,
+        )
+        out.append(line)
+        print(json.dumps(line), flush=True)
+
+    def mean(key: str) -> float:
+        return round(sum(abs(x[key]) for x in out) / len(out), 1)
+
+    print(
+        json.dumps(
+            dict(
+                repredicted=len(out),
+                calibration=cal.name,
+                mean_abs_step_err_pct=mean("step_err_pct"),
+                was_mean_abs_step_err_pct=mean("was_step_err_pct"),
+                spearman=round(spearman([x["predicted_step_s"] for x in out], [x["measured_step_s"] for x in out]), 3),
+                mean_abs_mem_err_pct=mean("mem_err_pct"),
+                was_mean_abs_mem_err_pct=mean("was_mem_err_pct"),
+            )
+        ),
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -426,6 +483,12 @@ def main() -> None:
         help="the output of an earlier attempt of this run that ended early: its layouts are not run again "
         "(one it ended inside counts as failed) and the summary covers them",
     )
+    ap.add_argument(
+        "--repredict",
+        default="",
+        help="an earlier run's output: predict its measured layouts again with this tree and --calibration "
+        "(no GPU), beside what they measured",
+    )
     ap.add_argument("--inject-oom", default="", help="a Plan(...) whose first step raises out-of-memory (tests)")
     ap.add_argument("--inject-crash", default="", help="a Plan(...) whose first step ends the process (tests)")
     ap.add_argument(
@@ -436,6 +499,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     INJECT.update({k: parse_plan(v) for k, v in (("oom", a.inject_oom), ("crash", a.inject_crash)) if v})
+    if a.repredict:
+        return repredict(a)
     bh.init()
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = bh.distributed.device_for_rank()
