@@ -51,7 +51,7 @@ olmoe_ep2() {   # name, extra flags...
 }
 if [ -n "${OVERLAP:-}" ]; then
   bench overlap-layer 120 --part layer --precisions bf16 --routings balanced,zipf,zipf-spread --chunks 1,2,4 --iters 20
-  for c in 1 2 4; do bench "overlap-mixtral-chunks$c" 75 --part model --size mixtral-4b --mbs 4 --chunks "$c"; done
+  for c in 1 2 4; do bench "overlap-mixtral-chunks$c" 90 --part model --size mixtral-4b --mbs 4 --chunks "$c"; done
   exit 0
 fi
 bench layer 120 --part dispatch,layer --precisions bf16,autocast
