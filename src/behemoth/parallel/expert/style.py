@@ -32,16 +32,17 @@ serial model keeps them, and the state-dict keys stay the model's) and replaces 
 forward (on the instance) by the block's own routing -> :func:`~.dispatch.dispatch` -> local
 experts (:func:`~.grouped.grouped_swiglu`) -> :func:`~.dispatch.combine` over
 ``mesh.axis('ep')`` (+ the shared expert); with ``chunks`` > 1 (``Plan.ep_overlap``) chunk by
-chunk, the all-to-alls overlapped with the experts' GEMMs (:func:`~.overlap.exchange`). The router losses are those of the serial model on
-the *global* batch: the expert counts, the capacity's drops and the token count are summed over
-``dp`` (one all-reduce of 2E + 1 numbers per layer; ``token_counts`` holds the global counts), and
-each rank's loss is its share (the router probabilities of its tokens), so the shares summed
-over ``dp`` are the serial loss (:mod:`.losses`). The style is applied at ep = 1 too whenever
-the batch is spread over ranks, for that reason. A capacity is per sequence, and each data rank
-holds whole sequences, so every rank drops exactly what the serial model drops; under context
-parallelism, where a rank holds a share of each sequence, the experts its cp peers' tokens chose
-are all-gathered over ``cp`` (``B*S*K`` integers per layer), the capacity is taken over the whole
-sequences as serially, and each rank keeps its share of the verdict.
+chunk, the all-to-alls overlapped with the experts' GEMMs (:func:`~.overlap.exchange`). The
+router losses are those of the serial model on the *global* batch: the expert counts, the
+capacity's drops and the token count are summed over ``dp`` (one all-reduce of 2E + 1 numbers
+per layer; ``token_counts`` holds the global counts), and each rank's loss is its share (the
+router probabilities of its tokens), so the shares summed over ``dp`` are the serial loss
+(:mod:`.losses`). The style is applied at ep = 1 too whenever the batch is spread over ranks,
+for that reason. A capacity is per sequence, and each data rank holds whole sequences, so every
+rank drops exactly what the serial model drops; under context parallelism, where a rank holds a
+share of each sequence, the experts its cp peers' tokens chose are all-gathered over ``cp``
+(``B*S*K`` integers per layer), the capacity is taken over the whole sequences as serially, and
+each rank keeps its share of the verdict.
 
 :func:`parallelize_experts` applies it to every MoE layer of a model; :func:`check_experts`
 refuses (before any collective) what does not compose yet; :func:`gather_expert_state` puts
