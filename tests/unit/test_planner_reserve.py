@@ -92,3 +92,24 @@ def test_autocast_weight_copies_count_once_per_micro_batch_in_flight():
     one, four = (footprint(pipe, w, mbs=1, inflight=k, reserved=0.0).activations for k in (1, 4))
     assert four - one == pytest.approx(3 * layers * block_activation_bytes(pipe, w, 1)[0])
     assert block_activation_bytes(pipe, w, 1)[0] > 2 * block_local_params(pipe, w)  # the copies are in it
+
+
+def test_zero1_keeps_the_reduced_shard_and_gpipe_the_loss_of_every_micro_batch():
+    """ZeRO-1 holds the fp32 gradient chunks and the reduced shard the optimizer reads (4 + 4/g a
+    parameter), ZeRO-2 the shard only; GPipe's last stage keeps every micro-batch's fp32
+    log-probabilities and the head's 16-bit weight copy until the backwards, 1F1B's one."""
+    from behemoth.planner.footprint import footprint
+    from behemoth.planner.params import local_params
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    z0, z1, z2 = (bh.Plan(zero=z, precision="bf16").resolve(4) for z in (0, 1, 2))
+    n = local_params(z1, w)
+    g0, g1, g2 = (footprint(p, w, mbs=8, inflight=1, reserved=0.0).grads for p in (z0, z1, z2))
+    assert (g0, g1, g2) == pytest.approx((4 * n, 4 * n + n, n))
+    kw = dict(pp=2, microbatches=8, precision="bf16")
+    gpipe, one = (bh.Plan(schedule=s, **kw).resolve(2) for s in ("gpipe", "1f1b"))
+    a = footprint(gpipe, w, mbs=2, inflight=1, reserved=0.0).activations
+    b = footprint(one, w, mbs=2, inflight=1, reserved=0.0).activations
+    s = w.shape
+    per_mb = 2 * 2048 * s.vocab_size * 4 + 2 * s.vocab_size * s.hidden
+    assert a - b == pytest.approx(7 * per_mb)

@@ -9,7 +9,7 @@ them, chunk padding aside):
 stage  GPU                                host (``offload='cpu'``)
 =====  ================================  ===================================
 0      4 + 4 + 8                          --
-1      4 + 4 + 8/g  (offload: 4 + 4)      8/g (+ 4/g gradient copy)
+1      4 + 4 + 12/g (offload: 4 + 4)     8/g (+ 4/g gradient copy)
 2      4 + 12/g     (offload: 4 + 4/g)    12/g
 3      16/g + two blocks gathered         16/g, the GPU keeps the gathered blocks
 =====  ================================  ===================================
@@ -32,7 +32,10 @@ gathered weight column (its weights / q, in the compute dtype), which SUMMA keep
 forward for the backward (``Linear2D.keep_gathered_weight``); with activation
 checkpointing only the block input (``4 T h / r``) is kept, plus one block's full set while
 it is recomputed. A pipeline rank holds its peak in-flight micro-batches of its stage's
-blocks (:mod:`.bubble`); the last stage adds the fp32 logits and their gradient. Pure.
+blocks (:mod:`.bubble`); the last stage adds the fp32 logits and their gradient, and per
+micro-batch it holds (one, or all of them under GPipe) the loss's fp32 log-probabilities and the
+head's 16-bit weight copy. ZeRO-1 keeps the whole fp32 gradient chunks and the reduced shard the
+optimizer reads (``grad_full`` and ``grad_acc`` in ``parallel/zero/reduce.py``). Pure.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .params import block_local_params, local_params, stage_layers
+from .params import block_local_params, local_params, stage_layers, weight_split
 from .traffic import tp_grid
 from .workload import Workload
 
@@ -53,12 +56,13 @@ ACTIVATION_BYTES = {
     # unit (the MLP's inner activations); read off behemoth's GPT (LayerNorm, GELU) and Llama
     # (RMSNorm, RoPE, SwiGLU) with autograd's saved-tensor hooks on the CPU (tests/unit/
     # test_planner_cost.py checks them): fp32 (16, 16, 8) and (16, 21, 16); under bf16 autocast the
-    # CPU shows (12, 8, 4) and (12, 21, 8), and the 16-bit rows here carry 8 more replicated bytes
-    # per hidden unit that GPUs keep (the 4 x H200 proof of GPT-6.9B, layouts of tp 1-4 with and
-    # without sequence parallelism, pp 1-4: its measured peaks less the other terms here). The
-    # 16-bit weight copies the GEMMs keep are not in these rows (``block_activation_bytes`` adds them).
-    (False, True): (20, 8, 4),
-    (True, True): (20, 21, 8),
+    # CPU shows (12, 8, 4) and (12, 21, 8), and the 16-bit rows here carry 4 more replicated bytes
+    # per hidden unit that GPUs keep (chosen among 0, 4 and 8 against the 2 and 4 x H200 proofs of
+    # GPT-6.9B: tp 1-4 with and without sequence parallelism, pp 1-4, cp 2; their measured peaks
+    # less the other terms here). The 16-bit weight copies the GEMMs keep are not in these rows
+    # (``block_activation_bytes`` adds them).
+    (False, True): (16, 8, 4),
+    (True, True): (16, 21, 8),
     (False, False): (16, 16, 8),
     (True, False): (16, 21, 16),
 }
@@ -95,7 +99,7 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
         q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
         weights = w.attention_params + (0 if w.num_experts else w.mlp_params)
         full += weights / q * (2 if plan.precision in ("bf16", "fp16") else 4)
-    elif plan.precision in ("bf16", "fp16") and plan.param_dtype is None:
+    elif autocast_copies(plan):
         # autocast casts each fp32 weight to 16 bits once per forward, and the GEMM keeps the copy
         # for its backward: one copy of the block's weights per micro-batch in flight
         full += 2 * block_local_params(plan, w)
@@ -114,8 +118,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     host = 0.0
     if z == 0:
         params, grads, opt = n * pb, n * 4, n * 8
-    elif z == 1:
-        params, grads, opt = n * pb, n * 4, n * (8 + masters) / g
+    elif z == 1:  # the gradient chunks, and the reduced shard the optimizer reads (parallel/zero/reduce.py)
+        params, grads, opt = n * pb, n * 4 + n * 4 / g, n * (8 + masters) / g
     elif z == 2:
         params, grads, opt = n * pb, n * 4 / g, n * (8 + masters) / g
     else:
@@ -128,6 +132,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
             host += n * pb / g
             params = 2 * per_block * pb
         opt = 0.0
+        if z == 1:  # the reduced shard lives on the host
+            grads = n * 4
         if z == 2:
             grads = n * 4 / g
     if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
@@ -137,4 +143,15 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
     t = mbs * w.seq_len / plan.cp
     act += t * s.vocab_size / plan.tp * 4 * 2  # fp32 logits and their gradient on the last stage
+    # until its backward, each micro-batch's loss keeps its fp32 log-probabilities and (autocast)
+    # the head's 16-bit weight copy; the last stage holds one such micro-batch but under GPipe,
+    # which runs every forward first
+    held = plan.microbatches if plan.pp > 1 and plan.schedule == "gpipe" else 1
+    head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
+    act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     return Footprint(params, grads, opt, act, reserved, host)
+
+
+def autocast_copies(plan: Plan) -> bool:
+    """Whether autocast makes 16-bit copies of fp32 weights that the GEMMs keep for the backward."""
+    return plan.precision in ("bf16", "fp16") and plan.param_dtype is None
