@@ -22,9 +22,11 @@ unit at HBM speed: split over tp where the layout shards them (sequence parallel
 parameter this rank holds: its fp32 weight cast to 16 bits in the forward (the executors open one
 autocast context per micro-batch, and ZeRO-3 keeps no cache) and the 16-bit weight gradient cast
 back to fp32 in the backward, ``CAST_BYTES`` each at HBM speed; with ``param_dtype='bf16'`` only
-the gradient's copy into its fp32 chunk. Ring attention (``cp_mode='ring'``) merges each of its
-``cp`` steps' block into fp32 accumulators, ``RING_MERGE_BYTES`` per element at HBM speed: the
-output forward, dQ and the travelling dK/dV backward. Activation checkpointing adds a forward to
+the gradient's copy into its fp32 chunk. Every micro-batch's gradients are then copied or added
+into the gradient sync's fp32 chunks (:func:`accumulate_bytes`), at HBM speed too. Ring
+attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 accumulators,
+``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
+backward. Activation checkpointing adds a forward to
 the backward. Pure; tests/unit/test_planner_cost.py.
 """
 
@@ -38,7 +40,7 @@ from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["BlockTimes", "block_times", "head_times"]
+__all__ = ["BlockTimes", "block_times", "head_times", "accumulate_bytes", "accumulate_seconds"]
 
 ELEMENTWISE_REPLICATED = 16
 """Bytes per token per hidden unit, per block forward, of the norms and residual adds (what
@@ -52,6 +54,21 @@ the block's 16-bit result (2), write it back (4)."""
 """Bytes per parameter of one dtype-converting copy (read 4 and write 2 bytes, or the reverse)."""
 
 
+def accumulate_bytes(plan: Plan) -> float:
+    """Bytes per parameter, per micro-batch on average, that the gradient sync's hooks move after
+    a parameter's gradient arrives (``parallel/zero/reduce.py``): where the step's micro-batches
+    accumulate in the fp32 gradient chunk (ZeRO 0-1, and every stage under a pipeline), the first
+    gradient is copied in (read 4, write 4) and later ones added in place (read 4 + 4, write 4);
+    ZeRO-2/3 without a pipeline copy each micro-batch's in and add its reduced shard into the
+    optimizer's (``12 / g``). bf16 parameters' 2-byte gradients read 2 where fp32 ones read 4."""
+    g = (plan.dp or 1) * plan.cp
+    low = 2 if plan.param_dtype == "bf16" else 0
+    if plan.zero <= 1 or plan.pp > 1:
+        m = plan.microbatches
+        return ((8 - low) + (12 - low) * (m - 1)) / m
+    return (8 - low) + 12 / g
+
+
 def _cast_seconds(plan: Plan, params: float, cal: Calibration) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch's copies of ``params`` parameters."""
     one = params * CAST_BYTES / cal.hbm_bytes_per_s
@@ -60,6 +77,13 @@ def _cast_seconds(plan: Plan, params: float, cal: Calibration) -> tuple[float, f
     if plan.precision in ("bf16", "fp16"):
         return one, one
     return 0.0, 0.0
+
+
+def accumulate_seconds(plan: Plan, params: float, cal: Calibration) -> float:
+    """Seconds of one micro-batch's gradients of ``params`` parameters going into the fp32 chunks
+    (in the backward; the cost model adds it per stage, as it depends on the ZeRO stage and the
+    micro-batches, which the per-block times do not)."""
+    return params * accumulate_bytes(plan) / cal.hbm_bytes_per_s
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,10 @@ from ..plan import Plan
 from .axis_traffic import Dtypes, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
-from .compute import block_times, head_times
+from .compute import accumulate_seconds, block_times, head_times
 from .footprint import Footprint, footprint
 from .host import cp_block_calls, host_times, tp_block_calls
-from .params import local_params, stage_layers
+from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import device_reserve
 from .traffic import tp_grid
 from .workload import Workload
@@ -152,13 +152,25 @@ def predict(
     dt = Dtypes.of(plan)
     per_rank = stage_layers(plan, w)
     layers = per_rank[-1]  # the last stage's blocks (it also holds the head)
-    key = (plan.tp_mode, plan.tp, plan.tp_depth, plan.sequence_parallel, plan.tp_overlap, plan.cp, plan.ep)
+    key = (
+        plan.tp_mode,
+        plan.tp,
+        plan.tp_depth,
+        plan.sequence_parallel,
+        plan.tp_overlap,
+        plan.cp,
+        plan.cp_mode,
+        plan.ep,
+    )
     key += (plan.activation_checkpointing, plan.precision, plan.param_dtype, mbs)
     bt = _memo(cache, ("block",) + key, lambda: block_times(plan, w, cal, mbs))
     hf, hb = _memo(cache, ("head",) + key, lambda: head_times(plan, w, cal, mbs))
-    # the pipeline runs at its slowest stage's pace
+    # the pipeline runs at its slowest stage's pace; each backward's gradients then go into the
+    # gradient sync's fp32 chunks (the stage's parameters, the head's table on the last)
+    acc = accumulate_seconds(plan, block_local_params(plan, w), cal)
+    acc_head = accumulate_seconds(plan, s.vocab_size * s.hidden / weight_split(plan), cal)
     t_f = max(n * bt.forward + (hf if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
-    t_b = max(n * bt.backward + (hb if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
+    t_b = max(n * (bt.backward + acc) + (hb + acc_head if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
     compute = m * (t_f + t_b)
     t_b_compute = t_b
     nbytes = step_traffic(plan, w, dt=dt)
