@@ -56,10 +56,14 @@ class ShardedNormFn(torch.autograd.Function):
     all-reduces the sum of squares: one collective. Backward: all-reduce ``sum(g)`` and
     ``sum(g * xhat)`` (rms: only the latter). ``weight``/``bias`` grads are local, unless
     ``param_axis`` names the axis they are replicated over: then one all-reduce of both over it,
-    started before the statistics' all-reduce and waited after it, sums them there."""
+    started before the statistics' all-reduce and waited after it, sums them there. ``defer``
+    (``(GradPass, weight index, bias index)``, :mod:`.deferred_grads`): that all-reduce is handed
+    to the pass unwaited and zero placeholders are returned for ``weight`` and ``bias``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, axis: Axis, hidden: int, rms: bool, param_axis: Axis | None = None):
+    def forward(
+        ctx, x, weight, bias, eps, axis: Axis, hidden: int, rms: bool, param_axis: Axis | None = None, defer=None
+    ):
         xc = x.to(compute_dtype(x))
         if rms:
             ms = comm.all_reduce(xc.pow(2).sum(-1), axis) / hidden
@@ -76,7 +80,7 @@ class ShardedNormFn(torch.autograd.Function):
         y = xhat if weight is None else xhat * weight
         if bias is not None:
             y = y + bias
-        ctx.axis, ctx.hidden, ctx.rms, ctx.param_axis = axis, hidden, rms, param_axis
+        ctx.axis, ctx.hidden, ctx.rms, ctx.param_axis, ctx.defer = axis, hidden, rms, param_axis, defer
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
@@ -97,6 +101,13 @@ class ShardedNormFn(torch.autograd.Function):
         pending = None
         if ctx.param_axis is not None and grads:  # summed where the parameters are replicated
             pending = comm.all_reduce(torch.cat(grads) if len(grads) > 1 else grads[0], ctx.param_axis, async_op=True)
+            if ctx.defer is not None:  # waited for at the end of the backward
+                gp, wi, bi = ctx.defer
+                sizes = [(i, t.numel(), t.dtype) for i, t in ((wi, dw), (bi, db)) if t is not None]
+                gp.put(tuple(i for i, _, _ in sizes), pending, lambda s: _split(s, sizes))
+                pending = None
+                dw = None if dw is None else gp.placeholder(wi)
+                db = None if db is None else gp.placeholder(bi)
         if ctx.needs_input_grad[0]:
             g = dy if weight is None else dy * weight
             if ctx.rms:
@@ -114,7 +125,16 @@ class ShardedNormFn(torch.autograd.Function):
                 dw = summed
             else:
                 db = summed
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _split(summed: torch.Tensor, sizes) -> list[torch.Tensor]:
+    """``summed`` (concatenated vectors) cut back into its parts, each in its own dtype."""
+    out, at = [], 0
+    for _, n, dtype in sizes:
+        out.append(summed[at : at + n].to(dtype))
+        at += n
+    return out
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

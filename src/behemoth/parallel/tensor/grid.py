@@ -133,14 +133,21 @@ class SummaFn(torch.autograd.Function):
     cannot replace it by keeping the forward's gathered block). ``keep_w`` keeps the gathered
     W(:, j) (``q`` weight shards, in the compute dtype) from forward to backward: in eager mode
     on ``ctx``, outside the saved-tensor hooks (it is a weight copy, not an activation: activation
-    checkpointing does not drop it), in compiled code as a saved tensor."""
+    checkpointing does not drop it), in compiled code as a saved tensor.
+
+    ``defer`` (``(GradPass, weight index, bias index)``, :mod:`.deferred_grads`): the dW
+    reduce-scatter and the bias all-reduce are issued as above but handed to the pass unwaited,
+    and zero placeholders returned for ``w`` and ``b`` (then ``w`` may come uncast: it is cast to
+    x's dtype before it travels)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None, prefetch=None):
+    def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None, prefetch=None, defer=None):
         ctx.g, ctx.in_out, ctx.b_dtype, ctx.w_dtype = g, in_out, None if b is None else b.dtype, w.dtype
+        ctx.defer = defer
         hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
         if w_col is None:  # else gathered ahead (weight_prefetch), in x's dtype
-            w_col = comm.all_gather_async(w if in_out else w.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
+            wx = w if w.dtype == x.dtype else w.to(x.dtype)  # cast before it travels
+            w_col = comm.all_gather_async(wx if in_out else wx.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
         y = hx.wait().t() @ w_col
         if b is not None:
             y.add_(b.to(y.dtype))
@@ -168,24 +175,32 @@ class SummaFn(torch.autograd.Function):
         else:
             (x,), w_col = ctx.saved_tensors, ctx.w_col
         db = hb = hw = None
+        defer, w_dtype = ctx.defer, ctx.w_dtype  # defer: (GradPass, weight index, bias index)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
+            if defer is not None:  # waited at the end of the backward (deferred_grads)
+                defer[0].put((defer[2],), hb, lambda s: (s,))
+                hb, db = None, defer[0].placeholder(defer[2])
         if need_x and not ctx.keep_w:
-            hw = comm.all_gather_async(regather(w if in_out else w.t()), g.row_axis)
+            wx = w if w.dtype == x.dtype else w.to(x.dtype)
+            hw = comm.all_gather_async(regather(wx if in_out else wx.t()), g.row_axis)
         hx = comm.all_gather_async(regather(x.t()), g.col_axis) if need_w else None
         dx = dw = hdx = hdw = None
         if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
             hdx = comm.reduce_scatter_async((w_col if hw is None else hw.wait()) @ dy.t(), g.col_axis)
         if need_w:  # dW(:, j)^T partial = X(i, :)^T dy, summed down the grid column
             hdw = comm.reduce_scatter_async(hx.wait() @ dy, g.row_axis)
+            if defer is not None:
+                defer[0].put((defer[1],), hdw, lambda s: ((s if in_out else s.t().contiguous()).to(w_dtype),))
+                hdw, dw = None, defer[0].placeholder(defer[1])
         if hdx is not None:
             dx = hdx.wait().t().contiguous()
         if hdw is not None:
             dw = hdw.wait()
-            dw = (dw if in_out else dw.t().contiguous()).to(ctx.w_dtype)
+            dw = (dw if in_out else dw.t().contiguous()).to(w_dtype)
         if hb is not None:
             db = hb.wait()
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:

@@ -50,11 +50,12 @@ from .base import (
     check_norm,
     owner_of,
 )
+from .deferred_grads import install_deferred_grads
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
 from .grid import grid_of
 from .layout import check_divisible
 from .serial import attention_heads, linear_shape, localize_heads
-from .tp2d import KVReplicatedLinear2D, LayerNorm2D, Linear2D, RMSNorm2D
+from .tp2d import KVReplicatedLinear2D, LayerNorm2D, Linear2D, Norm2D, RMSNorm2D
 from .tp2p5d import Embedding25D, LayerNorm25D, Linear25D, PositionEmbedding25D, RMSNorm25D, VocabParallelHead25D
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
@@ -341,6 +342,9 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
 
 
 def finish(model: nn.Module, mesh, styles: dict[str, TensorStyle], replaced: dict) -> tuple[str, ...]:
-    """The mesh axes that split the batch inside the tp group: ``("tp_row",)`` in 2D,
-    ``("tp_depth", "tp_row")`` in 2.5D (the engine gives each rank its block)."""
-    return grid_of(mesh, mesh.plan.tp_mode, "tensor parallelism").batch_axes
+    """Defer the grid Linears' and norms' gradient reductions to the end of each backward pass
+    (:mod:`.deferred_grads`); return the mesh axes that split the batch inside the tp group:
+    ``("tp_row",)`` in 2D, ``("tp_depth", "tp_row")`` in 2.5D (the engine gives each rank its block)."""
+    g = grid_of(mesh, mesh.plan.tp_mode, "tensor parallelism")
+    install_deferred_grads(model, g, [m for m in model.modules() if isinstance(m, (Linear2D, Norm2D))])
+    return g.batch_axes

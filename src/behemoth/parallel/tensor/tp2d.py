@@ -14,7 +14,10 @@ mesh.coord("tp_row")`` and ``j = mesh.coord("tp_col")``, tp rank ``i*q + j``. Th
   (over ``tp_col``) and in block k (over ``tp_row``). The token embedding and the LM head
   share this layout (vocab over ``tp_col``), so tied embeddings are one Parameter.
 * Biases and norm weights: hidden block j, replicated over ``tp_row``; their gradients are
-  all-reduced over ``tp_row`` inside the layer (``comm.CopyToAxis``).
+  all-reduced over ``tp_row`` inside the layer.
+* Under ``bh.parallelize`` the layers' parameter-gradient reductions (dW, biases, norms) are
+  issued where they are computed but waited for at the end of the backward
+  (:mod:`.deferred_grads`): they are off the backward's critical path.
 
 Communication per layer (all through ``comm``): a Linear is SUMMA -- forward gathers X(i, :)
 along the grid row and W(:, j) down the grid column (the blocks SUMMA's q steps would broadcast)
@@ -56,6 +59,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from .deferred_grads import deferred_pass
 from .functional import ShardedNormFn, autocast_dtype
 from .grid import SummaFn, activation_spec, gather_activation, gather_batch, grid_of, replicate_on
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
@@ -214,18 +218,24 @@ class Linear2D(nn.Module):
                 f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
                 f"block in_features/q = {self.in_features}/{g.q} = {n_in} (layout [b/q, s, h/q])."
             )
-        w = replicate_on(self.weight, g, rows=False)
+        deferred = deferred_pass(self, self.weight, self.bias)
         dt = autocast_dtype(x)
-        w_col = pf = None
+        w_col = pf = defer = None
         if not g.row_axis.trivial and prefetching_pass() and may_prefetch(self):
             pf = prefetch_of(self)
             w_col = pf.take(self, dt)
-        if dt is not None:  # cast the shards before they travel: half the bytes
-            x = x.to(dt)
-            w = w if w_col is not None else w.to(dt)
-        b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
+        if deferred is not None:  # the pass sums the gradients (tp_row, tp_depth); SummaFn casts w
+            gp, (w, b) = deferred
+            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)))
+            x = x if dt is None else x.to(dt)
+        else:
+            w = replicate_on(self.weight, g, rows=False)
+            if dt is not None:  # cast the shards before they travel: half the bytes
+                x = x.to(dt)
+                w = w if w_col is not None else w.to(dt)
+            b = None if self.bias is None else replicate_on(self.bias, g, rows=False)  # SummaFn sums it over tp_row
         y = SummaFn.apply(
-            x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col, pf
+            x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col, pf, defer
         )
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -282,7 +292,9 @@ class KVReplicatedLinear2D(nn.Module):
 
 
 # --------------------------------------------------------------------------- norms
-class _Norm2D(nn.Module):
+class Norm2D(nn.Module):
+    """The grid norms' common part: :class:`LayerNorm2D`, :class:`RMSNorm2D`."""
+
     MODE = "2d"
     RMS = False
 
@@ -316,10 +328,16 @@ class _Norm2D(nn.Module):
                 f"hidden/q = {self.hidden}/{g.q} = {self.hidden // g.q}."
             )
         # weight and bias are replicated over tp_row: ShardedNormFn sums their gradients there
-        w = None if self.weight is None else replicate_on(self.weight, g, rows=False)
-        b = None if self.bias is None else replicate_on(self.bias, g, rows=False)
+        deferred = deferred_pass(self, self.weight, self.bias)
+        defer = None
+        if deferred is not None:  # ... and the pass waits for the sum (and adds tp_depth's)
+            gp, (w, b) = deferred
+            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)))
+        else:
+            w = None if self.weight is None else replicate_on(self.weight, g, rows=False)
+            b = None if self.bias is None else replicate_on(self.bias, g, rows=False)
         eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
-        y = ShardedNormFn.apply(x_bSh, w, b, eps, g.col_axis, self.hidden, self.RMS, g.row_axis)
+        y = ShardedNormFn.apply(x_bSh, w, b, eps, g.col_axis, self.hidden, self.RMS, g.row_axis, defer)
         keep_fp32 = not self.RMS and autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
         return y if keep_fp32 else y.to(x_bSh.dtype)
 
@@ -327,7 +345,7 @@ class _Norm2D(nn.Module):
         return f"hidden={self.hidden}, q={self.grid.q}, eps={self.eps}"
 
 
-class LayerNorm2D(_Norm2D):
+class LayerNorm2D(Norm2D):
     """LayerNorm of ``[b/q, s, h/q]`` over the full hidden dim (statistics over ``tp_col``).
     Weight and bias: hidden block j, replicated over ``tp_row``."""
 
@@ -351,7 +369,7 @@ class LayerNorm2D(_Norm2D):
         return layer
 
 
-class RMSNorm2D(_Norm2D):
+class RMSNorm2D(Norm2D):
     """RMSNorm of ``[b/q, s, h/q]``: ``x / sqrt(mean(x^2) + eps) * weight``, the mean over the
     full hidden dim (one all-reduce over ``tp_col``), computed in at least float32."""
 

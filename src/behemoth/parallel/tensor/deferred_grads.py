@@ -1,0 +1,192 @@
+"""Deferred reductions of the grid layers' parameter gradients (2D, 2.5D).
+
+A parameter of a grid layer is summed over an axis where its gradient has parts: a SUMMA
+Linear's weight column ``dW(:, j)`` is reduce-scattered over ``tp_row`` (:class:`~.grid.SummaFn`),
+biases and norm weights (replicated over ``tp_row``) are all-reduced there, and under Tesseract
+every one of them is all-reduced over ``tp_depth`` too. Nothing in the backward pass reads those
+sums: only the optimizer (and the data-parallel reduction before it) does. Yet a layer that
+returns a summed gradient to autograd must wait for its collective first, so each one puts a
+wait, on the GPU a synchronisation of the compute stream with the other members of ``tp_row``,
+on the backward's critical path: one per Linear for ``dW``, one per bias and one per norm.
+
+:class:`DeferredGrads` moves those waits to the end of the backward. At the start of every
+forward pass of the model (a forward pre-hook on the model) it routes the layers' parameters
+through one autograd node, :class:`LandGradsFn` (identity forward), and the layers compute with
+its outputs. In the backward each layer issues its reductions as before, at the same points,
+but hands the in-flight handle to the pass (:class:`GradPass`) and returns a zero placeholder to
+autograd. The node runs once every layer's backward has (autograd runs a node when all its
+outputs' gradients are in): it waits for the handles, completes each gradient (cast, the
+``tp_depth`` all-reduce under Tesseract) and returns it, so each parameter's gradient lands in
+``.grad`` (and its post-accumulate hooks, the data-parallel buckets', run) once, complete, before
+``backward()`` returns. At most :attr:`GradPass.in_flight` handles stay unwaited during the pass
+(the oldest is waited as a new one is issued, several layers after it was issued): they hold
+the reductions' buffers.
+
+The collectives are the same calls, bytes and order as without deferral (the ledger books the
+same entries); only where the compute stream waits for them moves. A layer takes part only when
+nothing else manages its parameters (no forward pre-hooks: ZeRO-3 gathers in one) and in eager
+forward passes with gradients on (compiled blocks, activation checkpointing's recomputation and
+evaluation compute as before, summing where they are). A parameter another module also uses (a
+head tied to the token embedding) gets that module's gradient as before: autograd adds the two
+when both are in. The data-parallel buckets therefore see these gradients at the end of the
+backward, not as it goes.
+
+Tested in tests/dist/test_tp2d_layers.py (a model of grid layers: gradients and ledger equal the
+non-deferred run's, every reduction deferred) and, through the engine, in tests/dist/test_tp2d.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ... import comm
+from .grid import Grid
+
+__all__ = ["DeferredGrads", "GradPass", "LandGradsFn", "deferred_pass", "install_deferred_grads"]
+
+
+class GradPass:
+    """One forward pass's parameters (in :class:`LandGradsFn`'s input order) and the reductions
+    of their gradients that its layers issued and did not wait for."""
+
+    in_flight: int = 8
+    """Handles left unwaited at most; issuing one more waits for the oldest."""
+
+    def __init__(self, grid: Grid, params: list[nn.Parameter]) -> None:
+        self.grid = grid
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        self.entries: list[list] = []  # [indices, handle, finish, result or None]
+        self.unwaited = 0
+        self.deferred = 0
+        """Reductions handed to this pass."""
+
+    def placeholder(self, i: int) -> torch.Tensor:
+        """The zero gradient a layer returns to autograd for parameter ``i`` (no memory: zero strides)."""
+        shape, dtype, device = self.meta[i]
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+    def put(self, indices: tuple[int, ...], handle: comm.AsyncCollective, finish) -> None:
+        """Hand over the in-flight reduction ``handle`` of parameters ``indices``: ``finish(result)``
+        gives their gradients (each summed over ``tp_row``, in the parameter's shape and dtype)."""
+        self.entries.append([indices, handle, finish, None])
+        self.deferred += 1
+        self.unwaited += 1
+        if self.unwaited > self.in_flight:
+            oldest = self.entries[len(self.entries) - self.unwaited]
+            oldest[3], oldest[1] = oldest[1].wait(), None
+            self.unwaited -= 1
+
+    def land(self, grads: tuple) -> list:
+        """The complete gradients of the pass's parameters, from the handed-over reductions;
+        ``grads`` are what autograd delivered (placeholders, or None where no layer ran)."""
+        out: list[torch.Tensor | None] = [None] * len(self.meta)
+        for indices, handle, finish, result in self.entries:
+            for i, g in zip(indices, finish(handle.wait() if result is None else result)):
+                out[i] = g if out[i] is None else out[i] + g
+        self.entries, self.unwaited = [], 0
+        for i, g in enumerate(grads):
+            if g is not None and (out[i] is None or any(s != 0 for s in g.stride())):
+                raise RuntimeError(
+                    "deferred gradient reductions (tensor parallelism, grid modes): a parameter's stand-in got "
+                    "a gradient from outside its layer; the layers alone may use it."
+                )
+        depth = self.grid.depth_axis
+        if not depth.trivial:  # Tesseract: summed over the depth layers too, in parameter order
+            out = [g if g is None else comm.all_reduce(g.contiguous(), depth) for g in out]
+        return out
+
+
+class LandGradsFn(torch.autograd.Function):
+    """Identity forward (views of the parameters, for the layers to compute with); backward:
+    :meth:`GradPass.land` -- waits for the reductions the layers deferred to the pass and
+    returns the parameters' complete gradients (no collective of its own on ``tp_row``; under
+    Tesseract the all-reduce of each over ``tp_depth``)."""
+
+    @staticmethod
+    def forward(ctx, grad_pass: GradPass, *params):
+        ctx.grad_pass = grad_pass
+        ctx.set_materialize_grads(False)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.grad_pass.land(grads))
+
+
+def eager_training_pass() -> bool:
+    """Whether the running forward may defer: eager, gradients on, not inside a backward."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
+
+
+class DeferredGrads:
+    """The deferred gradient reductions of one model's grid layers (see the module docstring).
+    :meth:`open` (a forward pre-hook on the model) starts a pass, :meth:`close` (a forward hook)
+    ends it; the layers ask :func:`deferred_pass` for the pass and the stand-ins of their
+    parameters."""
+
+    def __init__(self, grid: Grid, params: list[nn.Parameter]) -> None:
+        self.grid, self.params = grid, params
+        self.current: GradPass | None = None
+        self.stand_ins: dict[int, torch.Tensor] = {}
+        self.passes = 0
+
+    def open(self, module=None, args=None) -> None:
+        self.close()
+        if not eager_training_pass():
+            return
+        ps = [p for p in self.params if p.requires_grad and p.untyped_storage().nbytes() > 0]
+        if not ps:
+            return
+        gp = GradPass(self.grid, ps)
+        self.stand_ins = {id(p): s for p, s in zip(ps, LandGradsFn.apply(gp, *ps))}
+        self.current = gp
+        self.passes += 1
+
+    def close(self, module=None, args=None, output=None) -> None:
+        self.current, self.stand_ins = None, {}
+
+    def stand_in(self, p: nn.Parameter | None) -> torch.Tensor | None:
+        """``p``'s stand-in in the open pass; ``p`` itself if it needs no gradient; None if it
+        needs one but has no valid stand-in (the layer then sums its gradient itself)."""
+        if p is None or not p.requires_grad:
+            return p
+        s = self.stand_ins.get(id(p))
+        return s if s is not None and s.data_ptr() == p.data_ptr() and s.shape == p.shape else None
+
+
+def deferred_pass(module: nn.Module, *params) -> tuple[GradPass, list] | None:
+    """``(pass, [stand-in of each of params])`` when ``module`` defers its gradient reductions in
+    the running forward, else None (the layer then sums its gradients itself, as before)."""
+    owner = module.__dict__.get("deferred_grads")
+    if owner is None or owner.current is None or not eager_training_pass():
+        return None
+    if module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks:
+        return None
+    stand_ins = [owner.stand_in(p) for p in params]
+    if any(s is None and p is not None for s, p in zip(stand_ins, params)):
+        return None
+    return owner.current, stand_ins
+
+
+def install_deferred_grads(model: nn.Module, grid: Grid, layers: list[nn.Module]) -> DeferredGrads | None:
+    """Defer the gradient reductions of ``layers`` (grid Linears and norms of ``model``) to the end
+    of each backward pass: hooks on ``model`` open and close the passes. None when no axis sums
+    them (q = d = 1)."""
+    if grid.row_axis.trivial and grid.depth_axis.trivial:
+        return None
+    params, seen = [], set()
+    for layer in layers:
+        for p in layer.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if not params:
+        return None
+    deferred = DeferredGrads(grid, params)
+    for layer in layers:
+        layer.deferred_grads = deferred
+    model.register_forward_pre_hook(deferred.open)
+    model.register_forward_hook(deferred.close)
+    return deferred

@@ -1,0 +1,138 @@
+"""Deferred gradient reductions of the grid layers (behemoth.parallel.tensor.deferred_grads),
+2D on 4 gloo ranks and 2.5D (depth 2) on 8.
+
+A model of grid layers (LayerNorm, Linear with bias, RMSNorm, Linear without, Linear with) runs
+three training passes (an SGD update between them), in float64 and under bf16 autocast, once
+as built and once with ``install_deferred_grads``. Checked:
+
+* every output, input gradient, parameter gradient and updated parameter is bit-identical, and
+  the ledger books the same calls and bytes per axis and operation (the same collectives);
+* with deferral every parameter's gradient lands after the backward has reached the model's
+  input (its reductions were waited for at the end), without it some land before; each pass
+  hands over one reduction per norm, per Linear weight and per bias;
+* evaluation (no gradients) opens no pass.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+import behemoth as bh
+from behemoth.mesh import ParallelMesh
+from behemoth.parallel.tensor import tp2d, tp2p5d
+from behemoth.parallel.tensor.deferred_grads import GradPass, install_deferred_grads
+from behemoth.parallel.tensor.grid import grid_of
+
+B, S, H = 4, 3, 8
+F64 = torch.float64
+
+
+class Chain(nn.Module):
+    def __init__(self, ln, fc, rms, proj, out) -> None:
+        super().__init__()
+        self.ln, self.fc, self.rms, self.proj, self.out = ln, fc, rms, proj, out
+
+    def forward(self, x):
+        return self.out(self.proj(self.rms(self.fc(self.ln(x)))))
+
+
+def _serial() -> Chain:
+    torch.manual_seed(7)
+    return Chain(
+        nn.LayerNorm(H), nn.Linear(H, 2 * H), nn.RMSNorm(2 * H), nn.Linear(2 * H, H, bias=False), nn.Linear(H, H)
+    )
+
+
+def _build(mesh, mod, dtype, defer: bool) -> Chain:
+    s = _serial().to(dtype)
+    with torch.no_grad():  # norms with weights and biases away from 1 and 0
+        for p in list(s.ln.parameters()) + list(s.rms.parameters()):
+            p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=dtype))
+    model = Chain(
+        mod.LayerNorm.from_serial(s.ln, mesh),
+        mod.Linear.from_serial(s.fc, mesh),
+        mod.RMSNorm.from_serial(s.rms, mesh),
+        mod.Linear.from_serial(s.proj, mesh),
+        mod.Linear.from_serial(s.out, mesh),
+    )
+    if defer:
+        g = grid_of(mesh, mesh.plan.tp_mode, "test")
+        assert install_deferred_grads(model, g, list(model.children())) is not None
+    return model
+
+
+def _passes(mesh, mod, split, autocast: bool, defer: bool):
+    dtype = torch.float32 if autocast else F64
+    model = _build(mesh, mod, dtype, defer)
+    landed_after_input: list[bool] = []
+    x_ref: list[torch.Tensor] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: landed_after_input.append(x_ref[-1].grad is not None))
+    handed = []
+    land = GradPass.land
+
+    def counting_land(self, grads):
+        handed.append(self.deferred)
+        return land(self, grads)
+
+    GradPass.land = counting_land
+    mesh.ledger.reset()
+    outs = []
+    try:
+        for step in range(3):
+            full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(step), dtype=dtype)
+            x = split(full, mesh).requires_grad_()
+            x_ref.append(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = model(x)
+            y.float().pow(2).sum().backward()
+            outs += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        with torch.no_grad():
+            outs.append(model(split(torch.ones(B, S, H, dtype=dtype), mesh)))
+    finally:
+        GradPass.land = land
+    outs += [p.detach() for p in model.parameters()]
+    ledger = {a: {k: v for k, v in s.items() if k != "seconds"} for a, s in mesh.ledger.stats().items()}
+    return outs, ledger, landed_after_input, handed
+
+
+def _check(mesh, mod, split):
+    for autocast in (False, True):
+        want, want_ledger, want_after, want_handed = _passes(mesh, mod, split, autocast, defer=False)
+        got, ledger, after, handed = _passes(mesh, mod, split, autocast, defer=True)
+        what = f"{mesh.plan.describe()} autocast={autocast}"
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{what}: deferral changes value {i}"
+        assert ledger == want_ledger, f"{what}: ledger {ledger} != {want_ledger}"
+        assert want_handed == [] and not all(want_after), f"{what}: without deferral some land before the input"
+        assert len(after) == 3 * 8 and all(after), f"{what}: a gradient landed before the backward reached the input"
+        # per pass: 2 norms, 3 Linear weights, 2 biases (the eval pass opens none)
+        assert handed == [7, 7, 7], f"{what}: {handed}"
+
+
+L2D = types.SimpleNamespace(LayerNorm=tp2d.LayerNorm2D, Linear=tp2d.Linear2D, RMSNorm=tp2d.RMSNorm2D)
+L25D = types.SimpleNamespace(LayerNorm=tp2p5d.LayerNorm25D, Linear=tp2p5d.Linear25D, RMSNorm=tp2p5d.RMSNorm25D)
+
+
+def _world_2d(rank, world):
+    _check(ParallelMesh(bh.Plan(tp=4, tp_mode="2d"), rank, world), L2D, tp2d.split_activation_2d)
+
+
+def _world_25d(rank, world):
+    _check(ParallelMesh(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), rank, world), L25D, tp2p5d.split_activation_25d)
+
+
+def test_2d_deferred_gradients_match_and_land_last():
+    bh.spawn(_world_2d, 4)
+
+
+def test_25d_deferred_gradients_match_and_land_last():
+    bh.spawn(_world_25d, 8, timeout=600)
