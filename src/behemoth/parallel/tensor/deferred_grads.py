@@ -10,15 +10,15 @@ wait, on the GPU a synchronisation of the compute stream with the other members 
 on the backward's critical path: one per Linear for ``dW``, one per bias and one per norm.
 
 :class:`DeferredGrads` moves those waits to the end of the backward. At the start of every
-forward pass of the model (a forward pre-hook on the model) it routes the layers' parameters
-through one autograd node, :class:`LandGradsFn` (identity forward), and the layers compute with
+forward pass of the model (a forward pre-hook on the model) it routes each layer's parameters
+through an autograd node, :class:`LandGradsFn` (identity forward), and the layers compute with
 its outputs. In the backward each layer issues its reductions as before, at the same points,
 but hands the in-flight handle to the pass (:class:`GradPass`) and returns a zero placeholder to
-autograd. The node runs once every layer's backward has (autograd runs a node when all its
-outputs' gradients are in): it waits for the handles, completes each gradient (cast, the
-``tp_depth`` all-reduce under Tesseract) and returns it, so each parameter's gradient lands in
-``.grad`` (and its post-accumulate hooks, the data-parallel buckets', run) once, complete, before
-``backward()`` returns. At most :attr:`GradPass.in_flight` handles stay unwaited during the pass
+autograd. The nodes were made before any layer ran, so autograd runs them after every layer's
+backward (of the nodes that are ready it runs the newest first): each waits for its layer's
+handles, completes each gradient (cast, the ``tp_depth`` all-reduce under Tesseract) and returns
+it, so each parameter's gradient lands in ``.grad`` (and its post-accumulate hooks, the
+data-parallel buckets', run) once, complete, before ``backward()`` returns. At most :attr:`GradPass.in_flight` handles stay unwaited during the pass
 (the oldest is waited as a new one is issued, several layers after it was issued): they hold
 the reductions' buffers.
 
@@ -31,8 +31,9 @@ head tied to the token embedding) gets that module's gradient as before: autogra
 when both are in. The data-parallel buckets therefore see these gradients at the end of the
 backward, not as it goes.
 
-Tested in tests/dist/test_tp2d_layers.py (a model of grid layers: gradients and ledger equal the
-non-deferred run's, every reduction deferred) and, through the engine, in tests/dist/test_tp2d.py.
+Tested in tests/dist/test_tp2d_deferred_grads.py (a model of grid layers: values and ledger equal
+the non-deferred run's, every gradient lands after the backward reached the input) and, through
+the engine, in tests/dist/test_tp2d.py and the pipeline tests (zero-bubble, interleaved).
 """
 
 from __future__ import annotations
@@ -62,57 +63,78 @@ class GradPass:
         self.deferred = 0
         """Reductions handed to this pass."""
 
+    @staticmethod
+    def active(defer: tuple | None) -> tuple | None:
+        """``defer`` (``(pass, ..., the pass's LandGradsFn node)``, as a layer hands it to its
+        autograd Function) if the running backward will land the pass's gradients, else None:
+        a backward towards the inputs only (a zero-bubble pipeline's input half, which keeps the
+        graph for a second, weight backward) runs no landing, so the layer sums as before."""
+        if defer is None or not torch._C._will_engine_execute_node(defer[-1]):
+            return None
+        return defer
+
     def placeholder(self, i: int) -> torch.Tensor:
         """The zero gradient a layer returns to autograd for parameter ``i`` (no memory: zero strides)."""
         shape, dtype, device = self.meta[i]
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
     def put(self, indices: tuple[int, ...], handle: comm.AsyncCollective, finish) -> None:
-        """Hand over the in-flight reduction ``handle`` of parameters ``indices``: ``finish(result)``
-        gives their gradients (each summed over ``tp_row``, in the parameter's shape and dtype)."""
+        """Hand over the in-flight reduction ``handle`` of parameters ``indices`` (of one layer):
+        ``finish(result)`` gives their gradients (each summed over ``tp_row``, in the parameter's
+        shape and dtype)."""
         self.entries.append([indices, handle, finish, None])
         self.deferred += 1
         self.unwaited += 1
-        if self.unwaited > self.in_flight:
+        if self.unwaited > self.in_flight:  # the unwaited entries are the newest
             oldest = self.entries[len(self.entries) - self.unwaited]
             oldest[3], oldest[1] = oldest[1].wait(), None
             self.unwaited -= 1
 
-    def land(self, grads: tuple) -> list:
-        """The complete gradients of the pass's parameters, from the handed-over reductions;
-        ``grads`` are what autograd delivered (placeholders, or None where no layer ran)."""
-        out: list[torch.Tensor | None] = [None] * len(self.meta)
-        for indices, handle, finish, result in self.entries:
-            for i, g in zip(indices, finish(handle.wait() if result is None else result)):
-                out[i] = g if out[i] is None else out[i] + g
-        self.entries, self.unwaited = [], 0
-        for i, g in enumerate(grads):
-            if g is not None and (out[i] is None or any(s != 0 for s in g.stride())):
+    def land(self, indices: tuple[int, ...], grads: tuple) -> list:
+        """The complete gradients of parameters ``indices`` (one layer's), from the reductions
+        handed over for them; ``grads`` are what autograd delivered for them (placeholders)."""
+        mine = set(indices)
+        out: dict[int, torch.Tensor] = {}
+        kept = []
+        for entry in self.entries:
+            if entry[0][0] not in mine:
+                kept.append(entry)
+                continue
+            ids, handle, finish, result = entry
+            self.unwaited -= result is None
+            for i, g in zip(ids, finish(handle.wait() if result is None else result)):
+                out[i] = g if i not in out else out[i] + g
+        self.entries = kept
+        for i, g in zip(indices, grads):
+            if g is not None and (i not in out or any(s != 0 for s in g.stride())):
                 raise RuntimeError(
                     "deferred gradient reductions (tensor parallelism, grid modes): a parameter's stand-in got "
                     "a gradient from outside its layer; the layers alone may use it."
                 )
+        summed = [out.get(i) for i in indices]
         depth = self.grid.depth_axis
         if not depth.trivial:  # Tesseract: summed over the depth layers too, in parameter order
-            out = [g if g is None else comm.all_reduce(g.contiguous(), depth) for g in out]
-        return out
+            summed = [g if g is None else comm.all_reduce(g.contiguous(), depth) for g in summed]
+        return summed
 
 
 class LandGradsFn(torch.autograd.Function):
-    """Identity forward (views of the parameters, for the layers to compute with); backward:
-    :meth:`GradPass.land` -- waits for the reductions the layers deferred to the pass and
-    returns the parameters' complete gradients (no collective of its own on ``tp_row``; under
-    Tesseract the all-reduce of each over ``tp_depth``)."""
+    """Identity forward (views of one layer's parameters, for it to compute with); backward:
+    :meth:`GradPass.land` -- waits for the reductions the layer deferred to the pass and returns
+    the parameters' complete gradients (no collective of its own on ``tp_row``; under Tesseract
+    the all-reduce of each over ``tp_depth``). One node per layer: a layer that does not run in
+    a pass leaves its node out of the backward (autograd would otherwise hand its parameters
+    ``None`` gradients and run their post-accumulate hooks)."""
 
     @staticmethod
-    def forward(ctx, grad_pass: GradPass, *params):
-        ctx.grad_pass = grad_pass
+    def forward(ctx, grad_pass: GradPass, indices: tuple[int, ...], *params):
+        ctx.grad_pass, ctx.indices = grad_pass, indices
         ctx.set_materialize_grads(False)
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *ctx.grad_pass.land(grads))
+        return (None, None, *ctx.grad_pass.land(ctx.indices, grads))
 
 
 def eager_training_pass() -> bool:
@@ -126,8 +148,8 @@ class DeferredGrads:
     ends it; the layers ask :func:`deferred_pass` for the pass and the stand-ins of their
     parameters."""
 
-    def __init__(self, grid: Grid, params: list[nn.Parameter]) -> None:
-        self.grid, self.params = grid, params
+    def __init__(self, grid: Grid, groups: list[list[nn.Parameter]]) -> None:
+        self.grid, self.groups = grid, groups
         self.current: GradPass | None = None
         self.stand_ins: dict[int, torch.Tensor] = {}
         self.passes = 0
@@ -136,11 +158,15 @@ class DeferredGrads:
         self.close()
         if not eager_training_pass():
             return
-        ps = [p for p in self.params if p.requires_grad and p.untyped_storage().nbytes() > 0]
-        if not ps:
+        groups = [[p for p in ps if p.requires_grad and p.untyped_storage().nbytes() > 0] for ps in self.groups]
+        params = [p for ps in groups for p in ps]
+        if not params:
             return
-        gp = GradPass(self.grid, ps)
-        self.stand_ins = {id(p): s for p, s in zip(ps, LandGradsFn.apply(gp, *ps))}
+        gp = GradPass(self.grid, params)
+        for ps in groups:
+            if ps:
+                stand_ins = LandGradsFn.apply(gp, tuple(gp.index[id(p)] for p in ps), *ps)
+                self.stand_ins.update((id(p), s) for p, s in zip(ps, stand_ins))
         self.current = gp
         self.passes += 1
 
@@ -158,7 +184,9 @@ class DeferredGrads:
 
 def deferred_pass(module: nn.Module, *params) -> tuple[GradPass, list] | None:
     """``(pass, [stand-in of each of params])`` when ``module`` defers its gradient reductions in
-    the running forward, else None (the layer then sums its gradients itself, as before)."""
+    the running forward, else None (the layer then sums its gradients itself, as before). The
+    layer hands its autograd Function ``(pass, index of each parameter, node)``, ``node`` being
+    the stand-ins' ``grad_fn`` (:meth:`GradPass.active`)."""
     owner = module.__dict__.get("deferred_grads")
     if owner is None or owner.current is None or not eager_training_pass():
         return None
@@ -166,6 +194,8 @@ def deferred_pass(module: nn.Module, *params) -> tuple[GradPass, list] | None:
         return None
     stand_ins = [owner.stand_in(p) for p in params]
     if any(s is None and p is not None for s, p in zip(stand_ins, params)):
+        return None
+    if all(s is p for s, p in zip(stand_ins, params)):  # nothing to sum: no parameter needs a gradient
         return None
     return owner.current, stand_ins
 
@@ -176,15 +206,13 @@ def install_deferred_grads(model: nn.Module, grid: Grid, layers: list[nn.Module]
     them (q = d = 1)."""
     if grid.row_axis.trivial and grid.depth_axis.trivial:
         return None
-    params, seen = [], set()
-    for layer in layers:
-        for p in layer.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    if not params:
+    groups, seen = [], set()
+    for layer in layers:  # one group per layer (a parameter two layers share: the first one's)
+        groups.append([p for p in layer.parameters(recurse=False) if id(p) not in seen])
+        seen.update(id(p) for p in groups[-1])
+    if not seen:
         return None
-    deferred = DeferredGrads(grid, params)
+    deferred = DeferredGrads(grid, [ps for ps in groups if ps])
     for layer in layers:
         layer.deferred_grads = deferred
     model.register_forward_pre_hook(deferred.open)

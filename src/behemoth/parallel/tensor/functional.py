@@ -57,7 +57,7 @@ class ShardedNormFn(torch.autograd.Function):
     ``sum(g * xhat)`` (rms: only the latter). ``weight``/``bias`` grads are local, unless
     ``param_axis`` names the axis they are replicated over: then one all-reduce of both over it,
     started before the statistics' all-reduce and waited after it, sums them there. ``defer``
-    (``(GradPass, weight index, bias index)``, :mod:`.deferred_grads`): that all-reduce is handed
+    (``(GradPass, weight index, bias index, node)``, :mod:`.deferred_grads`): that all-reduce is handed
     to the pass unwaited and zero placeholders are returned for ``weight`` and ``bias``."""
 
     @staticmethod
@@ -101,8 +101,9 @@ class ShardedNormFn(torch.autograd.Function):
         pending = None
         if ctx.param_axis is not None and grads:  # summed where the parameters are replicated
             pending = comm.all_reduce(torch.cat(grads) if len(grads) > 1 else grads[0], ctx.param_axis, async_op=True)
-            if ctx.defer is not None:  # waited for at the end of the backward
-                gp, wi, bi = ctx.defer
+            defer = None if ctx.defer is None else ctx.defer[0].active(ctx.defer)
+            if defer is not None:  # waited for at the end of the backward
+                gp, wi, bi, _ = defer
                 sizes = [(i, t.numel(), t.dtype) for i, t in ((wi, dw), (bi, db)) if t is not None]
                 gp.put(tuple(i for i, _, _ in sizes), pending, lambda s: _split(s, sizes))
                 pending = None

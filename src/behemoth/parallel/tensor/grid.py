@@ -135,7 +135,7 @@ class SummaFn(torch.autograd.Function):
     on ``ctx``, outside the saved-tensor hooks (it is a weight copy, not an activation: activation
     checkpointing does not drop it), in compiled code as a saved tensor.
 
-    ``defer`` (``(GradPass, weight index, bias index)``, :mod:`.deferred_grads`): the dW
+    ``defer`` (``(GradPass, weight index, bias index, node)``, :mod:`.deferred_grads`): the dW
     reduce-scatter and the bias all-reduce are issued as above but handed to the pass unwaited,
     and zero placeholders returned for ``w`` and ``b`` (then ``w`` may come uncast: it is cast to
     x's dtype before it travels)."""
@@ -175,7 +175,8 @@ class SummaFn(torch.autograd.Function):
         else:
             (x,), w_col = ctx.saved_tensors, ctx.w_col
         db = hb = hw = None
-        defer, w_dtype = ctx.defer, ctx.w_dtype  # defer: (GradPass, weight index, bias index)
+        w_dtype = ctx.w_dtype
+        defer = None if ctx.defer is None else ctx.defer[0].active(ctx.defer)  # (GradPass, w index, b index, node)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
             if defer is not None:  # waited at the end of the backward (deferred_grads)

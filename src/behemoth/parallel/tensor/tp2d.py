@@ -226,7 +226,8 @@ class Linear2D(nn.Module):
             w_col = pf.take(self, dt)
         if deferred is not None:  # the pass sums the gradients (tp_row, tp_depth); SummaFn casts w
             gp, (w, b) = deferred
-            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)))
+            node = next(t.grad_fn for t in (w, b) if t is not None and t.grad_fn is not None)
+            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)), node)
             x = x if dt is None else x.to(dt)
         else:
             w = replicate_on(self.weight, g, rows=False)
@@ -332,7 +333,8 @@ class Norm2D(nn.Module):
         defer = None
         if deferred is not None:  # ... and the pass waits for the sum (and adds tp_depth's)
             gp, (w, b) = deferred
-            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)))
+            node = next(t.grad_fn for t in (w, b) if t is not None and t.grad_fn is not None)
+            defer = (gp, gp.index.get(id(self.weight)), gp.index.get(id(self.bias)), node)
         else:
             w = None if self.weight is None else replicate_on(self.weight, g, rows=False)
             b = None if self.bias is None else replicate_on(self.bias, g, rows=False)
