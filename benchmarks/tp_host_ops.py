@@ -12,7 +12,9 @@ host milliseconds come from separate, uncounted steps.
     torchrun --standalone --nproc_per_node 4 benchmarks/tp_host_ops.py --size gpt-1.3b \\
         --mbs 8 --seq 2048 --layouts 1d,2d                                # GPUs, NCCL
 
-Prints, on rank 0, one ``OPS {json}`` line per layout and a table.
+Prints, on rank 0, one ``OPS {json}`` line per layout and a table. ``deferred``: of the
+collectives, the parameter-gradient reductions the grid layouts wait for only at the end of the
+backward (``behemoth.parallel.tensor.deferred_grads``), off its critical path.
 """
 
 from __future__ import annotations
@@ -45,6 +47,25 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _record_grad_passes() -> list:
+    """The deferred-gradient passes (grid layouts) opened until ``_record_grad_passes.stop()``:
+    each counts the reductions its layers issued but waited for only at the end of the backward."""
+    from behemoth.parallel.tensor.deferred_grads import GradPass
+
+    passes, init = [], GradPass.__init__
+
+    def recording(self, *args):
+        init(self, *args)
+        passes.append(self)
+
+    def stop():
+        GradPass.__init__ = init
+
+    GradPass.__init__ = recording
+    _record_grad_passes.stop = stop
+    return passes
+
+
 def _sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -71,6 +92,7 @@ def measure(layout: str, a, dev) -> dict:
         times.append(time.perf_counter() - t)
     engine.reset_comm_stats()
     counter = OpCounter()
+    passes = _record_grad_passes()
     launches = None
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -83,6 +105,7 @@ def measure(layout: str, a, dev) -> dict:
     else:
         with counter:
             engine.step(batch)
+    _record_grad_passes.stop()
     stats = engine.comm_stats()
     c10d = {k: v for k, v in counter.ops.items() if k.startswith("c10d") or "_c10d_functional" in k}
     aten = sum(v for k, v in counter.ops.items() if k.startswith("aten."))
@@ -96,6 +119,7 @@ def measure(layout: str, a, dev) -> dict:
         host_ms=round(1e3 * sorted(times)[len(times) // 2], 2),
         aten_ops=aten,
         collectives=sum(s["calls"] for s in stats.values()),
+        deferred=sum(gp.deferred for gp in passes),
         by_axis={ax: s["ops"] for ax, s in stats.items()},
         c10d_ops=dict(sorted(c10d.items())),
         top_aten=dict(
@@ -115,11 +139,13 @@ def run(rank: int, world: int, a) -> None:
         for r in rows:
             print("OPS " + json.dumps(r), flush=True)
         print(f"\n{a.size}, mbs {a.mbs}, seq {a.seq}, tp {a.tp}, {world} ranks, per step (rank 0):")
-        print(f"{'layout':8} {'host ms':>9} {'aten ops':>9} {'collectives':>12} {'kernels':>8}  by axis")
+        print(
+            f"{'layout':8} {'host ms':>9} {'aten ops':>9} {'collectives':>12} {'deferred':>9} {'kernels':>8}  by axis"
+        )
         for r in rows:
             axes = "; ".join(f"{ax} {dict(ops)}" for ax, ops in r["by_axis"].items())
             print(
-                f"{r['layout']:8} {r['host_ms']:9.1f} {r['aten_ops']:9d} {r['collectives']:12d} "
+                f"{r['layout']:8} {r['host_ms']:9.1f} {r['aten_ops']:9d} {r['collectives']:12d} {r['deferred']:9d} "
                 f"{r['gpu_kernels'] if r['gpu_kernels'] is not None else '-':>8}  {axes}"
             )
 

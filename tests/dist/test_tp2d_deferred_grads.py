@@ -7,10 +7,11 @@ as built and once with ``install_deferred_grads``. Checked:
 
 * every output, input gradient, parameter gradient and updated parameter is bit-identical, and
   the ledger books the same calls and bytes per axis and operation (the same collectives);
-* with deferral every parameter's gradient lands after the backward has reached the model's
-  input (its reductions were waited for at the end), without it some land before; each pass
-  hands over one reduction per norm, per Linear weight and per bias; a layer that does not run
-  gets no gradient and runs no post-accumulate hook;
+* where gradients land: without deferral each right after its layer's backward; with it, from
+  the second pass on (the first records the layers' order), ``lead`` layers later (lead 1: the
+  last Linear's weight after the Linear before it; lead 100: every gradient after the backward
+  has reached the input); each pass hands over one reduction per norm, per Linear weight and per
+  bias; a layer that does not run gets no gradient and runs no post-accumulate hook;
 * evaluation (no gradients) opens no pass.
 """
 
@@ -24,7 +25,7 @@ from torch import nn
 import behemoth as bh
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import tp2d, tp2p5d
-from behemoth.parallel.tensor.deferred_grads import GradPass, install_deferred_grads
+from behemoth.parallel.tensor.deferred_grads import DeferredGrads, GradPass, install_deferred_grads
 from behemoth.parallel.tensor.grid import grid_of
 
 B, S, H = 4, 3, 8
@@ -73,13 +74,26 @@ def _build(mesh, mod, dtype, defer: bool) -> Chain:
     return model
 
 
-def _passes(mesh, mod, split, autocast: bool, defer: bool):
+def _dx_reductions(mesh) -> int:
+    """tp_col reduce-scatters so far: one per Linear backward (its dX)."""
+    return mesh.ledger.stats().get("tp_col", {}).get("ops", {}).get("reduce_scatter", 0)
+
+
+def _passes(mesh, mod, split, autocast: bool, defer: bool, lead: int = DeferredGrads.lead):
+    """Three training passes and an evaluation: values, ledger, and for each backward whether
+    each parameter's gradient landed after the input's, how many Linear backwards had run when
+    ``out.weight``'s landed, and the reductions each pass deferred."""
     dtype = torch.float32 if autocast else F64
     model = _build(mesh, mod, dtype, defer)
-    landed_after_input: list[bool] = []
+    after_input: list[bool] = []
+    out_landed: list[int] = []
     x_ref: list[torch.Tensor] = []
+    at_start: list[int] = []
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: landed_after_input.append(x_ref[-1].grad is not None))
+        p.register_post_accumulate_grad_hook(lambda p: after_input.append(x_ref[-1].grad is not None))
+    model.out.weight.register_post_accumulate_grad_hook(
+        lambda p: out_landed.append(_dx_reductions(mesh) - at_start[-1])
+    )
     passes: list[GradPass] = []
     init = GradPass.__init__
 
@@ -88,6 +102,7 @@ def _passes(mesh, mod, split, autocast: bool, defer: bool):
         passes.append(self)
 
     GradPass.__init__ = recording_init
+    saved_lead, DeferredGrads.lead = DeferredGrads.lead, lead
     mesh.ledger.reset()
     outs = []
     try:
@@ -97,6 +112,7 @@ def _passes(mesh, mod, split, autocast: bool, defer: bool):
             x_ref.append(x)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 y = model(x)
+            at_start.append(_dx_reductions(mesh))
             y.float().pow(2).sum().backward()
             assert model.spare.weight.grad is None and model.spare.bias.grad is None
             outs += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -108,24 +124,31 @@ def _passes(mesh, mod, split, autocast: bool, defer: bool):
             outs.append(model(split(torch.ones(B, S, H, dtype=dtype), mesh)))
     finally:
         GradPass.__init__ = init
+        DeferredGrads.lead = saved_lead
     outs += [p.detach() for p in model.parameters()]
     ledger = {a: {k: v for k, v in s.items() if k != "seconds"} for a, s in mesh.ledger.stats().items()}
-    return outs, ledger, landed_after_input, [gp.deferred for gp in passes]
+    return outs, ledger, after_input, out_landed, [gp.deferred for gp in passes]
 
 
 def _check(mesh, mod, split):
     for autocast in (False, True):
-        want, want_ledger, want_after, want_handed = _passes(mesh, mod, split, autocast, defer=False)
-        got, ledger, after, handed = _passes(mesh, mod, split, autocast, defer=True)
         what = f"{mesh.plan.describe()} autocast={autocast}"
-        assert len(got) == len(want)
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert torch.equal(a, b), f"{what}: deferral changes value {i}"
-        assert ledger == want_ledger, f"{what}: ledger {ledger} != {want_ledger}"
-        assert want_handed == [] and not all(want_after), f"{what}: without deferral some land before the input"
-        assert len(after) == 3 * 8 and all(after), f"{what}: a gradient landed before the backward reached the input"
-        # per pass: 2 norms, 3 Linear weights, 2 biases (the eval pass opens none)
-        assert handed == [7, 7, 7], f"{what}: {handed}"
+        want, want_ledger, want_after, want_out, want_handed = _passes(mesh, mod, split, autocast, defer=False)
+        assert want_handed == [] and not all(want_after) and want_out == [1, 1, 1], f"{what}: without deferral"
+        # lead 1: out's node is made at proj's forward from the second pass on (the first records
+        # the order), so out.weight lands after proj's backward; lead 100: after the input's
+        for lead, landed in ((1, [1, 2, 2]), (100, [1, 3, 3])):
+            got, ledger, after, out, handed = _passes(mesh, mod, split, autocast, defer=True, lead=lead)
+            assert len(got) == len(want)
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), f"{what} lead {lead}: deferral changes value {i}"
+            assert ledger == want_ledger, f"{what} lead {lead}: ledger {ledger} != {want_ledger}"
+            assert len(after) == 3 * 8, f"{what} lead {lead}: {len(after)} gradients landed"
+            assert out == landed, f"{what} lead {lead}: out.weight landed after {out} Linear backwards"
+            if lead == 100:  # passes 2 and 3: every gradient after the input's
+                assert all(after[8:]), f"{what}: a gradient landed before the backward reached the input"
+            # per pass: 2 norms, 3 Linear weights, 2 biases (the evaluation opens none)
+            assert handed == [7, 7, 7], f"{what} lead {lead}: {handed}"
 
 
 L2D = types.SimpleNamespace(LayerNorm=tp2d.LayerNorm2D, Linear=tp2d.Linear2D, RMSNorm=tp2d.RMSNorm2D)

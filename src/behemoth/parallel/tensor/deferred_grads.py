@@ -9,18 +9,20 @@ returns a summed gradient to autograd must wait for its collective first, so eac
 wait, on the GPU a synchronisation of the compute stream with the other members of ``tp_row``,
 on the backward's critical path: one per Linear for ``dW``, one per bias and one per norm.
 
-:class:`DeferredGrads` moves those waits to the end of the backward. At the start of every
-forward pass of the model (a forward pre-hook on the model) it routes each layer's parameters
-through an autograd node, :class:`LandGradsFn` (identity forward), and the layers compute with
-its outputs. In the backward each layer issues its reductions as before, at the same points,
-but hands the in-flight handle to the pass (:class:`GradPass`) and returns a zero placeholder to
-autograd. The nodes were made before any layer ran, so autograd runs them after every layer's
-backward (of the nodes that are ready it runs the newest first): each waits for its layer's
-handles, completes each gradient (cast, the ``tp_depth`` all-reduce under Tesseract) and returns
-it, so each parameter's gradient lands in ``.grad`` (and its post-accumulate hooks, the
-data-parallel buckets', run) once, complete, before ``backward()`` returns. At most :attr:`GradPass.in_flight` handles stay unwaited during the pass
-(the oldest is waited as a new one is issued, several layers after it was issued): they hold
-the reductions' buffers.
+:class:`DeferredGrads` moves those waits out of the layers. In every forward pass of the model
+(opened and closed by hooks on the model) it routes each layer's parameters through an autograd
+node, :class:`LandGradsFn` (identity forward), and the layer computes with its outputs. In the
+backward each layer issues its reductions as before, at the same points, but hands the
+in-flight handles to the pass (:class:`GradPass`) and returns zero placeholders to autograd; the
+layer's node then waits for them, completes each gradient (cast, the ``tp_depth`` all-reduce
+under Tesseract) and returns it, so each parameter's gradient lands in ``.grad`` (and its
+post-accumulate hooks, the data-parallel buckets', run) once, complete, before ``backward()``
+returns. Autograd runs, of the nodes that are ready, the newest first; a layer's node is made
+:attr:`DeferredGrads.lead` layers before the layer in the forward (in the order of the last pass
+that began with the same layer), so it runs when the backward has gone past that earlier layer:
+each reduction has several layers' backward to finish in. At most :attr:`GradPass.in_flight`
+handles stay unwaited (the oldest is waited as a new one is issued): they hold the reductions'
+buffers.
 
 The collectives are the same calls, bytes and order as without deferral (the ledger books the
 same entries); only where the compute stream waits for them moves. A layer takes part only when
@@ -28,11 +30,10 @@ nothing else manages its parameters (no forward pre-hooks: ZeRO-3 gathers in one
 forward passes with gradients on (compiled blocks, activation checkpointing's recomputation and
 evaluation compute as before, summing where they are). A parameter another module also uses (a
 head tied to the token embedding) gets that module's gradient as before: autograd adds the two
-when both are in. The data-parallel buckets therefore see these gradients at the end of the
-backward, not as it goes.
+when both are in.
 
 Tested in tests/dist/test_tp2d_deferred_grads.py (a model of grid layers: values and ledger equal
-the non-deferred run's, every gradient lands after the backward reached the input) and, through
+the non-deferred run's, gradients land ``lead`` layers late) and, through
 the engine, in tests/dist/test_tp2d.py and the pipeline tests (zero-bubble, interleaved).
 """
 
@@ -51,7 +52,7 @@ class GradPass:
     """One forward pass's parameters (in :class:`LandGradsFn`'s input order) and the reductions
     of their gradients that its layers issued and did not wait for."""
 
-    in_flight: int = 8
+    in_flight: int = 16
     """Handles left unwaited at most; issuing one more waits for the oldest."""
 
     def __init__(self, grid: Grid, params: list[nn.Parameter]) -> None:
@@ -145,33 +146,71 @@ def eager_training_pass() -> bool:
 class DeferredGrads:
     """The deferred gradient reductions of one model's grid layers (see the module docstring).
     :meth:`open` (a forward pre-hook on the model) starts a pass, :meth:`close` (a forward hook)
-    ends it; the layers ask :func:`deferred_pass` for the pass and the stand-ins of their
-    parameters."""
+    ends it; each layer asks :func:`deferred_pass` for the pass and its parameters' stand-ins.
+
+    A layer's landing node is made :attr:`lead` layers ahead of it in the forward, in the order
+    the layers ran in the last pass that began with the same layer: autograd runs it once the
+    backward has gone past that earlier layer, so the layer's gradients land ``lead`` layers
+    after its own backward (not all at the end: the data-parallel buckets still reduce during
+    the backward). The first pass (or a layer the last one did not run) makes the node at the
+    layer's own forward: its gradients land right after its backward, still waited for there."""
+
+    lead: int = 6
+    """How many layers ahead of a layer its landing node is made (a GPT block: 2 norms and 4
+    Linears)."""
 
     def __init__(self, grid: Grid, groups: list[list[nn.Parameter]]) -> None:
         self.grid, self.groups = grid, groups
+        self.group_of = {id(p): k for k, ps in enumerate(groups) for p in ps}
+        self.orders: dict[int, list[int]] = {}
+        """First layer of a pass -> the layers (groups) that pass used, in order."""
         self.current: GradPass | None = None
         self.stand_ins: dict[int, torch.Tensor] = {}
+        self.running: list[int] = []
+        self.used: set[int] = set()
+        self.ahead: dict[int, int] = {}  # group -> its position in the order followed now
+        self.order: list[int] = []
         self.passes = 0
 
     def open(self, module=None, args=None) -> None:
         self.close()
         if not eager_training_pass():
             return
-        groups = [[p for p in ps if p.requires_grad and p.untyped_storage().nbytes() > 0] for ps in self.groups]
-        params = [p for ps in groups for p in ps]
-        if not params:
-            return
-        gp = GradPass(self.grid, params)
-        for ps in groups:
-            if ps:
-                stand_ins = LandGradsFn.apply(gp, tuple(gp.index[id(p)] for p in ps), *ps)
-                self.stand_ins.update((id(p), s) for p, s in zip(ps, stand_ins))
-        self.current = gp
-        self.passes += 1
+        params = [p for ps in self.groups for p in ps if p.requires_grad and p.untyped_storage().nbytes() > 0]
+        if params:
+            self.current = GradPass(self.grid, params)
+            self.passes += 1
 
     def close(self, module=None, args=None, output=None) -> None:
-        self.current, self.stand_ins = None, {}
+        if self.running:
+            self.orders[self.running[0]] = self.running
+        self.current, self.stand_ins, self.running, self.used, self.ahead, self.order = None, {}, [], set(), {}, []
+
+    def _make(self, k: int) -> None:
+        """Make group ``k``'s landing node and stand-ins in the open pass (once)."""
+        gp = self.current
+        ps = [p for p in self.groups[k] if id(p) in gp.index]
+        if ps and id(ps[0]) not in self.stand_ins:
+            stand_ins = LandGradsFn.apply(gp, tuple(gp.index[id(p)] for p in ps), *ps)
+            self.stand_ins.update((id(p), s) for p, s in zip(ps, stand_ins))
+
+    def use(self, params) -> list:
+        """The stand-ins of ``params`` (one layer's, about to run); makes the landing nodes of the
+        layers :attr:`lead` ahead of it."""
+        ks = [self.group_of[id(p)] for p in params if p is not None and id(p) in self.group_of]
+        for k in ks:
+            self._make(k)
+            if k not in self.used:
+                if not self.running:  # the pass's first layer: follow the last pass that began here
+                    self.order = self.orders.get(k, [])
+                    self.ahead = {g: i for i, g in enumerate(self.order)}
+                self.running.append(k)
+                self.used.add(k)
+        at = max((self.ahead[k] for k in ks if k in self.ahead), default=None)
+        if at is not None:
+            for g in self.order[at + 1 : at + 1 + self.lead]:
+                self._make(g)
+        return [self.stand_in(p) for p in params]
 
     def stand_in(self, p: nn.Parameter | None) -> torch.Tensor | None:
         """``p``'s stand-in in the open pass; ``p`` itself if it needs no gradient; None if it
@@ -192,7 +231,7 @@ def deferred_pass(module: nn.Module, *params) -> tuple[GradPass, list] | None:
         return None
     if module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
-    stand_ins = [owner.stand_in(p) for p in params]
+    stand_ins = owner.use(params)
     if any(s is None and p is not None for s, p in zip(stand_ins, params)):
         return None
     if all(s is p for s, p in zip(stand_ins, params)):  # nothing to sum: no parameter needs a gradient
