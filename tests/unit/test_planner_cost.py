@@ -255,3 +255,22 @@ def test_gradient_accumulation_bytes_per_micro_batch():
         accumulate_bytes(bh.Plan(zero=1, microbatches=3, param_dtype="bf16", precision="bf16").resolve(2))
         == (6 + 2 * 10) / 3
     )
+
+
+def test_ulysses_copies_around_its_all_to_alls():
+    """A Ulysses block adds, at HBM speed, q/k/v's concatenation and each all-to-all's contiguous
+    parts and concatenated result (forward: 6 passes over q/k/v's bytes and 4 over the output's;
+    backward: 4 and 4); ring and one rank add none of it."""
+    from behemoth.planner.compute import block_times
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=8)
+    cal = load_calibration(GOLDEN_CAL)
+    h = w.shape.hidden
+    uly, ring = (bh.Plan(cp=2, cp_mode=m, precision="bf16").resolve(2) for m in ("ulysses", "ring"))
+    a, b = block_times(uly, w, cal, 1), block_times(ring, w, cal, 1)
+    tokens = 2048 / 2
+    fwd, bwd = tokens * (6 * 2 * 3 * h + 4 * 2 * h), tokens * (4 * 2 * 3 * h + 4 * 2 * h)
+    ring_f = 2 * 10 * tokens * h / cal.hbm_bytes_per_s  # compute.RING_MERGE_BYTES, cp steps
+    assert a.forward - (b.forward - ring_f) == pytest.approx(fwd / cal.hbm_bytes_per_s)
+    ring_b = 2 * 10 * tokens * h * 3 / cal.hbm_bytes_per_s
+    assert a.backward - (b.backward - ring_b) == pytest.approx(bwd / cal.hbm_bytes_per_s)

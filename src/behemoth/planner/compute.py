@@ -26,7 +26,7 @@ the gradient's copy into its fp32 chunk. Every micro-batch's gradients are then 
 into the gradient sync's fp32 chunks (:func:`accumulate_bytes`), at HBM speed too. Ring
 attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 accumulators,
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
-backward. Activation checkpointing adds a forward to
+backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). Activation checkpointing adds a forward to
 the backward. Pure; tests/unit/test_planner_cost.py.
 """
 
@@ -118,6 +118,17 @@ def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: s
     return k * cal.gemm_seconds(t / q / k, fout / q, fin / q, eb)
 
 
+def ulysses_copy_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the copies around Ulysses' all-to-alls for ``tokens`` local
+    tokens (``parallel/context/ulysses.py``, ``comm.all_to_all``): forward, q/k/v concatenated
+    (read and write them), each all-to-all's parts made contiguous and what arrives concatenated
+    (read and write twice), for q/k/v and the output; backward, the two inverse all-to-alls."""
+    s = w.shape
+    qkv = 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim / plan.tp  # 16-bit bytes per token
+    out = 2 * s.num_heads * s.head_dim / plan.tp
+    return tokens * (6 * qkv + 4 * out) / cal.hbm_bytes_per_s, tokens * (4 * qkv + 4 * out) / cal.hbm_bytes_per_s
+
+
 def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTimes:
     """One micro-batch of ``mbs`` sequences through one block on one rank of ``plan``."""
     s = w.shape
@@ -153,9 +164,12 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         rows = t * attn_w / plan.tp / cal.hbm_bytes_per_s
         ring_f = plan.cp * RING_MERGE_BYTES * rows
         ring_b = plan.cp * RING_MERGE_BYTES * rows * (1 + 2 * kv_share)
+    uly_f = uly_b = 0.0
+    if plan.cp > 1 and plan.cp_mode == "ulysses":
+        uly_f, uly_b = ulysses_copy_seconds(plan, w, cal, t)
     cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
-    fwd = gemm + attn_f + elem + cast_f + ring_f
-    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b
+    fwd = gemm + attn_f + elem + cast_f + ring_f + uly_f
+    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b + uly_b
     if plan.activation_checkpointing:
         bwd += fwd
     return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b)
