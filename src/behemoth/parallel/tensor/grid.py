@@ -124,8 +124,8 @@ class SummaFn(torch.autograd.Function):
     W(:, j)`` holds this rank's part of dX(i, k) for every k and is reduce-scattered over
     ``tp_col`` (rank (i, j) keeps dX(i, j)); ``X(i, :).T @ dy`` holds its part of dW(k, j) for
     every k and is reduce-scattered over ``tp_row``; the bias gradient is all-reduced over
-    ``tp_row``, launched first so it runs beside the GEMMs. With ``keep_w`` the dX GEMM starts
-    while X is being re-gathered.
+    ``tp_row``, launched first so it runs beside the GEMMs. With ``keep_w`` the dX GEMM and the
+    own block's rows of the dW GEMM run while X is being re-gathered.
 
     Bytes per rank: SUMMA's ``3 (bsh + h h_o) / q`` elements a Linear re-gathering W, ``(3 bsh +
     2 h h_o) / q`` with ``keep_w``; collectives are q times fewer, and the backward's GEMMs q
@@ -191,7 +191,7 @@ class SummaFn(torch.autograd.Function):
         if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
             hdx = comm.reduce_scatter_async((w_col if hw is None else hw.wait()) @ dy.t(), g.col_axis)
         if need_w:  # dW(:, j)^T partial = X(i, :)^T dy, summed down the grid column
-            hdw = comm.reduce_scatter_async(hx.wait() @ dy, g.row_axis)
+            hdw = comm.reduce_scatter_async(_column_grad(x, hx, dy, g), g.row_axis)
             if defer is not None:
                 defer[0].put((defer[1],), hdw, lambda s: ((s if in_out else s.t().contiguous()).to(w_dtype),))
                 hdw, dw = None, defer[0].placeholder(defer[1])
@@ -218,6 +218,17 @@ def _row_times_column(x: torch.Tensor, hx, w_col: torch.Tensor, g: Grid) -> torc
         if k != g.col:
             y = y.addmm(xt[k * n : (k + 1) * n].t(), w_col[k * n : (k + 1) * n])
     return y
+
+
+def _column_grad(x: torch.Tensor, hx, dy: torch.Tensor, g: Grid) -> torch.Tensor:
+    """This rank's part of dW(:, j), ``X(i, :)^T dy`` (``[in, out/q]``), by block rows: its own
+    block's ``X(i, j)^T dy`` first, while the re-gather of the others (``hx``) travels."""
+    if g.col_axis.trivial:
+        return hx.wait() @ dy
+    n = x.shape[1]
+    own = x.t() @ dy
+    xt = hx.wait()
+    return torch.cat([own if k == g.col else xt[k * n : (k + 1) * n] @ dy for k in range(g.q)])
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
