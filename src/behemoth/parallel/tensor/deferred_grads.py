@@ -60,6 +60,7 @@ class GradPass:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
         self.entries: list[list] = []  # [indices, handle, finish, result or None]
+        self.zeros: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the placeholders' one zero
         self.unwaited = 0
         self.deferred = 0
         """Reductions handed to this pass."""
@@ -77,7 +78,10 @@ class GradPass:
     def placeholder(self, i: int) -> torch.Tensor:
         """The zero gradient a layer returns to autograd for parameter ``i`` (no memory: zero strides)."""
         shape, dtype, device = self.meta[i]
-        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+        zero = self.zeros.get((dtype, device))
+        if zero is None:
+            zero = self.zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+        return zero.expand(shape)
 
     def put(self, indices: tuple[int, ...], handle: comm.AsyncCollective, finish) -> None:
         """Hand over the in-flight reduction ``handle`` of parameters ``indices`` (of one layer):

@@ -216,7 +216,7 @@ def _row_times_column(x: torch.Tensor, hx, w_col: torch.Tensor, g: Grid) -> torc
     xt = hx.wait()
     for k in range(g.q):
         if k != g.col:
-            y = y.addmm(xt[k * n : (k + 1) * n].t(), w_col[k * n : (k + 1) * n])
+            y.addmm_(xt[k * n : (k + 1) * n].t(), w_col[k * n : (k + 1) * n])
     return y
 
 
