@@ -3,7 +3,10 @@ run's: the process group's record functions (``gloo:*``) of one forward + backwa
 GPT and a tiny Llama (separate q/k/v, gated MLP, RMSNorm, replicated kv heads under 1D tp 4)
 with 4 blocks less those of the same model with 2, halved, under 1D, 1D with sequence
 parallelism and 2D tensor parallelism on 4 gloo ranks, and 2.5D (depth 2) and 3D (with and
-without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2."""
+without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2; and a mixture-of-
+experts Llama's (behemoth.planner.host.block_calls, ep_block_calls) on 2: the balancing
+statistics' all-reduce at ep 1, the split sizes and the chunks' all-to-alls at ep 2 with
+ep_overlap 1 and 2, and a checkpointed block's recompute (its forward's routes replayed)."""
 
 from __future__ import annotations
 
@@ -18,18 +21,37 @@ import behemoth as bh
 from behemoth.planner.host import block_calls, tp_block_calls
 from behemoth.planner.workload import workload_for
 
+
+def _model(family: str, layers: int):
+    if family == "llama-moe":
+        from common import VOCAB
+
+        from behemoth.models import build_model
+
+        return build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=layers)
+    return build(family, num_layers=layers)
+
+
 PLANS = (bh.Plan(tp=4), bh.Plan(tp=4, sequence_parallel=True), bh.Plan(tp=4, tp_mode="2d"))
 
 
-def _calls(family, plan, layers: int) -> int:
-    model = build(family, num_layers=layers)
+def _calls(family, plan, layers: int, *, gradient_sync: bool = True) -> int:
+    """gloo calls of one forward + backward; ``gradient_sync=False``: less the gradient sync's
+    reductions (its own launch log; the cost model counts them in the data-parallel term, by
+    bucket, not per block)."""
+    model = _model(family, layers)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
     engine.step(batch)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine._forward_backward(batch)
     # a ring shift's coalesced send and receive are one call (its send counted)
-    return sum(Counter(e.name for e in prof.events() if e.name.startswith("gloo:") and e.name != "gloo:recv").values())
+    calls = sum(Counter(e.name for e in prof.events() if e.name.startswith("gloo:") and e.name != "gloo:recv").values())
+    if not gradient_sync:
+        reducer = engine.grad_sync.reducer
+        store = reducer.store
+        calls -= sum(1 for index, _ in reducer.launch_log if not store.replica_axis(store.chunks[index]).trivial)
+    return calls
 
 
 def _world(rank, world):
@@ -80,3 +102,29 @@ def _cube_world(rank, world):
 
 def test_2p5d_and_3d_collective_calls_per_block_are_the_runs():
     bh.spawn(_cube_world, 8, timeout=600)
+
+
+EXPERTS = (
+    bh.Plan(),
+    bh.Plan(ep=2),
+    bh.Plan(ep=2, ep_overlap=2),
+    bh.Plan(ep=2, ep_overlap=2, activation_checkpointing=True),
+)
+
+
+def _experts_world(rank, world):
+    for plan in EXPERTS:
+        # the gradient sync's buckets break at every MoE layer's experts (another axis reduces them)
+        got = (
+            _calls("llama-moe", plan, 4, gradient_sync=False) - _calls("llama-moe", plan, 2, gradient_sync=False)
+        ) / 2
+        w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
+        want = sum(block_calls(plan.resolve(world), w))
+        assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
+
+
+def test_expert_calls_per_block_are_the_runs():
+    """An MoE layer: the statistics' all-reduce over dp (ep 1); with ep 2 the split sizes and
+    each chunk's dispatch and combine forward, the chunks' reverse pairs backward, and in a
+    recompute the chunks' pairs again, not the split sizes."""
+    bh.spawn(_experts_world, 2, timeout=400)

@@ -20,6 +20,7 @@ from behemoth.planner.cost import predict
 from behemoth.planner.host import (
     block_calls,
     cp_block_calls,
+    ep_block_calls,
     host_call_seconds,
     host_times,
     pipeline_calls,
@@ -60,7 +61,16 @@ def test_collective_calls_per_block():
     assert pipeline_calls(_plan(pp=2, microbatches=4)) == (2.0, 2.0)
     assert pipeline_calls(_plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)) == (4.0, 4.0)
     moe = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
-    assert block_calls(_plan(ep=2), moe) == (3.0, 2.0)  # split sizes, dispatch, combine; the pair back
+    # split sizes, dispatch, combine and the balancing statistics' all-reduce over dp; the pair back
+    assert block_calls(_plan(ep=2), moe) == (4.0, 2.0)
+    assert ep_block_calls(_plan(), moe) == (1.0, 0.0, 1.0)  # ep 1: the statistics only
+    assert ep_block_calls(bh.Plan(ep=2).resolve(2), GPT) == (0.0, 0.0, 0.0)  # no MoE layer
+    # ep_overlap = k: a dispatch and a combine per chunk each way, the split sizes once
+    assert block_calls(_plan(ep=2, ep_overlap=2), moe) == (6.0, 4.0)
+    assert block_calls(_plan(ep=2, ep_overlap=4), moe) == (10.0, 8.0)
+    # a recompute runs the chunks' pairs and the statistics again, not the split sizes
+    assert block_calls(_plan(ep=2, ep_overlap=2, activation_checkpointing=True), moe) == (6.0, 9.0)
+    assert block_calls(_plan(ep=2, ep_overlap=2, zero=3, activation_checkpointing=True), moe) == (7.0, 12.0)
 
 
 def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():

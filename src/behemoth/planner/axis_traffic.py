@@ -24,10 +24,11 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
   on its sender); the all-reduce of a tied embedding's gradient between the first and the
   last stage; the loss sum's all-reduce over the stages;
-* ``ep``: each MoE layer's split-size exchange (one even all-to-all of ``E`` int64 counts),
-  dispatch and combine all-to-alls forward, the reverse pair backward (all three again in a
-  checkpointed block's recompute; the pair again in zero-bubble's BW); the rows as if routing were even (the ledger books the
-  routed ones).
+* ``ep``: each MoE layer's split-size exchange (one even all-to-all of ``ep_overlap * E`` int64
+  counts), dispatch and combine all-to-alls forward (one per chunk each, the same rows), the
+  reverse pair backward (the pair again in a checkpointed block's recompute, which reuses its
+  forward's split sizes, and in zero-bubble's BW); the rows as if routing were even (the ledger
+  books the routed ones): :func:`ep_layer_bytes`.
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
 of real runs in tests/dist/test_planner_ledger.py.
@@ -45,7 +46,7 @@ from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
 
-__all__ = ["Dtypes", "step_traffic"]
+__all__ = ["Dtypes", "ep_layer_bytes", "step_traffic"]
 
 
 @dataclass(frozen=True)
@@ -186,18 +187,27 @@ def step_traffic(
             sent += all_reduce_bytes(s.vocab_size * s.hidden / weight_split(plan) * dt.param, 2)
         out["pp"] = sent + all_reduce_bytes(8, pp)  # and the step's float64 loss sum over the stages
     if plan.ep > 1 and w.num_experts:
-        tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
-        one = tokens * s.hidden * dt.compute * (plan.ep - 1) / plan.ep
-        # the split sizes' even all-to-all (int64, one per expert and chunk of Plan.ep_overlap;
-        # ledger: (ep-1)/ep of them leave), dispatch + combine forward and backward, all in the
-        # experts' GEMM dtype (dispatch casts the rows to autocast's before they leave:
-        # parallel/expert/traffic.py); a recomputed forward runs its two row all-to-alls again (it
-        # reuses the forward's split sizes: parallel/expert/replay.py)
-        splits = plan.ep_overlap * w.num_experts * 8 * (plan.ep - 1) / plan.ep
+        # dispatch + combine forward and backward; a recomputed forward runs its two row
+        # all-to-alls again (it reuses the forward's split sizes: parallel/expert/replay.py)
+        splits, one = ep_layer_bytes(plan, w, mbs, dt)
         rows = 2 * one * (2 if plan.activation_checkpointing else 1)
         backward = 2 * one * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
         out["ep"] = (splits + rows + backward) * layers * m
     return out
+
+
+def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float, float]:
+    """``(splits, rows)``: wire bytes one rank sends per MoE layer and micro-batch of ``mbs``
+    sequences in the split sizes' even all-to-all (int64, one per expert and chunk of
+    ``Plan.ep_overlap``; (ep-1)/ep of them leave the rank), and in one all-to-all of the rows (a
+    dispatch or a combine, all chunks together: the chunks split the same rows), as if routing
+    were even, in the experts' GEMM dtype (dispatch casts the rows to autocast's before they
+    leave: parallel/expert/traffic.py). 0 without expert parallelism."""
+    if plan.ep == 1 or not w.num_experts:
+        return 0.0, 0.0
+    leave = (plan.ep - 1) / plan.ep
+    tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
+    return plan.ep_overlap * w.num_experts * 8 * leave, tokens * w.shape.hidden * dt.compute * leave
 
 
 def _tp_stream_split(plan: Plan) -> int:

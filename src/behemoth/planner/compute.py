@@ -26,7 +26,10 @@ the gradient's copy into its fp32 chunk. Every micro-batch's gradients are then 
 into the gradient sync's fp32 chunks (:func:`accumulate_bytes`), at HBM speed too. Ring
 attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 accumulators,
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
-backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). Activation checkpointing adds a forward to
+backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
+layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, in ``ep_overlap``
+chunks of a ``1/ep_overlap`` share each, and each extra chunk casts the experts' weights and
+sums their gradients once more (:func:`ep_chunk_seconds`). Activation checkpointing adds a forward to
 the backward. Pure; tests/unit/test_planner_cost.py.
 """
 
@@ -40,7 +43,7 @@ from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["BlockTimes", "block_times", "head_times", "accumulate_bytes", "accumulate_seconds"]
+__all__ = ["BlockTimes", "block_times", "head_times", "accumulate_bytes", "accumulate_seconds", "ep_chunk_seconds"]
 
 ELEMENTWISE_REPLICATED = 16
 """Bytes per token per hidden unit, per block forward, of the norms and residual adds (what
@@ -100,6 +103,9 @@ class BlockTimes:
     """The part of ``backward`` that only the parameters' gradients need (the weight-gradient
     GEMMs and the gradients' casts): what zero-bubble's input-gradient pass (BI) skips and its
     weight-gradient pass (BW) runs after backpropagating through the block again."""
+    expert_gemm_forward: float = 0.0
+    """The experts' GEMMs' part of ``gemm_forward`` (what ``Plan.ep_overlap`` hides the
+    expert-parallel all-to-alls behind)."""
 
 
 def _linear(cal: Calibration, plan: Plan, t: float, fin: int, fout: int, role: str, eb: int) -> float:
@@ -137,13 +143,17 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     h, dh = s.hidden, s.head_dim
     attn_w, kv_w = s.num_heads * dh, s.num_kv_heads * dh
     gemm = _linear(cal, plan, t, h, attn_w + 2 * kv_w, "column", eb) + _linear(cal, plan, t, attn_w, h, "row", eb)
+    experts = 0.0
     if w.num_experts:
         f = w.expert_ffn_hidden or s.ffn_hidden
-        # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all
-        rows = t * w.experts_top_k * plan.ep / w.num_experts
+        # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all,
+        # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py)
+        k = plan.ep_overlap
+        rows = t * w.experts_top_k * plan.ep / w.num_experts / k
         # experts stay whole on every tensor-parallel rank (tp splits attention only)
         one = (2 if s.gated_mlp else 1) * cal.gemm_seconds(rows, f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
-        gemm += one * w.num_experts / plan.ep
+        experts = k * one * w.num_experts / plan.ep
+        gemm += experts
     else:
         f = s.ffn_hidden
         gemm += (2 if s.gated_mlp else 1) * _linear(cal, plan, t, h, f, "column", eb) + _linear(
@@ -168,11 +178,30 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     if plan.cp > 1 and plan.cp_mode == "ulysses":
         uly_f, uly_b = ulysses_copy_seconds(plan, w, cal, t)
     cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
-    fwd = gemm + attn_f + elem + cast_f + ring_f + uly_f
-    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b + uly_b
+    chunk_f, chunk_b = ep_chunk_seconds(plan, w, cal)
+    fwd = gemm + attn_f + elem + cast_f + ring_f + uly_f + chunk_f
+    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b + uly_b + chunk_b
     if plan.activation_checkpointing:
         bwd += fwd
-    return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b)
+    return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b + chunk_b, experts)
+
+
+def ep_chunk_seconds(plan: Plan, w: Workload, cal: Calibration) -> tuple[float, float]:
+    """(forward, backward) seconds ``Plan.ep_overlap = k`` chunks add to one MoE layer's
+    micro-batch on one rank, beyond the GEMMs' smaller shapes: each chunk runs this rank's experts
+    as one call (``parallel/expert/grouped.py``), which casts their weights to the GEMM dtype, so
+    under autocast over fp32 parameters the k - 1 extra calls cast them again (``CAST_BYTES`` a
+    parameter each) and the backward casts their k - 1 extra weight gradients back; autograd sums
+    the k gradients of each weight (k - 1 additions: read two, write one, in the gradient's dtype:
+    2 bytes with ``param_dtype='bf16'``, else 4)."""
+    k = plan.ep_overlap
+    if k == 1 or not w.num_experts:
+        return 0.0, 0.0
+    n = w.expert_params / plan.ep
+    grad_bytes = 2 if plan.param_dtype == "bf16" else 4
+    autocast = plan.precision in ("bf16", "fp16") and plan.param_dtype != "bf16"
+    cast = CAST_BYTES if autocast else 0
+    return (k - 1) * n * cast / cal.hbm_bytes_per_s, (k - 1) * n * (cast + 3 * grad_bytes) / cal.hbm_bytes_per_s
 
 
 def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[float, float]:

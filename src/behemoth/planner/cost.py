@@ -14,8 +14,9 @@
   with sequence parallelism the all-gathers a GEMM waits for (the norms' outputs forward, the
   rows' output gradients backward) exposed, the re-gathers and reduce-scatters hidden as above;
   ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
-  reduce-scatters (one of each operand around one GEMM), Ulysses' and experts' all-to-alls
-  exposed;
+  reduce-scatters (one of each operand around one GEMM) and Ulysses' all-to-alls exposed;
+  experts' all-to-alls in ``ep_overlap = k`` chunks hiding ``(k-1)/k`` of the rows' all-to-alls
+  behind the experts' GEMMs, the split sizes' exchange exposed (:func:`_ep_times`);
 * **repeated work** -- activation checkpointing's recompute runs a block's forward (and its
   collectives) again in the backward; zero-bubble's weight-gradient pass (BW) backpropagates
   through the stage again after its input-gradient pass (BI), so a stage with an input gradient
@@ -43,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import Dtypes, step_traffic
+from .axis_traffic import Dtypes, ep_layer_bytes, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, head_times
@@ -115,6 +116,32 @@ def _hide(comm: float, cover: float, frac: float = 1.0, slowdown: float = 0.0) -
     return comm - (1.0 - slowdown) * min(comm * frac, max(cover, 0.0))
 
 
+def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: int, dt: Dtypes, slow: float):
+    """``(forward, backward, step)``: the exposed seconds of the stage's MoE layers' all-to-alls in
+    one micro-batch's forward and backward (the recompute's and zero-bubble's BW's in the
+    backward), and all their seconds in the step, hidden or not.
+
+    The overlap rule (``parallel/expert/overlap.py``): with ``k = ep_overlap`` chunks, every
+    chunk's dispatch starts at once and chunk i's experts run while chunk i+1's dispatch and
+    chunk i-1's combine travel, so only the first dispatch and the last combine -- 1/k of the
+    row all-to-alls' time -- must wait; (k-1)/k of it is hidden behind the experts' GEMMs, at
+    most their time (the forward's behind the forward GEMMs; the backward's reverse pair behind
+    the input- and weight-gradient GEMMs, twice the forward's; a recompute's as the forward's),
+    each hidden second costing the GEMMs ``slow`` of it. The split sizes' exchange precedes every
+    chunk (the host waits for its sizes) and stays exposed. ``k = 1`` hides nothing."""
+    size, stride = plan.ep, plan.cp * plan.tp
+    k, m = plan.ep_overlap, plan.microbatches
+    ckpt = plan.activation_checkpointing
+    twice = plan.pp > 1 and plan.schedule == "zero-bubble"
+    splits, one = ep_layer_bytes(plan, w, mbs, dt)
+    t_splits = cluster.collective_seconds(size, stride, splits * layers, layers)
+    pair = cluster.collective_seconds(size, stride, 2 * one * layers, 2 * k * layers)  # all chunks' pairs
+    gemm, frac = layers * bt.expert_gemm_forward, (k - 1) / k
+    e_f = t_splits + _hide(pair, gemm, frac, slow)
+    e_b = _hide((1 + twice) * pair, (2 + twice) * gemm, frac, slow) + ckpt * _hide(pair, gemm, frac, slow)
+    return e_f, e_b, (t_splits + pair * (2 + ckpt + twice)) * m
+
+
 def _memo(cache: dict | None, key: tuple, fn):
     if cache is None:
         return fn()
@@ -161,6 +188,7 @@ def predict(
         plan.cp,
         plan.cp_mode,
         plan.ep,
+        plan.ep_overlap,
     )
     key += (plan.activation_checkpointing, plan.precision, plan.param_dtype, mbs)
     bt = _memo(cache, ("block",) + key, lambda: block_times(plan, w, cal, mbs))
@@ -231,12 +259,10 @@ def predict(
         t_b += 2 * e / 3
         exposed["cp"] = e * m
     if "ep" in nbytes:
-        size, stride = plan.ep, plan.cp * plan.tp
-        calls = (3 * (1 + ckpt) + 2 * (1 + twice)) * layers  # split sizes, dispatch, combine; the pair back
-        one = cluster.collective_seconds(size, stride, nbytes["ep"] / m, calls)
-        comm["ep"] = exposed["ep"] = one * m
-        t_f += one / 3
-        t_b += 2 * one / 3
+        e_f, e_b, comm["ep"] = _ep_times(plan, w, cluster, bt, layers, mbs, dt, slow)
+        t_f += e_f
+        t_b += e_b
+        exposed["ep"] = (e_f + e_b) * m
 
     # zero-bubble: a stage with an input gradient runs BI (the backward without the weight
     # gradients) and then BW, which backpropagates through the stage again into its parameters;

@@ -17,15 +17,19 @@ Per block and micro-batch, from the same structure the traffic formulas count
   and row-bias gradient all-reduces; replicated k/v projections' gradient all-reduces; 2D, 2.5D
   and 3D: their SUMMA gathers and reduce-scatters per Linear (:func:`tp_block_calls`);
   Ulysses' two all-to-alls each way, ring attention's ``cp - 1`` K/V shifts forward and
-  ``2 cp - 1`` backward (one coalesced send/receive each); each MoE layer's split-size exchange,
-  dispatch and combine forward, and the reverse pair backward; ZeRO-3's gather of the block's
+  ``2 cp - 1`` backward (one coalesced send/receive each); each MoE layer's split-size exchange
+  and each of its ``ep_overlap`` chunks' dispatch and combine forward, each chunk's reverse pair
+  backward, and its balancing statistics' all-reduce over the data axis (:func:`ep_block_calls`);
+  ZeRO-3's gather of the block's
   parameters forward and backward, and its gradient reduce-scatter (every micro-batch without a
-  pipeline); activation checkpointing repeats the forward's calls in the backward;
+  pipeline); activation checkpointing repeats the forward's calls in the backward (but an MoE
+  layer's split sizes: the recompute replays its routes);
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
   measured) plus ``kernels_per_collective`` per call (the collective and the copies around it);
   the serial block's split between forward and backward measured too
   (``host_forward_share``, default a third), the collectives' as the layers issue them;
-  checkpointing adds a forward;
+  checkpointing adds a forward; an MoE layer's ``ep_overlap`` chunks add the kernels each extra
+  chunk launches (:func:`ep_chunk_kernels`, counted from the code);
 
 at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its Python and
 bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code around them),
@@ -46,13 +50,50 @@ from .workload import Workload
 
 __all__ = [
     "HostTimes",
+    "EP_CHUNK_KERNELS",
+    "EP_CHUNKED_KERNELS",
     "block_calls",
+    "ep_block_calls",
+    "ep_chunk_kernels",
     "tp_block_calls",
     "cp_block_calls",
     "pipeline_calls",
     "host_call_seconds",
     "host_times",
 ]
+
+
+EP_CHUNK_KERNELS = (25.0, 24.0, 16.0)
+"""Kernels each MoE layer launches per chunk of ``Plan.ep_overlap`` beyond the first: ``(forward,
+backward, recompute)``, counted from ``parallel/expert/overlap.py`` and ``dispatch.py`` on the GPU
+path (bf16 autocast over fp32 parameters, grouped GEMMs, groups padded in the placement).
+Forward: the chunk's assignment indices (2: offset, token), its rows cast and gathered
+(``SendRows``, 2), their placement indices (``Routes.lay_out``: the host-to-device copy, the
+arange, the chunk's received counts made contiguous, ``repeat_interleave``'s 3, the add: 7) and
+the scatter (``PlaceRows``, 2), the experts (``swiglu_grouped_mm``: 2 weight casts, the offsets'
+copy, 2 grouped GEMMs, SiLU and the product: 7), the gather back (``TakeRows``, 1), the weighting
+and sum (4). Backward: the weighting's (7), the scatter back (2), the experts' (2 grouped GEMMs
+each and a gradient cast each, the product and SiLU 3, the gate/up concatenation 1: 10) with the
+weights' gradients summed (2), the gather's (1), ``SendRows``'s (2). A recompute replays the
+routes (no indices, no ``lay_out``): the rows, the experts, the gather back and the weighting (16)."""
+EP_CHUNKED_KERNELS = (11.0, 2.0, 1.0)
+"""... and once per layer where ``ep_overlap > 1``: forward, the chunk keys (``Routes.build``: the
+runs' copy, arange, ``repeat_interleave``'s 3, the key's multiply and add) and the split sizes
+regrouped by member (2 copies), the first chunk's received counts made contiguous, and the
+outputs' concatenation; backward, the concatenations of the chunks' input and routing-weight
+gradients; recompute, the outputs' concatenation."""
+
+
+def ep_chunk_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
+    """Kernels ``Plan.ep_overlap`` adds to one block per micro-batch: ``(forward, backward)``, the
+    backward including a checkpointed block's recompute (:data:`EP_CHUNK_KERNELS`,
+    :data:`EP_CHUNKED_KERNELS`)."""
+    k = plan.ep_overlap
+    if k == 1 or plan.ep == 1 or not w.num_experts:
+        return 0.0, 0.0
+    (f, b, r), (cf, cb, cr) = EP_CHUNK_KERNELS, EP_CHUNKED_KERNELS
+    again = (k - 1) * r + cr if plan.activation_checkpointing else 0.0
+    return (k - 1) * f + cf, (k - 1) * b + cb + again
 
 
 def block_linears(shape) -> int:
@@ -105,19 +146,35 @@ def cp_block_calls(plan: Plan) -> tuple[float, float]:
     return float(plan.cp - 1), float(2 * plan.cp - 1)
 
 
+def ep_block_calls(plan: Plan, w: Workload) -> tuple[float, float, float]:
+    """Calls of one MoE layer per micro-batch: ``(forward, backward, recompute)``, as
+    ``parallel/expert/style.py`` and ``overlap.py`` issue them. Forward: with ``ep > 1``, the
+    split sizes' exchange (once, for every chunk) and each of the ``ep_overlap`` chunks' dispatch
+    and combine all-to-alls; over a data axis (dp, x cp) of more than one rank, the balancing
+    statistics' all-reduce. Backward: each chunk's reverse pair. A checkpointed block's recompute
+    repeats the forward but the split sizes (it replays the forward's routes,
+    ``parallel/expert/replay.py``)."""
+    if not w.num_experts:
+        return 0.0, 0.0, 0.0
+    stats = 1.0 if plan.dp * plan.cp > 1 else 0.0
+    if plan.ep == 1:
+        return stats, 0.0, stats
+    rows = 2.0 * plan.ep_overlap
+    return 1.0 + rows + stats, rows, rows + stats
+
+
 def block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
     """Every collective call one block issues per micro-batch, over all axes: ``(forward,
     backward)``, the backward including a checkpointed block's recomputed forward."""
     f, b = tp_block_calls(plan, w)
     cf, cb = cp_block_calls(plan)
+    ef, eb, again = ep_block_calls(plan, w)
     f, b = f + cf, b + cb
-    if plan.ep > 1 and w.num_experts:
-        f, b = f + 3, b + 2  # split sizes, dispatch, combine; the reverse pair
     if plan.zero == 3 and plan.dp * plan.cp > 1:
         f, b = f + 1, b + 1 + (1 if plan.pp == 1 else 0)
     if plan.activation_checkpointing:
-        b += f
-    return f, b
+        b += f + again
+    return f + ef, b + eb
 
 
 def pipeline_calls(plan: Plan) -> tuple[float, float]:
@@ -162,8 +219,10 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     one = host_call_seconds(cal, plan.tp_mode if plan.tp > 1 else "1d")
     kern = cal.host_block_kernels
     share = cal.host_forward_share
-    kf = kern * share + cal.kernels_per_collective * f
+    ef, eb = ep_chunk_kernels(plan, w)
+    kf = kern * share + cal.kernels_per_collective * f + ef
     kb = kern * (1 - share) + cal.kernels_per_collective * b + (kern * share if plan.activation_checkpointing else 0.0)
+    kb += eb
     pf, pb = pipeline_calls(plan)
     p2p = (pf + pb) * (cal.host_call_s.get("1d", one) + cal.host_kernel_s)
     return HostTimes(

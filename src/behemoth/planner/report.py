@@ -33,7 +33,7 @@ def _layout(p: Prediction) -> str:
     if plan.cp > 1:
         parts.append(f"cp{plan.cp}:{plan.cp_mode}")
     if plan.ep > 1:
-        parts.append(f"ep{plan.ep}")
+        parts.append(f"ep{plan.ep}" + (f"+ov{plan.ep_overlap}" if plan.ep_overlap > 1 else ""))
     parts.append(f"z{plan.zero}" + ("+off" if plan.offload else ""))
     parts.append(f"mbs{p.micro_batch_size}x{plan.microbatches}")
     if plan.activation_checkpointing:
@@ -104,6 +104,15 @@ def explain(res: SearchResult) -> str:
         lines.append("and saves on:")
         for d, k in sorted(gains):
             lines.append(f"  {k:<25} {pb[k]:.4f} s vs {pa[k]:.4f} s  ({d:.4f} s)")
+    if a.plan.ep > 1 or b.plan.ep > 1:
+        lines.append("expert all-to-alls (ep_overlap: chunks overlapping the experts' GEMMs):")
+        for name, p in (("winner", a), ("runner-up", b)):
+            if p.plan.ep > 1:
+                hidden = p.comm.get("ep", 0.0) - p.exposed.get("ep", 0.0)
+                lines.append(
+                    f"  {name:<10} ep_overlap={p.plan.ep_overlap}: {p.comm.get('ep', 0.0):.4f} s, "
+                    f"{hidden:.4f} s hidden behind the experts' GEMMs"
+                )
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 
 ``search(workload, cluster, limits)`` enumerates dp x tp (1D with and without sequence
 parallelism and over-decomposition, 2D, 2.5D, 3D) x pp (schedule, virtual stages, micro-
-batches) x cp (Ulysses, ring) x ep x ZeRO stage x offload x micro-batch size x activation
-checkpointing, keeps the plans :class:`~behemoth.plan.Plan` itself accepts (its constructor,
+batches) x cp (Ulysses, ring) x ep (and its over-decomposition, ``ep_overlap``) x ZeRO stage x
+offload x micro-batch size x activation checkpointing, keeps the plans :class:`~behemoth.plan.Plan` itself accepts (its constructor,
 ``resolve`` and ``check_supported``: the rules ``bh.boost`` applies) and the model's shape
 allows (heads, widths and vocabulary divisible as the styles need), predicts each one's step
 time and memory (:func:`~.cost.predict`), drops those that do not fit and ranks the rest by
@@ -57,6 +57,9 @@ class Limits:
     max_microbatches: int = 256
     ep_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Expert-parallel degrees tried for a mixture-of-experts model (dividing dp and the experts)."""
+    ep_overlaps: tuple[int, ...] = (1, 2)
+    """``Plan.ep_overlap`` choices tried where ``ep > 1`` (chunks whose all-to-alls overlap the
+    experts' GEMMs)."""
     top: int = 20
     """Plans the result keeps, best first."""
     memory_headroom: float = 1.0
@@ -190,11 +193,13 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
         for tv in _tp_variants(tp, limits):
             for cm in limits.cp_modes if cp > 1 else ("ulysses",):
                 for pv in _pp_variants(pp, limits):
-                    for ep in eps:
+                    for ep, ov in ((e, o) for e in eps for o in (limits.ep_overlaps if e > 1 else (1,))):
                         if dp % ep:
                             continue
                         for zero, pdt in ((z, d) for z in limits.zero_stages for d in limits.param_dtypes):
-                            fields = dict(cp=cp, cp_mode=cm, ep=ep, zero=zero, precision=limits.precision)
+                            fields = dict(
+                                cp=cp, cp_mode=cm, ep=ep, ep_overlap=ov, zero=zero, precision=limits.precision
+                            )
                             fields["param_dtype"] = pdt
                             fields.update(tv)
                             fields.update(pv)

@@ -1,0 +1,143 @@
+"""The planner's expert-parallel over-decomposition (``Plan.ep_overlap``): the experts' GEMMs in
+chunks, the casts and kernels each extra chunk adds, the overlap rule that hides (k-1)/k of the
+row all-to-alls behind the experts' GEMMs (at most their time), and the search that tries it
+and labels it. Exact values from the calibration, against the formulas the docstrings state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import behemoth as bh
+from behemoth.planner.axis_traffic import Dtypes, step_traffic
+from behemoth.planner.calibration import load_calibration
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.compute import CAST_BYTES, block_times, ep_chunk_seconds
+from behemoth.planner.cost import predict
+from behemoth.planner.host import EP_CHUNK_KERNELS, EP_CHUNKED_KERNELS, ep_chunk_kernels, host_times
+from behemoth.planner.report import explain, table
+from behemoth.planner.search import Limits, search
+from behemoth.planner.workload import workload_for
+
+CAL = load_calibration("h100")
+DEVICE = dataclasses.replace(CAL, host_kernel_s=0.0, host_call_s={})  # no host bound
+MOE = workload_for("mixtral-4b", seq_len=1024, global_batch=32)
+
+
+def _plan(k: int, **kw) -> bh.Plan:
+    return bh.Plan(ep=8, ep_overlap=k, precision="bf16", **kw).resolve(8)
+
+
+def test_expert_gemms_run_in_chunks():
+    """k chunks run each local expert's GEMMs k times on 1/k of the rows; the experts' part of the
+    block's GEMMs is what the overlap hides behind."""
+    s = MOE.shape
+    mbs, f, h = 4, s.ffn_hidden, s.hidden
+    for k in (1, 2, 4):
+        bt = block_times(_plan(k), MOE, DEVICE, mbs)
+        rows = mbs * MOE.seq_len * MOE.experts_top_k * 8 / MOE.num_experts / k
+        one = 2 * DEVICE.gemm_seconds(rows, f, h, 2) + DEVICE.gemm_seconds(rows, h, f, 2)  # gated MLP
+        assert bt.expert_gemm_forward == pytest.approx(k * one * MOE.num_experts / 8, rel=1e-12)
+        assert bt.gemm_forward > bt.expert_gemm_forward > 0
+    dense = block_times(bh.Plan(precision="bf16").resolve(1), workload_for("gpt-1.3b", global_batch=8), DEVICE, 1)
+    assert dense.expert_gemm_forward == 0.0
+
+
+def test_each_extra_chunk_casts_the_experts_weights_again():
+    """Under autocast every chunk's experts call casts the local experts' weights (forward) and
+    their gradients back (backward), and autograd sums the chunks' gradients of each weight."""
+    n = MOE.expert_params / 8
+    hbm = DEVICE.hbm_bytes_per_s
+    assert ep_chunk_seconds(_plan(1), MOE, DEVICE) == (0.0, 0.0)
+    f, b = ep_chunk_seconds(_plan(3), MOE, DEVICE)
+    assert f == pytest.approx(2 * n * CAST_BYTES / hbm) and b == pytest.approx(2 * n * (CAST_BYTES + 12) / hbm)
+    fp32 = bh.Plan(ep=8, ep_overlap=2, precision="fp32").resolve(8)
+    assert ep_chunk_seconds(fp32, MOE, DEVICE) == (0.0, pytest.approx(n * 12 / hbm))
+    bf16 = bh.Plan(ep=8, ep_overlap=2, precision="bf16", zero=3, param_dtype="bf16").resolve(8)
+    assert ep_chunk_seconds(bf16, MOE, DEVICE) == (0.0, pytest.approx(n * 6 / hbm))
+    one, two = (block_times(_plan(k), MOE, DEVICE, 4) for k in (1, 2))
+    gemm = two.gemm_forward - one.gemm_forward
+    f, b = ep_chunk_seconds(_plan(2), MOE, DEVICE)
+    assert two.forward - one.forward == pytest.approx(gemm + f)
+    assert two.backward - one.backward == pytest.approx(2 * gemm + b)
+    assert two.weight_grad - one.weight_grad == pytest.approx(gemm + b)
+
+
+def test_each_extra_chunk_launches_its_kernels():
+    """host.ep_chunk_kernels: per extra chunk its forward, backward and (checkpointed) recompute
+    kernels, and the chunked layer's once; none at one chunk, ep 1 or without experts."""
+    (f, b, r), (cf, cb, cr) = EP_CHUNK_KERNELS, EP_CHUNKED_KERNELS
+    assert ep_chunk_kernels(_plan(1), MOE) == (0.0, 0.0)
+    assert ep_chunk_kernels(_plan(4), MOE) == (3 * f + cf, 3 * b + cb)
+    assert ep_chunk_kernels(_plan(2, activation_checkpointing=True), MOE) == (f + cf, b + cb + r + cr)
+    one, two = host_times(_plan(1), MOE, CAL), host_times(_plan(2), MOE, CAL)
+    # the extra chunk's kernels and its 2 more calls each way (each call's kernels too)
+    calls = 2 * (CAL.kernels_per_collective * CAL.host_kernel_s + CAL.host_call_s["1d"])
+    assert two.forward - one.forward == pytest.approx((f + cf) * CAL.host_kernel_s + calls)
+    assert two.backward - one.backward == pytest.approx((b + cb) * CAL.host_kernel_s + calls)
+
+
+def _expected_ep(plan: bh.Plan, cal, mbs: int, slow: float):
+    """The overlap rule of cost._ep_times, written out: (exposed per micro-batch, comm per step)."""
+    s, layers, k = MOE.shape, MOE.shape.num_layers, plan.ep_overlap
+    leave = 7 / 8
+    splits = k * MOE.num_experts * 8 * leave
+    one = mbs * MOE.seq_len * MOE.experts_top_k * s.hidden * Dtypes.of(plan).compute * leave
+    t_splits = cal.collective_seconds("nvlink", 8, splits * layers, layers)
+    pair = cal.collective_seconds("nvlink", 8, 2 * one * layers, 2 * k * layers)
+    gemm = layers * block_times(plan, MOE, cal, mbs).expert_gemm_forward
+    frac = (k - 1) / k
+    forward = t_splits + pair - (1 - slow) * min(frac * pair, gemm)
+    backward = pair - (1 - slow) * min(frac * pair, 2 * gemm)
+    return forward + backward, t_splits + 2 * pair
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_ep_overlap_hides_the_row_all_to_alls_behind_the_experts_gemms(k):
+    c = Cluster(num_gpus=8, calibration=DEVICE)
+    p = predict(_plan(k), MOE, c)
+    exposed, comm = _expected_ep(p.plan, DEVICE, p.micro_batch_size, DEVICE.overlap_slowdown)
+    assert p.exposed["ep"] == pytest.approx(exposed, rel=1e-12) and p.comm["ep"] == pytest.approx(comm, rel=1e-12)
+    if k == 1:
+        assert p.exposed["ep"] == pytest.approx(p.comm["ep"])  # nothing hidden
+    # slow links: the hidden part is capped by the GEMMs' time (forward's, and twice it backward)
+    slow_links = dataclasses.replace(
+        DEVICE, links={n: tuple((g, a, b / 1000) for g, a, b in v) for n, v in DEVICE.links.items()}
+    )
+    q = predict(_plan(k), MOE, Cluster(num_gpus=8, calibration=slow_links))
+    gemm = MOE.shape.num_layers * block_times(q.plan, MOE, slow_links, q.micro_batch_size).expert_gemm_forward
+    hidden = q.comm["ep"] - q.exposed["ep"]
+    assert hidden == pytest.approx((k > 1) * 3 * gemm * (1 - slow_links.overlap_slowdown), rel=1e-9)
+
+
+def test_ep_overlap_checkpointed_and_bytes():
+    """A recompute runs the chunks' pairs again, hidden as the forward's; the bytes are the
+    ledger formula's (step_traffic) whatever the chunks, but the split sizes' k-fold."""
+    c = Cluster(num_gpus=8, calibration=DEVICE)
+    base, ckpt = (predict(_plan(2, activation_checkpointing=a), MOE, c) for a in (False, True))
+    exposed, comm = _expected_ep(base.plan, DEVICE, base.micro_batch_size, DEVICE.overlap_slowdown)
+    gemm_b = block_times(ckpt.plan, MOE, DEVICE, ckpt.micro_batch_size).expert_gemm_forward
+    assert gemm_b == pytest.approx(block_times(base.plan, MOE, DEVICE, base.micro_batch_size).expert_gemm_forward)
+    layers = MOE.shape.num_layers
+    one = ckpt.micro_batch_size * MOE.seq_len * MOE.experts_top_k * MOE.shape.hidden * 2 * 7 / 8
+    pair = DEVICE.collective_seconds("nvlink", 8, 2 * one * layers, 4 * layers)
+    again = pair - (1 - DEVICE.overlap_slowdown) * min(pair / 2, layers * gemm_b)
+    assert ckpt.exposed["ep"] == pytest.approx(exposed + again) and ckpt.comm["ep"] == pytest.approx(comm + pair)
+    b1, b2 = (step_traffic(_plan(k), MOE)["ep"] for k in (1, 2))
+    assert b2 - b1 == pytest.approx(MOE.num_experts * 8 * 7 / 8 * layers)
+
+
+def test_search_tries_ep_overlap_where_there_is_expert_parallelism():
+    r = search(MOE, Cluster(num_gpus=8, calibration=CAL), Limits(top=100000))
+    seen = {(p.plan.ep, p.plan.ep_overlap) for p in r.ranked}
+    assert {(2, 1), (2, 2), (8, 1), (8, 2)} <= seen
+    assert all(p.plan.ep_overlap == 1 for p in r.ranked if p.plan.ep == 1)
+    limited = search(MOE, Cluster(num_gpus=8, calibration=CAL), Limits(top=100000, ep_overlaps=(1,)))
+    assert {p.plan.ep_overlap for p in limited.ranked} == {1} and limited.fits < r.fits
+    # the table and --explain name the chunks
+    ov = [p for p in r.ranked if p.plan.ep_overlap == 2]
+    r.ranked = [ov[0], next(p for p in r.ranked if p.plan.ep > 1 and p.plan.ep_overlap == 1)]
+    text, why = table(r), explain(r)
+    assert f"ep{ov[0].plan.ep}+ov2" in text and f"ep{ov[0].plan.ep}+ov2" in why
+    assert "ep_overlap=2" in why and "ep_overlap=1" in why and "hidden behind the experts' GEMMs" in why
