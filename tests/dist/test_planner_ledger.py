@@ -8,11 +8,15 @@ ledger's ``wire_bytes`` per axis must equal ``behemoth.planner.axis_traffic.step
 exactly (tp summed over its sub-axes). Exact where the formula is: tensor and context
 parallelism at pp = 1, pipelines at tp = 1 (a transfer's bytes), data parallelism (ZeRO 0)
 at tp = cp = 1. The MoE Llama's tp bytes under 1D tp, with and without sequence parallelism,
-equal the ledger's too. And ``bh.boost(..., plan="auto")`` trains the planner's choice to the
+equal the ledger's too, and so do its ep bytes for the expert-parallel layouts the search emits
+on 2 ranks (``ep_overlap`` 1 and 2, and checkpointed), under a routing every rank shares (see
+:func:`_experts_ep_world`). And ``bh.boost(..., plan="auto")`` trains the planner's choice to the
 serial losses.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -221,3 +225,56 @@ def test_experts_tp_bytes_equal_the_ledger():
     collectives), and under sequence parallelism its blocks read the gathered sequence and return
     their shard; the planner's tp bytes equal the ledger's."""
     bh.spawn(_experts_world, 2, timeout=300)
+
+
+def _moe(layers: int = LAYERS):
+    """The tiny MoE Llama with its routers zeroed and frozen: every token scores the experts alike, so every
+    rank routes the same share of its rows to each member -- where the planner's even-routing rows
+    (each rank sends (ep-1)/ep of its rows, and gets as many back) are each rank's exact bytes."""
+    from common import VOCAB
+
+    from behemoth.models import build_model
+
+    model = build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=layers)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "router"):  # and frozen: the step before the measured one keeps them zero
+                m.router.weight.zero_()
+                m.router.weight.requires_grad_(False)
+    return model
+
+
+def emitted_expert_layouts(world: int) -> list:
+    """One plan per (ep_overlap, micro-batches) the search emits for the MoE Llama on ``world``
+    ranks with ep > 1, and each again checkpointed."""
+    limits = Limits(precision="fp32", offloads=(None,), zero_stages=(0,), max_pp=1, max_cp=1, max_tp=1, top=100000)
+    res = search(_workload(_moe()), Cluster(num_gpus=world), limits)
+    out, seen = [], set()
+    for p in res.ranked:
+        plan = p.plan
+        kind = (plan.ep_overlap, plan.microbatches)
+        if plan.ep > 1 and kind not in seen:
+            seen.add(kind)
+            out += [plan, dataclasses.replace(plan, activation_checkpointing=True)]
+    return out
+
+
+def _experts_ep_world(rank, world, plans):
+    for plan in plans:
+        model = _moe()
+        w = _workload(model)
+        engine = bh.boost(model, make_optimizer("sgd", model), plan)
+        batches = global_batches(2, BATCH)
+        engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
+        engine.reset_comm_stats()
+        engine._forward_backward(shard(batches[1], engine.dp_rank, engine.dp_size))
+        got, want = _ledger(engine)["ep"], step_traffic(engine.plan, w, dt=FP32)["ep"]
+        assert got == int(want), f"{engine.plan.describe()} rank {rank}: ep ledger {got} vs planner {want}"
+
+
+def test_expert_parallel_bytes_equal_the_ledger():
+    """The split sizes once per chunk, each chunk's dispatch and combine and their reverse pair,
+    a recompute's pairs again (not its split sizes): ep_overlap 1 and 2 as the search emits them."""
+    plans = emitted_expert_layouts(2)
+    assert {p.ep_overlap for p in plans} == {1, 2} and any(p.activation_checkpointing for p in plans), plans
+    bh.spawn(_experts_ep_world, 2, plans, timeout=400)
