@@ -131,6 +131,7 @@ def _passes(mesh, mod, split, autocast: bool, defer: bool, lead: int = DeferredG
 
 
 def _check(mesh, mod, split):
+    _twice(mesh, mod, split)
     for autocast in (False, True):
         what = f"{mesh.plan.describe()} autocast={autocast}"
         want, want_ledger, want_after, want_out, want_handed = _passes(mesh, mod, split, autocast, defer=False)
@@ -149,6 +150,32 @@ def _check(mesh, mod, split):
                 assert all(after[8:]), f"{what}: a gradient landed before the backward reached the input"
             # per pass: 2 norms, 3 Linear weights, 2 biases (the evaluation opens none)
             assert handed == [7, 7, 7], f"{what} lead {lead}: {handed}"
+
+
+class Twice(nn.Module):
+    """One Linear applied twice in a forward: its reductions are handed over twice and summed."""
+
+    def __init__(self, lin) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+def _twice(mesh, mod, split):
+    grads = []
+    for defer in (False, True):
+        torch.manual_seed(3)
+        model = Twice(mod.Linear.from_serial(nn.Linear(H, H).double(), mesh))
+        if defer:
+            install_deferred_grads(model, grid_of(mesh, mesh.plan.tp_mode, "test"), [model.lin])
+        x = split(torch.randn(B, S, H, generator=torch.Generator().manual_seed(5), dtype=F64), mesh)
+        for _ in range(2):  # the second pass follows the first one's order
+            model(x.requires_grad_()).pow(2).sum().backward()
+        grads.append([x.grad, model.lin.weight.grad, model.lin.bias.grad])
+    for a, b in zip(*grads):  # Tesseract sums the two uses' parts before its depth all-reduce: rounding
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{mesh.plan.describe()}: a Linear run twice")
 
 
 L2D = types.SimpleNamespace(LayerNorm=tp2d.LayerNorm2D, Linear=tp2d.Linear2D, RMSNorm=tp2d.RMSNorm2D)

@@ -24,8 +24,10 @@ each reduction has several layers' backward to finish in. At most :attr:`GradPas
 handles stay unwaited (the oldest is waited as a new one is issued): they hold the reductions'
 buffers.
 
-The collectives are the same calls, bytes and order as without deferral (the ledger books the
-same entries); only where the compute stream waits for them moves. A layer takes part only when
+The collectives are the same calls and bytes as without deferral (the ledger books the same
+entries), issued at the same points; only where the compute stream waits for them moves. (Under
+Tesseract the ``tp_depth`` all-reduce of a parameter runs when its node lands it: once, where a
+layer applied twice in one pass would have run it once per use.) A layer takes part only when
 nothing else manages its parameters (no forward pre-hooks: ZeRO-3 gathers in one) and in eager
 forward passes with gradients on (compiled blocks, activation checkpointing's recomputation and
 evaluation compute as before, summing where they are). A parameter another module also uses (a
@@ -110,8 +112,8 @@ class GradPass:
             for i, g in zip(ids, finish(handle.wait() if result is None else result)):
                 out[i] = g if i not in out else out[i] + g
         self.entries = kept
-        for i, g in zip(indices, grads):
-            if g is not None and (i not in out or any(s != 0 for s in g.stride())):
+        for i, g in zip(indices, grads):  # placeholders (summed if the layer ran twice), or None
+            if g is not None and i not in out:
                 raise RuntimeError(
                     "deferred gradient reductions (tensor parallelism, grid modes): a parameter's stand-in got "
                     "a gradient from outside its layer; the layers alone may use it."
