@@ -16,10 +16,16 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
 * ``dp`` (``dp_cp`` under context parallelism, the axis gradients reduce over): ZeRO stage 0
   all-reduces the fp32 gradients once per step, stage 1 reduce-scatters them once, stage 2
   once per micro-batch, stage 3 once per micro-batch after gathering the parameters forward
-  and backward; stages 1 and 2 all-gather the updated parameters after the step; and two
-  float64 scalars (token count, loss sum) are all-reduced every step; gradients travel in fp32,
+  and backward; stages 1 and 2 all-gather the updated parameters after the step; the step's
+  float64 loss sum (and a MoE model's router losses beside it) is all-reduced over it, its
+  float64 token count over ``dp`` alone (every cp rank holds its dp rank's batch); each MoE
+  layer all-reduces its balancing statistics (2E + 1 float64) over it every forward, a
+  checkpointed block's recompute included (:func:`balance_bytes`); gradients travel in fp32,
   gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes). Chunk padding is
   not counted (it is below a chunk per rank);
+* ``ep_dp`` (``ep_dp_cp`` under context parallelism): under expert parallelism the experts'
+  parameters sync over it as the dense ones over ``dp`` (the same ZeRO stage's collectives;
+  ``parallel/expert/style.py``'s ``expert_param_axes``); nothing where it has one rank;
 * ``pp``: every micro-batch's activation sent forward and its input gradient sent backward by
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
   on its sender); the all-reduce of a tied embedding's gradient between the first and the
@@ -28,7 +34,8 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   counts), dispatch and combine all-to-alls forward (one per chunk each, the same rows), the
   reverse pair backward (the pair again in a checkpointed block's recompute, which reuses its
   forward's split sizes, and in zero-bubble's BW); the rows as if routing were even (the ledger
-  books the routed ones): :func:`ep_layer_bytes`.
+  books the routed ones): :func:`ep_layer_bytes`; at ZeRO stage 0 the step's gradient norm
+  sums the experts' float32 share over it (``parallel/zero/norm.py``).
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
 of real runs in tests/dist/test_planner_ledger.py.
@@ -46,7 +53,14 @@ from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
 
-__all__ = ["Dtypes", "ep_layer_bytes", "step_traffic"]
+__all__ = [
+    "Dtypes",
+    "balance_bytes",
+    "ep_layer_bytes",
+    "expert_axis",
+    "expert_local_params",
+    "step_traffic",
+]
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,7 @@ def step_traffic(
     stage = pp - 1 if stage is None else stage
     layers = stage_layers(plan, w)[stage]
     out: dict[str, float] = {}
+    totals = 2 if w.num_experts else 1  # float64 per step: the loss sum, a MoE model's router losses
     zb_twice = plan.pp > 1 and plan.schedule == "zero-bubble" and stage > 0
     if plan.tp > 1:
         out["tp"] = tp_step_bytes(plan, w, layers=layers, dt=dt, diagonal=diagonal, twice_backward=zb_twice)
@@ -161,20 +176,16 @@ def step_traffic(
     g = plan.dp * plan.cp
     if g > 1:
         n = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None)
-        grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)
-        z = plan.zero
-        # ZeRO-2/3 reduce-scatter every micro-batch; a pipeline stage once per step, after its
-        # last micro-batch (its gradients accumulate in full chunks in between)
-        reductions = m if pp == 1 else 1
-        if z == 0:
-            b = all_reduce_bytes(grads, g)
-        elif z == 1:
-            b = reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
-        elif z == 2:
-            b = reductions * reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
-        else:
-            b = reductions * reduce_scatter_bytes(grads, g) + 2 * m * all_gather_bytes(params, g)
-        out["dp_cp" if plan.cp > 1 else "dp"] = b + 2 * all_reduce_bytes(8, g)
+        experts = expert_local_params(plan, w, layers)
+        axis = "dp_cp" if plan.cp > 1 else "dp"
+        # the step's loss sum (and a MoE model's router losses beside it); its token count over dp
+        # alone (every cp rank holds its dp rank's whole batch: engine.py's _loss_normaliser)
+        out[axis] = _sync_bytes(plan, n - experts, g, dt) + all_reduce_bytes(8 * totals, g)
+        if plan.dp > 1:
+            out["dp"] = out.get("dp", 0.0) + all_reduce_bytes(8, plan.dp)
+        out[axis] += balance_bytes(plan, w) * layers * m * (2 if plan.activation_checkpointing else 1)
+        if experts and g // plan.ep > 1:
+            out[expert_axis(plan)] = _sync_bytes(plan, experts, g // plan.ep, dt)
     if pp > 1:
         act = mbs * w.seq_len // plan.cp * s.hidden * dt.stream / _tp_stream_split(plan)
         last = pp * plan.virtual_stages - 1
@@ -185,7 +196,7 @@ def step_traffic(
         if w.tied_embeddings and (0 in stages) != (last in stages):
             # the tied embedding's two copies, on the first and the last stage, sum their gradients
             sent += all_reduce_bytes(s.vocab_size * s.hidden / weight_split(plan) * dt.param, 2)
-        out["pp"] = sent + all_reduce_bytes(8, pp)  # and the step's float64 loss sum over the stages
+        out["pp"] = sent + all_reduce_bytes(8 * totals, pp)  # and the step's loss sum (router losses) over the stages
     if plan.ep > 1 and w.num_experts:
         # dispatch + combine forward and backward; a recomputed forward runs its two row
         # all-to-alls again (it reuses the forward's split sizes: parallel/expert/replay.py)
@@ -193,7 +204,54 @@ def step_traffic(
         rows = 2 * one * (2 if plan.activation_checkpointing else 1)
         backward = 2 * one * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
         out["ep"] = (splits + rows + backward) * layers * m
+        if plan.zero == 0:
+            # the step's gradient norm: the experts' float32 share summed over the ranks that
+            # split them (parallel/zero/norm.py)
+            out["ep"] += all_reduce_bytes(4, plan.ep)
     return out
+
+
+def _sync_bytes(plan: Plan, n: float, g: int, dt: Dtypes) -> float:
+    """Wire bytes of the gradient sync of ``n`` parameters over a group of ``g`` ranks: ZeRO
+    stage 0 all-reduces the fp32 gradients once per step, 1 reduce-scatters them once, 2 once per
+    micro-batch, 3 once per micro-batch after gathering the parameters forward and backward (a
+    pipeline stage's ZeRO-2/3 once per step, after its last micro-batch: its gradients accumulate
+    in full chunks in between); 1 and 2 all-gather the updated parameters after the step."""
+    m = plan.microbatches
+    grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)
+    reductions = m if plan.pp == 1 else 1
+    z = plan.zero
+    if z == 0:
+        return all_reduce_bytes(grads, g)
+    if z == 1:
+        return reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
+    if z == 2:
+        return reductions * reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
+    return reductions * reduce_scatter_bytes(grads, g) + 2 * m * all_gather_bytes(params, g)
+
+
+def expert_local_params(plan: Plan, w: Workload, layers: int) -> float:
+    """Expert parameters one rank holds in ``layers`` MoE blocks under expert parallelism (their
+    gradients sum over ``ep_dp``, not ``dp``: ``parallel/expert/style.py``'s
+    ``expert_param_axes``); 0 at ``ep = 1``, where the experts are dense parameters."""
+    if plan.ep == 1 or not w.num_experts:
+        return 0.0
+    return layers * w.expert_params / plan.ep
+
+
+def expert_axis(plan: Plan) -> str:
+    """The axis expert gradients sum over: ``ep_dp``, or ``ep_dp_cp`` under context parallelism."""
+    return "ep_dp_cp" if plan.cp > 1 else "ep_dp"
+
+
+def balance_bytes(plan: Plan, w: Workload) -> float:
+    """Wire bytes of one MoE layer's balancing statistics in one forward: its expert counts, the
+    capacity's drops and its token count (2E + 1 float64) all-reduced over the data axis (dp,
+    x cp) when it has more than one rank (``parallel/expert/style.py``); 0 for a dense model."""
+    g = plan.dp * plan.cp
+    if not w.num_experts or g == 1:
+        return 0.0
+    return all_reduce_bytes((2 * w.num_experts + 1) * 8, g)
 
 
 def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float, float]:
