@@ -77,13 +77,14 @@ class Cluster:
         return self.calibration.collective_seconds(self.link(size, stride), size, wire_bytes, calls)
 
 
-def axis_strides(*, dp: int, pp: int, tp: int, cp: int) -> dict[str, tuple[int, int]]:
-    """``axis -> (size, stride)`` for the mesh's layout ``pp, dp, cp, tp`` (tp innermost);
-    ``dp_cp`` (the gradient axis under context parallelism) is dp x cp, strided by tp."""
-    return {
-        "tp": (tp, 1),
-        "cp": (cp, tp),
-        "dp": (dp, cp * tp),
-        "dp_cp": (dp * cp, tp),
-        "pp": (pp, dp * cp * tp),
-    }
+def axis_strides(*, dp: int, pp: int, tp: int, cp: int, ep: int = 1) -> dict[str, tuple[int, int]]:
+    """``axis -> (size, stride)`` for the mesh's layout ``pp, dp (ep_dp x ep), cp, tp`` (tp
+    innermost); ``dp_cp`` (the gradient axis under context parallelism) is dp x cp, strided by tp;
+    ``ep`` strided by cp x tp; ``ep_dp`` (the experts' gradient axis) strided by ep x cp x tp, and
+    ``ep_dp_cp`` (``ep_dp`` x ``cp``) given the stride that spans what its groups span (a group
+    stays on one node when the dp x cp x tp ranks it spreads over do); the expert axes only with
+    ``ep > 1``."""
+    out = {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, cp * tp), "dp_cp": (dp * cp, tp), "pp": (pp, dp * cp * tp)}
+    if ep > 1:
+        out.update(ep=(ep, cp * tp), ep_dp=(dp // ep, ep * cp * tp), ep_dp_cp=(dp // ep * cp, ep * tp))
+    return out

@@ -16,7 +16,12 @@
   ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
   reduce-scatters (one of each operand around one GEMM) and Ulysses' all-to-alls exposed;
   experts' all-to-alls in ``ep_overlap = k`` chunks hiding ``(k-1)/k`` of the rows' all-to-alls
-  behind the experts' GEMMs, the split sizes' exchange exposed (:func:`_ep_times`);
+  behind the experts' GEMMs, the split sizes' exchange exposed (:func:`_ep_times`); under expert
+  parallelism the experts' gradients reduce over ``ep_dp`` (x cp) beside the dense ones over
+  ``dp`` (x cp), each axis at its own link's speed and in buckets of its own (ZeRO 0 closes a
+  bucket where the parameter kind changes: each block's experts apart from the dense parameters
+  around them), the two sharing the backward that hides them; each MoE layer's balancing
+  statistics' all-reduce over the data axis exposed in its forward (and a recompute's);
 * **repeated work** -- activation checkpointing's recompute runs a block's forward (and its
   collectives) again in the backward; zero-bubble's weight-gradient pass (BW) backpropagates
   through the stage again after its input-gradient pass (BI), so a stage with an input gradient
@@ -44,7 +49,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import Dtypes, ep_layer_bytes, step_traffic
+from .axis_traffic import Dtypes, balance_bytes, ep_layer_bytes, expert_axis, expert_local_params, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, head_times
@@ -202,7 +207,7 @@ def predict(
     compute = m * (t_f + t_b)
     t_b_compute = t_b
     nbytes = step_traffic(plan, w, dt=dt)
-    strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp)
+    strides = axis_strides(dp=plan.dp, pp=pp, tp=plan.tp, cp=plan.cp, ep=plan.ep)
     slow = cal.overlap_slowdown
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
@@ -263,6 +268,16 @@ def predict(
         t_f += e_f
         t_b += e_b
         exposed["ep"] = (e_f + e_b) * m
+    # each MoE layer's balancing statistics: one small all-reduce over the data axis that its
+    # forward (and a checkpointed block's recompute) waits for
+    data_axis = "dp_cp" if plan.cp > 1 else "dp"
+    balance = balance_bytes(plan, w) * layers
+    if balance:
+        size, stride = strides[data_axis]
+        t_bal = cluster.collective_seconds(size, stride, balance, layers)
+        t_f += t_bal
+        t_b += ckpt * t_bal
+        balance = m * (1 + ckpt) * t_bal
 
     # zero-bubble: a stage with an input gradient runs BI (the backward without the weight
     # gradients) and then BW, which backpropagates through the stage again into its parameters;
@@ -303,31 +318,46 @@ def predict(
     # the pipeline: the simulator over the stage's micro-batch times
     makespan, bubble, _ = pipeline_time(plan.schedule, pp, m, plan.virtual_stages, t_f, t_b, 0.0, t_bi)
 
-    # data parallelism / ZeRO over dp (x cp)
+    # data parallelism / ZeRO over dp (x cp); under expert parallelism the experts' gradients
+    # over ep_dp (x cp), in buckets and chunks of their own
     g = plan.dp * plan.cp
     n = local_params(plan, w, layers=layers, stage=pp - 1)
-    shard = n / g
+    experts = expert_local_params(plan, w, layers)
+    shard = (n - experts) / g + experts * plan.ep / g
+    e = hidden = 0.0
     if g > 1:
-        axis = "dp_cp" if plan.cp > 1 else "dp"
-        size, stride = strides[axis]
-        total = nbytes[axis]
+        groups = [(data_axis, n - experts, 0)]
+        if experts and g // plan.ep > 1:
+            # ZeRO 0 closes a bucket where the parameter kind changes: each block's experts apart
+            # from the dense parameters around them (parallel/zero/chunks.py's pack_buckets)
+            groups = [(data_axis, n - experts, layers if plan.zero == 0 else 0)]
+            groups.append((expert_axis(plan), experts, layers - 1 if plan.zero == 0 else 0))
         z = plan.zero
-        grads = n * dt.param
-        buckets = max(1, math.ceil(grads / (plan.bucket_mb * 2**20)))
-        gather = (g - 1) / g * n * (2 if plan.param_dtype == "bf16" else 4) if z in (1, 2) else 0.0
-        t_all = cluster.collective_seconds(size, stride, total, buckets * (m if z >= 2 and pp == 1 else 1) + 2)
-        t_gather = cluster.collective_seconds(size, stride, gather, buckets) if gather else 0.0
-        comm[axis] = t_all
-        reduce = t_all - t_gather
+        pb = 2 if plan.param_dtype == "bf16" else 4
+        reduce, gathers, buckets = {}, {}, 0
+        for axis, count, extra in groups:
+            size, stride = strides[axis]
+            total = nbytes[axis] - (balance_bytes(plan, w) * layers * m * (1 + ckpt) if axis == data_axis else 0.0)
+            nb = max(1, math.ceil(count * dt.param / (plan.bucket_mb * 2**20))) + extra
+            gather = (size - 1) / size * count * pb if z in (1, 2) else 0.0
+            scalars = 2 if axis == data_axis else 0
+            t_all = cluster.collective_seconds(size, stride, total, nb * (m if z >= 2 and pp == 1 else 1) + scalars)
+            gathers[axis] = cluster.collective_seconds(size, stride, gather, nb) if gather else 0.0
+            reduce[axis] = t_all - gathers[axis]
+            comm[axis] = t_all + (balance if axis == data_axis else 0.0)
+            buckets += nb
+        # the reductions of every axis share the backward that hides them, but the last bucket
         if z == 3:
             cover, frac = compute, 1 - 1 / max(2, layers)
         else:
             cover, frac = (t_b if z < 2 else m * t_b) if pp == 1 else t_b, 1 - 1 / buckets
-        hidden = min(reduce * frac, cover)
-        e = reduce - (1.0 - slow) * hidden + t_gather
-        exposed[axis] = e
-    else:
-        e = hidden = 0.0
+        reducing = sum(reduce.values())
+        hidden = min(reducing * frac, cover)
+        left = reducing - (1.0 - slow) * hidden
+        e = left + sum(gathers.values())
+        for axis in reduce:
+            exposed[axis] = (left * reduce[axis] / reducing if reducing else 0.0) + gathers[axis]
+        exposed[data_axis] += balance  # inside the makespan: the forward waits for it
 
     # the optimizer step, on the GPU or the host
     opt = (shard if plan.zero else n) * 36 / cal.hbm_bytes_per_s
@@ -342,7 +372,7 @@ def predict(
         offload = _hide(work, m * t_b - hidden, 1 - 1 / max(2, layers))
         opt = 0.0
 
-    step = makespan + sum(v for k, v in exposed.items() if k in ("dp", "dp_cp")) + opt + offload
+    step = makespan + e + opt + offload
     mem = memory if memory is not None else plan_memory(plan, w, cluster)
     why = ""
     if mem.gpu_total > cluster.memory_bytes:
