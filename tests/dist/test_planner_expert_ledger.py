@@ -1,25 +1,33 @@
 """The planner's bytes per axis of a mixture-of-experts model's whole step equal the comm ledger's.
 
 The tiny MoE Llama, its routers zeroed and kept at zero by a learning rate of 0 (every rank
-routes alike: the planner's even-routing rows are exact; ``test_planner_ledger._moe``), for one optimizer step on 4 gloo
-ranks, data parallelism over expert parallelism (``dp`` split ``ep_dp x ep``), with and without
-context parallelism, ZeRO 0, with and without activation checkpointing: every axis
-``behemoth.planner.axis_traffic.step_traffic`` predicts, and every axis the ledger books, carry
-exactly the same wire bytes on every rank -- the data axis its dense gradients' sync, the step's
-two scalars and each MoE layer's balancing statistics (again in a checkpointed block's
-recompute), the expert axis (``ep_dp``, ``ep_dp_cp`` under context parallelism) the experts'
-gradient sync.
+routes alike: the planner's even-routing rows are exact; ``test_planner_ledger._moe``), for one
+optimizer step on 4 gloo ranks, data parallelism over expert parallelism (``dp`` split
+``ep_dp x ep``), with and without context parallelism, at ZeRO 0, with and without activation
+checkpointing: every axis ``behemoth.planner.axis_traffic.step_traffic`` predicts, and every axis
+the ledger books, carry exactly the same wire bytes on every rank -- the data axis its dense
+gradients' sync, the step's loss and router-loss sums (the token count over dp alone) and each
+MoE layer's balancing statistics (again in a checkpointed block's recompute); the expert axis
+(``ep_dp``, ``ep_dp_cp`` under context parallelism) the experts' gradient sync; ep the
+all-to-alls and the step's gradient norm. The gradient sync's buckets per axis are
+``behemoth.planner.cost.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
+changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
+``behemoth.planner.host.block_calls``'.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from common import global_batches, shard
+from common import SEQ, global_batches, shard
+from test_planner_host_calls import _calls, _model
 from test_planner_ledger import BATCH, FP32, _moe, _workload
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import step_traffic
+from behemoth.planner.cost import gradient_buckets
+from behemoth.planner.host import block_calls
+from behemoth.planner.workload import workload_for
 
 PLANS = {
     "dp4 ep2": [bh.Plan(dp=4, ep=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
@@ -53,8 +61,37 @@ def _world(rank, world, plans):
         got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
         want = {axis: int(b) for axis, b in step_traffic(engine.plan, w, dt=FP32).items() if b}
         assert got == want, f"{engine.plan.describe()} rank {rank}: ledger {got} vs planner {want}"
+        # the gradient sync's buckets per axis (a trivial axis reduces none)
+        store = engine.grad_sync.reducer.store
+        axes = [store.replica_axis(ch) for ch in store.chunks]
+        buckets = {a.name: sum(1 for b in axes if b.name == a.name) for a in axes if not a.trivial}
+        want_buckets = gradient_buckets(engine.plan, w, w.shape.num_layers)
+        assert buckets == want_buckets, f"{engine.plan.describe()}: buckets {buckets} vs planner {want_buckets}"
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_expert_data_parallel_bytes_equal_the_ledger(name):
     bh.spawn(_world, 4, PLANS[name], timeout=500)
+
+
+CALLS = (
+    bh.Plan(dp=4, ep=2),
+    bh.Plan(dp=4, ep=2, ep_overlap=2, activation_checkpointing=True),
+    bh.Plan(dp=2, ep=2, cp=2, activation_checkpointing=True),
+)
+
+
+def _calls_world(rank, world):
+    for plan in CALLS:
+        got = (
+            _calls("llama-moe", plan, 4, gradient_sync=False) - _calls("llama-moe", plan, 2, gradient_sync=False)
+        ) / 2
+        w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
+        want = sum(block_calls(plan.resolve(world), w))
+        assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
+
+
+def test_expert_data_parallel_calls_per_block_are_the_runs():
+    """dp 4 x ep 2 (and x cp 2): the statistics' all-reduce over the data axis of 4 beside the
+    all-to-alls, as ``behemoth.planner.host.block_calls`` counts them."""
+    bh.spawn(_calls_world, 4, timeout=500)

@@ -60,7 +60,7 @@ from .reserve import device_reserve
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["Prediction", "predict", "plan_memory", "model_flops_per_token"]
+__all__ = ["Prediction", "gradient_buckets", "predict", "plan_memory", "model_flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,23 @@ def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: i
     e_f = t_splits + _hide(pair, gemm, frac, slow)
     e_b = _hide((1 + twice) * pair, (2 + twice) * gemm, frac, slow) + ckpt * _hide(pair, gemm, frac, slow)
     return e_f, e_b, (t_splits + pair * (2 + ckpt + twice)) * m
+
+
+def gradient_buckets(plan: Plan, w: Workload, layers: int, *, stage: int | None = None) -> dict[str, int]:
+    """Buckets (ZeRO 0) or chunks (ZeRO 1-3) of ``bucket_mb`` each that a rank's gradients of
+    ``layers`` blocks (and its stage's other parts) reduce in, per axis: the data axis's, and under
+    expert parallelism (over more than one replica) the experts' axis's. ZeRO 0 closes a bucket
+    where the parameter kind changes (``parallel/zero/chunks.py``'s ``pack_buckets``), so each
+    block's experts sit in buckets apart from the dense parameters around them: the dense
+    parameters' ``layers + 1`` runs and the experts' ``layers`` runs each take at least one."""
+    n = local_params(plan, w, layers=layers, stage=stage)
+    experts = expert_local_params(plan, w, layers)
+    bucket = plan.bucket_mb * 2**20
+    runs = layers if experts and plan.zero == 0 else 0
+    out = {("dp_cp" if plan.cp > 1 else "dp"): max(1, math.ceil((n - experts) * 4 / bucket)) + runs}
+    if experts and plan.dp * plan.cp // plan.ep > 1:  # the experts' replicas reduce theirs
+        out[expert_axis(plan)] = max(1, math.ceil(experts * 4 / bucket)) + max(0, runs - 1)
+    return out
 
 
 def _memo(cache: dict | None, key: tuple, fn):
@@ -326,19 +343,16 @@ def predict(
     shard = (n - experts) / g + experts * plan.ep / g
     e = hidden = 0.0
     if g > 1:
-        groups = [(data_axis, n - experts, 0)]
+        counts = {data_axis: n - experts}
         if experts and g // plan.ep > 1:
-            # ZeRO 0 closes a bucket where the parameter kind changes: each block's experts apart
-            # from the dense parameters around them (parallel/zero/chunks.py's pack_buckets)
-            groups = [(data_axis, n - experts, layers if plan.zero == 0 else 0)]
-            groups.append((expert_axis(plan), experts, layers - 1 if plan.zero == 0 else 0))
+            counts[expert_axis(plan)] = experts
         z = plan.zero
         pb = 2 if plan.param_dtype == "bf16" else 4
         reduce, gathers, buckets = {}, {}, 0
-        for axis, count, extra in groups:
+        for axis, nb in gradient_buckets(plan, w, layers, stage=pp - 1).items():
             size, stride = strides[axis]
+            count = counts[axis]
             total = nbytes[axis] - (balance_bytes(plan, w) * layers * m * (1 + ckpt) if axis == data_axis else 0.0)
-            nb = max(1, math.ceil(count * dt.param / (plan.bucket_mb * 2**20))) + extra
             gather = (size - 1) / size * count * pb if z in (1, 2) else 0.0
             scalars = 2 if axis == data_axis else 0
             t_all = cluster.collective_seconds(size, stride, total, nb * (m if z >= 2 and pp == 1 else 1) + scalars)
