@@ -19,6 +19,8 @@ from behemoth.planner.cluster import Cluster, axis_strides
 from behemoth.planner.collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from behemoth.planner.cost import predict
 from behemoth.planner.params import local_params
+from behemoth.planner.report import table
+from behemoth.planner.search import SearchResult
 from behemoth.planner.workload import workload_for
 
 CAL = dataclasses.replace(load_calibration("h100"), host_kernel_s=0.0, host_call_s={})  # no host bound
@@ -95,3 +97,12 @@ def test_expert_sync_over_fewer_ranks_is_cheaper():
     assert "ep_dp" not in all_.bytes and "ep_dp" in one.bytes
     assert all_.bytes["dp"] == pytest.approx(one.bytes["dp"], rel=1e-12)
     assert all_.comm["dp"] <= one.comm["dp"] + one.comm["ep_dp"]
+
+
+def test_the_table_counts_the_experts_sync_as_data_parallel():
+    """The table's dp column and ``--explain``'s gradient sync hold both gradient axes."""
+    p = predict(_plan(), MOE, CLUSTER)
+    text = table(SearchResult(ranked=[p]))
+    cols = f"/{(p.bytes['dp'] + p.bytes['ep_dp']) / 1e9:.2f}/{0.0:.2f}/{p.bytes['ep'] / 1e9:.2f}"
+    assert cols in text, (cols, text)
+    assert f"{(p.bytes['dp']) / 1e9:.2f}/{0.0:.2f}/" not in text

@@ -54,7 +54,7 @@ def table(res: SearchResult, rows: int = 10) -> str:
     )
     lines = [head, "-" * len(head)]
     for i, p in enumerate(res.ranked[:rows], 1):
-        ax = "/".join(_gb(p.bytes.get(a, 0.0) + (p.bytes.get("dp_cp", 0.0) if a == "dp" else 0.0)) for a in
+        ax = "/".join(_gb(sum(p.bytes.get(b, 0.0) for b in _SYNC) if a == "dp" else p.bytes.get(a, 0.0)) for a in
                       ("tp", "cp", "dp", "pp", "ep"))  # fmt: skip
         lines.append(
             f"{i:>3}  {_layout(p):<46} {p.tokens_per_s:>10,.0f} {p.mfu:>5.2f} {p.step:>8.3f} "
@@ -69,13 +69,17 @@ def table(res: SearchResult, rows: int = 10) -> str:
     return "\n".join(lines)
 
 
+_SYNC = ("dp", "dp_cp", "ep_dp", "ep_dp_cp")
+"""The gradient axes: the dense parameters' (dp, x cp) and the experts' (ep_dp, x cp)."""
+
+
 def _parts(p: Prediction) -> dict[str, float]:
     return {
         "compute": p.compute / max(1, p.plan.pp) if p.plan.pp > 1 else p.compute,
         "exposed tp": p.exposed.get("tp", 0.0),
         "exposed cp": p.exposed.get("cp", 0.0),
         "exposed ep": p.exposed.get("ep", 0.0),
-        "exposed gradient sync": p.exposed.get("dp", 0.0) + p.exposed.get("dp_cp", 0.0),
+        "exposed gradient sync": sum(p.exposed.get(a, 0.0) for a in _SYNC),
         "pipeline bubble": p.bubble,
         "host issue (device waits)": p.host_wait,
         "optimizer": p.optimizer,
