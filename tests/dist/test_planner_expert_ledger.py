@@ -3,13 +3,14 @@
 The tiny MoE Llama, its routers zeroed and kept at zero by a learning rate of 0 (every rank
 routes alike: the planner's even-routing rows are exact; ``test_planner_ledger._moe``), for one
 optimizer step on 4 gloo ranks, data parallelism over expert parallelism (``dp`` split
-``ep_dp x ep``), with and without context parallelism, at ZeRO 0, with and without activation
-checkpointing: every axis ``behemoth.planner.axis_traffic.step_traffic`` predicts, and every axis
+``ep_dp x ep``), with and without context parallelism, ZeRO 0, 1 and 2, with and without
+activation checkpointing: every axis ``behemoth.planner.axis_traffic.step_traffic`` predicts, and every axis
 the ledger books, carry exactly the same wire bytes on every rank -- the data axis its dense
 gradients' sync, the step's loss and router-loss sums (the token count over dp alone) and each
 MoE layer's balancing statistics (again in a checkpointed block's recompute); the expert axis
 (``ep_dp``, ``ep_dp_cp`` under context parallelism) the experts' gradient sync; ep the
-all-to-alls and the step's gradient norm. The gradient sync's buckets per axis are
+all-to-alls and (ZeRO 0) the step's gradient norm. Under ZeRO 1 and 2 the chunks' padding, which
+the planner does not count, is taken from the run's chunk layout and added. The gradient sync's buckets per axis are
 ``behemoth.planner.cost.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
 changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
 ``behemoth.planner.host.block_calls``'.
@@ -25,6 +26,7 @@ from test_planner_ledger import BATCH, FP32, _moe, _workload
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import step_traffic
+from behemoth.planner.collectives import all_gather_bytes, reduce_scatter_bytes
 from behemoth.planner.cost import gradient_buckets
 from behemoth.planner.host import block_calls
 from behemoth.planner.workload import workload_for
@@ -32,6 +34,12 @@ from behemoth.planner.workload import workload_for
 PLANS = {
     "dp4 ep2": [bh.Plan(dp=4, ep=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
     "dp2 ep2 cp2": [bh.Plan(dp=2, ep=2, cp=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
+    "zero 1, 2": [
+        bh.Plan(dp=4, ep=2, precision="fp32", zero=1),
+        bh.Plan(dp=4, ep=2, precision="fp32", zero=2, microbatches=2, activation_checkpointing=True),
+        bh.Plan(dp=2, ep=2, cp=2, precision="fp32", zero=1),
+        bh.Plan(dp=4, precision="fp32", zero=2),
+    ],
     "dp4 ep1, micro-batches": [
         bh.Plan(dp=4, precision="fp32"),
         bh.Plan(dp=4, ep=2, precision="fp32", microbatches=2, activation_checkpointing=True),
@@ -59,14 +67,36 @@ def _world(rank, world, plans):
         engine.reset_comm_stats()
         engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
         got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
-        want = {axis: int(b) for axis, b in step_traffic(engine.plan, w, dt=FP32).items() if b}
+        want = step_traffic(engine.plan, w, dt=FP32)
+        store = engine.grad_sync.reducer.store
+        if plan.zero:  # the chunks' padding (the planner counts parameters), as the run laid them out
+            for axis, pad in _padding(store).items():
+                want[axis] += _chunk_bytes(engine.plan, pad, engine.mesh.axis(axis).size)
+        want = {axis: int(b) for axis, b in want.items() if b}
         assert got == want, f"{engine.plan.describe()} rank {rank}: ledger {got} vs planner {want}"
         # the gradient sync's buckets per axis (a trivial axis reduces none)
-        store = engine.grad_sync.reducer.store
         axes = [store.replica_axis(ch) for ch in store.chunks]
         buckets = {a.name: sum(1 for b in axes if b.name == a.name) for a in axes if not a.trivial}
-        want_buckets = gradient_buckets(engine.plan, w, w.shape.num_layers)
-        assert buckets == want_buckets, f"{engine.plan.describe()}: buckets {buckets} vs planner {want_buckets}"
+        if plan.zero == 0:
+            want_buckets = gradient_buckets(engine.plan, w, w.shape.num_layers)
+            assert buckets == want_buckets, f"{engine.plan.describe()}: buckets {buckets} vs planner {want_buckets}"
+
+
+def _padding(store) -> dict[str, int]:
+    """Padding elements of the run's chunks, per axis they sync over."""
+    out: dict[str, int] = {}
+    for st in store.chunks:
+        axis = store.replica_axis(st)
+        if not axis.trivial:
+            out[axis.name] = out.get(axis.name, 0) + st.size - st.used
+    return out
+
+
+def _chunk_bytes(plan, elems: int, p: int) -> float:
+    """Wire bytes ZeRO 1 / 2 move for ``elems`` fp32 elements of chunks over ``p`` ranks: their
+    gradients reduce-scattered (stage 2: every micro-batch), their parameters all-gathered."""
+    b = 4 * elems
+    return (plan.microbatches if plan.zero == 2 else 1) * reduce_scatter_bytes(b, p) + all_gather_bytes(b, p)
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))

@@ -21,8 +21,9 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   float64 token count over ``dp`` alone (every cp rank holds its dp rank's batch); each MoE
   layer all-reduces its balancing statistics (2E + 1 float64) over it every forward, a
   checkpointed block's recompute included (:func:`balance_bytes`); gradients travel in fp32,
-  gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes). Chunk padding is
-  not counted (it is below a chunk per rank);
+  gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes); at stages 1-3 the
+  step's gradient norm sums each rank's float32 share over it (``parallel/zero/norm.py``). Chunk
+  padding is not counted (it is below a chunk per group);
 * ``ep_dp`` (``ep_dp_cp`` under context parallelism): under expert parallelism the experts'
   parameters sync over it as the dense ones over ``dp`` (the same ZeRO stage's collectives;
   ``parallel/expert/style.py``'s ``expert_param_axes``); nothing where it has one rank;
@@ -184,6 +185,8 @@ def step_traffic(
         if plan.dp > 1:
             out["dp"] = out.get("dp", 0.0) + all_reduce_bytes(8, plan.dp)
         out[axis] += balance_bytes(plan, w) * layers * m * (2 if plan.activation_checkpointing else 1)
+        if plan.zero:
+            out[axis] += all_reduce_bytes(4, g)  # the step's gradient norm: each rank's fp32 share of it
         if experts and g // plan.ep > 1:
             out[expert_axis(plan)] = _sync_bytes(plan, experts, g // plan.ep, dt)
     if pp > 1:
