@@ -72,6 +72,25 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
     raise ValueError(family)
 
 
+def moe_llama_config(**fields):
+    """behemoth's tiny mixture-of-experts Llama config (2 layers, 4 heads over 2 kv heads, hidden
+    32, 4 experts of width 24, top-2); ``fields`` add to or override it."""
+    from behemoth.models import LlamaConfig
+
+    shape = dict(
+        vocab_size=VOCAB,
+        seq_len=SEQ,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        hidden=32,
+        num_experts=4,
+        experts_top_k=2,
+        expert_ffn_hidden=24,
+    )
+    return LlamaConfig(**{**shape, **fields})
+
+
 def build_hf_moe(family: str, **config) -> torch.nn.Module:
     """A tiny transformers mixture of experts -- ``family``: mixtral, qwen3-moe or olmoe -- the
     same on every call; ``config`` adds to or overrides its config's fields."""

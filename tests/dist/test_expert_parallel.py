@@ -14,39 +14,24 @@ import torch
 import torch.nn.functional as F
 from common import (
     SEQ,
-    VOCAB,
     assert_grad_norms_close,
     assert_losses_close,
     assert_state_close,
     expect_error,
     global_batches,
+    moe_llama_config,
     shard,
     train_steps,
 )
 
 import behemoth as bh
-from behemoth.models import Llama, LlamaConfig
+from behemoth.models import Llama
 
 STEPS, BATCH = 3, 8
 
 
 def build_moe(seed: int = 0, frozen_router: bool = False) -> Llama:
-    model = Llama(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            seq_len=SEQ,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            hidden=32,
-            num_experts=4,
-            experts_top_k=2,
-            expert_ffn_hidden=24,
-            router_aux_loss_coef=0.05,
-            router_z_loss_coef=0.01,
-            seed=seed,
-        )
-    )
+    model = Llama(moe_llama_config(router_aux_loss_coef=0.05, router_z_loss_coef=0.01, seed=seed))
     if frozen_router:  # every router scores the experts equally: every token goes to the same two experts
         for layer in model.layers:
             layer.mlp.router.weight.data.zero_()

@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import SEQ, VOCAB, assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    global_batches,
+    moe_llama_config,
+    shard,
+)
 
 import behemoth as bh
-from behemoth.models import Llama, LlamaConfig
+from behemoth.models import Llama
 from behemoth.models.moe import update_expert_bias
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
 
@@ -39,20 +46,7 @@ OPTIONS = {
 
 
 def build(name: str) -> Llama:
-    kw = dict(
-        vocab_size=VOCAB,
-        seq_len=SEQ,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden=32,
-        num_experts=4,
-        experts_top_k=2,
-        expert_ffn_hidden=24,
-        router_aux_loss_coef=0.05,
-        router_z_loss_coef=0.01,
-    )
-    model = Llama(LlamaConfig(**{**kw, **OPTIONS[name]}))
+    model = Llama(moe_llama_config(**{"router_aux_loss_coef": 0.05, "router_z_loss_coef": 0.01, **OPTIONS[name]}))
     if name.startswith("hot"):  # equal scores: top-1 is the same expert for every token
         for layer in model.layers:
             layer.mlp.router.weight.data.zero_()

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import SEQ, global_batches, shard
-from test_planner_host_calls import _calls, _model
+from common import global_batches, shard
+from test_planner_host_calls import check_expert_calls_per_block
 from test_planner_ledger import BATCH, FP32, _moe, _workload
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import step_traffic
 from behemoth.planner.collectives import all_gather_bytes, reduce_scatter_bytes
 from behemoth.planner.cost import gradient_buckets
-from behemoth.planner.host import block_calls
-from behemoth.planner.workload import workload_for
 
 PLANS = {
     "dp4 ep2": [bh.Plan(dp=4, ep=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
@@ -112,13 +110,7 @@ CALLS = (
 
 
 def _calls_world(rank, world):
-    for plan in CALLS:
-        got = (
-            _calls("llama-moe", plan, 4, gradient_sync=False) - _calls("llama-moe", plan, 2, gradient_sync=False)
-        ) / 2
-        w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
-        want = sum(block_calls(plan.resolve(world), w))
-        assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
+    check_expert_calls_per_block(CALLS, world)
 
 
 def test_expert_data_parallel_calls_per_block_are_the_runs():

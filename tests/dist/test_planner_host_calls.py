@@ -112,15 +112,21 @@ EXPERTS = (
 )
 
 
-def _experts_world(rank, world):
-    for plan in EXPERTS:
-        # the gradient sync's buckets break at every MoE layer's experts (another axis reduces them)
+def check_expert_calls_per_block(plans, world: int) -> None:
+    """Each plan's collective calls per MoE block (a 4-layer run less a 2-layer one, halved)
+    equal ``block_calls``. The gradient sync's own launches are left out: its buckets break at
+    every MoE layer's experts (another axis reduces them)."""
+    w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
+    for plan in plans:
         got = (
             _calls("llama-moe", plan, 4, gradient_sync=False) - _calls("llama-moe", plan, 2, gradient_sync=False)
         ) / 2
-        w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
         want = sum(block_calls(plan.resolve(world), w))
         assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
+
+
+def _experts_world(rank, world):
+    check_expert_calls_per_block(EXPERTS, world)
 
 
 def test_expert_calls_per_block_are_the_runs():

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common import moe_llama_config
 from host_reads import HostReads
 
 from behemoth.comm import Axis, Ledger
-from behemoth.models import Llama, LlamaConfig
+from behemoth.models import Llama
 from behemoth.models.moe import MoEFeedForward
 from behemoth.parallel.expert import ExpertParallel, Routes
 from behemoth.parallel.expert.dispatch import chunk_sizes
@@ -77,19 +78,7 @@ def test_chunks_must_be_a_positive_integer():
 
 
 def _moe_llama(num_layers: int) -> Llama:
-    cfg = LlamaConfig(
-        vocab_size=64,
-        seq_len=8,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden=32,
-        num_experts=4,
-        experts_top_k=2,
-        expert_ffn_hidden=24,
-        router_aux_loss_coef=0.05,
-        seed=0,
-    )
+    cfg = moe_llama_config(vocab_size=64, seq_len=8, num_layers=num_layers, router_aux_loss_coef=0.05, seed=0)
     return Llama(cfg)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import build_hf_moe
+from common import build_hf_moe, moe_llama_config
 from hf_export_checks import check_serial_export, transformers_twin
 
 transformers = pytest.importorskip("transformers")
@@ -22,21 +22,10 @@ FAMILIES = ("llama-moe", "hf-mixtral", "hf-qwen3-moe", "hf-olmoe")
 def build(family: str) -> torch.nn.Module:
     """A tiny model of ``family`` (the same weights on every call)."""
     if family == "llama-moe":
-        from behemoth.models import Llama, LlamaConfig
+        from behemoth.models import Llama
 
         torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=V,
-            seq_len=S,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            hidden=32,
-            num_experts=4,
-            experts_top_k=2,
-            expert_ffn_hidden=24,
-        )
-        return Llama(cfg)
+        return Llama(moe_llama_config(vocab_size=V, seq_len=S))
     return build_hf_moe(family.removeprefix("hf-"))
 
 
