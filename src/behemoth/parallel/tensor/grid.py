@@ -118,18 +118,17 @@ class SummaFn(torch.autograd.Function):
 
     SUMMA's q steps, each a broadcast of X(i, k) along the grid row and of W(k, j) down the
     grid column, deliver exactly the blocks an all-gather does: so the forward all-gathers X(i, :)
-    over ``tp_col`` and W(:, j) over ``tp_row`` (both in flight at once) and computes ``Y(i, j) =
-    X(i, :) W(:, j)`` as q block GEMMs, this rank's own block's first, while X travels.
-    Backward: re-gather X (and W, unless ``keep_w``); ``dy @
+    over ``tp_col`` and W(:, j) over ``tp_row`` (both in flight at once) and runs one GEMM,
+    ``Y(i, j) = X(i, :) W(:, j)``. Backward: re-gather X (and W, unless ``keep_w``); ``dy @
     W(:, j)`` holds this rank's part of dX(i, k) for every k and is reduce-scattered over
     ``tp_col`` (rank (i, j) keeps dX(i, j)); ``X(i, :).T @ dy`` holds its part of dW(k, j) for
     every k and is reduce-scattered over ``tp_row``; the bias gradient is all-reduced over
-    ``tp_row``, launched first so it runs beside the GEMMs. With ``keep_w`` the dX GEMM and the
-    own block's rows of the dW GEMM run while X is being re-gathered.
+    ``tp_row``, launched first so it runs beside the GEMMs. With ``keep_w`` the dX GEMM starts
+    while X is being re-gathered.
 
     Bytes per rank: SUMMA's ``3 (bsh + h h_o) / q`` elements a Linear re-gathering W, ``(3 bsh +
-    2 h h_o) / q`` with ``keep_w``; collectives are q times fewer, and the backward's GEMMs q
-    times fewer and q times larger. Of the activations only the shard x is saved, so they stay ``bsh/p`` (compiled too:
+    2 h h_o) / q`` with ``keep_w``; collectives and GEMMs are q times fewer and the GEMMs q times
+    larger. Of the activations only the shard x is saved, so they stay ``bsh/p`` (compiled too:
     the backward's re-gather goes through :func:`~behemoth.comm.traced.regather`, so the compiler
     cannot replace it by keeping the forward's gathered block). ``keep_w`` keeps the gathered
     W(:, j) (``q`` weight shards, in the compute dtype) from forward to backward: in eager mode
@@ -149,7 +148,7 @@ class SummaFn(torch.autograd.Function):
         if w_col is None:  # else gathered ahead (weight_prefetch), in x's dtype
             wx = w if w.dtype == x.dtype else w.to(x.dtype)  # cast before it travels
             w_col = comm.all_gather_async(wx if in_out else wx.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
-        y = _row_times_column(x, hx, w_col, g)
+        y = hx.wait().t() @ w_col
         if b is not None:
             y.add_(b.to(y.dtype))
         ctx.w_col = None
@@ -191,7 +190,7 @@ class SummaFn(torch.autograd.Function):
         if need_x:  # dX(i, :)^T partial = W(:, j) dy^T, summed along the grid row
             hdx = comm.reduce_scatter_async((w_col if hw is None else hw.wait()) @ dy.t(), g.col_axis)
         if need_w:  # dW(:, j)^T partial = X(i, :)^T dy, summed down the grid column
-            hdw = comm.reduce_scatter_async(_column_grad(x, hx, dy, g), g.row_axis)
+            hdw = comm.reduce_scatter_async(hx.wait() @ dy, g.row_axis)
             if defer is not None:
                 defer[0].put((defer[1],), hdw, lambda s: ((s if in_out else s.t().contiguous()).to(w_dtype),))
                 hdw, dw = None, defer[0].placeholder(defer[1])
@@ -203,32 +202,6 @@ class SummaFn(torch.autograd.Function):
         if hb is not None:
             db = hb.wait()
         return dx, dw, db, None, None, None, None, None, None
-
-
-def _row_times_column(x: torch.Tensor, hx, w_col: torch.Tensor, g: Grid) -> torch.Tensor:
-    """``X(i, :) W(:, j)`` as SUMMA's q block products: this rank's own block ``X(i, j) W(j, j)``
-    first, while the gather of the others (``hx``, X(i, :)^T in flight over ``tp_col``) travels,
-    then the other q - 1 added in (each ``[m, in/q] @ [in/q, out/q]``)."""
-    if g.col_axis.trivial:
-        return x @ w_col
-    n = x.shape[1]
-    y = x @ w_col[g.col * n : (g.col + 1) * n]
-    xt = hx.wait()
-    for k in range(g.q):
-        if k != g.col:
-            y.addmm_(xt[k * n : (k + 1) * n].t(), w_col[k * n : (k + 1) * n])
-    return y
-
-
-def _column_grad(x: torch.Tensor, hx, dy: torch.Tensor, g: Grid) -> torch.Tensor:
-    """This rank's part of dW(:, j), ``X(i, :)^T dy`` (``[in, out/q]``), by block rows: its own
-    block's ``X(i, j)^T dy`` first, while the re-gather of the others (``hx``) travels."""
-    if g.col_axis.trivial:
-        return hx.wait() @ dy
-    n = x.shape[1]
-    own = x.t() @ dy
-    xt = hx.wait()
-    return torch.cat([own if k == g.col else xt[k * n : (k + 1) * n] @ dy for k in range(g.q)])
 
 
 def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
