@@ -1,6 +1,7 @@
 """GPU benchmark of generation: ``bh.generate`` on behemoth's Llama at the Llama-3-8B shape (random
 weights, bf16), one RESULT json line per configuration, with transformers' own ``generate``
-(the ``peer_hf_generate.py`` peer: eager dynamic cache and static cache) in the same run.
+(the ``peer_hf_generate.py`` peer: eager dynamic cache and static cache) in the same run;
+transformers' own tensor parallelism is ``peer_hf_tp_generate.py`` (``run_generate.sh`` runs both).
 
     torchrun --standalone --nproc-per-node 4 benchmarks/generate.py                 # tp = 1, 2, 4 + peer
     torchrun --standalone --nproc-per-node 4 benchmarks/generate.py --compile       # decode step compiled
