@@ -126,6 +126,9 @@ class Calibration:
     """Device memory one 2-rank NCCL communicator holds once it has sent and received."""
     allocator_slack: float = 0.0
     """Memory the caching allocator keeps reserved beyond the allocated peak, as a fraction of it."""
+    elementwise_bytes_per_s: float = 0.0
+    """Bytes per second the blocks' non-GEMM operators (norms, activations, rotary embeddings,
+    casts: :mod:`.elementwise`) move; 0: ``hbm_bytes_per_s`` (a large copy's rate)."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -161,6 +164,7 @@ class Calibration:
             "cuda_context_bytes",
             "nccl_comm_bytes",
             "nccl_p2p_bytes",
+            "elementwise_bytes_per_s",
         ):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be >= 0.")
@@ -172,6 +176,12 @@ class Calibration:
             )
 
     # -- rates -------------------------------------------------------------------------
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes per second of the blocks' non-GEMM operators (``elementwise_bytes_per_s``, else
+        ``hbm_bytes_per_s``)."""
+        return self.elementwise_bytes_per_s or self.hbm_bytes_per_s
+
     def attention_rate(self, seq: float) -> tuple[float, float]:
         """(forward flops/s, backward rate / forward rate) of causal attention over ``seq`` tokens,
         interpolated in log2(seq) between the measured lengths (clamped at the ends)."""

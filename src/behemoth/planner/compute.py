@@ -16,9 +16,11 @@ does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's atte
 (its backward at ``attention_backward_ratio`` of it, 2.5 times the flops; both by the length a
 kernel sees where the calibration measured them by length: the sequence, or ring's ``s/cp`` blocks), both times the
 calibration's ``sustained_ratio``, as GEMMs are (:meth:`Calibration.gemm_seconds`). Norms, residual
-adds, activations and casts read and write about ``ELEMENTWISE`` bytes per token per hidden
-unit at HBM speed: split over tp where the layout shards them (sequence parallelism, 2D,
-3D), replicated where it does not (1D). Under autocast every micro-batch also copies each
+adds, activations, rotary embeddings and the activations' casts read and write the bytes
+:func:`elementwise_bytes` counts per token from the blocks' code, at the calibration's
+``elementwise_bytes_per_s``: the parts over the hidden width split over tp where the layout
+shards them (sequence parallelism, 2D, 3D), replicated where it does not (1D); the parts over
+heads and the MLP's width split always. Under autocast every micro-batch also copies each
 parameter this rank holds: its fp32 weight cast to 16 bits in the forward (the executors open one
 autocast context per micro-batch, and ZeRO-3 keeps no cache) and the 16-bit weight gradient cast
 back to fp32 in the backward, ``CAST_BYTES`` each at HBM speed; with ``param_dtype='bf16'`` only
@@ -39,22 +41,26 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .calibration import Calibration
+from .elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
 from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["BlockTimes", "block_times", "head_times", "accumulate_bytes", "accumulate_seconds", "ep_chunk_seconds"]
+__all__ = [
+    "BlockTimes",
+    "block_times",
+    "head_times",
+    "accumulate_bytes",
+    "accumulate_seconds",
+    "elementwise_seconds",
+    "ep_chunk_seconds",
+]
 
-ELEMENTWISE_REPLICATED = 16
-"""Bytes per token per hidden unit, per block forward, of the norms and residual adds (what
-1D tensor parallelism without sequence parallelism repeats on every rank)."""
-ELEMENTWISE_SPLIT = 24
-"""... and of the attention and MLP elementwise work every layout splits over tp."""
 CAST_BYTES = 6
+"""Bytes per parameter of one dtype-converting copy (read 4 and write 2 bytes, or the reverse)."""
 RING_MERGE_BYTES = 10
 """Bytes per element of a ring-attention step's merge into its fp32 accumulator: read it (4) and
 the block's 16-bit result (2), write it back (4)."""
-"""Bytes per parameter of one dtype-converting copy (read 4 and write 2 bytes, or the reverse)."""
 
 
 def accumulate_bytes(plan: Plan) -> float:
@@ -166,8 +172,7 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     rate *= cal.sustained_ratio
     attn_f = flops / rate
     attn_b = 2.5 * flops / (rate * ratio)
-    shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
-    elem = t * h * eb * (ELEMENTWISE_REPLICATED / shard + ELEMENTWISE_SPLIT / plan.tp) / cal.hbm_bytes_per_s
+    elem_f, elem_b = elementwise_seconds(plan, w, cal, t)
     ring_f = ring_b = 0.0
     if plan.cp > 1 and plan.cp_mode == "ring":  # each of the cp steps merges its block in fp32
         kv_share = s.num_kv_heads / s.num_heads
@@ -179,11 +184,33 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         uly_f, uly_b = ulysses_copy_seconds(plan, w, cal, t)
     cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
     chunk_f, chunk_b = ep_chunk_seconds(plan, w, cal)
-    fwd = gemm + attn_f + elem + cast_f + ring_f + uly_f + chunk_f
-    bwd = 2 * gemm + attn_b + 2 * elem + cast_b + ring_b + uly_b + chunk_b
+    fwd = gemm + attn_f + elem_f + cast_f + ring_f + uly_f + chunk_f
+    bwd = 2 * gemm + attn_b + elem_b + cast_b + ring_b + uly_b + chunk_b
     if plan.activation_checkpointing:
         bwd += fwd
     return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b + chunk_b, experts)
+
+
+def _elementwise_scale(plan: Plan) -> float:
+    """The counted (autocast) bytes' factor under ``plan``'s precision: fp32 compute moves twice."""
+    return 1.0 if plan.precision in ("bf16", "fp16") else 2.0
+
+
+def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's non-GEMM work (:mod:`.elementwise`) for
+    ``tokens`` local tokens: the model-width part split over tp where the layout shards the
+    tokens (sequence parallelism, 2D, 2.5D, 3D), the heads' and the MLP's part split always."""
+    s = w.shape
+    width = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else None
+    e = block_elementwise_bytes(s, mlp_width=width)
+    shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
+    split_f, split_b = e.split_forward / plan.tp, e.split_backward / plan.tp
+    if w.num_experts:  # experts stay whole on every tensor-parallel rank: their activation is not split
+        bare = block_elementwise_bytes(s, mlp_width=0.0)
+        split_f += (e.split_forward - bare.split_forward) * (1 / shard - 1 / plan.tp)
+        split_b += (e.split_backward - bare.split_backward) * (1 / shard - 1 / plan.tp)
+    per = tokens * _elementwise_scale(plan) / cal.elementwise_rate
+    return per * (e.hidden_forward / shard + split_f), per * (e.hidden_backward / shard + split_b)
 
 
 def ep_chunk_seconds(plan: Plan, w: Workload, cal: Calibration) -> tuple[float, float]:
@@ -210,6 +237,12 @@ def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[flo
     eb = 2 if plan.precision in ("bf16", "fp16") else 4
     t = mbs * w.seq_len / plan.cp
     g = _linear(cal, plan, t, s.hidden, s.vocab_size, "column", eb)
-    ce = t * s.vocab_size / plan.tp * 4 * 3 / cal.hbm_bytes_per_s  # fp32 logits: write, read, gradient
+    rate = cal.elementwise_rate / _elementwise_scale(plan)
+    ce_f, ce_b = cross_entropy_bytes(plan.tp > 1)
+    logits = t * s.vocab_size / plan.tp
+    # the final norm and the head's input cast, per token (split over tp where the layout shards tokens)
+    shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
+    nf, nb = norm_bytes(s)
+    norm_f, norm_b = t * (nf + 6 * s.hidden) / shard / rate, t * (nb + 6 * s.hidden) / shard / rate
     cast_f, cast_b = _cast_seconds(plan, s.vocab_size * s.hidden / weight_split(plan), cal)  # the head's table
-    return g + ce + cast_f, 2 * g + ce + cast_b
+    return g + logits * ce_f / rate + norm_f + cast_f, 2 * g + logits * ce_b / rate + norm_b + cast_b

@@ -1,0 +1,147 @@
+"""behemoth.planner.elementwise against the operators a block actually runs: a dispatch-level count
+of every non-GEMM, non-attention operator's bytes (its tensor inputs and outputs) over one GPT or
+Llama block's forward and backward under bf16 autocast over fp32 parameters, per token (two
+sequence lengths' difference, so the weights' own casts, which compute.CAST_BYTES counts, drop
+out), equals the formula exactly; and the per-token seconds compute.py charges."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import behemoth as bh
+from behemoth.models import build_model
+from behemoth.planner.calibration import load_calibration
+from behemoth.planner.compute import _cast_seconds, elementwise_seconds, head_times
+from behemoth.planner.elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
+from behemoth.planner.params import weight_split
+from behemoth.planner.workload import workload_for
+
+GEMM = ("mm", "addmm", "bmm")
+# views cost nothing; ``clone`` is the contiguous copy the CPU attention kernel's gradient layout
+# needs before a reshape (on CUDA the kernel hands its gradients back in the layout the views expect)
+FREE = ("_unsafe_view", "clone")
+
+
+class _Bytes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.by = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        ret = func._schema.returns
+        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return out  # a view
+        if name in GEMM or "scaled_dot_product" in name or name in FREE:
+            return out
+        n = 0
+        for x in [*args, *(kwargs or {}).values(), out]:
+            for t in x if isinstance(x, (list, tuple)) else [x]:
+                if isinstance(t, torch.Tensor):
+                    n += t.numel() * t.element_size()
+        self.total += n
+        self.by[name] += n
+        return out
+
+
+def _count(family: str, tokens: int, **kw) -> tuple[int, int]:
+    model = build_model(family, vocab_size=64, seq_len=tokens, num_layers=1, **kw)
+    llama = hasattr(model, "layers")
+    block = (model.layers if llama else model.blocks)[0]
+    x = torch.randn(1, tokens, model.config.hidden, requires_grad=True)
+    args = (x, torch.arange(tokens).unsqueeze(0)) if llama else (x,)
+    fwd, bwd = _Bytes(), _Bytes()
+    with torch.autocast("cpu", dtype=torch.bfloat16), fwd:
+        y = block(*args)
+    g = torch.randn_like(y)
+    with bwd:
+        y.backward(g)
+    return fwd.total, bwd.total
+
+
+SHAPES = [
+    ("gpt-tiny", dict(hidden=256, num_heads=4)),
+    ("gpt-tiny", dict(hidden=128, num_heads=2, bias=False)),
+    ("llama-tiny", dict(hidden=256, num_heads=8, num_kv_heads=2, ffn_hidden=896)),
+    ("llama-tiny", dict(hidden=128, num_heads=4, num_kv_heads=4, ffn_hidden=320)),
+]
+
+
+@pytest.mark.parametrize("family, kw", SHAPES, ids=[f"{f}-{k['hidden']}" for f, k in SHAPES])
+def test_block_bytes_equal_the_operators_count(family, kw):
+    (f1, b1), (f2, b2) = (_count(family, t, **kw) for t in (16, 48))
+    shape = workload_for(
+        build_model(family, vocab_size=64, seq_len=48, num_layers=1, device="meta", **kw), global_batch=1
+    ).shape
+    e = block_elementwise_bytes(shape)
+    assert (f2 - f1) / 32 == e.hidden_forward + e.split_forward
+    assert (b2 - b1) / 32 == e.hidden_backward + e.split_backward
+
+
+def test_llama_8b_formula():
+    """Llama-3-8B's shape per token, from the formula's terms: forward 2 RMSNorms (28h + 24), five
+    input casts, the residual adds (20h), rotary tables (42d + 16); q and k's rotation and casts
+    36 (hq + hkv), SwiGLU 10f."""
+    s = workload_for("llama-8b", global_batch=1).shape
+    h, f, d, hq, hkv = 4096, 14336, 128, 4096, 1024
+    e = block_elementwise_bytes(s)
+    assert e.hidden_forward == 2 * (28 * h + 24) + 30 * h + 20 * h + 42 * d + 16
+    assert e.split_forward == 10 * f + 36 * (hq + hkv)
+    assert e.hidden_backward == 2 * (96 * h + 36) + 30 * h + 36 * h + 36 * h + 16 * d
+    assert e.split_backward == 18 * f + 46 * (hq + hkv)
+    assert norm_bytes(s) == (28 * h + 24, 96 * h + 36)
+
+
+def test_seconds_split_by_layout():
+    """1D without sequence parallelism repeats the model-width part on every rank; with it (and
+    2D) that part is split too; fp32 compute moves twice the bytes."""
+    w = workload_for("llama-8b", global_batch=8)
+    cal = load_calibration("h200")
+    e = block_elementwise_bytes(w.shape)
+    t = 4096.0
+    r = cal.elementwise_rate
+    one = elementwise_seconds(bh.Plan(tp=4, precision="bf16"), w, cal, t)
+    split = (t * (e.hidden_forward + e.split_forward / 4) / r, t * (e.hidden_backward + e.split_backward / 4) / r)
+    assert one == pytest.approx(split, rel=1e-12)
+    sp = elementwise_seconds(bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), w, cal, t)
+    both = (t * (e.hidden_forward + e.split_forward) / 4 / r, t * (e.hidden_backward + e.split_backward) / 4 / r)
+    assert sp == pytest.approx(both, rel=1e-12)
+    fp32 = elementwise_seconds(bh.Plan(), w, cal, t)
+    twice = (2 * t * (e.hidden_forward + e.split_forward) / r, 2 * t * (e.hidden_backward + e.split_backward) / r)
+    assert fp32 == pytest.approx(twice, rel=1e-12)
+
+
+def test_elementwise_rate_defaults_to_hbm():
+    cal = load_calibration("h200")
+    assert cal.elementwise_bytes_per_s == 0.0 and cal.elementwise_rate == cal.hbm_bytes_per_s
+    slow = type(cal).from_dict({**cal.__dict__, "elementwise_bytes_per_s": cal.hbm_bytes_per_s / 2})
+    w = workload_for("llama-8b", global_batch=8)
+    plan = bh.Plan(tp=2, precision="bf16")
+    fast_f, fast_b = elementwise_seconds(plan, w, cal, 1024.0)
+    assert elementwise_seconds(plan, w, slow, 1024.0) == pytest.approx((2 * fast_f, 2 * fast_b), rel=1e-12)
+
+
+def test_head_cross_entropy_bytes():
+    """The loss per logit: serial 14 forward (fp32 copy, log-softmax), vocabulary-parallel 38
+    (copy, max, shift, exp, sum, normalisation); 22 backward either way; the head's time grows by
+    exactly those bytes at the elementwise rate."""
+    assert cross_entropy_bytes(False) == (14.0, 22.0)
+    assert cross_entropy_bytes(True) == (38.0, 22.0)
+    w = workload_for("llama-8b", global_batch=8)
+    cal = load_calibration("h200")
+    big = workload_for("llama-8b", global_batch=8, vocab_size=2 * w.shape.vocab_size)
+    plan = bh.Plan(tp=2, precision="bf16").resolve(2)
+    (f1, b1), (f2, b2) = head_times(plan, w, cal, 1), head_times(plan, big, cal, 1)
+    t, v = 2048, w.shape.vocab_size / 2  # the added logits per rank
+    g1 = cal.gemm_seconds(t, w.shape.vocab_size / 2, w.shape.hidden)
+    g2 = cal.gemm_seconds(t, w.shape.vocab_size, w.shape.hidden)
+    c1 = _cast_seconds(plan, w.shape.vocab_size * w.shape.hidden / weight_split(plan), cal)
+    c2 = _cast_seconds(plan, big.shape.vocab_size * w.shape.hidden / weight_split(plan), cal)
+    assert f2 - f1 == pytest.approx(g2 - g1 + t * v * 38 / cal.elementwise_rate + c2[0] - c1[0], rel=1e-9)
+    assert b2 - b1 == pytest.approx(2 * (g2 - g1) + t * v * 22 / cal.elementwise_rate + c2[1] - c1[1], rel=1e-9)
