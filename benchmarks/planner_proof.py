@@ -391,22 +391,33 @@ def repredict(a) -> None:
     """``--repredict LOG``: the layouts an earlier run measured (its JSON lines), predicted again by
     this tree's model with ``--calibration``, beside what they measured and what that run
     predicted; one line per layout and a summary. No GPU, no process group. (A model tuned on
-    these measurements and judged on them proves little: the next run on GPUs is the test.)"""
-    rows = [r for r in resumed_rows(a.repredict) if "measured_step_s" in r]
+    these measurements and judged on them proves little: the next run on GPUs is the test.)
+    Layouts that failed in that run (out of memory, or the run died inside them) get a line too,
+    with ``failed``: the summary counts those the model now refuses (``fits`` false) and the
+    measured ones it now refuses (``refused_measured``), and compares the allocator's slack it
+    predicts (``predicted_slack_gib``, with the fit rule's margin) with the one measured (peak
+    reserved less peak allocated)."""
+    all_rows = resumed_rows(a.repredict)
+    rows = [r for r in all_rows if "measured_step_s" in r]
+    failed = [r for r in all_rows if "measured_step_s" not in r and not r.get("refused")]
     if not rows:
         raise SystemExit(f"planner_proof: no measured layouts in {a.repredict}")
     cal = load_calibration(a.calibration)
     config = build_config(
         a.model, vocab_size=a.vocab or DEFAULT_VOCAB.get(a.model, 50304), seq_len=a.seq, **model_overrides(a)
     )
-    out = []
-    for r in rows:
+
+    def again(r: dict):
         world = r["gpus"]
         gpu = a.gpu_gb * 2**30 if a.gpu_gb else cal.gpu_bytes
         cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal)
         w = workload_for(config, seq_len=a.seq, global_batch=a.batch or 8 * world)
-        p = predict(parse_plan(r["plan"]), w, cluster)
-        alloc = (p.memory.gpu_total - p.memory.reserved) / 2**30
+        return predict(parse_plan(r["plan"]), w, cluster)
+
+    out = []
+    for r in rows:
+        p = again(r)
+        alloc = p.memory.allocated / 2**30
         line = dict(
             plan=r["plan"],
             measured_step_s=r["measured_step_s"],
@@ -417,10 +428,27 @@ def repredict(a) -> None:
             was_mem_err_pct=r["mem_err_pct"],
             predicted_alloc_gib=round(alloc, 2),
             mem_err_pct=round(100 * (alloc / r["measured_alloc_gib"] - 1), 1),
+            measured_slack_gib=round(r["measured_reserved_gib"] - r["measured_alloc_gib"], 2),
+            predicted_slack_gib=round(p.memory.slack / 2**30, 2),
+            was_predicted_gib=r["predicted_gib"],
             predicted_gib=round(p.memory.gpu_total / 2**30, 2),
             fits=p.fits,
         )
         out.append(line)
+        print(json.dumps(line), flush=True)
+    gone = []
+    for r in failed:
+        p = again(r)
+        line = dict(
+            plan=r["plan"],
+            failed=r.get("error", "crashed")[:120],
+            was_predicted_gib=r["predicted_gib"],
+            predicted_alloc_gib=round(p.memory.allocated / 2**30, 2),
+            predicted_slack_gib=round(p.memory.slack / 2**30, 2),
+            predicted_gib=round(p.memory.gpu_total / 2**30, 2),
+            fits=p.fits,
+        )
+        gone.append(line)
         print(json.dumps(line), flush=True)
 
     def mean(key: str) -> float:
@@ -436,6 +464,9 @@ def repredict(a) -> None:
                 spearman=round(spearman([x["predicted_step_s"] for x in out], [x["measured_step_s"] for x in out]), 3),
                 mean_abs_mem_err_pct=mean("mem_err_pct"),
                 was_mean_abs_mem_err_pct=mean("was_mem_err_pct"),
+                refused_measured=[x["plan"] for x in out if not x["fits"]],
+                failed=len(gone),
+                failed_still_fit=[x["plan"] for x in gone if x["fits"]],
             )
         ),
         flush=True,
@@ -550,7 +581,7 @@ def main() -> None:
             predicted_rank=rank_of(res.ranked, p),
             predicted_step_s=round(p.step, 4),
             predicted_gib=round(p.memory.gpu_total / 2**30, 2),
-            predicted_alloc_gib=round((p.memory.gpu_total - p.memory.reserved) / 2**30, 2),
+            predicted_alloc_gib=round(p.memory.allocated / 2**30, 2),
             predicted_parts=dict(
                 compute=round(p.compute, 4),
                 bubble=round(p.bubble, 4),

@@ -23,15 +23,18 @@ GOLDEN_CAL = Path(__file__).parent / "data" / "planner_calibration.json"
     [
         (bh.Plan(zero=1), 4, (0, 0)),  # dp over the world: the world's communicator
         (bh.Plan(dp=2, tp=2), 4, (2, 0)),  # dp, tp
-        (bh.Plan(tp=2, cp=2), 4, (3, 0)),  # tp, cp, dp_cp (cp's members, its own group)
+        (bh.Plan(tp=2, cp=2), 4, (3, 1)),  # tp, cp, dp_cp (cp's members, its own group); Ulysses' peer
         (bh.Plan(tp=2, pp=2, microbatches=8), 4, (2, 4)),  # tp, pp; four channels
         (bh.Plan(pp=4, microbatches=8), 4, (0, 4)),  # pp over the world; four channels
-        (bh.Plan(pp=2, cp=2, microbatches=8), 4, (3, 4)),  # cp, dp_cp, pp
+        (bh.Plan(pp=2, cp=2, microbatches=8), 4, (3, 5)),  # cp, dp_cp, pp; four channels, Ulysses' peer
         (bh.Plan(tp=4, tp_mode="2d"), 4, (2, 0)),  # the grid is the world; its rows and columns
         (bh.Plan(tp=4, tp_mode="2d"), 8, (4, 0)),  # dp, tp, rows, columns
         (bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), 8, (3, 0)),  # rows, columns, depth
         (bh.Plan(tp=8, tp_mode="3d"), 16, (5, 0)),  # dp, tp, three grid axes
-        (bh.Plan(cp=4), 4, (0, 0)),  # cp and dp_cp are the world's; dp has one rank
+        (bh.Plan(cp=4), 4, (0, 3)),  # cp and dp_cp are the world's; dp has one rank; 3 all-to-all peers
+        (bh.Plan(cp=4, cp_mode="ring"), 4, (0, 2)),  # the ring's previous and next rank
+        (bh.Plan(cp=2, cp_mode="ring"), 4, (2, 1)),  # cp, dp_cp; one peer, both ways
+        (bh.Plan(ep=4), 4, (0, 3)),  # the experts' all-to-all over the world: 3 peers
     ],
 )
 def test_communicators_a_rank_opens(plan, world, want):
@@ -55,8 +58,10 @@ def test_device_reserve_is_context_communicators_and_slack():
     w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
     mem = plan_memory(plan, w, Cluster(num_gpus=4, calibration=cal))
     tensors = mem.params + mem.grads + mem.optimizer + mem.activations
-    assert mem.reserved == pytest.approx(device_reserve(plan, cal, tensors))
-    assert mem.gpu_total == pytest.approx(tensors + mem.reserved)
+    assert mem.allocated == pytest.approx(tensors)
+    # the calibration's fraction reads the peak the footprint hands it: the tensors and their slack
+    assert mem.reserved == pytest.approx(device_reserve(plan, cal, tensors + mem.slack))
+    assert mem.gpu_total == pytest.approx(tensors + mem.slack + mem.reserved)
 
 
 def test_a_layout_fits_only_with_its_communicators_and_slack():
@@ -113,3 +118,75 @@ def test_zero1_keeps_the_reduced_shard_and_gpipe_the_loss_of_every_micro_batch()
     s = w.shape
     per_mb = 2 * 2048 * s.vocab_size * 4 + 2 * s.vocab_size * s.hidden
     assert a - b == pytest.approx(7 * per_mb)
+
+
+def test_allocator_slack_reads_the_logits_the_gathered_blocks_and_the_recomputed_block():
+    """The footprint's slack is reserve.allocator_slack of one micro-batch's fp32 logits on the rank,
+    ZeRO-3's two gathered blocks (parameters and fp32 gradients) when more than one rank shards
+    them, and one block's full saved set under activation checkpointing."""
+    from behemoth.planner.footprint import block_activation_bytes, footprint
+    from behemoth.planner.params import block_local_params
+    from behemoth.planner.reserve import SLACK_FLOOR, SLACK_MARGIN, allocator_slack
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    v = w.shape.vocab_size
+
+    def slack(plan, world, mbs):
+        return footprint(plan.resolve(world), w, mbs=mbs, inflight=1, reserved=0.0).slack
+
+    assert allocator_slack(0.0, 0.0, 0.0) == SLACK_FLOOR + SLACK_MARGIN
+    # dp=4: 8 sequences of 2048 tokens a rank, the vocabulary whole
+    assert slack(bh.Plan(zero=2, precision="bf16"), 4, 8) == pytest.approx(allocator_slack(8 * 2048 * v * 4, 0, 0))
+    z3 = bh.Plan(zero=3, precision="bf16").resolve(4)
+    gathered = 2 * block_local_params(z3, w) * (4 + 4)
+    assert slack(z3, 4, 8) == pytest.approx(allocator_slack(8 * 2048 * v * 4, gathered, 0))
+    # ZeRO-3 over one rank (pp=2 takes the world) gathers nothing
+    pipe = bh.Plan(pp=2, microbatches=8, zero=3, precision="bf16")
+    assert slack(pipe, 2, 4) == pytest.approx(allocator_slack(4 * 2048 * v * 4, 0, 0))
+    # tp=2 with cp=2: half the vocabulary, half the sequence; checkpointing recomputes one block
+    ck = bh.Plan(tp=2, cp=2, precision="bf16", activation_checkpointing=True).resolve(4)
+    full = block_activation_bytes(ck, w, 32)[0]
+    assert slack(ck, 4, 32) == pytest.approx(allocator_slack(32 * 1024 * v / 2 * 4, 0, full))
+
+
+def _gpt69b_on_h200(world: int):
+    from behemoth.models import build_config
+
+    config = build_config("gpt-6.7b", vocab_size=50304, seq_len=2048, tie_embeddings=False)
+    w = workload_for(config, seq_len=2048, global_batch=8 * world)
+    cal = load_calibration("h200-measured-2gpu")  # the H200's 139.8 GiB, the measured reserve
+    return w, Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=cal.gpu_bytes, calibration=cal)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        bh.Plan(dp=1, cp=4, zero=3, precision="bf16"),  # out of memory: 10.8 GiB reserved unallocated
+        bh.Plan(dp=1, cp=4, cp_mode="ring", zero=3, precision="bf16"),  # the run hung inside it
+    ],
+    ids=lambda p: p.describe(),
+)
+def test_the_4_gpu_layouts_that_ran_out_of_memory_do_not_fit(plan):
+    """GPT-6.9B on 4 x H200: ``Plan(cp=4, zero=3)``, 127.1 GiB allocated predicted, ran out of memory
+    with 124.6 GiB allocated and 10.8 reserved beside it, 2.75 GiB outside the allocator: the slack
+    of its 3 GiB logits and ZeRO-3's gathered blocks, and Ulysses' peers, no longer fit the card."""
+    w, cluster = _gpt69b_on_h200(4)
+    p = predict(plan, w, cluster)
+    assert p.memory.allocated / 2**30 == pytest.approx(127.1, abs=0.05)
+    assert not p.fits and "GiB per GPU" in p.why_not
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        bh.Plan(dp=1, tp=2, microbatches=2, zero=1, precision="bf16"),  # 123.8 allocated, 128.6 reserved
+        bh.Plan(dp=1, microbatches=2, cp=2, cp_mode="ring", zero=2, precision="bf16"),  # 124.2, 131.1
+        bh.Plan(dp=1, pp=2, microbatches=8, schedule="interleaved", virtual_stages=2, zero=3, precision="bf16"),
+    ],
+    ids=lambda p: p.describe(),
+)
+def test_the_2_gpu_layouts_that_ran_still_fit(plan):
+    """GPT-6.9B on 2 x H200: the layouts of the 2-GPU proof closest to the card ran; the slack
+    model keeps them fits."""
+    w, cluster = _gpt69b_on_h200(2)
+    assert predict(plan, w, cluster).fits

@@ -35,7 +35,11 @@ it is recomputed. A pipeline rank holds its peak in-flight micro-batches of its 
 blocks (:mod:`.bubble`); the last stage adds the fp32 logits and their gradient, and per
 micro-batch it holds (one, or all of them under GPipe) the loss's fp32 log-probabilities and the
 head's 16-bit weight copy. ZeRO-1 keeps the whole fp32 gradient chunks and the reduced shard the
-optimizer reads (``grad_full`` and ``grad_acc`` in ``parallel/zero/reduce.py``). Pure.
+optimizer reads (``grad_full`` and ``grad_acc`` in ``parallel/zero/reduce.py``).
+
+Beyond the tensors, the caching allocator's slack (``Footprint.slack``, :func:`.reserve.allocator_slack`)
+from the layout's transient tensors: one micro-batch's fp32 logits, ZeRO-3's gathered blocks,
+the block a checkpointed backward recomputes. Pure.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .params import block_local_params, local_params, stage_layers, weight_split
+from .reserve import allocator_slack
 from .traffic import tp_grid
 from .workload import Workload
 
@@ -79,10 +84,19 @@ class Footprint:
     reserved: float
     """Device memory beyond the tensors above (CUDA context, NCCL buffers, allocator slack: :mod:`.reserve`)."""
     host: float
+    slack: float = 0.0
+    """What the caching allocator keeps reserved beyond the tensors' peak, with the fit rule's
+    margin (:func:`.reserve.allocator_slack`)."""
+
+    @property
+    def allocated(self) -> float:
+        """The peak of PyTorch's tensors (what ``torch.cuda.max_memory_allocated`` measures)."""
+        return self.params + self.grads + self.optimizer + self.activations
 
     @property
     def gpu_total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.reserved
+        """All the device memory the rank needs: the tensors, the allocator's slack, the reserve."""
+        return self.allocated + self.slack + self.reserved
 
 
 def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, float]:
@@ -115,7 +129,7 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     z, off = plan.zero, plan.offload is not None
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0
-    host = 0.0
+    host, gathered = 0.0, 0.0
     if z == 0:
         params, grads, opt = n * pb, n * 4, n * 8
     elif z == 1:  # the gradient chunks, and the reduced shard the optimizer reads (parallel/zero/reduce.py)
@@ -126,6 +140,7 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
         per_block = block_local_params(plan, w)
         params = n * pb / g + 2 * per_block * pb
         grads, opt = n * 4 / g + 2 * per_block * 4, n * (8 + masters) / g
+        gathered = 2 * per_block * (pb + 4) if g > 1 else 0.0  # what the slack reads
     if off:
         host = opt + (n * 4 / g if z >= 1 else 0.0)
         if z == 3:
@@ -142,14 +157,16 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
     act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
     t = mbs * w.seq_len / plan.cp
-    act += t * s.vocab_size / plan.tp * 4 * 2  # fp32 logits and their gradient on the last stage
+    logits = t * s.vocab_size / plan.tp * 4
+    act += 2 * logits  # fp32 logits and their gradient on the last stage
     # until its backward, each micro-batch's loss keeps its fp32 log-probabilities and (autocast)
     # the head's 16-bit weight copy; the last stage holds one such micro-batch but under GPipe,
     # which runs every forward first
     held = plan.microbatches if plan.pp > 1 and plan.schedule == "gpipe" else 1
     head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
-    return Footprint(params, grads, opt, act, reserved, host)
+    slack = allocator_slack(logits, gathered, full if plan.activation_checkpointing else 0.0)
+    return Footprint(params, grads, opt, act, reserved, host, slack)
 
 
 def autocast_copies(plan: Plan) -> bool:
