@@ -28,7 +28,9 @@ Measures, on rank 0's GPU unless said otherwise:
   (the profiler's count), serially and under 1D tensor parallelism over the world (2D too when
   the world is a square): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
   from the serial block; ``host_call_s[mode]`` (seconds per collective call beyond its kernels)
-  and ``kernels_per_collective`` from each mode's extra kernels and NCCL kernels per block;
+  and ``kernels_per_call[mode]`` from each mode's extra kernels per collective call, the calls
+  counted as the cost model counts them (:func:`fit_host`; ``--refit-host`` applies it to an
+  earlier calibration's recorded blocks);
   ``host_forward_share``, a serial block's forward (recording its graph, no backward) over its
   whole step, per block.
   The JSON is written before this part and again after it, so a failure there keeps the rest.
@@ -310,9 +312,9 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
         engine.step(batch)
         sync()
     events = prof.events()
-    if cuda:
+    if cuda:  # the device timeline also shows each collective call's record function ("nccl:..."): not a kernel
         kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels = [k for k in kernels if not k.startswith(("Memcpy", "Memset"))]
+        kernels = [k for k in kernels if not k.startswith(("Memcpy", "Memset", "nccl:", "gloo:"))]
         launches = sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in events)
         count = max(len(kernels), launches)  # the kernels, or their launches where the trace lacks them
     else:  # no kernels on a CPU: the leaf operators stand in (a smoke run of this code)
@@ -344,6 +346,27 @@ def _host_forward(layers: int, plan, dev) -> float:
 
 def host_figures(world: int, dev) -> dict:
     """The host figures of behemoth.planner.host (see the module docstring); every rank runs it."""
+
+    plans = host_plans(world)
+    per_block = {}
+    for mode, plan in plans.items():
+        lo, hi = (_host_step(n, plan, dev) for n in HOST_LAYERS)
+        span = HOST_LAYERS[1] - HOST_LAYERS[0]
+        per_block[mode] = [max((h - l) / span, 0.0) for h, l in zip(hi, lo)]
+    blocks = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2]) for m, v in per_block.items()}
+    out = fit_host(blocks, world)
+    lo, hi = (_host_forward(n, plans["serial"], dev) for n in HOST_LAYERS)
+    forward = max(hi - lo, 0.0) / (HOST_LAYERS[1] - HOST_LAYERS[0])
+    seconds = blocks["serial"]["seconds"]
+    if seconds > 0 and 0 < forward < seconds:
+        out["host_forward_share"] = forward / seconds
+    out["host_blocks"] = blocks
+    return out
+
+
+def host_plans(world: int) -> dict:
+    """The layouts the host figures time the tiny GPT under: serial (data parallel), 1D tensor
+    parallelism over the world and, when the world is a square, 2D."""
     import behemoth as bh
 
     plans = {"serial": bh.Plan(dp=world, precision="bf16")}
@@ -352,26 +375,55 @@ def host_figures(world: int, dev) -> dict:
         q = round(world**0.5)
         if q > 1 and q * q == world:
             plans["2d"] = bh.Plan(tp=world, tp_mode="2d", precision="bf16")
-    per_block = {}
-    for mode, plan in plans.items():
-        lo, hi = (_host_step(n, plan, dev) for n in HOST_LAYERS)
-        span = HOST_LAYERS[1] - HOST_LAYERS[0]
-        per_block[mode] = [max((h - l) / span, 0.0) for h, l in zip(hi, lo)]
-    seconds, kernels, _ = per_block["serial"]
-    per_kernel = seconds / max(kernels, 1.0)
-    out = {"host_block_kernels": kernels, "host_kernel_s": per_kernel, "host_call_s": {}}
-    lo, hi = (_host_forward(n, plans["serial"], dev) for n in HOST_LAYERS)
-    forward = max(hi - lo, 0.0) / (HOST_LAYERS[1] - HOST_LAYERS[0])
-    if seconds > 0 and 0 < forward < seconds:
-        out["host_forward_share"] = forward / seconds
+    return plans
+
+
+def fit_host(blocks: dict, world: int) -> dict:
+    """The host figures from one block's host seconds, kernels and NCCL kernels per step
+    (``blocks[mode]``, the tiny GPT's): ``host_kernel_s`` and ``host_block_kernels`` from the
+    serial block; per tensor-parallel mode, ``kernels_per_call`` and ``host_call_s`` from its extra
+    kernels and seconds per collective call, the calls counted as the cost model counts them
+    (``planner.host.tp_block_calls`` of the same model and layout), so the model reproduces each
+    measured block. A profile that listed each call's record function beside its NCCL kernel (as
+    this script's counts did before it left them out) shows more NCCL entries than calls: those
+    are not kernels. ``kernels_per_collective`` (other axes' calls, modes not measured): 1D's."""
+    from behemoth.models import build_config
+    from behemoth.planner.host import tp_block_calls
+    from behemoth.planner.workload import workload_for
+
+    serial = blocks["serial"]
+    per_kernel = serial["seconds"] / max(serial["kernels"], 1.0)
+    out = {"host_block_kernels": serial["kernels"], "host_kernel_s": per_kernel, "host_call_s": {}}
+    out["kernels_per_call"] = {}
+    w = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
+    plans = host_plans(world)
     for mode in ("1d", "2d"):
-        if mode in per_block:
-            sec, kern, calls = per_block[mode]
-            if calls > 0:
-                out["host_call_s"][mode] = max(sec - kern * per_kernel, 0.0) / calls
-                out["kernels_per_collective"] = max(kern - kernels, 0.0) / calls
-    out["host_blocks"] = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2]) for m, v in per_block.items()}
+        if mode not in blocks:
+            continue
+        calls = sum(tp_block_calls(plans[mode].resolve(world), w))
+        b = blocks[mode]
+        kernels = b["kernels"] - max(b["nccl"] - calls, 0.0)
+        if calls > 0:
+            out["host_call_s"][mode] = max(b["seconds"] - kernels * per_kernel, 0.0) / calls
+            out["kernels_per_call"][mode] = max(kernels - serial["kernels"], 0.0) / calls
+    if "1d" in out["kernels_per_call"]:
+        out["kernels_per_collective"] = out["kernels_per_call"]["1d"]
     return out
+
+
+def refit_host(src: str, out: str) -> None:
+    """``--refit-host``: ``src``'s host figures fitted again (:func:`fit_host`) from the blocks
+    it recorded; the modes it did not measure keep their figures."""
+    with open(src) as f:
+        d = json.load(f)
+    blocks = d.get("extra", {}).get("host_blocks")
+    if not blocks:
+        raise SystemExit(f"calibrate: {src} recorded no host blocks (extra.host_blocks) to fit")
+    host = fit_host(blocks, int(d["extra"].get("world", 1)))
+    for k in ("host_call_s", "kernels_per_call"):
+        host[k] = {**d.get(k, {}), **host[k]}
+    d.update(host)
+    write(d, out)
 
 
 def write(d: dict, path: str) -> None:
@@ -386,7 +438,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="where to write the calibration JSON")
     ap.add_argument("--base", default="h100", help="shipped calibration whose unmeasured figures are kept")
+    ap.add_argument(
+        "--refit-host",
+        default="",
+        help="a calibration JSON: fit its host figures again from the blocks it recorded (extra.host_blocks), "
+        "write it to --out and stop (no GPU)",
+    )
     a = ap.parse_args()
+    if a.refit_host:
+        return refit_host(a.refit_host, a.out)
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -442,7 +502,8 @@ def main() -> None:
         host = None
     if rank == 0 and host is not None:
         d["extra"] = {**d.get("extra", {}), "host_blocks": host.pop("host_blocks")}
-        host["host_call_s"] = {**d.get("host_call_s", {}), **host["host_call_s"]}  # modes not measured: the base's
+        for k in ("host_call_s", "kernels_per_call"):  # modes not measured: the base's
+            host[k] = {**d.get(k, {}), **host[k]}
         d.update(host)
         measured.append("host issue")
         stamp()

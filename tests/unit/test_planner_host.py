@@ -23,6 +23,7 @@ from behemoth.planner.host import (
     ep_block_calls,
     host_call_seconds,
     host_times,
+    kernels_per_call,
     pipeline_calls,
     tp_block_calls,
 )
@@ -90,6 +91,54 @@ def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
     assert ckpt.backward == pytest.approx(ht.backward + ht.forward)  # the recompute's kernels and calls
     none = dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={})
     assert host_times(plan, GPT, none) == host_times(plan, GPT, none).__class__(0.0, 0.0)
+
+
+def test_kernels_per_call_by_mode():
+    """A calibration's kernels per call by tensor-parallel mode: 2D's own where measured, 2.5D and
+    3D falling back to 2D's, and to ``kernels_per_collective`` where no mode was measured."""
+    cal = dataclasses.replace(load_calibration(GOLDEN_CAL), kernels_per_call={"1d": 1.5, "2d": 4.2})
+    assert kernels_per_call(cal, "1d") == 1.5
+    assert kernels_per_call(cal, "2d") == kernels_per_call(cal, "3d") == kernels_per_call(cal, "2.5d") == 4.2
+    assert kernels_per_call(dataclasses.replace(cal, kernels_per_call={}), "2d") == cal.kernels_per_collective
+    plan = _plan(tp=4, tp_mode="2d")
+    f, b = block_calls(plan, GPT)
+    ht = host_times(plan, GPT, cal)
+    c_k, c_c = cal.host_kernel_s, cal.host_call_s["2d"]
+    assert ht.forward == pytest.approx((cal.host_block_kernels / 3 + 4.2 * f) * c_k + f * c_c, rel=1e-12)
+    assert ht.kernels == pytest.approx(cal.host_block_kernels + 4.2 * (f + b), rel=1e-12)
+
+
+def test_host_fit_reproduces_the_measured_blocks():
+    """benchmarks/calibrate.py's fit of the host figures: the serial block gives the seconds per
+    kernel; each mode's extra kernels and seconds per collective call, its calls counted as the
+    cost model counts them (the tiny GPT's 1D block on 4 ranks: 2 forward, 2 backward; 2D: 10 and
+    20), so host_times of that block equals the measured seconds. A profile that also listed each
+    call's record function (8 NCCL entries for 4 calls) has those entries taken off its kernels."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from calibrate import fit_host
+
+    blocks = {
+        "serial": dict(seconds=4e-3, kernels=50.0, nccl=0.0),
+        "1d": dict(seconds=5e-3, kernels=60.0, nccl=8.0),
+        "2d": dict(seconds=20e-3, kernels=200.0, nccl=30.0),
+    }
+    fit = fit_host(blocks, 4)
+    per_kernel = 4e-3 / 50
+    assert fit["host_kernel_s"] == per_kernel and fit["host_block_kernels"] == 50.0
+    assert fit["kernels_per_call"] == {"1d": (56.0 - 50.0) / 4, "2d": (200.0 - 50.0) / 30}
+    assert fit["host_call_s"]["1d"] == pytest.approx((5e-3 - 56 * per_kernel) / 4, rel=1e-12)
+    assert fit["host_call_s"]["2d"] == pytest.approx((20e-3 - 200 * per_kernel) / 30, rel=1e-12)
+    assert fit["kernels_per_collective"] == 1.5
+    from behemoth.models import build_config
+
+    tiny = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
+    cal = dataclasses.replace(load_calibration(GOLDEN_CAL), host_forward_share=0.5, **fit)
+    for mode, plan in (("1d", _plan(tp=4)), ("2d", _plan(tp=4, tp_mode="2d"))):
+        ht = host_times(plan, tiny, cal)
+        assert ht.forward + ht.backward == pytest.approx(blocks[mode]["seconds"], rel=1e-12)
 
 
 def test_the_step_is_at_least_its_host_time():

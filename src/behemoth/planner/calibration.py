@@ -28,6 +28,7 @@ measure there)::
       "host_call_s": {"1d": 6e-05, "2d": 2.5e-04},  # ... per collective call, by tensor-parallel mode
       "host_block_kernels": 90,                      # kernels of one block's forward + backward
       "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
+      "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... by tensor-parallel mode, where measured
       "host_forward_share": 0.33                     # the forward's share of a block's host time
     }
 
@@ -115,6 +116,8 @@ class Calibration:
     """Kernels one serial transformer block launches per micro-batch, forward and backward."""
     kernels_per_collective: float = 0.0
     """Kernels per collective call (its own and the copies around it)."""
+    kernels_per_call: dict = field(default_factory=dict)
+    """... by tensor-parallel mode, where measured (a mode absent: ``kernels_per_collective``)."""
     host_forward_share: float = 1 / 3
     """The forward's share of a serial block's host time per micro-batch (forward and backward)."""
     cuda_context_bytes: float = 0.0
@@ -171,8 +174,11 @@ class Calibration:
         ):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"calibration {self.name!r}: {k}={getattr(self, k)!r} must be >= 0.")
-        if any(not (v >= 0) for v in self.host_call_s.values()):
-            raise ValueError(f"calibration {self.name!r}: host_call_s={self.host_call_s!r} needs seconds >= 0.")
+        if any(not (v >= 0) for v in (*self.host_call_s.values(), *self.kernels_per_call.values())):
+            raise ValueError(
+                f"calibration {self.name!r}: host_call_s={self.host_call_s!r} and kernels_per_call="
+                f"{self.kernels_per_call!r} need values >= 0."
+            )
         if not 0.0 <= self.overlap_slowdown <= 1.0:
             raise ValueError(
                 f"calibration {self.name!r}: overlap_slowdown={self.overlap_slowdown!r} must be in [0, 1]."

@@ -25,7 +25,8 @@ Per block and micro-batch, from the same structure the traffic formulas count
   pipeline); activation checkpointing repeats the forward's calls in the backward (but an MoE
   layer's split sizes: the recompute replays its routes);
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
-  measured) plus ``kernels_per_collective`` per call (the collective and the copies around it);
+  measured) plus ``kernels_per_call`` of the layout's mode per call (the collective and the copies
+  around it; ``kernels_per_collective`` where the mode was not measured);
   the serial block's split between forward and backward measured too
   (``host_forward_share``, default a third), the collectives' as the layers issue them;
   checkpointing adds a forward; an MoE layer's ``ep_overlap`` chunks add the kernels each extra
@@ -59,6 +60,7 @@ __all__ = [
     "cp_block_calls",
     "pipeline_calls",
     "host_call_seconds",
+    "kernels_per_call",
     "host_times",
 ]
 
@@ -199,16 +201,27 @@ class HostTimes:
     """Collective calls one block issues per micro-batch."""
 
 
+def _by_mode(figures: dict, tp_mode: str, default: float) -> float:
+    """``figures[tp_mode]``, else (2.5D, 3D) the 2D figure -- the grid layouts share their SUMMA
+    machinery -- else the 1D one, else ``default``."""
+    if tp_mode in figures:
+        return figures[tp_mode]
+    if tp_mode in ("2.5d", "3d") and "2d" in figures:
+        return figures["2d"]
+    return figures.get("1d", default)
+
+
 def host_call_seconds(cal: Calibration, tp_mode: str) -> float:
     """Host seconds per collective call of a layout whose tensor parallelism is ``tp_mode``:
-    the calibration's figure for that mode, else (2.5D, 3D) its 2D one -- the grid layouts share
-    their SUMMA machinery -- else its 1D one, else 0."""
-    calls = cal.host_call_s
-    if tp_mode in calls:
-        return calls[tp_mode]
-    if tp_mode in ("2.5d", "3d") and "2d" in calls:
-        return calls["2d"]
-    return calls.get("1d", 0.0)
+    the calibration's figure for that mode, else (2.5D, 3D) its 2D one, else its 1D one, else 0."""
+    return _by_mode(cal.host_call_s, tp_mode, 0.0)
+
+
+def kernels_per_call(cal: Calibration, tp_mode: str) -> float:
+    """Kernels per collective call of a layout whose tensor parallelism is ``tp_mode``: the
+    calibration's ``kernels_per_call`` for that mode (as :func:`host_call_seconds` falls back),
+    else its ``kernels_per_collective``."""
+    return _by_mode(cal.kernels_per_call, tp_mode, cal.kernels_per_collective)
 
 
 def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
@@ -216,12 +229,13 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     if not (cal.host_kernel_s or cal.host_call_s):
         return HostTimes(0.0, 0.0)
     f, b = block_calls(plan, w)
-    one = host_call_seconds(cal, plan.tp_mode if plan.tp > 1 else "1d")
+    mode = plan.tp_mode if plan.tp > 1 else "1d"
+    one, kpc = host_call_seconds(cal, mode), kernels_per_call(cal, mode)
     kern = cal.host_block_kernels
     share = cal.host_forward_share
     ef, eb = ep_chunk_kernels(plan, w)
-    kf = kern * share + cal.kernels_per_collective * f + ef
-    kb = kern * (1 - share) + cal.kernels_per_collective * b + (kern * share if plan.activation_checkpointing else 0.0)
+    kf = kern * share + kpc * f + ef
+    kb = kern * (1 - share) + kpc * b + (kern * share if plan.activation_checkpointing else 0.0)
     kb += eb
     pf, pb = pipeline_calls(plan)
     p2p = (pf + pb) * (cal.host_call_s.get("1d", one) + cal.host_kernel_s)
