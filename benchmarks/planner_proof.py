@@ -38,7 +38,12 @@ A layout that fails (out of memory on any rank, or refused by ``bh.boost``) is r
 and everything it held is freed before the next one starts -- its engine and model, the frames
 of its traceback, and the process groups its mesh created (their NCCL buffers live outside
 PyTorch's allocator); each row records what was left over when it started (``leftover_gib``,
-``leftover_groups``: 0 and 0). A run whose processes die inside a layout (a line
+``leftover_groups``: 0 and 0). The ranks agree on how a layout ended through the store, not a
+collective: a rank that failed alone (out of memory inside ring attention's exchange, say) while
+the others wait in the layout's collectives learns it within ``--agree-s`` seconds (30), prints
+the layout's row with its error and ends the process, and torchrun stops the others: the run
+ends in seconds, not when the collectives time out, and ``--resume`` (below) carries on with the
+layout counted as out of memory. A run whose processes die inside a layout (a line
 ``"started": true`` with no result after it) is finished by running it again with ``--resume``
 and its output: the layouts done are kept, the one it died in counts as failed (``crashed``);
 ``run_planner_proof.sh`` does this itself.
@@ -57,6 +62,7 @@ START = time.perf_counter()  # the budget counts the imports too
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -186,9 +192,10 @@ def run_one(a, plan, dev, vocab: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(a.warmup + a.steps):
-        if i == 0 and INJECT.get("oom") == plan:  # a test's stand-in for running out of device memory
+        injected = i == 0 and INJECT.get("rank", -1) in (-1, dist.get_rank())
+        if injected and INJECT.get("oom") == plan:  # a test's stand-in for running out of device memory
             raise torch.OutOfMemoryError("injected out-of-memory (--inject-oom)")
-        if i == 0 and INJECT.get("crash") == plan:  # a test's stand-in for a rank dying mid-layout
+        if injected and INJECT.get("crash") == plan:  # a test's stand-in for a rank dying mid-layout
             os._exit(3)
         sync()
         t = time.perf_counter()
@@ -233,18 +240,52 @@ def _rounded(v):
 
 INJECT: dict = {}
 """``--inject-oom`` / ``--inject-crash``: the Plan whose first step raises out-of-memory or ends
-the process (tests of the recovery and of ``--resume``)."""
+the process, on every rank or on ``--inject-rank`` only (``"rank"``)the process (tests of the recovery and of ``--resume``)."""
 
 
-def run_guarded(run, dev) -> tuple[dict | None, str]:
+AGREE_S = 30.0
+"""Seconds a rank waits, once its part of a layout has ended, for every other rank to say how
+theirs ended (``--agree-s``). All ranks end a layout within a step of each other when it runs
+or fails everywhere alike; a rank still silent after this is blocked in a collective or a
+point-to-point exchange with a rank that failed alone (an out-of-memory on one rank inside ring
+attention's exchange), and no collective can reach it."""
+
+
+class LayoutStuck(Exception):
+    """Some rank did not end the layout in :data:`AGREE_S` after this one did (args: this rank's
+    error, '' if its part ran, and the ranks that did not answer)."""
+
+
+def agree(key: str, err: str, timeout: float) -> dict[int, str]:
+    """Every rank's outcome of the layout ``key`` ('' if its part ran, else its error), through the
+    default group's key-value store: no collective, so a rank that failed alone learns within
+    ``timeout`` seconds that the others are blocked, instead of joining a collective they never
+    reach. Raises :class:`LayoutStuck` when some rank has not answered by then."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{key}/{rank}", "failed " + err if err else "ok")
+    keys = [f"{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except dist.DistStoreError:
+        silent = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+        raise LayoutStuck(err, silent) from None
+    said = {r: store.get(k).decode() for r, k in zip(range(world), keys)}
+    return {r: v.removeprefix("failed ") if v != "ok" else "" for r, v in said.items()}
+
+
+def run_guarded(run, dev, key: str = "layout", agree_s: float = AGREE_S) -> tuple[dict | None, str]:
     """``run()`` on every rank, whatever it raises: ``(its result, "")``, or ``(None, kind: message)``
-    when any rank failed (agreed over the world group, which no layout destroys). What the layout
-    held is freed before returning -- its engine, optimizer and model (the exception's traceback
-    and frames are dropped first: they keep every local of the failed step alive, and the
-    allocator's cache cannot be emptied under them) and the process groups its mesh created
-    (each holds an NCCL communicator's buffers on the device, outside PyTorch's allocator):
-    else the next layout starts with less memory than the plan assumed, or fails to create its
-    groups at all."""
+    when any rank failed (agreed through the store, :func:`agree`, before anything touches the
+    device or a collective: freeing the cache synchronizes the device, which waits forever on a
+    communication kernel whose peer never comes). What the layout held is freed before
+    returning -- its engine, optimizer and model (the exception's traceback and frames are
+    dropped first: they keep every local of the failed step alive, and the allocator's cache
+    cannot be emptied under them) and the process groups its mesh created (each holds an NCCL
+    communicator's buffers on the device, outside PyTorch's allocator): else the next layout
+    starts with less memory than the plan assumed, or fails to create its groups at all. A rank
+    that failed alone, the others blocked with it, raises :class:`LayoutStuck` (main reports the
+    layout and ends the process: torchrun stops the rest, ``--resume`` goes on)."""
     before = set(_process_groups())
     out, err = None, ""
     try:
@@ -255,16 +296,18 @@ def run_guarded(run, dev) -> tuple[dict | None, str]:
     except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
         err = "refused: " + str(e).splitlines()[0]
         _drop(e)
+    said = agree(key, err, agree_s)
     free_memory()
     for pg in _process_groups():
         if pg not in before:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(pg)
     free_memory()
-    failed = torch.tensor([1.0 if err else 0.0], device=dev)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() and not err:
-        err = "oom: another rank failed this layout"
+    failed = [(r, v) for r, v in sorted(said.items()) if v]
+    if failed and not err:
+        r, v = failed[0]
+        kind, _, msg = v.partition(": ")
+        err = f"{kind}: rank {r} failed this layout: {msg}"
     return (None, err) if err else (out, "")
 
 
@@ -294,6 +337,35 @@ def leftover_gib(dev) -> float:
     t = torch.tensor([float(used)], device=dev, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item() / 2**30
+
+
+def record(row: dict, out: dict | None, err: str) -> None:
+    """Put a layout's outcome in its row: what it measured, or why it failed."""
+    if out is not None:
+        row.update({k: _rounded(v) for k, v in out.items()})
+        row["oom"] = False
+        row["step_err_pct"] = round(100 * (row["predicted_step_s"] / row["measured_step_s"] - 1), 1)
+        row["mem_err_pct"] = round(100 * (row["predicted_alloc_gib"] / row["measured_alloc_gib"] - 1), 1)
+    elif err.startswith("refused: "):
+        row.update(oom=False, refused=err.removeprefix("refused: "))
+    else:
+        row.update(oom=True, error=err.removeprefix("oom: "))
+
+
+def end_stuck(row: dict, err: str, silent: list[int], *, rank: int, agree_s: float) -> None:
+    """End the process after :class:`LayoutStuck`: ranks ``silent`` are blocked inside the layout.
+    A rank that failed prints the layout's row with its error (what ``--resume`` keeps: the
+    layout counts as failed, not as crashed), one whose part ran says so on stderr; either way
+    it exits at once, without freeing anything (that could wait on the blocked exchange), and
+    torchrun stops the blocked ranks."""
+    why = f"ranks {silent} did not end the layout within {agree_s:g} s of rank {rank} (blocked): the run ended"
+    if err:
+        kind, _, msg = err.partition(": ")
+        record(row, None, f"{kind}: rank {rank}: {msg}; {why}")
+        row["stuck_ranks"] = silent
+        print(json.dumps(row), flush=True)
+    print(f"planner_proof: {row['plan']}: {why}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def parse_plan(text: str) -> bh.Plan:
@@ -523,6 +595,15 @@ def main() -> None:
     ap.add_argument("--inject-oom", default="", help="a Plan(...) whose first step raises out-of-memory (tests)")
     ap.add_argument("--inject-crash", default="", help="a Plan(...) whose first step ends the process (tests)")
     ap.add_argument(
+        "--inject-rank", type=int, default=-1, help="the rank --inject-oom/--inject-crash act on (default: every rank)"
+    )
+    ap.add_argument(
+        "--agree-s",
+        type=float,
+        default=AGREE_S,
+        help="seconds to wait for the other ranks' outcome of a layout before ending the run (a rank failed alone)",
+    )
+    ap.add_argument(
         "--shrink",
         action="store_true",
         help=f"search for --model, but run each layout on a small model of its family ({SHRUNK_SEQ}-token "
@@ -530,6 +611,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     INJECT.update({k: parse_plan(v) for k, v in (("oom", a.inject_oom), ("crash", a.inject_crash)) if v})
+    INJECT["rank"] = a.inject_rank
     if a.repredict:
         return repredict(a)
     bh.init()
@@ -595,21 +677,17 @@ def main() -> None:
         if rank == 0:  # what --resume reads back when the run ends inside this layout
             print(json.dumps(dict(row, started=True)), flush=True)
         row["leftover_gib"], row["leftover_groups"] = round(leftover_gib(dev), 3), len(_process_groups())
-        if a.shrink:
-            small = argparse.Namespace(**{**vars(a), "seq": SHRUNK_SEQ})
-            out, err = run_guarded(lambda: run_one(small, p.plan, dev, SHRUNK_VOCAB), dev)
-            row["shrunk"] = True
-        else:
-            out, err = run_guarded(lambda: run_one(a, p.plan, dev, vocab), dev)
-        if out is not None:
-            row.update({k: _rounded(v) for k, v in out.items()})
-            row["oom"] = False
-            row["step_err_pct"] = round(100 * (row["predicted_step_s"] / row["measured_step_s"] - 1), 1)
-            row["mem_err_pct"] = round(100 * (row["predicted_alloc_gib"] / row["measured_alloc_gib"] - 1), 1)
-        elif err.startswith("refused: "):
-            row.update(oom=False, refused=err.removeprefix("refused: "))
-        else:
-            row.update(oom=True, error=err.removeprefix("oom: "))
+        key = f"planner_proof/layout-{len(rows)}"
+        try:
+            if a.shrink:
+                small = argparse.Namespace(**{**vars(a), "seq": SHRUNK_SEQ})
+                out, err = run_guarded(lambda: run_one(small, p.plan, dev, SHRUNK_VOCAB), dev, key, a.agree_s)
+                row["shrunk"] = True
+            else:
+                out, err = run_guarded(lambda: run_one(a, p.plan, dev, vocab), dev, key, a.agree_s)
+        except LayoutStuck as e:
+            end_stuck(row, *e.args, rank=rank, agree_s=a.agree_s)
+        record(row, out, err)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

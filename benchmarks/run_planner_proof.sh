@@ -13,8 +13,11 @@
 # BUDGET: seconds per run (default 200), counted from its start (imports, search, every layout's
 # build and warm-up): a run starts no layout expected to take it past them, prints a running summary
 # after each layout and a final one, and is stopped BUDGET + 60 s after it starts. A run whose
-# processes die before the final summary (a failed layout taking NCCL down) is started again, up to
-# twice, with --resume: the layouts done are kept, the one it died in counts as failed.
+# processes die before the final summary (a failed layout taking NCCL down, or a layout that failed
+# on one rank while the others waited in its collectives: planner_proof.py ends those within 30 s)
+# is started again, up to five times while the budget lasts, with --resume: the layouts done are
+# kept, the one it died in counts as failed. The collectives' timeout (BEHEMOTH_TIMEOUT, 120 s
+# unless set) ends a run blocked in any other way before the outer timeout.
 # CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
 # planner_proof.py (e.g. --no-offload, --steps 3). PLANS: layouts to run first, as
 # Plan.describe() prints them, separated by ';' (e.g. an earlier run's, to compare).
@@ -22,6 +25,7 @@ set -u
 MODELS=${MODELS:-${1:-gpt-1.3b}}; LAYOUTS=${LAYOUTS:-${2:-12}}; GPUS=${GPUS:-2 4}
 STEPS=${STEPS:-3}; WARMUP=${WARMUP:-1}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
 out=${OUT:-/tmp}
+export BEHEMOTH_TIMEOUT=${BEHEMOTH_TIMEOUT:-120}
 source "$(dirname "$0")/env.sh" "$out/planner_proof.log"
 most=$(printf '%s\n' $GPUS | sort -n | tail -1)
 if [ -n "${CAL:-}" ]; then
@@ -43,7 +47,7 @@ for model in $MODELS; do
     # a run that ends early (a rank killed by an error its layout caused) is resumed without the
     # layouts it finished, the one it ended inside counted as failed, within the same budget
     rows="$out/proof_${model}_${n}gpus.jsonl"; : > "$rows"; start=$(date +%s)
-    for attempt in 1 2 3; do
+    for attempt in 1 2 3 4 5 6; do
       left=$((BUDGET - ($(date +%s) - start)))
       [ "$left" -gt 20 ] || break
       resume=(); [ -s "$rows" ] && resume=(--resume "$rows")

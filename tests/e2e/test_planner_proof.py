@@ -2,7 +2,9 @@
 runs out of memory -- the next layouts start with no process group and no memory left over from
 it, and the run ends with its final summary -- and a run whose processes die inside a layout is
 finished by ``--resume``: the layouts done are not run again, the one it died in counts as
-failed, and the final summary covers every layout.
+failed, and the final summary covers every layout. A layout that fails on one rank only, the
+other blocked in the layout's collectives, ends the run within seconds with the layout reported
+as failed, and ``--resume`` carries on from there.
 
 Each command runs in its own process group with a hard timeout, so a hang kills every rank.
 """
@@ -14,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,9 +27,15 @@ TP2 = "Plan(dp=1, tp=2, microbatches=2, precision='bf16')"
 
 
 def proof(*args: str, timeout: float = 180) -> tuple[int, list[dict]]:
+    rc, lines, _ = timed_proof(*args, timeout=timeout)
+    return rc, lines
+
+
+def timed_proof(*args: str, timeout: float = 180) -> tuple[int, list[dict], float]:
     env = dict(os.environ, BEHEMOTH_TIMEOUT="60", PYTHONUNBUFFERED="1", PYTHONPATH=os.path.join(REPO, "src"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [os.path.join(REPO, "benchmarks", "planner_proof.py"), *SEARCH, *args]
+    start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -36,7 +45,8 @@ def proof(*args: str, timeout: float = 180) -> tuple[int, list[dict]]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"planner_proof.py did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    return proc.returncode, [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return proc.returncode, lines, time.monotonic() - start
 
 
 def test_proof_survives_an_out_of_memory_layout_and_resumes_after_a_crash(tmp_path):
@@ -62,3 +72,27 @@ def test_proof_survives_an_out_of_memory_layout_and_resumes_after_a_crash(tmp_pa
     assert len(ran) == 2 and not set(ran) & {PP2, TP2}
     final = [r for r in again if r.get("final")]
     assert len(final) == 1 and final[0]["layouts"] == 4 and final[0]["crashed"] == 1
+
+
+def test_a_layout_failing_on_one_rank_ends_the_run_quickly_and_resume_carries_on(tmp_path):
+    """Rank 1 runs out of memory on its first step of TP2 while rank 0 waits in TP2's first
+    collective: rank 1 learns through the store that rank 0 never ends the layout, prints TP2's
+    row with its error and ends the run in --agree-s seconds, well before the collectives' own
+    timeout (BEHEMOTH_TIMEOUT, 60 s here); --resume keeps TP2 as failed and runs the rest."""
+    rc, lines, seconds = timed_proof(
+        "--include", f"{TP2};{PP2}", "--inject-oom", TP2, "--inject-rank", "1", "--agree-s", "5", timeout=120
+    )
+    assert rc != 0 and not any(r.get("final") for r in lines)
+    assert seconds < 60
+    done = [r for r in lines if "plan" in r and not r.get("started")]
+    assert [r["plan"] for r in done] == [TP2]
+    assert done[0]["oom"] and done[0]["stuck_ranks"] == [0] and done[0]["error"].startswith("rank 1: injected")
+    log = tmp_path / "rows.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rc, again = proof("--include", f"{TP2};{PP2}", "--resume", str(log), "--agree-s", "5", timeout=120)
+    assert rc == 0
+    ran = [r["plan"] for r in again if "plan" in r and not r.get("started")]
+    assert len(ran) == 3 and TP2 not in ran and ran[0] == PP2
+    final = [r for r in again if r.get("final")]
+    assert len(final) == 1 and final[0]["layouts"] == 4
+    assert final[0]["oom_predicted_to_fit"] == 1 and final[0]["crashed"] == 0
