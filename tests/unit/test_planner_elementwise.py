@@ -15,7 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import behemoth as bh
 from behemoth.models import build_model
 from behemoth.planner.calibration import load_calibration
-from behemoth.planner.compute import _cast_seconds, elementwise_seconds, head_times
+from behemoth.planner.compute import (
+    _cast_seconds,
+    block_times,
+    elementwise_seconds,
+    head_times,
+    sequence_parallel_copy_seconds,
+)
 from behemoth.planner.elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
 from behemoth.planner.params import weight_split
 from behemoth.planner.workload import workload_for
@@ -80,8 +86,24 @@ def test_block_bytes_equal_the_operators_count(family, kw):
         build_model(family, vocab_size=64, seq_len=48, num_layers=1, device="meta", **kw), global_batch=1
     ).shape
     e = block_elementwise_bytes(shape)
+    hq, hkv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    gqa = 4 * (hq - hkv) + 4 * hq + 4 * hkv if hkv < hq else 0  # the flash kernel's, not the CPU one's
     assert (f2 - f1) / 32 == e.hidden_forward + e.split_forward
-    assert (b2 - b1) / 32 == e.hidden_backward + e.split_backward
+    assert (b2 - b1) / 32 == e.hidden_backward + e.split_backward - gqa
+
+
+def test_shared_casts():
+    """1D tensor parallelism casts each norm output once for all the Linears reading it, and sums
+    their 16-bit input gradients in place: Llama's three q/k/v and two gate/up casts become two,
+    the fp32 sums of four extra readers' gradients (12 h each) 16-bit ones (6 h each)."""
+    s = workload_for("llama-8b", global_batch=1).shape
+    h = 4096
+    own, shared = block_elementwise_bytes(s), block_elementwise_bytes(s, shared_casts=True)
+    assert own.hidden_forward - shared.hidden_forward == 6 * h * (5 - 2)
+    assert own.hidden_backward - shared.hidden_backward == 6 * h * (5 - 2) + (12 - 6) * h * 3
+    assert (own.split_forward, own.split_backward) == (shared.split_forward, shared.split_backward)
+    gpt = workload_for("gpt-1.3b", global_batch=1).shape  # one reader per norm: nothing shared
+    assert block_elementwise_bytes(gpt) == block_elementwise_bytes(gpt, shared_casts=True)
 
 
 def test_llama_8b_formula():
@@ -94,7 +116,7 @@ def test_llama_8b_formula():
     assert e.hidden_forward == 2 * (28 * h + 24) + 30 * h + 20 * h + 42 * d + 16
     assert e.split_forward == 10 * f + 36 * (hq + hkv)
     assert e.hidden_backward == 2 * (96 * h + 36) + 30 * h + 36 * h + 36 * h + 16 * d
-    assert e.split_backward == 18 * f + 46 * (hq + hkv)
+    assert e.split_backward == 18 * f + 46 * (hq + hkv) + 4 * (hq - hkv) + 4 * hq + 4 * hkv
     assert norm_bytes(s) == (28 * h + 24, 96 * h + 36)
 
 
@@ -103,7 +125,7 @@ def test_seconds_split_by_layout():
     2D) that part is split too; fp32 compute moves twice the bytes."""
     w = workload_for("llama-8b", global_batch=8)
     cal = load_calibration("h200")
-    e = block_elementwise_bytes(w.shape)
+    e = block_elementwise_bytes(w.shape, shared_casts=True)  # 1D's
     t = 4096.0
     r = cal.elementwise_rate
     one = elementwise_seconds(bh.Plan(tp=4, precision="bf16"), w, cal, t)
@@ -113,6 +135,7 @@ def test_seconds_split_by_layout():
     both = (t * (e.hidden_forward + e.split_forward) / 4 / r, t * (e.hidden_backward + e.split_backward) / 4 / r)
     assert sp == pytest.approx(both, rel=1e-12)
     fp32 = elementwise_seconds(bh.Plan(), w, cal, t)
+    e = block_elementwise_bytes(w.shape)  # serial: each Linear casts its input
     twice = (2 * t * (e.hidden_forward + e.split_forward) / r, 2 * t * (e.hidden_backward + e.split_backward) / r)
     assert fp32 == pytest.approx(twice, rel=1e-12)
 
@@ -145,3 +168,30 @@ def test_head_cross_entropy_bytes():
     c2 = _cast_seconds(plan, big.shape.vocab_size * w.shape.hidden / weight_split(plan), cal)
     assert f2 - f1 == pytest.approx(g2 - g1 + t * v * 38 / cal.elementwise_rate + c2[0] - c1[0], rel=1e-9)
     assert b2 - b1 == pytest.approx(2 * (g2 - g1) + t * v * 22 / cal.elementwise_rate + c2[1] - c1[1], rel=1e-9)
+
+
+def test_sequence_parallel_copies():
+    """The copies around 1D sequence parallelism's collectives per block, in units of 16-bit
+    [token, h] rows: forward, the norms' two blocking gathers (flat buffer to parts, parts
+    concatenated: 8 each), the rows' reduce-scatter inputs made sequence-major (4 each) and, with
+    tp_overlap 2, their pieces' shards concatenated (4 / tp each); backward, the rows' two gathers
+    (8 each), the columns' re-gathered shards (4 / tp) and gathered inputs (4) and their dX
+    made sequence-major (4); one sequence per micro-batch needs no sequence-major copies."""
+    w = workload_for("gpt-1.3b", global_batch=8)
+    cal = load_calibration("h200")
+    t, p = 8192.0, 4
+    unit = t * w.shape.hidden / cal.elementwise_rate
+    plan = bh.Plan(tp=p, sequence_parallel=True, tp_overlap=2, precision="bf16")
+    f, b = sequence_parallel_copy_seconds(plan, w, cal, t, 4)
+    assert f == pytest.approx(unit * (16 + 8 + 8 / p), rel=1e-12)
+    assert b == pytest.approx(unit * (16 + 8 / p + 8 + 8), rel=1e-12)
+    one = bh.Plan(tp=p, sequence_parallel=True, precision="bf16")
+    assert sequence_parallel_copy_seconds(one, w, cal, t, 1) == pytest.approx((16 * unit, 16 * unit), rel=1e-12)
+    assert sequence_parallel_copy_seconds(bh.Plan(tp=p, precision="bf16"), w, cal, t, 4) == (0.0, 0.0)
+    base = block_times(one.resolve(p), w, cal, 4)
+    off = block_times(bh.Plan(tp=p, precision="bf16").resolve(p), w, cal, 4)
+    sp_f, sp_b = sequence_parallel_copy_seconds(one, w, cal, 4 * 2048, 4)
+    e1 = elementwise_seconds(one, w, cal, 4 * 2048)
+    e0 = elementwise_seconds(bh.Plan(tp=p, precision="bf16"), w, cal, 4 * 2048)
+    assert base.forward - off.forward == pytest.approx(sp_f + e1[0] - e0[0], rel=1e-9)
+    assert base.backward - off.backward == pytest.approx(sp_b + e1[1] - e0[1], rel=1e-9)

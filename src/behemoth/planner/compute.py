@@ -17,10 +17,12 @@ does ``2 b s**2 D N / (tp cp)`` flops forward per rank at the calibration's atte
 kernel sees where the calibration measured them by length: the sequence, or ring's ``s/cp`` blocks), both times the
 calibration's ``sustained_ratio``, as GEMMs are (:meth:`Calibration.gemm_seconds`). Norms, residual
 adds, activations, rotary embeddings and the activations' casts read and write the bytes
-:func:`elementwise_bytes` counts per token from the blocks' code, at the calibration's
-``elementwise_bytes_per_s``: the parts over the hidden width split over tp where the layout
-shards them (sequence parallelism, 2D, 3D), replicated where it does not (1D); the parts over
-heads and the MLP's width split always. Under autocast every micro-batch also copies each
+:mod:`.elementwise` counts per token from the blocks' code (under 1D tensor parallelism the
+Linears reading one norm's output share its cast), at the calibration's ``elementwise_rate``: the
+parts over the hidden width split over tp where the layout shards them (sequence parallelism,
+2D, 3D), replicated where it does not (1D); the parts over heads and the MLP's width split
+always. Sequence parallelism's gathers and reduce-scatters on the sequence dim copy their
+activations around the collectives (:func:`sequence_parallel_copy_seconds`). Under autocast every micro-batch also copies each
 parameter this rank holds: its fp32 weight cast to 16 bits in the forward (the executors open one
 autocast context per micro-batch, and ZeRO-3 keeps no cache) and the 16-bit weight gradient cast
 back to fp32 in the backward, ``CAST_BYTES`` each at HBM speed; with ``param_dtype='bf16'`` only
@@ -54,6 +56,7 @@ __all__ = [
     "accumulate_seconds",
     "elementwise_seconds",
     "ep_chunk_seconds",
+    "sequence_parallel_copy_seconds",
 ]
 
 CAST_BYTES = 6
@@ -182,10 +185,11 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     uly_f = uly_b = 0.0
     if plan.cp > 1 and plan.cp_mode == "ulysses":
         uly_f, uly_b = ulysses_copy_seconds(plan, w, cal, t)
+    sp_f, sp_b = sequence_parallel_copy_seconds(plan, w, cal, t, mbs)
     cast_f, cast_b = _cast_seconds(plan, block_local_params(plan, w), cal)
     chunk_f, chunk_b = ep_chunk_seconds(plan, w, cal)
-    fwd = gemm + attn_f + elem_f + cast_f + ring_f + uly_f + chunk_f
-    bwd = 2 * gemm + attn_b + elem_b + cast_b + ring_b + uly_b + chunk_b
+    fwd = gemm + attn_f + elem_f + sp_f + cast_f + ring_f + uly_f + chunk_f
+    bwd = 2 * gemm + attn_b + elem_b + sp_b + cast_b + ring_b + uly_b + chunk_b
     if plan.activation_checkpointing:
         bwd += fwd
     return BlockTimes(fwd, bwd, gemm, attn_f, gemm + cast_b + chunk_b, experts)
@@ -202,7 +206,7 @@ def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float
     tokens (sequence parallelism, 2D, 2.5D, 3D), the heads' and the MLP's part split always."""
     s = w.shape
     width = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else None
-    e = block_elementwise_bytes(s, mlp_width=width)
+    e = block_elementwise_bytes(s, mlp_width=width, shared_casts=plan.tp > 1 and plan.tp_mode == "1d")
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     split_f, split_b = e.split_forward / plan.tp, e.split_backward / plan.tp
     if w.num_experts:  # experts stay whole on every tensor-parallel rank: their activation is not split
@@ -211,6 +215,31 @@ def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float
         split_b += (e.split_backward - bare.split_backward) * (1 / shard - 1 / plan.tp)
     per = tokens * _elementwise_scale(plan) / cal.elementwise_rate
     return per * (e.hidden_forward / shard + split_f), per * (e.hidden_backward / shard + split_b)
+
+
+def sequence_parallel_copy_seconds(
+    plan: Plan, w: Workload, cal: Calibration, tokens: float, mbs: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the copies around one block's sequence-parallel collectives
+    per micro-batch of ``mbs`` sequences (``tokens`` local tokens), 16-bit ``[mbs, s, h]``
+    activations gathered and scattered on the sequence dim (``comm.collectives``,
+    ``parallel/tensor/region1d.py``): each blocking all-gather (the norms' outputs forward, the rows'
+    output gradients backward) receives into a flat buffer, copies it into the ranks' parts and
+    concatenates them (two copies of the gathered tensor, ``8 h`` per token); each asynchronous
+    reduce-scatter (the rows' outputs forward, the columns' input gradients backward) first makes
+    its input sequence-major (``4 h``), as the columns' re-gather does its shard (``4 h / tp``),
+    and the weight-gradient GEMM copies that gathered, sequence-major input back (``4 h``): these
+    three only where a micro-batch has more than one sequence; with ``tp_overlap = k`` pieces each row
+    concatenates its pieces' shards (``4 h / tp``). A checkpointed block's recompute repeats the forward's."""
+    if not (plan.sequence_parallel and plan.tp > 1 and plan.tp_mode == "1d"):
+        return 0.0, 0.0
+    p, k = plan.tp, plan.tp_overlap
+    many = 1.0 if mbs > 1 else 0.0
+    rows = 1.0 if mbs // k > 1 else 0.0  # each piece's sequences
+    fwd = 2 * 8 + 2 * 4 * rows + (2 * 4 / p if k > 1 else 0.0)
+    bwd = 2 * 8 + many * (2 * 4 / p + 2 * 4) + 2 * 4 * many
+    per = tokens * w.shape.hidden * _elementwise_scale(plan) / cal.elementwise_rate
+    return per * fwd, per * bwd
 
 
 def ep_chunk_seconds(plan: Plan, w: Workload, cal: Calibration) -> tuple[float, float]:

@@ -23,6 +23,10 @@ parameters (the residual stream in fp32, each Linear's input cast to bf16 where 
   gradients in fp32, the concatenation's split, two casts back to bf16, the two paths added); the
   tables themselves, per token over the head dim ``d`` (``42 d + 16`` forward, ``16 d`` of
   broadcast reads backward);
+* grouped-query attention (``hkv < hq``): the flash kernel's backward writes each query head's
+  dK and dV (``4 (hq - hkv)`` beyond the kv heads' own) and sums them per kv head (read
+  ``4 hq``, write ``4 hkv``); the CPU kernel the test counts with does not, so the test checks
+  this term by its formula;
 * a fused q/k/v's split backward (the three gradients concatenated, ``4 (hq + 2 hkv)``), and
   the Linears' bias gradients (each output's gradient summed over tokens, ``2`` a column).
 
@@ -73,10 +77,15 @@ def _activation_bytes(shape: TransformerShape, f: float) -> tuple[float, float]:
     return (10.0 * f, 18.0 * f) if shape.gated_mlp else (4.0 * f, 6.0 * f)
 
 
-def block_elementwise_bytes(shape: TransformerShape, *, mlp_width: float | None = None) -> ElementwiseBytes:
+def block_elementwise_bytes(
+    shape: TransformerShape, *, mlp_width: float | None = None, shared_casts: bool = False
+) -> ElementwiseBytes:
     """One block's non-GEMM bytes per token (see the module docstring). ``mlp_width``: the
     width the activation runs over per token (a mixture of experts: each expert's width times
-    the experts a token visits); default the dense ``ffn_hidden``."""
+    the experts a token visits); default the dense ``ffn_hidden``. ``shared_casts``: the Linears
+    that read one norm's output share one cast of it (1D tensor parallelism's
+    ``parallel/tensor/region1d.py``), and backward sum their 16-bit input gradients in place
+    (``6 h`` per extra reader) before the one cast back."""
     s = shape
     h, d = float(s.hidden), float(s.head_dim)
     hq, hkv = float(s.num_heads * s.head_dim), float(s.num_kv_heads * s.head_dim)
@@ -85,14 +94,18 @@ def block_elementwise_bytes(shape: TransformerShape, *, mlp_width: float | None 
     mlp_in = 2 if s.gated_mlp else 1
     nf, nb = norm_bytes(s)
     act_f, act_b = _activation_bytes(s, f)
-    hidden_f = 2 * nf + 6 * h * (attn_in + mlp_in) + 20 * h
-    hidden_b = 2 * nb + 6 * h * (attn_in + mlp_in) + 12 * h * (attn_in - 1 + mlp_in - 1) + 36 * h
+    readers = attn_in - 1 + mlp_in - 1  # Linears beyond the first that read a norm's output
+    casts, sums = (2, 6 * h * readers) if shared_casts else (attn_in + mlp_in, 12 * h * readers)
+    hidden_f = 2 * nf + 6 * h * casts + 20 * h
+    hidden_b = 2 * nb + 6 * h * casts + sums + 36 * h
     split_f, split_b = act_f, act_b
     if s.max_positions == 0:  # rotary embeddings of q and k, and their tables
         split_f += 36 * (hq + hkv)
         split_b += 46 * (hq + hkv)
         hidden_f += 42 * d + 16
         hidden_b += 16 * d
+    if hkv < hq:  # grouped-query attention's backward (flash): each q head's dK and dV, summed per kv head
+        split_b += 4 * (hq - hkv) + 4 * hq + 4 * hkv
     if s.fused_qkv:
         split_b += 4 * (hq + 2 * hkv)
     if s.linear_bias:
