@@ -10,7 +10,9 @@ Measures, on rank 0's GPU unless said otherwise:
   parameters make under 1-8-way tensor parallelism, as ``[flops, flops_per_s]`` points;
 * causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio, and
   both by sequence length (``attention_by_seq``: longer sequences run flash attention faster);
-* device-memory bandwidth (a large copy);
+* device-memory bandwidth (a large copy), and the rate of the blocks' non-GEMM kernels
+  (``elementwise_bytes_per_s``: :func:`elementwise_rate`, the bytes ``planner.elementwise`` counts
+  over a GPT-6.7B and a Llama-8B block's non-GEMM kernel time);
 * first, every rank: the device memory outside PyTorch's allocator (``mem_get_info`` against
   ``memory_reserved``) of the CUDA context, of one NCCL communicator's buffers after its
   collectives, and of one 2-rank point-to-point channel's (:mod:`behemoth.planner.reserve`);
@@ -111,6 +113,68 @@ def hbm() -> float:
     y = torch.empty_like(x)
     t = _time(lambda: y.copy_(x), iters=5)
     return 2 * x.numel() * 4 / t
+
+
+ELEMENTWISE_BLOCKS = ("gpt-6.7b", "llama-8b")
+ELEMENTWISE_BATCHES = (2, 4)
+"""The blocks and batches of 2,048-token sequences :func:`elementwise_rate` times."""
+_NOT_ELEMENTWISE = ("gemm", "nvjet", "xmma", "cutlass", "splitk", "flash", "fmha", "attention", "memcpy", "memset")
+
+
+def is_elementwise_kernel(name: str) -> bool:
+    """A kernel the blocks' non-GEMM work launches: not a GEMM (cuBLAS's and CUTLASS's names,
+    split-K's reduction), not attention (flash, fused MHA), not a copy or fill the runtime issues."""
+    low = name.lower()
+    return not any(k in low for k in _NOT_ELEMENTWISE)
+
+
+def elementwise_rate() -> float:
+    """Bytes per second of a block's non-GEMM kernels (``elementwise_bytes_per_s``): one serial
+    block of each of :data:`ELEMENTWISE_BLOCKS` (bf16 autocast over fp32 parameters, as training
+    runs them) forward and backward at each of :data:`ELEMENTWISE_BATCHES`; the profiler's
+    durations of its kernels that are not GEMMs or attention (:func:`is_elementwise_kernel`), at
+    the larger batch less the smaller, over the bytes ``planner.elementwise`` counts for the
+    tokens added (the weights' casts and gradient sums, the same at both, drop out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from behemoth.models import build_model
+    from behemoth.planner.elementwise import block_elementwise_bytes
+    from behemoth.planner.workload import workload_for
+
+    seq, moved, seconds = 2048, 0.0, 0.0
+    for family in ELEMENTWISE_BLOCKS:
+        model = build_model(family, vocab_size=512, seq_len=seq, num_layers=1, device="cuda")
+        llama = hasattr(model, "layers")
+        block = (model.layers if llama else model.blocks)[0]
+        e = block_elementwise_bytes(workload_for(model, global_batch=1).shape)
+        per_token = e.hidden_forward + e.split_forward + e.hidden_backward + e.split_backward
+        spent = []
+        for batch in ELEMENTWISE_BATCHES:
+            x = torch.randn(batch, seq, model.config.hidden, device="cuda", requires_grad=True)
+            args = (x, torch.arange(seq, device="cuda").unsqueeze(0)) if llama else (x,)
+            g = torch.randn_like(x)
+
+            def step():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = block(*args)
+                y.backward(g)
+
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+            spent.append(sum(ev.time_range.elapsed_us() for ev in kernels if is_elementwise_kernel(ev.name)) / 3e6)
+        added = (ELEMENTWISE_BATCHES[1] - ELEMENTWISE_BATCHES[0]) * seq
+        moved += per_token * added
+        seconds += spent[1] - spent[0]
+    torch.cuda.empty_cache()
+    if not seconds > 0:
+        raise RuntimeError(f"no elementwise kernel time measured ({seconds} s)")
+    return moved / seconds
 
 
 def host_rates() -> tuple[float, float, float]:
@@ -468,6 +532,11 @@ def main() -> None:
         d["gemm"] = gemm_points()
         d["attention_flops_per_s"], d["attention_backward_ratio"], d["attention_by_seq"] = attention()
         d["hbm_bytes_per_s"] = hbm()
+        try:
+            d["elementwise_bytes_per_s"] = elementwise_rate()
+            measured.append("elementwise_bytes_per_s")
+        except Exception as e:  # keep the rest: the planner falls back to hbm_bytes_per_s
+            print(f"calibrate: elementwise rate not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
     if world > 1:

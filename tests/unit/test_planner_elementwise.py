@@ -195,3 +195,33 @@ def test_sequence_parallel_copies():
     e0 = elementwise_seconds(bh.Plan(tp=p, precision="bf16"), w, cal, 4 * 2048)
     assert base.forward - off.forward == pytest.approx(sp_f + e1[0] - e0[0], rel=1e-9)
     assert base.backward - off.backward == pytest.approx(sp_b + e1[1] - e0[1], rel=1e-9)
+
+
+def test_calibration_classifies_kernels():
+    """benchmarks/calibrate.py's elementwise rate times a block's kernels but its GEMMs (cuBLAS's,
+    CUTLASS's, split-K's reduction), attention and the runtime's copies and fills."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from calibrate import is_elementwise_kernel
+
+    for name in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)",
+        "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(cublasSplitKParams<float>)",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false, true>(Params)",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80",
+        "Memcpy DtoD (Device -> Device)",
+        "Memset (Device)",
+    ):
+        assert not is_elementwise_kernel(name), name
+    for name in (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, ...)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>(...)",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(...)",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>(...)",
+        "void at::native::CatArrayBatchedCopy<at::native::OpaqueType<2u>, unsigned int, 4, 128, 128>(...)",
+    ):
+        assert is_elementwise_kernel(name), name

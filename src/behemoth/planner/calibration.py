@@ -13,6 +13,7 @@ measure there)::
       "attention_backward_ratio": 0.8,              # backward rate / forward rate
       "attention_by_seq": [[seq, flops_per_s, backward_ratio], ...],  # ... by sequence length
       "hbm_bytes_per_s": 2.8e12,                     # achieved device-memory bandwidth
+      "elementwise_bytes_per_s": 2.4e12,             # ... of the blocks' non-GEMM kernels (0: hbm's)
       "links": {"nvlink": [[group, latency_s, bus_bytes_per_s], ...],
                 "ib":     [[group, latency_s, bus_bytes_per_s], ...]},
       "h2d_bytes_per_s": 2.5e10, "d2h_bytes_per_s": 2.5e10,
