@@ -2,7 +2,8 @@
 of every non-GEMM, non-attention operator's bytes (its tensor inputs and outputs) over one GPT or
 Llama block's forward and backward under bf16 autocast over fp32 parameters, per token (two
 sequence lengths' difference, so the weights' own casts, which compute.CAST_BYTES counts, drop
-out), equals the formula exactly; and the per-token seconds compute.py charges."""
+out), equals the formula exactly; and the seconds compute.py charges for them, for sequence
+parallelism's copies and for the embedding's backward."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from behemoth.models import build_model
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.compute import (
     _cast_seconds,
+    accumulate_bytes,
     block_times,
     elementwise_seconds,
+    embedding_backward_seconds,
     head_times,
     sequence_parallel_copy_seconds,
 )
@@ -225,3 +228,39 @@ def test_calibration_classifies_kernels():
         "void at::native::CatArrayBatchedCopy<at::native::OpaqueType<2u>, unsigned int, 4, 128, 128>(...)",
     ):
         assert is_elementwise_kernel(name), name
+
+
+def test_embedding_backward():
+    """The first stage's token-embedding backward per micro-batch: the dense fp32 gradient of this
+    rank's table share zero-filled (4 bytes an element), every token's row added (12 bytes a
+    token per hidden unit), then copied or added into the gradient sync's chunk (an untied table,
+    compute.accumulate_bytes) or added to the head's gradient of a tied one (12)."""
+    cal = load_calibration("h200")
+    llama = workload_for("llama-8b", global_batch=8, vocab_size=128256)
+    plan = bh.Plan(tp=2, microbatches=4, precision="bf16").resolve(2)
+    table, rows = 128256 * 4096 / 2, 2 * 2048 * 4096
+    got = embedding_backward_seconds(plan, llama, cal, 2)
+    assert got == pytest.approx((table * (4 + accumulate_bytes(plan)) + 12 * rows) / cal.hbm_bytes_per_s, rel=1e-12)
+    assert accumulate_bytes(plan) == (8 + 12 * 3) / 4
+    gpt = workload_for("gpt-1.3b", global_batch=8)  # tied
+    tied = embedding_backward_seconds(bh.Plan(precision="bf16").resolve(1), gpt, cal, 1)
+    assert tied == pytest.approx((50304 * 2048 * (4 + 12) + 12 * 2048 * 2048) / cal.hbm_bytes_per_s, rel=1e-12)
+
+
+def test_embedding_backward_in_the_step(monkeypatch):
+    """Without data parallelism, host bound or pipeline, the step holds each micro-batch's
+    embedding backward once."""
+    from behemoth.planner import cost
+    from behemoth.planner.cluster import Cluster
+
+    cal = type(load_calibration("h200")).from_dict(
+        {**load_calibration("h200").__dict__, "host_kernel_s": 0.0, "host_call_s": {}}
+    )
+    w = workload_for("llama-8b", global_batch=8, vocab_size=128256)
+    c = Cluster(num_gpus=2, gpus_per_node=2, calibration=cal)
+    plan = bh.Plan(dp=1, tp=2, microbatches=4, precision="bf16")
+    with_it = cost.predict(plan, w, c).step
+    monkeypatch.setattr(cost, "embedding_backward_seconds", lambda *a: 0.0)
+    without = cost.predict(plan, w, c).step
+    emb = embedding_backward_seconds(plan.resolve(2), w, cal, 2)
+    assert with_it - without == pytest.approx(4 * emb, rel=1e-9)

@@ -34,7 +34,8 @@ backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy
 layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, in ``ep_overlap``
 chunks of a ``1/ep_overlap`` share each, and each extra chunk casts the experts' weights and
 sums their gradients once more (:func:`ep_chunk_seconds`). Activation checkpointing adds a forward to
-the backward. Pure; tests/unit/test_planner_cost.py.
+the backward. The first stage's backward also fills the token embedding's dense gradient
+(:func:`embedding_backward_seconds`). Pure; tests/unit/test_planner_cost.py.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "accumulate_bytes",
     "accumulate_seconds",
     "elementwise_seconds",
+    "embedding_backward_seconds",
     "ep_chunk_seconds",
     "sequence_parallel_copy_seconds",
 ]
@@ -258,6 +260,20 @@ def ep_chunk_seconds(plan: Plan, w: Workload, cal: Calibration) -> tuple[float, 
     autocast = plan.precision in ("bf16", "fp16") and plan.param_dtype != "bf16"
     cast = CAST_BYTES if autocast else 0
     return (k - 1) * n * cast / cal.hbm_bytes_per_s, (k - 1) * n * (cast + 3 * grad_bytes) / cal.hbm_bytes_per_s
+
+
+def embedding_backward_seconds(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> float:
+    """Seconds of one micro-batch's backward through the token embedding on the first stage: the
+    table's dense fp32 gradient (this rank's ``V h / tp`` share) zero-filled (4 bytes an element),
+    each token's gradient row added into it (read 4, read and write the row 8), and the table
+    then going into the gradient sync's fp32 chunk (:func:`accumulate_bytes`), or, where the head
+    shares the table (tied, its gradient already there, :func:`accumulate_seconds` in the cost
+    model), added to it (read 8, write 4)."""
+    s = w.shape
+    t = mbs * w.seq_len / plan.cp
+    table = s.vocab_size * s.hidden / weight_split(plan)
+    into = 12.0 if w.tied_embeddings else accumulate_bytes(plan)
+    return (table * (4 + into) + t * s.hidden * 12) / cal.hbm_bytes_per_s
 
 
 def head_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> tuple[float, float]:

@@ -52,7 +52,7 @@ from ..plan import Plan
 from .axis_traffic import Dtypes, balance_bytes, ep_layer_bytes, expert_axis, expert_local_params, step_traffic
 from .bubble import peak_inflight, pipeline_time
 from .cluster import Cluster, axis_strides
-from .compute import accumulate_seconds, block_times, head_times
+from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
 from .footprint import Footprint, footprint
 from .host import cp_block_calls, host_times, tp_block_calls
 from .params import block_local_params, local_params, stage_layers, weight_split
@@ -219,8 +219,12 @@ def predict(
     # gradient sync's fp32 chunks (the stage's parameters, the head's table on the last)
     acc = accumulate_seconds(plan, block_local_params(plan, w), cal)
     acc_head = accumulate_seconds(plan, s.vocab_size * s.hidden / weight_split(plan), cal)
+    emb = embedding_backward_seconds(plan, w, cal, mbs)  # on the first stage
     t_f = max(n * bt.forward + (hf if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
-    t_b = max(n * (bt.backward + acc) + (hb + acc_head if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
+    t_b = max(
+        n * (bt.backward + acc) + (hb + acc_head if r == pp - 1 else 0.0) + (emb if r == 0 else 0.0)
+        for r, n in enumerate(per_rank)
+    )
     compute = m * (t_f + t_b)
     t_b_compute = t_b
     nbytes = step_traffic(plan, w, dt=dt)
