@@ -101,16 +101,18 @@ def test_autocast_weight_copies_count_once_per_micro_batch_in_flight():
 
 def test_zero1_keeps_the_reduced_shard_and_gpipe_the_loss_of_every_micro_batch():
     """ZeRO-1 holds the fp32 gradient chunks and the reduced shard the optimizer reads (4 + 4/g a
-    parameter), ZeRO-2 the shard only; GPipe's last stage keeps every micro-batch's fp32
+    parameter), ZeRO-2 the shard and the chunks its backward reduces; GPipe's last stage keeps every micro-batch's fp32
     log-probabilities and the head's 16-bit weight copy until the backwards, 1F1B's one."""
-    from behemoth.planner.footprint import footprint
+    from behemoth.planner.footprint import footprint, gradient_chunk_elements
     from behemoth.planner.params import local_params
 
     w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
     z0, z1, z2 = (bh.Plan(zero=z, precision="bf16").resolve(4) for z in (0, 1, 2))
     n = local_params(z1, w)
     g0, g1, g2 = (footprint(p, w, mbs=8, inflight=1, reserved=0.0).grads for p in (z0, z1, z2))
-    assert (g0, g1, g2) == pytest.approx((4 * n, 4 * n + n, n))
+    # ZeRO-2 also holds, while its backward runs, the gradient chunks in flight and filling
+    chunk, largest = gradient_chunk_elements(z2, w)
+    assert (g0, g1, g2) == pytest.approx((4 * n, 4 * n + n, n + 4 * (3 * chunk + largest)))
     kw = dict(pp=2, microbatches=8, precision="bf16")
     gpipe, one = (bh.Plan(schedule=s, **kw).resolve(2) for s in ("gpipe", "1f1b"))
     a = footprint(gpipe, w, mbs=2, inflight=1, reserved=0.0).activations
@@ -190,3 +192,26 @@ def test_the_2_gpu_layouts_that_ran_still_fit(plan):
     model keeps them fits."""
     w, cluster = _gpt69b_on_h200(2)
     assert predict(plan, w, cluster).fits
+
+
+def test_zero2_holds_three_gradient_chunks_and_a_parameter_gradient_beside_its_shards():
+    """Without a pipeline ZeRO-2 keeps, beside its gradient shards, the chunk the backward fills,
+    the 2 whose reductions are in flight and the largest parameter's own gradient, in fp32: the
+    chunk size the runtime's search picks for the rank's weights (Llama-8B's shape: 1,032M
+    elements, the size ZeroOptimizer picks for the model's own parameters). A pipeline's
+    ZeRO-2 holds its whole gradient instead."""
+    from behemoth.models import build_config
+    from behemoth.planner.footprint import footprint, gradient_chunk_elements
+    from behemoth.planner.params import local_params
+
+    w = workload_for(build_config("llama-8b", vocab_size=128256, seq_len=2048), seq_len=2048, global_batch=16)
+    plan = bh.Plan(cp=2, zero=2, precision="bf16").resolve(2)
+    chunk, largest = gradient_chunk_elements(plan, w)
+    assert (chunk, largest) == (1032131861, 128256 * 4096)
+    n = local_params(plan, w)
+    grads = footprint(plan, w, mbs=4, inflight=1, reserved=0.0).grads
+    assert grads == pytest.approx(4 * n / 2 + 4 * (3 * chunk + largest))
+    pipe = bh.Plan(pp=2, microbatches=8, zero=2, precision="bf16").resolve(2)
+    assert footprint(pipe, w, mbs=2, inflight=1, reserved=0.0).grads == pytest.approx(
+        4 * local_params(pipe, w, stage=1) + 4 * local_params(pipe, w, stage=1)
+    )

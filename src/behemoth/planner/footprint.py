@@ -16,6 +16,12 @@ stage  GPU                                host (``offload='cpu'``)
 
 Under pipeline parallelism ZeRO-2/3 reduce a stage's gradients once per step: the GPU holds the
 stage's full fp32 gradients (4 per parameter) during the step's backwards instead of 4/g.
+Without a pipeline, ZeRO-2 reduce-scatters each gradient chunk as the backward completes it,
+the full fp32 chunk kept until its reduction ends, at most 2 in flight (``parallel/zero/reduce.py``)
+beside the one filling, and the largest parameter's own gradient before its hook copies it in:
+``3 E + the largest`` fp32 on top of the shards (:func:`gradient_chunk_elements`; dense models;
+the 2 x H200 proofs measured 3.6 and 4.8 GiB more than the shards for GPT-6.9B's 1.0 GiB chunks
+and at least 12.3 for the Llama-8B shape's 3.8 GiB ones).
 
 (``param_dtype='bf16'`` keeps 2-byte copies on the GPU and 4-byte masters sharded.)
 Activations saved per block and micro-batch, in bytes, in the form of Korthikanti et al.
@@ -47,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
+from .memory import zero_chunk_elements
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
@@ -153,6 +160,9 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
             grads = n * 4 / g
     if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
         grads = n * 4 + (0.0 if off else n * 4 / g)  # beside the reduced shards (on the host under offload)
+    elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
+        chunk, largest = gradient_chunk_elements(plan, w)
+        grads += 4 * (3 * chunk + largest)
     full, ckpt = block_activation_bytes(plan, w, mbs)
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
     act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
@@ -172,3 +182,21 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
 def autocast_copies(plan: Plan) -> bool:
     """Whether autocast makes 16-bit copies of fp32 weights that the GEMMs keep for the backward."""
     return plan.precision in ("bf16", "fp16") and plan.param_dtype is None
+
+
+def gradient_chunk_elements(plan: Plan, w: Workload) -> tuple[int, int]:
+    """``(chunk, largest)``: the ZeRO chunk size in elements the runtime picks for one rank of
+    ``plan`` (:func:`.memory.zero_chunk_elements` over ``dp x cp`` ranks) and the rank's largest
+    parameter, for a dense model without a pipeline: its weight matrices as tensor parallelism
+    splits them -- per block q, k, v, the output projection and the MLP's two or three matrices,
+    then the token table (with the position table) and an untied head (norms and biases left
+    out: they move the padding, not the size)."""
+    s = w.shape
+    ws = weight_split(plan)
+    h, d = s.hidden, s.head_dim
+    block = [h * s.num_heads * d // ws] + [h * s.num_kv_heads * d // ws] * 2 + [s.num_heads * d * h // ws]
+    block += [h * s.ffn_hidden // ws] * (3 if s.gated_mlp else 2)
+    table = s.vocab_size * h // ws
+    sizes = [table] + ([s.max_positions * h] if s.max_positions else []) + block * s.num_layers
+    sizes += [] if w.tied_embeddings else [table]
+    return zero_chunk_elements(tuple(sizes), plan.dp * plan.cp), max(sizes)

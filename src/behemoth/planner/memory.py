@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
 from ..parallel.zero.placement import StaticSplit, split_costs, static_split
 
-__all__ = ["MemoryPlan", "memory_plan"]
+__all__ = ["MemoryPlan", "memory_plan", "zero_chunk_elements"]
 
 GIB = 2.0**30
 
@@ -60,10 +61,7 @@ def memory_plan(
     if dp < 1:
         raise ValueError(f"dp={dp!r}: must be >= 1.")
     sizes = list(param_sizes)
-    lo = max(max(sizes, default=1), 1)
-    hi = max(2 * lo, sum(sizes) // 32)
-    cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
-    chunk, _ = search_chunk_size(sizes, dp, candidates=cands)
+    chunk = zero_chunk_elements(tuple(sizes), dp)
     layout = pack_chunks(sizes, chunk, dp)
     masters = 4 if param_bytes != 4 else 0  # fp32 parameters are their own masters
     per_stage = {
@@ -109,3 +107,15 @@ def memory_plan(
         except ValueError as e:
             lines.append(f"Does not fit even with offload: {e}.")
     return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits, "\n".join(lines))
+
+
+@lru_cache(maxsize=1024)
+def zero_chunk_elements(param_sizes: tuple[int, ...], dp: int) -> int:
+    """The chunk size (elements) ZeRO picks for parameters of ``param_sizes`` sharded over ``dp``
+    ranks when ``Plan.chunk_mb`` is None: the least padding among 256 sizes from the largest
+    parameter up to 1/32 of the model or twice the largest (``ZeroOptimizer._pack`` in
+    ``parallel/zero/optimizer.py``)."""
+    lo = max(max(param_sizes, default=1), 1)
+    hi = max(2 * lo, sum(param_sizes) // 32)
+    cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+    return search_chunk_size(list(param_sizes), dp, candidates=cands)[0]
