@@ -26,6 +26,7 @@ from behemoth.planner.compute import (
     sequence_parallel_copy_seconds,
 )
 from behemoth.planner.elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
+from behemoth.planner.host import serial_block_kernels
 from behemoth.planner.params import weight_split
 from behemoth.planner.workload import workload_for
 
@@ -56,6 +57,25 @@ class _Bytes(TorchDispatchMode):
                     n += t.numel() * t.element_size()
         self.total += n
         self.by[name] += n
+        return out
+
+
+class _Kernels(TorchDispatchMode):
+    """Operators that launch a kernel: every one but views, allocations and the CPU attention
+    kernel's contiguous copies (``clone``, see ``FREE``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ret = func._schema.returns
+        name = func.__name__.split(".")[0]
+        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return out
+        if name not in FREE + ("detach", "empty", "empty_like", "ones_like"):
+            self.n += 1
         return out
 
 
@@ -264,3 +284,21 @@ def test_embedding_backward_in_the_step(monkeypatch):
     without = cost.predict(plan, w, c).step
     emb = embedding_backward_seconds(plan.resolve(2), w, cal, 2)
     assert with_it - without == pytest.approx(4 * emb, rel=1e-9)
+
+
+@pytest.mark.parametrize("family, kw", SHAPES, ids=[f"{f}-{k['hidden']}" for f, k in SHAPES])
+def test_serial_block_kernels_equal_the_operators_count(family, kw):
+    """planner.host.serial_block_kernels: the kernels one block's forward and backward launch under
+    bf16 autocast, as a dispatch-level count of its operators finds them."""
+    model = build_model(family, vocab_size=64, seq_len=16, num_layers=1, **kw)
+    llama = hasattr(model, "layers")
+    block = (model.layers if llama else model.blocks)[0]
+    x = torch.randn(2, 16, model.config.hidden, requires_grad=True)
+    args = (x, torch.arange(16).unsqueeze(0)) if llama else (x,)
+    fwd, bwd = _Kernels(), _Kernels()
+    with torch.autocast("cpu", dtype=torch.bfloat16), fwd:
+        y = block(*args)
+    g = torch.randn_like(y)
+    with bwd:
+        y.backward(g)
+    assert serial_block_kernels(workload_for(model, global_batch=1).shape) == (fwd.n, bwd.n)

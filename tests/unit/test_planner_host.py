@@ -21,10 +21,12 @@ from behemoth.planner.host import (
     block_calls,
     cp_block_calls,
     ep_block_calls,
+    host_block_kernels,
     host_call_seconds,
     host_times,
     kernels_per_call,
     pipeline_calls,
+    serial_block_kernels,
     tp_block_calls,
 )
 from behemoth.planner.params import stage_layers
@@ -106,6 +108,21 @@ def test_kernels_per_call_by_mode():
     c_k, c_c = cal.host_kernel_s, cal.host_call_s["2d"]
     assert ht.forward == pytest.approx((cal.host_block_kernels / 3 + 4.2 * f) * c_k + f * c_c, rel=1e-12)
     assert ht.kernels == pytest.approx(cal.host_block_kernels + 4.2 * (f + b), rel=1e-12)
+
+
+def test_block_kernels_scale_with_the_model():
+    """The calibration's kernels of the tiny GPT's serial block, scaled to a Llama block by their
+    operator counts (Llama-8B: 59 forward + 81 backward, GPT: 20 + 31): Llama's RMSNorms, rotary
+    embeddings, separate q/k/v and SwiGLU launch 140 / 51 of the GPT block's kernels."""
+    cal = load_calibration(GOLDEN_CAL)
+    llama = workload_for("llama-8b", global_batch=8)
+    assert serial_block_kernels(llama.shape) == (59.0, 81.0)
+    assert serial_block_kernels(GPT.shape) == (20.0, 31.0)
+    assert host_block_kernels(cal, GPT.shape) == cal.host_block_kernels
+    assert host_block_kernels(cal, llama.shape) == pytest.approx(cal.host_block_kernels * 140 / 51, rel=1e-12)
+    ht = host_times(_plan(), llama, cal)
+    assert ht.kernels == pytest.approx(cal.host_block_kernels * 140 / 51, rel=1e-12)
+    assert ht.forward + ht.backward == pytest.approx(ht.kernels * cal.host_kernel_s, rel=1e-12)
 
 
 def test_host_fit_reproduces_the_measured_blocks():

@@ -25,7 +25,8 @@ Per block and micro-batch, from the same structure the traffic formulas count
   pipeline); activation checkpointing repeats the forward's calls in the backward (but an MoE
   layer's split sizes: the recompute replays its routes);
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
-  measured) plus ``kernels_per_call`` of the layout's mode per call (the collective and the copies
+  measured on a tiny GPT, scaled to the model's block by the kernels its operators launch,
+  :func:`serial_block_kernels`) plus ``kernels_per_call`` of the layout's mode per call (the collective and the copies
   around it; ``kernels_per_collective`` where the mode was not measured);
   the serial block's split between forward and backward measured too
   (``host_forward_share``, default a third), the collectives' as the layers issue them;
@@ -46,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
+from ..specs import TransformerShape
 from .calibration import Calibration
 from .workload import Workload
 
@@ -60,10 +62,26 @@ __all__ = [
     "cp_block_calls",
     "pipeline_calls",
     "host_call_seconds",
+    "host_block_kernels",
     "kernels_per_call",
+    "serial_block_kernels",
     "host_times",
 ]
 
+
+REFERENCE_SHAPE = TransformerShape(
+    hidden=64,
+    ffn_hidden=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    vocab_size=512,
+    norm_params=128,
+    linear_bias=True,
+    fused_qkv=True,
+    max_positions=128,
+)
+"""The block ``Calibration.host_block_kernels`` counts: ``benchmarks/calibrate.py``'s tiny GPT."""
 
 EP_CHUNK_KERNELS = (25.0, 24.0, 16.0)
 """Kernels each MoE layer launches per chunk of ``Plan.ep_overlap`` beyond the first: ``(forward,
@@ -96,6 +114,38 @@ def ep_chunk_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
     (f, b, r), (cf, cb, cr) = EP_CHUNK_KERNELS, EP_CHUNKED_KERNELS
     again = (k - 1) * r + cr if plan.activation_checkpointing else 0.0
     return (k - 1) * f + cf, (k - 1) * b + cb + again
+
+
+def serial_block_kernels(shape) -> tuple[float, float]:
+    """Kernels one serial block launches per micro-batch under bf16 autocast over fp32 parameters,
+    ``(forward, backward)``, counted from the models' operators (``models/gpt.py``,
+    ``models/llama.py``; a dispatch-level count checks them, tests/unit/test_planner_host.py).
+    Forward: each norm (LayerNorm 1; RMSNorm as written: power, mean, ``+ eps``, ``rsqrt``, two
+    products: 6), each Linear input's cast and each weight's (and bias's), the GEMMs, attention,
+    the two residual adds, the activation (GELU 1; SwiGLU's SiLU and product 2) and rotary
+    embeddings (the tables: 11; q's and k's two products, negation, concatenation and sum: 10;
+    their casts to bf16 for attention: 2). Backward: each norm (LayerNorm 1; RMSNorm 14), the
+    weights' (biases') gradient casts, the inputs' gradient casts and the two branches', two GEMMs
+    per Linear, the biases' sums, the activation's (GELU 1; SwiGLU 3), attention, the residual adds
+    and the extra readers' gradient sums, a fused q/k/v's concatenation, and rotary embeddings'
+    (four casts, four products, two negations, two concatenations, two sums, two casts: 16)."""
+    linears = block_linears(shape)
+    bias = 1 if shape.linear_bias else 0
+    readers = (1 if shape.fused_qkv else 3) + (2 if shape.gated_mlp else 1)
+    rope = shape.max_positions == 0
+    norm_f, norm_b = (6, 14) if shape.rms_norm else (1, 1)
+    act_f, act_b = (2, 3) if shape.gated_mlp else (1, 1)
+    fwd = 2 * norm_f + readers + linears * (1 + bias) + linears + 1 + 2 + act_f + (23 if rope else 0)
+    bwd = 2 * norm_b + linears * (1 + bias) + readers + 2 + 2 * linears + linears * bias + act_b + 1 + 2
+    bwd += (readers - 2) + (1 if shape.fused_qkv else 0) + (16 if rope else 0)
+    return float(fwd), float(bwd)
+
+
+def host_block_kernels(cal: Calibration, shape) -> float:
+    """Kernels of one serial block of ``shape`` per micro-batch: the calibration's
+    ``host_block_kernels`` (``benchmarks/calibrate.py``'s tiny GPT: LayerNorm, biases, fused
+    q/k/v, GELU) scaled by :func:`serial_block_kernels` of ``shape`` over that GPT block's."""
+    return cal.host_block_kernels * sum(serial_block_kernels(shape)) / sum(serial_block_kernels(REFERENCE_SHAPE))
 
 
 def block_linears(shape) -> int:
@@ -231,7 +281,7 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     f, b = block_calls(plan, w)
     mode = plan.tp_mode if plan.tp > 1 else "1d"
     one, kpc = host_call_seconds(cal, mode), kernels_per_call(cal, mode)
-    kern = cal.host_block_kernels
+    kern = host_block_kernels(cal, w.shape)
     share = cal.host_forward_share
     ef, eb = ep_chunk_kernels(plan, w)
     kf = kern * share + kpc * f + ef
