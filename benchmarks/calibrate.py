@@ -10,6 +10,8 @@ Measures, on rank 0's GPU unless said otherwise:
   parameters make under 1-8-way tensor parallelism, as ``[flops, flops_per_s]`` points;
 * causal flash attention (``scaled_dot_product_attention``), forward rate and backward ratio, and
   both by sequence length (``attention_by_seq``: longer sequences run flash attention faster);
+  grouped-query attention's beside multi-head's at 2,048 tokens (``extra.attention_gqa_2048``,
+  not read by the planner);
 * device-memory bandwidth (a large copy), and the rate of the blocks' non-GEMM kernels
   (``elementwise_bytes_per_s``: :func:`elementwise_rate`, the bytes ``planner.elementwise`` counts
   over a GPT-6.7B and a Llama-8B block's non-GEMM kernel time);
@@ -84,16 +86,20 @@ def gemm_points() -> list[list[float]]:
     return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
 
 
-def _attention_point(b: int, n: int, s: int, d: int) -> tuple[float, float]:
-    """(forward flops/s, backward rate / forward rate) of causal SDPA on ``[b, n, s, d]``."""
-    q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+def _attention_point(b: int, n: int, s: int, d: int, kv: int | None = None) -> tuple[float, float]:
+    """(forward flops/s, backward rate / forward rate) of causal SDPA on ``[b, n, s, d]`` queries
+    and ``kv`` key/value heads (default ``n``; fewer: grouped-query attention, ``enable_gqa``)."""
+    kv = kv or n
+    q = torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    gqa = {"enable_gqa": True} if kv != n else {}
     flops = 2.0 * b * s * s * d * n  # causal: half of 4 b s^2 d n
-    fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
     g = torch.randn_like(out)
 
     def both():
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         o.backward(g)
 
     bwd = _time(both) - fwd
@@ -531,6 +537,10 @@ def main() -> None:
     if rank == 0:
         d["gemm"] = gemm_points()
         d["attention_flops_per_s"], d["attention_backward_ratio"], d["attention_by_seq"] = attention()
+        # grouped-query attention (Llama-3-8B's 32 query heads over 8 kv heads) beside the same
+        # shape with every head its own (kept in extra, not read: a check of the backend GQA takes)
+        gqa, mha = (_attention_point(4, 32, 2048, 128, kv) for kv in (8, 32))
+        d.setdefault("extra", {})["attention_gqa_2048"] = dict(gqa=list(gqa), mha=list(mha))
         d["hbm_bytes_per_s"] = hbm()
         try:
             d["elementwise_bytes_per_s"] = elementwise_rate()
