@@ -459,6 +459,19 @@ def resumed_rows(path: str) -> list[dict]:
     return list(rows.values())
 
 
+def parts(p) -> dict:
+    """A prediction's step time by part (seconds): what each row records beside the total."""
+    return dict(
+        compute=round(p.compute, 4),
+        bubble=round(p.bubble, 4),
+        exposed={k: round(v, 4) for k, v in p.exposed.items()},
+        optimizer=round(p.optimizer + p.offload, 4),
+        host=round(p.host, 4),
+        host_wait=round(p.host_wait, 4),
+        host_bound=p.host_bound,
+    )
+
+
 def repredict(a) -> None:
     """``--repredict LOG``: the layouts an earlier run measured (its JSON lines), predicted again by
     this tree's model with ``--calibration``, beside what they measured and what that run
@@ -496,6 +509,8 @@ def repredict(a) -> None:
             was_step_err_pct=r["step_err_pct"],
             predicted_step_s=round(p.step, 4),
             step_err_pct=round(100 * (p.step / r["measured_step_s"] - 1), 1),
+            was_predicted_parts=r.get("predicted_parts"),
+            predicted_parts=parts(p),
             measured_alloc_gib=r["measured_alloc_gib"],
             was_mem_err_pct=r["mem_err_pct"],
             predicted_alloc_gib=round(alloc, 2),
@@ -664,15 +679,7 @@ def main() -> None:
             predicted_step_s=round(p.step, 4),
             predicted_gib=round(p.memory.gpu_total / 2**30, 2),
             predicted_alloc_gib=round(p.memory.allocated / 2**30, 2),
-            predicted_parts=dict(
-                compute=round(p.compute, 4),
-                bubble=round(p.bubble, 4),
-                exposed={k: round(v, 4) for k, v in p.exposed.items()},
-                optimizer=round(p.optimizer + p.offload, 4),
-                host=round(p.host, 4),
-                host_wait=round(p.host_wait, 4),
-                host_bound=p.host_bound,
-            ),
+            predicted_parts=parts(p),
         )
         if rank == 0:  # what --resume reads back when the run ends inside this layout
             print(json.dumps(dict(row, started=True)), flush=True)
