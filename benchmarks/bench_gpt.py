@@ -88,6 +88,12 @@ def main() -> None:
         help="record CUDA allocations; on an exception, rank 0 dumps a snapshot there (torch.cuda.memory)",
     )
     p.add_argument(
+        "--bind-cpus",
+        action="store_true",
+        help="pin each process to its own equal slice of the cores this process may use, by local rank "
+        "(host-bound layouts: is the run-to-run swing the scheduler moving the issuing threads?)",
+    )
+    p.add_argument(
         "--inductor",
         action="append",
         default=[],
@@ -112,7 +118,19 @@ def main() -> None:
     return main_run(a)
 
 
+def bind_cpus() -> list[int]:
+    """Pin this process (and the threads it starts later) to local rank r's slice of the cores it
+    may use: slices of equal size, in core order. Returns the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    rank, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per = max(1, len(cores) // size)
+    mine = cores[rank * per : (rank + 1) * per] or cores
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def main_run(a) -> None:
+    cores = bind_cpus() if a.bind_cpus else None
     bh.init()
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
@@ -225,6 +243,8 @@ def main_run(a) -> None:
         )
         if ledger is not None:
             r["ledger_bytes"], r["planner_bytes"] = ledger
+        if cores is not None:
+            r["cores"] = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else len(cores)
         if zero is not None:
             gib = lambda d: {k: round(v / 2**30, 2) for k, v in d.items()}  # noqa: E731
             r["memory_gib"] = {dev_type: gib(d) for dev_type, d in engine.memory_report().items()}
