@@ -10,7 +10,11 @@ gradients' sync, the step's loss and router-loss sums (the token count over dp a
 MoE layer's balancing statistics (again in a checkpointed block's recompute); the expert axis
 (``ep_dp``, ``ep_dp_cp`` under context parallelism) the experts' gradient sync; ep the
 all-to-alls and (ZeRO 0) the step's gradient norm. Under ZeRO 1 and 2 the chunks' padding, which
-the planner does not count, is taken from the run's chunk layout and added. The gradient sync's buckets per axis are
+the planner does not count, is taken from the run's chunk layout and added. ZeRO-3 (2 and 4
+ranks, with and without micro-batches, without activation checkpointing) gathers every chunk
+forward and backward but the one its forward ends in (once); its padding is added per gather. Its
+routers stay in the others' param group (a group of their own packs into chunks of its own,
+gathered once per layer: not the planner's layout). The gradient sync's buckets per axis are
 ``behemoth.planner.cost.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
 changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
 ``behemoth.planner.host.block_calls``'.
@@ -45,11 +49,18 @@ PLANS = {
 }
 
 
-def _model_and_optimizer():
+def _model_and_optimizer(one_group: bool = False):
     """The MoE Llama with its routers zeroed (every rank routes alike), trainable (their gradients
-    sync, as the planner counts) but never moved: their learning rate is 0."""
+    sync, as the planner counts) but never moved: their learning rate is 0. ``one_group``: the
+    routers stay in the others' param group (ZeRO-3 gathers a param group's chunks apart, so
+    routers of their own would interleave with the dense chunks), their gradients zeroed before
+    they accumulate (momentum SGD then never moves them) but reduced all the same."""
     model = _moe()
     routers = [m.router.weight.requires_grad_(True) for m in model.modules() if hasattr(m, "router")]
+    if one_group:
+        for r in routers:
+            r.register_hook(torch.zeros_like)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     others = [p for p in model.parameters() if all(p is not r for r in routers)]
     groups = [{"params": others}, {"params": routers, "lr": 0.0}]
     return model, torch.optim.SGD(groups, lr=0.05, momentum=0.9)
@@ -57,7 +68,7 @@ def _model_and_optimizer():
 
 def _world(rank, world, plans):
     for plan in plans:
-        model, optimizer = _model_and_optimizer()
+        model, optimizer = _model_and_optimizer(one_group=plan.zero == 3)
         w = _workload(model)
         engine = bh.boost(model, optimizer, plan)
         batches = global_batches(2, BATCH)
@@ -67,7 +78,14 @@ def _world(rank, world, plans):
         got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
         want = step_traffic(engine.plan, w, dt=FP32)
         store = engine.grad_sync.reducer.store
-        if plan.zero:  # the chunks' padding (the planner counts parameters), as the run laid them out
+        if plan.zero == 3:  # the chunks' padding, as the run laid them out, each time the chunk moves
+            head = store.chunk_of[id(model.lm_head.weight)]
+            for st in store.chunks:
+                axis = store.replica_axis(st)
+                if not axis.trivial:
+                    gathers = plan.microbatches * (1 if st is head else 2)
+                    want[axis.name] += _chunk3_bytes(plan, st.size - st.used, axis.size, gathers)
+        elif plan.zero:  # the chunks' padding (the planner counts parameters), as the run laid them out
             for axis, pad in _padding(store).items():
                 want[axis] += _chunk_bytes(engine.plan, pad, engine.mesh.axis(axis).size)
         want = {axis: int(b) for axis, b in want.items() if b}
@@ -97,9 +115,36 @@ def _chunk_bytes(plan, elems: int, p: int) -> float:
     return (plan.microbatches if plan.zero == 2 else 1) * reduce_scatter_bytes(b, p) + all_gather_bytes(b, p)
 
 
+def _chunk3_bytes(plan, elems: int, p: int, gathers: int) -> float:
+    """Wire bytes ZeRO-3 moves for ``elems`` fp32 elements of a chunk over ``p`` ranks: its
+    gradients reduce-scattered every micro-batch, its parameters all-gathered ``gathers`` times."""
+    b = 4 * elems
+    return plan.microbatches * reduce_scatter_bytes(b, p) + gathers * all_gather_bytes(b, p)
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_expert_data_parallel_bytes_equal_the_ledger(name):
     bh.spawn(_world, 4, PLANS[name], timeout=500)
+
+
+ZERO3 = {
+    2: [bh.Plan(dp=2, ep=2, precision="fp32", zero=3), bh.Plan(dp=2, ep=2, precision="fp32", zero=3, microbatches=2)],
+    4: [
+        bh.Plan(dp=4, ep=2, precision="fp32", zero=3),
+        bh.Plan(dp=4, ep=2, precision="fp32", zero=3, microbatches=2),
+        bh.Plan(dp=2, ep=2, cp=2, precision="fp32", zero=3),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", sorted(ZERO3))
+def test_zero3_expert_bytes_equal_the_ledger(world):
+    """ZeRO-3 over dp x ep (2 ranks: ``ep_dp`` of one, the experts never gathered; 4: of two,
+    and dp x ep x cp):
+    every dense and expert chunk gathered forward and backward each micro-batch but the chunk
+    the forward ends in (the final norm's and head's: once), as the planner counts them
+    (``behemoth.planner.zero3_traffic``), its gradients reduce-scattered every micro-batch."""
+    bh.spawn(_world, world, ZERO3[world], timeout=500)
 
 
 CALLS = (

@@ -22,6 +22,7 @@ from behemoth.planner.params import local_params
 from behemoth.planner.report import table
 from behemoth.planner.search import SearchResult
 from behemoth.planner.workload import workload_for
+from behemoth.planner.zero3_traffic import zero3_resident_params
 
 CAL = dataclasses.replace(load_calibration("h100"), host_kernel_s=0.0, host_call_s={})  # no host bound
 MOE = workload_for("mixtral-4b", seq_len=1024, global_batch=32)
@@ -41,19 +42,24 @@ def test_expert_gradients_sync_over_ep_dp(zero):
     assert expert_local_params(plan, MOE, layers) == experts
     b = step_traffic(plan, MOE, dt=Dtypes.of(plan))
 
-    def sync(n, p):
+    def sync(n, p, resident=0):
+        # ZeRO-3: the chunk the forward ends in (``resident`` parameters) is gathered once, not twice
         return {
             0: all_reduce_bytes(4 * n, p),
             1: reduce_scatter_bytes(4 * n, p) + all_gather_bytes(4 * n, p),
             2: m * reduce_scatter_bytes(4 * n, p) + all_gather_bytes(4 * n, p),
-            3: m * reduce_scatter_bytes(4 * n, p) + 2 * m * all_gather_bytes(4 * n, p),
+            3: m * reduce_scatter_bytes(4 * n, p) + m * all_gather_bytes(4 * (2 * n - resident), p),
         }[zero]
 
     stats = (2 * MOE.num_experts + 1) * 8
     assert balance_bytes(plan, MOE) == all_reduce_bytes(stats, g)
     scalars = all_reduce_bytes(16, g) + all_reduce_bytes(8, g)  # loss and router losses, tokens
     scalars += all_reduce_bytes(4, g) if zero else 0.0  # the gradient norm of sharded gradients
-    assert b["dp"] == pytest.approx(sync(dense, g) + scalars + layers * m * all_reduce_bytes(stats, g), rel=1e-12)
+    resident = zero3_resident_params(plan, MOE)
+    assert 0 < resident < dense
+    assert b["dp"] == pytest.approx(
+        sync(dense, g, resident) + scalars + layers * m * all_reduce_bytes(stats, g), rel=1e-12
+    )
     assert b["ep_dp"] == pytest.approx(sync(experts, g // 4), rel=1e-12)
 
 

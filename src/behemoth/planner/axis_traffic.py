@@ -22,8 +22,12 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   layer all-reduces its balancing statistics (2E + 1 float64) over it every forward, a
   checkpointed block's recompute included (:func:`balance_bytes`); gradients travel in fp32,
   gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes); at stages 1-3 the
-  step's gradient norm sums each rank's float32 share over it (``parallel/zero/norm.py``). Chunk
-  padding is not counted (it is below a chunk per group);
+  step's gradient norm sums each rank's float32 share over it (``parallel/zero/norm.py``). Stage
+  3 without a pipeline or activation checkpointing gathers the chunk its forward ends in (the
+  final norm's and the head's) once per micro-batch, not twice: it stays gathered into the
+  backward (:func:`~.zero3_traffic.zero3_resident_params`); a checkpointed block's recompute
+  gathers more, which is not counted. Chunk padding is not counted (it is below a chunk per
+  group);
 * ``ep_dp`` (``ep_dp_cp`` under context parallelism): under expert parallelism the experts'
   parameters sync over it as the dense ones over ``dp`` (the same ZeRO stage's collectives;
   ``parallel/expert/style.py``'s ``expert_param_axes``); nothing where it has one rank;
@@ -53,6 +57,7 @@ from .context_traffic import cp_model_traffic
 from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
+from .zero3_traffic import zero3_resident_params
 
 __all__ = [
     "Dtypes",
@@ -181,7 +186,11 @@ def step_traffic(
         axis = "dp_cp" if plan.cp > 1 else "dp"
         # the step's loss sum (and a MoE model's router losses beside it); its token count over dp
         # alone (every cp rank holds its dp rank's whole batch: engine.py's _loss_normaliser)
-        out[axis] = _sync_bytes(plan, n - experts, g, dt) + all_reduce_bytes(8 * totals, g)
+        # ZeRO-3 without a pipeline: the chunk the forward ends in stays gathered into the backward
+        # (measured without activation checkpointing, whose recomputes gather more: not counted)
+        z3 = plan.zero == 3 and pp == 1 and not plan.activation_checkpointing
+        resident = zero3_resident_params(plan, w) if z3 else 0
+        out[axis] = _sync_bytes(plan, n - experts, g, dt, resident) + all_reduce_bytes(8 * totals, g)
         if plan.dp > 1:
             out["dp"] = out.get("dp", 0.0) + all_reduce_bytes(8, plan.dp)
         out[axis] += balance_bytes(plan, w) * layers * m * (2 if plan.activation_checkpointing else 1)
@@ -214,12 +223,14 @@ def step_traffic(
     return out
 
 
-def _sync_bytes(plan: Plan, n: float, g: int, dt: Dtypes) -> float:
+def _sync_bytes(plan: Plan, n: float, g: int, dt: Dtypes, resident: float = 0.0) -> float:
     """Wire bytes of the gradient sync of ``n`` parameters over a group of ``g`` ranks: ZeRO
     stage 0 all-reduces the fp32 gradients once per step, 1 reduce-scatters them once, 2 once per
     micro-batch, 3 once per micro-batch after gathering the parameters forward and backward (a
     pipeline stage's ZeRO-2/3 once per step, after its last micro-batch: its gradients accumulate
-    in full chunks in between); 1 and 2 all-gather the updated parameters after the step."""
+    in full chunks in between) -- but ``resident`` of them, the chunk the forward ends in, which
+    stays gathered into the backward (:func:`.zero3_traffic.zero3_resident_params`): once per
+    micro-batch; 1 and 2 all-gather the updated parameters after the step."""
     m = plan.microbatches
     grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)
     reductions = m if plan.pp == 1 else 1
@@ -230,7 +241,8 @@ def _sync_bytes(plan: Plan, n: float, g: int, dt: Dtypes) -> float:
         return reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
     if z == 2:
         return reductions * reduce_scatter_bytes(grads, g) + all_gather_bytes(params, g)
-    return reductions * reduce_scatter_bytes(grads, g) + 2 * m * all_gather_bytes(params, g)
+    gathered = (2 * n - resident) * (params / n if n else 0.0)
+    return reductions * reduce_scatter_bytes(grads, g) + m * all_gather_bytes(gathered, g)
 
 
 def expert_local_params(plan: Plan, w: Workload, layers: int) -> float:
