@@ -29,9 +29,11 @@ from test_planner_host_calls import check_expert_calls_per_block
 from test_planner_ledger import BATCH, FP32, _moe, _workload
 
 import behemoth as bh
-from behemoth.planner.axis_traffic import step_traffic
+from behemoth.planner.axis_traffic import expert_axis, step_traffic
 from behemoth.planner.collectives import all_gather_bytes, reduce_scatter_bytes
 from behemoth.planner.cost import gradient_buckets
+from behemoth.planner.footprint import shard_elements
+from behemoth.planner.zero3_traffic import chunk_shard_elements
 
 PLANS = {
     "dp4 ep2": [bh.Plan(dp=4, ep=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
@@ -80,6 +82,18 @@ def _world(rank, world, plans):
         store = engine.grad_sync.reducer.store
         if plan.zero == 3:  # the chunks' padding, as the run laid them out, each time the chunk moves
             head = store.chunk_of[id(model.lm_head.weight)]
+            # the planner's shards (padding included) are the run's: each group's chunks over its axis
+            shards = {}
+            for st in store.chunks:
+                axis = store.replica_axis(st)
+                shards[axis.name] = shards.get(axis.name, 0) + st.size // axis.size
+            dense, experts = chunk_shard_elements(engine.plan, w)
+            assert shards == {"dp_cp" if plan.cp > 1 else "dp": dense, expert_axis(plan): experts}, (
+                shards,
+                dense,
+                experts,
+            )
+            assert shard_elements(engine.plan, w, 0, 0) == dense + experts
             for st in store.chunks:
                 axis = store.replica_axis(st)
                 if not axis.trivial:

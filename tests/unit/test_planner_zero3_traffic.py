@@ -9,7 +9,7 @@ import behemoth as bh
 from behemoth.models import build_model
 from behemoth.parallel.zero.chunks import pack_chunks, search_chunk_size
 from behemoth.planner.workload import workload_for
-from behemoth.planner.zero3_traffic import _resident, rank_param_sizes, zero3_resident_params
+from behemoth.planner.zero3_traffic import _resident, chunk_shard_elements, rank_param_sizes, zero3_resident_params
 
 PRESETS = ("gpt-tiny", "llama-tiny", "llama-moe-tiny", "olmoe-tiny")
 
@@ -59,3 +59,6 @@ def test_resident_chunk_is_the_runtimes_last_dense_chunk(name, layers, dp, ep):
     want = layout.group_chunks(order.index(0))[-1].used
     assert zero3_resident_params(plan, w) == want
     assert _resident(sizes, kinds, dp, max(dp // plan.ep, 1)) == want
+    # each group's shard: its chunks (padding included) over the group's shard count
+    shard = {k: sum(c.size for c in layout.group_chunks(order.index(k))) // shards[order.index(k)] for k in order}
+    assert chunk_shard_elements(plan, w) == (shard[0], shard.get(1, 0))

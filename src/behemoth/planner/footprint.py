@@ -3,7 +3,8 @@
 Model data, per parameter this rank holds (:func:`~.params.local_params`), with fp32
 parameters (their own masters), fp32 gradients and Adam's two fp32 moments, ZeRO sharding
 over the ``g = dp x cp`` ranks that reduce gradients (as ``parallel/zero/chunks.py`` counts
-them, chunk padding aside):
+them, chunk padding aside; a mixture of experts' experts over ``g / ep``, with the padding
+without a pipeline or tensor parallelism: :func:`shard_elements`):
 
 =====  ================================  ===================================
 stage  GPU                                host (``offload='cpu'``)
@@ -58,6 +59,7 @@ from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
 from .workload import Workload
+from .zero3_traffic import chunk_shard_elements
 
 __all__ = ["Footprint", "footprint"]
 
@@ -137,29 +139,30 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0
     host, gathered = 0.0, 0.0
+    shard = shard_elements(plan, w, n, layers) if z else 0.0
     if z == 0:
         params, grads, opt = n * pb, n * 4, n * 8
     elif z == 1:  # the gradient chunks, and the reduced shard the optimizer reads (parallel/zero/reduce.py)
-        params, grads, opt = n * pb, n * 4 + n * 4 / g, n * (8 + masters) / g
+        params, grads, opt = n * pb, n * 4 + shard * 4, shard * (8 + masters)
     elif z == 2:
-        params, grads, opt = n * pb, n * 4 / g, n * (8 + masters) / g
+        params, grads, opt = n * pb, shard * 4, shard * (8 + masters)
     else:
         per_block = block_local_params(plan, w)
-        params = n * pb / g + 2 * per_block * pb
-        grads, opt = n * 4 / g + 2 * per_block * 4, n * (8 + masters) / g
+        params = shard * pb + 2 * per_block * pb
+        grads, opt = shard * 4 + 2 * per_block * 4, shard * (8 + masters)
         gathered = 2 * per_block * (pb + 4) if g > 1 else 0.0  # what the slack reads
     if off:
-        host = opt + (n * 4 / g if z >= 1 else 0.0)
+        host = opt + (shard * 4 if z >= 1 else 0.0)
         if z == 3:
-            host += n * pb / g
+            host += shard * pb
             params = 2 * per_block * pb
         opt = 0.0
         if z == 1:  # the reduced shard lives on the host
             grads = n * 4
         if z == 2:
-            grads = n * 4 / g
+            grads = shard * 4
     if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
-        grads = n * 4 + (0.0 if off else n * 4 / g)  # beside the reduced shards (on the host under offload)
+        grads = n * 4 + (0.0 if off else shard * 4)  # beside the reduced shards (on the host under offload)
     elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
         chunk, largest = gradient_chunk_elements(plan, w)
         grads += 4 * (3 * chunk + largest)
@@ -177,6 +180,21 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits, gathered, full if plan.activation_checkpointing else 0.0)
     return Footprint(params, grads, opt, act, reserved, host, slack)
+
+
+def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
+    """Elements of one rank's ZeRO shards of its ``n`` parameters (``layers`` blocks): ``n / g``
+    over the ``g = dp x cp`` ranks for a dense model; a mixture of experts shards its experts over
+    ``ep_dp = g / ep`` (``parallel/expert/style.py``'s ``expert_param_axes``) and, without a
+    pipeline or tensor parallelism, counts the chunks' padding as the runtime packs them
+    (:func:`.zero3_traffic.chunk_shard_elements`: exact)."""
+    g = plan.dp * plan.cp
+    if not w.num_experts:
+        return n / g
+    if plan.pp == 1 and plan.tp == 1:
+        return float(sum(chunk_shard_elements(plan, w)))
+    experts = layers * w.expert_params / plan.ep if plan.ep > 1 else 0.0
+    return (n - experts) / g + experts / max(g // plan.ep, 1)
 
 
 def autocast_copies(plan: Plan) -> bool:

@@ -29,7 +29,7 @@ from ..plan import Plan
 from .params import weight_split
 from .workload import Workload
 
-__all__ = ["rank_param_sizes", "zero3_resident_params"]
+__all__ = ["chunk_shard_elements", "rank_param_sizes", "zero3_resident_params"]
 
 
 def _norm(w: Workload) -> list[int]:
@@ -89,16 +89,30 @@ def zero3_resident_params(plan: Plan, w: Workload) -> int:
     return _resident(sizes, kinds, g, max(g // plan.ep, 1))
 
 
-@lru_cache(maxsize=4096)
+def chunk_shard_elements(plan: Plan, w: Workload) -> tuple[int, int]:
+    """``(dense, experts)``: elements of one rank's ZeRO shards, chunk padding included -- each
+    chunk group's chunks (:func:`zero3_resident_params`' packing) over its shard count: the data
+    axis (``dp x cp``) for the dense group, ``ep_dp`` for the experts' (0 without expert
+    parallelism). Without a pipeline."""
+    sizes, kinds = rank_param_sizes(plan, w)
+    g = plan.dp * plan.cp
+    return _packed(sizes, kinds, g, max(g // plan.ep, 1))[1:]
+
+
 def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int) -> int:
-    """The dense group's last chunk's parameters: ``pack_chunks`` at the size ``search_chunk_size``
-    picks (least padding, ties to the larger), both run for all 256 candidates at once (the
-    search costs this for every layout it ranks)."""
+    return _packed(sizes, kinds, g, expert_g)[0]
+
+
+@lru_cache(maxsize=4096)
+def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int) -> tuple[int, int, int]:
+    """(the dense group's last chunk's parameters, the dense shard's elements, the expert shard's):
+    ``pack_chunks`` at the size ``search_chunk_size`` picks (least padding, ties to the larger),
+    both run for all 256 candidates at once (the search costs this for every layout it ranks)."""
     lo = max(max(sizes), 1)
     hi = max(2 * lo, sum(sizes) // 32)
     cands = np.array(sorted({lo + (hi - lo) * i // 255 for i in range(256)}), dtype=np.int64)
     padding = np.zeros_like(cands)
-    last = None
+    last, shards = None, {}
     for kind in dict.fromkeys(kinds):
         d = g if kind == 0 else expert_g
         cap = -(-cands // d) * d  # each group's chunk size: the size rounded up to its shard count
@@ -110,7 +124,8 @@ def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: 
                 used = np.where(new, n, used + n)
                 total += n
         padding += count * cap - total
+        shards[kind] = count * cap // d
         if kind == 0:
             last = used
     best = np.lexsort((-cands, padding))[0]
-    return int(last[best])
+    return int(last[best]), int(shards[0][best]), int(shards[1][best]) if 1 in shards else 0
