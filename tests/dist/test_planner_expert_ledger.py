@@ -33,7 +33,7 @@ from behemoth.planner.axis_traffic import expert_axis, step_traffic
 from behemoth.planner.collectives import all_gather_bytes, reduce_scatter_bytes
 from behemoth.planner.cost import gradient_buckets
 from behemoth.planner.footprint import shard_elements
-from behemoth.planner.zero3_traffic import chunk_shard_elements
+from behemoth.planner.zero3_traffic import chunk_shard_elements, final_norm_index
 
 PLANS = {
     "dp4 ep2": [bh.Plan(dp=4, ep=2, precision="fp32", activation_checkpointing=c) for c in (False, True)],
@@ -81,7 +81,6 @@ def _world(rank, world, plans):
         want = step_traffic(engine.plan, w, dt=FP32)
         store = engine.grad_sync.reducer.store
         if plan.zero == 3:  # the chunks' padding, as the run laid them out, each time the chunk moves
-            head = store.chunk_of[id(model.lm_head.weight)]
             # the planner's shards (padding included) are the run's: each group's chunks over its axis
             shards = {}
             for st in store.chunks:
@@ -94,11 +93,7 @@ def _world(rank, world, plans):
                 experts,
             )
             assert shard_elements(engine.plan, w, 0, 0) == dense + experts
-            for st in store.chunks:
-                axis = store.replica_axis(st)
-                if not axis.trivial:
-                    gathers = plan.microbatches * (1 if st is head else 2)
-                    want[axis.name] += _chunk3_bytes(plan, st.size - st.used, axis.size, gathers)
+            zero3_padding(plan, store, model, w, want)
         elif plan.zero:  # the chunks' padding (the planner counts parameters), as the run laid them out
             for axis, pad in _padding(store).items():
                 want[axis] += _chunk_bytes(engine.plan, pad, engine.mesh.axis(axis).size)
@@ -129,6 +124,21 @@ def _chunk_bytes(plan, elems: int, p: int) -> float:
     return (plan.microbatches if plan.zero == 2 else 1) * reduce_scatter_bytes(b, p) + all_gather_bytes(b, p)
 
 
+def zero3_padding(plan, store, model, w, want: dict) -> None:
+    """Add to ``want`` ZeRO-3's bytes of the run's chunk padding: every chunk's padding
+    reduce-scattered every micro-batch and gathered twice, but once in the chunks from the final
+    norm's to the last (they stay gathered from the forward into the backward)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    tail = store.chunk_of[id(params[final_norm_index(w, len(params))])].index
+    dense = store.replica_axis(store.chunks[tail]).name
+    for st in store.chunks:
+        axis = store.replica_axis(st)
+        if not axis.trivial:
+            once = st.index >= tail and axis.name == dense
+            gathers = plan.microbatches * (1 if once else 2)
+            want[axis.name] += _chunk3_bytes(plan, st.size - st.used, axis.size, gathers)
+
+
 def _chunk3_bytes(plan, elems: int, p: int, gathers: int) -> float:
     """Wire bytes ZeRO-3 moves for ``elems`` fp32 elements of a chunk over ``p`` ranks: its
     gradients reduce-scattered every micro-batch, its parameters all-gathered ``gathers`` times."""
@@ -155,7 +165,7 @@ ZERO3 = {
 def test_zero3_expert_bytes_equal_the_ledger(world):
     """ZeRO-3 over dp x ep (2 ranks: ``ep_dp`` of one, the experts never gathered; 4: of two,
     and dp x ep x cp):
-    every dense and expert chunk gathered forward and backward each micro-batch but the chunk
+    every dense and expert chunk gathered forward and backward each micro-batch but the chunks
     the forward ends in (the final norm's and head's: once), as the planner counts them
     (``behemoth.planner.zero3_traffic``), its gradients reduce-scattered every micro-batch."""
     bh.spawn(_world, world, ZERO3[world], timeout=500)

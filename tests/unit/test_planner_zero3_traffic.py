@@ -9,7 +9,13 @@ import behemoth as bh
 from behemoth.models import build_model
 from behemoth.parallel.zero.chunks import pack_chunks, search_chunk_size
 from behemoth.planner.workload import workload_for
-from behemoth.planner.zero3_traffic import _resident, chunk_shard_elements, rank_param_sizes, zero3_resident_params
+from behemoth.planner.zero3_traffic import (
+    _resident,
+    chunk_shard_elements,
+    final_norm_index,
+    rank_param_sizes,
+    zero3_resident_params,
+)
 
 PRESETS = ("gpt-tiny", "llama-tiny", "llama-moe-tiny", "olmoe-tiny")
 
@@ -56,9 +62,14 @@ def test_resident_chunk_is_the_runtimes_last_dense_chunk(name, layers, dp, ep):
     cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
     chunk = search_chunk_size(list(sizes), shards, groups=groups, candidates=cands)[0]
     layout = pack_chunks(list(sizes), chunk, shards, groups=groups)
-    want = layout.group_chunks(order.index(0))[-1].used
+    # the final norm's chunk to the last (the head's): what the forward ends in
+    tail = final_norm_index(w, len(sizes))
+    assert sizes[tail] == w.shape.norm_params // (1 if w.shape.rms_norm else 2)
+    dense = layout.group_chunks(order.index(0))
+    first = next(i for i, c in enumerate(dense) if tail in c.params)
+    want = sum(c.used for c in dense[first:])
     assert zero3_resident_params(plan, w) == want
-    assert _resident(sizes, kinds, dp, max(dp // plan.ep, 1)) == want
+    assert _resident(sizes, kinds, dp, max(dp // plan.ep, 1), tail) == want
     # each group's shard: its chunks (padding included) over the group's shard count
     shard = {k: sum(c.size for c in layout.group_chunks(order.index(k))) // shards[order.index(k)] for k in order}
     assert chunk_shard_elements(plan, w) == (shard[0], shard.get(1, 0))

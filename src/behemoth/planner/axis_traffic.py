@@ -23,8 +23,8 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   checkpointed block's recompute included (:func:`balance_bytes`); gradients travel in fp32,
   gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes); at stages 1-3 the
   step's gradient norm sums each rank's float32 share over it (``parallel/zero/norm.py``). Stage
-  3 without a pipeline or activation checkpointing gathers the chunk its forward ends in (the
-  final norm's and the head's) once per micro-batch, not twice: it stays gathered into the
+  3 without a pipeline or activation checkpointing gathers the chunks its forward ends in (the
+  final norm's to the head's) once per micro-batch, not twice: they stay gathered into the
   backward (:func:`~.zero3_traffic.zero3_resident_params`); a checkpointed block's recompute
   gathers more, which is not counted. Chunk padding is not counted (it is below a chunk per
   group);
@@ -186,7 +186,7 @@ def step_traffic(
         axis = "dp_cp" if plan.cp > 1 else "dp"
         # the step's loss sum (and a MoE model's router losses beside it); its token count over dp
         # alone (every cp rank holds its dp rank's whole batch: engine.py's _loss_normaliser)
-        # ZeRO-3 without a pipeline: the chunk the forward ends in stays gathered into the backward
+        # ZeRO-3 without a pipeline: the chunks the forward ends in stay gathered into the backward
         # (measured without activation checkpointing, whose recomputes gather more: not counted)
         z3 = plan.zero == 3 and pp == 1 and not plan.activation_checkpointing
         resident = zero3_resident_params(plan, w) if z3 else 0
@@ -228,8 +228,8 @@ def _sync_bytes(plan: Plan, n: float, g: int, dt: Dtypes, resident: float = 0.0)
     stage 0 all-reduces the fp32 gradients once per step, 1 reduce-scatters them once, 2 once per
     micro-batch, 3 once per micro-batch after gathering the parameters forward and backward (a
     pipeline stage's ZeRO-2/3 once per step, after its last micro-batch: its gradients accumulate
-    in full chunks in between) -- but ``resident`` of them, the chunk the forward ends in, which
-    stays gathered into the backward (:func:`.zero3_traffic.zero3_resident_params`): once per
+    in full chunks in between) -- but ``resident`` of them, the chunks the forward ends in, which
+    stay gathered into the backward (:func:`.zero3_traffic.zero3_resident_params`): once per
     micro-batch; 1 and 2 all-gather the updated parameters after the step."""
     m = plan.microbatches
     grads, params = n * dt.param, n * (2 if plan.param_dtype == "bf16" else dt.param)

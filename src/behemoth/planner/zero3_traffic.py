@@ -3,11 +3,12 @@
 Stage 3 gathers a chunk before a module that owns its parameters runs forward, releases it when
 the working set moves on, and gathers it again before the module's backward; the store releases a
 chunk once all its gradients of the micro-batch are reduced (``parallel/zero/hooks.py``,
-``parallel/zero/store.py``). Every chunk is thus gathered twice per micro-batch -- but the one the
-forward ends in: the final norm's and the head's (the last modules to run forward) are still
-gathered when the backward starts with them, so that chunk is gathered once per micro-batch. Its
-parameters are what :func:`zero3_resident_params` counts: the last chunk of the data axis's
-group when the rank's parameters are packed as ``parallel/zero/optimizer.py`` packs them (next-fit
+``parallel/zero/store.py``). Every chunk is thus gathered twice per micro-batch -- but those the
+forward ends in: the final norm's and the head's (the last modules to run forward, the first two
+of the backward: the two chunks of look-ahead the hooks keep) are still gathered when the
+backward starts with them, so they are gathered once per micro-batch. Their parameters are what
+:func:`zero3_resident_params` counts: the data axis's chunks from the one holding the final norm
+to the last, when the rank's parameters are packed as ``parallel/zero/optimizer.py`` packs them (next-fit
 in registration order, one chunk group per parameter kind: the dense parameters over the data
 axis, the experts over ``ep_dp``; one size for every group, from the same least-padding search).
 
@@ -29,7 +30,7 @@ from ..plan import Plan
 from .params import weight_split
 from .workload import Workload
 
-__all__ = ["chunk_shard_elements", "rank_param_sizes", "zero3_resident_params"]
+__all__ = ["chunk_shard_elements", "final_norm_index", "rank_param_sizes", "zero3_resident_params"]
 
 
 def _norm(w: Workload) -> list[int]:
@@ -79,14 +80,19 @@ def rank_param_sizes(plan: Plan, w: Workload) -> tuple[tuple[int, ...], tuple[in
 
 
 def zero3_resident_params(plan: Plan, w: Workload) -> int:
-    """Parameters of the chunk ZeRO-3 keeps gathered from the forward into the backward: the data
-    axis's last chunk, which holds the final norm (and an untied head), when the rank's parameters
+    """Parameters of the chunks ZeRO-3 keeps gathered from the forward into the backward: the data
+    axis's chunks from the final norm's to the last (an untied head's), when the rank's parameters
     (:func:`rank_param_sizes`) are packed with the chunk size the runtime's search picks
     (``ZeroOptimizer._pack``: the least padding among 256 sizes from the largest parameter up
     to 1/32 of them or twice the largest). Without a pipeline."""
     sizes, kinds = rank_param_sizes(plan, w)
     g = plan.dp * plan.cp
-    return _resident(sizes, kinds, g, max(g // plan.ep, 1))
+    return _resident(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))
+
+
+def final_norm_index(w: Workload, count: int) -> int:
+    """The index of the final norm's first parameter among :func:`rank_param_sizes`' ``count``."""
+    return count - len(_norm(w)) - (0 if w.tied_embeddings else 1)
 
 
 def chunk_shard_elements(plan: Plan, w: Workload) -> tuple[int, int]:
@@ -96,16 +102,17 @@ def chunk_shard_elements(plan: Plan, w: Workload) -> tuple[int, int]:
     parallelism). Without a pipeline."""
     sizes, kinds = rank_param_sizes(plan, w)
     g = plan.dp * plan.cp
-    return _packed(sizes, kinds, g, max(g // plan.ep, 1))[1:]
+    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[1:]
 
 
-def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int) -> int:
-    return _packed(sizes, kinds, g, expert_g)[0]
+def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> int:
+    return _packed(sizes, kinds, g, expert_g, tail)[0]
 
 
 @lru_cache(maxsize=4096)
-def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int) -> tuple[int, int, int]:
-    """(the dense group's last chunk's parameters, the dense shard's elements, the expert shard's):
+def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> tuple[int, int, int]:
+    """(the dense group's parameters in its chunks from the one holding parameter ``tail`` to the
+    last, the dense shard's elements, the expert shard's):
     ``pack_chunks`` at the size ``search_chunk_size`` picks (least padding, ties to the larger),
     both run for all 256 candidates at once (the search costs this for every layout it ranks)."""
     lo = max(max(sizes), 1)
@@ -117,15 +124,19 @@ def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: in
         d = g if kind == 0 else expert_g
         cap = -(-cands // d) * d  # each group's chunk size: the size rounded up to its shard count
         used, count, total = cap + 1, np.zeros_like(cands), 0
-        for n, k in zip(sizes, kinds):
+        start = np.zeros_like(cands)  # parameters before the open chunk
+        for i, (n, k) in enumerate(zip(sizes, kinds)):
             if k == kind:  # next fit: a parameter that does not fit opens the next chunk
                 new = used + n > cap
                 count += new
+                start = np.where(new, total, start)
                 used = np.where(new, n, used + n)
                 total += n
+            if i == tail and kind == 0:
+                last = start
         padding += count * cap - total
         shards[kind] = count * cap // d
         if kind == 0:
-            last = used
+            last = total - last
     best = np.lexsort((-cands, padding))[0]
     return int(last[best]), int(shards[0][best]), int(shards[1][best]) if 1 in shards else 0

@@ -1,0 +1,43 @@
+"""The planner's bytes per axis of a dense model's whole step under ZeRO-3 equal the comm ledger's.
+
+behemoth's tiny GPT (a tied head, LayerNorms) and Llama (an untied head, whose final norm and head
+sit in two chunks) over 2 gloo ranks, with and without micro-batches: every chunk's parameters
+gathered forward and backward each micro-batch but those of the chunks the forward ends in (the
+final norm's to the head's: once), reduce-scattered every micro-batch, plus the step's scalars, as
+``behemoth.planner.axis_traffic.step_traffic`` counts them; the chunks' padding (which the planner
+does not count) is taken from the run's layout and added per gather.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import VOCAB, global_batches, shard
+from test_planner_expert_ledger import zero3_padding
+from test_planner_ledger import BATCH, FP32, SEQ, _workload
+
+import behemoth as bh
+from behemoth.models import build_model
+from behemoth.planner.axis_traffic import step_traffic
+
+
+def _world(rank, world, name):
+    for m in (1, 2):
+        model = build_model(name, vocab_size=VOCAB, seq_len=SEQ, num_layers=4)
+        w = _workload(model)
+        plan = bh.Plan(dp=world, precision="fp32", zero=3, microbatches=m)
+        engine = bh.boost(model, torch.optim.SGD(model.parameters(), lr=0.05), plan)
+        batches = global_batches(2, BATCH)
+        engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
+        engine.reset_comm_stats()
+        engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
+        got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
+        want = step_traffic(engine.plan, w, dt=FP32)
+        zero3_padding(plan, engine.grad_sync.reducer.store, model, w, want)
+        want = {axis: int(b) for axis, b in want.items() if b}
+        assert got == want, f"{name} {engine.plan.describe()} rank {rank}: ledger {got} vs planner {want}"
+
+
+@pytest.mark.parametrize("name", ("gpt-tiny", "llama-tiny"))
+def test_zero3_dense_bytes_equal_the_ledger(name):
+    bh.spawn(_world, 2, name, timeout=500)
