@@ -156,6 +156,7 @@ ZERO3 = {
     4: [
         bh.Plan(dp=4, ep=2, precision="fp32", zero=3),
         bh.Plan(dp=4, ep=2, precision="fp32", zero=3, microbatches=2),
+        bh.Plan(dp=4, ep=2, precision="fp32", zero=3, activation_checkpointing=True),
         bh.Plan(dp=2, ep=2, cp=2, precision="fp32", zero=3),
     ],
 }
@@ -167,7 +168,8 @@ def test_zero3_expert_bytes_equal_the_ledger(world):
     and dp x ep x cp):
     every dense and expert chunk gathered forward and backward each micro-batch but the chunks
     the forward ends in (the final norm's and head's: once), as the planner counts them
-    (``behemoth.planner.zero3_traffic``), its gradients reduce-scattered every micro-batch."""
+    (``behemoth.planner.zero3_traffic``), its gradients reduce-scattered every micro-batch; with
+    activation checkpointing the same (a block's recompute gathers what its backward keeps)."""
     bh.spawn(_world, world, ZERO3[world], timeout=500)
 
 

@@ -1,7 +1,10 @@
 """The planner's bytes per axis of a dense model's whole step under ZeRO-3 equal the comm ledger's.
 
 behemoth's tiny GPT (a tied head, LayerNorms) and Llama (an untied head, whose final norm and head
-sit in two chunks) over 2 gloo ranks, with and without micro-batches: every chunk's parameters
+sit in two chunks) over 2 gloo ranks, with and without micro-batches, and with activation
+checkpointing (whose recomputes gather for the backward, which keeps what they gathered; with
+several micro-batches its trace's prefetch window keeps a few chunks across them, so it gathers
+fewer than counted: not checked here): every chunk's parameters
 gathered forward and backward each micro-batch but those of the chunks the forward ends in (the
 final norm's to the head's: once), reduce-scattered every micro-batch, plus the step's scalars, as
 ``behemoth.planner.axis_traffic.step_traffic`` counts them; the chunks' padding (which the planner
@@ -22,10 +25,10 @@ from behemoth.planner.axis_traffic import step_traffic
 
 
 def _world(rank, world, name):
-    for m in (1, 2):
+    for m, ckpt in ((1, False), (2, False), (1, True)):
         model = build_model(name, vocab_size=VOCAB, seq_len=SEQ, num_layers=4)
         w = _workload(model)
-        plan = bh.Plan(dp=world, precision="fp32", zero=3, microbatches=m)
+        plan = bh.Plan(dp=world, precision="fp32", zero=3, microbatches=m, activation_checkpointing=ckpt)
         engine = bh.boost(model, torch.optim.SGD(model.parameters(), lr=0.05), plan)
         batches = global_batches(2, BATCH)
         engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))

@@ -23,10 +23,12 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   checkpointed block's recompute included (:func:`balance_bytes`); gradients travel in fp32,
   gathered parameters in their own dtype (``param_dtype='bf16'``: 2 bytes); at stages 1-3 the
   step's gradient norm sums each rank's float32 share over it (``parallel/zero/norm.py``). Stage
-  3 without a pipeline or activation checkpointing gathers the chunks its forward ends in (the
-  final norm's to the head's) once per micro-batch, not twice: they stay gathered into the
-  backward (:func:`~.zero3_traffic.zero3_resident_params`); a checkpointed block's recompute
-  gathers more, which is not counted. Chunk padding is not counted (it is below a chunk per
+  3 without a pipeline gathers the chunks its forward ends in (the final norm's to the head's)
+  once per micro-batch, not twice: they stay gathered into the backward
+  (:func:`~.zero3_traffic.zero3_resident_params`); with activation checkpointing as without (a
+  block's recompute gathers its chunks for the backward, which keeps them:
+  ``parallel/zero/hooks.py``; with several micro-batches the prefetch window of a checkpointed
+  run's trace keeps a few chunks across them, so it gathers fewer than counted). Chunk padding is not counted (it is below a chunk per
   group);
 * ``ep_dp`` (``ep_dp_cp`` under context parallelism): under expert parallelism the experts'
   parameters sync over it as the dense ones over ``dp`` (the same ZeRO stage's collectives;
@@ -187,8 +189,7 @@ def step_traffic(
         # the step's loss sum (and a MoE model's router losses beside it); its token count over dp
         # alone (every cp rank holds its dp rank's whole batch: engine.py's _loss_normaliser)
         # ZeRO-3 without a pipeline: the chunks the forward ends in stay gathered into the backward
-        # (measured without activation checkpointing, whose recomputes gather more: not counted)
-        z3 = plan.zero == 3 and pp == 1 and not plan.activation_checkpointing
+        z3 = plan.zero == 3 and pp == 1
         resident = zero3_resident_params(plan, w) if z3 else 0
         out[axis] = _sync_bytes(plan, n - experts, g, dt, resident) + all_reduce_bytes(8 * totals, g)
         if plan.dp > 1:

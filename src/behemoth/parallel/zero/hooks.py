@@ -11,7 +11,12 @@ release it when the working set moves on, and prefetch what the last step used n
   issues asynchronous gathers for the chunks of trace entries ``i+1 .. i+depth`` (every rank
   runs the same model, so every rank issues the same collectives in the same order).
 
-Activation checkpointing needs nothing special: the recomputed forward runs the pre-hooks.
+Activation checkpointing: the recomputed forward (inside the backward) runs the pre-hooks, which
+then evict neither a chunk the recompute has used so far (the block's backward, right after its
+recompute, needs them all) nor one the backward's hooks gathered (its gradients are still coming:
+a tied head's table, the module whose backward set the recompute off). So a chunk is gathered as
+often as without checkpointing, and held as long: until the store releases it, its gradients
+reduced. A forward pre-hook outside the backward forgets what the last backward held.
 A module that is called but passes its input through (``runs(module)`` false: a pipeline chunk
 that is not the active one) gathers nothing.
 """
@@ -59,6 +64,8 @@ class GatherHooks:
         self.trace: list[int] = []  # chunk indices in gather order, this step
         self._last: list[int] = []  # the previous step's trace
         self._active: list[set[int]] = []  # chunks of the modules whose forward is running
+        self._held: set[int] = set()  # chunks the running backward's hooks gathered
+        self._recomputed: set[int] = set()  # chunks the running recompute has used so far
         self.probe = probe
         for module in model.modules():
             chunks = []
@@ -72,7 +79,7 @@ class GatherHooks:
 
     def new_step(self) -> None:
         self._last, self.trace = self.trace, []
-        self._active = []
+        self._active, self._held, self._recomputed = [], set(), set()
 
     def _use(self, chunks: list[ChunkState]) -> None:
         if self.probe is not None:
@@ -101,7 +108,13 @@ class GatherHooks:
                 return
             self._use(chunks)
             self._active.append({st.index for st in chunks})
-            self._evict_others(set().union(*self._active))
+            keep = set().union(*self._active)
+            if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, in the backward
+                self._recomputed |= self._active[-1]
+                keep |= self._recomputed | self._held
+            else:
+                self._held = set()
+            self._evict_others(keep)
 
         return hook
 
@@ -125,6 +138,8 @@ class GatherHooks:
     def _pre_backward(self, chunks: list[ChunkState]):
         def hook(grad):
             self._use(chunks)
+            self._held |= {st.index for st in chunks}
+            self._recomputed = set()
             return None
 
         return hook
