@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import global_batches, shard
 from test_planner_host_calls import check_expert_calls_per_block
-from test_planner_ledger import BATCH, FP32, _moe, _workload
+from test_planner_ledger import FP32, _moe, _workload, second_step_bytes
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import expert_axis, step_traffic
@@ -73,11 +72,7 @@ def _world(rank, world, plans):
         model, optimizer = _model_and_optimizer(one_group=plan.zero == 3)
         w = _workload(model)
         engine = bh.boost(model, optimizer, plan)
-        batches = global_batches(2, BATCH)
-        engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
-        engine.reset_comm_stats()
-        engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
-        got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
+        got = second_step_bytes(engine)
         want = step_traffic(engine.plan, w, dt=FP32)
         store = engine.grad_sync.reducer.store
         if plan.zero == 3:  # the chunks' padding, as the run laid them out, each time the chunk moves

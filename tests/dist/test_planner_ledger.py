@@ -93,6 +93,16 @@ def _features(plan) -> set:
     return f
 
 
+def second_step_bytes(engine) -> dict[str, int]:
+    """The wire bytes per axis the ledger books for a whole step, the second of two (the first
+    makes the pipeline's shape headers and ZeRO-3's gather trace)."""
+    batches = global_batches(2, BATCH)
+    engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
+    engine.reset_comm_stats()
+    engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
+    return {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
+
+
 def _ledger(engine) -> dict[str, float]:
     stats = engine.comm_stats()
     got: dict[str, float] = {}

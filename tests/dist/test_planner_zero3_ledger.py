@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import VOCAB, global_batches, shard
+from common import VOCAB
 from test_planner_expert_ledger import zero3_padding
-from test_planner_ledger import BATCH, FP32, SEQ, _workload
+from test_planner_ledger import FP32, SEQ, _workload, second_step_bytes
 
 import behemoth as bh
 from behemoth.models import build_model
@@ -30,11 +30,7 @@ def _world(rank, world, name):
         w = _workload(model)
         plan = bh.Plan(dp=world, precision="fp32", zero=3, microbatches=m, activation_checkpointing=ckpt)
         engine = bh.boost(model, torch.optim.SGD(model.parameters(), lr=0.05), plan)
-        batches = global_batches(2, BATCH)
-        engine.step(shard(batches[0], engine.dp_rank, engine.dp_size))
-        engine.reset_comm_stats()
-        engine.step(shard(batches[1], engine.dp_rank, engine.dp_size))
-        got = {axis: s["wire_bytes"] for axis, s in engine.comm_stats().items() if s["wire_bytes"]}
+        got = second_step_bytes(engine)
         want = step_traffic(engine.plan, w, dt=FP32)
         zero3_padding(plan, engine.grad_sync.reducer.store, model, w, want)
         want = {axis: int(b) for axis, b in want.items() if b}
