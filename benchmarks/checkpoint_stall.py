@@ -13,7 +13,7 @@ minutes on 2 GPUs::
 fp32 AdamW state, dp = 2, ``--rows`` sequences per rank per step in micro-batches of ``--mbs``.
 After 3 warm-up steps, three phases of ``--steps`` steps each: no checkpoint, a synchronous
 ``engine.save`` every ``--every`` steps (the plain path of a run with background saves off), and
-``engine.save(blocking=False)`` every ``--every`` steps. Before the background phase comes its
+``engine.save(blocking=False)`` every ``--every`` steps. ``--no-sync`` skips the synchronous phase. Before the background phase comes its
 first save, as in a run: ``engine.reserve_save_buffers()`` after a step allocates the page-locked
 host buffers in the background (``--no-reserve``: the first save allocates them, as before), and
 the first save follows ``--every`` steps later (``first_background_save_stall_s``: what it costs
@@ -158,7 +158,7 @@ def stall_worker(a) -> None:
         }
 
     # plain synchronous saves first: once a background save has host buffers, blocking saves use them
-    results = {mode: phase(mode) for mode in ("none", "sync")}
+    results = {mode: phase(mode) for mode in ("none", "sync") if mode == "none" or not a.no_sync}
     first = first_background_save()
     results["async"] = phase("async")
     ckpt_bytes = first["checkpoint_bytes"]
@@ -186,7 +186,9 @@ def stall_worker(a) -> None:
             out[f"{mode}_save_call_s"] = r["save_call_s"]
             out[f"{mode}_stall_pct"] = round(100 * (r["seconds"] - base) / base, 2)
     out["async_last_commit_wait_s"] = results["async"]["last_commit_wait_s"]
-    for mode in ("sync", "async"):  # the whole save (files, fsyncs, commit) of every rank, in GB/s
+    for mode in [
+        m for m in ("sync", "async") if m in results
+    ]:  # the whole save (files, fsyncs, commit) of every rank, in GB/s
         w = results[mode]["write_s"]
         out[f"{mode}_write_s"] = w
         out[f"{mode}_write_GBps"] = round(ckpt_bytes / (sum(w) / len(w)) / 1e9, 3) if w else None
@@ -221,23 +223,27 @@ def _disk_probe(engine, a, nbytes: int, threads: int | None) -> float:
 
 
 def run_stall(a, work: str) -> dict | None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={a.gpus}",
-        os.path.abspath(__file__),
-        "--stall-worker",
-        f"--dir={os.path.join(work, 'stall')}",
-        f"--steps={a.steps}",
-        f"--every={a.every}",
-        f"--rows={a.rows}",
-        f"--mbs={a.mbs}",
-        f"--seq={a.seq}",
-        f"--size={a.size}",
-        f"--threads={a.threads}",
-    ] + (["--no-reserve"] if a.no_reserve else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={a.gpus}",
+            os.path.abspath(__file__),
+            "--stall-worker",
+            f"--dir={os.path.join(work, 'stall')}",
+            f"--steps={a.steps}",
+            f"--every={a.every}",
+            f"--rows={a.rows}",
+            f"--mbs={a.mbs}",
+            f"--seq={a.seq}",
+            f"--size={a.size}",
+            f"--threads={a.threads}",
+        ]
+        + (["--no-reserve"] if a.no_reserve else [])
+        + (["--no-sync"] if a.no_sync else [])
+    )
     env = _env()
     t0 = time.time()
     # its own session, so a timeout takes torchrun's workers (and their GPUs) with it
@@ -418,6 +424,9 @@ def main() -> None:
         help="sequences per rank per step (stall part; 32 is gpt-1.3b.toml's global batch on 2 GPUs, twice the time)",
     )
     p.add_argument("--mbs", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument(
+        "--no-sync", action="store_true", help="skip the synchronous-save phase (stall part: no checkpoint, background)"
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="writer threads per rank (0: behemoth's default)")
     p.add_argument(
