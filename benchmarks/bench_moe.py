@@ -50,6 +50,24 @@ parameters, fused AdamW): tokens/s per GPU, MFU on active FLOPs (``Llama.flops_p
 ``6 * N_active + 12 * L * H * S``, N_active counting k of E experts per layer, as
 ``peer_hf_mixtral.py`` counts; peak 989 TFLOP/s) and peak memory.
 
+``--plan`` (model): any layout instead of ``Plan(dp=world, ep=--ep)``, as ``Plan.describe()``
+prints it or as ``key=value`` pairs (``--plan "pp=2,microbatches=8,schedule=gpipe"``; bf16 unless it
+says otherwise; the flags ``--zero``, ``--ckpt``, ``--offload``, ``--param-dtype`` fill in what it
+leaves at its default), with ``--batch`` sequences per step over all data ranks (planner_proof.py's
+8 per GPU: ``--batch 16`` on 2 GPUs; default ``--mbs`` per data rank). ``--profile N`` (model):
+after the timed steps, N steps under torch.profiler, then one step counting the host's reads of
+device values (``step_profile.py``): every rank prints its top CUDA kernels and CPU ops, and a
+``PROFILE`` line (wall vs GPU-busy time per step, device-to-host copies and host synchronisations
+per step, the host reads by op); ``--trace DIR`` keeps each rank's chrome trace. For example, on
+2 GPUs::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model --plan "dp=2,ep=2" \
+        --mbs 4 --steps 6 --profile 3
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model \
+        --plan "pp=2,microbatches=8,schedule=1f1b" --batch 16 --steps 6 --profile 3
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model \
+        --plan "tp=2,tp_overlap=2,microbatches=4,zero=3" --batch 16 --steps 6 --profile 3
+
 ``--chunks 1,2,4`` (layer, model): each figure once per number of chunks the MoE layers split
 their tokens into, the all-to-alls overlapped with the experts' GEMMs
 (:mod:`behemoth.parallel.expert.overlap`; ``ExpertParallel(chunks=...)``, ``Plan(ep_overlap=...)``;
@@ -62,8 +80,12 @@ Every line also says which path behemoth's grouped expert GEMMs took (``paths``:
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import dataclasses
 import functools
 import gc
+import io
 import json
 import os
 import sys
@@ -73,6 +95,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from moe_routing import ROUTINGS, routing_input
+from step_profile import profile_steps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
@@ -406,23 +429,82 @@ def _init_on_device(model: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.02, generator=g)
 
 
+def parse_plan(text: str) -> dict:
+    """``--plan``'s keyword arguments: ``Plan(k=v, ...)`` as ``Plan.describe()`` prints it, or
+    ``k=v,k=v`` pairs; values are Python literals (a bare word reads as a string). Parsed, never
+    evaluated."""
+    text = text.strip()
+    body = text[len("Plan(") : -1] if text.startswith("Plan(") and text.endswith(")") else text
+    out = {}
+    for part in filter(None, (p.strip() for p in _split_top(body))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"--plan {text!r}: {part!r} is not key=value (e.g. pp=2,microbatches=8).")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    fields = {f.name for f in dataclasses.fields(bh.Plan)}
+    unknown = sorted(set(out) - fields)
+    if unknown:
+        raise ValueError(f"--plan {text!r}: {unknown} are not Plan fields; they are {sorted(fields)}.")
+    return out
+
+
+def _split_top(body: str) -> list[str]:
+    """``body`` split at the commas outside brackets and quotes."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(body):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    return parts + [body[start:]]
+
+
+def model_plan(a, world: int, chunks: int) -> bh.Plan:
+    """The layout of the model part: ``--plan`` (bf16 unless it says otherwise; ``--zero``,
+    ``--offload``, ``--param-dtype``, ``--ckpt`` where it does not say), else ``Plan(dp=world,
+    ep=--ep)`` with those flags; ``chunks`` > 1 sets ``ep_overlap``."""
+    given = parse_plan(a.plan) if a.plan else dict(dp=world, ep=a.ep or world)
+    kw = dict(
+        precision="bf16",
+        zero=a.zero,
+        offload=a.offload,
+        param_dtype=a.param_dtype,
+        activation_checkpointing=a.ckpt,
+    )
+    kw.update(given)
+    if chunks > 1:
+        kw["ep_overlap"] = chunks
+    return bh.Plan(**kw)
+
+
 def part_model(a, dev: torch.device, paths: PathCount) -> None:
     """One training run per ``--chunks`` entry, one after the other in this process (each model,
     engine and optimizer freed before the next is built)."""
-    ep = a.ep or dist.get_world_size()
+    world = dist.get_world_size()
     for chunks in a.chunk_counts:
-        if chunks > 1 and ep == 1:
+        plan = model_plan(a, world, chunks)
+        if chunks > 1 and plan.ep == 1:
             emit(dict(what="moe-model", model=a.size, chunks=chunks, skipped="ep=1 has no all-to-all to overlap"))
             continue
-        run_model(a, dev, paths, chunks)
+        run_model(a, dev, paths, plan)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
+def run_model(a, dev: torch.device, paths: PathCount, plan: bh.Plan) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    ep = a.ep or world
+    ep, chunks = plan.ep, plan.ep_overlap
     overrides = dict(num_layers=a.layers) if a.layers else {}
     model = build_model(a.size, vocab_size=a.vocab, seq_len=a.seq, device="meta", **overrides)
     model.to_empty(device=dev)
@@ -432,22 +514,13 @@ def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
     total = model.num_params()
     flops_tok = model.flops_per_token(a.seq)  # serial counts, before the experts are sharded
     active = (flops_tok - 12 * cfg.num_layers * cfg.hidden * a.seq) // 6
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and a.offload is None)
-    plan = bh.Plan(
-        dp=world,
-        ep=ep,
-        precision="bf16",
-        zero=a.zero,
-        offload=a.offload,
-        param_dtype=a.param_dtype,
-        activation_checkpointing=a.ckpt,
-        ep_overlap=chunks,
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda" and plan.offload is None)
     t0 = time.perf_counter()
     engine = bh.boost(model, opt, plan)
     setup_s = time.perf_counter() - t0
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)
-    ids = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=dev, generator=g)
+    share = a.batch // engine.dp_size if a.batch else a.mbs  # sequences per data rank per step
+    ids = torch.randint(0, a.vocab, (share, a.seq + 1), device=dev, generator=g)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -465,14 +538,16 @@ def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
     calls = paths.take()
     warm = times[3:] or times
     dt = slowest(sorted(warm)[len(warm) // 2], dev)
-    tok_s_gpu = a.mbs * a.seq / dt
+    tok_s_gpu = share * engine.dp_size * a.seq / dt / world
     loads = []
     for counts in engine.expert_token_counts().values():
         c = torch.tensor(counts, dtype=torch.float64).view(ep, -1).sum(1)
         loads.append(float(c.max() / c.mean()))
-    mode = f"behemoth-ep{ep}" + (f"-epdp{world // ep}" if world > ep else "")
-    mode += f"-zero{a.zero}" if a.zero else ""
+    ep_dp = engine.dp_size // ep
+    mode = f"behemoth-ep{ep}" + (f"-epdp{ep_dp}" if ep_dp > 1 else "")
+    mode += f"-zero{plan.zero}" if plan.zero else ""
     mode += f"-overlap{chunks}" if chunks > 1 else ""
+    mode += "" if world == engine.dp_size else f"-{plan.describe()}"
     emit(
         dict(
             what="moe-model",
@@ -481,16 +556,18 @@ def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
             chunks=chunks,
             gpus=world,
             ep=ep,
-            ep_dp=world // ep,
-            zero=a.zero,
-            param_dtype=a.param_dtype,
-            ckpt=a.ckpt,
+            ep_dp=ep_dp,
+            plan=plan.describe(),
+            zero=plan.zero,
+            param_dtype=plan.param_dtype,
+            ckpt=plan.activation_checkpointing,
             layers=cfg.num_layers,
             experts=cfg.num_experts,
             top_k=cfg.experts_top_k,
             total_b=round(total / 1e9, 2),
             active_b=round(active / 1e9, 2),
-            mbs=a.mbs,
+            mbs=share,
+            global_batch=share * engine.dp_size,
             seq=a.seq,
             vocab=a.vocab,
             setup_s=round(setup_s, 1),
@@ -508,6 +585,20 @@ def run_model(a, dev: torch.device, paths: PathCount, chunks: int) -> None:
             gpu=_gpu_name(dev),
         )
     )
+    if a.profile:
+        _profile(a, dev, engine, batch)
+
+
+def _profile(a, dev: torch.device, engine, batch) -> None:
+    """``--profile N``: every rank profiles N more steps (:func:`step_profile.profile_steps`);
+    the ranks print their reports one after the other."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        profile_steps(lambda: engine.step(batch), a.profile, dev, dist.get_rank(), trace_dir=a.trace)
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            print(text.getvalue(), flush=True)
+        dist.barrier()
 
 
 # ---------------------------------------------------------------- main
@@ -541,7 +632,11 @@ def parse_args(argv=None):
     p.add_argument("--precisions", default="bf16", help="dispatch, layer: bf16 and/or autocast (fp32 under autocast)")
     p.add_argument("--size", default="mixtral-4b", help="model: a behemoth preset (mixtral-4b, olmoe-1b-7b)")
     p.add_argument("--ep", type=int, default=0, help="model: Plan.ep (default: the world size); dp = world")
-    p.add_argument("--mbs", type=int, default=4, help="model: sequences per rank per step")
+    p.add_argument("--mbs", type=int, default=4, help="model: sequences per data rank per step")
+    p.add_argument("--plan", default="", help='model: the layout, e.g. "pp=2,microbatches=8" or "Plan(dp=2, ep=2)"')
+    p.add_argument("--batch", type=int, default=0, help="model: sequences per step over all data ranks (0: --mbs each)")
+    p.add_argument("--profile", type=int, default=0, help="model: profile this many steps after the timed ones")
+    p.add_argument("--trace", default=None, help="model, with --profile: a folder for each rank's chrome trace")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--layers", type=int, default=0, help="model: fewer layers than the preset (0: the preset's)")
@@ -567,6 +662,11 @@ def parse_args(argv=None):
     unknown = [x for x in a.parts if x not in PARTS]
     if unknown:
         p.error(f"--part {a.part!r}: unknown {unknown}; choose among {PARTS} or all.")
+    if a.plan:
+        try:
+            parse_plan(a.plan)
+        except ValueError as e:
+            p.error(str(e))
     if a.tiny:
         for k, v in TINY.items():
             setattr(a, k, v)

@@ -65,3 +65,39 @@ def test_unknown_routing_and_narrow_hidden_are_refused():
         moe_routing.routing_input("hot", 8, 16, 8, 2, 2, 1.2, g)
     with pytest.raises(ValueError, match="must exceed experts"):
         moe_routing.routing_input("zipf", 8, 8, 8, 2, 2, 1.2, g)
+
+
+def test_plan_texts_parse_without_evaluation():
+    import bench_moe
+
+    assert bench_moe.parse_plan("pp=2,microbatches=8,schedule=gpipe") == dict(pp=2, microbatches=8, schedule="gpipe")
+    described = "Plan(dp=1, tp=2, tp_overlap=2, microbatches=4, zero=3, precision='bf16')"
+    assert bench_moe.parse_plan(described) == dict(dp=1, tp=2, tp_overlap=2, microbatches=4, zero=3, precision="bf16")
+    with pytest.raises(ValueError, match="not Plan fields"):
+        bench_moe.parse_plan("pp=2,stages=4")
+    with pytest.raises(ValueError, match="is not key=value"):
+        bench_moe.parse_plan("__import__('os')")
+
+
+def test_host_reads_counts_each_read_of_a_device_value():
+    import step_profile
+
+    x = torch.arange(6.0)
+
+    def step():
+        torch.where(x > 2)  # nonzero
+        x.sum().item()
+        x.tolist()
+        torch.repeat_interleave(torch.tensor([1, 2]))  # the output's size read from the repeats
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # told: no read
+        x[x > 4]  # a boolean mask
+
+    got = step_profile.count_host_reads(step)
+    assert got["host_reads"] == {
+        "bool-mask aten.index(cpu)": 1,
+        "item(cpu)": 1,
+        "nonzero(cpu)": 1,
+        "repeat_interleave without output_size(cpu)": 1,
+        "tolist(cpu)": 1,
+    }
+    assert got["aten_ops"] > 5
