@@ -18,6 +18,7 @@ module                 what it holds
 ``cluster``            GPUs, nodes, memory, and the link class each axis's groups cross
 ``compute``            a roofline per GEMM shape as each tensor-parallel mode splits it
 ``footprint``          memory per GPU and host of a plan
+``moe_bytes``          what an MoE layer's routing, dispatch and combine keep and move
 ``bubble``             pipeline makespan and peak in-flight micro-batches (the simulator)
 ``cost``               ``predict(plan, workload, cluster)``: step time and memory
 ``search``             ``search(workload, cluster, limits)``: every legal plan, ranked

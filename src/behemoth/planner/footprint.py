@@ -29,7 +29,10 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ("Reducing Activation Recomputation in Large Transformer Models", with flash attention, so no
 ``s**2`` term): ``T (A_rep h / r + (A_h h + A_f f) / p)`` (``ACTIVATION_BYTES``) with
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
-``T`` tokens of the micro-batch on this context-parallel rank. Under 16-bit autocast (fp32
+``T`` tokens of the micro-batch on this context-parallel rank. A mixture of experts counts its
+experts as a SwiGLU over ``f = I k`` plus what its routing, dispatch and combine keep
+(:func:`.moe_bytes.expert_saved_bytes`), neither split over tp: the experts run whole on every
+tensor-parallel rank, over all the micro-batch's tokens. Under 16-bit autocast (fp32
 parameters) every GEMM keeps the 16-bit copy of its weight that autocast made for it until its
 backward, so a block's saved set holds its weights once more in 2 bytes a parameter: once per
 micro-batch in flight (a pipeline rank holding 4 micro-batches holds 4 copies; this, not the
@@ -55,6 +58,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .memory import zero_chunk_elements
+from .moe_bytes import expert_saved_bytes
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
@@ -114,9 +118,12 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     s = w.shape
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
-    f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else s.ffn_hidden
     a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
-    full = t * (a_rep * s.hidden / rep + (a_h * s.hidden + a_f * f) / plan.tp)
+    if w.num_experts:  # the experts run whole on every tp rank, over all the micro-batch's tokens
+        f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k
+        full = t * (a_rep * s.hidden / rep + a_h * s.hidden / plan.tp + a_f * f + expert_saved_bytes(plan, w))
+    else:
+        full = t * (a_rep * s.hidden / rep + (a_h * s.hidden + a_f * s.ffn_hidden) / plan.tp)
     if plan.tp > 1 and plan.tp_mode in ("2d", "2.5d"):
         # SUMMA keeps each Linear's gathered weight column (q shards, compute dtype) for the backward
         q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)

@@ -1,0 +1,119 @@
+"""behemoth.planner.moe_bytes: what a mixture-of-experts layer keeps for its backward, against
+autograd's saved tensors of the layer as expert parallelism runs it (the grouped GEMMs' path and
+the loop's) and as one data rank runs it serially; and the footprint's use of it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import behemoth as bh
+from behemoth.models.moe import MoEFeedForward
+from behemoth.planner.footprint import ACTIVATION_BYTES, block_activation_bytes
+from behemoth.planner.moe_bytes import expert_elementwise_bytes, expert_saved_bytes
+from behemoth.planner.workload import workload_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_expert_dispatch import OneRankMesh  # noqa: E402
+
+H, I, E, K, T = 256, 192, 8, 2, 2048
+
+
+def _saved_activations(layer: MoEFeedForward, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages ``layer``'s forward saves under bf16 autocast, less its
+    parameters and their 16-bit copies (the weights' copies are ``block_activation_bytes``'
+    other term)."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.clone().requires_grad_())
+    copies = 2 * sum(p.numel() for p in layer.parameters())
+    return sum(seen.values()) - copies
+
+
+def _layer() -> MoEFeedForward:
+    torch.manual_seed(0)
+    layer = MoEFeedForward(H, I, E, K, aux_loss_coef=0.01)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    return layer
+
+
+def _workload():
+    from behemoth.models import LlamaConfig
+
+    shape = dict(num_layers=1, num_heads=4, num_kv_heads=2, hidden=H, ffn_hidden=I, expert_ffn_hidden=I)
+    cfg = LlamaConfig(vocab_size=512, seq_len=T, num_experts=E, experts_top_k=K, **shape)
+    return workload_for(cfg, seq_len=T, global_batch=1)
+
+
+def _expected(rows: int) -> float:
+    """The planner's bytes for the layer: its input's 16-bit cast (the router's; a dense MLP's
+    input cast, which ``ACTIVATION_BYTES`` counts per hidden unit), the SwiGLU's ``8`` per unit of
+    ``I k``, and :func:`expert_saved_bytes`; ``rows`` beyond the T k assignments (the grouped
+    GEMMs' padding) hold their input row and their ``8 I`` of intermediates."""
+    per_token = (
+        2 * H + ACTIVATION_BYTES[(True, True)][2] * I * K + expert_saved_bytes(bh.Plan(precision="bf16"), _workload())
+    )
+    return T * per_token + rows * (2 * H + 8 * I)
+
+
+@pytest.mark.parametrize("grouped_path", [False, True], ids=["loop", "grouped"])
+def test_expert_parallel_layer_saves_what_the_planner_counts(grouped_path, monkeypatch):
+    from behemoth.parallel.expert import ExpertParallel, grouped
+    from behemoth.parallel.expert.grouped import GROUP_ROWS, pad_groups
+
+    if grouped_path:  # the GPUs' path: torch._grouped_mm (a loop of its own on CPU builds), groups padded
+        monkeypatch.setattr(grouped, "_fast_kernel", lambda x: grouped.gemm_dtype(x) == torch.bfloat16)
+    layer = _layer()
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(layer.route_tokens(x).experts_TK.reshape(-1), minlength=E).tolist()
+    padding = sum(pad_groups(counts, GROUP_ROWS)[0]) - T * K if grouped_path else 0
+    ExpertParallel().apply(layer, OneRankMesh())
+    got = _saved_activations(layer, x)
+    # within 0.25%: the padding rows' index tensor and the router loss's scalars are left out, and
+    # rows arriving in the experts' layout already (one rank, no padding) need no slot index
+    assert got == pytest.approx(_expected(padding), rel=2.5e-3), (got, _expected(padding))
+    # without the routing's, dispatch's and combine's tensors the count is a third short
+    assert got - T * expert_saved_bytes(bh.Plan(precision="bf16"), _workload()) < 0.7 * got
+
+
+def test_serial_layer_saves_what_the_planner_counts():
+    layer = _layer()
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1))
+    got = _saved_activations(layer, x)
+    assert got == pytest.approx(_expected(0), rel=5e-3), (got, _expected(0))
+
+
+def test_experts_are_whole_on_every_tensor_parallel_rank():
+    """Under 1D tensor parallelism the attention's saved set splits over tp; the experts' (their
+    SwiGLU over ``I k`` and :func:`expert_saved_bytes`) is the whole micro-batch's on every rank."""
+    w = workload_for("mixtral-4b", seq_len=2048, global_batch=8)
+    s, mbs, t = w.shape, 2, 2 * 2048
+    a_rep, a_h, a_f = ACTIVATION_BYTES[(True, True)]
+    one = bh.Plan(zero=1, precision="bf16", param_dtype="bf16").resolve(1)
+    two = bh.Plan(tp=2, zero=1, precision="bf16", param_dtype="bf16").resolve(2)
+    experts = t * (a_f * s.ffn_hidden * K + expert_saved_bytes(one, w))
+    assert block_activation_bytes(one, w, mbs)[0] == pytest.approx(t * (a_rep + a_h) * s.hidden + experts)
+    assert block_activation_bytes(two, w, mbs)[0] == pytest.approx(t * (a_rep + a_h / 2) * s.hidden + experts)
+
+
+def test_expert_bytes_grow_with_the_experts_a_token_visits():
+    w = _workload()
+    assert expert_saved_bytes(bh.Plan(), workload_for("llama-tiny", seq_len=64, global_batch=2)) == 0.0
+    assert expert_elementwise_bytes(workload_for("llama-tiny", seq_len=64, global_batch=2)) == (0.0, 0.0)
+    # fp32 GEMMs keep 4-byte rows: 12 h k beside the 16-bit GEMMs' 8 h k
+    assert expert_saved_bytes(bh.Plan(), w) - expert_saved_bytes(bh.Plan(precision="bf16"), w) == 4 * H * K
+    f, b = expert_elementwise_bytes(w)
+    assert f > 30 * H * K and b > 50 * H * K
