@@ -12,6 +12,8 @@ Measures, on rank 0's GPU unless said otherwise:
   both by sequence length (``attention_by_seq``: longer sequences run flash attention faster);
   grouped-query attention's beside multi-head's at 2,048 tokens (``extra.attention_gqa_2048``,
   not read by the planner);
+* the experts' grouped GEMMs (``torch._grouped_mm``) against dense GEMMs of one group's shape,
+  forward and backward (``grouped_gemm_ratio``: :func:`grouped_gemm_ratio`);
 * device-memory bandwidth (a large copy), and the rate of the blocks' non-GEMM kernels
   (``elementwise_bytes_per_s``: :func:`elementwise_rate`, the bytes ``planner.elementwise`` counts
   over a GPT-6.7B and a Llama-8B block's non-GEMM kernel time);
@@ -84,6 +86,38 @@ def gemm_points() -> list[list[float]]:
         flops = 2.0 * m * n * k
         by_flops.setdefault(float(2 ** round(torch.log2(torch.tensor(flops)).item())), []).append(flops / t)
     return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
+
+
+GROUPED_SHAPES = ((4, 8192, 2048, 5632), (8, 2048, 2048, 1408), (4, 4096, 4096, 14336))
+"""(groups, rows per group, hidden H, expert width I) of :func:`grouped_gemm_ratio`: Mixtral-like
+experts over 2 ranks, fine-grained experts, a Llama-8B-wide expert."""
+
+
+def grouped_gemm_ratio() -> float:
+    """The experts' grouped GEMMs' rate over dense GEMMs' of one group's shape, forward and
+    backward: ``torch._grouped_mm`` of the experts' gate/up projection (``[G rows, H] @ [G, H, 2I]``,
+    ``parallel/expert/grouped.py``'s kernel and layout) against G ``F.linear`` of a group each, for
+    :data:`GROUPED_SHAPES` (the mean of the ratios). 1.0 where the grouped kernel does not run
+    (no ``torch._grouped_mm``, compute capability below 9.0)."""
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability() < (9, 0):
+        return 1.0
+    ratios = []
+    for groups, rows, h, i in GROUPED_SHAPES:
+        x = torch.randn(groups * rows, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(groups, 2 * i, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        grad = torch.randn(groups * rows, 2 * i, device="cuda", dtype=torch.bfloat16)
+
+        def grouped():
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
+
+        def dense():
+            parts = [F.linear(x[g * rows : (g + 1) * rows], w[g]) for g in range(groups)]
+            torch.cat(parts).backward(grad)
+
+        ratios.append(_time(dense) / _time(grouped))
+        x.grad = w.grad = None
+    return sum(ratios) / len(ratios)
 
 
 def _attention_point(b: int, n: int, s: int, d: int, kv: int | None = None) -> tuple[float, float]:
@@ -547,6 +581,11 @@ def main() -> None:
             measured.append("elementwise_bytes_per_s")
         except Exception as e:  # keep the rest: the planner falls back to hbm_bytes_per_s
             print(f"calibrate: elementwise rate not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        try:
+            d["grouped_gemm_ratio"] = grouped_gemm_ratio()
+            measured.append("grouped_gemm_ratio")
+        except Exception as e:  # keep the rest: the planner takes the dense GEMM table's rate
+            print(f"calibrate: grouped GEMM ratio not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
     if world > 1:

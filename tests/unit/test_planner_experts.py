@@ -141,3 +141,36 @@ def test_search_tries_ep_overlap_where_there_is_expert_parallelism():
     text, why = table(r), explain(r)
     assert f"ep{ov[0].plan.ep}+ov2" in text and f"ep{ov[0].plan.ep}+ov2" in why
     assert "ep_overlap=2" in why and "ep_overlap=1" in why and "hidden behind the experts' GEMMs" in why
+
+
+def test_grouped_gemm_ratio_scales_the_bf16_expert_gemms_only():
+    """``Calibration.grouped_gemm_ratio``: the experts' GEMMs run through ``torch._grouped_mm`` under
+    bf16 (at that ratio of the table's rate); under fp32 the loop of dense GEMMs (the table's)."""
+    half = dataclasses.replace(DEVICE, grouped_gemm_ratio=0.5)
+    bf16 = _plan(1)
+    fp32 = bh.Plan(ep=8, precision="fp32").resolve(8)
+    for plan, factor in ((bf16, 2.0), (fp32, 1.0)):
+        base, slow = (block_times(plan, MOE, c, 4).expert_gemm_forward for c in (DEVICE, half))
+        assert slow == pytest.approx(factor * base, rel=1e-12)
+    with pytest.raises(ValueError, match="grouped_gemm_ratio"):
+        dataclasses.replace(CAL, grouped_gemm_ratio=0.0)
+
+
+def test_routing_dispatch_and_combine_bytes_are_not_split_over_tp():
+    """An MoE layer's routing, dispatch and combine (``moe_bytes.expert_elementwise_bytes``) run
+    over all of a micro-batch's tokens on every tensor-parallel rank, at the elementwise rate."""
+    from behemoth.planner.compute import elementwise_seconds
+    from behemoth.planner.moe_bytes import expert_elementwise_bytes
+
+    dense = dataclasses.replace(MOE, num_experts=0, experts_top_k=1)
+    fwd, bwd = expert_elementwise_bytes(MOE)
+    tokens = 4 * MOE.seq_len
+    for tp in (1, 2):
+        plan = bh.Plan(tp=tp, precision="bf16").resolve(tp)
+        moe, ref = elementwise_seconds(plan, MOE, DEVICE, tokens), elementwise_seconds(plan, dense, DEVICE, tokens)
+        # the dense model's MLP over ffn_hidden vs the experts' activation over I k, split over tp or not
+        width = MOE.shape.ffn_hidden
+        act_f = 10 * (width * MOE.experts_top_k - width / tp) * tokens / DEVICE.elementwise_rate
+        act_b = 18 * (width * MOE.experts_top_k - width / tp) * tokens / DEVICE.elementwise_rate
+        assert moe[0] - ref[0] == pytest.approx(act_f + fwd * tokens / DEVICE.elementwise_rate, rel=1e-9)
+        assert moe[1] - ref[1] == pytest.approx(act_b + bwd * tokens / DEVICE.elementwise_rate, rel=1e-9)

@@ -30,7 +30,8 @@ measure there)::
       "host_block_kernels": 90,                      # kernels of one block's forward + backward
       "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
       "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... by tensor-parallel mode, where measured
-      "host_forward_share": 0.33                     # the forward's share of a block's host time
+      "host_forward_share": 0.33,                    # the forward's share of a block's host time
+      "grouped_gemm_ratio": 0.9                      # experts' grouped GEMMs' rate / dense GEMMs' (1: not measured)
     }
 
 The host figures feed :mod:`.host` (the step is at least its host issue time); all zero (the
@@ -136,6 +137,10 @@ class Calibration:
     elementwise_bytes_per_s: float = 0.0
     """Bytes per second the blocks' non-GEMM operators (norms, activations, rotary embeddings,
     casts: :mod:`.elementwise`) move; 0: ``hbm_bytes_per_s`` (a large copy's rate)."""
+    grouped_gemm_ratio: float = 1.0
+    """The experts' grouped GEMMs' rate (``torch._grouped_mm``, ``parallel/expert/grouped.py``,
+    forward and backward) over dense GEMMs' of one group's shape, at MoE shapes
+    (``benchmarks/calibrate.py``); 1 (the default, where not measured) takes the GEMM table's."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -161,6 +166,10 @@ class Calibration:
         if not 0.0 < self.host_forward_share < 1.0:
             raise ValueError(
                 f"calibration {self.name!r}: host_forward_share={self.host_forward_share!r} must be in (0, 1)."
+            )
+        if not 0.0 < self.grouped_gemm_ratio <= 1.5:
+            raise ValueError(
+                f"calibration {self.name!r}: grouped_gemm_ratio={self.grouped_gemm_ratio!r} must be in (0, 1.5]."
             )
         if not 0.0 <= self.allocator_slack <= 1.0:
             raise ValueError(f"calibration {self.name!r}: allocator_slack={self.allocator_slack!r} must be in [0, 1].")

@@ -31,8 +31,10 @@ into the gradient sync's fp32 chunks (:func:`accumulate_bytes`), at HBM speed to
 attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 accumulators,
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
-layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, in ``ep_overlap``
-chunks of a ``1/ep_overlap`` share each, and each extra chunk casts the experts' weights and
+layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average (under bf16, grouped:
+at the calibration's ``grouped_gemm_ratio`` of the table's rate), in ``ep_overlap``
+chunks of a ``1/ep_overlap`` share each, its routing, dispatch and combine move the bytes
+:func:`.moe_bytes.expert_elementwise_bytes` counts, and each extra chunk casts the experts' weights and
 sums their gradients once more (:func:`ep_chunk_seconds`). Activation checkpointing adds a forward to
 the backward. The first stage's backward also fills the token embedding's dense gradient
 (:func:`embedding_backward_seconds`). Pure; tests/unit/test_planner_cost.py.
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from ..plan import Plan
 from .calibration import Calibration
 from .elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
+from .moe_bytes import expert_elementwise_bytes
 from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
@@ -163,6 +166,8 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         rows = t * w.experts_top_k * plan.ep / w.num_experts / k
         # experts stay whole on every tensor-parallel rank (tp splits attention only)
         one = (2 if s.gated_mlp else 1) * cal.gemm_seconds(rows, f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
+        if eb == 2 and plan.precision == "bf16":  # torch._grouped_mm's rate (the loop's elsewhere: the table's)
+            one /= cal.grouped_gemm_ratio
         experts = k * one * w.num_experts / plan.ep
         gemm += experts
     else:
@@ -215,8 +220,10 @@ def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float
         bare = block_elementwise_bytes(s, mlp_width=0.0)
         split_f += (e.split_forward - bare.split_forward) * (1 / shard - 1 / plan.tp)
         split_b += (e.split_backward - bare.split_backward) * (1 / shard - 1 / plan.tp)
+    # an MoE layer's routing, dispatch and combine: over all the micro-batch's tokens on every tp rank
+    moe_f, moe_b = expert_elementwise_bytes(w)
     per = tokens * _elementwise_scale(plan) / cal.elementwise_rate
-    return per * (e.hidden_forward / shard + split_f), per * (e.hidden_backward / shard + split_b)
+    return per * (e.hidden_forward / shard + split_f + moe_f), per * (e.hidden_backward / shard + split_b + moe_b)
 
 
 def sequence_parallel_copy_seconds(
