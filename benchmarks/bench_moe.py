@@ -263,6 +263,9 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
         )
         row_bytes = H * x_NH.element_size()
         leaving = sum(routed.send_sizes) - routed.send_sizes[ep.rank]
+        if a.profile:
+            for name, fn in (("dispatch", dispatch_only), ("combine", combine_only), ("round trip", round_trip)):
+                _profile_calls(a, dev, f"{precision} {name}", fn)
         emit(
             dict(
                 what="moe-dispatch",
@@ -589,16 +592,41 @@ def run_model(a, dev: torch.device, paths: PathCount, plan: bh.Plan) -> None:
         _profile(a, dev, engine, batch)
 
 
-def _profile(a, dev: torch.device, engine, batch) -> None:
-    """``--profile N``: every rank profiles N more steps (:func:`step_profile.profile_steps`);
-    the ranks print their reports one after the other."""
+def _profile_calls(a, dev: torch.device, what: str, fn) -> None:
+    """``--profile N`` of the dispatch part: N calls of ``fn`` (each after a barrier, as timed)
+    under torch.profiler; every rank prints its report, one after the other."""
+
+    def call():
+        _sync(dev)
+        dist.barrier()
+        _sync(dev)
+        fn()
+
+    if dist.get_rank() == 0:
+        print(f"\n##### {what}: {a.profile} calls (each after a barrier, which the tables include)", flush=True)
+    label = what.replace(" ", "_")
+    _print_in_turn(lambda: profile_steps(call, a.profile, dev, dist.get_rank(), a.trace, label=label))
+
+
+def _print_in_turn(run) -> None:
+    """``run()`` on every rank (collective), its printing held back and then printed rank by rank."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        profile_steps(lambda: engine.step(batch), a.profile, dev, dist.get_rank(), trace_dir=a.trace)
+        run()
     for r in range(dist.get_world_size()):
         if r == dist.get_rank():
             print(text.getvalue(), flush=True)
         dist.barrier()
+
+
+def _profile(a, dev: torch.device, engine, batch) -> None:
+    """``--profile N``: every rank profiles N more steps (:func:`step_profile.profile_steps`);
+    the ranks print their reports one after the other."""
+    label = f"model_{engine.plan.describe()}" if hasattr(engine, "plan") else "model"
+    label = "".join(c if c.isalnum() or c in "=_-" else "_" for c in label)
+    _print_in_turn(
+        lambda: profile_steps(lambda: engine.step(batch), a.profile, dev, dist.get_rank(), a.trace, label=label)
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -635,7 +663,9 @@ def parse_args(argv=None):
     p.add_argument("--mbs", type=int, default=4, help="model: sequences per data rank per step")
     p.add_argument("--plan", default="", help='model: the layout, e.g. "pp=2,microbatches=8" or "Plan(dp=2, ep=2)"')
     p.add_argument("--batch", type=int, default=0, help="model: sequences per step over all data ranks (0: --mbs each)")
-    p.add_argument("--profile", type=int, default=0, help="model: profile this many steps after the timed ones")
+    p.add_argument(
+        "--profile", type=int, default=0, help="model: profile this many steps after the timed ones; dispatch: calls"
+    )
     p.add_argument("--trace", default=None, help="model, with --profile: a folder for each rank's chrome trace")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)

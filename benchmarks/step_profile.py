@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,14 +60,24 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.reads: collections.Counter = collections.Counter()
+        self.sites: collections.Counter = collections.Counter()
+        """The same reads by where behemoth's code asked for them (its innermost frame)."""
         self._tolist = None
+
+    def _read(self, kind: str) -> None:
+        self.reads[kind] += 1
+        site = "?"
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            if f"{os.sep}behemoth{os.sep}" in frame.filename:
+                site = f"{frame.filename.split(os.sep + 'behemoth' + os.sep)[-1]}:{frame.lineno}"
+                break
+        self.sites[f"{kind} @ {site}"] += 1
 
     def __enter__(self):
         real = torch.Tensor.tolist
-        reads = self.reads
 
         def tolist(t, *args, **kwargs):
-            reads[f"tolist({t.device.type})"] += 1
+            self._read(f"tolist({t.device.type})")
             return real(t, *args, **kwargs)
 
         self._tolist = real
@@ -87,27 +98,32 @@ class HostReads(TorchDispatchMode):
         if kind is None:  # indexing with a boolean mask: a nonzero inside
             indices = args[1] if len(args) > 1 else ()
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
-                self.reads[f"bool-mask {packet}({dev})"] += 1
+                self._read(f"bool-mask {packet}({dev})")
         elif kind != "-":
-            self.reads[f"{kind}({dev})"] += 1
+            self._read(f"{kind}({dev})")
         elif (
             packet == "aten.repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None
         ):
-            self.reads[f"repeat_interleave without output_size({dev})"] += 1
+            self._read(f"repeat_interleave without output_size({dev})")
         elif packet in ("aten._to_copy", "aten.copy_"):
             src = args[1] if packet == "aten.copy_" else args[0]
             dst = args[0].device if packet == "aten.copy_" else kwargs.get("device") or src.device
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and torch.device(dst).type == "cpu":
                 blocking = packet == "aten._to_copy" or not kwargs.get("non_blocking", False)
-                self.reads["device-to-host copy" + ("" if blocking else " (non-blocking)")] += 1
+                self._read("device-to-host copy" + ("" if blocking else " (non-blocking)"))
         return func(*args, **kwargs)
 
 
 def count_host_reads(step) -> dict:
-    """``{"aten_ops": n, "host_reads": {kind: n}}`` of one call of ``step()``."""
+    """``{"aten_ops": n, "host_reads": {kind: n}, "host_read_sites": {"kind @ file:line": n}}``
+    of one call of ``step()`` (the sites: behemoth's innermost frame asking)."""
     with HostReads() as counter:
         step()
-    return {"aten_ops": counter.ops, "host_reads": dict(sorted(counter.reads.items()))}
+    return {
+        "aten_ops": counter.ops,
+        "host_reads": dict(sorted(counter.reads.items())),
+        "host_read_sites": dict(sorted(counter.sites.items())),
+    }
 
 
 def _busy(spans) -> float:
@@ -139,11 +155,14 @@ def _table(title: str, rows: list[tuple[str, int, float]], total_ms: float | Non
     return "\n".join(lines)
 
 
-def profile_steps(step, steps: int, dev: torch.device, rank: int, trace_dir: str | None = None, top: int = 15):
+def profile_steps(
+    step, steps: int, dev: torch.device, rank: int, trace_dir: str | None = None, top: int = 15, label: str = "trace"
+):
     """Run ``step()`` ``steps`` times under torch.profiler (CPU and, on a GPU, CUDA activity), then
     once more under :class:`HostReads`; print this rank's tables and ``PROFILE`` line (see the
     module docstring) and return the line's dict. Every rank of a job calls it (``step`` is
-    collective); each prints its own (the ranks of a pipeline differ)."""
+    collective); each prints its own (the ranks of a pipeline differ). ``trace_dir``: where each
+    rank's chrome trace goes (``{label}_rank{rank}.json.gz``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -211,6 +230,6 @@ def profile_steps(step, steps: int, dev: torch.device, rank: int, trace_dir: str
         with tempfile.TemporaryDirectory() as tmp:
             raw = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(raw)
-            with open(raw, "rb") as f, gzip.open(os.path.join(trace_dir, f"trace_rank{rank}.json.gz"), "wb") as g:
+            with open(raw, "rb") as f, gzip.open(os.path.join(trace_dir, f"{label}_rank{rank}.json.gz"), "wb") as g:
                 shutil.copyfileobj(f, g)
     return line

@@ -111,12 +111,16 @@ def grouped_swiglu(
 def swiglu_loop(
     x_NH: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act=F.silu
 ) -> torch.Tensor:
-    """:func:`grouped_swiglu` as a loop of ``F.linear`` over the experts with rows."""
+    """:func:`grouped_swiglu` as a loop of ``F.linear`` over the experts with rows. The weights are
+    split into experts once (``unbind``: its backward writes every expert's gradient into one
+    ``[E, ...]`` tensor, where indexing ``gate_up[e]`` would make a whole zero ``[E, ...]`` gradient
+    per expert and sum them)."""
     parts, start = [], 0
+    gate_ups, downs = (gate_up.unbind(0), down.unbind(0)) if any(counts) else ((), ())
     for e, n in enumerate(counts):
         if n:
-            gate_TI, up_TI = F.linear(x_NH[start : start + n], gate_up[e]).chunk(2, dim=-1)
-            parts.append(F.linear(act(gate_TI) * up_TI, down[e]))
+            gate_TI, up_TI = F.linear(x_NH[start : start + n], gate_ups[e]).chunk(2, dim=-1)
+            parts.append(F.linear(act(gate_TI) * up_TI, downs[e]))
         start += n
     if not parts:
         # No rows: stay in the graph of the input (the backward must still reach the dispatch's

@@ -149,13 +149,14 @@ class ExpertLayers:
                 out[n], at = values[at : at + c.numel()], at + c.numel()
             return out
         width = max(self.num_experts.values()) + 1  # the counts, then 1 where the layer has run
-        table = torch.zeros(len(self.names), width, dtype=torch.float64)
+        # built where the collective runs and read to the host once, after it
+        table = torch.zeros(len(self.names), width, dtype=torch.float64, device=device or "cpu")
         for i, n in enumerate(self.names):
             counts = getattr(self.layers.get(n), "token_counts", None)
             if counts is not None:
-                table[i, : counts.numel()] = counts.detach().double().cpu()
+                table[i, : counts.numel()] = counts.detach().reshape(-1)
                 table[i, -1] = 1.0
-        table = comm.all_reduce(table.to(device or "cpu"), axis).cpu()
+        table = comm.all_reduce(table, axis).cpu()
         return {n: table[i, : self.num_experts[n]].tolist() for i, n in enumerate(self.names) if table[i, -1] > 0}
 
     def update_bias(self) -> None:

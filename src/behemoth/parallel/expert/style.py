@@ -37,8 +37,11 @@ router losses are those of the serial model on the *global* batch: the expert co
 capacity's drops and the token count are summed over ``dp`` (one all-reduce of 2E + 1 numbers
 per layer; ``token_counts`` holds the global counts), and each rank's loss is its share (the
 router probabilities of its tokens), so the shares summed over ``dp`` are the serial loss
-(:mod:`.losses`). The style is applied at ep = 1 too whenever the batch is spread over ranks,
-for that reason. A capacity is per sequence, and each data rank holds whole sequences, so every
+(:mod:`.losses`). The style is applied to every MoE block, at ep = 1 and on one data rank too
+(a pipeline, tensor parallelism, one device): its trivial axes' collectives cost nothing, and the
+tokens still take one sort by expert, one host read of the split sizes and grouped GEMMs, where
+the serial layer's loop over experts waits for the device once per expert (``torch.where``)
+and runs each expert's GEMMs alone, in every micro-batch. A capacity is per sequence, and each data rank holds whole sequences, so every
 rank drops exactly what the serial model drops; under context parallelism, where a rank holds a
 share of each sequence, the experts its cp peers' tokens chose are all-gathered over ``cp``
 (``B*S*K`` integers per layer), the capacity is taken over the whole sequences as serially, and
@@ -310,13 +313,11 @@ def dense_tensor_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, st
 
 
 def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
-    """Apply :class:`ExpertParallel` to every MoE block of ``model`` (behemoth's layers need
-    nothing on a single data rank at ep = 1 without sequence parallelism; transformers' blocks
-    always get it, so that their balancing loss joins the objective). Returns the
-    :class:`~.losses.ExpertLayers` record. Run :func:`check_experts` first."""
+    """Apply :class:`ExpertParallel` to every MoE block of ``model``, whatever the plan (see the
+    module docstring; transformers' blocks need it for their balancing loss to join the objective
+    too). Returns the :class:`~.losses.ExpertLayers` record. Run :func:`check_experts` first."""
     layers = moe_layers(model)
     sequence_parallel = plan.tp > 1 and plan.sequence_parallel  # the block returns its tp rank's shard
-    spread = plan.ep > 1 or mesh.axis("dp").size > 1 or plan.cp > 1 or sequence_parallel
     style = ExpertParallel(
         data_axis="dp_cp" if plan.cp > 1 else "dp",
         replica_axis="ep_dp_cp" if plan.cp > 1 and plan.ep > 1 else "ep_dp",
@@ -324,7 +325,7 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         sequence_parallel=_region_of(model) if sequence_parallel else None,
         chunks=plan.ep_overlap,
     )
-    styled = {name: style for name, m in layers.items() if spread or not isinstance(m, MoEFeedForward)}
+    styled = dict.fromkeys(layers, style)
     if styled:
         apply_styles(model, styled, mesh, what="expert plan")
     return ExpertLayers(model, layers)
