@@ -369,32 +369,13 @@ def take_rows(y_NH: torch.Tensor, routed: Routed) -> torch.Tensor:
     return TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
 
 
-class TokenMajor(torch.autograd.Function):
-    """The rows back at their (token, slot) places, local: forward ``out[order_A[i]] = rows[i]`` in
-    ``T*K`` rows (each written once; zero at a slot a capacity dropped), viewed ``[T, K, H]``;
-    backward the adjoint gather ``grad[order_A]``."""
-
-    @staticmethod
-    def forward(ctx, rows_AH, order_A, num_tokens: int, top_k: int):
-        ctx.save_for_backward(order_A)
-        make = rows_AH.new_empty if order_A.numel() == num_tokens * top_k else rows_AH.new_zeros  # every slot written
-        out = make((num_tokens * top_k, rows_AH.shape[-1])).index_copy_(0, order_A, rows_AH.contiguous())
-        return out.view(num_tokens, top_k, rows_AH.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_TKH):
-        (order_A,) = ctx.saved_tensors
-        return grad_TKH.reshape(-1, grad_TKH.shape[-1]).index_select(0, order_A), None, None, None
-
-
 def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
     """``y_TH``: the rows back at their tokens, each token's k weighted by ``weights_TK`` and
-    summed (in the product's dtype), returned in the dispatched tokens' dtype. Local. The rows are
-    put token-major (``[T, K, H]``, :class:`TokenMajor`: one scatter of a permutation, no atomic
-    accumulation), then weighted and summed over k in one product and one reduction."""
-    num_tokens, top_k = weights_TK.shape
-    y_TKH = TokenMajor.apply(y_AH, routed.order_A, num_tokens, top_k)
-    return (y_TKH * weights_TK.unsqueeze(-1)).sum(1).to(routed.dtype)
+    summed (in the product's dtype), returned in the dispatched tokens' dtype. Local."""
+    num_tokens = weights_TK.shape[0]
+    weighted_AH = y_AH * weights_TK.reshape(-1).index_select(0, routed.order_A)[:, None]
+    y_TH = weighted_AH.new_zeros((num_tokens, y_AH.shape[-1])).index_add_(0, routed.token_A, weighted_AH)
+    return y_TH.to(routed.dtype)
 
 
 @torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
