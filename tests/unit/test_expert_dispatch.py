@@ -139,3 +139,34 @@ def test_one_host_read_per_moe_layer():
         # which sorts its indices on a GPU: every permutation's backward is its adjoint gather or scatter)
         assert forward.ops["sort"] == 1, (what, forward.ops)
         assert not {"sort", "index_put", "index_put_"} & set(backward.ops), (what, backward.ops)
+
+
+def test_moe_layers_take_the_expert_path_under_any_plan():
+    """parallelize_experts styles behemoth's MoE layers whatever the plan -- one data rank at ep = 1
+    too (a pipeline, tensor parallelism, one device) -- so a forward reads the device once (the
+    split sizes), where the serial layer's loop reads it once per expert (``torch.where``), and
+    computes what the serial layer computes."""
+    from host_reads import HostReads
+
+    import behemoth as bh
+    from behemoth.parallel.expert import parallelize_experts
+
+    torch.manual_seed(0)
+    serial = MoEFeedForward(16, 12, 4, 2, aux_loss_coef=0.1)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p.normal_(0, 0.5)
+    for plan in (bh.Plan(pp=2, microbatches=8), bh.Plan(tp=2), bh.Plan()):
+        layer = MoEFeedForward(16, 12, 4, 2, aux_loss_coef=0.1)
+        layer.load_state_dict(serial.state_dict())
+        parallelize_experts(torch.nn.Sequential(layer), OneRankMesh(), plan)
+        assert "forward" in layer.__dict__ and layer._behemoth_expert_routes, plan
+    x = torch.randn(2, 5, 16)
+    with HostReads() as styled:
+        y = layer(x)
+    with HostReads() as loop:
+        want = serial(x)
+    assert dict(styled.counts) == {"tolist": 1} and "nonzero" not in styled.ops
+    assert loop.ops["nonzero"] == 4  # the serial layer: once per expert
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.aux_loss, serial.aux_loss, rtol=1e-6, atol=0)
