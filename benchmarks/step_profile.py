@@ -63,6 +63,7 @@ class HostReads(TorchDispatchMode):
         self.sites: collections.Counter = collections.Counter()
         """The same reads by where behemoth's code asked for them (its innermost frame)."""
         self._tolist = None
+        self._inside_tolist = False
 
     def _read(self, kind: str) -> None:
         self.reads[kind] += 1
@@ -78,7 +79,11 @@ class HostReads(TorchDispatchMode):
 
         def tolist(t, *args, **kwargs):
             self._read(f"tolist({t.device.type})")
-            return real(t, *args, **kwargs)
+            self._inside_tolist = True  # its copy to the host is this read, not another
+            try:
+                return real(t, *args, **kwargs)
+            finally:
+                self._inside_tolist = False
 
         self._tolist = real
         torch.Tensor.tolist = tolist
@@ -105,12 +110,14 @@ class HostReads(TorchDispatchMode):
             packet == "aten.repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None
         ):
             self._read(f"repeat_interleave without output_size({dev})")
-        elif packet in ("aten._to_copy", "aten.copy_"):
-            src = args[1] if packet == "aten.copy_" else args[0]
-            dst = args[0].device if packet == "aten.copy_" else kwargs.get("device") or src.device
+        elif packet in ("aten._to_copy", "aten.copy_") and not self._inside_tolist:
+            copy = packet == "aten.copy_"
+            src = args[1] if copy else args[0]
+            dst = args[0].device if copy else kwargs.get("device") or src.device
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and torch.device(dst).type == "cpu":
-                blocking = packet == "aten._to_copy" or not kwargs.get("non_blocking", False)
-                self._read("device-to-host copy" + ("" if blocking else " (non-blocking)"))
+                non_blocking = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) if copy else None
+                non_blocking = kwargs.get("non_blocking", False) if non_blocking is None else non_blocking
+                self._read("device-to-host copy" + (" (non-blocking)" if non_blocking else ""))
         return func(*args, **kwargs)
 
 
