@@ -15,8 +15,9 @@ by the earlier's, so a chunk's reverse combine travels while another chunk's exp
 backward. Every rank builds the same graph, so its backward issues the reverse all-to-alls in the
 same order (autograd runs the ready node created last first).
 
-``chunks = 1`` is :func:`~.dispatch.dispatch` -> experts -> :func:`~.dispatch.combine`, each
-all-to-all waited for where it is issued. Either way the rows and the bytes are those of one
+One chunk runs the same way (its layout's indices computed while its rows travel, a shared
+expert while they travel back); on a trivial axis, where nothing travels, it is
+:func:`~.dispatch.dispatch` -> experts -> :func:`~.dispatch.combine`. Either way the rows and the bytes are those of one
 exchange (the ledger books one call per chunk each way, and ``chunks * E`` split sizes:
 :func:`~.traffic.ep_all_to_all_bytes`).
 
@@ -108,11 +109,11 @@ def wait(buffer: torch.Tensor, e: Exchange) -> torch.Tensor:
 def exchange(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_experts, shared=None) -> torch.Tensor:
     """``y_TH``: each token's rows through its experts (``run_experts(x_NH, local_counts)``, this
     member's experts on their rows) and back, weighted and summed (as :func:`~.dispatch.combine`
-    sums them), along ``routes`` -- chunk by chunk with the all-to-alls overlapped when the
-    routes have more than one chunk (see the module docstring) -- plus ``shared(x_TH)`` where
-    given (a shared expert; over chunks, computed while the last combines travel). Collective
-    over the routes' axis."""
-    if routes.chunks == 1:
+    sums them), along ``routes`` -- each all-to-all started and waited for apart, chunk by chunk
+    overlapped with another chunk's experts where the routes have several (see the module
+    docstring) -- plus ``shared(x_TH)`` where given (a shared expert, computed while the last
+    combines travel). Collective over the routes' axis."""
+    if routes.chunks == 1 and routes.axis.trivial:  # nothing travels
         x_NH, local_counts, routed = dispatch_routes(x_TH, routes)
         y_TH = combine(run_experts(x_NH, local_counts), weights_TK, routed)
         shared_TH = None if shared is None else shared(x_TH)
@@ -131,9 +132,11 @@ def _exchange_chunks(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Route
         sent.append(start(x_AH, routes.axis, chunks[c].send_sizes, chunks[c].recv_sizes))
     back = []
     for c, ((buffer, e), r) in enumerate(zip(sent, chunks)):
-        x_NH = place_rows(wait(buffer, e), routes.lay_out(c))
+        laid = routes.lay_out(c)  # where the rows go, computed while they travel
+        x_NH = place_rows(wait(buffer, e), laid)
         y_NH = run_experts(x_NH, r.counts)
         back.append(start(take_rows(y_NH, r), routes.axis, r.recv_sizes, r.send_sizes))
     shared_TH = None if shared is None else shared(x_TH)
-    y_TH = torch.cat([weigh_rows(wait(buffer, e), w, r) for (buffer, e), w, r in zip(back, ws, chunks)])
+    parts = [weigh_rows(wait(buffer, e), w, r) for (buffer, e), w, r in zip(back, ws, chunks)]
+    y_TH = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y_TH if shared_TH is None else y_TH + shared_TH
