@@ -3,8 +3,10 @@ the host's waits for the device counted op by op over one step.
 
 :func:`profile_steps` prints, for this rank, one ``PROFILE {json}`` line and two tables:
 
-* the top CUDA kernels by total time (count, total ms, share of the device-busy time), and the
-  top CPU ops by self time (count, self ms);
+* the top CUDA kernels by total time (count, total ms, share of the device-busy time), the
+  top CPU ops by self time (count, self ms), and the ranges the code annotates
+  (``record_function``: an MoE layer's ``behemoth::moe_route``, ``behemoth::moe_exchange``,
+  ``behemoth::moe_balance``), host and GPU time;
 * per step: the wall time, the device's busy time (the union of every kernel's and copy's
   interval on this rank's GPU, NCCL's included; wall less busy is the time the GPU waited, for the
   host or for a peer), the NCCL kernels' summed time, the device-to-host copies
@@ -162,6 +164,18 @@ def _table(title: str, rows: list[tuple[str, int, float]], total_ms: float | Non
     return "\n".join(lines)
 
 
+def _ranges(ranges: dict, wall_ms: float, cuda: bool) -> str:
+    """The table of the ranges code annotated (``record_function``: behemoth's MoE layers name
+    their routing, exchange and balancing statistics), host and GPU time (the span from the range's
+    first kernel to its last, idle gaps included) against the profiled wall time."""
+    lines = ["annotated ranges (host ms: the time the host spent inside; GPU span ms: first to last kernel)"]
+    lines.append(f"{'host ms':>10} {'share':>6} {'GPU ms':>10} {'count':>7}  name")
+    for name, (count, host, gpu) in sorted(ranges.items(), key=lambda kv: -kv[1][1]):
+        gpu_text = f"{gpu:10.2f}" if cuda else f"{'-':>10}"
+        lines.append(f"{host:10.2f} {100 * host / wall_ms:5.1f}% {gpu_text} {count:7d}  {name[:100]}")
+    return "\n".join(lines)
+
+
 def profile_steps(
     step, steps: int, dev: torch.device, rank: int, trace_dir: str | None = None, top: int = 15, label: str = "trace"
 ):
@@ -191,7 +205,15 @@ def profile_steps(
     kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     cpu_ops: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     spans, nccl_us, d2h, runtime = [], 0.0, 0, collections.Counter()
+    ranges: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])  # count, host ms, GPU span ms
     for e in events:
+        if getattr(e, "is_user_annotation", False) and "#" not in e.key:
+            r = ranges[e.key]
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                r[2] += e.time_range.elapsed_us() / 1e3
+            else:
+                r[0], r[1] = r[0] + 1, r[1] + e.time_range.elapsed_us() / 1e3
+            continue
         if _device_event(e):
             dur = e.time_range.elapsed_us()
             spans.append((e.time_range.start, e.time_range.end))
@@ -225,9 +247,11 @@ def profile_steps(
         **counted,
     )
     print(
-        f"\n=== rank {rank}: {steps} profiled steps on {dev} ===\n"
+        f"\n=== rank {rank}: {steps} profiled steps on {dev} (the tables: totals over them) ===\n"
         + (_table(f"top {top} CUDA kernels by total time", top_kernels, busy_ms) + "\n" if cuda else "")
         + _table(f"top {top} CPU ops by self time", top_cpu, wall * 1e3)
+        + "\n"
+        + _ranges(ranges, wall * 1e3, cuda)
         + "\nPROFILE "
         + json.dumps(line),
         flush=True,

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ... import comm
 from ...comm import Axis
@@ -272,15 +273,18 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
             x_BSH = _own_gradient(x_BSH, tp)
         x_BSH = block.jitter(x_BSH)
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        r = block.route(x_BSH, whole_rows)
-        # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
-        # a checkpointed block's recompute gets its forward's routes back (no sort, no host read)
-        routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
-        y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
-        counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
-        # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
-        local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
-        totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
+        with record_function("behemoth::moe_route"):  # ranges a profiler's tables can name
+            r = block.route(x_BSH, whole_rows)
+        with record_function("behemoth::moe_exchange"):
+            # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
+            # a checkpointed block's recompute gets its forward's routes back (no sort, no host read)
+            routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
+            y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
+        with record_function("behemoth::moe_balance"):
+            counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
+            # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
+            local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
+            totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
         num_experts = block.num_experts
         counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
         if block.native:
