@@ -88,6 +88,7 @@ import gc
 import io
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -622,8 +623,7 @@ def _print_in_turn(run) -> None:
 def _profile(a, dev: torch.device, engine, batch) -> None:
     """``--profile N``: every rank profiles N more steps (:func:`step_profile.profile_steps`);
     the ranks print their reports one after the other."""
-    label = f"model_{engine.plan.describe()}" if hasattr(engine, "plan") else "model"
-    label = "".join(c if c.isalnum() or c in "=_-" else "_" for c in label)
+    label = "model_" + re.sub(r"[^A-Za-z0-9=]+", "_", engine.plan.describe().removeprefix("Plan")).strip("_")
     _print_in_turn(
         lambda: profile_steps(lambda: engine.step(batch), a.profile, dev, dist.get_rank(), a.trace, label=label)
     )

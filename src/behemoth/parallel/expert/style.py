@@ -275,16 +275,18 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         with record_function("behemoth::moe_route"):  # ranges a profiler's tables can name
             r = block.route(x_BSH, whole_rows)
-        with record_function("behemoth::moe_exchange"):
             # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
-            # a checkpointed block's recompute gets its forward's routes back (no sort, no host read)
+            # a checkpointed block's recompute gets its forward's routes back (no sort, no host read). The
+            # split sizes' read to the host is started here and waited for in the exchange: the balancing
+            # statistics in between keep the device busy while the host waits
             routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
-            y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
         with record_function("behemoth::moe_balance"):
             counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
             # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
             local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
             totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
+        with record_function("behemoth::moe_exchange"):
+            y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
         num_experts = block.num_experts
         counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
         if block.native:
