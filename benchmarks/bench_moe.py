@@ -68,6 +68,11 @@ per step, the host reads by op); ``--trace DIR`` keeps each rank's chrome trace.
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py --part model \
         --plan "tp=2,tp_overlap=2,microbatches=4,zero=3" --batch 16 --steps 6 --profile 3
 
+``--combine token-major`` (every part): the combine's weighing as a token-major scatter of the
+rows and a sum over k (:func:`token_major_weigh_rows`, the same values) in place of the library's
+weighted rows ``index_add_``'ed to their tokens, to measure one against the other; each line says
+which (``combine``).
+
 ``--chunks 1,2,4`` (layer, model): each figure once per number of chunks the MoE layers split
 their tokens into, the all-to-alls overlapped with the experts' GEMMs
 (:mod:`behemoth.parallel.expert.overlap`; ``ExpertParallel(chunks=...)``, ``Plan(ep_overlap=...)``;
@@ -209,6 +214,46 @@ def emit(result: dict) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
+# ---------------------------------------------------------------- the combine's weighing, A/B
+
+
+class _TokenMajor(torch.autograd.Function):
+    """``rows[i]`` to row ``order_A[i]`` of ``[T*K, H]`` (zero where a capacity dropped a slot), viewed
+    ``[T, K, H]``; backward the adjoint gather."""
+
+    @staticmethod
+    def forward(ctx, rows_AH, order_A, num_tokens: int, top_k: int):
+        ctx.save_for_backward(order_A)
+        make = rows_AH.new_empty if order_A.numel() == num_tokens * top_k else rows_AH.new_zeros
+        out = make((num_tokens * top_k, rows_AH.shape[-1])).index_copy_(0, order_A, rows_AH.contiguous())
+        return out.view(num_tokens, top_k, rows_AH.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_TKH):
+        (order_A,) = ctx.saved_tensors
+        return grad_TKH.reshape(-1, grad_TKH.shape[-1]).index_select(0, order_A), None, None, None
+
+
+def token_major_weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed) -> torch.Tensor:
+    """``--combine token-major``: the combine's weighing as the rows put token-major by one scatter
+    of the permutation, weighed and summed over k (the product's dtype, the tokens' dtype out), in
+    place of the library's weighted rows index_add_'ed to their tokens; the same values (for top-2
+    the same two terms), no atomics, and no fp32 product kept for the backward."""
+    num_tokens, top_k = weights_TK.shape
+    y_TKH = _TokenMajor.apply(y_AH, routed.order_A, num_tokens, top_k)
+    return (y_TKH * weights_TK.unsqueeze(-1)).sum(1).to(routed.dtype)
+
+
+def use_combine(kind: str) -> None:
+    """``--combine``: ``index-add`` (the library's) or ``token-major`` (:func:`token_major_weigh_rows`,
+    put in the library's place for this process)."""
+    if kind == "token-major":
+        from behemoth.parallel.expert import dispatch as dispatch_module
+        from behemoth.parallel.expert import overlap as overlap_module
+
+        dispatch_module.weigh_rows = overlap_module.weigh_rows = token_major_weigh_rows
+
+
 # ---------------------------------------------------------------- part 1: dispatch and combine
 
 
@@ -270,6 +315,7 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
         emit(
             dict(
                 what="moe-dispatch",
+                combine=a.combine,
                 precision=precision,
                 ep=ep.size,
                 tokens_per_rank=T,
@@ -391,6 +437,7 @@ def _layer_line(a, dev, moe, kind, ep, g, autocast, precision, chunks, flops, de
         dict(
             what="moe-layer",
             routing=kind,
+            combine=a.combine,
             chunks=chunks,
             precision=precision,
             ep=ep.size,
@@ -557,6 +604,7 @@ def run_model(a, dev: torch.device, paths: PathCount, plan: bh.Plan) -> None:
             what="moe-model",
             model=a.size,
             mode=mode,
+            combine=a.combine,
             chunks=chunks,
             gpus=world,
             ep=ep,
@@ -681,6 +729,12 @@ def parse_args(argv=None):
         help="layer, model: comma-separated chunk counts of the overlapped expert exchange (1: at once)",
     )
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 peak FLOP/s per GPU (H100/H200 SXM)")
+    p.add_argument(
+        "--combine",
+        default="index-add",
+        choices=["index-add", "token-major"],
+        help="the combine's weighing: the library's index_add_, or a token-major scatter and a sum over k (A/B)",
+    )
     a = p.parse_args(argv)
     a.parts = PARTS if a.part == "all" else tuple(a.part.split(","))
     try:
@@ -721,6 +775,7 @@ def main() -> None:
     if a.experts % world:
         sys.exit(f"--experts {a.experts} must be divisible by the world size {world} (ep = world).")
     paths = PathCount()
+    use_combine(a.combine)
     if "dispatch" in a.parts or "layer" in a.parts:
         mesh = ParallelMesh(bh.Plan(dp=world, ep=world), dist.get_rank(), world)
         if "dispatch" in a.parts:

@@ -101,3 +101,32 @@ def test_host_reads_counts_each_read_of_a_device_value():
         "tolist(cpu)": 1,
     }
     assert got["aten_ops"] > 5
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_token_major_combine_equals_the_librarys(drop):
+    """bench_moe.py --combine token-major weighs the rows as the library's combine does: the same
+    outputs and gradients (top-2: the same two terms, bit for bit), a capacity's drops included."""
+    import bench_moe
+    from test_expert_grouped import OneRankMesh
+
+    from behemoth.parallel.expert.dispatch import dispatch, weigh_rows
+
+    g = torch.Generator().manual_seed(3)
+    T, H, E, K = 12, 8, 4, 2
+    experts_TK = torch.rand(T, E, generator=g).argsort(-1)[:, :K]
+    if drop:
+        experts_TK[::3, 1] = E  # dropped by a capacity: never sent
+    x_TH = torch.randn(T, H, generator=g)
+    _, _, routed = dispatch(x_TH, experts_TK, E, OneRankMesh().axis("ep"))
+    y = torch.randn(routed.order_A.numel(), H, generator=g, dtype=torch.float64)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64)
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    outs = []
+    for fn in (weigh_rows, bench_moe.token_major_weigh_rows):
+        y_, w_ = y.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(y_, w_, routed)
+        out.backward(dy)
+        outs.append((out, y_.grad, w_.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
