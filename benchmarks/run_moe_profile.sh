@@ -3,7 +3,7 @@
 # tokens a step, bf16 autocast) under several layouts, one process each: bench_moe.py --part model
 # times STEPS steps, then profiles PROFILE more (--profile: each rank's top CUDA kernels and CPU ops,
 # the MoE layers' annotated ranges, wall vs GPU-busy time, device-to-host copies, host syncs and
-# host reads per step) and keeps each rank's chrome trace in $OUT/moe_traces.
+# host reads per step); TRACE=1 keeps each rank's chrome trace (gzipped, tens of MB) in $OUT/moe_traces.
 #   bash benchmarks/run_moe_profile.sh          # the three layouts below, about 3 minutes
 #   PLANS="pp=2,microbatches=16,schedule=interleaved,virtual_stages=2" bash benchmarks/run_moe_profile.sh
 # PLANS: layouts as bench_moe.py --plan takes them, separated by spaces; BATCH (16), STEPS (6),
@@ -22,7 +22,7 @@ for plan in $PLANS; do
   echo "### $plan" | tee -a "$log"
   timeout 280 torchrun --standalone --nproc-per-node "${NGPU:-2}" benchmarks/bench_moe.py --part model \
     --plan "$plan" --batch "${BATCH:-16}" --steps "${STEPS:-6}" --profile "${PROFILE:-3}" \
-    --trace "$out/moe_traces" ${EXTRA:-} > "$out/moe-profile-$n.txt" 2>&1
+    ${TRACE:+--trace "$out/moe_traces"} ${EXTRA:-} > "$out/moe-profile-$n.txt" 2>&1
   echo "exit $?" >> "$out/moe-profile-$n.txt"
   grep -vE "^(W|I)[0-9]{4} |USDT|^\*+$|OMP_NUM_THREADS" "$out/moe-profile-$n.txt" | tee -a "$log"
 done
