@@ -49,12 +49,19 @@ def test_collective_calls_per_block():
     # gathers + reduce-scatters (2 + 2 k); re-gathers, dX scatters, dY gathers (4 + 2 k), norms'
     # weights and biases and the rows' biases (6)
     assert tp_block_calls(_plan(tp=4, sequence_parallel=True), GPT) == (4.0, 12.0)
-    # SUMMA: 2 gathers per Linear and the norms' statistics; 3 per Linear, 2 per norm, 1 per bias back
-    assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == (10.0, 20.0)
+    # SUMMA: 2 gathers per Linear and the norms' statistics; 3 per Linear and 1 per norm back, and
+    # the norms' and biases' gradients in 21 bucket all-reduces a pass (145 vectors: 6 a block
+    # and the final norm's, one flush per 7 layers), a 24th of them a block
+    assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == (10.0, 14.0 + 21 / 24)
+    # summed where they run (1 per norm, 1 per bias): compiled or recomputed blocks, ZeRO-3's hooks
+    for summed in (dict(compile=True), dict(activation_checkpointing=True), dict(zero=3)):
+        assert tp_block_calls(_plan(tp=4, tp_mode="2d", **summed), GPT) == (10.0, 20.0), summed
     # 3D: 8 per Linear, 5 per extra piece; 2 per norm, and 2 per vector (norms', biases) over the cube
     assert tp_block_calls(_plan(tp=8, tp_mode="3d", tp_overlap=2), GPT) == pytest.approx((24.0, 48.0))
-    # 2.5D: 2D's, and every parameter's gradient summed over depth (4 weights, 4 biases, 4 norm vectors)
-    assert tp_block_calls(_plan(tp=8, tp_mode="2.5d", tp_depth=2), GPT) == (10.0, 32.0)
+    # 2.5D: 2D's, and every weight's gradient (4) and each bucket summed over depth
+    assert tp_block_calls(_plan(tp=8, tp_mode="2.5d", tp_depth=2), GPT) == (10.0, 18.0 + 2 * 21 / 24)
+    # summed where they run: every parameter's gradient over depth (4 weights, 4 biases, 4 norm vectors)
+    assert tp_block_calls(_plan(tp=8, tp_mode="2.5d", tp_depth=2, compile=True), GPT) == (10.0, 32.0)
     assert cp_block_calls(_plan(cp=2)) == (2.0, 2.0)  # Ulysses: q/k/v and the output, each way
     assert cp_block_calls(_plan(cp=4, cp_mode="ring")) == (3.0, 7.0)  # cp - 1 shifts; 2 cp - 1 back
     # ZeRO-3 gathers forward and backward and reduce-scatters; a checkpointed block repeats its forward
@@ -129,7 +136,7 @@ def test_host_fit_reproduces_the_measured_blocks():
     """benchmarks/calibrate.py's fit of the host figures: the serial block gives the seconds per
     kernel; each mode's extra kernels and seconds per collective call, its calls counted as the
     cost model counts them (the tiny GPT's 1D block on 4 ranks: 2 forward, 2 backward; 2D: 10 and
-    20), so host_times of that block equals the measured seconds. A profile that also listed each
+    15, its 2 blocks' biases and norms summed in 2 bucket flushes a pass), so host_times of that block equals the measured seconds. A profile that also listed each
     call's record function (8 NCCL entries for 4 calls) has those entries taken off its kernels."""
     import sys
     from pathlib import Path
@@ -140,14 +147,14 @@ def test_host_fit_reproduces_the_measured_blocks():
     blocks = {
         "serial": dict(seconds=4e-3, kernels=50.0, nccl=0.0),
         "1d": dict(seconds=5e-3, kernels=60.0, nccl=8.0),
-        "2d": dict(seconds=20e-3, kernels=200.0, nccl=30.0),
+        "2d": dict(seconds=20e-3, kernels=200.0, nccl=25.0),
     }
     fit = fit_host(blocks, 4)
     per_kernel = 4e-3 / 50
     assert fit["host_kernel_s"] == per_kernel and fit["host_block_kernels"] == 50.0
-    assert fit["kernels_per_call"] == {"1d": (56.0 - 50.0) / 4, "2d": (200.0 - 50.0) / 30}
+    assert fit["kernels_per_call"] == {"1d": (56.0 - 50.0) / 4, "2d": (200.0 - 50.0) / 25}
     assert fit["host_call_s"]["1d"] == pytest.approx((5e-3 - 56 * per_kernel) / 4, rel=1e-12)
-    assert fit["host_call_s"]["2d"] == pytest.approx((20e-3 - 200 * per_kernel) / 30, rel=1e-12)
+    assert fit["host_call_s"]["2d"] == pytest.approx((20e-3 - 200 * per_kernel) / 25, rel=1e-12)
     assert fit["kernels_per_collective"] == 1.5
     from behemoth.models import build_config
 
@@ -265,3 +272,15 @@ def test_calibration_host_figures_round_trip_and_are_checked():
     assert slow.gemm_seconds(4096, 4096, 4096) == pytest.approx(
         2 * dataclasses.replace(cal, sustained_ratio=1.0).gemm_seconds(4096, 4096, 4096)
     )
+
+
+def test_grid_gradient_lead_is_the_runtimes():
+    """The planner's bucket flushes follow the runtime's landing lead (deferred_grads)."""
+    from behemoth.parallel.tensor.deferred_grads import DeferredGrads
+    from behemoth.planner.tp2d_traffic import GRID_GRAD_LEAD, grid_vector_flushes
+
+    assert GRID_GRAD_LEAD == DeferredGrads.lead
+    # one flush per lead + 1 layers with vectors; layers without none; the first layers' at the end
+    assert grid_vector_flushes([True] * 14, lead=6) == 2
+    assert grid_vector_flushes([False] * 14, lead=6) == 0
+    assert grid_vector_flushes([True] * 15, lead=6) == 3

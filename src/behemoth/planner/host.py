@@ -15,7 +15,9 @@ Per block and micro-batch, from the same structure the traffic formulas count
   sequence parallelism the norms' all-gathers and the rows' reduce-scatters forward, the
   re-gather, dX reduce-scatter and the rows' output-gradient all-gathers backward, and the norm
   and row-bias gradient all-reduces; replicated k/v projections' gradient all-reduces; 2D, 2.5D
-  and 3D: their SUMMA gathers and reduce-scatters per Linear (:func:`tp_block_calls`);
+  and 3D: their SUMMA gathers and reduce-scatters per Linear (:func:`tp_block_calls`), 2D's and
+  2.5D's biases and norms summed in a pass's bucket flushes (a block's share of them,
+  :func:`~.tp2d_traffic.grid_vector_flushes`) where their reductions are deferred;
   Ulysses' two all-to-alls each way, ring attention's ``cp - 1`` K/V shifts forward and
   ``2 cp - 1`` backward (one coalesced send/receive each); each MoE layer's split-size exchange
   and each of its ``ep_overlap`` chunks' dispatch and combine forward, each chunk's reverse pair
@@ -49,6 +51,8 @@ from dataclasses import dataclass
 from ..plan import Plan
 from ..specs import TransformerShape
 from .calibration import Calibration
+from .params import stage_layers
+from .tp2d_traffic import grid_deferred_layers, grid_side, grid_vector_flushes
 from .workload import Workload
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "ep_block_calls",
     "ep_chunk_kernels",
     "tp_block_calls",
+    "grid_grads_deferred",
     "cp_block_calls",
     "pipeline_calls",
     "host_call_seconds",
@@ -179,14 +184,34 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
         total = linears * (8.0 + 5.0 * (k - 1)) + 2 * 2 + 2 * vectors
         return total / 3, 2 * total / 3
     # SUMMA per Linear: gathers of X and W forward; X's re-gather (W's gathered block is kept)
-    # and the dX, dW reduce-scatters backward; each norm combines its statistics forward (LayerNorm gathers, RMSNorm sums), and
-    # all-reduces its sums and its vectors' gradients backward; each bias's gradient is summed
-    # down the grid column
+    # and the dX, dW reduce-scatters backward; each norm combines its statistics forward
+    # (LayerNorm gathers, RMSNorm sums) and all-reduces its sums backward
     linears = block_linears(s)
-    biases = linears if s.linear_bias else 0
+    tesseract = plan.tp_mode == "2.5d" and plan.tp_depth > 1
+    if grid_grads_deferred(plan):
+        # the norms' and biases' gradients summed down the grid column in buckets, the block's
+        # share of a pass's flushes (and under 2.5D each flush, and each weight's gradient, over depth)
+        blocks = stage_layers(plan, w)[-1]
+        q = grid_side(plan.tp, plan.tp_depth if tesseract else 1)
+        flushes = grid_vector_flushes(grid_deferred_layers(s, q, blocks)) / blocks
+        return 2.0 * linears + 2, 3.0 * linears + 2 + flushes + (linears + flushes if tesseract else 0)
+    # else each norm's vectors in one all-reduce and each bias's in one, down the grid column;
     # 2.5D: every parameter's gradient is also summed over the depth axis
-    depth = linears + biases + 2 * norm_vectors if plan.tp_mode == "2.5d" and plan.tp_depth > 1 else 0
+    biases = linears if s.linear_bias else 0
+    depth = linears + biases + 2 * norm_vectors if tesseract else 0
     return 2.0 * linears + 2, 3.0 * linears + 4 + biases + depth
+
+
+def grid_grads_deferred(plan: Plan) -> bool:
+    """Whether a 2D / 2.5D block's layers hand their gradient reductions to the pass
+    (``behemoth.parallel.tensor.deferred_grads``), so its vectors are summed in buckets: in eager
+    blocks, not recomputed (activation checkpointing's recompute sums where it runs), without
+    ZeRO-3's hooks on the layers, and not in zero-bubble's split backward (counted as summed
+    where they run)."""
+    if plan.tp_mode not in ("2d", "2.5d") or plan.tp == 1:
+        return False
+    split = plan.pp > 1 and plan.schedule == "zero-bubble"
+    return not (plan.compile or plan.activation_checkpointing or plan.zero == 3 or split)
 
 
 def cp_block_calls(plan: Plan) -> tuple[float, float]:

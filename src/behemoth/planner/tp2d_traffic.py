@@ -24,6 +24,7 @@ Units and notation: :mod:`behemoth.planner.traffic`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 
 from ..specs import TransformerShape
@@ -264,3 +265,37 @@ def tp2p5d_block_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Tr
 
 def tp2p5d_model_traffic(shape: TransformerShape, *, depth: int, **kwargs) -> Traffic:
     return tp2d_model_traffic(shape, depth=depth, **kwargs)
+
+
+GRID_GRAD_LEAD = 6
+"""Layers ahead of a grid layer (in the forward) its gradients' landing node is made:
+``behemoth.parallel.tensor.deferred_grads.DeferredGrads.lead`` (a test holds them equal)."""
+
+
+def grid_deferred_layers(shape: TransformerShape, q: int, blocks: int, *, last_stage: bool = True) -> list[bool]:
+    """The layers a 2D / 2.5D pass defers the gradient reductions of, in forward order (each
+    block's norm, q/k/v (fused, or three but replicated k and v projections), output, norm, MLP
+    Linears; on the last pipeline stage the final norm and the head): True where the layer hands
+    vectors to the buckets (a norm with a weight, a Linear with a bias)."""
+    norm, bias = shape.norm_params > 0, shape.linear_bias
+    replicated_kv = not shape.fused_qkv and shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads
+    qkv = [bias] if shape.fused_qkv or replicated_kv else [bias] * 3
+    block = [norm, *qkv, bias, norm] + [bias] * (3 if shape.gated_mlp else 2)
+    return block * blocks + ([norm, False] if last_stage else [])
+
+
+def grid_vector_flushes(layers: Sequence[bool], lead: int = GRID_GRAD_LEAD) -> int:
+    """Bucket all-reduces of one pass over ``layers`` (:func:`grid_deferred_layers`), as
+    ``deferred_grads.GradPass`` issues them: the backward runs the layers last to first, each
+    handing its vectors to the bucket; layer k's landing node, made at layer ``k - lead``'s
+    forward (the first layer's and the ``lead`` after it at the first layer's), runs right after
+    that layer's backward and flushes the bucket if its own vectors are still in it."""
+    n, pending, flushes = len(layers), set(), 0
+    for t in range(n - 1, -1, -1):
+        if layers[t]:
+            pending.add(t)
+        for k in [t + lead] if t > 0 else range(min(lead, n - 1), -1, -1):
+            if k in pending:
+                pending.clear()
+                flushes += 1
+    return flushes

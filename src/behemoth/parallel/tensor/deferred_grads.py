@@ -9,50 +9,79 @@ returns a summed gradient to autograd must wait for its collective first, so eac
 wait, on the GPU a synchronisation of the compute stream with the other members of ``tp_row``,
 on the backward's critical path: one per Linear for ``dW``, one per bias and one per norm.
 
-:class:`DeferredGrads` moves those waits out of the layers. In every forward pass of the model
-(opened and closed by hooks on the model) it routes each layer's parameters through an autograd
-node, :class:`LandGradsFn` (identity forward), and the layer computes with its outputs. In the
-backward each layer issues its reductions as before, at the same points, but hands the
-in-flight handles to the pass (:class:`GradPass`) and returns zero placeholders to autograd; the
-layer's node then waits for them, completes each gradient (cast, the ``tp_depth`` all-reduce
-under Tesseract) and returns it, so each parameter's gradient lands in ``.grad`` (and its
-post-accumulate hooks, the data-parallel buckets', run) once, complete, before ``backward()``
+:class:`DeferredGrads` moves those waits out of the layers, and sums the small gradients in
+buckets. In every forward pass of the model (opened and closed by hooks on the model) it routes
+each layer's parameters through an autograd node, :class:`LandGradsFn` (identity forward), and
+the layer computes with its outputs. In the backward each layer issues its weight's
+reduce-scatter as before, at the same point, but hands the in-flight handle to the pass
+(:class:`GradPass`); its bias's and norm weights' gradients it hands over unsummed, into a
+bucket per axis and dtype; and it returns zero placeholders to autograd. The layer's node then
+waits for its reductions -- starting the buckets' all-reduces first if one of its gradients is
+still in one (:meth:`GradPass.flush`) --, completes each gradient (cast, the ``tp_depth``
+all-reduce under Tesseract) and returns it, so each parameter's gradient lands in ``.grad`` (and
+its post-accumulate hooks, the data-parallel buckets', run) once, complete, before ``backward()``
 returns. Autograd runs, of the nodes that are ready, the newest first; a layer's node is made
 :attr:`DeferredGrads.lead` layers before the layer in the forward (in the order of the last pass
 that began with the same layer), so it runs when the backward has gone past that earlier layer:
-each reduction has several layers' backward to finish in. At most :attr:`GradPass.in_flight`
-handles stay unwaited (the oldest is waited as a new one is issued): they hold the reductions'
-buffers.
+each reduction has several layers' backward to finish in, and a bucket holds the vectors of the
+``lead + 1`` layers or so whose backward ran since the last flush -- one all-reduce where there
+were one per bias and one per norm (a GPT block's six in under one). At most
+:attr:`GradPass.in_flight` handles stay unwaited (the oldest is waited as a new one is issued):
+they hold the reductions' buffers.
 
-The collectives are the same calls and bytes as without deferral (the ledger books the same
-entries), issued at the same points; only where the compute stream waits for them moves. (Under
-Tesseract the ``tp_depth`` all-reduce of a parameter runs when its node lands it: once, where a
-layer applied twice in one pass would have run it once per use.) A layer takes part only when
-nothing else manages its parameters (no forward pre-hooks: ZeRO-3 gathers in one) and in eager
-forward passes with gradients on (compiled blocks, activation checkpointing's recomputation and
-evaluation compute as before, summing where they are). A parameter another module also uses (a
-head tied to the token embedding) gets that module's gradient as before: autograd adds the two
-when both are in.
+Every element is summed over the same ranks, in the same dtype, as without deferral, so the
+gradients are the same bits where an all-reduce's sum of an element does not depend on where in
+the tensor it sits (two ranks, as at q = 2); the ledger books the same bytes, in fewer
+all-reduces. (Under Tesseract the ``tp_depth`` all-reduce of a weight runs when its node lands
+it, that of a bucket when its first gradient lands: once, where a layer applied twice in one
+pass would have run it once per use.) A layer takes part only when nothing else manages its
+parameters (no forward pre-hooks: ZeRO-3 gathers in one) and in eager forward passes with
+gradients on (compiled blocks, activation checkpointing's recomputation and evaluation compute
+as before, summing where they are). A parameter another module also uses (a head tied to the
+token embedding) gets that module's gradient as before: autograd adds the two when both are in.
 
-Tested in tests/dist/test_tp2d_deferred_grads.py (a model of grid layers: values and ledger equal
-the non-deferred run's, gradients land ``lead`` layers late) and, through
+Tested in tests/dist/test_tp2d_deferred_grads.py (a model of grid layers: values equal the
+non-deferred run's, the ledger's bytes too in the flushes' calls, gradients land ``lead`` layers
+late) and, through
 the engine, in tests/dist/test_tp2d.py and the pipeline tests (zero-bubble, interleaved).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 from torch import nn
 
 from ... import comm
+from ...comm import Axis
 from .grid import Grid
 
 __all__ = ["DeferredGrads", "GradPass", "LandGradsFn", "deferred_pass", "install_deferred_grads"]
 
 
+@dataclass
+class _Reduction:
+    """A reduction handed to a :class:`GradPass`: of one layer's weight (:meth:`GradPass.put`) or of
+    a bucket of several layers' vectors (:meth:`GradPass.flush`)."""
+
+    ids: tuple[int, ...]
+    """The parameters whose gradients ``finish(result)`` gives, in order (one may come twice: a
+    layer that ran twice in the pass)."""
+    handle: comm.AsyncCollective | None
+    """In flight; None once waited for (``result``)."""
+    finish: Callable[[torch.Tensor], list[torch.Tensor]]
+    result: torch.Tensor | None = None
+    bucket: bool = False
+    """A bucket: summed over ``tp_depth`` as a whole, where the pass sums the others' gradients one by one."""
+
+
 class GradPass:
     """One forward pass's parameters (in :class:`LandGradsFn`'s input order) and the reductions
-    of their gradients that its layers issued and did not wait for."""
+    of their gradients that its layers issued and did not wait for (:meth:`put`), or handed over
+    unsummed (:meth:`add`: biases and norm weights, summed in buckets)."""
 
     in_flight: int = 16
     """Handles left unwaited at most; issuing one more waits for the oldest."""
@@ -61,11 +90,14 @@ class GradPass:
         self.grid = grid
         self.index = {id(p): i for i, p in enumerate(params)}
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
-        self.entries: list[list] = []  # [indices, handle, finish, result or None]
+        self.entries: list[_Reduction] = []
+        self.buckets: dict[tuple, tuple[Axis, list]] = {}  # (axis name, dtype) -> (axis, [(index, gradient)])
+        self.pending: set[int] = set()  # indices in the buckets
         self.zeros: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the placeholders' one zero
-        self.unwaited = 0
         self.deferred = 0
-        """Reductions handed to this pass."""
+        """Reductions handed to this pass (:meth:`put`) and gradients handed over unsummed (:meth:`add`)."""
+        self.flushes = 0
+        """Buckets reduced (:meth:`flush`): one all-reduce each over its axis (and one over ``tp_depth``)."""
 
     @staticmethod
     def active(defer: tuple | None) -> tuple | None:
@@ -89,28 +121,76 @@ class GradPass:
         """Hand over the in-flight reduction ``handle`` of parameters ``indices`` (of one layer):
         ``finish(result)`` gives their gradients (each summed over ``tp_row``, in the parameter's
         shape and dtype)."""
-        self.entries.append([indices, handle, finish, None])
+        self._enter(_Reduction(indices, handle, finish))
         self.deferred += 1
-        self.unwaited += 1
-        if self.unwaited > self.in_flight:  # the unwaited entries are the newest
-            oldest = self.entries[len(self.entries) - self.unwaited]
-            oldest[3], oldest[1] = oldest[1].wait(), None
-            self.unwaited -= 1
+
+    def add(self, i: int, grad: torch.Tensor, axis: Axis) -> None:
+        """Hand over parameter ``i``'s gradient as this rank computed it (a bias's, a norm
+        weight's: small), to be summed over ``axis`` (and ``tp_depth``) together with the others
+        of its dtype handed over since the last :meth:`flush`, in one all-reduce. ``grad`` is the
+        layer's own tensor (the all-reduce may run on it in place)."""
+        key = (axis.name, grad.dtype)
+        if key not in self.buckets:
+            self.buckets[key] = (axis, [])
+        self.buckets[key][1].append((i, grad))
+        self.pending.add(i)
+        self.deferred += 1
+
+    def flush(self) -> None:
+        """Start the all-reduce of each bucket, its gradients flattened into one tensor in the
+        order they were handed over: an element is summed over the same ranks, in the same
+        dtype, as it would be alone. :meth:`land` calls it when a layer's landing needs a
+        gradient still in a bucket, so a bucket holds what the layers between a layer's backward
+        and its landing (:attr:`DeferredGrads.lead` layers later) handed over."""
+        for axis, parts in self.buckets.values():
+            flat = torch.cat([g.reshape(-1) for _, g in parts]) if len(parts) > 1 else parts[0][1].reshape(-1)
+            cuts, at = [], 0
+            for _, g in parts:
+                cuts.append((at, at + g.numel(), g.shape))
+                at += g.numel()
+            handle = comm.all_reduce(flat, axis, async_op=True)
+            self._enter(_Reduction(tuple(i for i, _ in parts), handle, partial(_cut, cuts), bucket=True))
+            self.flushes += 1
+        self.buckets.clear()
+        self.pending.clear()
+
+    def _enter(self, entry: _Reduction) -> None:
+        """Keep ``entry`` (in flight); past :attr:`in_flight` unwaited ones, wait for the oldest."""
+        self.entries.append(entry)
+        unwaited = [e for e in self.entries if e.handle is not None]
+        if len(unwaited) > self.in_flight:
+            oldest = unwaited[0]
+            oldest.result, oldest.handle = oldest.handle.wait(), None
 
     def land(self, indices: tuple[int, ...], grads: tuple) -> list:
         """The complete gradients of parameters ``indices`` (one layer's), from the reductions
         handed over for them; ``grads`` are what autograd delivered for them (placeholders)."""
         mine = set(indices)
+        if not mine.isdisjoint(self.pending):
+            self.flush()
+        depth = self.grid.depth_axis
         out: dict[int, torch.Tensor] = {}
+        whole: set[int] = set()  # a bucket's: summed over tp_depth with the bucket
         kept = []
-        for entry in self.entries:
-            if entry[0][0] not in mine:
-                kept.append(entry)
+        for e in self.entries:
+            if mine.isdisjoint(e.ids):
+                kept.append(e)
                 continue
-            ids, handle, finish, result = entry
-            self.unwaited -= result is None
-            for i, g in zip(ids, finish(handle.wait() if result is None else result)):
+            if e.handle is not None:
+                e.result, e.handle = e.handle.wait(), None
+                if e.bucket and not depth.trivial:  # Tesseract: the whole bucket over tp_depth, once
+                    e.result = comm.all_reduce(e.result, depth)
+            rest = []
+            for i, g in zip(e.ids, e.finish(e.result)):
+                if i not in mine:
+                    rest.append(i)
+                    continue
                 out[i] = g if i not in out else out[i] + g
+                if e.bucket:
+                    whole.add(i)
+            if rest:  # a bucket's other layers land later
+                e.ids, e.finish = tuple(rest), partial(_pick, e.finish, e.ids, set(rest))
+                kept.append(e)
         self.entries = kept
         for i, g in zip(indices, grads):  # placeholders (summed if the layer ran twice), or None
             if g is not None and i not in out:
@@ -119,10 +199,22 @@ class GradPass:
                     "a gradient from outside its layer; the layers alone may use it."
                 )
         summed = [out.get(i) for i in indices]
-        depth = self.grid.depth_axis
         if not depth.trivial:  # Tesseract: summed over the depth layers too, in parameter order
-            summed = [g if g is None else comm.all_reduce(g.contiguous(), depth) for g in summed]
+            summed = [
+                g if g is None or i in whole else comm.all_reduce(g.contiguous(), depth)
+                for i, g in zip(indices, summed)
+            ]
         return summed
+
+
+def _cut(cuts, flat: torch.Tensor) -> list[torch.Tensor]:
+    """A bucket's gradients: views of its reduced ``flat`` tensor (``cuts``: start, end, shape)."""
+    return [flat[a:b].view(shape) for a, b, shape in cuts]
+
+
+def _pick(finish, ids, keep: set[int], result: torch.Tensor) -> list[torch.Tensor]:
+    """Of ``finish(result)`` (one gradient per index of ``ids``), those of the indices in ``keep``."""
+    return [g for i, g in zip(ids, finish(result)) if i in keep]
 
 
 class LandGradsFn(torch.autograd.Function):

@@ -57,8 +57,9 @@ class ShardedNormFn(torch.autograd.Function):
     ``sum(g * xhat)`` (rms: only the latter). ``weight``/``bias`` grads are local, unless
     ``param_axis`` names the axis they are replicated over: then one all-reduce of both over it,
     started before the statistics' all-reduce and waited after it, sums them there. ``defer``
-    (``(GradPass, weight index, bias index, node)``, :mod:`.deferred_grads`): that all-reduce is handed
-    to the pass unwaited and zero placeholders are returned for ``weight`` and ``bias``."""
+    (``(GradPass, weight index, bias index, node)``, :mod:`.deferred_grads`): instead, both
+    gradients are handed to the pass's bucket unsummed and zero placeholders are returned for
+    ``weight`` and ``bias``."""
 
     @staticmethod
     def forward(
@@ -100,15 +101,18 @@ class ShardedNormFn(torch.autograd.Function):
         grads = [t for t in (dw, db) if t is not None]
         pending = None
         if ctx.param_axis is not None and grads:  # summed where the parameters are replicated
-            pending = comm.all_reduce(torch.cat(grads) if len(grads) > 1 else grads[0], ctx.param_axis, async_op=True)
             defer = None if ctx.defer is None else ctx.defer[0].active(ctx.defer)
-            if defer is not None:  # waited for at the end of the backward
+            if defer is not None:  # in the pass's bucket, landed later
                 gp, wi, bi, _ = defer
-                sizes = [(i, t.numel(), t.dtype) for i, t in ((wi, dw), (bi, db)) if t is not None]
-                gp.put(tuple(i for i, _, _ in sizes), pending, lambda s: _split(s, sizes))
-                pending = None
+                for i, t in ((wi, dw), (bi, db)):
+                    if t is not None:
+                        gp.add(i, t, ctx.param_axis)
                 dw = None if dw is None else gp.placeholder(wi)
                 db = None if db is None else gp.placeholder(bi)
+            else:
+                pending = comm.all_reduce(
+                    torch.cat(grads) if len(grads) > 1 else grads[0], ctx.param_axis, async_op=True
+                )
         if ctx.needs_input_grad[0]:
             g = dy if weight is None else dy * weight
             if ctx.rms:
@@ -127,15 +131,6 @@ class ShardedNormFn(torch.autograd.Function):
             else:
                 db = summed
         return dx, dw, db, None, None, None, None, None, None
-
-
-def _split(summed: torch.Tensor, sizes) -> list[torch.Tensor]:
-    """``summed`` (concatenated vectors) cut back into its parts, each in its own dtype."""
-    out, at = [], 0
-    for _, n, dtype in sizes:
-        out.append(summed[at : at + n].to(dtype))
-        at += n
-    return out
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

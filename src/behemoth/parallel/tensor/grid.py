@@ -136,9 +136,9 @@ class SummaFn(torch.autograd.Function):
     checkpointing does not drop it), in compiled code as a saved tensor.
 
     ``defer`` (``(GradPass, weight index, bias index, node)``, :mod:`.deferred_grads`): the dW
-    reduce-scatter and the bias all-reduce are issued as above but handed to the pass unwaited,
-    and zero placeholders returned for ``w`` and ``b`` (then ``w`` may come uncast: it is cast to
-    x's dtype before it travels)."""
+    reduce-scatter is issued as above but handed to the pass unwaited, the bias gradient handed
+    to the pass's bucket unsummed, and zero placeholders returned for ``w`` and ``b`` (then
+    ``w`` may come uncast: it is cast to x's dtype before it travels)."""
 
     @staticmethod
     def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None, prefetch=None, defer=None):
@@ -178,10 +178,11 @@ class SummaFn(torch.autograd.Function):
         w_dtype = ctx.w_dtype
         defer = None if ctx.defer is None else ctx.defer[0].active(ctx.defer)  # (GradPass, w index, b index, node)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
-            if defer is not None:  # waited at the end of the backward (deferred_grads)
-                defer[0].put((defer[2],), hb, lambda s: (s,))
-                hb, db = None, defer[0].placeholder(defer[2])
+            if defer is not None:  # summed in the pass's bucket, landed later (deferred_grads)
+                defer[0].add(defer[2], dy.sum(0, dtype=ctx.b_dtype), g.row_axis)
+                db = defer[0].placeholder(defer[2])
+            else:
+                hb = comm.all_reduce(dy.sum(0, dtype=ctx.b_dtype), g.row_axis, async_op=True)
         if need_x and not ctx.keep_w:
             wx = w if w.dtype == x.dtype else w.to(x.dtype)
             hw = comm.all_gather_async(regather(wx if in_out else wx.t()), g.row_axis)
