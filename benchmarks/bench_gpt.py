@@ -339,6 +339,8 @@ def timeline_summary(prof, steps: int, wall: float, issue: float, trace: str | N
     import gzip
     import tempfile
 
+    from step_profile import busy  # benchmarks/ is the script's folder
+
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
@@ -348,14 +350,6 @@ def timeline_summary(prof, steps: int, wall: float, issue: float, trace: str | N
             with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
                 g.write(f.read())
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-
-    def busy(spans) -> float:
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(spans):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
 
     by_stream: dict = {}
     for e in kernels:

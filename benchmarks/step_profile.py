@@ -135,7 +135,7 @@ def count_host_reads(step) -> dict:
     }
 
 
-def _busy(spans) -> float:
+def busy(spans) -> float:
     """Length of the union of ``[start, end)`` spans."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(spans):
@@ -228,7 +228,7 @@ def profile_steps(
                 runtime[e.key] += 1
             c = cpu_ops[e.key]
             c[0], c[1] = c[0] + 1, c[1] + e.self_cpu_time_total
-    busy_ms = _busy(spans) / 1e3
+    busy_ms = busy(spans) / 1e3
     top_kernels = sorted(((n, c, us / 1e3) for n, (c, us) in kernels.items()), key=lambda r: -r[2])[:top]
     top_cpu = sorted(((n, c, us / 1e3) for n, (c, us) in cpu_ops.items()), key=lambda r: -r[2])[:top]
     per_step = 1.0 / steps
