@@ -63,7 +63,7 @@ from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
 from .workload import Workload
-from .zero3_traffic import chunk_shard_elements
+from .zero3_traffic import chunk_shard_elements, zero3_resident_params
 
 __all__ = ["Footprint", "footprint"]
 
@@ -158,6 +158,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
         params = shard * pb + 2 * per_block * pb
         grads, opt = shard * 4 + 2 * per_block * 4, shard * (8 + masters)
         gathered = 2 * per_block * (pb + 4) if g > 1 else 0.0  # what the slack reads
+        if g > 1 and plan.pp == 1 and not w.num_experts and not off:
+            params, grads = zero3_held_bytes(plan, w, shard, pb)
     if off:
         host = opt + (shard * 4 if z >= 1 else 0.0)
         if z == 3:
@@ -187,6 +189,21 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits, gathered, full if plan.activation_checkpointing else 0.0)
     return Footprint(params, grads, opt, act, reserved, host, slack)
+
+
+def zero3_held_bytes(plan: Plan, w: Workload, shard: float, pb: int) -> tuple[float, float]:
+    """``(parameters, gradients)`` bytes ZeRO-3 holds at the backward's start, the step's peak,
+    for a dense model without a pipeline sharded over more than one rank: beside the shards, whole
+    chunks (``parallel/zero/hooks.py``, ``store.py``) -- those the forward ends in, still gathered
+    for the backward's first modules (the final norm's to the last: :func:`.zero3_traffic.
+    zero3_resident_params`), and the two the hooks prefetch for the backward (the last blocks'),
+    ``E`` elements each (:func:`gradient_chunk_elements`); the gradient chunk the head's gradient
+    fills (fp32, ``E``) and that gradient itself (the largest parameter, fp32). Later in the
+    backward up to three gradient chunks live, but by then each chunk's blocks have freed more
+    activations than a chunk holds."""
+    chunk, largest = gradient_chunk_elements(plan, w)
+    params = shard * pb + (zero3_resident_params(plan, w) + 2 * chunk) * pb
+    return params, shard * 4 + (chunk + largest) * 4
 
 
 def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
