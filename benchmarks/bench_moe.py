@@ -316,6 +316,7 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
             dict(
                 what="moe-dispatch",
                 combine=a.combine,
+                experts_path=a.experts_path,
                 precision=precision,
                 ep=ep.size,
                 tokens_per_rank=T,
@@ -371,7 +372,10 @@ def time_dense(a, dev: torch.device, g: torch.Generator, pdtype: torch.dtype, au
             y_TH = swiglu_expert(x_TH, gate_up, down)
         y_TH.backward(dy_TH.to(y_TH.dtype))
 
-    return timed_us(step, dev, a.iters, a.warmup)
+    us = timed_us(step, dev, a.iters, a.warmup)
+    if a.profile:
+        _profile_calls(a, dev, f"dense FFN {a.precisions}", step)
+    return us
 
 
 def build_layer(a, dev: torch.device, mesh: ParallelMesh, g: torch.Generator, pdtype: torch.dtype, chunks: int):
@@ -403,7 +407,10 @@ def time_layer(a, dev, moe, kind: str, ep_size: int, g: torch.Generator, autocas
             y_BSH = moe(x_BSH)
         y_BSH.backward(dy_BSH.to(y_BSH.dtype))
 
-    return timed_us(step, dev, a.iters, a.warmup)
+    us = timed_us(step, dev, a.iters, a.warmup)
+    if a.profile:
+        _profile_calls(a, dev, f"MoE layer {kind}", step)
+    return us
 
 
 def part_layer(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) -> None:
@@ -438,6 +445,7 @@ def _layer_line(a, dev, moe, kind, ep, g, autocast, precision, chunks, flops, de
             what="moe-layer",
             routing=kind,
             combine=a.combine,
+            experts_path=a.experts_path,
             chunks=chunks,
             precision=precision,
             ep=ep.size,
@@ -605,6 +613,7 @@ def run_model(a, dev: torch.device, paths: PathCount, plan: bh.Plan) -> None:
             model=a.size,
             mode=mode,
             combine=a.combine,
+            experts_path=a.experts_path,
             chunks=chunks,
             gpus=world,
             ep=ep,
@@ -642,7 +651,7 @@ def run_model(a, dev: torch.device, paths: PathCount, plan: bh.Plan) -> None:
 
 
 def _profile_calls(a, dev: torch.device, what: str, fn) -> None:
-    """``--profile N`` of the dispatch part: N calls of ``fn`` (each after a barrier, as timed)
+    """``--profile N`` of the dispatch and layer parts: N calls of ``fn`` (each after a barrier, as timed)
     under torch.profiler; every rank prints its report, one after the other."""
 
     def call():
@@ -712,9 +721,12 @@ def parse_args(argv=None):
     p.add_argument("--plan", default="", help='model: the layout, e.g. "pp=2,microbatches=8" or "Plan(dp=2, ep=2)"')
     p.add_argument("--batch", type=int, default=0, help="model: sequences per step over all data ranks (0: --mbs each)")
     p.add_argument(
-        "--profile", type=int, default=0, help="model: profile this many steps after the timed ones; dispatch: calls"
+        "--profile",
+        type=int,
+        default=0,
+        help="model: profile this many steps after the timed ones; dispatch, layer: calls",
     )
-    p.add_argument("--trace", default=None, help="model, with --profile: a folder for each rank's chrome trace")
+    p.add_argument("--trace", default=None, help="with --profile: a folder for each rank's chrome trace")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--layers", type=int, default=0, help="model: fewer layers than the preset (0: the preset's)")
@@ -734,6 +746,12 @@ def parse_args(argv=None):
         default="index-add",
         choices=["index-add", "token-major"],
         help="the combine's weighing: the library's index_add_, or a token-major scatter and a sum over k (A/B)",
+    )
+    p.add_argument(
+        "--experts-path",
+        default="auto",
+        choices=["auto", "loop"],
+        help="the experts' GEMMs: the library's choice, or the loop of per-expert GEMMs forced (A/B)",
     )
     a = p.parse_args(argv)
     a.parts = PARTS if a.part == "all" else tuple(a.part.split(","))
@@ -774,8 +792,10 @@ def main() -> None:
     world = dist.get_world_size()
     if a.experts % world:
         sys.exit(f"--experts {a.experts} must be divisible by the world size {world} (ep = world).")
-    paths = PathCount()
     use_combine(a.combine)
+    if a.experts_path == "loop":
+        grouped.grouped_mm_available = lambda *args: False
+    paths = PathCount()  # counts the paths taken, the forced one too
     if "dispatch" in a.parts or "layer" in a.parts:
         mesh = ParallelMesh(bh.Plan(dp=world, ep=world), dist.get_rank(), world)
         if "dispatch" in a.parts:

@@ -115,13 +115,14 @@ def swiglu_loop(
     split into experts once (``unbind``: its backward writes every expert's gradient into one
     ``[E, ...]`` tensor, where indexing ``gate_up[e]`` would make a whole zero ``[E, ...]`` gradient
     per expert and sum them)."""
-    parts, start = [], 0
+    parts = []
     gate_ups, downs = (gate_up.unbind(0), down.unbind(0)) if any(counts) else ((), ())
-    for e, n in enumerate(counts):
-        if n:
-            gate_TI, up_TI = F.linear(x_NH[start : start + n], gate_ups[e]).chunk(2, dim=-1)
+    # the rows split once (its backward: one cat; a slice per expert would make a whole zero [N, H]
+    # gradient per expert and sum them)
+    for e, x_TH in enumerate(x_NH.split(list(counts)) if any(counts) else ()):
+        if counts[e]:
+            gate_TI, up_TI = F.linear(x_TH, gate_ups[e]).chunk(2, dim=-1)
             parts.append(F.linear(act(gate_TI) * up_TI, downs[e]))
-        start += n
     if not parts:
         # No rows: stay in the graph of the input (the backward must still reach the dispatch's
         # collective) and of the weights (their zero gradient arrives at the same point of the
