@@ -28,7 +28,7 @@ PLANS = (
     ("dp4-ep2", bh.Plan(dp=4, ep=2)),
     ("ep4", bh.Plan(dp=4, ep=4)),
 )
-NATIVE = (  # OLMoE's q/k norms span every head: no tensor parallelism for it
+NATIVE = (  # one plan per family
     ("mixtral", bh.Plan(dp=2, ep=2, tp=2)),
     ("qwen3-moe", bh.Plan(dp=4, ep=2)),
     ("olmoe", bh.Plan(dp=4, ep=4)),

@@ -18,6 +18,8 @@ role                module
 ``colwise_fused3``  one Linear/Conv1D computing ``[q; k; v]``, split per part
 ``rowwise``         Linear/Conv1D whose input features are split (attention out, MLP down)
 ``norm``            LayerNorm / RMSNorm
+``colwise_norm``    a norm over the whole output of colwise projections (OLMoE's q/k norms)
+``head_norm``       a norm over each head of colwise projections (Qwen3's q/k norms)
 ``embedding``       token embedding (vocabulary-parallel)
 ``pos_embedding``   learned position embedding
 ``head``            output projection to the vocabulary (vocabulary-parallel logits and loss)
@@ -57,7 +59,18 @@ __all__ = [
 SPECS: tuple[ModelSpec, ...] = (GPT, LLAMA, HF_GPT2, HF_LLAMA, HF_MIXTRAL, HF_QWEN3_MOE, HF_OLMOE)
 """Every known family; :func:`find_spec` searches them."""
 
-TP_ROLES = ("colwise", "colwise_fused3", "rowwise", "norm", "embedding", "pos_embedding", "head", "attention")
+TP_ROLES = (
+    "colwise",
+    "colwise_fused3",
+    "rowwise",
+    "norm",
+    "colwise_norm",
+    "head_norm",
+    "embedding",
+    "pos_embedding",
+    "head",
+    "attention",
+)
 
 # transformers' tensor-parallel style names (``config.base_model_tp_plan``) -> behemoth roles.
 _TRANSFORMERS_STYLES = {

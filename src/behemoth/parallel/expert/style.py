@@ -168,19 +168,12 @@ def check_experts(model: nn.Module, plan) -> None:
                 f"Plan.ep={plan.ep} must divide the number of experts of every MoE layer; {name!r} has "
                 f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
-    olmoe = any(type(m).__name__.startswith("Olmoe") for m in layers.values())
     if plan.tp > 1 and plan.tp_mode != "1d":
         raise NotImplementedError(
             f"Plan.tp={plan.tp} with tp_mode={plan.tp_mode!r} and mixture-of-experts layers is not built yet (the "
             f"grid splits every activation's rows and hidden over the tp grid, and the experts need whole hidden "
             f"rows of their tokens). Use tp_mode='1d' (attention split over tp, experts whole on every tp rank), "
             f"or tp=1."
-        )
-    if plan.tp > 1 and olmoe:
-        raise NotImplementedError(
-            f"Plan.tp={plan.tp} with OLMoE is not built yet: OLMoE's q_norm / k_norm normalise the whole q / k "
-            f"projection, which a split of the heads over tp would change. Use tp=1 (OLMoE trains under dp, ep, "
-            f"ZeRO 1-3, cp and pp)."
         )
 
 

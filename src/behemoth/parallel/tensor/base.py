@@ -113,3 +113,28 @@ def check_kind(module: nn.Module, name: str, role: str) -> None:
         raise ValueError(f"vocab-parallel embedding {name}: max_norm, scale_grad_by_freq and sparse are not supported.")
     if role == "head" and not isinstance(module, nn.Linear):
         raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(module).__name__}.")
+
+
+PROJECTION_NORM_ROLES = ("colwise_norm", "head_norm")
+"""Roles of norms that read a colwise projection's output (q/k norms), built for 1D so far."""
+
+
+def refuse_projection_norms(roles: dict[str, str], mode: str) -> None:
+    """For the grid modes (2D, 2.5D, 3D): the ``colwise_norm`` / ``head_norm`` roles are not
+    built there yet (their layer would take the grid's block of the projection's output)."""
+    for name, role in roles.items():
+        if role in PROJECTION_NORM_ROLES:
+            raise NotImplementedError(
+                f"tensor parallelism ({mode}): the {role!r} role ({name}) is not built for tp_mode={mode!r} yet; "
+                f"it is built for tp_mode='1d'. Use tp_mode='1d', or tp=1."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProjectionNormStyle(TensorStyle):
+    """Base of the grid modes' ``colwise_norm`` / ``head_norm`` styles, refused by their
+    ``prepare`` (:func:`refuse_projection_norms`) before any collective."""
+
+    def apply(self, module: nn.Module, mesh: ParallelMesh) -> nn.Module:
+        refuse_projection_norms({type(module).__name__: self.role}, self.mode)
+        return module

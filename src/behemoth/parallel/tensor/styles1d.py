@@ -9,6 +9,8 @@ style                                  role                replaces the module b
 :class:`FusedQKVParallel1D`            ``colwise_fused3``  ColumnParallelLinear (q, k, v)
 :class:`RowwiseParallel1D`             ``rowwise``         RowParallelLinear (in split)
 :class:`NormParallel1D`                ``norm``            itself (SP: on the shard)
+:class:`ColwiseNormParallel1D`         ``colwise_norm``    ColumnParallelNorm (features split)
+:class:`HeadNormParallel1D`            ``head_norm``       itself (gradient summed over tp)
 :class:`EmbeddingParallel1D`           ``embedding``       VocabParallelEmbedding
 :class:`PositionEmbeddingParallel1D`   ``pos_embedding``   itself, replicated
 :class:`HeadParallel1D`                ``head``            VocabParallelHead
@@ -34,11 +36,19 @@ import torch.nn as nn
 from ... import comm
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
-from .base import TensorStyle, check_fused3, check_kind, owner_of
+from .base import TensorStyle, check_fused3, check_kind, check_norm, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .region1d import ParallelRegion
 from .serial import attention_heads, linear_shape, localize_heads
-from .tp1d import MODE, SEQ_DIM, ColumnParallelLinear, RowParallelLinear, make_sequence_parallel_norm
+from .tp1d import (
+    MODE,
+    SEQ_DIM,
+    ColumnParallelLinear,
+    ColumnParallelNorm,
+    RowParallelLinear,
+    make_head_norm,
+    make_sequence_parallel_norm,
+)
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 
@@ -181,6 +191,54 @@ class NormParallel1D(TensorStyle):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ColwiseNormParallel1D(TensorStyle):
+    """A norm over the whole output of a ``colwise`` projection (an RMS norm or a LayerNorm over
+    its last dim: OLMoE's ``q_norm`` / ``k_norm``) -> :class:`~.tp1d.ColumnParallelNorm`: its
+    weight (and bias) split as the projection's output features (block r of p), the statistics
+    of the whole width summed over tp. ``replicated_kv=(K, D)``: the norm of a k projection with
+    K < p kv heads of width D (replicated, as :class:`ColwiseParallel1D` keeps it) -- every rank
+    keeps the whole weight and normalises the features of kv head ``r // (p // K)``."""
+
+    role = "colwise_norm"
+    mode = MODE
+    replicated_kv: tuple[int, int] | None = None
+    name: str = ""
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        axis = mesh.axis("tp")
+        p, r = axis.size, axis.rank
+        w, b, rows = module.weight, getattr(module, "bias", None), None
+        if self.replicated_kv is not None:
+            k, d = self.replicated_kv
+            j = r // (p // k)
+            rows = (j * d, (j + 1) * d)
+            w, b = _replicated(w), _replicated(b)
+        else:
+            w = _shard(w, _spec(w.shape, 0, p, r)) if w is not None else None
+            b = _shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        rms = not isinstance(module, nn.LayerNorm)
+        return ColumnParallelNorm(w, b, axis=axis, eps=eps, rms=rms, rows=rows, name=self.name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadNormParallel1D(TensorStyle):
+    """A norm applied to each head of a ``colwise`` projection's output (a weight of one head's
+    width: Qwen3's ``q_norm`` / ``k_norm``) stays itself with replicated parameters; each rank
+    normalises only its own heads, so the parameters' gradients are summed over tp
+    (:func:`~.tp1d.make_head_norm`). It reads the projection's output, whole on the sequence, so
+    sequence parallelism changes nothing for it."""
+
+    role = "head_norm"
+    mode = MODE
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        for prm in module.parameters(recurse=False):
+            _replicated(prm)
+        return make_head_norm(module, mesh.axis("tp"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmbeddingParallel1D(TensorStyle):
     """``nn.Embedding`` -> :class:`~.vocab1d.VocabParallelEmbedding`: vocabulary rows split
     over tp, partial lookups all-reduced."""
@@ -253,6 +311,8 @@ STYLES: dict[str, type[TensorStyle]] = {
         FusedQKVParallel1D,
         RowwiseParallel1D,
         NormParallel1D,
+        ColwiseNormParallel1D,
+        HeadNormParallel1D,
         EmbeddingParallel1D,
         PositionEmbeddingParallel1D,
         HeadParallel1D,
@@ -323,6 +383,13 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
                 check_divisible(f"hidden (each of q, k, v in {name})", fout // 3, p, MODE)
             else:
                 check_divisible(f"{width} (in features of {name})", fin, p, MODE)
+        elif role == "colwise_norm":
+            width = check_norm(m, name, MODE)
+            n, k, d = attention.get(owner, (0, 0, None))
+            if owner and k < p and k != n and d is not None and width == k * d:
+                kv = (k, d)
+            else:
+                check_divisible(f"normalised width (features of {name})", width, p, MODE)
         elif role in ("embedding", "head"):
             check_kind(m, name, role)
             vocab = m.num_embeddings if role == "embedding" else m.out_features

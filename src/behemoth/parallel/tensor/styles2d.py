@@ -42,6 +42,7 @@ from typing import ClassVar
 from torch import nn
 
 from .base import (
+    ProjectionNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
@@ -49,6 +50,7 @@ from .base import (
     check_kind,
     check_norm,
     owner_of,
+    refuse_projection_norms,
 )
 from .deferred_grads import install_deferred_grads
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
@@ -115,6 +117,22 @@ class NormParallel2D(TensorStyle):
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         return (self.layer_norm if isinstance(module, nn.LayerNorm) else self.rms_norm).from_serial(module, mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseNormParallel2D(ProjectionNormStyle):
+    """The ``colwise_norm`` role on the grid: not built yet (refused by :func:`prepare`)."""
+
+    role = "colwise_norm"
+    mode = "2d"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadNormParallel2D(ProjectionNormStyle):
+    """The ``head_norm`` role on the grid: not built yet (refused by :func:`prepare`)."""
+
+    role = "head_norm"
+    mode = "2d"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +222,18 @@ class NormParallel25D(NormParallel2D):
     rms_norm = RMSNorm25D
 
 
+class ColwiseNormParallel25D(ColwiseNormParallel2D):
+    """:class:`ColwiseNormParallel2D` on the Tesseract grid."""
+
+    mode = "2.5d"
+
+
+class HeadNormParallel25D(HeadNormParallel2D):
+    """:class:`HeadNormParallel2D` on the Tesseract grid."""
+
+    mode = "2.5d"
+
+
 class EmbeddingParallel25D(EmbeddingParallel2D):
     """:class:`EmbeddingParallel2D` on the Tesseract grid (ids block over depth and rows)."""
 
@@ -238,6 +268,8 @@ STYLES_2D: dict[str, type[TensorStyle]] = {
         FusedQKVParallel2D,
         RowwiseParallel2D,
         NormParallel2D,
+        ColwiseNormParallel2D,
+        HeadNormParallel2D,
         EmbeddingParallel2D,
         PositionEmbeddingParallel2D,
         HeadParallel2D,
@@ -253,6 +285,8 @@ STYLES_25D: dict[str, type[TensorStyle]] = {
         FusedQKVParallel25D,
         RowwiseParallel25D,
         NormParallel25D,
+        ColwiseNormParallel25D,
+        HeadNormParallel25D,
         EmbeddingParallel25D,
         PositionEmbeddingParallel25D,
         HeadParallel25D,
@@ -278,6 +312,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
     def need(what: str, size: int) -> None:
         check_divisible(what, size, q, mode)
 
+    refuse_projection_norms(roles, mode)
     check_enters_and_leaves(model, roles, mode, "grid")
     attention = {}
     for name, role in roles.items():

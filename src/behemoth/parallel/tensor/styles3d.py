@@ -48,12 +48,14 @@ import torch
 from torch import nn
 
 from .base import (
+    ProjectionNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
     check_fused3,
     check_kind,
     check_norm,
+    refuse_projection_norms,
 )
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
@@ -114,6 +116,22 @@ class NormParallel3D(TensorStyle):
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         return (LayerNorm3D if isinstance(module, nn.LayerNorm) else RMSNorm3D).from_serial(module, mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseNormParallel3D(ProjectionNormStyle):
+    """The ``colwise_norm`` role on the cube: not built yet (refused by :func:`prepare`)."""
+
+    role = "colwise_norm"
+    mode = MODE
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadNormParallel3D(ProjectionNormStyle):
+    """The ``head_norm`` role on the cube: not built yet (refused by :func:`prepare`)."""
+
+    role = "head_norm"
+    mode = MODE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +198,8 @@ STYLES: dict[str, type[TensorStyle]] = {
         FusedQKVParallel3D,
         RowwiseParallel3D,
         NormParallel3D,
+        ColwiseNormParallel3D,
+        HeadNormParallel3D,
         EmbeddingParallel3D,
         PositionEmbeddingParallel3D,
         HeadParallel3D,
@@ -197,6 +217,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
         check_divisible(what, size, parts, MODE)
 
     qq = f"q**2 = {q * q} (tp_row x tp_depth)"
+    refuse_projection_norms(roles, MODE)
     check_enters_and_leaves(model, roles, MODE, "cube")
     attention = {}
     for name, role in roles.items():

@@ -1,0 +1,189 @@
+"""Norms of the q / k projections under 1D tensor parallelism, which splits those projections by
+heads: OLMoE's ``q_norm`` / ``k_norm`` normalise the whole projection (role ``colwise_norm``: the
+weight split with the projection's features, the mean square of the whole width summed over tp
+in float32), Qwen3-MoE's act per head (role ``head_norm``: the whole weight on every rank, its
+gradient summed over tp).
+
+The layer (float64, 2 ranks): :class:`~behemoth.parallel.tensor.tp1d.ColumnParallelNorm` of an RMS
+norm and of a LayerNorm equal to the serial norm on this rank's features -- output, input gradient,
+weight and bias gradients -- and the all-reduced sum of squares in float32 for a bfloat16 input,
+as the serial norm computes its variance.
+
+Whole models against serial training (losses, every step's gradient norm, ``full_state_dict()``,
+rtol 1e-4, fp32): tiny random transformers ``OlmoeForCausalLM`` at tp=2, with sequence
+parallelism, with one kv head (replicated over tp, its k norm too), and at dp=2 x tp=2 x ep=2
+under ZeRO-3 and with sequence parallelism; ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
+gradients were one rank's heads' before the role), with sequence parallelism (every layer an MoE
+one; refused before: its norms had no role), and at dp=2 x tp=2 x ep=2. A checkpoint written at tp=2 loads at tp=1 (dp=2)
+and the next step matches serial."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    global_batches,
+    train_steps,
+)
+from common import build_hf_moe as build_hf_moe_common
+
+import behemoth as bh
+from behemoth.parallel.tensor import get_spec
+
+STEPS, BATCH = 3, 8
+
+
+def build(family: str, **config):
+    """A tiny transformers MoE with its router loss on and weights far from zero (as
+    tests/dist/test_expert_families.py builds them); ``config`` overrides its fields."""
+    fields = dict(output_router_logits=True, router_aux_loss_coef=0.05, initializer_range=0.2)
+    return build_hf_moe_common(family, **{**fields, **config})
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
+
+
+def serial_run(family: str, batches, **config):
+    """Serial transformers: cross-entropy over the (already shifted) labels plus
+    ``router_aux_loss_coef * outputs.aux_loss``, gradients clipped at 1.0, AdamW."""
+    model = build(family, **config)
+    opt = adamw(model)
+    losses, norms = [], []
+    for b in batches:
+        out = model(b["input_ids"])
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss = ce + model.config.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def check_parity(family: str, plan: bh.Plan, batches, want, what: str, **config):
+    model = build(family, **config)
+    engine = bh.boost(model, adamw(model), plan, max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    return engine
+
+
+# --------------------------------------------------------------------------- the layer
+def _layer_world(rank: int, world: int) -> None:
+    from behemoth.mesh import ParallelMesh
+    from behemoth.parallel.tensor.tp1d import ColumnParallelNorm
+
+    mesh = ParallelMesh(bh.Plan(tp=world), rank=rank, world_size=world)
+    axis = mesh.axis("tp")
+    width = 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, width, generator=g, dtype=torch.float64) * 3 + 1
+    dy = torch.randn(2, 5, width, generator=g, dtype=torch.float64)
+    blk = slice(rank * width // world, (rank + 1) * width // world)
+    for serial in (torch.nn.RMSNorm(width, eps=1e-5), torch.nn.LayerNorm(width, eps=1e-5)):
+        serial = serial.double()
+        with torch.no_grad():
+            for p in serial.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        xs = x.clone().requires_grad_(True)
+        serial(xs).backward(dy)
+        params = {n: torch.nn.Parameter(p.detach()[blk].clone()) for n, p in serial.named_parameters()}
+        layer = ColumnParallelNorm(
+            params["weight"],
+            params.get("bias"),
+            axis=axis,
+            eps=1e-5,
+            rms=isinstance(serial, torch.nn.RMSNorm),
+        )
+        xp = x[..., blk].clone().requires_grad_(True)
+        y = layer(xp)
+        y.backward(dy[..., blk])
+        what = type(serial).__name__
+        torch.testing.assert_close(y, serial(x)[..., blk], rtol=1e-12, atol=1e-12, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(xp.grad, xs.grad[..., blk], rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+        for n, p in serial.named_parameters():
+            torch.testing.assert_close(params[n].grad, p.grad[blk], rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+    # bfloat16 input: the sum of squares is taken in float32 and summed over tp in float32, as the
+    # serial norm computes its variance (transformers' RMSNorm: x.to(float32).pow(2).mean(-1)); the
+    # output is the serial one but where the order of the sum flips a bfloat16 rounding
+    serial = build("olmoe").model.layers[0].self_attn.q_norm
+    with torch.no_grad():
+        serial.weight.copy_(torch.rand(32, generator=g) + 0.5)
+    xb = torch.randn(4, 16, 32, generator=g).mul(5).to(torch.bfloat16)  # the q projection's width, 32
+    want = serial(xb)[..., rank * 16 : (rank + 1) * 16]
+    w = torch.nn.Parameter(serial.weight.detach()[rank * 16 : (rank + 1) * 16].clone())
+    layer = ColumnParallelNorm(w, None, axis=axis, eps=serial.variance_epsilon, rms=True)
+    got = layer(xb[..., rank * 16 : (rank + 1) * 16])
+    assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    same = (got == want).float().mean().item()
+    assert same > 0.95, f"{same:.3f} of the bfloat16 outputs equal serial's"
+
+
+def test_column_parallel_norm_matches_the_serial_norm():
+    bh.spawn(_layer_world, 2, timeout=300)
+
+
+# --------------------------------------------------------------------------- whole models
+def _two_rank_world(rank: int, world: int, path: str) -> None:
+    batches = global_batches(STEPS, BATCH)
+    want = serial_run("olmoe", batches)
+    engine = check_parity("olmoe", bh.Plan(tp=2), batches, want, "OLMoE tp=2")
+    attn = engine.model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape[0] == 32 // 2 and attn.q_norm.weight.shape == (16,), attn  # split with q
+    assert get_spec(attn.q_norm.weight).dims[0].index == rank
+    check_parity("olmoe", bh.Plan(tp=2, sequence_parallel=True), batches, want, "OLMoE tp=2 sequence_parallel")
+
+    # one kv head, replicated over tp: every rank keeps the whole k projection and its whole k norm
+    gqa = dict(num_key_value_heads=1)
+    want_gqa = serial_run("olmoe", batches, **gqa)
+    engine = check_parity("olmoe", bh.Plan(tp=2), batches, want_gqa, "OLMoE one kv head tp=2", **gqa)
+    assert engine.model.model.layers[0].self_attn.k_norm.weight.shape == (8,)
+
+    want_qwen = serial_run("qwen3-moe", batches)
+    check_parity("qwen3-moe", bh.Plan(tp=2), batches, want_qwen, "Qwen3-MoE tp=2")
+    # every layer an MoE one (a dense mlp_only_layers MLP has no role, which sequence parallelism refuses)
+    moe_only = dict(mlp_only_layers=[])
+    want_qwen = serial_run("qwen3-moe", batches, **moe_only)
+    plan = bh.Plan(tp=2, sequence_parallel=True)
+    check_parity("qwen3-moe", plan, batches, want_qwen, "Qwen3-MoE tp=2 sequence_parallel", **moe_only)
+
+    # written at tp=2, read at tp=1 (dp=2) into a differently initialised model: the third step is serial's
+    model = build("olmoe")
+    engine = bh.boost(model, adamw(model), bh.Plan(tp=2), max_grad_norm=1.0)
+    train_steps(engine, batches[:2])
+    engine.save(path)
+    fresh = build("olmoe", initializer_range=0.05)
+    engine = bh.boost(fresh, adamw(fresh), bh.Plan(dp=2), max_grad_norm=1.0)
+    engine.load(path)
+    what = "OLMoE saved at tp=2, loaded at tp=1 dp=2"
+    losses, norms = train_steps(engine, batches[2:])
+    assert_losses_close(losses, want[0][2:], what=what)
+    assert_grad_norms_close(norms, want[2][2:], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+
+
+def test_qk_norms_under_tp_match_serial(tmp_path):
+    bh.spawn(_two_rank_world, 2, str(tmp_path / "ckpt"), timeout=900)
+
+
+def _four_rank_world(rank: int, world: int) -> None:
+    batches = global_batches(STEPS, BATCH)
+    want = serial_run("olmoe", batches)
+    check_parity("olmoe", bh.Plan(dp=2, tp=2, ep=2, zero=3), batches, want, "OLMoE dp=2 tp=2 ep=2 zero=3")
+    plan = bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True)
+    check_parity("olmoe", plan, batches, want, "OLMoE dp=2 tp=2 ep=2 sequence_parallel")
+    want = serial_run("qwen3-moe", batches)
+    check_parity("qwen3-moe", bh.Plan(dp=2, tp=2, ep=2), batches, want, "Qwen3-MoE dp=2 tp=2 ep=2")
+
+
+def test_qk_norms_under_tp_and_ep_match_serial():
+    bh.spawn(_four_rank_world, 4, timeout=1200)
