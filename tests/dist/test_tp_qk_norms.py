@@ -13,8 +13,9 @@ Whole models against serial training (losses, every step's gradient norm, ``full
 rtol 1e-4, fp32): tiny random transformers ``OlmoeForCausalLM`` at tp=2, with sequence
 parallelism, with one kv head (replicated over tp, its k norm too), and at dp=2 x tp=2 x ep=2
 under ZeRO-3 and with sequence parallelism; ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
-gradients were one rank's heads' before the role), with sequence parallelism (every layer an MoE
-one; refused before: its norms had no role), and at dp=2 x tp=2 x ep=2. A checkpoint written at tp=2 loads at tp=1 (dp=2)
+gradients were one rank's heads' before the role), with sequence parallelism (refused before: its
+norms and its dense first layer's MLP had no role; that MLP now split as Llama's), with every
+layer an MoE one, and at dp=2 x tp=2 x ep=2. A checkpoint written at tp=2 loads at tp=1 (dp=2)
 and the next step matches serial."""
 
 from __future__ import annotations
@@ -150,11 +151,13 @@ def _two_rank_world(rank: int, world: int, path: str) -> None:
 
     want_qwen = serial_run("qwen3-moe", batches)
     check_parity("qwen3-moe", bh.Plan(tp=2), batches, want_qwen, "Qwen3-MoE tp=2")
-    # every layer an MoE one (a dense mlp_only_layers MLP has no role, which sequence parallelism refuses)
-    moe_only = dict(mlp_only_layers=[])
+    # its dense first layer's MLP split as Llama's (refused under sequence parallelism before: no role)
+    engine = check_parity("qwen3-moe", bh.Plan(tp=2, sequence_parallel=True), batches, want_qwen, "Qwen3 tp=2 SP")
+    assert engine.model.model.layers[0].mlp.gate_proj.weight.shape[0] == 48 // 2
+    moe_only = dict(mlp_only_layers=[])  # no dense MLP: the plan's MLP entries are dropped
     want_qwen = serial_run("qwen3-moe", batches, **moe_only)
     plan = bh.Plan(tp=2, sequence_parallel=True)
-    check_parity("qwen3-moe", plan, batches, want_qwen, "Qwen3-MoE tp=2 sequence_parallel", **moe_only)
+    check_parity("qwen3-moe", plan, batches, want_qwen, "Qwen3-MoE no dense layer tp=2 SP", **moe_only)
 
     # written at tp=2, read at tp=1 (dp=2) into a differently initialised model: the third step is serial's
     model = build("olmoe")

@@ -7,7 +7,9 @@ fused experts ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I
 pattern also matches and expert parallelism leaves alone.
 
 Their configs' ``base_model_tp_plan`` shard the experts in ways behemoth has no role for, so
-the plans below are the families' own (attention and embeddings). Their attentions normalise q
+the plans below are the families' own (attention and embeddings; Qwen3-MoE's also has Llama's
+dense-MLP entries for its ``mlp_only_layers``, which a model without such layers drops:
+:func:`behemoth.parallel.expert.dense_tensor_plan`). Their attentions normalise q
 and k after the projections, which 1D tensor parallelism splits by heads: Qwen3-MoE's ``q_norm`` /
 ``k_norm`` act per head (``head_norm``: every rank normalises its own heads with the whole weight,
 whose gradient is summed over tp); OLMoE's act on the whole q / k projection (``colwise_norm``:
@@ -42,15 +44,25 @@ def _shape(expert_width: str):
 TP_PLAN = {pattern: role for pattern, role in HF_LLAMA.tp_plan.items() if ".mlp." not in pattern}
 
 
-def _family(name: str, model_class: str, config_class: str, expert_width: str, qk_norm: str | None = None):
-    """``qk_norm``: the role of the attention's ``q_norm`` / ``k_norm`` (None: it has none)."""
+def _family(
+    name: str,
+    model_class: str,
+    config_class: str,
+    expert_width: str,
+    qk_norm: str | None = None,
+    dense_mlps: bool = False,
+):
+    """``qk_norm``: the role of the attention's ``q_norm`` / ``k_norm`` (None: it has none);
+    ``dense_mlps``: some layers may keep a dense MLP (Qwen3-MoE's ``mlp_only_layers``), split as
+    Llama's."""
     norms = {f"model.layers.*.self_attn.{n}": qk_norm for n in ("q_norm", "k_norm")} if qk_norm else {}
+    mlps = {p: r for p, r in HF_LLAMA.tp_plan.items() if ".mlp." in p} if dense_mlps else {}
     return ModelSpec(
         name=f"transformers {name}",
         classes=(f"transformers.{model_class}",),
         config_classes=(f"transformers.{config_class}",),
         blocks="model.layers",
-        tp_plan={**TP_PLAN, **norms},
+        tp_plan={**TP_PLAN, **mlps, **norms},
         attention="model.layers.*.self_attn",
         pipeline=PipelineLayout(
             pre=("model.embed_tokens",),
@@ -66,5 +78,7 @@ def _family(name: str, model_class: str, config_class: str, expert_width: str, q
 
 
 HF_MIXTRAL = _family("Mixtral", "MixtralForCausalLM", "MixtralConfig", "intermediate_size")
-HF_QWEN3_MOE = _family("Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "moe_intermediate_size", "head_norm")
+HF_QWEN3_MOE = _family(
+    "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "moe_intermediate_size", "head_norm", dense_mlps=True
+)
 HF_OLMOE = _family("OLMoE", "OlmoeForCausalLM", "OlmoeConfig", "intermediate_size", "colwise_norm")
