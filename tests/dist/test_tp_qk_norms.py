@@ -1,10 +1,10 @@
-"""Norms of the q / k projections under 1D tensor parallelism, which splits those projections by
+"""Norms of the q / k projections under tensor parallelism, which splits those projections by
 heads: OLMoE's ``q_norm`` / ``k_norm`` normalise the whole projection (role ``colwise_norm``: the
 weight split with the projection's features, the mean square of the whole width summed over tp
 in float32), Qwen3-MoE's act per head (role ``head_norm``: the whole weight on every rank, its
 gradient summed over tp).
 
-The layer (float64, 2 ranks): :class:`~behemoth.parallel.tensor.tp1d.ColumnParallelNorm` of an RMS
+The layer (float64, 2 ranks): :class:`~behemoth.parallel.tensor.projection_norm.ProjectionNorm` of an RMS
 norm and of a LayerNorm equal to the serial norm on this rank's features -- output, input gradient,
 weight and bias gradients -- and the all-reduced sum of squares in float32 for a bfloat16 input,
 as the serial norm computes its variance.
@@ -16,7 +16,12 @@ under ZeRO-3 and with sequence parallelism; ``Qwen3MoeForCausalLM`` at tp=2 (its
 gradients were one rank's heads' before the role), with sequence parallelism (refused before: its
 norms and its dense first layer's MLP had no role; that MLP now split as Llama's), with every
 layer an MoE one, and at dp=2 x tp=2 x ep=2. A checkpoint written at tp=2 loads at tp=1 (dp=2)
-and the next step matches serial."""
+and the next step matches serial.
+
+Every tensor mode, on dense transformers models given a tp_policy: ``Olmo2ForCausalLM`` (norms over
+the whole projection) at dp=2 x 1D tp=2, 2D tp=4 (also with one kv head, fewer than q: each grid
+column normalises the kv head it holds), 3D tp=8 and 2.5D tp=8 (one kv head); ``Qwen3ForCausalLM``
+(norms per head) at 2D, 3D and 2.5D."""
 
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def check_parity(family: str, plan: bh.Plan, batches, want, what: str, **config)
 # --------------------------------------------------------------------------- the layer
 def _layer_world(rank: int, world: int) -> None:
     from behemoth.mesh import ParallelMesh
-    from behemoth.parallel.tensor.tp1d import ColumnParallelNorm
+    from behemoth.parallel.tensor.projection_norm import ProjectionNorm
 
     mesh = ParallelMesh(bh.Plan(tp=world), rank=rank, world_size=world)
     axis = mesh.axis("tp")
@@ -96,7 +101,7 @@ def _layer_world(rank: int, world: int) -> None:
         xs = x.clone().requires_grad_(True)
         serial(xs).backward(dy)
         params = {n: torch.nn.Parameter(p.detach()[blk].clone()) for n, p in serial.named_parameters()}
-        layer = ColumnParallelNorm(
+        layer = ProjectionNorm(
             params["weight"],
             params.get("bias"),
             axis=axis,
@@ -121,7 +126,7 @@ def _layer_world(rank: int, world: int) -> None:
     xb = torch.randn(4, 16, 32, generator=g).mul(5).to(torch.bfloat16)  # the q projection's width, 32
     want = serial(xb)[..., rank * 16 : (rank + 1) * 16]
     w = torch.nn.Parameter(serial.weight.detach()[rank * 16 : (rank + 1) * 16].clone())
-    layer = ColumnParallelNorm(w, None, axis=axis, eps=serial.variance_epsilon, rms=True)
+    layer = ProjectionNorm(w, None, axis=axis, eps=serial.variance_epsilon, rms=True)
     got = layer(xb[..., rank * 16 : (rank + 1) * 16])
     assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
     torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
@@ -190,3 +195,110 @@ def _four_rank_world(rank: int, world: int) -> None:
 
 def test_qk_norms_under_tp_and_ep_match_serial():
     bh.spawn(_four_rank_world, 4, timeout=1200)
+
+
+# --------------------------------------------------------------------------- every tensor mode
+def build_dense(family: str, **config):
+    """A tiny dense transformers model with q / k norms: ``olmo2`` (``Olmo2ForCausalLM``, norms over
+    the whole projection) or ``qwen3`` (``Qwen3ForCausalLM``, norms per head); 4 heads over 2 kv
+    heads unless ``config`` says otherwise."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    if family == "olmo2":
+        return Olmo2ForCausalLM(Olmo2Config(**{**shape, **config}))
+    return Qwen3ForCausalLM(Qwen3Config(**{**shape, "head_dim": 8, **config}))
+
+
+def dense_policy(family: str) -> dict[str, str]:
+    """Every module of :func:`build_dense`'s models with its role (the grid modes place every
+    parameter): OLMo2's q / k norms ``colwise_norm``, Qwen3's ``head_norm``."""
+    layer = "model.layers.*."
+    norms = (
+        ("post_attention_layernorm", "post_feedforward_layernorm")
+        if family == "olmo2"
+        else ("input_layernorm", "post_attention_layernorm")
+    )
+    policy = {
+        "model.embed_tokens": "embedding",
+        "model.norm": "norm",
+        "lm_head": "head",
+        layer + "self_attn": "attention",
+    }
+    policy.update({layer + f"self_attn.{n}_proj": "colwise" for n in "qkv"})
+    policy.update({layer + "self_attn.o_proj": "rowwise", layer + "mlp.down_proj": "rowwise"})
+    policy.update({layer + f"mlp.{n}_proj": "colwise" for n in ("gate", "up")})
+    policy.update({layer + n: "norm" for n in norms})
+    role = "colwise_norm" if family == "olmo2" else "head_norm"
+    policy.update({layer + f"self_attn.{n}_norm": role for n in "qk"})
+    return policy
+
+
+def serial_dense_run(family: str, batches, **config):
+    model = build_dense(family, **config)
+    opt = adamw(model)
+    losses, norms = [], []
+    for b in batches:
+        logits = model(b["input_ids"]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def check_dense(family: str, plan: bh.Plan, batches, what: str, **config):
+    want = serial_dense_run(family, batches, **config)
+    model = build_dense(family, **config)
+    engine = bh.boost(model, adamw(model), plan, tp_policy=dense_policy(family), max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    return engine
+
+
+def _grid_world_4(rank: int, world: int) -> None:
+    batches = global_batches(STEPS, BATCH)
+    check_dense("olmo2", bh.Plan(tp=2, dp=2), batches, "OLMo2 dp=2 1D tp=2")  # post-norm: no sequence parallelism
+    plan = bh.Plan(tp=4, tp_mode="2d")
+    engine = check_dense("olmo2", plan, batches, "OLMo2 2D tp=4")
+    q_norm = engine.model.model.layers[0].self_attn.q_norm
+    assert q_norm.weight.shape == (16,), q_norm  # the grid column's feature block of the q projection
+    # one kv head, fewer than q: each grid column normalises the kv head it holds, with the whole k norm
+    engine = check_dense("olmo2", plan, batches, "OLMo2 one kv head 2D tp=4", num_key_value_heads=1)
+    assert engine.model.model.layers[0].self_attn.k_norm.weight.shape == (8,)
+    check_dense("qwen3", plan, batches, "Qwen3 2D tp=4")
+
+
+def test_qk_norms_under_1d_and_2d_match_serial():
+    bh.spawn(_grid_world_4, 4, timeout=900)
+
+
+def _grid_world_8(rank: int, world: int) -> None:
+    batches = global_batches(STEPS, BATCH)
+    plan = bh.Plan(tp=8, tp_mode="3d")
+    check_dense("olmo2", plan, batches, "OLMo2 3D tp=8")
+    check_dense("qwen3", plan, batches, "Qwen3 3D tp=8")
+    plan = bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2)
+    check_dense("olmo2", plan, batches, "OLMo2 one kv head 2.5D tp=8", num_key_value_heads=1)
+    check_dense("qwen3", plan, batches, "Qwen3 2.5D tp=8")
+
+
+def test_qk_norms_under_3d_and_25d_match_serial():
+    bh.spawn(_grid_world_8, 8, timeout=1200)

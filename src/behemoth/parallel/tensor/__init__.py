@@ -12,6 +12,7 @@ Modules, one concept each:
 * :mod:`.state`: the serial model's state dict from the shards;
 * :mod:`.serial`: reading serial modules (Linear / Conv1D, norms, attention head counts);
 * :mod:`.functional`: dtype rules, the sharded norm and the vocab-parallel cross-entropy;
+* :mod:`.projection_norm`: norms of a split projection's output (q / k norms), every mode;
 * 1D: :mod:`.tp1d` (Linear layers, sequence-parallel norm), :mod:`.region1d` (``f``/``g``),
   :mod:`.vocab1d` (embedding, head);
 * 2D / 2.5D: :mod:`.grid` (the grid and SUMMA, shared), :mod:`.tp2d`, :mod:`.embed2d`,

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
+from .layout import ShardSpec, get_spec, set_spec
+
 if TYPE_CHECKING:
     from ...mesh import ParallelMesh
 
@@ -115,26 +117,14 @@ def check_kind(module: nn.Module, name: str, role: str) -> None:
         raise ValueError(f"tensor-parallel role 'head' needs an nn.Linear; {name} is a {type(module).__name__}.")
 
 
-PROJECTION_NORM_ROLES = ("colwise_norm", "head_norm")
-"""Roles of norms that read a colwise projection's output (q/k norms), built for 1D so far."""
+def replicated_over_tp(module: nn.Module) -> None:
+    """Mark ``module``'s own parameters as held whole by every rank of the tp group (a head
+    norm's weight in every mode), unless a style already gave them a ShardSpec."""
+    for prm in module.parameters(recurse=False):
+        if get_spec(prm) is None:
+            set_spec(prm, ShardSpec(tuple(prm.shape), (), replicated_on=("tp",)))
 
 
-def refuse_projection_norms(roles: dict[str, str], mode: str) -> None:
-    """For the grid modes (2D, 2.5D, 3D): the ``colwise_norm`` / ``head_norm`` roles are not
-    built there yet (their layer would take the grid's block of the projection's output)."""
-    for name, role in roles.items():
-        if role in PROJECTION_NORM_ROLES:
-            raise NotImplementedError(
-                f"tensor parallelism ({mode}): the {role!r} role ({name}) is not built for tp_mode={mode!r} yet; "
-                f"it is built for tp_mode='1d'. Use tp_mode='1d', or tp=1."
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProjectionNormStyle(TensorStyle):
-    """Base of the grid modes' ``colwise_norm`` / ``head_norm`` styles, refused by their
-    ``prepare`` (:func:`refuse_projection_norms`) before any collective."""
-
-    def apply(self, module: nn.Module, mesh: ParallelMesh) -> nn.Module:
-        refuse_projection_norms({type(module).__name__: self.role}, self.mode)
-        return module
+def norm_eps(module: nn.Module) -> float | None:
+    """A serial norm's epsilon (``eps``, or transformers' ``variance_epsilon``); None: the dtype's."""
+    return getattr(module, "eps", getattr(module, "variance_epsilon", None))

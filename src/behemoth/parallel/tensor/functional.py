@@ -3,7 +3,7 @@
 * :func:`autocast_dtype`, :func:`cast_to`, :func:`compute_dtype`: which dtype a layer computes
   and communicates in under autocast (shards are cast before they travel: half the bytes);
 * :func:`replicated`: route a parameter replicated over some axes through ``CopyToAxis``, so
-  its gradient is summed there;
+  its gradient is summed there (:func:`replicated_parameters`: every parameter of a module);
 * :class:`ShardedNormFn`: LayerNorm / RMSNorm over a hidden dim split across one axis
   (2D, 2.5D, 3D);
 * :class:`VocabParallelCrossEntropy`: cross-entropy of logits split on the vocabulary over
@@ -14,6 +14,8 @@ All communication goes through :mod:`behemoth.comm`. Tested through every mode's
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -47,6 +49,20 @@ def replicated(p: torch.Tensor, *axes: Axis) -> torch.Tensor:
         if not a.trivial:
             p = comm.CopyToAxis.apply(p, a)
     return p
+
+
+@contextlib.contextmanager
+def replicated_parameters(module: torch.nn.Module, *axes: Axis):
+    """For the duration, each of ``module``'s own Parameters is its :func:`replicated` view over
+    ``axes`` (identity forward, gradient summed there), so the module's own forward, run inside,
+    sums its parameters' gradients over ``axes``; state-dict keys do not change."""
+    saved = {n: p for n, p in module._parameters.items() if p is not None}
+    try:
+        for n, p in saved.items():
+            module._parameters[n] = replicated(p, *axes)
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 class ShardedNormFn(torch.autograd.Function):

@@ -9,7 +9,7 @@ style                                  role                replaces the module b
 :class:`FusedQKVParallel1D`            ``colwise_fused3``  ColumnParallelLinear (q, k, v)
 :class:`RowwiseParallel1D`             ``rowwise``         RowParallelLinear (in split)
 :class:`NormParallel1D`                ``norm``            itself (SP: on the shard)
-:class:`ColwiseNormParallel1D`         ``colwise_norm``    ColumnParallelNorm (features split)
+:class:`ColwiseNormParallel1D`         ``colwise_norm``    ProjectionNorm (features split)
 :class:`HeadNormParallel1D`            ``head_norm``       itself (gradient summed over tp)
 :class:`EmbeddingParallel1D`           ``embedding``       VocabParallelEmbedding
 :class:`PositionEmbeddingParallel1D`   ``pos_embedding``   itself, replicated
@@ -36,19 +36,12 @@ import torch.nn as nn
 from ... import comm
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
-from .base import TensorStyle, check_fused3, check_kind, check_norm, owner_of
+from .base import TensorStyle, check_fused3, check_kind, check_norm, norm_eps, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
+from .projection_norm import ProjectionNorm, make_head_norm
 from .region1d import ParallelRegion
 from .serial import attention_heads, linear_shape, localize_heads
-from .tp1d import (
-    MODE,
-    SEQ_DIM,
-    ColumnParallelLinear,
-    ColumnParallelNorm,
-    RowParallelLinear,
-    make_head_norm,
-    make_sequence_parallel_norm,
-)
+from .tp1d import MODE, SEQ_DIM, ColumnParallelLinear, RowParallelLinear, make_sequence_parallel_norm
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 
@@ -193,7 +186,7 @@ class NormParallel1D(TensorStyle):
 @dataclass(frozen=True, kw_only=True)
 class ColwiseNormParallel1D(TensorStyle):
     """A norm over the whole output of a ``colwise`` projection (an RMS norm or a LayerNorm over
-    its last dim: OLMoE's ``q_norm`` / ``k_norm``) -> :class:`~.tp1d.ColumnParallelNorm`: its
+    its last dim: OLMoE's ``q_norm`` / ``k_norm``) -> :class:`~.projection_norm.ProjectionNorm`: its
     weight (and bias) split as the projection's output features (block r of p), the statistics
     of the whole width summed over tp. ``replicated_kv=(K, D)``: the norm of a k projection with
     K < p kv heads of width D (replicated, as :class:`ColwiseParallel1D` keeps it) -- every rank
@@ -216,9 +209,9 @@ class ColwiseNormParallel1D(TensorStyle):
         else:
             w = _shard(w, _spec(w.shape, 0, p, r)) if w is not None else None
             b = _shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        rms = not isinstance(module, nn.LayerNorm)
-        return ColumnParallelNorm(w, b, axis=axis, eps=eps, rms=rms, rows=rows, name=self.name)
+        eps, rms = norm_eps(module), not isinstance(module, nn.LayerNorm)
+        summed = (axis,) if rows is not None else ()  # a replicated kv head's norm: gradients summed over tp
+        return ProjectionNorm(w, b, axis=axis, eps=eps, rms=rms, param_axes=summed, rows=rows, name=self.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +219,7 @@ class HeadNormParallel1D(TensorStyle):
     """A norm applied to each head of a ``colwise`` projection's output (a weight of one head's
     width: Qwen3's ``q_norm`` / ``k_norm``) stays itself with replicated parameters; each rank
     normalises only its own heads, so the parameters' gradients are summed over tp
-    (:func:`~.tp1d.make_head_norm`). It reads the projection's output, whole on the sequence, so
+    (:func:`~.projection_norm.make_head_norm`). It reads the projection's output, whole on the sequence, so
     sequence parallelism changes nothing for it."""
 
     role = "head_norm"

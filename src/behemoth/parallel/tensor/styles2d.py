@@ -42,20 +42,21 @@ from typing import ClassVar
 from torch import nn
 
 from .base import (
-    ProjectionNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
     check_fused3,
     check_kind,
     check_norm,
+    norm_eps,
     owner_of,
-    refuse_projection_norms,
+    replicated_over_tp,
 )
 from .deferred_grads import install_deferred_grads
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
 from .grid import grid_of
 from .layout import check_divisible
+from .projection_norm import ProjectionNorm, make_head_norm
 from .serial import attention_heads, linear_shape, localize_heads
 from .tp2d import KVReplicatedLinear2D, LayerNorm2D, Linear2D, Norm2D, RMSNorm2D
 from .tp2p5d import Embedding25D, LayerNorm25D, Linear25D, PositionEmbedding25D, RMSNorm25D, VocabParallelHead25D
@@ -120,19 +121,42 @@ class NormParallel2D(TensorStyle):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColwiseNormParallel2D(ProjectionNormStyle):
-    """The ``colwise_norm`` role on the grid: not built yet (refused by :func:`prepare`)."""
+class ColwiseNormParallel2D(NormParallel2D):
+    """A norm over the whole output of a ``colwise`` projection (OLMoE's ``q_norm`` / ``k_norm``):
+    the projection's output has the residual stream's layout (batch block i, feature block j),
+    so it is the grid norm over the projection's width (statistics over ``tp_col``, weight block j
+    replicated over ``tp_row``). ``replicated_kv=(K, D)``: the norm of a k projection with K < q kv
+    heads of width D (:class:`~.tp2d.KVReplicatedLinear2D`: grid column j holds kv head
+    ``j // (q / K)``) -> :class:`~.projection_norm.ProjectionNorm` of that head's features, the
+    whole weight on every rank (its gradient summed over tp)."""
 
     role = "colwise_norm"
-    mode = "2d"
+    replicated_kv: tuple[int, int] | None = None
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        if self.replicated_kv is None:
+            return super().apply(module, mesh)
+        g = grid_of(mesh, self.mode, type(self).__name__)
+        k, d = self.replicated_kv
+        c = g.col // (g.q // k)
+        replicated_over_tp(module)
+        w, b, rms = module.weight, getattr(module, "bias", None), not isinstance(module, nn.LayerNorm)
+        rows = (c * d, (c + 1) * d)
+        return ProjectionNorm(w, b, axis=g.col_axis, eps=norm_eps(module), rms=rms, param_axes=(g.tp_axis,), rows=rows)
 
 
 @dataclass(frozen=True, kw_only=True)
-class HeadNormParallel2D(ProjectionNormStyle):
-    """The ``head_norm`` role on the grid: not built yet (refused by :func:`prepare`)."""
+class HeadNormParallel2D(TensorStyle):
+    """A norm over each head of a ``colwise`` projection (Qwen3's ``q_norm`` / ``k_norm``) stays
+    itself with its whole weight on every rank; each rank normalises its heads of its batch
+    block, so the weight's gradient is summed over tp (:func:`~.projection_norm.make_head_norm`)."""
 
     role = "head_norm"
     mode = "2d"
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        replicated_over_tp(module)
+        return make_head_norm(module, mesh.axis("tp"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +250,8 @@ class ColwiseNormParallel25D(ColwiseNormParallel2D):
     """:class:`ColwiseNormParallel2D` on the Tesseract grid."""
 
     mode = "2.5d"
+    layer_norm = LayerNorm25D
+    rms_norm = RMSNorm25D
 
 
 class HeadNormParallel25D(HeadNormParallel2D):
@@ -306,13 +332,21 @@ def _replicated_kv(name: str, m: nn.Module, role: str, attention: dict, q: int) 
     return (k, d) if k < q and k != n and d is not None and m.out_features == k * d else None
 
 
+def _replicated_kv_norm(name: str, width: int, attention: dict, q: int) -> tuple[int, int] | None:
+    """(K, D) when ``name`` is the norm of a k projection with K < q kv heads (a replicated kv head)."""
+    owner = owner_of(name, attention)
+    if owner is None:
+        return None
+    n, k, d = attention[owner]
+    return (k, d) if k < q and k != n and d is not None and width == k * d else None
+
+
 def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mode: str) -> dict:
     """Every check, pure and identical on every rank. Returns ``{attention name: (N, K, D)}``."""
 
     def need(what: str, size: int) -> None:
         check_divisible(what, size, q, mode)
 
-    refuse_projection_norms(roles, mode)
     check_enters_and_leaves(model, roles, mode, "grid")
     attention = {}
     for name, role in roles.items():
@@ -351,6 +385,10 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int, mo
             need(f"hidden (in features of {name})", m.in_features)
         elif role == "norm":
             need(f"hidden (normalized size of {name})", check_norm(m, name, mode))
+        elif role == "colwise_norm":
+            width = check_norm(m, name, mode)
+            if _replicated_kv_norm(name, width, attention, q) is None:
+                need(f"normalised width (features of {name})", width)
     check_every_parameter_owned(model, roles, mode)
     return attention
 
@@ -367,9 +405,13 @@ def prepare(model: nn.Module, styles: dict[str, TensorStyle], mesh) -> dict[str,
     for name, style in styles.items():
         fields = {f.name for f in dataclasses.fields(style)}
         if "replicated_kv" in fields and style.replicated_kv is None:
-            style = dataclasses.replace(
-                style, replicated_kv=_replicated_kv(name, modules[name], style.role, attention, g.q)
+            m = modules[name]
+            kv = (
+                _replicated_kv_norm(name, check_norm(m, name, mode), attention, g.q)
+                if style.role == "colwise_norm"
+                else _replicated_kv(name, m, style.role, attention, g.q)
             )
+            style = dataclasses.replace(style, replicated_kv=kv)
         if "heads" in fields and style.heads is None:
             style = dataclasses.replace(style, heads=attention[name])
         out[name] = style

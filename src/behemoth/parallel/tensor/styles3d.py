@@ -48,17 +48,17 @@ import torch
 from torch import nn
 
 from .base import (
-    ProjectionNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
     check_fused3,
     check_kind,
     check_norm,
-    refuse_projection_norms,
+    replicated_over_tp,
 )
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
+from .projection_norm import make_head_norm
 from .serial import attention_heads, linear_shape, localize_heads
 from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
 
@@ -119,19 +119,32 @@ class NormParallel3D(TensorStyle):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColwiseNormParallel3D(ProjectionNormStyle):
-    """The ``colwise_norm`` role on the cube: not built yet (refused by :func:`prepare`)."""
+class ColwiseNormParallel3D(TensorStyle):
+    """A norm over the whole output of a ``colwise`` projection (OLMoE's ``q_norm`` / ``k_norm``)
+    -> :class:`~.tp3d.LayerNorm3D` / :class:`~.tp3d.RMSNorm3D` on the swapped layout the
+    projection writes (feature block r: statistics over ``tp_row``, weight block r replicated over
+    ``tp_depth`` and ``tp_col``)."""
 
     role = "colwise_norm"
     mode = MODE
 
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        norm = LayerNorm3D if isinstance(module, nn.LayerNorm) else RMSNorm3D
+        return norm.from_serial(module, mesh, swapped=True)
+
 
 @dataclass(frozen=True, kw_only=True)
-class HeadNormParallel3D(ProjectionNormStyle):
-    """The ``head_norm`` role on the cube: not built yet (refused by :func:`prepare`)."""
+class HeadNormParallel3D(TensorStyle):
+    """A norm over each head of a ``colwise`` projection (Qwen3's ``q_norm`` / ``k_norm``) stays
+    itself with its whole weight on every rank; each rank normalises its heads of its batch
+    block, so the weight's gradient is summed over tp (:func:`~.projection_norm.make_head_norm`)."""
 
     role = "head_norm"
     mode = MODE
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        replicated_over_tp(module)
+        return make_head_norm(module, mesh.axis("tp"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +230,6 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
         check_divisible(what, size, parts, MODE)
 
     qq = f"q**2 = {q * q} (tp_row x tp_depth)"
-    refuse_projection_norms(roles, MODE)
     check_enters_and_leaves(model, roles, MODE, "cube")
     attention = {}
     for name, role in roles.items():
@@ -252,7 +264,7 @@ def _validate(model: nn.Module, modules: dict, roles: dict[str, str], q: int) ->
             check_kind(m, name, role)
             need(f"vocab_size (out features of {name}, split over {qq})", m.out_features, q * q)
             need(f"hidden (in features of {name})", m.in_features)
-        elif role == "norm":
+        elif role in ("norm", "colwise_norm"):
             need(f"hidden (normalized size of {name})", check_norm(m, name, MODE))
     check_every_parameter_owned(model, roles, MODE)
     return attention

@@ -22,10 +22,11 @@ VocabParallelEmbedding   vocab rows, block r of p    ids [B, S] -> [B, S, H] (fu
 VocabParallelHead        vocab rows, block r of p    X [B, S, H] -> logits [B, S, V/p]
 norms, pos. embedding    replicated                  full (SP, inside the blocks: a norm
                                                      takes [B, S/p, H], returns [B, S, H])
-ColumnParallelNorm       its projection's block r    [.., W/p] -> [.., W/p] (statistics of
-                                                     the whole width W, summed over tp)
-head norms               replicated                  each of this rank's heads (gradient
-                                                     summed over tp: :func:`make_head_norm`)
+q / k norms (OLMoE's)    the projection's block r    [.., W/p] -> [.., W/p] (statistics of
+                                                     the whole width W summed over tp;
+                                                     :class:`~.projection_norm.ProjectionNorm`)
+q / k norms per head     replicated                  each of this rank's heads (gradient
+                         (Qwen3's)                   summed over tp; :mod:`.projection_norm`)
 =======================  ==========================  ========================================
 
 Communication per column/row pair (one forward + backward): without SP, ``f`` on the column
@@ -78,7 +79,7 @@ import torch.nn.functional as F
 
 from ... import comm
 from ...comm import Axis
-from .functional import ShardedNormFn, autocast_dtype, cast_to
+from .functional import autocast_dtype, cast_to, replicated_parameters
 from .region1d import ParallelRegion, column_parallel_linear, row_parallel_linear
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
@@ -197,89 +198,6 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-class ColumnParallelNorm(nn.Module):
-    """An RMSNorm (``rms``) or LayerNorm over the *whole* output of a column-parallel projection,
-    of which this rank holds a block of features (OLMoE's ``q_norm`` / ``k_norm`` normalise the
-    whole q / k projection, every head together). The statistics are the serial ones: this rank's
-    sum of squares (LayerNorm: its block's mean and M2) in at least float32, as the serial norm
-    computes its variance, combined over tp (:class:`~.functional.ShardedNormFn`: one all-reduce
-    forward, one backward); ``weight`` / ``bias`` are this rank's block of the serial ones, so
-    their gradients are the block's, whole on this rank (it sees every token of its features,
-    with or without sequence parallelism). ``rows``: replicated kv heads (a k norm of an attention
-    with fewer kv heads than tp) -- the parameters are the whole serial ones (gradients all-reduced
-    over tp) and this rank normalises its kv head, features ``rows[0]:rows[1]``; the p copies then
-    stand for the whole width p / K times, which the mean divides out.
-
-    RMS: ``weight * x_hat.to(x.dtype)``, as transformers' RMSNorms compute it (OLMoE's, Llama's), so
-    the output has their dtype, ``promote(x, weight)``; LayerNorm: float32 under autocast (as
-    ``nn.LayerNorm``), else the input's dtype."""
-
-    def __init__(
-        self,
-        weight: nn.Parameter | None,
-        bias: nn.Parameter | None,
-        *,
-        axis: Axis,
-        eps: float | None,
-        rms: bool,
-        rows: tuple[int, int] | None = None,
-        name: str = "",
-    ) -> None:
-        super().__init__()
-        self.register_parameter("weight", weight)
-        self.register_parameter("bias", bias)
-        self.axis, self.eps, self.rms, self.rows, self.name = axis, eps, rms, rows, name
-
-    @torch.compiler.disable  # collectives stay eager in compiled blocks
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if self.rows is not None:
-            lo, hi = self.rows
-            w = None if w is None else comm.CopyToAxis.apply(w, self.axis)[lo:hi]
-            b = None if b is None else comm.CopyToAxis.apply(b, self.axis)[lo:hi]
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        width = x.shape[-1] * self.axis.size  # the whole width (replicated kv heads: p / K copies of it)
-        if self.rms:  # transformers' RMSNorm: the weight times the normalised input in the input dtype
-            y = ShardedNormFn.apply(x, None, None, eps, self.axis, width, True).to(x.dtype)
-            return y if w is None else w * y
-        y = ShardedNormFn.apply(x, w, b, eps, self.axis, width, False)
-        return y if autocast_dtype(x) is not None else y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{'rms' if self.rms else 'layer'} norm, eps={self.eps}, tp={self.axis.size}, rows={self.rows}"
-
-
-def make_head_norm(module: nn.Module, axis: Axis) -> nn.Module:
-    """Make a norm (any class) that acts on each head of a column-parallel projection (Qwen3's
-    ``q_norm`` / ``k_norm``, a weight of one head's width) sum its parameters' gradients over
-    tp: each rank normalises only its own heads, so its gradient is its heads' share. The
-    parameters go through CopyToAxis for the duration of each call that records a graph; the
-    module's own forward does the math and its state-dict keys do not change."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        with _summed_over(module, axis):
-            return inner(*args, **kwargs)
-
-    module.forward = forward
-    return module
-
-
-@contextlib.contextmanager
-def _summed_over(module: nn.Module, axis: Axis):
-    """For the duration, each of ``module``'s own Parameters is its CopyToAxis view (identity
-    forward, gradient all-reduced over ``axis``)."""
-    saved = {n: p for n, p in module._parameters.items() if p is not None}
-    try:
-        for n, p in saved.items():
-            module._parameters[n] = comm.CopyToAxis.apply(p, axis)
-        yield
-    finally:
-        module._parameters.update(saved)
-
-
 def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelRegion) -> nn.Module:
     """Make a norm (any class) run on this rank's sequence shard and hand the column layers
     after it the whole sequence: its parameters go through CopyToAxis (their gradients are
@@ -295,7 +213,7 @@ def make_sequence_parallel_norm(module: nn.Module, axis: Axis, region: ParallelR
     def forward(*args, **kwargs):
         if region.sequence_parallel_paused:
             return inner(*args, **kwargs)
-        with _summed_over(module, axis):  # each Parameter its CopyToAxis view for the call
+        with replicated_parameters(module, axis):  # each Parameter its CopyToAxis view for the call
             y = inner(*args, **kwargs)
         # Cast to the autocast dtype before the gather (the column layers would cast anyway):
         # the gather and the backward reduce-scatter then move half the bytes.
