@@ -56,6 +56,10 @@ class ExpertBlock:
         self.num_experts = module.num_experts if self.native else module.gate.num_experts
         self.top_k = module.top_k if self.native else module.gate.top_k
         self.act = F.silu if self.native else module.experts.act_fn
+        gate_up = self.holder.gate_up_proj
+        self.grouped_widths = gate_up.shape[-1] % 8 == 0 and gate_up.shape[-2] % 16 == 0
+        """Whether the grouped GEMMs take these experts' widths (H and 2I: 16-byte rows), read
+        when the block is wrapped (before any sharding of the parameters)."""
 
     def jitter(self, x_BSH: torch.Tensor) -> torch.Tensor:
         """The block's input as its experts and router see it: Mixtral's multiplicative input
@@ -78,9 +82,9 @@ class ExpertBlock:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         return Routing(logits_TE, probs_TE, weights_TK, experts_TK, experts_TK)
 
-    def run_experts(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def run_experts(self, x_NH: torch.Tensor, counts) -> torch.Tensor:
         """This rank's experts on their rows (grouped by expert, ``counts[l]`` rows for local expert
-        l). A transformers block runs them as a call of its ``experts`` module (whose forward the
+        l; or a :class:`~.grouped.GroupEnds`). A transformers block runs them as a call of its ``experts`` module (whose forward the
         style replaced by :func:`experts_forward`), so module hooks on it (ZeRO-3's gathers) fire."""
         if self.native:
             return grouped_swiglu(x_NH, counts, self.holder.gate_up_proj, self.holder.down_proj, self.act)
@@ -92,7 +96,7 @@ class ExpertBlock:
         return None if shared is None else shared(x_TH)
 
 
-def experts_forward(self: nn.Module, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def experts_forward(self: nn.Module, x_NH: torch.Tensor, counts) -> torch.Tensor:
     """A transformers experts module's forward under expert parallelism (bound to the instance):
     rows already grouped by local expert through :func:`~.grouped.grouped_swiglu`."""
     return grouped_swiglu(x_NH, counts, self.gate_up_proj, self.down_proj, self.act_fn)

@@ -36,12 +36,14 @@ import torch.nn.functional as F
 
 __all__ = [
     "GROUP_ROWS",
+    "GroupEnds",
     "gemm_dtype",
     "group_alignment",
     "grouped_mm_available",
     "grouped_swiglu",
     "pad_groups",
     "padded_rows",
+    "swiglu_grouped_ends",
     "swiglu_grouped_mm",
     "swiglu_loop",
     "to_device",
@@ -96,13 +98,26 @@ def grouped_mm_available(x_NH: torch.Tensor, gate_up: torch.Tensor, counts: list
     return gate_up.shape[-1] % 8 == 0 and gate_up.shape[-2] % 16 == 0
 
 
+class GroupEnds:
+    """Expert groups told by their ends on the device (``ends`` int32 ``[E]``, cumulative rows;
+    every group a multiple of :data:`GROUP_ROWS` rows, none empty, the last ending at the last
+    row): rows laid out for ``torch._grouped_mm`` already, whose sizes the host never reads
+    (:mod:`.local`). :func:`grouped_swiglu` runs them on the grouped path only."""
+
+    def __init__(self, ends: torch.Tensor) -> None:
+        self.ends = ends
+
+
 def grouped_swiglu(
-    x_NH: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act=F.silu
+    x_NH: torch.Tensor, counts: list[int] | GroupEnds, gate_up: torch.Tensor, down: torch.Tensor, act=F.silu
 ) -> torch.Tensor:
     """``y_NH``: rows of expert e (the e-th run of ``counts[e]`` rows) through
     ``down[e](act(gate[e] x) * up[e] x)`` (``act``: SiLU, or a transformers model's
     ``experts.act_fn``); local compute, no communication. The grouped path where
-    :func:`grouped_mm_available`, else the loop (see the module docstring)."""
+    :func:`grouped_mm_available`, else the loop (see the module docstring); ``counts`` a
+    :class:`GroupEnds`: the grouped path (:func:`swiglu_grouped_ends`)."""
+    if isinstance(counts, GroupEnds):
+        return swiglu_grouped_ends(x_NH, counts.ends, gate_up, down, act)
     if grouped_mm_available(x_NH, gate_up, counts):
         return swiglu_grouped_mm(x_NH, counts, gate_up, down, act)
     return swiglu_loop(x_NH, counts, gate_up, down, act)
@@ -193,6 +208,21 @@ def swiglu_grouped_mm(
         rows = padded_rows(counts, shift, x_NH.device)
         x_NH = x_NH.new_zeros(sum(padded), x_NH.shape[-1]).index_copy(0, rows, x_NH)
     offsets = to_device(list(itertools.accumulate(padded)), x_NH.device, torch.int32)
-    gate_PI, up_PI = _grouped_mm(x_NH, gate_up, offsets).chunk(2, dim=-1)
-    y_PH = _grouped_mm(act(gate_PI) * up_PI, down, offsets)
+    y_PH = _swiglu_groups(x_NH, offsets, gate_up, down, act)
     return _ContiguousGrad.apply(y_PH if rows is None else y_PH.index_select(0, rows))
+
+
+def _swiglu_groups(x_NH, ends, gate_up, down, act) -> torch.Tensor:
+    gate_PI, up_PI = _grouped_mm(x_NH, gate_up, ends).chunk(2, dim=-1)
+    return _grouped_mm(act(gate_PI) * up_PI, down, ends)
+
+
+def swiglu_grouped_ends(
+    x_NH: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=F.silu
+) -> torch.Tensor:
+    """:func:`swiglu_grouped_mm` on rows laid out for it already (:class:`GroupEnds`: the groups'
+    int32 ends on the device, each group a multiple of :data:`GROUP_ROWS` rows): no padding, no
+    host read. Operands in :func:`gemm_dtype`; every row of ``x_NH`` comes out."""
+    dtype = gemm_dtype(x_NH)
+    x_NH, gate_up, down = x_NH.to(dtype), gate_up.to(dtype), down.to(dtype)
+    return _ContiguousGrad.apply(_swiglu_groups(x_NH, ends, gate_up, down, act))

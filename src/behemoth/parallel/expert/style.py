@@ -74,6 +74,7 @@ from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
 from .grouped import group_alignment
+from .local import local_exchange, local_ready
 from .losses import ExpertLayers
 from .overlap import exchange
 from .replay import routes
@@ -272,14 +273,24 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
             # a checkpointed block's recompute gets its forward's routes back (no sort, no host read). The
             # split sizes' read to the host is started here and waited for in the exchange: the balancing
             # statistics in between keep the device busy while the host waits
-            routed = routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
+            # every expert on this rank (local_ready): routes made on the device alone, no host read
+            local = ep.trivial and local_ready(x_TH, block, r)
+            routed = (
+                None
+                if local
+                else routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
+            )
         with record_function("behemoth::moe_balance"):
             counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
             # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
             local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
             totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
         with record_function("behemoth::moe_exchange"):
-            y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
+            if routed is None:
+                experts = (r.experts_TK, block.num_experts, block.run_experts, block.shared)
+                y_TH = local_exchange(x_TH, r.weights_TK, *experts)
+            else:
+                y_TH = exchange(x_TH, r.weights_TK, routed, block.run_experts, block.shared)
         num_experts = block.num_experts
         counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
         if block.native:
