@@ -58,35 +58,60 @@ def _workload():
     return workload_for(cfg, seq_len=T, global_batch=1)
 
 
-def _expected(rows: int) -> float:
+def _expected(rows: int, local: bool = False) -> float:
     """The planner's bytes for the layer: its input's 16-bit cast (the router's; a dense MLP's
     input cast, which ``ACTIVATION_BYTES`` counts per hidden unit), the SwiGLU's ``8`` per unit of
     ``I k``, and :func:`expert_saved_bytes`; ``rows`` beyond the T k assignments (the grouped
     GEMMs' padding) hold their input row and their ``8 I`` of intermediates."""
     per_token = (
-        2 * H + ACTIVATION_BYTES[(True, True)][2] * I * K + expert_saved_bytes(bh.Plan(precision="bf16"), _workload())
+        2 * H
+        + ACTIVATION_BYTES[(True, True)][2] * I * K
+        + expert_saved_bytes(bh.Plan(precision="bf16"), _workload(), local=local)
     )
     return T * per_token + rows * (2 * H + 8 * I)
 
 
-@pytest.mark.parametrize("grouped_path", [False, True], ids=["loop", "grouped"])
-def test_expert_parallel_layer_saves_what_the_planner_counts(grouped_path, monkeypatch):
-    from behemoth.parallel.expert import ExpertParallel, grouped
+@pytest.mark.parametrize("path", ["loop", "grouped-routed", "grouped-local"])
+def test_expert_parallel_layer_saves_what_the_planner_counts(path, monkeypatch):
+    """``loop``: the CPU's per-expert GEMMs; ``grouped-routed``: the GPUs' grouped GEMMs on the
+    routed path (what a rank of ep > 1 runs; forced here on one rank); ``grouped-local``: the
+    grouped GEMMs of a rank holding every expert (parallel/expert/local.py, the GPUs' path at
+    ep = 1), counted by the planner's ``local`` bytes."""
+    from behemoth.parallel.expert import ExpertParallel, grouped, style
     from behemoth.parallel.expert.grouped import GROUP_ROWS, pad_groups
+    from behemoth.parallel.expert.local import num_layout_rows
 
-    if grouped_path:  # the GPUs' path: torch._grouped_mm (a loop of its own on CPU builds), groups padded
+    if path != "loop":  # torch._grouped_mm (a loop of its own on CPU builds), groups padded
         monkeypatch.setattr(grouped, "_fast_kernel", lambda x: grouped.gemm_dtype(x) == torch.bfloat16)
+    if path == "grouped-routed":
+        monkeypatch.setattr(style, "local_ready", lambda *args: False)
     layer = _layer()
     x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1))
     counts = torch.bincount(layer.route_tokens(x).experts_TK.reshape(-1), minlength=E).tolist()
-    padding = sum(pad_groups(counts, GROUP_ROWS)[0]) - T * K if grouped_path else 0
+    padding = {
+        "loop": 0,
+        "grouped-routed": sum(pad_groups(counts, GROUP_ROWS)[0]) - T * K,
+        "grouped-local": num_layout_rows(T * K, E) - T * K,
+    }[path]
+    local = path == "grouped-local"
     ExpertParallel().apply(layer, OneRankMesh())
     got = _saved_activations(layer, x)
     # within 0.25%: the padding rows' index tensor and the router loss's scalars are left out, and
     # rows arriving in the experts' layout already (one rank, no padding) need no slot index
-    assert got == pytest.approx(_expected(padding), rel=2.5e-3), (got, _expected(padding))
+    assert got == pytest.approx(_expected(padding, local), rel=2.5e-3), (got, _expected(padding, local))
     # without the routing's, dispatch's and combine's tensors the count is a third short
-    assert got - T * expert_saved_bytes(bh.Plan(precision="bf16"), _workload()) < 0.7 * got
+    assert got - T * expert_saved_bytes(bh.Plan(precision="bf16"), _workload(), local=local) < 0.7 * got
+
+
+def test_the_local_path_is_the_planners_at_ep_1_in_16_bit():
+    w = _workload()
+    one, two = bh.Plan(precision="bf16"), bh.Plan(dp=2, ep=2, precision="bf16")
+    assert expert_saved_bytes(one, w) == expert_saved_bytes(one, w, local=True)
+    assert expert_saved_bytes(two, w) == expert_saved_bytes(two, w, local=False)
+    # the routed path keeps the fp32 weighted product (4 h k) and three index tensors beside the
+    # gathered weights (28 k); the local path one slot per assignment (8 k)
+    assert expert_saved_bytes(two, w) - expert_saved_bytes(one, w) == 4 * H * K + 20 * K
+    assert expert_saved_bytes(bh.Plan(), w) == expert_saved_bytes(bh.Plan(), w, local=False)  # fp32 GEMMs: routed
 
 
 def test_serial_layer_saves_what_the_planner_counts():
@@ -114,6 +139,7 @@ def test_expert_bytes_grow_with_the_experts_a_token_visits():
     assert expert_saved_bytes(bh.Plan(), workload_for("llama-tiny", seq_len=64, global_batch=2)) == 0.0
     assert expert_elementwise_bytes(workload_for("llama-tiny", seq_len=64, global_batch=2)) == (0.0, 0.0)
     # fp32 GEMMs keep 4-byte rows: 12 h k beside the 16-bit GEMMs' 8 h k
-    assert expert_saved_bytes(bh.Plan(), w) - expert_saved_bytes(bh.Plan(precision="bf16"), w) == 4 * H * K
+    routed = expert_saved_bytes(bh.Plan(precision="bf16"), w, local=False)
+    assert expert_saved_bytes(bh.Plan(), w) - routed == 4 * H * K
     f, b = expert_elementwise_bytes(w)
     assert f > 30 * H * K and b > 50 * H * K

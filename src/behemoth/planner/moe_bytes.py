@@ -21,6 +21,12 @@ hidden width, E experts, k experts a token visits, c the bytes of the GEMMs' dty
 * the permutations' int64 indices: the rows' order (which the weights' gather shares), their
   slots in the experts' layout and their tokens (``24 k``), and the gathered weights (``4 k``).
 
+A rank holding every expert (``ep = 1``: a pipeline, tensor parallelism, one device) with 16-bit
+GEMMs takes ``parallel/expert/local.py`` instead (:func:`takes_local_path`): the same two
+``c h k`` rows, no fp32 product (the rows are weighed token-major, the sum over k keeps
+nothing) and one int64 slot per assignment (``8 k``); its layout adds ``16 E`` rows a layer and
+micro-batch at most (left out, as the groups' padding is).
+
 The serial layer (``MoEFeedForward.forward``: a loop over experts, which one data rank runs at
 ``ep = 1``) keeps the same rows: each expert's rows cast for its GEMM, its output and the
 weighted fp32 product ``index_add`` keeps. The groups' padding to 16 rows (at most ``16 E / ep``
@@ -48,21 +54,32 @@ from __future__ import annotations
 from ..plan import Plan
 from .workload import Workload
 
-__all__ = ["expert_elementwise_bytes", "expert_saved_bytes"]
+__all__ = ["expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path"]
 
 
 def _compute_bytes(plan: Plan) -> int:
     return 2 if plan.precision in ("bf16", "fp16") else 4
 
 
-def expert_saved_bytes(plan: Plan, w: Workload) -> float:
+def takes_local_path(plan: Plan) -> bool:
+    """Whether the MoE layers of ``plan`` run as ``parallel/expert/local.py`` runs them on the
+    planner's GPUs: every expert on each rank (``ep = 1``) and 16-bit GEMMs (the grouped kernel's),
+    dropless."""
+    return plan.ep == 1 and _compute_bytes(plan) == 2
+
+
+def expert_saved_bytes(plan: Plan, w: Workload, *, local: bool | None = None) -> float:
     """Bytes per token an MoE layer keeps for its backward beyond a dense gated MLP over ``I k``
-    (see the module docstring); 0 for a dense model."""
+    (see the module docstring); 0 for a dense model. ``local``: whether the layer takes the
+    path of a rank holding every expert (default :func:`takes_local_path`): no fp32 weighted
+    product (the output rows are weighed token-major), one int64 slot per assignment for indices."""
     if not w.num_experts:
         return 0.0
     h, e, k, c = w.shape.hidden, w.num_experts, w.experts_top_k, _compute_bytes(plan)
-    rows = (2 * c + 4) * h * k  # dispatched rows, the experts' output rows, the fp32 weighted product
     router = 8 * e + 4 + 8 * k + 4 * k + 4  # probs and the z-loss's logits (fp32), lse, top-k indices, weights, sum
+    if takes_local_path(plan) if local is None else local:
+        return float(2 * c * h * k + router + 8 * k)  # gathered rows, output rows; the slots (int64)
+    rows = (2 * c + 4) * h * k  # dispatched rows, the experts' output rows, the fp32 weighted product
     indices = 24 * k + 4 * k  # order, slots, tokens (int64); the gathered weights (fp32)
     return float(rows + router + indices)
 
