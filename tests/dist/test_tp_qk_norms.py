@@ -15,8 +15,8 @@ parallelism, with one kv head (replicated over tp, its k norm too), and at dp=2 
 under ZeRO-3 and with sequence parallelism; ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
 gradients were one rank's heads' before the role), with sequence parallelism (refused before: its
 norms and its dense first layer's MLP had no role; that MLP now split as Llama's), with every
-layer an MoE one, and at dp=2 x tp=2 x ep=2. A checkpoint written at tp=2 loads at tp=1 (dp=2)
-and the next step matches serial.
+layer an MoE one, and at dp=2 x tp=2 x ep=2; OLMoE in a pipeline of two tp=2 stages. Greedy generation of both under tp=2 (and sequence parallelism) gives serial's tokens.
+A checkpoint written at tp=2 loads at tp=1 (dp=2) and the next step matches serial.
 
 Every tensor mode, on dense transformers models given a tp_policy: ``Olmo2ForCausalLM`` (norms over
 the whole projection) at dp=2 x 1D tp=2, 2D tp=4 (also with one kv head, fewer than q: each grid
@@ -35,6 +35,7 @@ from common import (
     train_steps,
 )
 from common import build_hf_moe as build_hf_moe_common
+from test_expert_pipeline import serial_hf_micro_run
 
 import behemoth as bh
 from behemoth.parallel.tensor import get_spec
@@ -164,6 +165,14 @@ def _two_rank_world(rank: int, world: int, path: str) -> None:
     plan = bh.Plan(tp=2, sequence_parallel=True)
     check_parity("qwen3-moe", plan, batches, want_qwen, "Qwen3-MoE no dense layer tp=2 SP", **moe_only)
 
+    # greedy generation (sequence parallelism paused: one token a step) gives serial's tokens
+    rows = [[3, 5, 7], [11, 2], [9, 9, 4, 1], [14]]
+    for family in ("olmoe", "qwen3-moe"):
+        want_tokens = bh.generate(build(family, output_router_logits=False).eval(), rows, max_new_tokens=6)
+        for plan in (bh.Plan(tp=2), bh.Plan(tp=2, sequence_parallel=True)):
+            model = bh.parallelize(build(family, output_router_logits=False).eval(), plan)
+            assert bh.generate(model, rows, max_new_tokens=6) == want_tokens, (family, plan.describe())
+
     # written at tp=2, read at tp=1 (dp=2) into a differently initialised model: the third step is serial's
     model = build("olmoe")
     engine = bh.boost(model, adamw(model), bh.Plan(tp=2), max_grad_norm=1.0)
@@ -191,6 +200,9 @@ def _four_rank_world(rank: int, world: int) -> None:
     check_parity("olmoe", plan, batches, want, "OLMoE dp=2 tp=2 ep=2 sequence_parallel")
     want = serial_run("qwen3-moe", batches)
     check_parity("qwen3-moe", bh.Plan(dp=2, tp=2, ep=2), batches, want, "Qwen3-MoE dp=2 tp=2 ep=2")
+    # a pipeline of tp=2 stages, micro-batches (transformers' balancing loss is per forward)
+    want = serial_hf_micro_run("olmoe", batches, 1, 2)
+    check_parity("olmoe", bh.Plan(pp=2, tp=2, microbatches=2), batches, want, "OLMoE pp=2 tp=2 micro=2")
 
 
 def test_qk_norms_under_tp_and_ep_match_serial():
