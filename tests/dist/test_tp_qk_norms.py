@@ -11,11 +11,12 @@ as the serial norm computes its variance.
 
 Whole models against serial training (losses, every step's gradient norm, ``full_state_dict()``,
 rtol 1e-4, fp32): tiny random transformers ``OlmoeForCausalLM`` at tp=2, with sequence
-parallelism, with one kv head (replicated over tp, its k norm too), and at dp=2 x tp=2 x ep=2
-under ZeRO-3 and with sequence parallelism; ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
+parallelism, under bf16 autocast (SGD, rtol 2e-2), with one kv head (replicated over tp, its k norm too), and at dp=2 x tp=2 x ep=2
+under ZeRO-3 and with sequence parallelism, and at cp=2 x tp=2 (Ulysses; ring with sequence
+parallelism); ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
 gradients were one rank's heads' before the role), with sequence parallelism (refused before: its
 norms and its dense first layer's MLP had no role; that MLP now split as Llama's), with every
-layer an MoE one, and at dp=2 x tp=2 x ep=2; OLMoE in a pipeline of two tp=2 stages. Greedy generation of both under tp=2 (and sequence parallelism) gives serial's tokens.
+layer an MoE one, and at dp=2 x tp=2 x ep=2 (also under ZeRO-3 with sequence parallelism); OLMoE in a pipeline of two tp=2 stages. Greedy generation of both under tp=2 (and sequence parallelism) gives serial's tokens.
 A checkpoint written at tp=2 loads at tp=1 (dp=2) and the next step matches serial.
 
 Every tensor mode, on dense transformers models given a tp_policy: ``Olmo2ForCausalLM`` (norms over
@@ -54,14 +55,20 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
 
 
-def serial_run(family: str, batches, **config):
+def sgd(model):  # linear in the gradient: bf16 rounding stays rounding (as tests/dist/test_expert_parallel.py)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def serial_run(family: str, batches, dtype=None, opt=adamw, **config):
     """Serial transformers: cross-entropy over the (already shifted) labels plus
-    ``router_aux_loss_coef * outputs.aux_loss``, gradients clipped at 1.0, AdamW."""
+    ``router_aux_loss_coef * outputs.aux_loss``, gradients clipped at 1.0, ``opt``; the forward
+    under CPU autocast to ``dtype`` if given."""
     model = build(family, **config)
-    opt = adamw(model)
+    opt = opt(model)
     losses, norms = [], []
     for b in batches:
-        out = model(b["input_ids"])
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            out = model(b["input_ids"])
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
         loss = ce + model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
@@ -72,13 +79,13 @@ def serial_run(family: str, batches, **config):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def check_parity(family: str, plan: bh.Plan, batches, want, what: str, **config):
+def check_parity(family: str, plan: bh.Plan, batches, want, what: str, rtol=1e-4, atol=1e-5, opt=adamw, **config):
     model = build(family, **config)
-    engine = bh.boost(model, adamw(model), plan, max_grad_norm=1.0)
+    engine = bh.boost(model, opt(model), plan, max_grad_norm=1.0)
     losses, norms = train_steps(engine, batches)
-    assert_losses_close(losses, want[0], what=what)
-    assert_grad_norms_close(norms, want[2], what=what)
-    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    assert_losses_close(losses, want[0], rtol=rtol, what=what)
+    assert_grad_norms_close(norms, want[2], rtol=rtol, what=what)
+    assert_state_close(engine.full_state_dict(), want[1], rtol=rtol, atol=atol, what=what)
     return engine
 
 
@@ -149,6 +156,11 @@ def _two_rank_world(rank: int, world: int, path: str) -> None:
     assert get_spec(attn.q_norm.weight).dims[0].index == rank
     check_parity("olmoe", bh.Plan(tp=2, sequence_parallel=True), batches, want, "OLMoE tp=2 sequence_parallel")
 
+    # bf16 autocast: the norms' statistics in float32 as serially (the tolerance of test_expert_parallel's bf16)
+    want_bf16 = serial_run("olmoe", batches, dtype=torch.bfloat16, opt=sgd)
+    plan = bh.Plan(tp=2, precision="bf16")
+    check_parity("olmoe", plan, batches, want_bf16, "OLMoE tp=2 bf16 sgd", rtol=2e-2, atol=2e-3, opt=sgd)
+
     # one kv head, replicated over tp: every rank keeps the whole k projection and its whole k norm
     gqa = dict(num_key_value_heads=1)
     want_gqa = serial_run("olmoe", batches, **gqa)
@@ -198,8 +210,13 @@ def _four_rank_world(rank: int, world: int) -> None:
     check_parity("olmoe", bh.Plan(dp=2, tp=2, ep=2, zero=3), batches, want, "OLMoE dp=2 tp=2 ep=2 zero=3")
     plan = bh.Plan(dp=2, tp=2, ep=2, sequence_parallel=True)
     check_parity("olmoe", plan, batches, want, "OLMoE dp=2 tp=2 ep=2 sequence_parallel")
+    check_parity("olmoe", bh.Plan(cp=2, tp=2), batches, want, "OLMoE cp=2 (ulysses) tp=2")
+    plan = bh.Plan(cp=2, tp=2, cp_mode="ring", sequence_parallel=True)
+    check_parity("olmoe", plan, batches, want, "OLMoE cp=2 (ring) tp=2 sequence_parallel")
     want = serial_run("qwen3-moe", batches)
     check_parity("qwen3-moe", bh.Plan(dp=2, tp=2, ep=2), batches, want, "Qwen3-MoE dp=2 tp=2 ep=2")
+    plan = bh.Plan(dp=2, tp=2, ep=2, zero=3, sequence_parallel=True)
+    check_parity("qwen3-moe", plan, batches, want, "Qwen3-MoE dp=2 tp=2 ep=2 zero=3 sequence_parallel")
     # a pipeline of tp=2 stages, micro-batches (transformers' balancing loss is per forward)
     want = serial_hf_micro_run("olmoe", batches, 1, 2)
     check_parity("olmoe", bh.Plan(pp=2, tp=2, microbatches=2), batches, want, "OLMoE pp=2 tp=2 micro=2")
