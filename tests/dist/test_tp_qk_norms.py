@@ -17,7 +17,8 @@ parallelism); ``Qwen3MoeForCausalLM`` at tp=2 (its per-head norms'
 gradients were one rank's heads' before the role), with sequence parallelism (refused before: its
 norms and its dense first layer's MLP had no role; that MLP now split as Llama's), with every
 layer an MoE one, and at dp=2 x tp=2 x ep=2 (also under ZeRO-3 with sequence parallelism); OLMoE in a pipeline of two tp=2 stages. Greedy generation of both under tp=2 (and sequence parallelism) gives serial's tokens.
-A checkpoint written at tp=2 loads at tp=1 (dp=2) and the next step matches serial.
+A checkpoint written at tp=2 loads at tp=1 (dp=2), and one written at dp=2 loads at tp=2: the
+next step matches serial.
 
 Every tensor mode, on dense transformers models given a tp_policy: ``Olmo2ForCausalLM`` (norms over
 the whole projection) at dp=2 x 1D tp=2, 2D tp=4 (also with one kv head, fewer than q: each grid
@@ -185,19 +186,22 @@ def _two_rank_world(rank: int, world: int, path: str) -> None:
             model = bh.parallelize(build(family, output_router_logits=False).eval(), plan)
             assert bh.generate(model, rows, max_new_tokens=6) == want_tokens, (family, plan.describe())
 
-    # written at tp=2, read at tp=1 (dp=2) into a differently initialised model: the third step is serial's
-    model = build("olmoe")
-    engine = bh.boost(model, adamw(model), bh.Plan(tp=2), max_grad_norm=1.0)
-    train_steps(engine, batches[:2])
-    engine.save(path)
-    fresh = build("olmoe", initializer_range=0.05)
-    engine = bh.boost(fresh, adamw(fresh), bh.Plan(dp=2), max_grad_norm=1.0)
-    engine.load(path)
-    what = "OLMoE saved at tp=2, loaded at tp=1 dp=2"
-    losses, norms = train_steps(engine, batches[2:])
-    assert_losses_close(losses, want[0][2:], what=what)
-    assert_grad_norms_close(norms, want[2][2:], what=what)
-    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    # written at tp=2, read at tp=1 (dp=2) into a differently initialised model, and the other way
+    # round: the third step is serial's
+    for i, (saved, loaded) in enumerate(((bh.Plan(tp=2), bh.Plan(dp=2)), (bh.Plan(dp=2), bh.Plan(tp=2)))):
+        where = f"{path}-{i}"
+        model = build("olmoe")
+        engine = bh.boost(model, adamw(model), saved, max_grad_norm=1.0)
+        train_steps(engine, batches[:2])
+        engine.save(where)
+        fresh = build("olmoe", initializer_range=0.05)
+        engine = bh.boost(fresh, adamw(fresh), loaded, max_grad_norm=1.0)
+        engine.load(where)
+        what = f"OLMoE saved at {saved.describe()}, loaded at {loaded.describe()}"
+        losses, norms = train_steps(engine, batches[2:])
+        assert_losses_close(losses, want[0][2:], what=what)
+        assert_grad_norms_close(norms, want[2][2:], what=what)
+        assert_state_close(engine.full_state_dict(), want[1], what=what)
 
 
 def test_qk_norms_under_tp_match_serial(tmp_path):
