@@ -76,6 +76,12 @@ class Plan:
     """Over-decomposition of expert parallelism: every MoE layer splits its tokens into this many
     chunks, chunk i+1's dispatch all-to-all running during chunk i's expert GEMMs and chunk i's
     combine during chunk i+1's (backward likewise). The same sums as 1, up to GEMM rounding."""
+    ep_dedup: bool = False
+    """Expert parallelism sends each token once per ep rank holding any of its experts, which
+    runs them and sends back their weighted sum (``parallel/expert/dispatch_members.py``), instead
+    of once per (token, expert): fewer all-to-all bytes where a token's experts share ranks
+    (top-k > 1, several experts per rank). Dropless layers with ep_overlap=1 only; the others
+    keep the per-assignment exchange. The same sums up to rounding."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters."""
     offload: str | None = None

@@ -56,6 +56,8 @@ class ExpertBlock:
         self.num_experts = module.num_experts if self.native else module.gate.num_experts
         self.top_k = module.top_k if self.native else module.gate.top_k
         self.act = F.silu if self.native else module.experts.act_fn
+        self.dropless = not self.native or module.capacity_factor is None
+        """Whether the block never drops an assignment (transformers' blocks have no capacity)."""
         gate_up = self.holder.gate_up_proj
         self.grouped_widths = gate_up.shape[-1] % 8 == 0 and gate_up.shape[-2] % 16 == 0
         """Whether the grouped GEMMs take these experts' widths (H and 2I: 16-byte rows), read

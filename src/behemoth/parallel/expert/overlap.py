@@ -33,6 +33,7 @@ import torch
 from ... import comm
 from ...comm import Axis
 from .dispatch import Routed, Routes, combine, dispatch_routes, place_rows, take_rows, weigh_rows
+from .dispatch_members import MemberRoutes, exchange_members
 
 __all__ = ["Exchange", "StartExchange", "WaitExchange", "exchange"]
 
@@ -112,7 +113,10 @@ def exchange(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Routes, run_e
     sums them), along ``routes`` -- each all-to-all started and waited for apart, chunk by chunk
     overlapped with another chunk's experts where the routes have several (see the module
     docstring) -- plus ``shared(x_TH)`` where given (a shared expert, computed while the last
-    combines travel). Collective over the routes' axis."""
+    combines travel). Collective over the routes' axis. Member routes
+    (:class:`~.dispatch_members.MemberRoutes`) run :func:`~.dispatch_members.exchange_members`."""
+    if isinstance(routes, MemberRoutes):
+        return exchange_members(x_TH, weights_TK, routes, run_experts, shared)
     if routes.chunks == 1 and routes.axis.trivial:  # nothing travels
         x_NH, local_counts, routed = dispatch_routes(x_TH, routes)
         y_TH = combine(run_experts(x_NH, local_counts), weights_TK, routed)

@@ -5,7 +5,8 @@ backward. Its MoE layers route the same tokens to the same experts the second ti
 inputs, the same random state), so the routes the forward made -- the sort by expert, the split
 sizes read to the host, the permutations (:class:`~.dispatch.Routes`) -- are kept and used again:
 the recompute neither sorts nor waits for the host, nor exchanges the split sizes again; it
-gathers, exchanges and computes the rows as the forward did.
+gathers, exchanges and computes the rows as the forward did. The member routes of
+:mod:`.dispatch_members` are kept the same way, their receiving side's layout with them.
 
 :func:`recorded` wraps the function one checkpointed call runs: its first run records each
 MoE layer's routes in call order, every later run (the recompute, or two of them where the
@@ -28,6 +29,7 @@ from torch import nn
 
 from ...comm import Axis
 from .dispatch import Routes
+from .dispatch_members import MemberRoutes
 
 __all__ = ["RoutingReplay", "recorded", "replays_routing", "routes"]
 
@@ -85,9 +87,15 @@ def replays_routing(block: nn.Module) -> bool:
 
 
 @torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
-def routes(experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, chunks: int = 1, align: int = 1) -> Routes:
-    """The routes of an MoE layer (:meth:`~.dispatch.Routes.build`), or, in the recompute of a
+def routes(
+    experts_TK: torch.Tensor, num_experts: int, axis: Axis, *, chunks: int = 1, align: int = 1, members: bool = False
+) -> Routes | MemberRoutes:
+    """The routes of an MoE layer (:meth:`~.dispatch.Routes.build`; ``members``: the member
+    routes of :meth:`~.dispatch_members.MemberRoutes.build`, one chunk), or, in the recompute of a
     :func:`recorded` call, the ones its forward made."""
     replay = getattr(_active, "replay", None)
-    build = functools.partial(Routes.build, experts_TK, num_experts, axis, chunks=chunks, align=align)
+    if members:
+        build = functools.partial(MemberRoutes.build, experts_TK, num_experts, axis, align=align)
+    else:
+        build = functools.partial(Routes.build, experts_TK, num_experts, axis, chunks=chunks, align=align)
     return build() if replay is None else replay.routes(build)

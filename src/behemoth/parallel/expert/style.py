@@ -73,6 +73,7 @@ from ..style import apply_styles
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
+from .dispatch_members import dedup_applies
 from .grouped import group_alignment
 from .local import local_exchange, local_ready
 from .losses import ExpertLayers
@@ -190,7 +191,9 @@ class ExpertParallel:
     :class:`~behemoth.parallel.tensor.region1d.ParallelRegion` under sequence parallelism (the
     block reads the norm's gathered sequence and returns this tp rank's shard), else None.
     ``chunks``: the tokens of each forward split into this many runs, each run's all-to-alls
-    overlapped with another's expert GEMMs (:mod:`.overlap`); 1 exchanges them at once."""
+    overlapped with another's expert GEMMs (:mod:`.overlap`); 1 exchanges them at once.
+    ``dedup``: send each token once per member holding any of its experts
+    (:mod:`.dispatch_members`) where :func:`~.dispatch_members.dedup_applies`."""
 
     def __init__(
         self,
@@ -200,11 +203,13 @@ class ExpertParallel:
         context: tuple[str, str] | None = None,
         sequence_parallel=None,
         chunks: int = 1,
+        dedup: bool = False,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"ExpertParallel(chunks={chunks!r}): must be an integer >= 1 (1: no overlap).")
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
         self.context, self.sequence_parallel, self.chunks = context, sequence_parallel, chunks
+        self.dedup = dedup
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -227,7 +232,10 @@ class ExpertParallel:
         sequence = None
         if self.sequence_parallel is not None and not mesh.axis("tp").trivial:
             sequence = (mesh.axis("tp"), self.sequence_parallel)
-        forward = _make_forward(block, ep, data, whole_rows, sequence, self.chunks)
+        # each token sent once per member holding its experts where that sends fewer rows (dispatch_members)
+        facts = dict(ep=ep.size, num_experts=block.num_experts, top_k=block.top_k, chunks=self.chunks)
+        members = self.dedup and dedup_applies(**facts, dropless=block.dropless)
+        forward = _make_forward(block, ep, data, whole_rows, sequence, self.chunks, members)
         module.forward = types.MethodType(forward, module)
         module._behemoth_expert_routes = True  # its routes are kept for a recompute (replay.recorded)
         return module
@@ -257,7 +265,9 @@ def _whole_rows(cp: Axis, mode: str):
     return gather, take
 
 
-def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None, chunks: int = 1):
+def _make_forward(
+    block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None, chunks: int = 1, members: bool = False
+):
     def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
         # sequence parallelism: the whole sequence here (the norm gathered it), as on every tp rank;
         # this rank's shard of the output out (ScatterToAxis: the output gradient all-gathered, so every
@@ -278,7 +288,9 @@ def _make_forward(block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, seq
             routed = (
                 None
                 if local
-                else routes(r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH))
+                else routes(
+                    r.experts_TK, block.num_experts, ep, chunks=chunks, align=group_alignment(x_TH), members=members
+                )
             )
         with record_function("behemoth::moe_balance"):
             counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
@@ -334,6 +346,7 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         context=("cp", plan.cp_mode) if plan.cp > 1 else None,
         sequence_parallel=_region_of(model) if sequence_parallel else None,
         chunks=plan.ep_overlap,
+        dedup=plan.ep_dedup,
     )
     styled = dict.fromkeys(layers, style)
     if styled:

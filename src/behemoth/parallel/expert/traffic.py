@@ -15,6 +15,14 @@ forward's routes, :mod:`behemoth.parallel.expert.replay`). Pure arithmetic; test
 ledger in tests/dist/test_expert_routing.py, tests/dist/test_expert_parallel.py (float32),
 tests/dist/test_expert_autocast.py (bf16 autocast) and tests/dist/test_expert_overlap.py
 (chunks).
+
+The member exchange (``Plan.ep_dedup``, :mod:`behemoth.parallel.expert.dispatch_members`) moves
+``pairs`` rows instead: the unique (token, member) pairs of the group's tokens, each once out
+and once back, plus each pair's k routing weights and k slots (``meta_bytes`` each, float32)
+out and the weights' gradient back; its split sizes are ``E + ep`` int64 per member (each
+member's local experts' assignments and its pairs). Its recompute runs the three forward
+all-to-alls again (rows, weights and slots, rows back). Tested against the ledger in
+tests/dist/test_expert_dedup.py.
 """
 
 from __future__ import annotations
@@ -31,12 +39,22 @@ def ep_all_to_all_bytes(
     elem_bytes: int = 4,
     recompute: bool = False,
     chunks: int = 1,
+    pairs: int | None = None,
+    top_k: int = 1,
+    meta_bytes: int = 4,
 ) -> int:
     """Payload bytes one MoE layer's all-to-alls carry over one ep group in one forward and
     backward, summed over the group's members: ``rows`` is the number of (token, slot)
-    assignments the group's members dispatch together (T*K less the capacity's drops)."""
+    assignments the group's members dispatch together (T*K less the capacity's drops).
+    ``pairs``: the member exchange's (token, member) pairs over the group (``rows`` then unused),
+    ``top_k`` the slots a pair carries."""
     if ep == 1:
         return 0
+    if pairs is not None:
+        splits = ep * (num_experts + ep) * 8
+        forward = 2 * pairs * hidden * elem_bytes + pairs * 2 * top_k * meta_bytes
+        backward = 2 * pairs * hidden * elem_bytes + pairs * top_k * meta_bytes
+        return splits + forward * (2 if recompute else 1) + backward
     splits = ep * chunks * num_experts * 8
     pair = 2 * rows * hidden * elem_bytes  # dispatch + combine, or their reverse
     return splits + pair * (2 if recompute else 1) + pair
