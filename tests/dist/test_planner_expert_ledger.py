@@ -9,7 +9,8 @@ the ledger books, carry exactly the same wire bytes on every rank -- the data ax
 gradients' sync, the step's loss and router-loss sums (the token count over dp alone) and each
 MoE layer's balancing statistics (again in a checkpointed block's recompute); the expert axis
 (``ep_dp``, ``ep_dp_cp`` under context parallelism) the experts' gradient sync; ep the
-all-to-alls and (ZeRO 0) the step's gradient norm. Under ZeRO 1 and 2 the chunks' padding, which
+all-to-alls and (ZeRO 0) the step's gradient norm; under ``ep_dedup`` the member exchange's
+pairs (one a token: ``Workload.expert_spread=1``), their weights and slots. Under ZeRO 1 and 2 the chunks' padding, which
 the planner does not count, is taken from the run's chunk layout and added. ZeRO-3 (2 and 4
 ranks, with and without micro-batches, without activation checkpointing) gathers every chunk
 forward and backward but the one its forward ends in (once); its padding is added per gather. Its
@@ -21,6 +22,8 @@ changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -42,6 +45,11 @@ PLANS = {
         bh.Plan(dp=4, ep=2, precision="fp32", zero=2, microbatches=2, activation_checkpointing=True),
         bh.Plan(dp=2, ep=2, cp=2, precision="fp32", zero=1),
         bh.Plan(dp=4, precision="fp32", zero=2),
+    ],
+    "ep_dedup": [
+        bh.Plan(dp=4, ep=2, precision="fp32", ep_dedup=True),
+        bh.Plan(dp=4, ep=2, precision="fp32", ep_dedup=True, zero=1, microbatches=2, activation_checkpointing=True),
+        bh.Plan(dp=2, ep=2, cp=2, precision="fp32", ep_dedup=True),
     ],
     "dp4 ep1, micro-batches": [
         bh.Plan(dp=4, precision="fp32"),
@@ -71,6 +79,8 @@ def _world(rank, world, plans):
     for plan in plans:
         model, optimizer = _model_and_optimizer(one_group=plan.zero == 3)
         w = _workload(model)
+        if plan.ep_dedup:  # the zeroed routers' top-2 of 4 experts are one member's two: one pair a token
+            w = dataclasses.replace(w, expert_spread=1.0)
         engine = bh.boost(model, optimizer, plan)
         got = second_step_bytes(engine)
         want = step_traffic(engine.plan, w, dt=FP32)

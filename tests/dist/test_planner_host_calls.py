@@ -119,6 +119,8 @@ EXPERTS = (
     bh.Plan(ep=2),
     bh.Plan(ep=2, ep_overlap=2),
     bh.Plan(ep=2, ep_overlap=2, activation_checkpointing=True),
+    bh.Plan(ep=2, ep_dedup=True),
+    bh.Plan(ep=2, ep_dedup=True, activation_checkpointing=True),
 )
 
 
@@ -142,5 +144,6 @@ def _experts_world(rank, world):
 def test_expert_calls_per_block_are_the_runs():
     """An MoE layer: the statistics' all-reduce over dp (ep 1); with ep 2 the split sizes and
     each chunk's dispatch and combine forward, the chunks' reverse pairs backward, and in a
-    recompute the chunks' pairs again, not the split sizes."""
+    recompute the chunks' pairs again, not the split sizes; the member exchange (``ep_dedup``) its
+    rows' weights and slots beside them, forward, backward and recomputed."""
     bh.spawn(_experts_world, 2, timeout=400)

@@ -41,7 +41,8 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   counts), dispatch and combine all-to-alls forward (one per chunk each, the same rows), the
   reverse pair backward (the pair again in a checkpointed block's recompute, which reuses its
   forward's split sizes, and in zero-bubble's BW); the rows as if routing were even (the ledger
-  books the routed ones): :func:`ep_layer_bytes`; at ZeRO stage 0 the step's gradient norm
+  books the routed ones): :func:`ep_layer_bytes`; under ``Plan.ep_dedup`` one row per (token,
+  member) pair and the pairs' routing weights and slots beside them; at ZeRO stage 0 the step's gradient norm
   sums the experts' float32 share over it (``parallel/zero/norm.py``).
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
@@ -50,6 +51,7 @@ of real runs in tests/dist/test_planner_ledger.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -67,6 +69,8 @@ __all__ = [
     "ep_layer_bytes",
     "expert_axis",
     "expert_local_params",
+    "member_exchange",
+    "members_per_token",
     "step_traffic",
 ]
 
@@ -213,9 +217,10 @@ def step_traffic(
     if plan.ep > 1 and w.num_experts:
         # dispatch + combine forward and backward; a recomputed forward runs its two row
         # all-to-alls again (it reuses the forward's split sizes: parallel/expert/replay.py)
-        splits, one = ep_layer_bytes(plan, w, mbs, dt)
-        rows = 2 * one * (2 if plan.activation_checkpointing else 1)
-        backward = 2 * one * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
+        splits, one, meta = ep_layer_bytes(plan, w, mbs, dt)
+        # (the member exchange's recompute keeps the weights and slots its forward received)
+        rows = 2 * one + meta + (2 * one if plan.activation_checkpointing else 0)
+        backward = (2 * one + meta) * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
         out["ep"] = (splits + rows + backward) * layers * m
         if plan.zero == 0:
             # the step's gradient norm: the experts' float32 share summed over the ranks that
@@ -270,18 +275,45 @@ def balance_bytes(plan: Plan, w: Workload) -> float:
     return all_reduce_bytes((2 * w.num_experts + 1) * 8, g)
 
 
-def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float, float]:
-    """``(splits, rows)``: wire bytes one rank sends per MoE layer and micro-batch of ``mbs``
-    sequences in the split sizes' even all-to-all (int64, one per expert and chunk of
-    ``Plan.ep_overlap``; (ep-1)/ep of them leave the rank), and in one all-to-all of the rows (a
+def member_exchange(plan: Plan, w: Workload) -> bool:
+    """Whether the MoE layers send each token once per ep member holding its experts
+    (``parallel/expert/dispatch_members.py``'s ``dedup_applies``): ``Plan.ep_dedup``, ep > 1,
+    top-k > 1, more than one expert a member, one chunk (the planner counts no capacity)."""
+    ep, e, k = plan.ep, w.num_experts, w.experts_top_k
+    return plan.ep_dedup and ep > 1 and k > 1 and e // ep > 1 and plan.ep_overlap == 1
+
+
+def members_per_token(plan: Plan, w: Workload) -> float:
+    """The ep members a token's k experts sit on, on average (``Workload.expert_spread``; by
+    default as if drawn uniformly: one minus the chance that none of the k is on a given member,
+    times ep)."""
+    ep, e, k = plan.ep, w.num_experts, w.experts_top_k
+    if w.expert_spread is not None:
+        return float(min(w.expert_spread, ep, k))
+    return ep * (1 - math.comb(e - e // ep, k) / math.comb(e, k))
+
+
+def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float, float, float]:
+    """``(splits, rows, meta)``: wire bytes one rank sends per MoE layer and micro-batch of
+    ``mbs`` sequences in the split sizes' even all-to-all (int64, one per expert and chunk of
+    ``Plan.ep_overlap``; (ep-1)/ep of them leave the rank), in one all-to-all of the rows (a
     dispatch or a combine, all chunks together: the chunks split the same rows), as if routing
     were even, in the experts' GEMM dtype (dispatch casts the rows to autocast's before they
-    leave: parallel/expert/traffic.py). 0 without expert parallelism."""
+    leave: parallel/expert/traffic.py), and in the member exchange's all-to-all of each row's
+    routing weights and slots (float32; as many bytes back in the backward). Under the member
+    exchange (:func:`member_exchange`) the rows are the (token, member) pairs
+    (:func:`members_per_token` a token) and the split sizes ``E + ep`` int64. 0 without expert
+    parallelism."""
     if plan.ep == 1 or not w.num_experts:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     leave = (plan.ep - 1) / plan.ep
-    tokens = mbs * w.seq_len // plan.cp * w.experts_top_k
-    return plan.ep_overlap * w.num_experts * 8 * leave, tokens * w.shape.hidden * dt.compute * leave
+    tokens = mbs * w.seq_len // plan.cp
+    if member_exchange(plan, w):
+        pairs = tokens * members_per_token(plan, w)
+        splits = (w.num_experts + plan.ep) * 8 * leave
+        return splits, pairs * w.shape.hidden * dt.compute * leave, pairs * 2 * w.experts_top_k * 4 * leave
+    rows = tokens * w.experts_top_k
+    return plan.ep_overlap * w.num_experts * 8 * leave, rows * w.shape.hidden * dt.compute * leave, 0.0
 
 
 def _tp_stream_split(plan: Plan) -> int:

@@ -32,6 +32,11 @@ class Workload:
     """Experts each token visits."""
     expert_ffn_hidden: int = 0
     """Inner width of one expert (0: the dense ffn_hidden)."""
+    expert_spread: float | None = None
+    """The ep members a token's k experts sit on, on average, under ``Plan.ep_dedup`` (what the
+    member exchange sends per token): None as if the k were drawn uniformly without replacement
+    (``ep (1 - C(E - E/ep, k) / C(E, k))`` at each ep); a number: that many at every ep > 1
+    (at most ep and k; e.g. 1 where every token's experts share a member)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):

@@ -6,7 +6,7 @@ ep = 2: every token reaches both members, 2 rows instead of 8), so :mod:`.dispat
 same row to a member several times. Here, per MoE layer and forward:
 
 1. **routes** (:class:`MemberRoutes`, made once per layer and forward, replayed by a
-   checkpointed block's recompute, :mod:`.replay`): the unique (member, token) pairs, in member
+   checkpointed block's recompute, :mod:`.replay`, with the weights and slots received): the unique (member, token) pairs, in member
    then token order (one stable sort of ``ep * T`` one-bit keys); the split sizes -- for each
    member the assignments to each of its local experts and the pairs it gets -- exchanged with
    one even all-to-all of ``E + ep`` int64 per member, then read to the host **once**
@@ -120,6 +120,8 @@ class MemberRoutes:
         self._sizes: _Sizes | None = None
         self._sender: _Sender | None = None
         self._layout: _Layout | None = None
+        self.received: torch.Tensor | None = None
+        """The weights and slots received (:class:`SendMeta`), kept for a recompute."""
 
     @property
     def chunks(self) -> int:
@@ -216,15 +218,21 @@ class SendMeta(torch.autograd.Function):
     pair's k routing weights and its slots as the receiver's local experts (``local_PK``), one
     ``[P, 2K]`` all-to-all in :func:`meta_dtype`; returns the received ``(weights_QK, local_QK)``
     (the slots as int64, not differentiable). Backward: the weights' gradient sent back (``[Q,
-    K]``), put at ``pair_P`` of an ``[ep * T, K]`` layout and summed over the members (a slot's
-    gradient comes from the one member holding its expert: the sum is exact)."""
+    2K]``, the slots' half zero: each member sends back what it received, so the bytes a member
+    books do not depend on which way its pairs went), put at ``pair_P`` of an ``[ep * T, K]`` layout and summed over the members (a slot's
+    gradient comes from the one member holding its expert: the sum is exact). What a member
+    received is kept in ``routes`` (:class:`MemberRoutes`): a checkpointed block's recompute,
+    which replays the routes and routes the same weights, takes it from there without the
+    exchange (its backward still sends the gradient back)."""
 
     @staticmethod
-    def forward(ctx, weights_TK, pair_P, token_P, local_PK, axis: Axis, send: list[int], recv: list[int]):
-        dtype = meta_dtype(weights_TK)
+    def forward(ctx, weights_TK, pair_P, token_P, local_PK, axis: Axis, send: list[int], recv: list[int], routes):
         K = weights_TK.shape[1]
-        meta = torch.cat([weights_TK.index_select(0, token_P).to(dtype), local_PK.to(dtype)], 1)
-        got = comm.all_to_all_single(meta, axis, send, recv)
+        got = routes.received
+        if got is None:
+            dtype = meta_dtype(weights_TK)
+            meta = torch.cat([weights_TK.index_select(0, token_P).to(dtype), local_PK.to(dtype)], 1)
+            got = routes.received = comm.all_to_all_single(meta, axis, send, recv)
         ctx.save_for_backward(pair_P)
         ctx.axis, ctx.send, ctx.recv, ctx.shape, ctx.dtype = axis, send, recv, weights_TK.shape, weights_TK.dtype
         local_QK = got[:, K:].long()
@@ -235,9 +243,11 @@ class SendMeta(torch.autograd.Function):
     def backward(ctx, grad_QK, _):
         (pair_P,) = ctx.saved_tensors
         (T, K), n = ctx.shape, ctx.axis.size
-        back = comm.all_to_all_single(grad_QK.contiguous(), ctx.axis, ctx.recv, ctx.send)
+        # the slots' place stays in the message (zero): as many bytes back as out, from each member
+        grad_Q2K = torch.cat([grad_QK, torch.zeros_like(grad_QK)], 1)
+        back = comm.all_to_all_single(grad_Q2K, ctx.axis, ctx.recv, ctx.send)[:, :K]
         grad = back.new_zeros((n * T, K)).index_copy_(0, pair_P, back)
-        return grad.view(n, T, K).sum(0).to(ctx.dtype), None, None, None, None, None, None
+        return grad.view(n, T, K).sum(0).to(ctx.dtype), None, None, None, None, None, None, None
 
 
 class ExpandRows(torch.autograd.Function):
@@ -290,14 +300,16 @@ def exchange_members(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Membe
     """``y_TH``: each token's row sent once to every member holding one of its experts, through
     those experts (``run_experts(x_NH, local_counts)``), weighted, summed per member and back, the
     members' sums added (see the module docstring); plus ``shared(x_TH)`` where given. Collective
-    over the routes' axis: three all-to-alls forward (rows, weights and slots, rows back) and
-    three backward; the routes' one host read."""
+    over the routes' axis: three all-to-alls forward (rows, weights and slots, rows back; two in
+    a recompute, which keeps the weights and slots the forward received) and three backward; the
+    routes' one host read."""
     axis, n, T = routes.axis, routes.axis.size, x_TH.shape[0]
     sizes = routes.sizes()
     s = routes.sender()
     rows_PH = SendPairs.apply(x_TH, s.pair_P, s.token_P, n, gemm_dtype(x_TH))
     x_QH = comm.AllToAllSingleAxis.apply(rows_PH, axis, sizes.send, sizes.recv)
-    w_QK, local_QK = SendMeta.apply(weights_TK, s.pair_P, s.token_P, s.local_PK, axis, sizes.send, sizes.recv)
+    meta = (s.pair_P, s.token_P, s.local_PK, axis, sizes.send, sizes.recv, routes)
+    w_QK, local_QK = SendMeta.apply(weights_TK, *meta)
     lay = routes.layout(local_QK)
     x_NH = ExpandRows.apply(x_QH, lay.row_J, lay.slot_J, lay.pad, lay.num_rows)
     y_NH = run_experts(x_NH, lay.counts)
