@@ -63,6 +63,21 @@ def _replicated(param: nn.Parameter | None) -> nn.Parameter | None:
     return param
 
 
+def _output_features(w, b, axis, replicated_kv, dim: int = 0):
+    """``(w, b, rows)``: this tp rank's share of a colwise output's parameters -- with
+    ``replicated_kv=(K, D)`` (K kv heads of width D, fewer than tp) both whole, and ``rows`` the
+    rows of the kv head the rank uses (``r // (p // K)``); else the rank's block of the weight's
+    ``dim`` and of the bias, and ``rows`` None."""
+    p, r = axis.size, axis.rank
+    if replicated_kv is not None:
+        k, d = replicated_kv
+        j = r // (p // k)
+        return _replicated(w), _replicated(b), (j * d, (j + 1) * d)
+    w = _shard(w, _spec(w.shape, dim, p, r)) if w is not None else None
+    b = _shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+    return w, b, None
+
+
 # --------------------------------------------------------------------------- styles
 @dataclass(frozen=True, kw_only=True)
 class ColwiseParallel1D(TensorStyle):
@@ -82,17 +97,8 @@ class ColwiseParallel1D(TensorStyle):
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         axis = mesh.axis("tp")
-        p, r = axis.size, axis.rank
         _, _, transposed = linear_shape(module, self.name, self.role)
-        w, b, rows = module.weight, module.bias, None
-        if self.replicated_kv is not None:
-            k, d = self.replicated_kv
-            j = r // (p // k)
-            rows = (j * d, (j + 1) * d)
-            w, b = _replicated(w), _replicated(b)
-        else:
-            w = _shard(w, _spec(w.shape, 1 if transposed else 0, p, r))
-            b = _shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+        w, b, rows = _output_features(module.weight, module.bias, axis, self.replicated_kv, 1 if transposed else 0)
         return ColumnParallelLinear(
             w,
             b,
@@ -199,16 +205,7 @@ class ColwiseNormParallel1D(TensorStyle):
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         axis = mesh.axis("tp")
-        p, r = axis.size, axis.rank
-        w, b, rows = module.weight, getattr(module, "bias", None), None
-        if self.replicated_kv is not None:
-            k, d = self.replicated_kv
-            j = r // (p // k)
-            rows = (j * d, (j + 1) * d)
-            w, b = _replicated(w), _replicated(b)
-        else:
-            w = _shard(w, _spec(w.shape, 0, p, r)) if w is not None else None
-            b = _shard(b, _spec(b.shape, 0, p, r)) if b is not None else None
+        w, b, rows = _output_features(module.weight, getattr(module, "bias", None), axis, self.replicated_kv)
         eps, rms = norm_eps(module), not isinstance(module, nn.LayerNorm)
         summed = (axis,) if rows is not None else ()  # a replicated kv head's norm: gradients summed over tp
         return ProjectionNorm(w, b, axis=axis, eps=eps, rms=rms, param_axes=summed, rows=rows, name=self.name)
