@@ -92,7 +92,11 @@ class Dtypes:
 
 def _tp_kwargs(plan: Plan, w: Workload) -> dict:
     if plan.tp_mode == "1d":
-        return {"sequence_parallel": plan.sequence_parallel, **({"experts": True} if w.num_experts else {})}
+        if not w.num_experts:
+            return {"sequence_parallel": plan.sequence_parallel}
+        # the router and this rank's experts of one block: their gradients sum over tp
+        held = w.expert_params / plan.ep + w.shape.hidden * w.num_experts
+        return {"sequence_parallel": plan.sequence_parallel, "experts": w.num_experts, "expert_params": held}
     if plan.tp_mode in ("2d", "2.5d"):
         return {"depth": plan.tp_depth}
     return {}
@@ -137,7 +141,8 @@ def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes
     of one micro-batch."""
     kw = dict(batch=mbs, seq=seq, tp=tp, dtype_bytes=dt.compute, param_bytes=dt.param, **dict(extra))
     model_only = {k: kw.pop(k) for k in ("diagonal",) if k in kw}
-    block = block_traffic(mode, shape, **kw)
+    # 1D: an MoE block's token split moves the residual stream's dtype (the others ignore it)
+    block = block_traffic(mode, shape, **kw, **({"stream_bytes": dt.stream} if mode == "1d" else {}))
     full = model_traffic(mode, shape, stream_bytes=dt.stream, **kw, **model_only).total
     return block.forward, block.backward, full - block.total * shape.num_layers
 

@@ -31,7 +31,8 @@ into the gradient sync's fp32 chunks (:func:`accumulate_bytes`), at HBM speed to
 attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 accumulators,
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
-layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average (under bf16, grouped:
+layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, ``T`` this rank's
+share of the tokens (1D tensor parallelism splits them over tp: :func:`token_split`) (under bf16, grouped:
 at the calibration's ``grouped_gemm_ratio`` of the table's rate), in ``ep_overlap``
 chunks of a ``1/ep_overlap`` share each, its routing, dispatch and combine move the bytes
 :func:`.moe_bytes.expert_elementwise_bytes` counts, and each extra chunk casts the experts' weights and
@@ -161,10 +162,10 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     if w.num_experts:
         f = w.expert_ffn_hidden or s.ffn_hidden
         # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all,
-        # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py)
+        # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py); under 1D tensor
+        # parallelism the tp ranks split the tokens (parallel/expert/tokens.py): T/tp each
         k = plan.ep_overlap
-        rows = t * w.experts_top_k * plan.ep / w.num_experts / k
-        # experts stay whole on every tensor-parallel rank (tp splits attention only)
+        rows = t / token_split(plan) * w.experts_top_k * plan.ep / w.num_experts / k
         one = (2 if s.gated_mlp else 1) * cal.gemm_seconds(rows, f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
         if eb == 2 and plan.precision == "bf16":  # torch._grouped_mm's rate (the loop's elsewhere: the table's)
             one /= cal.grouped_gemm_ratio
@@ -207,6 +208,12 @@ def _elementwise_scale(plan: Plan) -> float:
     return 1.0 if plan.precision in ("bf16", "fp16") else 2.0
 
 
+def token_split(plan: Plan) -> int:
+    """Into how many shares an MoE block's tokens are split over tensor parallelism: 1D's tp ranks
+    each route and run their own (``parallel/expert/tokens.py``); 1 otherwise."""
+    return plan.tp if plan.tp_mode == "1d" else 1
+
+
 def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float) -> tuple[float, float]:
     """(forward, backward) seconds of one block's non-GEMM work (:mod:`.elementwise`) for
     ``tokens`` local tokens: the model-width part split over tp where the layout shards the
@@ -216,7 +223,9 @@ def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float
     e = block_elementwise_bytes(s, mlp_width=width, shared_casts=plan.tp > 1 and plan.tp_mode == "1d")
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     split_f, split_b = e.split_forward / plan.tp, e.split_backward / plan.tp
-    if w.num_experts:  # experts stay whole on every tensor-parallel rank: their activation is not split
+    # (the experts' elementwise work is still counted over all the micro-batch's tokens on every tp
+    # rank, as before the tp ranks split them: an upper bound under 1D tensor parallelism)
+    if w.num_experts:
         bare = block_elementwise_bytes(s, mlp_width=0.0)
         split_f += (e.split_forward - bare.split_forward) * (1 / shard - 1 / plan.tp)
         split_b += (e.split_backward - bare.split_backward) * (1 / shard - 1 / plan.tp)

@@ -31,8 +31,8 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
 ``T`` tokens of the micro-batch on this context-parallel rank. A mixture of experts counts its
 experts as a SwiGLU over ``f = I k`` plus what its routing, dispatch and combine keep
-(:func:`.moe_bytes.expert_saved_bytes`), neither split over tp: the experts run whole on every
-tensor-parallel rank, over all the micro-batch's tokens. Under 16-bit autocast (fp32
+(:func:`.moe_bytes.expert_saved_bytes`), neither split over tp (the tp ranks split an MoE block's
+tokens, ``parallel/expert/tokens.py``, so under 1D tensor parallelism this is an upper bound). Under 16-bit autocast (fp32
 parameters) every GEMM keeps the 16-bit copy of its weight that autocast made for it until its
 backward, so a block's saved set holds its weights once more in 2 bytes a parameter: once per
 micro-batch in flight (a pipeline rank holding 4 micro-batches holds 4 copies; this, not the

@@ -30,9 +30,9 @@ micro-batch at most (left out, as the groups' padding is).
 The serial layer (``MoEFeedForward.forward``: a loop over experts, which one data rank runs at
 ``ep = 1``) keeps the same rows: each expert's rows cast for its GEMM, its output and the
 weighted fp32 product ``index_add`` keeps. The groups' padding to 16 rows (at most ``16 E / ep``
-rows a layer and micro-batch) is left out. Under 1D tensor parallelism every tp rank runs the
-experts over every token of the micro-batch (sequence parallelism gathers the sequence first), so
-none of this is split over tp. tests/unit/test_planner_moe_bytes.py checks the count against
+rows a layer and micro-batch) is left out. Under 1D tensor parallelism the tp ranks split an MoE
+block's tokens (``parallel/expert/tokens.py``); the memory and elementwise models still count
+these bytes over all the micro-batch's tokens on every tp rank (an upper bound there). tests/unit/test_planner_moe_bytes.py checks the count against
 autograd's saved tensors of a Llama MoE block.
 
 **Moved** (:func:`expert_elementwise_bytes`), beyond the activation over ``f`` and the two input

@@ -9,7 +9,9 @@ gradients of the norm weights and row biases (which see only this rank's tokens)
 gate/up) share one ``f``. GQA with K < p replicates the k/v projections and all-reduces
 their weight gradients. Model level: vocab-parallel embedding (all-reduce of [T, h] forward),
 head (``f``), vocab-parallel cross-entropy (all-reduce of [T] maxima and of [2, T] sums,
-fp32), and with sequence parallelism the scatter/gather of the sequence around the blocks.
+fp32), and with sequence parallelism the scatter/gather of the sequence around the blocks. A
+mixture-of-experts MLP has no column/row pair: the tp ranks split its tokens
+(:func:`tp1d_block_traffic`).
 
 
 Dtypes: ``dtype_bytes`` is the element size of the Linears' inputs and outputs (2 under
@@ -73,13 +75,19 @@ def tp1d_block_traffic(
     dtype_bytes: int = 2,
     stream_bytes: int | None = None,
     param_bytes: int = 4,
-    experts: bool = False,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block (attention pair + MLP pair), forward + backward, per rank. With
-    ``experts`` the MLP is a mixture of experts, whole on every tp rank: no collective of its own;
-    under sequence parallelism it reads the gathered sequence (the norm's all-gather forward,
-    one reduce-scatter of its input gradient backward) and returns this rank's shard (its output
-    gradient all-gathered backward)."""
+    ``experts`` (E > 0) the MLP is a mixture of E experts whose tokens the tp ranks split
+    (``parallel/expert/tokens.py``): each rank routes and runs its share. Forward, the tp shares
+    of the balancing statistics (``3E + 2`` float64: counts, drops, tokens, probability sums,
+    z-loss) all-reduced; backward, the gradients of the block's ``expert_params`` parameters this
+    rank holds (router and its experts; they saw only its tokens) all-reduced in ``param_bytes``.
+    Without sequence parallelism the output all-gathered forward and the input gradient
+    all-gathered backward (the ``[T, h]`` residual stream's dtype; ``T`` padded to a multiple
+    of tp where the sequence does not divide); with it, the norm's all-gather of the sequence
+    forward and the reduce-scatter of its gradient backward (the block returns its shard)."""
     p, h, t = tp, shape.hidden, batch * seq
     if p == 1:
         return Traffic()
@@ -94,8 +102,14 @@ def tp1d_block_traffic(
     )
     attn_width = shape.num_heads * shape.head_dim
     if experts:
-        x = t * h * dtype_bytes
-        mlp = Traffic(all_gather_bytes(x, p), 2 * all_gather_bytes(x, p)) if sequence_parallel else Traffic()
+        if sequence_parallel:
+            x = t * h * dtype_bytes
+            mlp = Traffic(all_gather_bytes(x, p), reduce_scatter_bytes(x, p))
+        else:
+            rows = t if seq % p == 0 else -(-t // p) * p  # the token split pads to a multiple of tp
+            x = rows * h * (dtype_bytes if stream_bytes is None else stream_bytes)
+            mlp = Traffic(all_gather_bytes(x, p), all_gather_bytes(x, p))
+        mlp += Traffic(all_reduce_bytes((3 * experts + 2) * 8, p), all_reduce_bytes(expert_params * param_bytes, p))
         out = (
             tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
             + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
@@ -127,7 +141,8 @@ def tp1d_model_traffic(
     dtype_bytes: int = 2,
     stream_bytes: int | None = None,
     param_bytes: int = 4,
-    experts: bool = False,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, head and vocab-parallel loss."""
     p, h, t = tp, shape.hidden, batch * seq
@@ -144,6 +159,7 @@ def tp1d_model_traffic(
         stream_bytes=stream_bytes,
         param_bytes=param_bytes,
         experts=experts,
+        expert_params=expert_params,
     )
     out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)  # vocab-parallel embedding
     out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))  # head's f (cast input)

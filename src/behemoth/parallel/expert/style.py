@@ -10,19 +10,29 @@ parallelism, ``dp`` reads ``dp_cp`` and ``ep_dp`` reads ``ep_dp_cp``: the cp ran
 ===================  ======================  ============================  ====================
 parameters           held                    gradients summed over         initial broadcast
 ===================  ======================  ============================  ====================
-dense (and routers)  whole, every dp rank    ``dp``                        over ``dp``
-experts              E/ep of E, by ep rank   ``ep_dp`` (:func:`data_axis   over ``ep_dp``
-                                             _of`)
+dense                whole, every dp rank    ``dp``                        over ``dp``
+routers              whole, every dp rank    ``tp`` (in the block's        over ``dp``
+                                             backward), then ``dp``
+experts              E/ep of E, by ep rank   ``tp`` (in the block's        over ``ep_dp``
+                                             backward), then ``ep_dp``
+                                             (:func:`data_axis_of`)
 ===================  ======================  ============================  ====================
 
-Under ZeRO 1-3 the two kinds are chunked apart and each chunk is sharded over its own axis (the
-dense chunks over ``dp``, the expert chunks over ``ep_dp``: never gathered beyond the ep rank's
-experts). Under 1D tensor parallelism the attention and dense MLPs are split over ``tp`` and the
-experts are whole on every tp rank (:func:`dense_tensor_plan`); with sequence parallelism a block
-reads the whole sequence the norm before it gathered, as on every tp rank, keeps the gradient of
-its input to this rank's shard of the sequence (each tp rank computes the same gradient for all of
-it) and returns this rank's shard of its output (ScatterToAxis: the output gradient all-gathered),
-so the experts' and routers' gradients are whole on every tp rank, as without it.
+Under ZeRO 1-3 the dense parameters and the experts are chunked apart and each chunk is sharded
+over its own axis (the dense chunks over ``dp``, the expert chunks over ``ep_dp``: never gathered
+beyond the ep rank's experts). Under 1D tensor parallelism the attention and dense MLPs are split
+over ``tp`` (:func:`dense_tensor_plan`) and the experts are whole on every tp rank, but the tp
+ranks split each MoE block's tokens (:mod:`.tokens`, Megatron's "parallel folding" with expert
+tensor parallelism 1): each routes and runs the experts on its own share, 1/tp of them (the
+sequence's ``S/tp`` positions of each row; where ``S`` does not divide, the ``B*S`` tokens padded
+to a multiple of tp). Without sequence parallelism the block takes its share of the whole input
+(``ScatterToAxis``: the input gradient all-gathered whole again) and all-gathers its output
+(``GatherFromAxis``); with sequence parallelism it slices its shard of the sequence the norm
+gathered (the gather's reduce-scatter then sums exactly this rank's gradient into its shard) and
+returns it: this rank's shard of the output. The block's parameters (router, experts, a shared
+expert) have then seen only this rank's tokens, so their gradients are summed over ``tp`` in the
+block's backward (``CopyToAxis`` on each, as a sequence-parallel norm's weight) before the
+gradient sync sums them over their data axis as above.
 
 :class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
 :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
@@ -37,15 +47,20 @@ router losses are those of the serial model on the *global* batch: the expert co
 capacity's drops and the token count are summed over ``dp`` (one all-reduce of 2E + 1 numbers
 per layer; ``token_counts`` holds the global counts), and each rank's loss is its share (the
 router probabilities of its tokens), so the shares summed over ``dp`` are the serial loss
-(:mod:`.losses`). The style is applied to every MoE block, at ep = 1 and on one data rank too
+(:mod:`.losses`). Under 1D tensor parallelism the tp shares of those numbers, of the probability
+sums and of the z-loss sum are first added up over ``tp`` (one all-reduce of 3E + 2 numbers per
+layer): each tp rank's loss then reads as its data rank's whole share (the reported loss stays
+the serial one) while its gradient is that of its own tokens' part. The style is applied to
+every MoE block, at ep = 1 and on one data rank too
 (a pipeline, tensor parallelism, one device): its trivial axes' collectives cost nothing, and the
 tokens still take one sort by expert, one host read of the split sizes and grouped GEMMs, where
 the serial layer's loop over experts waits for the device once per expert (``torch.where``)
 and runs each expert's GEMMs alone, in every micro-batch. A capacity is per sequence, and each data rank holds whole sequences, so every
-rank drops exactly what the serial model drops; under context parallelism, where a rank holds a
-share of each sequence, the experts its cp peers' tokens chose are all-gathered over ``cp``
-(``B*S*K`` integers per layer), the capacity is taken over the whole sequences as serially, and
-each rank keeps its share of the verdict.
+rank drops exactly what the serial model drops; where a rank holds a share of each sequence
+(context parallelism, and the tp ranks' token split: the same path, the tp share inside the cp
+one) the experts its peers' tokens chose are all-gathered (``B*S*K`` integers per layer over
+``cp``, and over ``tp``), the capacity is taken over the whole sequences as serially, and each
+rank keeps its share of the verdict.
 
 :func:`parallelize_experts` applies it to every MoE layer of a model; :func:`check_experts`
 refuses (before any collective) what does not compose yet; :func:`gather_expert_state` puts
@@ -56,6 +71,7 @@ Tested in tests/dist/test_expert_parallel.py against serial training.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import types
 from dataclasses import dataclass
@@ -70,6 +86,7 @@ from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
 from ...specs import find_spec
 from ..context.layout import gather_sequence, split_sequence
 from ..style import apply_styles
+from ..tensor.functional import replicated_parameters
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
@@ -79,6 +96,7 @@ from .local import local_exchange, local_ready
 from .losses import ExpertLayers
 from .overlap import exchange
 from .replay import routes
+from .tokens import TokenShare
 
 __all__ = [
     "ExpertParallel",
@@ -189,11 +207,14 @@ class ExpertParallel:
     ``context``: ``(cp axis, cp mode)`` when the sequence is split over ranks (a capacity then
     sees the whole sequences), else None. ``sequence_parallel``: the model's 1D
     :class:`~behemoth.parallel.tensor.region1d.ParallelRegion` under sequence parallelism (the
-    block reads the norm's gathered sequence and returns this tp rank's shard), else None.
-    ``chunks``: the tokens of each forward split into this many runs, each run's all-to-alls
-    overlapped with another's expert GEMMs (:mod:`.overlap`); 1 exchanges them at once.
-    ``dedup``: send each token once per member holding any of its experts
-    (:mod:`.dispatch_members`) where :func:`~.dispatch_members.dedup_applies`."""
+    block reads the norm's gathered sequence and returns this tp rank's shard; whole in and out
+    while the region pauses it), else None.
+    ``tensor_axis``: the 1D tensor-parallel axis whose ranks split the block's tokens
+    (:mod:`.tokens`), or None (every token on every rank). ``chunks``: the tokens of each forward
+    split into this many runs, each run's all-to-alls overlapped with another's expert GEMMs
+    (:mod:`.overlap`); 1 exchanges them at once. ``dedup``: send each token once per member
+    holding any of its experts (:mod:`.dispatch_members`) where
+    :func:`~.dispatch_members.dedup_applies`."""
 
     def __init__(
         self,
@@ -204,12 +225,14 @@ class ExpertParallel:
         sequence_parallel=None,
         chunks: int = 1,
         dedup: bool = False,
+        tensor_axis: str | None = None,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"ExpertParallel(chunks={chunks!r}): must be an integer >= 1 (1: no overlap).")
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
         self.context, self.sequence_parallel, self.chunks = context, sequence_parallel, chunks
         self.dedup = dedup
+        self.tensor_axis = tensor_axis
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -229,25 +252,18 @@ class ExpertParallel:
         whole_rows = None
         if self.context is not None and not mesh.axis(self.context[0]).trivial:
             whole_rows = _whole_rows(mesh.axis(self.context[0]), self.context[1])
-        sequence = None
-        if self.sequence_parallel is not None and not mesh.axis("tp").trivial:
-            sequence = (mesh.axis("tp"), self.sequence_parallel)
+        split = None
+        if self.tensor_axis is not None and not mesh.axis(self.tensor_axis).trivial:
+            split = (mesh.axis(self.tensor_axis), self.sequence_parallel)
         # each token sent once per member holding its experts where that sends fewer rows (dispatch_members)
         facts = dict(ep=ep.size, num_experts=block.num_experts, top_k=block.top_k, chunks=self.chunks)
         members = self.dedup and dedup_applies(**facts, dropless=block.dropless)
-        forward = _make_forward(block, ep, data, whole_rows, sequence, self.chunks, members)
+        forward = _make_forward(block, ep, data, whole_rows, split, self.chunks, members)
         module.forward = types.MethodType(forward, module)
+        if split is not None:
+            _sum_gradients_over(block, split[0])
         module._behemoth_expert_routes = True  # its routes are kept for a recompute (replay.recorded)
         return module
-
-
-def _own_gradient(x_BSH: torch.Tensor, tp: Axis) -> torch.Tensor:
-    """``x_BSH`` (a sequence gathered over ``tp``) as it is, its gradient kept on this tp rank's
-    shard of the sequence only: every tp rank computes the same gradient for all of it, and the
-    gather's backward (a reduce-scatter) then sums exactly one copy of each shard."""
-    n = x_BSH.shape[1] // tp.size
-    lo, hi = tp.rank * n, (tp.rank + 1) * n
-    return torch.cat([x_BSH[:, :lo].detach(), x_BSH[:, lo:hi], x_BSH[:, hi:].detach()], dim=1)
 
 
 def _whole_rows(cp: Axis, mode: str):
@@ -265,20 +281,54 @@ def _whole_rows(cp: Axis, mode: str):
     return gather, take
 
 
+def _sum_gradients_over(block: ExpertBlock, tp: Axis) -> None:
+    """Each tp rank runs the block on its own share of the tokens, so the gradients of every
+    parameter of the block (router, experts, shared expert) are partial over ``tp``: route each
+    through ``CopyToAxis`` for the forwards (identity, its gradient all-reduced over ``tp`` in
+    the backward), as a sequence-parallel norm's weight is. The modules the block calls (the
+    router; a transformers block's ``gate`` and ``experts``) take their views in their own forward,
+    after the hooks that run before it (ZeRO-3's gathers); the others in the block's forward."""
+    module = block.module
+    called = [module.router] if block.native else [module.gate, module.experts]
+    inside = {id(m) for c in called for m in c.modules()}
+    for m in called:
+        _forward_summed(m, [m], tp)
+    _forward_summed(module, [m for m in module.modules() if id(m) not in inside], tp)
+
+
+def _forward_summed(module: nn.Module, owners: list[nn.Module], tp: Axis) -> None:
+    """Run ``module``'s forward (as it is now, on the instance) with the own parameters of each
+    of ``owners`` replaced by their :func:`~..tensor.functional.replicated` views over ``tp``."""
+    inner = module.forward
+    owners = [m for m in owners if any(True for _ in m.parameters(recurse=False))]
+
+    def forward(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for m in owners:
+                stack.enter_context(replicated_parameters(m, tp))
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
 def _make_forward(
-    block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, sequence=None, chunks: int = 1, members: bool = False
+    block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, split=None, chunks: int = 1, members: bool = False
 ):
     def forward(self: nn.Module, x_BSH: torch.Tensor) -> torch.Tensor:
-        # sequence parallelism: the whole sequence here (the norm gathered it), as on every tp rank;
-        # this rank's shard of the output out (ScatterToAxis: the output gradient all-gathered, so every
-        # tp rank computes the same gradients, as without sequence parallelism)
-        tp = sequence[0] if sequence is not None and not sequence[1].sequence_parallel_paused else None
-        if tp is not None:
-            x_BSH = _own_gradient(x_BSH, tp)
-        x_BSH = block.jitter(x_BSH)
-        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        # 1D tensor parallelism: this tp rank routes and runs its own share of the tokens (.tokens);
+        # sequence parallelism (unless paused): x_BSH is the norm's gathered sequence, and the share
+        # (this rank's shard) is what the block returns
+        share = None
+        if split is not None:
+            tp, region = split
+            sequence_parallel = region is not None and not region.sequence_parallel_paused
+            share = TokenShare(tp, x_BSH.shape, sequence_parallel)
+        x_in = x_BSH if share is None else share.take(x_BSH)
+        rows = whole_rows if share is None else _then(share.rows(), whole_rows)
+        x_in = block.jitter(x_in)
+        x_TH = x_in.reshape(-1, x_in.shape[-1])
         with record_function("behemoth::moe_route"):  # ranges a profiler's tables can name
-            r = block.route(x_BSH, whole_rows)
+            r = block.route(x_in, rows)
             # groups padded for the grouped GEMMs where they run (in the permutation dispatch makes anyway);
             # a checkpointed block's recompute gets its forward's routes back (no sort, no host read). The
             # split sizes' read to the host is started here and waited for in the exchange: the balancing
@@ -294,9 +344,12 @@ def _make_forward(
             )
         with record_function("behemoth::moe_balance"):
             counts_E, prob_sums_E = balance_terms(r.probs_TE, r.chosen_TK)
+            z_sum = z_loss_sum(r.logits_TE) if block.native else None
             # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
-            local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])])
-            totals = comm.all_reduce(local.double(), data).to(prob_sums_E.dtype)
+            local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])]).double()
+            if share is not None:
+                local, prob_sums_E, z_sum = _sum_shares(local, prob_sums_E, z_sum, share.tp)
+            totals = comm.all_reduce(local, data).to(prob_sums_E.dtype)
         with record_function("behemoth::moe_exchange"):
             if routed is None:
                 experts = (r.experts_TK, block.num_experts, block.run_experts, block.shared)
@@ -307,14 +360,38 @@ def _make_forward(
         counts_E, dropped_E, num_tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
         if block.native:
             self.record_routing(counts_E, dropped_E)
-            self.aux_loss = self.router_loss(counts_E, prob_sums_E, z_loss_sum(r.logits_TE), num_tokens)
+            self.aux_loss = self.router_loss(counts_E, prob_sums_E, z_sum, num_tokens)
         else:  # transformers: one balancing loss over every layer (behemoth.parallel.expert.losses)
             self.token_counts = counts_E
             self._behemoth_router_terms = (counts_E, prob_sums_E, num_tokens)
-        y_BSH = y_TH.view_as(x_BSH)
-        return y_BSH if tp is None else comm.ScatterToAxis.apply(y_BSH, tp, 1)
+        y = y_TH.view_as(x_in)
+        return y if share is None else share.give(y)
 
     return forward
+
+
+def _sum_shares(local: torch.Tensor, prob_sums_E: torch.Tensor, z_sum, tp: Axis):
+    """The tp ranks' shares of one data rank's tokens added up, in one all-reduce over ``tp``:
+    ``local`` (counts, drops, tokens) summed; ``prob_sums_E`` and ``z_sum`` (in the graph) keep
+    this rank's gradient and take the sum's value, so this rank's router loss reads as its data
+    rank's whole share (the step's reported loss, summed over the data axis only, is the serial
+    one) while its gradient stays this rank's part (the router's gradient is summed over tp)."""
+    z = z_sum.detach().double().reshape(1) if z_sum is not None else local.new_zeros(1)  # one form for both
+    summed = comm.all_reduce(torch.cat([local, prob_sums_E.detach().double(), z]), tp)
+    n, E = local.numel(), prob_sums_E.numel()
+    prob_sums_E = prob_sums_E + (summed[n : n + E].to(prob_sums_E.dtype) - prob_sums_E).detach()
+    if z_sum is not None:
+        z_sum = z_sum + (summed[-1].to(z_sum.dtype) - z_sum).detach()
+    return summed[:n], prob_sums_E, z_sum
+
+
+def _then(inner, outer):
+    """``(gather, take)`` of a capacity's rows through ``inner`` (the tp share) then ``outer``
+    (context parallelism's, or None)."""
+    if outer is None:
+        return inner
+    (gather_in, take_in), (gather_out, take_out) = inner, outer
+    return (lambda t: gather_out(gather_in(t))), (lambda t: take_in(take_out(t)))
 
 
 def dense_tensor_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
@@ -347,6 +424,7 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         sequence_parallel=_region_of(model) if sequence_parallel else None,
         chunks=plan.ep_overlap,
         dedup=plan.ep_dedup,
+        tensor_axis="tp" if plan.tp > 1 and plan.tp_mode == "1d" else None,  # the tp ranks split the tokens
     )
     styled = dict.fromkeys(layers, style)
     if styled:
