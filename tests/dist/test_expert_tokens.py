@@ -5,7 +5,8 @@ and training matches serial training (losses, every step's gradient norm, ``full
 rtol 1e-4, fp32): tp=2 without sequence parallelism (S divisible, and S = 15 by the token split),
 tp=2 with sequence parallelism under ZeRO-3 (behemoth's MoE Llama), transformers' Qwen3-MoE at
 tp=2, and tp=2 x ep=2 on 4 ranks (behemoth's MoE Llama under ZeRO-3, and Mixtral with sequence
-parallelism)."""
+parallelism); greedy generation of one row at tp=2 (its one-token decode steps leave one tp
+rank an empty share) equals serial."""
 
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ def _two_ranks(rank: int, world: int) -> None:
     seen = _router_rows(engine.model)
     rows = -(-BATCH * (SEQ - 1) // 2)
     _check(engine, odd, want, seen, rows if rank == 0 else BATCH * (SEQ - 1) - rows, "tp=2 S=15")
+
+    # greedy generation of one row: a prefill of 3 tokens and one-token decode steps (rank 1's share empty)
+    rows = [[3, 5, 7]]
+    want_tokens = bh.generate(build_moe().eval(), rows, max_new_tokens=5)
+    model = bh.parallelize(build_moe().eval(), bh.Plan(tp=2))
+    assert bh.generate(model, rows, max_new_tokens=5) == want_tokens, "tp=2 generation"
 
     want = serial_hf_run("qwen3-moe", batches)
     model = build_hf_moe("qwen3-moe")

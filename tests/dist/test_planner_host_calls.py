@@ -6,7 +6,7 @@ with 4 blocks less those of the same model with 2, halved (the planner's likewis
 parallelism and 2D tensor parallelism on 4 gloo ranks, and 2.5D (depth 2) and 3D (with and
 without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2; and a mixture-of-
 experts Llama's (behemoth.planner.host.block_calls, ep_block_calls) on 2: the balancing
-statistics' all-reduce at ep 1, the split sizes and the chunks' all-to-alls at ep 2 with
+statistics' all-reduce at ep 1 and the token split's calls under 1D tp 2, the split sizes and the chunks' all-to-alls at ep 2 with
 ep_overlap 1 and 2, and a checkpointed block's recompute (its forward's routes replayed)."""
 
 from __future__ import annotations
@@ -147,3 +147,17 @@ def test_expert_calls_per_block_are_the_runs():
     recompute the chunks' pairs again, not the split sizes; the member exchange (``ep_dedup``) its
     rows' weights and slots beside them, forward, backward and recomputed."""
     bh.spawn(_experts_world, 2, timeout=400)
+
+
+def _experts_tp_world(rank, world):
+    check_expert_calls_per_block(
+        (bh.Plan(tp=2), bh.Plan(tp=2, sequence_parallel=True, activation_checkpointing=True)), world
+    )
+
+
+def test_expert_calls_per_block_under_1d_tp_are_the_runs():
+    """An MoE layer under 1D tp 2 (the tp ranks split its tokens): the shares' statistics summed,
+    the output gathered (or, with sequence parallelism, the norms' gathers and the input
+    gradient's reduce-scatter), the input gradient gathered and the router's and experts' gradients
+    summed over tp; a recomputed forward issues the forward's calls again."""
+    bh.spawn(_experts_tp_world, 2, timeout=400)

@@ -119,7 +119,7 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
-    if w.num_experts:  # the experts run whole on every tp rank, over all the micro-batch's tokens
+    if w.num_experts:  # counted over all the micro-batch's tokens on every tp rank (an upper bound under 1D tp)
         f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k
         full = t * (a_rep * s.hidden / rep + a_h * s.hidden / plan.tp + a_f * f + expert_saved_bytes(plan, w))
     else:

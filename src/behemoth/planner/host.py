@@ -171,6 +171,15 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
     norm_vectors = s.norm_params / s.hidden  # a norm's weight (and bias)
     if plan.tp_mode == "1d":
         replicated_kv = 2.0 if s.num_kv_heads < plan.tp and s.num_kv_heads < s.num_heads else 0.0
+        if w.num_experts:
+            # the attention's pair; the MoE block's tp shares of its balancing statistics summed, its
+            # parameters' gradients (router, gate_up, down) summed, and its token split: the output
+            # gathered and the input gradient gathered (sequence parallelism: the norms' gathers and
+            # the input gradient's reduce-scatter, as a dense block's)
+            if not plan.sequence_parallel:
+                return 2.0 + k, 2.0 + 3.0 + replicated_kv
+            vectors = 2 * norm_vectors + (1.0 if s.linear_bias else 0.0)
+            return 3.0 + k, 3.0 + k + 3.0 + vectors + replicated_kv
         if not plan.sequence_parallel:
             return 2.0 * k, 2.0 + replicated_kv
         # norms' gathers + rows' reduce-scatters; re-gather + dX reduce-scatter + rows' dY gathers,
