@@ -5,7 +5,8 @@ and training matches serial training (losses, every step's gradient norm, ``full
 rtol 1e-4, fp32): tp=2 without sequence parallelism (S divisible, and S = 15 by the token split),
 tp=2 with sequence parallelism under ZeRO-3 (behemoth's MoE Llama), transformers' Qwen3-MoE at
 tp=2, and tp=2 x ep=2 on 4 ranks (behemoth's MoE Llama under ZeRO-3, and Mixtral with sequence
-parallelism); greedy generation of one row at tp=2 (its one-token decode steps leave one tp
+parallelism); a capacity router (sigmoid scores, aux-free bias, a shared expert) through the
+token split drops what serial drops; greedy generation of one row at tp=2 (its one-token decode steps leave one tp
 rank an empty share) equals serial."""
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from common import (
     assert_state_close,
     global_batches,
     train_steps,
+    train_steps_dropping_as_serial,
 )
 from test_expert_families import adamw, build_hf_moe, serial_hf_run
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
+from test_expert_routing import adamw as routed_adamw
+from test_expert_routing import build as build_routed
+from test_expert_routing import serial_run as serial_routed_run
 
 import behemoth as bh
 from behemoth.models.moe import MoEFeedForward
@@ -59,6 +64,18 @@ def _two_ranks(rank: int, world: int) -> None:
     seen = _router_rows(engine.model)
     rows = -(-BATCH * (SEQ - 1) // 2)
     _check(engine, odd, want, seen, rows if rank == 0 else BATCH * (SEQ - 1) - rows, "tp=2 S=15")
+
+    # a capacity (per whole sequence: the tp peers' choices gathered), a shared expert and the aux-free
+    # bias, through the token split (S = 15): every rank drops what serial drops
+    name = "sigmoid-bias-shared-capacity"
+    want = serial_routed_run(name, odd, 1, 1)
+    model = build_routed(name)
+    engine = bh.boost(model, routed_adamw(model), bh.Plan(tp=2), max_grad_norm=1.0)
+    losses, norms = train_steps_dropping_as_serial(engine, odd, want[3], name)
+    assert any(sum(d) > 0 for step in want[3] for _, d in step), name  # the capacity dropped some
+    assert_losses_close(losses, want[0], what=name)
+    assert_grad_norms_close(norms, want[2], what=name)
+    assert_state_close(engine.full_state_dict(), want[1], what=name)
 
     # greedy generation of one row: a prefill of 3 tokens and one-token decode steps (rank 1's share empty)
     rows = [[3, 5, 7]]
