@@ -101,7 +101,8 @@ def main(argv=None) -> None:
         dense_total = _dense_params(cfg)
         active = dense_total + expert_total * cfg.num_experts_per_tok / cfg.num_local_experts
         flops_tok = 6 * active + 12 * n_layers * h * a.seq
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+        # one parameter at a time: its DTensor and plain parameters cannot share a fused or foreach step
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False, fused=False)
         g = torch.Generator(device=dev).manual_seed(0 if replicated else rank)
         x = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device=dev, generator=g)
         times = []
