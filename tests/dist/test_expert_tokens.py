@@ -6,7 +6,7 @@ rtol 1e-4, fp32): tp=2 without sequence parallelism (S divisible, and S = 15 by 
 tp=2 with sequence parallelism under ZeRO-3 (behemoth's MoE Llama), transformers' Qwen3-MoE at
 tp=2, and tp=2 x ep=2 on 4 ranks (behemoth's MoE Llama under ZeRO-3, and Mixtral with sequence
 parallelism); a capacity router (sigmoid scores, aux-free bias, a shared expert) through the
-token split drops what serial drops; greedy generation of one row at tp=2 (its one-token decode steps leave one tp
+token split, and under cp=2 (ring) x tp=2, drops what serial drops; greedy generation of one row at tp=2 (its one-token decode steps leave one tp
 rank an empty share) equals serial."""
 
 from __future__ import annotations
@@ -107,6 +107,19 @@ def _four_ranks(rank: int, world: int) -> None:
     engine = bh.boost(model, adamw(model), bh.Plan(tp=2, ep=2, sequence_parallel=True), max_grad_norm=1.0)
     seen = _router_rows(engine.model)
     _check(engine, batches, want, seen, BATCH // 2 * SEQ // 2, "transformers Mixtral dp=2 tp=2 ep=2 sp")
+
+    # a capacity under cp=2 (ring's layout) x tp=2: the tp share inside the cp shard, the choices gathered
+    # over tp then cp, the verdict taken back in the same order
+    name = "sigmoid-bias-shared-capacity"
+    want = serial_routed_run(name, batches, 1, 1)
+    model = build_routed(name)
+    engine = bh.boost(model, routed_adamw(model), bh.Plan(cp=2, cp_mode="ring", tp=2), max_grad_norm=1.0)
+    seen = _router_rows(engine.model)
+    losses, norms = train_steps_dropping_as_serial(engine, batches, want[3], name)
+    assert seen == [BATCH * SEQ // 4] * (len(moe_layers(engine.model)) * STEPS), (name, seen[:4])
+    assert_losses_close(losses, want[0], what=f"{name} cp=2 tp=2")
+    assert_grad_norms_close(norms, want[2], what=f"{name} cp=2 tp=2")
+    assert_state_close(engine.full_state_dict(), want[1], what=f"{name} cp=2 tp=2")
 
 
 def test_tp_and_ep_route_their_share_and_match_serial():
