@@ -5,9 +5,11 @@ and training matches serial training (losses, every step's gradient norm, ``full
 rtol 1e-4, fp32): tp=2 without sequence parallelism (S divisible, and S = 15 by the token split),
 tp=2 with sequence parallelism under ZeRO-3 (behemoth's MoE Llama), transformers' Qwen3-MoE at
 tp=2, and tp=2 x ep=2 on 4 ranks (behemoth's MoE Llama under ZeRO-3, and Mixtral with sequence
-parallelism); a capacity router (sigmoid scores, aux-free bias, a shared expert) through the
-token split, and under cp=2 (ring) x tp=2, drops what serial drops; greedy generation of one row at tp=2 (its one-token decode steps leave one tp
-rank an empty share) equals serial."""
+parallelism, whose tp bytes ep_overlap=2 leaves unchanged: each expert's gradient is summed over
+tp once per forward, not once per chunk). A capacity router (sigmoid scores, aux-free bias, a
+shared expert) through the token split, and under cp=2 (ring) x tp=2, drops what serial drops.
+Greedy generation of one row at tp=2 (its one-token decode steps leave one tp rank an empty
+share) equals serial."""
 
 from __future__ import annotations
 
@@ -103,10 +105,15 @@ def _four_ranks(rank: int, world: int) -> None:
     _check(engine, batches, want, seen, BATCH // 2 * SEQ // 2, "dp=2 tp=2 ep=2 zero=3")
 
     want = serial_hf_run("mixtral", batches)
-    model = build_hf_moe("mixtral")
-    engine = bh.boost(model, adamw(model), bh.Plan(tp=2, ep=2, sequence_parallel=True), max_grad_norm=1.0)
-    seen = _router_rows(engine.model)
-    _check(engine, batches, want, seen, BATCH // 2 * SEQ // 2, "transformers Mixtral dp=2 tp=2 ep=2 sp")
+    tp_bytes = []
+    for chunks in (1, 2):  # ep_overlap=2 calls the experts module once per chunk: one gradient sum all the same
+        model = build_hf_moe("mixtral")
+        plan = bh.Plan(tp=2, ep=2, sequence_parallel=True, ep_overlap=chunks)
+        engine = bh.boost(model, adamw(model), plan, max_grad_norm=1.0)
+        seen = _router_rows(engine.model)
+        _check(engine, batches, want, seen, BATCH // 2 * SEQ // 2, f"transformers Mixtral {plan.describe()}")
+        tp_bytes.append(engine.comm_stats()["tp"]["wire_bytes"])
+    assert tp_bytes[0] == tp_bytes[1] > 0, tp_bytes
 
     # a capacity under cp=2 (ring's layout) x tp=2: the tp share inside the cp shard, the choices gathered
     # over tp then cp, the verdict taken back in the same order

@@ -86,7 +86,7 @@ from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
 from ...specs import find_spec
 from ..context.layout import gather_sequence, split_sequence
 from ..style import apply_styles
-from ..tensor.functional import replicated_parameters
+from ..tensor.functional import replicated
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
@@ -283,29 +283,63 @@ def _whole_rows(cp: Axis, mode: str):
 
 def _sum_gradients_over(block: ExpertBlock, tp: Axis) -> None:
     """Each tp rank runs the block on its own share of the tokens, so the gradients of every
-    parameter of the block (router, experts, shared expert) are partial over ``tp``: route each
-    through ``CopyToAxis`` for the forwards (identity, its gradient all-reduced over ``tp`` in
-    the backward), as a sequence-parallel norm's weight is. The modules the block calls (the
-    router; a transformers block's ``gate`` and ``experts``) take their views in their own forward,
-    after the hooks that run before it (ZeRO-3's gathers); the others in the block's forward."""
+    parameter of the block (router, experts, shared expert) are partial over ``tp``: each is read
+    through its ``CopyToAxis`` view (identity, its gradient all-reduced over ``tp`` in the
+    backward), as a sequence-parallel norm's weight is, one view per parameter and forward of the
+    block (:class:`_SummedViews`). The modules the block calls (the router; a transformers block's
+    ``gate`` and ``experts``, called once per chunk of ``Plan.ep_overlap``) take theirs in their
+    own forward, after the hooks that run before it (ZeRO-3's gathers); the others in the block's."""
     module = block.module
+    views = _SummedViews(tp)
     called = [module.router] if block.native else [module.gate, module.experts]
     inside = {id(m) for c in called for m in c.modules()}
     for m in called:
-        _forward_summed(m, [m], tp)
-    _forward_summed(module, [m for m in module.modules() if id(m) not in inside], tp)
+        _forward_summed(m, [m], views)
+    _forward_summed(module, [m for m in module.modules() if id(m) not in inside], views, opens=True)
 
 
-def _forward_summed(module: nn.Module, owners: list[nn.Module], tp: Axis) -> None:
-    """Run ``module``'s forward (as it is now, on the instance) with the own parameters of each
-    of ``owners`` replaced by their :func:`~..tensor.functional.replicated` views over ``tp``."""
+class _SummedViews:
+    """The ``CopyToAxis`` views over ``tp`` of some modules' own parameters, made at most once per
+    forward of an MoE block: the first call of a module in it makes them, later calls (the chunks of
+    an overlapped exchange) read the same ones, so each parameter's gradient is all-reduced once."""
+
+    def __init__(self, tp: Axis) -> None:
+        self.tp = tp
+        self.made: dict[int, dict[str, torch.Tensor]] | None = None
+
+    @contextlib.contextmanager
+    def block_forward(self):
+        self.made = {}
+        try:
+            yield
+        finally:
+            self.made = None
+
+    @contextlib.contextmanager
+    def read(self, module: nn.Module):
+        saved = {n: p for n, p in module._parameters.items() if p is not None}
+        made = self.made if self.made is not None else {}
+        if id(module) not in made:
+            made[id(module)] = {n: replicated(p, self.tp) for n, p in saved.items()}
+        try:
+            module._parameters.update(made[id(module)])
+            yield
+        finally:
+            module._parameters.update(saved)
+
+
+def _forward_summed(module: nn.Module, owners: list[nn.Module], views: _SummedViews, opens: bool = False) -> None:
+    """Run ``module``'s forward (as it is now, on the instance) with the own parameters of each of
+    ``owners`` read through ``views``; ``opens``: this is the block's forward (its views' span)."""
     inner = module.forward
     owners = [m for m in owners if any(True for _ in m.parameters(recurse=False))]
 
     def forward(*args, **kwargs):
         with contextlib.ExitStack() as stack:
+            if opens:
+                stack.enter_context(views.block_forward())
             for m in owners:
-                stack.enter_context(replicated_parameters(m, tp))
+                stack.enter_context(views.read(m))
             return inner(*args, **kwargs)
 
     module.forward = forward
