@@ -8,7 +8,9 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   collectives counted on every stage: an upper bound for the middle ones); a checkpointed
   block's recomputed forward runs its forward collectives again, and under the zero-bubble
   schedule a stage with an input gradient runs its blocks' backward collectives twice (BI, then
-  BW backpropagating through the stage again), as the ledger books them;
+  BW backpropagating through the stage again), as the ledger books them; under 1D an MoE
+  block's token split over tp (its shares' statistics, its output and input gradient gathered,
+  its router's and experts' gradients summed: :func:`~.tp1d_traffic.tp1d_block_traffic`);
 * ``cp``: :func:`~.context_traffic.cp_model_traffic` of the stage's layers, per micro-batch;
   under the zero-bubble schedule a stage with an input gradient (all but the first) sends the
   backward's share twice: its weight-gradient pass (BW) backpropagates through the attention's
