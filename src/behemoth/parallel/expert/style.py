@@ -11,10 +11,10 @@ parallelism, ``dp`` reads ``dp_cp`` and ``ep_dp`` reads ``ep_dp_cp``: the cp ran
 parameters           held                    gradients summed over         initial broadcast
 ===================  ======================  ============================  ====================
 dense                whole, every dp rank    ``dp``                        over ``dp``
-routers              whole, every dp rank    ``tp`` (in the block's        over ``dp``
-                                             backward), then ``dp``
-experts              E/ep of E, by ep rank   ``tp`` (in the block's        over ``ep_dp``
-                                             backward), then ``ep_dp``
+routers              whole, every dp rank    1D tp: ``tp`` in the block's  over ``dp``
+                                             backward; then ``dp``
+experts              E/ep of E, by ep rank   1D tp: ``tp`` in the block's  over ``ep_dp``
+                                             backward; then ``ep_dp``
                                              (:func:`data_axis_of`)
 ===================  ======================  ============================  ====================
 
@@ -66,7 +66,8 @@ rank keeps its share of the verdict.
 refuses (before any collective) what does not compose yet; :func:`gather_expert_state` puts
 the experts of a state dict back in the serial ``[E, ...]`` shapes.
 
-Tested in tests/dist/test_expert_parallel.py against serial training.
+Tested in tests/dist/test_expert_parallel.py against serial training (under 1D tensor
+parallelism: tests/dist/test_expert_tensor.py and tests/dist/test_expert_tokens.py).
 """
 
 from __future__ import annotations
