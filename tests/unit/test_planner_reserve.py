@@ -122,13 +122,13 @@ def test_zero1_keeps_the_reduced_shard_and_gpipe_the_loss_of_every_micro_batch()
     assert a - b == pytest.approx(7 * per_mb)
 
 
-def test_allocator_slack_reads_the_logits_the_gathered_blocks_and_the_recomputed_block():
-    """The footprint's slack is reserve.allocator_slack of one micro-batch's fp32 logits on the rank,
-    ZeRO-3's two gathered blocks (parameters and fp32 gradients) when more than one rank shards
-    them, and one block's full saved set under activation checkpointing."""
-    from behemoth.planner.footprint import block_activation_bytes, footprint
-    from behemoth.planner.params import block_local_params
-    from behemoth.planner.reserve import SLACK_FLOOR, SLACK_MARGIN, allocator_slack
+def test_allocator_slack_is_the_loss_logits_blocks_of_one_micro_batch():
+    """The footprint's slack is reserve.allocator_slack of one micro-batch's fp32 logits on the rank:
+    four logits-sized blocks (the loss's fp32 cast, log-probabilities and their two gradients), and
+    nothing for ZeRO-3's gathered chunks or a checkpointed block's recompute, which are freed and
+    requested again at the same sizes."""
+    from behemoth.planner.footprint import footprint
+    from behemoth.planner.reserve import LOSS_LOGITS_BLOCKS, allocator_slack
 
     w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
     v = w.shape.vocab_size
@@ -136,19 +136,18 @@ def test_allocator_slack_reads_the_logits_the_gathered_blocks_and_the_recomputed
     def slack(plan, world, mbs):
         return footprint(plan.resolve(world), w, mbs=mbs, inflight=1, reserved=0.0).slack
 
-    assert allocator_slack(0.0, 0.0, 0.0) == SLACK_FLOOR + SLACK_MARGIN
-    # dp=4: 8 sequences of 2048 tokens a rank, the vocabulary whole
-    assert slack(bh.Plan(zero=2, precision="bf16"), 4, 8) == pytest.approx(allocator_slack(8 * 2048 * v * 4, 0, 0))
-    z3 = bh.Plan(zero=3, precision="bf16").resolve(4)
-    gathered = 2 * block_local_params(z3, w) * (4 + 4)
-    assert slack(z3, 4, 8) == pytest.approx(allocator_slack(8 * 2048 * v * 4, gathered, 0))
-    # ZeRO-3 over one rank (pp=2 takes the world) gathers nothing
+    assert LOSS_LOGITS_BLOCKS == 4
+    assert allocator_slack(0.0) == 0.0
+    assert allocator_slack(3.0 * 2**30) == 12.0 * 2**30
+    # dp=4: 8 sequences of 2048 tokens a rank, the vocabulary whole; ZeRO-3 the same
+    logits = 8 * 2048 * v * 4
+    assert slack(bh.Plan(zero=2, precision="bf16"), 4, 8) == pytest.approx(4 * logits)
+    assert slack(bh.Plan(zero=3, precision="bf16"), 4, 8) == pytest.approx(4 * logits)
     pipe = bh.Plan(pp=2, microbatches=8, zero=3, precision="bf16")
-    assert slack(pipe, 2, 4) == pytest.approx(allocator_slack(4 * 2048 * v * 4, 0, 0))
-    # tp=2 with cp=2: half the vocabulary, half the sequence; checkpointing recomputes one block
-    ck = bh.Plan(tp=2, cp=2, precision="bf16", activation_checkpointing=True).resolve(4)
-    full = block_activation_bytes(ck, w, 32)[0]
-    assert slack(ck, 4, 32) == pytest.approx(allocator_slack(32 * 1024 * v / 2 * 4, 0, full))
+    assert slack(pipe, 2, 4) == pytest.approx(4 * 4 * 2048 * v * 4)
+    # tp=2 with cp=2: half the vocabulary, half the sequence; checkpointing adds nothing
+    ck = bh.Plan(tp=2, cp=2, precision="bf16", activation_checkpointing=True)
+    assert slack(ck, 4, 32) == pytest.approx(4 * 32 * 1024 * v / 2 * 4)
 
 
 def _gpt69b_on_h200(world: int):

@@ -47,9 +47,8 @@ micro-batch it holds (one, or all of them under GPipe) the loss's fp32 log-proba
 head's 16-bit weight copy. ZeRO-1 keeps the whole fp32 gradient chunks and the reduced shard the
 optimizer reads (``grad_full`` and ``grad_acc`` in ``parallel/zero/reduce.py``).
 
-Beyond the tensors, the caching allocator's slack (``Footprint.slack``, :func:`.reserve.allocator_slack`)
-from the layout's transient tensors: one micro-batch's fp32 logits, ZeRO-3's gathered blocks,
-the block a checkpointed backward recomputes. Pure.
+Beyond the tensors, the caching allocator's slack (``Footprint.slack``, :func:`.reserve.allocator_slack`):
+the loss's logits-sized blocks of one micro-batch, which the backward's smaller requests split. Pure.
 """
 
 from __future__ import annotations
@@ -98,8 +97,8 @@ class Footprint:
     """Device memory beyond the tensors above (CUDA context, NCCL buffers, allocator slack: :mod:`.reserve`)."""
     host: float
     slack: float = 0.0
-    """What the caching allocator keeps reserved beyond the tensors' peak, with the fit rule's
-    margin (:func:`.reserve.allocator_slack`)."""
+    """What the caching allocator keeps reserved beyond the tensors' peak that it cannot release
+    when a device allocation fails (:func:`.reserve.allocator_slack`)."""
 
     @property
     def allocated(self) -> float:
@@ -145,7 +144,7 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     z, off = plan.zero, plan.offload is not None
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0
-    host, gathered = 0.0, 0.0
+    host = 0.0
     shard = shard_elements(plan, w, n, layers) if z else 0.0
     if z == 0:
         params, grads, opt = n * pb, n * 4, n * 8
@@ -157,7 +156,6 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
         per_block = block_local_params(plan, w)
         params = shard * pb + 2 * per_block * pb
         grads, opt = shard * 4 + 2 * per_block * 4, shard * (8 + masters)
-        gathered = 2 * per_block * (pb + 4) if g > 1 else 0.0  # what the slack reads
         if g > 1 and plan.pp == 1 and not w.num_experts and not off:
             params, grads = zero3_held_bytes(plan, w, shard, pb)
     if off:
@@ -187,7 +185,7 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     held = plan.microbatches if plan.pp > 1 and plan.schedule == "gpipe" else 1
     head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
-    slack = allocator_slack(logits, gathered, full if plan.activation_checkpointing else 0.0)
+    slack = allocator_slack(logits)
     return Footprint(params, grads, opt, act, reserved, host, slack)
 
 

@@ -19,10 +19,10 @@ two on the machine, with ``torch.cuda.mem_get_info`` against ``torch.cuda.memory
   communicator, the three peers' connections at 0.41 GiB each; the 2-GPU cp=2 layouts showed the
   one peer's (2.0 against 1.5 GiB).
 * the **caching allocator's slack** (:func:`allocator_slack`): memory it keeps reserved beyond
-  the allocated peak, in blocks cached between uses that a later request of another size cannot
-  take. It is carried by the footprint (``Footprint.slack``, which reads the layout's transient
-  tensors) beside ``Calibration.allocator_slack`` of the peak here (0 in the shipped calibrations:
-  the slack measured does not grow with the peak, see :func:`allocator_slack`).
+  the allocated peak and cannot release, free parts of cached blocks split by requests of
+  another size. It is carried by the footprint (``Footprint.slack``, which reads the loss's
+  logits) beside ``Calibration.allocator_slack`` of the peak here (0 in the shipped
+  calibrations: the slack does not grow with the peak, see :func:`allocator_slack`).
 
 A calibration without ``cuda_context_bytes`` (older files) keeps its flat ``reserved_bytes``
 in place of the first two. Pure; tests/unit/test_planner_reserve.py.
@@ -88,46 +88,30 @@ def device_reserve(plan: Plan, cal: Calibration, allocated: float) -> float:
     return cal.cuda_context_bytes + (1 + coll) * cal.nccl_comm_bytes + p2p * cal.nccl_p2p_bytes + slack
 
 
-SLACK_FLOOR = 2.2 * GIB
-SLACK_PER_LOGITS = 1.0
-SLACK_PER_GATHERED = 2.1
-SLACK_PER_RECOMPUTED = 5.3
-SLACK_MARGIN = 2.8 * GIB
-"""The allocator-slack model's terms (:func:`allocator_slack`), fitted by least squares with
-non-negative coefficients to every layout the GPU proofs measured on H200 under torch 2.11
-(``benchmarks/planner_proof.py``: GPT-6.9B on 4 GPUs, 9 layouts, and on 2 GPUs, 12; the
-Llama-8B shape on 2 GPUs, 7), the measured peak reserved less the peak allocated, or for a
-layout that ran out of memory the "reserved but unallocated" its report gave (two: 10.8 and
-14.9 GiB; two Llama ``cp=2`` layouts that failed with < 1 GiB unallocated are out: their
-allocated peak was mispredicted, not the slack). The residuals' root mean square, 2.8 GiB, is
-the margin; the worst under-prediction of the fitted terms without it is 10.7 GiB (GPT-6.9B ``tp=2``, sequence
-parallelism, ZeRO-1, checkpointing: 30.1 GiB measured with 58 GiB of the card free, where the
-allocator had no reason to release its cache), then 3.4 GiB (4 GPUs, pp=2 interleaved with cp=2
-ring)."""
+LOSS_LOGITS_BLOCKS = 4
+"""Logits-sized fp32 tensors the loss allocates and frees each micro-batch (``F.cross_entropy``
+over ``logits.float()``: the fp32 cast and the log-probabilities forward, their gradient and the
+logits' gradient backward): the blocks :func:`allocator_slack` counts as stranded."""
 
 
-def allocator_slack(logits: float, gathered: float, recomputed: float) -> float:
-    """Bytes the caching allocator holds reserved beyond the allocated peak, as the fit rule
-    counts them: ``SLACK_FLOOR + SLACK_PER_LOGITS * logits + SLACK_PER_GATHERED * gathered +
-    SLACK_PER_RECOMPUTED * recomputed + SLACK_MARGIN``.
+def allocator_slack(logits: float) -> float:
+    """Bytes the caching allocator holds reserved beyond the allocated peak that a layout needs:
+    ``LOSS_LOGITS_BLOCKS * logits``, ``logits`` one micro-batch's fp32 logits on this rank.
 
-    What drives it are the large tensors a step allocates and frees again among longer-lived
-    ones, whose freed blocks later requests of other sizes split or cannot use: ``logits``, one
-    micro-batch's fp32 logits on this rank (the loss allocates several tensors this size: the
-    out-of-memory reports of the proofs were requests of exactly this size, 3.07 and 3.91 GiB);
-    ``gathered``, ZeRO-3's parameters and gradients of the blocks gathered at once over more
-    than one rank (0 otherwise); ``recomputed``, under activation checkpointing one block's full
-    saved set, which each block's recompute allocates and its backward frees (0 without). Fitted
-    without the peak itself as a term: with it the fit gave it 0.001 per byte (GPT-6.9B's 2-GPU
-    pipeline of 73 GiB held 0.9 GiB of slack, its ``tp=4`` layout of 110 GiB 3.8). The margin, the
-    fit's root-mean-square residual, is added so that a layout predicted within the allocator's
-    uncertainty of the card is not called a fit (``Plan(cp=4, zero=3)`` on 4 x H200, predicted
-    at 127.1 GiB allocated, ran out of memory with 10.8 GiB reserved beside 124.6 allocated).
-    The terms and the data: :data:`SLACK_FLOOR`."""
-    return (
-        SLACK_FLOOR
-        + SLACK_PER_LOGITS * logits
-        + SLACK_PER_GATHERED * gathered
-        + SLACK_PER_RECOMPUTED * recomputed
-        + SLACK_MARGIN
-    )
+    What it needs is not what a run shows when the card has room: when a device allocation fails,
+    PyTorch's caching allocator frees every cached segment with no live tensor in it and retries
+    (``release_cached_blocks`` in ``CUDACachingAllocator.cpp``), so only the free parts of segments
+    that still hold a live tensor stay reserved -- what its out-of-memory report calls "reserved but
+    unallocated". Those parts come from the step's largest transients freed at a change of phase:
+    the loss's logits-sized fp32 tensors (:data:`LOSS_LOGITS_BLOCKS`) are freed as the backward
+    starts, whose requests (a block's gradients, ZeRO's chunks) are smaller, so best-fit splits the
+    cached logits blocks for them and the next micro-batch's logits need blocks of their own; each
+    of the four can be stranded so. Tensors freed and requested again at the same size -- a
+    checkpointed block's recomputed set by the next block's, ZeRO-3's equal chunks by the next
+    gather (counted allocated by :func:`.footprint.zero3_held_bytes`) -- get their own blocks back
+    and strand nothing. The out-of-memory reports of the 2 and 4 x H200 proofs: 7.52 GiB reserved
+    but unallocated beside 1.96 GiB logits (Llama-8B shape, ``cp=2`` ring, ZeRO-3), 14.90 beside
+    3.91 (``dp=2``, ZeRO-1, checkpointed), 10.8 beside 3.07 (GPT-6.9B, ``cp=4``, ZeRO-3): 3.5-3.8
+    logits. The reserved less allocated peak of a run with room on the card (up to 42 GiB, Llama-8B
+    ``tp=2`` with sequence parallelism, checkpointed) is cache the allocator would have released."""
+    return LOSS_LOGITS_BLOCKS * logits

@@ -8,10 +8,8 @@ offload x micro-batch size x activation checkpointing, keeps the plans :class:`~
 allows (heads, widths and vocabulary divisible as the styles need), predicts each one's step
 time and memory (:func:`~.cost.predict`), drops those that do not fit and ranks the rest by
 step time. A plan fits when its predicted device memory -- the tensors' peak, the caching
-allocator's slack with the fit rule's margin (:func:`~.reserve.allocator_slack`: a floor, the
-logits, ZeRO-3's gathered blocks and a recomputed block, fitted to the slack the H200 proofs of
-GPT-6.9B and the Llama-8B shape measured, 28 layouts, the margin the fit's root-mean-square
-residual) and the CUDA context and NCCL buffers (:func:`~.reserve.device_reserve`) -- is at most
+allocator's slack it cannot release under pressure (:func:`~.reserve.allocator_slack`: the
+loss's logits-sized blocks of one micro-batch) and the CUDA context and NCCL buffers (:func:`~.reserve.device_reserve`) -- is at most
 ``Limits.memory_headroom`` of the card, and its host memory at most the host's; every term grows
 with the micro-batch, so the first size that fits no layout ends its sizes. Pure: no process group, no device; 1,024 GPUs and a 96-layer model take seconds
 because a block is costed once per shape and reused by every plan that runs it
