@@ -156,9 +156,10 @@ def test_grouped_gemm_ratio_scales_the_bf16_expert_gemms_only():
         dataclasses.replace(CAL, grouped_gemm_ratio=0.0)
 
 
-def test_routing_dispatch_and_combine_bytes_are_not_split_over_tp():
-    """An MoE layer's routing, dispatch and combine (``moe_bytes.expert_elementwise_bytes``) run
-    over all of a micro-batch's tokens on every tensor-parallel rank, at the elementwise rate."""
+def test_routing_dispatch_and_combine_bytes_split_with_the_tokens_over_tp():
+    """An MoE layer's routing, dispatch and combine (``moe_bytes.expert_elementwise_bytes``) and its
+    experts' activation run over this tensor-parallel rank's share of the micro-batch's tokens
+    (1D tp splits them, parallel/expert/tokens.py), at the elementwise rate."""
     from behemoth.planner.compute import elementwise_seconds
     from behemoth.planner.moe_bytes import expert_elementwise_bytes
 
@@ -168,9 +169,9 @@ def test_routing_dispatch_and_combine_bytes_are_not_split_over_tp():
     for tp in (1, 2):
         plan = bh.Plan(tp=tp, precision="bf16").resolve(tp)
         moe, ref = elementwise_seconds(plan, MOE, DEVICE, tokens), elementwise_seconds(plan, dense, DEVICE, tokens)
-        # the dense model's MLP over ffn_hidden vs the experts' activation over I k, split over tp or not
+        # the dense model's MLP over ffn_hidden vs the experts' activation over I k, both split over tp
         width = MOE.shape.ffn_hidden
-        act_f = 10 * (width * MOE.experts_top_k - width / tp) * tokens / DEVICE.elementwise_rate
-        act_b = 18 * (width * MOE.experts_top_k - width / tp) * tokens / DEVICE.elementwise_rate
-        assert moe[0] - ref[0] == pytest.approx(act_f + fwd * tokens / DEVICE.elementwise_rate, rel=1e-9)
-        assert moe[1] - ref[1] == pytest.approx(act_b + bwd * tokens / DEVICE.elementwise_rate, rel=1e-9)
+        act_f = 10 * (width * MOE.experts_top_k - width) / tp * tokens / DEVICE.elementwise_rate
+        act_b = 18 * (width * MOE.experts_top_k - width) / tp * tokens / DEVICE.elementwise_rate
+        assert moe[0] - ref[0] == pytest.approx(act_f + fwd / tp * tokens / DEVICE.elementwise_rate, rel=1e-9)
+        assert moe[1] - ref[1] == pytest.approx(act_b + bwd / tp * tokens / DEVICE.elementwise_rate, rel=1e-9)

@@ -121,9 +121,10 @@ def test_serial_layer_saves_what_the_planner_counts():
     assert got == pytest.approx(_expected(0), rel=5e-3), (got, _expected(0))
 
 
-def test_experts_are_whole_on_every_tensor_parallel_rank():
-    """Under 1D tensor parallelism the attention's saved set splits over tp; the experts' (their
-    SwiGLU over ``I k`` and :func:`expert_saved_bytes`) is the whole micro-batch's on every rank."""
+def test_experts_keep_a_tensor_parallel_ranks_share_of_the_tokens():
+    """Under 1D tensor parallelism the attention's saved set splits over tp, and so does the
+    experts' (their SwiGLU over ``I k`` and :func:`expert_saved_bytes`): each tp rank routes and
+    runs its own share of the micro-batch's tokens (parallel/expert/tokens.py)."""
     w = workload_for("mixtral-4b", seq_len=2048, global_batch=8)
     s, mbs, t = w.shape, 2, 2 * 2048
     a_rep, a_h, a_f = ACTIVATION_BYTES[(True, True)]
@@ -131,7 +132,7 @@ def test_experts_are_whole_on_every_tensor_parallel_rank():
     two = bh.Plan(tp=2, zero=1, precision="bf16", param_dtype="bf16").resolve(2)
     experts = t * (a_f * s.ffn_hidden * K + expert_saved_bytes(one, w))
     assert block_activation_bytes(one, w, mbs)[0] == pytest.approx(t * (a_rep + a_h) * s.hidden + experts)
-    assert block_activation_bytes(two, w, mbs)[0] == pytest.approx(t * (a_rep + a_h / 2) * s.hidden + experts)
+    assert block_activation_bytes(two, w, mbs)[0] == pytest.approx(t * (a_rep + a_h / 2) * s.hidden + experts / 2)
 
 
 def test_expert_bytes_grow_with_the_experts_a_token_visits():

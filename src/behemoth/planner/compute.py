@@ -32,7 +32,7 @@ attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
 layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, ``T`` this rank's
-share of the tokens (1D tensor parallelism splits them over tp: :func:`token_split`) (under bf16, grouped:
+share of the tokens (1D tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`) (under bf16, grouped:
 at the calibration's ``grouped_gemm_ratio`` of the table's rate), in ``ep_overlap``
 chunks of a ``1/ep_overlap`` share each, its routing, dispatch and combine move the bytes
 :func:`.moe_bytes.expert_elementwise_bytes` counts, and each extra chunk casts the experts' weights and
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from ..plan import Plan
 from .calibration import Calibration
 from .elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
-from .moe_bytes import expert_elementwise_bytes
+from .moe_bytes import expert_elementwise_bytes, token_split
 from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
@@ -208,12 +208,6 @@ def _elementwise_scale(plan: Plan) -> float:
     return 1.0 if plan.precision in ("bf16", "fp16") else 2.0
 
 
-def token_split(plan: Plan) -> int:
-    """Into how many shares an MoE block's tokens are split over tensor parallelism: 1D's tp ranks
-    each route and run their own (``parallel/expert/tokens.py``); 1 otherwise."""
-    return plan.tp if plan.tp_mode == "1d" else 1
-
-
 def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float) -> tuple[float, float]:
     """(forward, backward) seconds of one block's non-GEMM work (:mod:`.elementwise`) for
     ``tokens`` local tokens: the model-width part split over tp where the layout shards the
@@ -222,15 +216,11 @@ def elementwise_seconds(plan: Plan, w: Workload, cal: Calibration, tokens: float
     width = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k if w.num_experts else None
     e = block_elementwise_bytes(s, mlp_width=width, shared_casts=plan.tp > 1 and plan.tp_mode == "1d")
     shard = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
+    # the MLP's part split over tp: a dense MLP's width, or (1D) each tp rank's share of an MoE
+    # block's tokens through its experts
     split_f, split_b = e.split_forward / plan.tp, e.split_backward / plan.tp
-    # (the experts' elementwise work is still counted over all the micro-batch's tokens on every tp
-    # rank, as before the tp ranks split them: an upper bound under 1D tensor parallelism)
-    if w.num_experts:
-        bare = block_elementwise_bytes(s, mlp_width=0.0)
-        split_f += (e.split_forward - bare.split_forward) * (1 / shard - 1 / plan.tp)
-        split_b += (e.split_backward - bare.split_backward) * (1 / shard - 1 / plan.tp)
-    # an MoE layer's routing, dispatch and combine: over all the micro-batch's tokens on every tp rank
-    moe_f, moe_b = expert_elementwise_bytes(w)
+    # an MoE layer's routing, dispatch and combine: over this tp rank's share of the tokens
+    moe_f, moe_b = (b / token_split(plan) for b in expert_elementwise_bytes(w))
     per = tokens * _elementwise_scale(plan) / cal.elementwise_rate
     return per * (e.hidden_forward / shard + split_f + moe_f), per * (e.hidden_backward / shard + split_b + moe_b)
 

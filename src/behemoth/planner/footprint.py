@@ -31,8 +31,9 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
 ``T`` tokens of the micro-batch on this context-parallel rank. A mixture of experts counts its
 experts as a SwiGLU over ``f = I k`` plus what its routing, dispatch and combine keep
-(:func:`.moe_bytes.expert_saved_bytes`), neither split over tp (the tp ranks split an MoE block's
-tokens, ``parallel/expert/tokens.py``, so under 1D tensor parallelism this is an upper bound). Under 16-bit autocast (fp32
+(:func:`.moe_bytes.expert_saved_bytes`), over this tp rank's share of the tokens (1D tensor
+parallelism splits an MoE block's tokens over tp, ``parallel/expert/tokens.py``:
+:func:`.moe_bytes.token_split`). Under 16-bit autocast (fp32
 parameters) every GEMM keeps the 16-bit copy of its weight that autocast made for it until its
 backward, so a block's saved set holds its weights once more in 2 bytes a parameter: once per
 micro-batch in flight (a pipeline rank holding 4 micro-batches holds 4 copies; this, not the
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .memory import zero_chunk_elements
-from .moe_bytes import expert_saved_bytes
+from .moe_bytes import expert_saved_bytes, token_split
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
@@ -118,9 +119,10 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
-    if w.num_experts:  # counted over all the micro-batch's tokens on every tp rank (an upper bound under 1D tp)
+    if w.num_experts:  # the experts over this tp rank's share of the tokens (1D tp splits them)
         f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k
-        full = t * (a_rep * s.hidden / rep + a_h * s.hidden / plan.tp + a_f * f + expert_saved_bytes(plan, w))
+        experts = (a_f * f + expert_saved_bytes(plan, w)) / token_split(plan)
+        full = t * (a_rep * s.hidden / rep + a_h * s.hidden / plan.tp + experts)
     else:
         full = t * (a_rep * s.hidden / rep + (a_h * s.hidden + a_f * s.ffn_hidden) / plan.tp)
     if plan.tp > 1 and plan.tp_mode in ("2d", "2.5d"):

@@ -54,11 +54,17 @@ from __future__ import annotations
 from ..plan import Plan
 from .workload import Workload
 
-__all__ = ["expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path"]
+__all__ = ["expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path", "token_split"]
 
 
 def _compute_bytes(plan: Plan) -> int:
     return 2 if plan.precision in ("bf16", "fp16") else 4
+
+
+def token_split(plan: Plan) -> int:
+    """Into how many shares an MoE block's tokens are split over tensor parallelism: 1D's tp ranks
+    each route and run their own (``parallel/expert/tokens.py``); 1 otherwise."""
+    return plan.tp if plan.tp_mode == "1d" else 1
 
 
 def takes_local_path(plan: Plan) -> bool:
