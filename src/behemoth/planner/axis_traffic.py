@@ -325,8 +325,9 @@ def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float
 
 def _tp_stream_split(plan: Plan) -> int:
     """How much of the residual stream one rank sends between stages: 1D tp keeps it whole
-    (each tp rank sends its copy), 2D, 2.5D and 3D split it over their grid (each rank sends its
-    block of rows and hidden)."""
-    if plan.tp_mode in ("2d", "2.5d", "3d"):
+    (each tp rank sends its copy) but with sequence parallelism splits its sequence (each tp
+    rank sends its shard), 2D, 2.5D and 3D split it over their grid (each rank sends its block
+    of rows and hidden)."""
+    if plan.tp_mode in ("2d", "2.5d", "3d") or (plan.tp_mode == "1d" and plan.sequence_parallel):
         return plan.tp
     return 1

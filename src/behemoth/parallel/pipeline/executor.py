@@ -68,7 +68,7 @@ import torch
 
 from ... import comm
 from ...batch import model_inputs, row_block
-from ...loss import MicroBatchLoss, logits_of
+from ...loss import MicroBatchLoss
 from ...precision import autocast_context
 from .p2p import StageChannels
 from .schedules import BI, BW, B, F
@@ -208,7 +208,7 @@ class PipelineExecutor:
                         y = y + aux.float() * aux_weight
                     aux = terms = None
                 else:
-                    y = logits_of(out)
+                    y = split.stage_output(out)
                     ch.send_activation(y, s, shape, nxt)
                     if totals is not None:
                         ch.send_terms(totals, nxt, backward=False)

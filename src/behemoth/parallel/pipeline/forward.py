@@ -22,7 +22,6 @@ import functools
 import torch
 from torch import nn
 
-from ...loss import logits_of
 from .p2p import StageChannels
 from .stage import PipelineSplit
 
@@ -62,7 +61,7 @@ def install_pipelined_forward(model: nn.Module, split: PipelineSplit, channels: 
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
                 if stage != last:
-                    channels.send_activation(logits_of(out), stage, key, nxt)
+                    channels.send_activation(split.stage_output(out), stage, key, nxt)
         finally:
             channels.finish()
         return out if split.stage(split.v - 1) == last else None

@@ -36,8 +36,10 @@ from torch import nn
 
 from ... import comm
 from ...comm import Axis
+from ...loss import logits_of
 from ...specs import PipelineLayout, find_spec, known_classes
 from ..tensor.layout import get_spec
+from ..tensor.sequence1d import SequenceShards, sequence_shards
 from .partition import (
     estimate_block_costs,
     find_tied_parameters,
@@ -59,6 +61,8 @@ class StageContext:
         """The chunk whose modules run for real; ``None`` outside a pipeline step."""
         self.stash: torch.Tensor | None = None
         """The activation received from the previous stage (``None`` on stage 0)."""
+        self.sequence: SequenceShards | None = None
+        """1D sequence parallelism's boundary (the stash is then this tp rank's sequence shard)."""
 
 
 def _passthrough(role: str, ctx: StageContext, args, kwargs):
@@ -68,7 +72,9 @@ def _passthrough(role: str, ctx: StageContext, args, kwargs):
                 "pipeline stage: an embedding this stage does not run was called with no received "
                 "activation; call the model through engine.step()."
             )
-        return ctx.stash
+        seq = ctx.sequence
+        # sequence parallelism: the model's code before the blocks sees the whole sequence length
+        return seq.widen(ctx.stash) if seq is not None and seq.active else ctx.stash
     if role == "zero":
         return torch.zeros((), dtype=ctx.stash.dtype, device=ctx.stash.device)
     return args[0] if args else next(iter(kwargs.values()))
@@ -206,6 +212,38 @@ class PipelineSplit:
             else:
                 parent, _, attr = name.rpartition(".")
                 setattr(self.model.get_submodule(parent) if parent else self.model, attr, Skip(role, ctx))
+        self._hook_sequence_shards(blocks)
+
+    def _hook_sequence_shards(self, blocks) -> None:
+        """1D sequence parallelism: each of this rank's chunks takes its shard at its first
+        block's input (stage 0 scatters the embedding's output; a later stage takes back the
+        received shard :func:`_passthrough` widened) and the last stage gathers the sequence after
+        its last block; another stage widens its last block's output (the model's code after the
+        blocks sees the whole length: transformers' GPT-2 views it as the input's shape) and
+        :meth:`stage_output` takes the shard it sends. Hooks fire only while their chunk is the
+        active one (a gated block's hooks run when it passes through too)."""
+        shards = sequence_shards(self.model)
+        if shards is None:
+            return
+        shards.remove()  # the whole model's boundary (the first and the last block)
+        self.ctx.sequence = shards
+        last = self.num_stages - 1
+        for c, (a, b) in enumerate(self.partition[self.rank]):
+            s = self.stage(c)
+            shards.hook_blocks(
+                blocks[a],
+                blocks[b - 1],
+                shards.scatter if s == 0 else shards.take,
+                shards.gather if s == last else shards.widen,
+                when=lambda c=c: self.ctx.chunk == c,
+            )
+
+    def stage_output(self, out) -> torch.Tensor:
+        """What a stage that is not the last sends on: the model's output ``out`` (its hidden
+        state), with 1D sequence parallelism this tp rank's sequence shard of it."""
+        y = logits_of(out)
+        seq = self.ctx.sequence
+        return seq.take(y) if seq is not None and seq.active else y
 
     # -- queries ----------------------------------------------------------------------------
     def stage(self, chunk: int) -> int:

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ... import comm
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
 from .base import TensorStyle, check_fused3, check_kind, check_norm, norm_eps, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .projection_norm import ProjectionNorm, make_head_norm
 from .region1d import ParallelRegion
+from .sequence1d import SequenceShards
 from .serial import attention_heads, linear_shape, localize_heads
 from .tp1d import MODE, SEQ_DIM, ColumnParallelLinear, RowParallelLinear, make_sequence_parallel_norm
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
@@ -444,24 +444,5 @@ def _install_hooks(model: nn.Module, axis: Axis, regions: list[ParallelRegion], 
         return None
 
     model.register_forward_pre_hook(begin, with_kwargs=True)
-    if not sp:
-        return
-    blocks = transformer_blocks(model)
-
-    def scatter(module, args, kwargs):
-        if regions[0].sequence_parallel_paused:
-            return None
-        if args:
-            return (comm.ScatterToAxis.apply(args[0], axis, SEQ_DIM),) + tuple(args[1:]), kwargs
-        kwargs = dict(kwargs, hidden_states=comm.ScatterToAxis.apply(kwargs["hidden_states"], axis, SEQ_DIM))
-        return args, kwargs
-
-    def gather(module, args, output):
-        if regions[0].sequence_parallel_paused:
-            return None
-        if isinstance(output, torch.Tensor):
-            return comm.GatherFromAxis.apply(output, axis, SEQ_DIM)
-        return (comm.GatherFromAxis.apply(output[0], axis, SEQ_DIM),) + tuple(output[1:])
-
-    blocks[0].register_forward_pre_hook(scatter, with_kwargs=True)
-    blocks[-1].register_forward_hook(gather)
+    if sp:  # (a pipeline stage re-hooks its own chunks' blocks: parallel/pipeline/stage.py)
+        SequenceShards(axis, regions).install(model, transformer_blocks(model))
