@@ -75,7 +75,8 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     # sequence parallelism's copies around its gathers and reduce-scatters on the sequence dim, and
     # the first stage's dense embedding gradient; ZeRO-3 gathers the chunks its forward ends in
     # once a micro-batch, with activation checkpointing too; the memory counts the allocator's slack as four
-    # logits-sized blocks of one micro-batch, planner/reserve.py)
+    # logits-sized blocks of one micro-batch, planner/reserve.py; a pipeline's memory is its stage needing
+    # the most, each with its own blocks, parameters and in-flight micro-batches, cost.plan_memory)
     (bh.Plan(precision="bf16", microbatches=2), 0.33196449704240205, 33175428608.0),
     (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.13475935696014163, 21971598848.0),
     (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.22401088834900607, 22540688896.0),
@@ -83,14 +84,14 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     (
         bh.Plan(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2, precision="bf16", zero=1),
         0.14014350697341618,
-        19918401024.0,
+        16363159040.0,
     ),
     (
         bh.Plan(cp=2, cp_mode="ring", zero=3, precision="bf16", offload="cpu", activation_checkpointing=True),
         0.5029603623843666,
         10527384064.0,
     ),
-    (bh.Plan(tp=2, pp=2, microbatches=8, schedule="zero-bubble", precision="bf16"), 0.18941234936662962, 13959237120.0),
+    (bh.Plan(tp=2, pp=2, microbatches=8, schedule="zero-bubble", precision="bf16"), 0.18941234936662962, 13492915712.0),
     (bh.Plan(tp=4, tp_mode="2d", microbatches=8, precision="bf16"), 1.736044488349006, 11167309312.0),
 ]
 

@@ -93,9 +93,13 @@ def test_autocast_weight_copies_count_once_per_micro_batch_in_flight():
     copies = 2 * block_local_params(bf16, w)
     assert block_activation_bytes(bf16, w, 4)[0] - block_activation_bytes(own, w, 4)[0] == pytest.approx(copies)
     pipe = bh.Plan(pp=4, microbatches=8, precision="bf16").resolve(4)
-    layers = max(stage_layers(pipe, w))
-    one, four = (footprint(pipe, w, mbs=1, inflight=k, reserved=0.0).activations for k in (1, 4))
-    assert four - one == pytest.approx(3 * layers * block_activation_bytes(pipe, w, 1)[0])
+    for stage in (0, 3):  # each stage's own blocks (the default: the last)
+        layers = stage_layers(pipe, w)[stage]
+        one, four = (footprint(pipe, w, mbs=1, inflight=k, reserved=0.0, stage=stage).activations for k in (1, 4))
+        assert four - one == pytest.approx(3 * layers * block_activation_bytes(pipe, w, 1)[0])
+    assert footprint(pipe, w, mbs=1, inflight=1, reserved=0.0) == footprint(
+        pipe, w, mbs=1, inflight=1, reserved=0.0, stage=3
+    )
     assert block_activation_bytes(pipe, w, 1)[0] > 2 * block_local_params(pipe, w)  # the copies are in it
 
 
@@ -216,3 +220,36 @@ def test_zero2_holds_three_gradient_chunks_and_a_parameter_gradient_beside_its_s
     assert footprint(pipe, w, mbs=2, inflight=1, reserved=0.0).grads == pytest.approx(
         4 * local_params(pipe, w, stage=1) + 4 * local_params(pipe, w, stage=1)
     )
+
+
+def test_a_pipeline_needs_the_most_any_stage_needs_with_its_own_blocks_and_micro_batches():
+    """plan_memory takes every pipeline stage with its own blocks, parameters and in-flight
+    micro-batches: 1F1B's first rank holds pp micro-batches, its last one; zero-bubble's BI keeps
+    each micro-batch's graph for its BW, so every rank holds pp; GPipe all m. The allocated peak is
+    the stage with the most tensors, the total the most any stage needs with its slack."""
+    from behemoth.planner.bubble import rank_inflight
+    from behemoth.planner.cost import plan_memory
+    from behemoth.planner.footprint import footprint
+    from behemoth.planner.params import local_params, stage_layers
+
+    assert [rank_inflight("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [rank_inflight("zero-bubble", 4, 8, 1, r) for r in range(4)] == [4, 4, 4, 4]
+    assert [rank_inflight("gpipe", 2, 8, 1, r) for r in range(2)] == [8, 8]
+    assert [rank_inflight("interleaved", 4, 16, 2, r) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    # past the simulator's limit, the closed forms agree with it
+    assert [rank_inflight("interleaved", 8, 64, 4, r) for r in (0, 7)] == [8 + 7 / 4, 8 - 7 / 4]
+    assert [rank_inflight("1f1b", 8, 64, 1, r) for r in (0, 7)] == [8, 1]
+    from behemoth.models import build_config
+
+    w = workload_for(build_config("mixtral-4b", vocab_size=50304, seq_len=2048), seq_len=2048, global_batch=16)
+    cal = load_calibration("h200-measured-2gpu")
+    cluster = Cluster(num_gpus=2, gpus_per_node=2, gpu_bytes=cal.gpu_bytes, calibration=cal)
+    plan = bh.Plan(pp=2, microbatches=4, precision="bf16").resolve(2)
+    assert stage_layers(plan, w) == (9, 7)  # the head's cost on the last stage
+    first = footprint(plan, w, mbs=4, inflight=2, reserved=0.0, stage=0)
+    last = footprint(plan, w, mbs=4, inflight=1, reserved=0.0, stage=1)
+    assert first.params == pytest.approx(4 * local_params(plan, w, stage=0))
+    assert first.slack == 0.0 and last.slack > 0.0  # the loss's blocks on the last stage only
+    mem = plan_memory(plan, w, cluster)
+    assert first.allocated > last.allocated and mem.allocated == pytest.approx(first.allocated)
+    assert mem.allocated + mem.slack == pytest.approx(max(first.gpu_total, last.gpu_total))

@@ -20,7 +20,7 @@ from functools import lru_cache
 from ..parallel.pipeline.schedules import make_schedule
 from ..parallel.pipeline.simulate import simulate
 
-__all__ = ["pipeline_time", "peak_inflight", "SIMULATE_LIMIT"]
+__all__ = ["pipeline_time", "peak_inflight", "rank_inflight", "SIMULATE_LIMIT"]
 
 SIMULATE_LIMIT = 512
 """Simulate when a schedule has at most this many actions (``2 pp m v``, ``3 pp m v`` for
@@ -59,6 +59,34 @@ def peak_inflight(schedule: str, pp: int, m: int, v: int) -> float:
     if pp == 1:
         return 1.0
     return _closed(schedule, pp, m, v, 2.0)[1]
+
+
+def rank_inflight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
+    """The most micro-batches whose activations pipeline rank ``rank`` holds at once, in
+    whole-stage units: ``m`` for GPipe, ``min(m, pp - rank)`` for 1F1B (the warm-up forwards a
+    rank runs before its first backward, one fewer each rank down the pipeline), for the
+    interleaved schedule the simulator's where it is cheap, else ``min(m, pp + (pp - 1 - 2 rank)
+    / v)`` (the simulator's when ``m`` is a multiple of ``pp`` above it), and ``min(m, pp)`` on
+    every rank for ZB-H1, whose input-gradient pass (BI) keeps the micro-batch's graph
+    for its weight-gradient pass (BW: ``retain_graph`` in ``parallel/pipeline/executor.py``), so
+    its saved tensors live until BW (the simulator's ``peak_held``). 1 without a pipeline."""
+    if pp == 1:
+        return 1.0
+    return _rank_inflight(schedule, pp, m, v)[rank]
+
+
+@lru_cache(maxsize=4096)
+def _rank_inflight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+    if schedule == "interleaved" and 2 * pp * m * v <= SIMULATE_LIMIT:
+        r = simulate(make_schedule(schedule, pp, m, v), pp)
+        return tuple(x / v for x in r.peak_inflight)
+    if schedule == "zero-bubble":
+        return (float(min(m, pp)),) * pp
+    if schedule == "gpipe":
+        return (float(m),) * pp
+    if schedule == "interleaved":
+        return tuple(float(min(m, pp + (pp - 1 - 2 * r) / v)) for r in range(pp))
+    return tuple(float(min(m, pp - r)) for r in range(pp))
 
 
 def pipeline_time(

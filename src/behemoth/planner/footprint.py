@@ -137,12 +137,19 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     return full, 4 * t * s.hidden / rep
 
 
-def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: float) -> Footprint:
-    """Memory of the pipeline's last stage (the head's) under ``plan`` (resolved)."""
+def footprint(
+    plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: float, stage: int | None = None
+) -> Footprint:
+    """Memory of pipeline stage ``stage`` (default the last, the head's) under ``plan`` (resolved),
+    holding ``inflight`` micro-batches' activations of its own blocks: its share of the blocks
+    and parameters (the runtime's split, :func:`.params.stage_layers`), the loss's tensors and
+    slack on the last stage only."""
     s = w.shape
     g = plan.dp * plan.cp
-    layers = max(stage_layers(plan, w))
-    n = local_params(plan, w, stage=plan.pp - 1)
+    r = plan.pp - 1 if stage is None else stage
+    last = r == plan.pp - 1
+    layers = stage_layers(plan, w)[r]
+    n = local_params(plan, w, stage=r)
     z, off = plan.zero, plan.offload is not None
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0
@@ -178,6 +185,8 @@ def footprint(plan: Plan, w: Workload, *, mbs: int, inflight: float, reserved: f
     full, ckpt = block_activation_bytes(plan, w, mbs)
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
     act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
+    if not last:
+        return Footprint(params, grads, opt, act, reserved, host, 0.0)
     t = mbs * w.seq_len / plan.cp
     logits = t * s.vocab_size / plan.tp * 4
     act += 2 * logits  # fp32 logits and their gradient on the last stage
