@@ -13,8 +13,7 @@ sent once per ep member holding any of its experts.
   (``ep_all_to_all_bytes(pairs=...)``); one host read;
 * training at dp = 2 x ep = 2 with ``ep_dedup=True`` follows serial training (losses, grad norms,
   ``full_state_dict()``), also with micro-batches and activation checkpointing (the recompute
-  replays the member routes: no second split-size exchange, and the weights and slots the forward
-  received, in the ledger's calls and bytes).
+  replays the member routes: no second split-size exchange in the ledger's calls and bytes).
 """
 
 from __future__ import annotations
@@ -162,9 +161,9 @@ def _train_world(rank: int, world: int) -> None:
         pairs.clear()
         losses, norms = train_steps(engine, batches)
         ep = engine.comm_stats()["ep"]
-        # per layer and micro-batch: splits, rows + weights and slots + rows back, their reverse three;
-        # a recompute's two row all-to-alls again; the gradient norm's all-reduce per step
-        calls = STEPS * 2 * micro * (1 + 3 + 3 + (2 if ckpt else 0))
+        # per layer and micro-batch: splits, the rows (their weights and slots packed in) and the rows
+        # back, their reverse pair; a recompute's pair again; the gradient norm's all-reduce per step
+        calls = STEPS * 2 * micro * (1 + 2 + 2 + (2 if ckpt else 0))
         assert ep["ops"] == {"all_to_all": calls, "all_reduce": STEPS}, (what, ep)
         sent = torch.tensor([float(ep["bytes"]), float(sum(pairs))], dtype=torch.float64)
         torch.distributed.all_reduce(sent)

@@ -44,7 +44,7 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   reverse pair backward (the pair again in a checkpointed block's recompute, which reuses its
   forward's split sizes, and in zero-bubble's BW); the rows as if routing were even (the ledger
   books the routed ones): :func:`ep_layer_bytes`; under ``Plan.ep_dedup`` one row per (token,
-  member) pair and the pairs' routing weights and slots beside them; at ZeRO stage 0 the step's gradient norm
+  member) pair, its routing weights and slots packed after it; at ZeRO stage 0 the step's gradient norm
   sums the experts' float32 share over it (``parallel/zero/norm.py``).
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
@@ -225,7 +225,7 @@ def step_traffic(
         # dispatch + combine forward and backward; a recomputed forward runs its two row
         # all-to-alls again (it reuses the forward's split sizes: parallel/expert/replay.py)
         splits, one, meta = ep_layer_bytes(plan, w, mbs, dt)
-        # (the member exchange's recompute keeps the weights and slots its forward received)
+        # (the member exchange's recompute sends its rows alone: its weights and slots are kept)
         rows = 2 * one + meta + (2 * one if plan.activation_checkpointing else 0)
         backward = (2 * one + meta) * (2 if zb_twice else 1)  # zero-bubble's BW runs the reverse pair again
         out["ep"] = (splits + rows + backward) * layers * m
@@ -306,8 +306,9 @@ def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float
     ``Plan.ep_overlap``; (ep-1)/ep of them leave the rank), in one all-to-all of the rows (a
     dispatch or a combine, all chunks together: the chunks split the same rows), as if routing
     were even, in the experts' GEMM dtype (dispatch casts the rows to autocast's before they
-    leave: parallel/expert/traffic.py), and in the member exchange's all-to-all of each row's
-    routing weights and slots (float32; as many bytes back in the backward). Under the member
+    leave: parallel/expert/traffic.py), and the bytes the member exchange packs after each pair's
+    row (its k float32 routing weights and k int16 slots, in whole elements of the row; as many
+    back in the backward). Under the member
     exchange (:func:`member_exchange`) the rows are the (token, member) pairs
     (:func:`members_per_token` a token) and the split sizes ``E + ep`` int64. 0 without expert
     parallelism."""
@@ -318,7 +319,8 @@ def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float
     if member_exchange(plan, w):
         pairs = tokens * members_per_token(plan, w)
         splits = (w.num_experts + plan.ep) * 8 * leave
-        return splits, pairs * w.shape.hidden * dt.compute * leave, pairs * 2 * w.experts_top_k * 4 * leave
+        meta = -(-w.experts_top_k * 6 // dt.compute) * dt.compute  # k float32 weights, k int16 slots
+        return splits, pairs * w.shape.hidden * dt.compute * leave, pairs * meta * leave
     rows = tokens * w.experts_top_k
     return plan.ep_overlap * w.num_experts * 8 * leave, rows * w.shape.hidden * dt.compute * leave, 0.0
 

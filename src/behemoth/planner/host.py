@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..specs import TransformerShape
-from .axis_traffic import member_exchange
 from .calibration import Calibration
 from .params import stage_layers
 from .tp2d_traffic import grid_deferred_layers, grid_side, grid_vector_flushes
@@ -238,9 +237,8 @@ def ep_block_calls(plan: Plan, w: Workload) -> tuple[float, float, float]:
     ``parallel/expert/style.py`` and ``overlap.py`` issue them. Forward: with ``ep > 1``, the
     split sizes' exchange (once, for every chunk) and each of the ``ep_overlap`` chunks' dispatch
     and combine all-to-alls; over a data axis (dp, x cp) of more than one rank, the balancing
-    statistics' all-reduce; the member exchange (``Plan.ep_dedup``) a third all-to-all, of the
-    rows' routing weights and slots. Backward: each chunk's reverse pair (and the third's). A
-    recompute: the chunks' pairs again (the member exchange keeps its weights and slots). A checkpointed block's recompute
+    statistics' all-reduce (the member exchange, ``Plan.ep_dedup``, the same calls: its weights
+    and slots travel in its rows). Backward: each chunk's reverse pair. A checkpointed block's recompute
     repeats the forward but the split sizes (it replays the forward's routes,
     ``parallel/expert/replay.py``)."""
     if not w.num_experts:
@@ -248,8 +246,8 @@ def ep_block_calls(plan: Plan, w: Workload) -> tuple[float, float, float]:
     stats = 1.0 if plan.dp * plan.cp > 1 else 0.0
     if plan.ep == 1:
         return stats, 0.0, stats
-    rows = 2.0 * plan.ep_overlap + member_exchange(plan, w)  # the member exchange's weights and slots
-    return 1.0 + rows + stats, rows, 2.0 * plan.ep_overlap + stats
+    rows = 2.0 * plan.ep_overlap
+    return 1.0 + rows + stats, rows, rows + stats
 
 
 def block_calls(plan: Plan, w: Workload) -> tuple[float, float]:

@@ -6,24 +6,25 @@ ep = 2: every token reaches both members, 2 rows instead of 8), so :mod:`.dispat
 same row to a member several times. Here, per MoE layer and forward:
 
 1. **routes** (:class:`MemberRoutes`, made once per layer and forward, replayed by a
-   checkpointed block's recompute, :mod:`.replay`, with the weights and slots received): the unique (member, token) pairs, in member
+   checkpointed block's recompute, :mod:`.replay`): the unique (member, token) pairs, in member
    then token order (one stable sort of ``ep * T`` one-bit keys); the split sizes -- for each
    member the assignments to each of its local experts and the pairs it gets -- exchanged with
    one even all-to-all of ``E + ep`` int64 per member, then read to the host **once**
    (:class:`~.dispatch.HostSizes`);
-2. **dispatch**: each pair's row (cast to the experts' GEMM dtype, :class:`SendPairs`) in one
-   uneven all-to-all, beside each pair's routing weights and the token's slots as the receiver's
-   local experts (``L`` where another member holds the slot's expert) in a second, float32
-   (:class:`SendMeta`: the weights' gradient travels back through it);
-3. the receiver expands each received row to its local experts, grouped by local expert (one
-   stable sort of the received slots, made once per routes) and padded for the grouped GEMMs as
-   :func:`~.dispatch.dispatch` pads them (:class:`ExpandRows`): the experts see the rows
-   :func:`~.dispatch.dispatch` gives them, in the same order;
-4. **combine**: the receiver weighs each local expert's output by its routing weight and sums a
-   received row's local experts in the product's dtype (float32 for float32 weights), sends that
-   row back in the experts' output dtype in one all-to-all, and the sender sums a token's rows
-   from the members in the product's dtype (:class:`SumMembers`), returned in the dispatched
-   tokens' dtype.
+2. **dispatch**: each pair's row, cast to the experts' GEMM dtype, with the pair's k routing
+   weights (float32) and the token's slots as the receiver's local experts (int16; ``L`` where
+   another member holds the slot's expert) packed as bytes after it, in one uneven all-to-all
+   (:class:`SendPairs`: the weights' gradient travels back with the rows'; a recompute sends the
+   rows alone, the weights and slots kept from its forward);
+3. the receiver gathers each received row once per local expert into the experts' layout,
+   grouped by local expert (one stable sort of the received slots, made once per routes) and
+   padded for the grouped GEMMs as :func:`~.dispatch.dispatch` pads them (:class:`ExpandRows`):
+   the experts see the rows :func:`~.dispatch.dispatch` gives them, in the same order;
+4. **combine**: the receiver weighs each layout row by its routing weight (zero for padding)
+   and sums a received row's local experts in the product's dtype (float32 for float32
+   weights), sends that row back in the experts' output dtype in one all-to-all, and the sender
+   sums a token's rows from the members in the product's dtype (:class:`SumMembers`), returned
+   in the dispatched tokens' dtype.
 
 The sender's permutations and their backwards are gathers and dense sums over a ``[ep, T, ...]``
 layout (no atomic accumulation); the receiver's sums over a row's local experts (the expansion's
@@ -33,8 +34,8 @@ backward and the weighted sum) are ``index_add_`` in the accumulation dtype, as
 gradients agree with it up to rounding; the experts' inputs and their parameters' gradients are
 the same. Under 16-bit GEMMs a member's partial sum travels back rounded to the GEMMs' dtype.
 
-Used by :class:`~.style.ExpertParallel` where :func:`dedup_applies` (``Plan.ep_dedup``; ep > 1,
-top-k > 1, more than one expert per member, dropless, one chunk). Bytes:
+Used by :class:`~.style.ExpertParallel` where :func:`dedup_applies` (``Plan.ep_dedup``, off by
+default; ep > 1, top-k > 1, more than one expert per member, dropless, one chunk). Bytes:
 :func:`~.traffic.ep_all_to_all_bytes` with ``pairs``. Tested in tests/dist/test_expert_dedup.py
 against :func:`~.dispatch.dispatch` / :func:`~.dispatch.combine` and serial training.
 """
@@ -47,17 +48,17 @@ import torch
 
 from ... import comm
 from ...comm import Axis
-from .dispatch import HostSizes, TakeRows, count_experts, padding_rows
+from .dispatch import HostSizes, count_experts
 from .grouped import gemm_dtype, pad_groups, to_device
 
 __all__ = [
     "ExpandRows",
     "MemberRoutes",
-    "SendMeta",
     "SendPairs",
     "SumMembers",
     "dedup_applies",
     "exchange_members",
+    "meta_columns",
     "meta_dtype",
 ]
 
@@ -97,14 +98,13 @@ class _Sender:
 
 @dataclass
 class _Layout:
-    row_J: torch.Tensor
-    """The received row of each local assignment, grouped by local expert (rows in arrival order)."""
-    flat_J: torch.Tensor
-    """Their ``row * K + slot``."""
-    slot_J: torch.Tensor | None
-    """Where each sits in the experts' padded layout (None: at its own index, no padding)."""
-    pad: torch.Tensor | None
-    num_rows: int
+    src_N: torch.Tensor
+    """The received row each row of the experts' layout holds (grouped by local expert, rows in
+    arrival order, each group padded; a padding row: row 0)."""
+    dst_N: torch.Tensor
+    """The same, a padding row ``Q`` (one past the received rows): where the weighted sum adds it."""
+    weight_N: torch.Tensor
+    """Each layout row's ``row * K + slot`` (a padding row: ``Q * K``, a zero weight)."""
     counts: list[int]
     """Rows of each local expert in the layout (its padding included)."""
 
@@ -120,8 +120,8 @@ class MemberRoutes:
         self._sizes: _Sizes | None = None
         self._sender: _Sender | None = None
         self._layout: _Layout | None = None
-        self.received: torch.Tensor | None = None
-        """The weights and slots received (:class:`SendMeta`), kept for a recompute."""
+        self.received: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The routing weights and slots received (:class:`SendPairs`), kept for a recompute."""
 
     @property
     def chunks(self) -> int:
@@ -173,106 +173,119 @@ class MemberRoutes:
         """The received rows' local assignments grouped by local expert, from the slots received
         (``local_QK``); made on the first call and kept (a recompute receives the same slots)."""
         if self._layout is None:
-            sizes, K = self.sizes(), local_QK.shape[1]
-            counts = sizes.local_counts
+            counts, (Q, K) = self.sizes().local_counts, local_QK.shape
             narrow = torch.int16 if len(counts) < 2**15 else torch.int32
             flat_J = torch.argsort(local_QK.reshape(-1).to(narrow), stable=True)[: sum(counts)]
-            padded = pad_groups(counts, self.align)[0] if self.align > 1 else counts
-            slot_J = pad = None
-            if padded != counts:
-                shift = pad_groups(counts, self.align)[1]
-                device, total = local_QK.device, sum(counts)
+            row_J = flat_J // K
+            padded, shift = pad_groups(counts, self.align) if self.align > 1 else (counts, None)
+            if padded == counts:
+                self._layout = _Layout(row_J, row_J, flat_J, list(counts))
+            else:
+                device, total, rows = local_QK.device, sum(counts), sum(padded)
                 shift_L, counts_L = to_device(shift + counts, device).split([len(shift), len(counts)])
                 slot_J = torch.arange(total, device=device) + torch.repeat_interleave(
                     shift_L, counts_L, output_size=total
                 )
-                rows = padding_rows(counts, padded)
-                pad = to_device(rows, device) if rows else None
-            self._layout = _Layout(flat_J // K, flat_J, slot_J, pad, sum(padded), list(padded))
+                src_N = row_J.new_zeros(rows).index_copy_(0, slot_J, row_J)
+                dst_N = row_J.new_full((rows,), Q).index_copy_(0, slot_J, row_J)
+                weight_N = flat_J.new_full((rows,), Q * K).index_copy_(0, slot_J, flat_J)
+                self._layout = _Layout(src_N, dst_N, weight_N, list(padded))
         return self._layout
 
 
+def meta_columns(top_k: int, weight_bytes: int, elem_bytes: int) -> int:
+    """Columns of a row (``elem_bytes`` each) that carry its pair's k routing weights
+    (``weight_bytes`` each) and k int16 slots. Pure."""
+    return -(-top_k * (weight_bytes + 2) // elem_bytes)
+
+
+def _bytes_as(bytes_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Columns of bytes (a view into wider rows) copied out dense and read as ``dtype``."""
+    return bytes_NB.new_empty(bytes_NB.shape).copy_(bytes_NB).view(dtype)
+
+
 class SendPairs(torch.autograd.Function):
-    """The rows a member dispatch sends, local: forward ``x_TH.to(dtype)[token_P]`` (a token's row
-    cast once, gathered once per member it goes to). Backward: each pair's gradient put at
-    ``pair_P`` of an ``[ep * T, H]`` layout and summed over the members in ``x_TH``'s dtype (a
-    token's rows in member order; no atomics)."""
+    """A member dispatch, collective over ``axis``: each pair's row (``x_TH.to(dtype)[token_P]``: a
+    token's row cast once, gathered once per member it goes to) with its k routing weights (in
+    :func:`meta_dtype`) and its slots as the receiver's local experts (``local_PK``, int16) packed
+    after it (:func:`meta_columns`, their bytes), in one uneven all-to-all. Returns the received
+    ``(x_QH, weights_QK, local_QK)`` (the slots int64, not differentiable). Backward: the rows'
+    and weights' gradients packed alike and sent back (as wide as they came, so a member's bytes
+    do not depend on which way its pairs went), each put at ``pair_P`` of an ``[ep * T, ...]``
+    layout and summed over the members (the rows in ``x_TH``'s dtype; a slot's weight gradient
+    comes from the one member holding its expert, so that sum is exact; no atomics). What a member
+    received is kept in ``routes`` (:class:`MemberRoutes`): a checkpointed block's recompute, which
+    replays the routes and routes the same weights, sends the rows alone and takes the weights and
+    slots from there (its backward sends the weights' gradient back all the same)."""
 
     @staticmethod
-    def forward(ctx, x_TH, pair_P, token_P, members: int, dtype: torch.dtype):
+    def forward(ctx, x_TH, weights_TK, pair_P, token_P, local_PK, axis: Axis, send, recv, dtype, routes):
+        (T, H), K = x_TH.shape, weights_TK.shape[1]
+        wdt = meta_dtype(weights_TK)
+        ws, m = wdt.itemsize, meta_columns(K, wdt.itemsize, dtype.itemsize)
+        if routes.received is not None:  # a recompute: the weights and slots its forward received
+            got = comm.all_to_all_single(x_TH.to(dtype).index_select(0, token_P), axis, send, recv)
+            weights_QK, local_QK = (t.clone() for t in routes.received)
+        else:
+            wide = x_TH.new_empty((T, H + m), dtype=dtype)
+            wide[:, :H] = x_TH
+            packed = wide.index_select(0, token_P)
+            meta = packed[:, H:].view(torch.uint8)
+            meta[:, : K * ws] = weights_TK.index_select(0, token_P).to(wdt).view(torch.uint8)
+            meta[:, K * ws : K * (ws + 2)] = local_PK.to(torch.int16).view(torch.uint8)
+            got = comm.all_to_all_single(packed, axis, send, recv)
+            got_meta = got[:, H:].view(torch.uint8)
+            weights_QK = _bytes_as(got_meta[:, : K * ws], wdt)
+            local_QK = _bytes_as(got_meta[:, K * ws : K * (ws + 2)], torch.int16).long()
+            routes.received = (weights_QK.detach().clone(), local_QK)
         ctx.save_for_backward(pair_P)
-        ctx.shape, ctx.dtype, ctx.members = x_TH.shape, x_TH.dtype, members
-        return x_TH.to(dtype).index_select(0, token_P)
-
-    @staticmethod
-    def backward(ctx, grad_PH):
-        (pair_P,) = ctx.saved_tensors
-        (T, H), n = ctx.shape, ctx.members
-        make = grad_PH.new_empty if pair_P.numel() == n * T else grad_PH.new_zeros
-        grad = make((n * T, H)).index_copy_(0, pair_P, grad_PH.contiguous())
-        return grad.view(n, T, H).sum(0, dtype=ctx.dtype), None, None, None, None
-
-
-class SendMeta(torch.autograd.Function):
-    """What a receiver needs of each pair besides its row, exchanged over ``axis``: forward the
-    pair's k routing weights and its slots as the receiver's local experts (``local_PK``), one
-    ``[P, 2K]`` all-to-all in :func:`meta_dtype`; returns the received ``(weights_QK, local_QK)``
-    (the slots as int64, not differentiable). Backward: the weights' gradient sent back (``[Q,
-    2K]``, the slots' half zero: each member sends back what it received, so the bytes a member
-    books do not depend on which way its pairs went), put at ``pair_P`` of an ``[ep * T, K]`` layout and summed over the members (a slot's
-    gradient comes from the one member holding its expert: the sum is exact). What a member
-    received is kept in ``routes`` (:class:`MemberRoutes`): a checkpointed block's recompute,
-    which replays the routes and routes the same weights, takes it from there without the
-    exchange (its backward still sends the gradient back)."""
-
-    @staticmethod
-    def forward(ctx, weights_TK, pair_P, token_P, local_PK, axis: Axis, send: list[int], recv: list[int], routes):
-        K = weights_TK.shape[1]
-        got = routes.received
-        if got is None:
-            dtype = meta_dtype(weights_TK)
-            meta = torch.cat([weights_TK.index_select(0, token_P).to(dtype), local_PK.to(dtype)], 1)
-            got = routes.received = comm.all_to_all_single(meta, axis, send, recv)
-        ctx.save_for_backward(pair_P)
-        ctx.axis, ctx.send, ctx.recv, ctx.shape, ctx.dtype = axis, send, recv, weights_TK.shape, weights_TK.dtype
-        local_QK = got[:, K:].long()
+        ctx.axis, ctx.send, ctx.recv, ctx.m, ctx.wdt = axis, send, recv, m, wdt
+        ctx.shape, ctx.dtype, ctx.wshape, ctx.wdtype = x_TH.shape, x_TH.dtype, weights_TK.shape, weights_TK.dtype
         ctx.mark_non_differentiable(local_QK)
-        return got[:, :K].contiguous(), local_QK
+        return got[:, :H], weights_QK, local_QK
 
     @staticmethod
-    def backward(ctx, grad_QK, _):
+    def backward(ctx, grad_QH, grad_QK, _):
         (pair_P,) = ctx.saved_tensors
-        (T, K), n = ctx.shape, ctx.axis.size
-        # the slots' place stays in the message (zero): as many bytes back as out, from each member
-        grad_Q2K = torch.cat([grad_QK, torch.zeros_like(grad_QK)], 1)
-        back = comm.all_to_all_single(grad_Q2K, ctx.axis, ctx.recv, ctx.send)[:, :K]
-        grad = back.new_zeros((n * T, K)).index_copy_(0, pair_P, back)
-        return grad.view(n, T, K).sum(0).to(ctx.dtype), None, None, None, None, None, None, None
+        (T, H), K, n, wdt = ctx.shape, ctx.wshape[1], ctx.axis.size, ctx.wdt
+        ws = wdt.itemsize
+        buf = grad_QH.new_empty((grad_QH.shape[0], H + ctx.m))
+        buf[:, :H] = grad_QH
+        if grad_QK is None:
+            grad_QK = grad_QH.new_zeros((grad_QH.shape[0], K), dtype=wdt)
+        buf[:, H:].view(torch.uint8)[:, : K * ws] = grad_QK.to(wdt).contiguous().view(torch.uint8)
+        back = comm.all_to_all_single(buf, ctx.axis, ctx.recv, ctx.send)
+        full = pair_P.numel() == n * T
+        rows = (back.new_empty if full else back.new_zeros)((n * T, H)).index_copy_(0, pair_P, back[:, :H])
+        w_PK = _bytes_as(back[:, H:].view(torch.uint8)[:, : K * ws], wdt)
+        w = w_PK.new_zeros((n * T, K)).index_copy_(0, pair_P, w_PK)
+        grad_x = rows.view(n, T, H).sum(0, dtype=ctx.dtype)
+        return grad_x, w.view(n, T, K).sum(0).to(ctx.wdtype), None, None, None, None, None, None, None, None
 
 
 class ExpandRows(torch.autograd.Function):
-    """The received rows into the experts' layout, local: forward row ``row_J[j]`` at ``slot_J[j]``
-    (at ``j`` where ``slot_J`` is None) of ``num_rows`` rows, the rows ``pad`` lists zero.
-    Backward: each layout row's gradient added to its received row (a row's local experts
-    summed, ``index_add_`` in float32 or wider), returned in the rows' dtype."""
+    """The received rows into the experts' layout, local: forward ``x_QH[src_N]`` (a padding row
+    a copy of row 0: any finite row does, its output is weighed by zero and its gradient is
+    exactly zero; all zero where nothing was received). Backward: each layout row's gradient
+    added to its received row (a row's local experts summed, ``index_add_`` in float32 or wider),
+    returned in the rows' dtype."""
 
     @staticmethod
-    def forward(ctx, x_QH, row_J, slot_J, pad, num_rows: int):
-        ctx.save_for_backward(row_J, *(() if slot_J is None else (slot_J,)))
+    def forward(ctx, x_QH, src_N):
+        ctx.save_for_backward(src_N)
         ctx.num_in = x_QH.shape[0]
-        rows = x_QH.index_select(0, row_J)
-        if slot_J is None:
-            return rows
-        out = rows.new_empty((num_rows, x_QH.shape[1])).index_copy_(0, slot_J, rows)
-        return out if pad is None else out.index_fill_(0, pad, 0)
+        if not ctx.num_in:
+            return x_QH.new_zeros((src_N.numel(), x_QH.shape[1]))
+        return x_QH.index_select(0, src_N)
 
     @staticmethod
     def backward(ctx, grad_NH):
-        row_J, *slot = ctx.saved_tensors
-        grad_JH = grad_NH.index_select(0, slot[0]) if slot else grad_NH
+        (src_N,) = ctx.saved_tensors
         acc = torch.promote_types(grad_NH.dtype, torch.float32)
-        grad = grad_NH.new_zeros((ctx.num_in, grad_NH.shape[1]), dtype=acc).index_add_(0, row_J, grad_JH.to(acc))
-        return grad.to(grad_NH.dtype), None, None, None, None
+        grad = grad_NH.new_zeros((ctx.num_in, grad_NH.shape[1]), dtype=acc)
+        if ctx.num_in:
+            grad.index_add_(0, src_N, grad_NH.to(acc))
+        return grad.to(grad_NH.dtype), None
 
 
 class SumMembers(torch.autograd.Function):
@@ -300,25 +313,20 @@ def exchange_members(x_TH: torch.Tensor, weights_TK: torch.Tensor, routes: Membe
     """``y_TH``: each token's row sent once to every member holding one of its experts, through
     those experts (``run_experts(x_NH, local_counts)``), weighted, summed per member and back, the
     members' sums added (see the module docstring); plus ``shared(x_TH)`` where given. Collective
-    over the routes' axis: three all-to-alls forward (rows, weights and slots, rows back; two in
-    a recompute, which keeps the weights and slots the forward received) and three backward; the
-    routes' one host read."""
+    over the routes' axis: two all-to-alls forward (the rows with their weights and slots, the
+    rows back) and two backward; the routes' one host read."""
     axis, n, T = routes.axis, routes.axis.size, x_TH.shape[0]
-    sizes = routes.sizes()
-    s = routes.sender()
-    rows_PH = SendPairs.apply(x_TH, s.pair_P, s.token_P, n, gemm_dtype(x_TH))
-    x_QH = comm.AllToAllSingleAxis.apply(rows_PH, axis, sizes.send, sizes.recv)
-    meta = (s.pair_P, s.token_P, s.local_PK, axis, sizes.send, sizes.recv, routes)
-    w_QK, local_QK = SendMeta.apply(weights_TK, *meta)
+    sizes, s = routes.sizes(), routes.sender()
+    pairs = (s.pair_P, s.token_P, s.local_PK, axis, sizes.send, sizes.recv, gemm_dtype(x_TH), routes)
+    x_QH, w_QK, local_QK = SendPairs.apply(x_TH, weights_TK, *pairs)
     lay = routes.layout(local_QK)
-    x_NH = ExpandRows.apply(x_QH, lay.row_J, lay.slot_J, lay.pad, lay.num_rows)
-    y_NH = run_experts(x_NH, lay.counts)
-    y_JH = y_NH if lay.slot_J is None else TakeRows.apply(y_NH, lay.slot_J, lay.pad, lay.num_rows)
-    w_J = w_QK.to(weights_TK.dtype).reshape(-1).index_select(0, lay.flat_J)
-    weighted_JH = y_JH * w_J[:, None]
-    acc = weighted_JH.dtype
-    partial_QH = weighted_JH.new_zeros((x_QH.shape[0], y_NH.shape[-1])).index_add_(0, lay.row_J, weighted_JH)
+    y_NH = run_experts(ExpandRows.apply(x_QH, lay.src_N), lay.counts)
+    w_flat = w_QK.to(weights_TK.dtype).reshape(-1)
+    w_N = torch.cat([w_flat, w_flat.new_zeros(1)]).index_select(0, lay.weight_N)  # zero at the padding
+    weighted_NH = y_NH * w_N[:, None]  # in the product's dtype, as combine weighs
+    Q = x_QH.shape[0]
+    partial_QH = weighted_NH.new_zeros((Q + 1, y_NH.shape[-1])).index_add_(0, lay.dst_N, weighted_NH)[:Q]
     back_PH = comm.AllToAllSingleAxis.apply(partial_QH.to(y_NH.dtype), axis, sizes.recv, sizes.send)
-    y_TH = SumMembers.apply(back_PH, s.pair_P, s.token_P, T, n, acc, x_TH.dtype)
+    y_TH = SumMembers.apply(back_PH, s.pair_P, s.token_P, T, n, weighted_NH.dtype, x_TH.dtype)
     shared_TH = None if shared is None else shared(x_TH)
     return y_TH if shared_TH is None else y_TH + shared_TH

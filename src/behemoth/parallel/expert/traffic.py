@@ -18,11 +18,11 @@ tests/dist/test_expert_autocast.py (bf16 autocast) and tests/dist/test_expert_ov
 
 The member exchange (``Plan.ep_dedup``, :mod:`behemoth.parallel.expert.dispatch_members`) moves
 ``pairs`` rows instead: the unique (token, member) pairs of the group's tokens, each once out
-and once back, plus each pair's k routing weights and k slots (``meta_bytes`` each, float32)
-out and as many bytes back (the weights' gradient, the slots' half zero); its split sizes
-are ``E + ep`` int64 per member (each member's local experts' assignments and its pairs). Its
-recompute runs the two row all-to-alls again, not the weights' and slots' (kept from the
-forward). Tested against the ledger in
+and once back, the outgoing rows ``meta_columns(top_k, meta_bytes, elem_bytes)`` wider (the
+pair's k float32 routing weights and k int16 slots packed after it; as wide back in the
+backward); its split sizes are ``E + ep`` int64 per member (each member's local experts'
+assignments and its pairs). Its recompute runs both row all-to-alls again, the rows alone (the
+weights and slots kept from its forward). Tested against the ledger in
 tests/dist/test_expert_dedup.py.
 """
 
@@ -53,9 +53,10 @@ def ep_all_to_all_bytes(
         return 0
     if pairs is not None:
         splits = ep * (num_experts + ep) * 8
-        rows = 2 * pairs * hidden * elem_bytes
-        three = rows + pairs * 2 * top_k * meta_bytes  # forward, or its reverse
-        return splits + three + (rows if recompute else 0) + three
+        wide = hidden + -(-top_k * (meta_bytes + 2) // elem_bytes)  # dispatch_members.meta_columns
+        pair = pairs * (wide + hidden) * elem_bytes  # dispatch + combine, or their reverse
+        again = 2 * pairs * hidden * elem_bytes if recompute else 0  # the rows alone
+        return splits + pair + again + pair
     splits = ep * chunks * num_experts * 8
     pair = 2 * rows * hidden * elem_bytes  # dispatch + combine, or their reverse
     return splits + pair * (2 if recompute else 1) + pair
