@@ -480,7 +480,7 @@ def repredict(a) -> None:
     Layouts that failed in that run (out of memory, or the run died inside them) get a line too,
     with ``failed``: the summary counts those the model now refuses (``fits`` false) and the
     measured ones it now refuses (``refused_measured``), and compares the allocator's slack it
-    predicts (``predicted_slack_gib``, with the fit rule's margin) with the one measured (peak
+    predicts (``predicted_slack_gib``: what it cannot release under pressure) with the one measured (peak
     reserved less peak allocated)."""
     all_rows = resumed_rows(a.repredict)
     rows = [r for r in all_rows if "measured_step_s" in r]

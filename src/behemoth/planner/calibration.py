@@ -131,9 +131,8 @@ class Calibration:
     """Device memory one 2-rank NCCL communicator holds once it has sent and received."""
     allocator_slack: float = 0.0
     """Memory the caching allocator keeps reserved beyond the allocated peak, as a fraction of it,
-    on top of the slack the footprint predicts from the layout's transient tensors
-    (``planner/reserve.py``'s ``allocator_slack``, which the GPU proofs fitted without such a
-    term); 0 in the shipped calibrations."""
+    on top of the slack the footprint predicts from the loss's logits-sized blocks
+    (``planner/reserve.py``'s ``allocator_slack``); 0 in the shipped calibrations."""
     elementwise_bytes_per_s: float = 0.0
     """Bytes per second the blocks' non-GEMM operators (norms, activations, rotary embeddings,
     casts: :mod:`.elementwise`) move; 0: ``hbm_bytes_per_s`` (a large copy's rate)."""
