@@ -5,12 +5,17 @@ The activation between stages is each tp rank's sequence shard ``[b, s/tp, h]``;
 not hold the embedding still runs the model's own code before its first block on the whole
 sequence length (transformers' rotary tables, causal masks and position ids are built from it),
 and its first block takes the received shard again. Covered: transformers' LlamaForCausalLM and
-GPT2LMHeadModel, behemoth's Llama and GPT, and transformers' OLMoE (a pooled balancing loss whose
-totals ride with the activations), under 1F1B, interleaved (2 chunks per rank) and zero-bubble.
-The pipeline's bytes per step equal the planner's (``step_traffic``): shards, not whole sequences.
+GPT2LMHeadModel, behemoth's Llama and GPT, and transformers' OLMoE and Qwen3-MoE (a pooled
+balancing loss whose totals ride with the activations), under 1F1B, interleaved (2 chunks per
+rank) and zero-bubble, and with activation checkpointing. The pipeline's bytes per step equal the
+planner's (``step_traffic``): shards, not whole sequences; its tp bytes stay within the planner's
+(which counts the embedding, head and sequence boundary on every stage). The pipelined forward
+outside a schedule (evaluation) gives the serial model's logits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from common import (
     SEQ,
@@ -26,6 +31,7 @@ from common import (
 )
 from test_expert_families import adamw, build_hf_moe
 from test_expert_pipeline import serial_hf_micro_run
+from test_parallelize import _check as check_forward
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import Dtypes, step_traffic
@@ -48,6 +54,9 @@ def _check(engine, batches, want, what: str) -> None:
 
 def _dense_world(rank: int, world: int) -> None:
     batches = global_batches(STEPS, BATCH)
+    for family in ("hf-llama", "hf-gpt2"):  # the forward outside a schedule
+        check_forward(family, _plan("1f1b", 1, 2), layers=LAYERS)
+        check_forward(family, _plan("interleaved", 2, 4), layers=LAYERS)
     for family in ("hf-llama", "hf-gpt2", "llama", "gpt"):
         ref = serial_run(family, "adamw", batches, max_grad_norm=1.0, num_layers=LAYERS)
         want = (ref.losses, ref.state, ref.grad_norms)
@@ -60,19 +69,29 @@ def _dense_world(rank: int, world: int) -> None:
             what = f"{family} {plan.describe()}"
             _check(engine, batches, want, what)
             if family == "hf-llama":
-                _check_pp_bytes(engine, model, batches, what)
+                _check_bytes(engine, model, batches, what)
+    ref = serial_run("hf-llama", "adamw", batches, max_grad_norm=1.0, num_layers=LAYERS)
+    plan = dataclasses.replace(_plan("1f1b", 1, 2), activation_checkpointing=True)
+    model = build("hf-llama", num_layers=LAYERS)
+    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+    _check(engine, batches, (ref.losses, ref.state, ref.grad_norms), f"hf-llama {plan.describe()}")
 
 
-def _check_pp_bytes(engine, model, batches, what: str) -> None:
+def _check_bytes(engine, model, batches, what: str) -> None:
     """One more forward + backward: the bytes this rank sends over pp equal the planner's
-    prediction (each stage boundary carries this tp rank's sequence shard, both ways)."""
+    prediction (each stage boundary carries this tp rank's sequence shard, both ways), and those
+    over tp are at most the planner's."""
     engine.reset_comm_stats()
     engine._forward_backward(shard(batches[0], engine.dp_rank, engine.dp_size))
-    got = engine.comm_stats()["pp"]["wire_bytes"]
+    got: dict[str, int] = {}
+    for axis, s in engine.comm_stats().items():
+        key = "tp" if axis.startswith("tp") else axis
+        got[key] = got.get(key, 0) + s["wire_bytes"]
     w = workload_for(model, seq_len=SEQ, global_batch=BATCH)
     stage = engine.mesh.coord("pp")
-    want = step_traffic(engine.plan, w, stage=stage, dt=Dtypes(compute=4, stream=4, param=4))["pp"]
-    assert got == int(want), f"{what} stage {stage}: pp ledger {got} vs planner {want}"
+    want = step_traffic(engine.plan, w, stage=stage, dt=Dtypes(compute=4, stream=4, param=4))
+    assert got["pp"] == int(want["pp"]), f"{what} stage {stage}: pp ledger {got['pp']} vs planner {want['pp']}"
+    assert 0 < got["tp"] <= int(want["tp"]), f"{what} stage {stage}: tp ledger {got['tp']} vs planner {want['tp']}"
 
 
 def test_pipeline_with_sequence_parallel_matches_serial():
@@ -81,8 +100,7 @@ def test_pipeline_with_sequence_parallel_matches_serial():
 
 def _moe_world(rank: int, world: int) -> None:
     batches = global_batches(STEPS, BATCH)
-    for schedule, v, m in SCHEDULES[:2]:
-        family = "olmoe"
+    for family, (schedule, v, m) in [("olmoe", s) for s in SCHEDULES] + [("qwen3-moe", SCHEDULES[0])]:
         want = serial_hf_micro_run(family, batches, 1, m, layers=LAYERS)
         plan = _plan(schedule, v, m)
         model = build_hf_moe(family, layers=LAYERS)
