@@ -10,7 +10,8 @@ balancing loss whose totals ride with the activations), under 1F1B, interleaved 
 rank) and zero-bubble, and with activation checkpointing. The pipeline's bytes per step equal the
 planner's (``step_traffic``): shards, not whole sequences; its tp bytes stay within the planner's
 (which counts the embedding, head and sequence boundary on every stage). The pipelined forward
-outside a schedule (evaluation) gives the serial model's logits.
+outside a schedule (evaluation) gives the serial model's logits. On 8 ranks: with context
+parallelism (ring and Ulysses) and with ZeRO-2/3 over dp = 2.
 """
 
 from __future__ import annotations
@@ -110,3 +111,24 @@ def _moe_world(rank: int, world: int) -> None:
 
 def test_pipeline_with_sequence_parallel_moe_matches_serial():
     bh.spawn(_moe_world, 4, timeout=1500)
+
+
+def _composed_world(rank: int, world: int) -> None:
+    """With context parallelism (each stage's share of the sequence split again over tp) and with
+    ZeRO-2/3 over dp = 2, on 8 ranks."""
+    batches = global_batches(STEPS, BATCH)
+    ref = serial_run("hf-llama", "adamw", batches, max_grad_norm=1.0, num_layers=LAYERS)
+    sp = dict(pp=2, tp=2, sequence_parallel=True)
+    for plan in (
+        bh.Plan(**sp, cp=2, cp_mode="ring", microbatches=2),
+        bh.Plan(**sp, cp=2, cp_mode="ulysses", microbatches=4, schedule="interleaved", virtual_stages=2),
+        bh.Plan(**sp, dp=2, microbatches=2, zero=3, chunk_mb=0.02),
+        bh.Plan(**sp, dp=2, microbatches=4, zero=2, chunk_mb=0.02, schedule="zero-bubble"),
+    ):
+        model = build("hf-llama", num_layers=LAYERS)
+        engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+        _check(engine, batches, (ref.losses, ref.state, ref.grad_norms), f"hf-llama {plan.describe()}")
+
+
+def test_pipeline_with_sequence_parallel_composed_matches_serial():
+    bh.spawn(_composed_world, 8, timeout=1500)
