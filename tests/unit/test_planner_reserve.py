@@ -253,3 +253,27 @@ def test_a_pipeline_needs_the_most_any_stage_needs_with_its_own_blocks_and_micro
     mem = plan_memory(plan, w, cluster)
     assert first.allocated > last.allocated and mem.allocated == pytest.approx(first.allocated)
     assert mem.allocated + mem.slack == pytest.approx(max(first.gpu_total, last.gpu_total))
+
+
+def test_a_checkpointed_forward_holds_every_blocks_weight_copy_in_autocasts_cache():
+    """Under activation checkpointing with fp32 weights under autocast and ZeRO 0-2 (the cache
+    on), the forward's end holds autocast's 16-bit copy of every block's weights (2 bytes a
+    parameter) where the backward holds one recomputed block's full set: the activations count
+    the larger. ZeRO-3 runs without the cache; bf16 parameters make no copies."""
+    from behemoth.planner.footprint import autocast_cache_bytes, block_activation_bytes, footprint
+    from behemoth.planner.params import block_local_params
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=32)
+    z1 = bh.Plan(zero=1, precision="bf16", activation_checkpointing=True).resolve(4)
+    assert autocast_cache_bytes(z1, w, 24) == 2 * 24 * block_local_params(z1, w)
+    full, kept = block_activation_bytes(z1, w, 8)
+    assert autocast_cache_bytes(z1, w, 24) > full  # 24 blocks' copies outweigh one block's set
+    logits = 8 * 2048 * w.shape.vocab_size * 4
+    act = footprint(z1, w, mbs=8, inflight=1, reserved=0.0).activations
+    head = 2 * w.shape.vocab_size * w.shape.hidden
+    assert act == pytest.approx(24 * kept + 2 * 24 * block_local_params(z1, w) + 2 * logits + head)
+    z3 = bh.Plan(zero=3, precision="bf16", activation_checkpointing=True).resolve(4)
+    own = bh.Plan(zero=1, precision="bf16", param_dtype="bf16", activation_checkpointing=True).resolve(4)
+    assert autocast_cache_bytes(z3, w, 24) == 0.0 and autocast_cache_bytes(own, w, 24) == 0.0
+    act3 = footprint(z3, w, mbs=8, inflight=1, reserved=0.0).activations
+    assert act3 == pytest.approx(24 * kept + full + 2 * logits + head)

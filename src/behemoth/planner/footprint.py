@@ -184,7 +184,9 @@ def footprint(
         grads += 4 * (3 * chunk + largest)
     full, ckpt = block_activation_bytes(plan, w, mbs)
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
-    act = inflight * per_mb + (full if plan.activation_checkpointing else 0.0)
+    act = inflight * per_mb + (
+        max(full, autocast_cache_bytes(plan, w, layers)) if plan.activation_checkpointing else 0.0
+    )
     if not last:
         return Footprint(params, grads, opt, act, reserved, host, 0.0)
     t = mbs * w.seq_len / plan.cp
@@ -228,6 +230,20 @@ def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
         return float(sum(chunk_shard_elements(plan, w)))
     experts = layers * w.expert_params / plan.ep if plan.ep > 1 else 0.0
     return (n - experts) / g + experts / max(g // plan.ep, 1)
+
+
+def autocast_cache_bytes(plan: Plan, w: Workload, layers: int) -> float:
+    """Bytes of the 16-bit weight copies autocast's cache holds at the end of a forward of
+    ``layers`` blocks: the executors run each forward under ``torch.autocast(cache_enabled=zero <
+    3)`` (``executor.py``, ``parallel/pipeline/executor.py``), which keeps the copy of every fp32
+    weight it cast until the forward ends. Without checkpointing they are the copies the GEMMs
+    save anyway (in :func:`block_activation_bytes`); a checkpointed forward saves none, so at its
+    end the cache holds every block's copy where the backward holds one recomputed block's set:
+    the checkpointed peak is the larger of the two. 0 without autocast's copies or under ZeRO-3
+    (no cache)."""
+    if not autocast_copies(plan) or plan.zero >= 3:
+        return 0.0
+    return 2.0 * layers * block_local_params(plan, w)
 
 
 def autocast_copies(plan: Plan) -> bool:
