@@ -18,6 +18,9 @@ Works for any model whose ``forward`` is "embeddings -> blocks -> norm -> head" 
 modules named in its family's ``PipelineLayout`` (``behemoth.specs``: behemoth's GPT and
 Llama, transformers' GPT2LMHeadModel and LlamaForCausalLM, and subclasses), after tensor
 parallelism and activation checkpointing have rewritten it (their layouts travel through).
+Under 1D sequence parallelism the stages send each tp rank's sequence shard, and the model's code
+outside a stage's blocks still sees the whole sequence length (``PipelineSplit._hook_sequence_shards``,
+``tensor/sequence1d.py``; tested by tests/dist/test_pipeline_sequence_parallel.py).
 
 Communication (pipeline axis ``pp``, through ``behemoth.comm``): :meth:`PipelineSplit.distribute`
 sends every stage's initial weights from pp rank 0 once; :meth:`PipelineSplit.gather_state`

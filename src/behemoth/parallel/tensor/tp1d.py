@@ -46,7 +46,8 @@ shard and re-gather it asynchronously during the dX GEMM (one more all-gather ba
 dtype, as Megatron's does. ``g`` forward (``RowParallelLinearFn``) is overlapped only
 by splitting the GEMM: with ``Plan.tp_overlap = k`` the row layer computes k batch pieces,
 each piece's all-reduce (SP: reduce-scatter) in flight during the next piece's GEMM. The sequence is scattered at the first block's input and gathered at the last
-block's output, so model code outside the blocks sees full sequences. The bytes each of
+block's output (:mod:`.sequence1d`; a pipeline stage's own blocks), so model code outside the blocks
+sees full sequences. The bytes each of
 these moves: :mod:`behemoth.planner.tp1d_traffic`.
 
 Grouped-query attention with fewer kv heads K than p (and p % K == 0): each rank keeps the
