@@ -140,12 +140,14 @@ def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: i
     twice = plan.pp > 1 and plan.schedule == "zero-bubble"
     splits, one, meta = ep_layer_bytes(plan, w, mbs, dt)
     t_splits = cluster.collective_seconds(size, stride, splits * layers, layers)
-    # all chunks' pairs (the member exchange's weights and slots packed in its rows)
+    # all chunks' pairs (the member exchange's weights and slots packed in its rows; its recompute
+    # sends the rows alone)
     pair = cluster.collective_seconds(size, stride, (2 * one + meta) * layers, 2 * k * layers)
+    again = cluster.collective_seconds(size, stride, 2 * one * layers, 2 * k * layers) if meta else pair
     gemm, frac = layers * bt.expert_gemm_forward, (k - 1) / k
     e_f = t_splits + _hide(pair, gemm, frac, slow)
-    e_b = _hide((1 + twice) * pair, (2 + twice) * gemm, frac, slow) + ckpt * _hide(pair, gemm, frac, slow)
-    return e_f, e_b, (t_splits + pair * (2 + ckpt + twice)) * m
+    e_b = _hide((1 + twice) * pair, (2 + twice) * gemm, frac, slow) + ckpt * _hide(again, gemm, frac, slow)
+    return e_f, e_b, (t_splits + pair * (2 + twice) + ckpt * again) * m
 
 
 def gradient_buckets(plan: Plan, w: Workload, layers: int, *, stage: int | None = None) -> dict[str, int]:
