@@ -12,8 +12,10 @@ sent once per ep member holding any of its experts.
   norm); the pairs sent, counted on a routing built for it, and the ledger's bytes
   (``ep_all_to_all_bytes(pairs=...)``); one host read;
 * training at dp = 2 x ep = 2 with ``ep_dedup=True`` follows serial training (losses, grad norms,
-  ``full_state_dict()``), also with micro-batches and activation checkpointing (the recompute
-  replays the member routes: no second split-size exchange in the ledger's calls and bytes).
+  ``full_state_dict()``; under bf16 autocast to 2e-2, as tests/dist/test_expert_autocast.py), also
+  with micro-batches and activation checkpointing (the recompute replays the member routes: no
+  second split-size exchange, and its rows travel without their weights and slots, in the
+  ledger's calls and bytes).
 """
 
 from __future__ import annotations
@@ -152,12 +154,17 @@ STEPS, BATCH = 3, 8
 def _train_world(rank: int, world: int) -> None:
     batches = global_batches(STEPS, BATCH)
     pairs = _count_pairs()
-    for micro, ckpt in ((1, False), (2, True)):
-        what = f"dp={world} ep=2 ep_dedup micro={micro} ckpt={ckpt}"
-        want = serial_moe_run(batches, clip=1.0, world=world, micro=micro)
+    for micro, ckpt, precision in ((1, False, "fp32"), (2, True, "fp32"), (1, False, "bf16")):
+        what = f"dp={world} ep=2 ep_dedup micro={micro} ckpt={ckpt} {precision}"
+        bf16 = precision == "bf16"
+        opt = "sgd" if bf16 else "adamw"  # SGD: linear in the gradient, bf16 rounding stays rounding
+        dtype = torch.bfloat16 if bf16 else None
+        want = serial_moe_run(batches, clip=1.0, world=world, micro=micro, dtype=dtype, opt_name=opt)
         model = build_moe()
-        plan = bh.Plan(dp=world, ep=2, ep_dedup=True, microbatches=micro, activation_checkpointing=ckpt)
-        engine = bh.boost(model, optimizer_for(model), plan, max_grad_norm=1.0)
+        plan = bh.Plan(
+            dp=world, ep=2, ep_dedup=True, microbatches=micro, activation_checkpointing=ckpt, precision=precision
+        )
+        engine = bh.boost(model, optimizer_for(model, opt), plan, max_grad_norm=1.0)
         pairs.clear()
         losses, norms = train_steps(engine, batches)
         ep = engine.comm_stats()["ep"]
@@ -167,14 +174,13 @@ def _train_world(rank: int, world: int) -> None:
         assert ep["ops"] == {"all_to_all": calls, "all_reduce": STEPS}, (what, ep)
         sent = torch.tensor([float(ep["bytes"]), float(sum(pairs))], dtype=torch.float64)
         torch.distributed.all_reduce(sent)
-        want_bytes = sum(
-            ep_all_to_all_bytes(rows=0, num_experts=4, ep=2, hidden=32, pairs=p, top_k=2, recompute=ckpt)
-            for p in _summed(pairs)
-        )
+        group = dict(rows=0, num_experts=4, ep=2, hidden=32, top_k=2, recompute=ckpt, elem_bytes=2 if bf16 else 4)
+        want_bytes = sum(ep_all_to_all_bytes(**group, pairs=p) for p in _summed(pairs))
         assert sent[0].item() == want_bytes + STEPS * world * 4, (what, sent.tolist(), want_bytes)
-        assert_losses_close(losses, want[0], what=what)
-        assert_grad_norms_close(norms, want[2], what=what)
-        assert_state_close(engine.full_state_dict(), want[1], what=what)
+        tol = dict(rtol=2e-2) if bf16 else {}
+        assert_losses_close(losses, want[0], what=what, **tol)
+        assert_grad_norms_close(norms, want[2], what=what, **tol)
+        assert_state_close(engine.full_state_dict(), want[1], what=what, **(dict(rtol=2e-2, atol=2e-3) if bf16 else {}))
 
 
 def _count_pairs() -> list[int]:
