@@ -11,7 +11,7 @@ rank) and zero-bubble, and with activation checkpointing. The pipeline's bytes p
 planner's (``step_traffic``): shards, not whole sequences; its tp bytes stay within the planner's
 (which counts the embedding, head and sequence boundary on every stage). The pipelined forward
 outside a schedule (evaluation) gives the serial model's logits. On 8 ranks: with context
-parallelism (ring and Ulysses) and with ZeRO-2/3 over dp = 2.
+parallelism (ring and Ulysses) and with ZeRO-2/3 over dp = 2. And with compiled blocks.
 """
 
 from __future__ import annotations
@@ -132,3 +132,18 @@ def _composed_world(rank: int, world: int) -> None:
 
 def test_pipeline_with_sequence_parallel_composed_matches_serial():
     bh.spawn(_composed_world, 8, timeout=1500)
+
+
+def _compiled_world(rank: int, world: int) -> None:
+    """Compiled blocks: the sequence-parallel hooks of a chunk's first and last block run inside
+    the block's compiled call, and fire only while that chunk is the active one."""
+    batches = global_batches(STEPS, BATCH)
+    ref = serial_run("llama", "adamw", batches, max_grad_norm=1.0, num_layers=LAYERS)
+    plan = dataclasses.replace(_plan("interleaved", 2, 4), compile=True)
+    model = build("llama", num_layers=LAYERS)
+    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+    _check(engine, batches, (ref.losses, ref.state, ref.grad_norms), f"llama {plan.describe()}")
+
+
+def test_pipeline_with_sequence_parallel_compiled_matches_serial():
+    bh.spawn(_compiled_world, 4, timeout=1500)
