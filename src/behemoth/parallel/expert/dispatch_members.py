@@ -100,7 +100,7 @@ class _Sender:
 class _Layout:
     src_N: torch.Tensor
     """The received row each row of the experts' layout holds (grouped by local expert, rows in
-    arrival order, each group padded; a padding row: row 0)."""
+    arrival order, each group padded; a padding row: the last received row)."""
     dst_N: torch.Tensor
     """The same, a padding row ``Q`` (one past the received rows): where the weighted sum adds it."""
     weight_N: torch.Tensor
@@ -113,9 +113,10 @@ class MemberRoutes:
     """One MoE layer's member routes for one forward (see the module docstring): made by
     :meth:`build`; the pairs, and on the receiving side the local layout, computed once."""
 
-    def __init__(self, axis: Axis, num_experts: int, experts_TK, order, recv, pending: HostSizes, align: int):
+    def __init__(self, axis: Axis, num_experts: int, local_CK, order, recv, pending: HostSizes, align: int):
         self.axis, self.num_experts, self.align = axis, num_experts, align
-        self.experts_TK = experts_TK
+        self.local_CK = local_CK
+        """Each candidate pair ``member * T + token``'s slots as the member's local experts."""
         self.order, self.recv, self.pending = order, recv, pending
         self._sizes: _Sizes | None = None
         self._sender: _Sender | None = None
@@ -134,7 +135,7 @@ class MemberRoutes:
         started, not waited for."""
         n = axis.size
         num_local = num_experts // n
-        T = experts_TK.shape[0]
+        T, K = experts_TK.shape
         device = experts_TK.device
         member_TK = experts_TK.long() // num_local
         hit = torch.zeros(n * T, dtype=torch.int16, device=device)
@@ -145,8 +146,11 @@ class MemberRoutes:
         block = [num_local + 1] * n
         recv = comm.all_to_all_single(send, axis, block, block)
         pending = HostSizes(torch.cat([pairs_N, recv]))
-        order = torch.argsort(1 - hit, stable=True)  # the pairs first, in (member, token) order
-        return MemberRoutes(axis, num_experts, experts_TK, order, recv, pending, align)
+        order = torch.argsort(hit, descending=True, stable=True)  # the pairs first, in (member, token) order
+        # each candidate pair's slots as that member's local experts (L: another member's)
+        members = torch.arange(n, device=device)[:, None, None]
+        local_NTK = torch.where(member_TK == members, experts_TK % num_local, num_local)
+        return MemberRoutes(axis, num_experts, local_NTK.view(n * T, K), order, recv, pending, align)
 
     def sizes(self) -> _Sizes:
         """The split sizes (the first call waits for their host read)."""
@@ -160,13 +164,10 @@ class MemberRoutes:
 
     def sender(self) -> _Sender:
         if self._sender is None:
-            T = self.experts_TK.shape[0]
-            num_local = self.num_experts // self.axis.size
+            T = self.local_CK.shape[0] // self.axis.size
             pair_P = self.order[: sum(self.sizes().send)]
             token_P = pair_P % T if T else pair_P
-            local_PK = self.experts_TK.long().index_select(0, token_P) - (pair_P // max(T, 1) * num_local)[:, None]
-            local_PK = local_PK.masked_fill((local_PK < 0) | (local_PK >= num_local), num_local)
-            self._sender = _Sender(pair_P, token_P, local_PK)
+            self._sender = _Sender(pair_P, token_P, self.local_CK.index_select(0, pair_P))
         return self._sender
 
     def layout(self, local_QK: torch.Tensor) -> _Layout:
@@ -176,9 +177,9 @@ class MemberRoutes:
             counts, (Q, K) = self.sizes().local_counts, local_QK.shape
             narrow = torch.int16 if len(counts) < 2**15 else torch.int32
             flat_J = torch.argsort(local_QK.reshape(-1).to(narrow), stable=True)[: sum(counts)]
-            row_J = flat_J // K
             padded, shift = pad_groups(counts, self.align) if self.align > 1 else (counts, None)
             if padded == counts:
+                row_J = flat_J // K
                 self._layout = _Layout(row_J, row_J, flat_J, list(counts))
             else:
                 device, total, rows = local_QK.device, sum(counts), sum(padded)
@@ -186,10 +187,9 @@ class MemberRoutes:
                 slot_J = torch.arange(total, device=device) + torch.repeat_interleave(
                     shift_L, counts_L, output_size=total
                 )
-                src_N = row_J.new_zeros(rows).index_copy_(0, slot_J, row_J)
-                dst_N = row_J.new_full((rows,), Q).index_copy_(0, slot_J, row_J)
                 weight_N = flat_J.new_full((rows,), Q * K).index_copy_(0, slot_J, flat_J)
-                self._layout = _Layout(src_N, dst_N, weight_N, list(padded))
+                dst_N = weight_N // K  # a padding row: Q
+                self._layout = _Layout(dst_N.clamp(max=max(Q - 1, 0)), dst_N, weight_N, list(padded))
         return self._layout
 
 
@@ -237,7 +237,7 @@ class SendPairs(torch.autograd.Function):
             got_meta = got[:, H:].view(torch.uint8)
             weights_QK = _bytes_as(got_meta[:, : K * ws], wdt)
             local_QK = _bytes_as(got_meta[:, K * ws : K * (ws + 2)], torch.int16).long()
-            routes.received = (weights_QK.detach().clone(), local_QK)
+            routes.received = (weights_QK.detach(), local_QK)
         ctx.save_for_backward(pair_P)
         ctx.axis, ctx.send, ctx.recv, ctx.m, ctx.wdt = axis, send, recv, m, wdt
         ctx.shape, ctx.dtype, ctx.wshape, ctx.wdtype = x_TH.shape, x_TH.dtype, weights_TK.shape, weights_TK.dtype
@@ -265,7 +265,7 @@ class SendPairs(torch.autograd.Function):
 
 class ExpandRows(torch.autograd.Function):
     """The received rows into the experts' layout, local: forward ``x_QH[src_N]`` (a padding row
-    a copy of row 0: any finite row does, its output is weighed by zero and its gradient is
+    a copy of a received row: any finite row does, its output is weighed by zero and its gradient is
     exactly zero; all zero where nothing was received). Backward: each layout row's gradient
     added to its received row (a row's local experts summed, ``index_add_`` in float32 or wider),
     returned in the rows' dtype."""
