@@ -20,7 +20,7 @@ from functools import lru_cache
 from ..parallel.pipeline.schedules import make_schedule
 from ..parallel.pipeline.simulate import simulate
 
-__all__ = ["pipeline_time", "peak_inflight", "rank_inflight", "SIMULATE_LIMIT"]
+__all__ = ["pipeline_time", "peak_inflight", "rank_inflight", "ranks_inflight", "SIMULATE_LIMIT"]
 
 SIMULATE_LIMIT = 512
 """Simulate when a schedule has at most this many actions (``2 pp m v``, ``3 pp m v`` for
@@ -72,11 +72,14 @@ def rank_inflight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     its saved tensors live until BW (the simulator's ``peak_held``). 1 without a pipeline."""
     if pp == 1:
         return 1.0
-    return _rank_inflight(schedule, pp, m, v)[rank]
+    return ranks_inflight(schedule, pp, m, v)[rank]
 
 
 @lru_cache(maxsize=4096)
-def _rank_inflight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+def ranks_inflight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+    """:func:`rank_inflight` of every rank, ``(1.0,)`` without a pipeline (cached)."""
+    if pp == 1:
+        return (1.0,)
     if schedule == "interleaved" and 2 * pp * m * v <= SIMULATE_LIMIT:
         r = simulate(make_schedule(schedule, pp, m, v), pp)
         return tuple(x / v for x in r.peak_inflight)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from ..plan import Plan
 from .axis_traffic import Dtypes, balance_bytes, ep_layer_bytes, expert_axis, expert_local_params, step_traffic
-from .bubble import pipeline_time, rank_inflight
+from .bubble import pipeline_time, ranks_inflight
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
 from .footprint import Footprint, footprint
@@ -176,18 +176,19 @@ def _memo(cache: dict | None, key: tuple, fn):
     return v
 
 
-def _memory_stages(layers: tuple[int, ...]) -> list[int]:
-    """The pipeline ranks whose memory can be the most: the first (the embeddings), the last (the
-    head and the loss) and, between them, the first rank of each block count above the first
-    rank's -- a middle rank's memory grows with its blocks and its in-flight micro-batches, which
-    no later rank has more of (:func:`.bubble.rank_inflight`), and holds nothing the first rank
-    does not."""
+def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list[int]:
+    """The pipeline ranks whose memory can be the most: the last (the head and the loss), the
+    first (the embeddings) where it holds more blocks or more in-flight micro-batches than the
+    last, and between them the first rank of each block count above the first rank's -- a middle
+    rank's memory grows with its blocks and its in-flight micro-batches, which no later rank has
+    more of (:func:`.bubble.rank_inflight`), and holds nothing the first rank does not."""
     pp = len(layers)
     first_of: dict[int, int] = {}
     for r in range(1, pp - 1):
         if layers[r] > layers[0]:
             first_of.setdefault(layers[r], r)
-    return sorted({0, pp - 1, *first_of.values()})
+    first = [0] if layers[0] > layers[-1] or inflight[0] > inflight[-1] else []
+    return sorted({*first, pp - 1, *first_of.values()})
 
 
 def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
@@ -199,14 +200,17 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
     the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``."""
     mbs = w.global_batch // (plan.dp * plan.microbatches)
     m, v = plan.microbatches, plan.virtual_stages
+    inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
     stages = [
-        footprint(plan, w, mbs=mbs, inflight=rank_inflight(plan.schedule, plan.pp, m, v, r), reserved=0.0, stage=r)
-        for r in _memory_stages(stage_layers(plan, w))
+        footprint(plan, w, mbs=mbs, inflight=inflight[r], reserved=0.0, stage=r)
+        for r in _memory_stages(stage_layers(plan, w), inflight)
     ]
     # the tensors of the stage with the most; the slack up to the most any stage needs with its own
-    mem = max(stages, key=lambda f: f.allocated)
-    mem = dataclasses.replace(mem, slack=max(f.gpu_total for f in stages) - mem.allocated)
-    return dataclasses.replace(mem, reserved=device_reserve(plan, cluster.calibration, mem.gpu_total))
+    mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
+    total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
+    slack = total - mem.allocated if len(stages) > 1 else mem.slack
+    reserved = device_reserve(plan, cluster.calibration, total)
+    return Footprint(mem.params, mem.grads, mem.optimizer, mem.activations, reserved, mem.host, slack)
 
 
 def predict(
