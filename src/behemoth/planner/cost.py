@@ -44,7 +44,6 @@ Memory: :mod:`.footprint` and :mod:`.reserve`. Pure; tests/unit/test_planner_cos
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
