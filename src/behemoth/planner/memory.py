@@ -60,9 +60,9 @@ def memory_plan(
         raise ValueError(f"stage={stage!r}: plan ZeRO stage 1, 2 or 3.")
     if dp < 1:
         raise ValueError(f"dp={dp!r}: must be >= 1.")
-    sizes = list(param_sizes)
-    chunk = zero_chunk_elements(tuple(sizes), dp)
-    layout = pack_chunks(sizes, chunk, dp)
+    sizes = tuple(param_sizes)
+    chunk = zero_chunk_elements(sizes, dp)
+    layout = _packed(sizes, chunk, dp)
     masters = 4 if param_bytes != 4 else 0  # fp32 parameters are their own masters
     per_stage = {
         s: zero_memory_bytes(
@@ -107,6 +107,13 @@ def memory_plan(
         except ValueError as e:
             lines.append(f"Does not fit even with offload: {e}.")
     return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits, "\n".join(lines))
+
+
+@lru_cache(maxsize=1024)
+def _packed(param_sizes: tuple[int, ...], chunk: int, dp: int):
+    """:func:`~behemoth.parallel.zero.chunks.pack_chunks`, packed once per model, chunk size and
+    dp (a search asks again for every layout that shares them)."""
+    return pack_chunks(param_sizes, chunk, dp)
 
 
 @lru_cache(maxsize=1024)

@@ -339,12 +339,29 @@ def search_chunk_size(
                 f"no candidate in {list(candidates)} holds the largest parameter ({largest} "
                 f"elements); pass candidates >= {largest}"
             )
+    grp = [0] * len(sizes) if groups is None else list(groups)
+    pack_chunks(sizes, min(cand), dp, groups=groups)  # the arguments' checks, once
+    dps = _resolve_dp(dp, grp if (grp or isinstance(dp, Mapping)) else [0])
     table = []
     for size in sorted(cand):
-        layout = pack_chunks(sizes, size, dp, groups=groups)
-        table.append(ChunkSizeRow(size, layout.num_chunks, layout.padding_elements, 100.0 * layout.padding_fraction))
+        num_chunks, total = _packed_counts(sizes, grp, {g: round_up(size, d) for g, d in dps.items()})
+        padding = total - sum(sizes)
+        table.append(ChunkSizeRow(size, num_chunks, padding, 100.0 * padding / total if total else 0.0))
     best = min(table, key=lambda r: (r.padding_elements, -r.size))
     return best.size, table
+
+
+def _packed_counts(sizes: Sequence[int], groups: Sequence[int], group_size: Mapping[int, int]) -> tuple[int, int]:
+    """``(chunks, elements)`` of :func:`pack_chunks`'s layout (the same greedy packing, per group,
+    in order), counted without building it: what :func:`search_chunk_size` compares."""
+    used: dict[int, int] = {}
+    chunks = total = 0
+    for n, g in zip(sizes, groups):
+        u = used.get(g)
+        if u is None or u + n > group_size[g]:
+            chunks, total, u = chunks + 1, total + group_size[g], 0
+        used[g] = u + n
+    return chunks, total
 
 
 @dataclass(frozen=True)
