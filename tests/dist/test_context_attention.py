@@ -118,6 +118,26 @@ def _low_precision_ring(axis):
     assert bwd["bytes"] == ring_bytes(B, S, k_heads, D, cp, 2, backward=True)
 
 
+def _autocast_ring(axis):
+    """float32 inputs under bf16 autocast (what rotary embeddings hand over) attend in bf16, as
+    F.scaled_dot_product_attention does under autocast: bf16 output, float32 gradients for the
+    float32 inputs, the results those of the bf16 inputs, and bf16 (not float32) saved tensors."""
+    cp, r, dev = axis.size, axis.rank, device_for_rank()
+    q, k, v, w = _full(4, 2, 98, dtype=torch.float32)
+    want = _run("ring", axis, *(t.to(torch.bfloat16) for t in (q, k, v, w)), None)[:4]
+    ql, kl, vl = (split_sequence(t, 2, cp, r, "ring").to(dev, copy=True).requires_grad_() for t in (q, k, v))
+    wl = split_sequence(w, 2, cp, r, "ring").to(dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        out, saved = _saved_bytes(ring_attention, ql, kl, vl, axis)
+    (out * wl).sum().backward()
+    assert out.dtype == torch.bfloat16 and ql.grad.dtype == torch.float32
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want):
+        torch.testing.assert_close(g.to(torch.bfloat16), ref, rtol=0, atol=0, msg=lambda m: f"autocast {name}: {m}")
+    bf16_inputs = (t.detach().to(torch.bfloat16).requires_grad_() for t in (ql, kl, vl))
+    _, bf16_saved = _saved_bytes(ring_attention, *bf16_inputs, axis)
+    assert saved == bf16_saved, (saved, bf16_saved)
+
+
 def _saved_bytes(fn, *args, **kwargs):
     total = 0
 
@@ -154,6 +174,7 @@ def _cp_world(rank, world):
         for i, (n, k_heads, scale) in enumerate(CASES):
             _parity(axis, mode, n, k_heads, scale, seed=10 * world + i)
     _low_precision_ring(axis)
+    _autocast_ring(axis)
     _ring_memory(axis)
 
 

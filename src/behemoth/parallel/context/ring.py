@@ -353,4 +353,11 @@ def ring_attention(
     every rank, before any communication) for an odd local length or ``N % K``."""
     _check_inputs(q, k, v, axis.size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        # as F.scaled_dot_product_attention under autocast: the attention in autocast's dtype (the
+        # kernels below are called directly, which autocast does not cast; rotary embeddings hand
+        # over float32 q and k, which would otherwise be kept and attended in float32)
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in (q, k, v))
     return RingAttentionFunction.apply(q, k, v, axis, scale)
