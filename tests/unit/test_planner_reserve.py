@@ -277,25 +277,3 @@ def test_a_checkpointed_forward_holds_every_blocks_weight_copy_in_autocasts_cach
     assert autocast_cache_bytes(z3, w, 24) == 0.0 and autocast_cache_bytes(own, w, 24) == 0.0
     act3 = footprint(z3, w, mbs=8, inflight=1, reserved=0.0).activations
     assert act3 == pytest.approx(24 * kept + full + 2 * logits + head)
-
-
-def test_ring_attention_keeps_q_k_and_its_output_in_fp32_after_fp32_rotary_embeddings():
-    """Llama's rotary embeddings make q and k fp32 under autocast with fp32 weights; ring
-    attention (an autograd Function autocast does not cast) saves them and its output in fp32:
-    2 (2 h_q + h_kv) bytes a token and block more than Ulysses, split over tp. GPT (learned
-    positions), Ulysses and bf16 parameters keep none."""
-    from behemoth.models import build_config
-    from behemoth.planner.footprint import block_activation_bytes, ring_fp32_bytes
-
-    w = workload_for(build_config("llama-8b", vocab_size=128256, seq_len=2048), seq_len=2048, global_batch=16)
-    ring = bh.Plan(cp=2, cp_mode="ring", zero=3, precision="bf16").resolve(2)
-    uly = bh.Plan(cp=2, zero=3, precision="bf16").resolve(2)
-    assert ring_fp32_bytes(ring, w) == 2 * (2 * 32 * 128 + 8 * 128)
-    assert ring_fp32_bytes(uly, w) == 0.0
-    assert block_activation_bytes(ring, w, 4)[0] - block_activation_bytes(uly, w, 4)[0] == 4 * 1024 * 18432
-    ring_tp = bh.Plan(tp=2, cp=2, cp_mode="ring", precision="bf16").resolve(4)
-    assert ring_tp.tp == 2 and ring_fp32_bytes(ring_tp, w) == 18432 / 2
-    own = bh.Plan(cp=2, cp_mode="ring", zero=1, precision="bf16", param_dtype="bf16").resolve(2)
-    assert ring_fp32_bytes(own, w) == 0.0
-    gpt = workload_for("gpt-1.3b", seq_len=2048, global_batch=16)
-    assert ring_fp32_bytes(ring, gpt) == 0.0

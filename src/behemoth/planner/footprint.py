@@ -134,24 +134,7 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
         # autocast casts each fp32 weight to 16 bits once per forward, and the GEMM keeps the copy
         # for its backward: one copy of the block's weights per micro-batch in flight
         full += 2 * block_local_params(plan, w)
-    return full + t * ring_fp32_bytes(plan, w), 4 * t * s.hidden / rep
-
-
-def ring_fp32_bytes(plan: Plan, w: Workload) -> float:
-    """Bytes per token and block that ring attention keeps beyond attention's 16-bit saved set
-    when its q and k arrive in fp32: under 16-bit autocast with fp32 weights the residual stream
-    is fp32, so rotary embeddings (``models/llama.py``: cos and sin in the block input's dtype)
-    promote q and k to fp32; ``F.scaled_dot_product_attention`` is autocast's and saves 16-bit
-    casts, but ring attention is an autograd Function autocast does not cast, which saves q, k
-    and its output in fp32 (``parallel/context/ring.py``: ``save_for_backward(q, k, v, out, lse)``,
-    ``out`` in q's dtype): 2 bytes more per element of q, k and the output, ``2 (2 h_q + h_kv)``
-    over the tp ranks that split the heads. 0 for other layouts, learned positions or bf16
-    parameters."""
-    s = w.shape
-    if plan.cp == 1 or plan.cp_mode != "ring" or s.max_positions or not autocast_copies(plan):
-        return 0.0
-    hq, hkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    return 2.0 * (2 * hq + hkv) / plan.tp
+    return full, 4 * t * s.hidden / rep
 
 
 def footprint(
