@@ -196,6 +196,23 @@ class SerialRun:
     (``get_total_norm`` of the same gradients when not clipping)."""
 
 
+def train_serially(model, opt, batches):
+    """Plain PyTorch on the global batches (a model returning logits, or an output with
+    ``.logits``; cross-entropy over the shifted labels, clipped at 1.0): losses, state, pre-clip
+    gradient norms."""
+    losses, norms = [], []
+    for b in batches:
+        out = model(b["input_ids"])
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
 def serial_run(
     family: str,
     opt_name: str,

@@ -23,7 +23,6 @@ backward graphs that inductor would compile.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from common import (
     SEQ,
     VOCAB,
@@ -33,6 +32,7 @@ from common import (
     build,
     global_batches,
     make_optimizer,
+    train_serially,
     train_steps,
 )
 
@@ -69,18 +69,7 @@ def _model(family):
 def _serial(family, batches):
     """Plain PyTorch on the global batches: losses, state, pre-clip gradient norms."""
     model = _model(family)
-    opt = make_optimizer("adamw", model)
-    losses, norms = [], []
-    for b in batches:
-        out = model(b["input_ids"])
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return train_serially(model, make_optimizer("adamw", model), batches)
 
 
 def _run(family, compile_blocks, batches, precision="fp32"):

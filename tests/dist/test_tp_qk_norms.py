@@ -34,6 +34,7 @@ from common import (
     assert_losses_close,
     assert_state_close,
     global_batches,
+    train_serially,
     train_steps,
 )
 from common import build_hf_moe as build_hf_moe_common
@@ -282,17 +283,7 @@ def dense_policy(family: str) -> dict[str, str]:
 
 def serial_dense_run(family: str, batches, **config):
     model = build_dense(family, **config)
-    opt = adamw(model)
-    losses, norms = [], []
-    for b in batches:
-        logits = model(b["input_ids"]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return train_serially(model, adamw(model), batches)
 
 
 def check_dense(family: str, plan: bh.Plan, batches, what: str, **config):
