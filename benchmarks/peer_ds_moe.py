@@ -7,7 +7,7 @@ key/value heads, expert FFN 5,632, 8 experts, top-2, vocab 32,000, seq 2,048), s
     torchrun --standalone --nproc-per-node 2 benchmarks/peer_ds_moe.py --mbs 4
     python benchmarks/peer_ds_moe.py --dry                      # parameter counts, no DeepSpeed
     DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 benchmarks/peer_ds_moe.py \\
-        --tiny --device cpu                                    # smoke, gloo (measures nothing)
+        --tiny --device cpu [--check]                          # smoke, gloo (measures nothing)
 
 DeepSpeed travels as wheels (the GPU machines have no registry): ``.whl/INSTALL.txt`` holds the
 install line, ``benchmarks/run_ds_moe.sh`` runs this peer and behemoth in one call. Built with
@@ -19,6 +19,9 @@ rotate-half convention), every block's MLP a ``deepspeed.moe.layer.MoE`` whose e
 FFN (``down(silu(gate(x)) * up(x))``, no biases), untied embedding and head. Parameter counts
 equal behemoth's preset exactly (``--dry`` prints both and the run checks it): DeepSpeed's gate
 ``wg`` is behemoth's router, each expert's three matrices its ``gate_up_proj`` and ``down_proj``.
+``--check`` loads behemoth's model's weights into the peer and compares the two forwards (fp32, no
+engine): on CPU at ``--tiny``, ep 2, the logits are equal (max difference 0.0) and an expert's
+gradient within 1e-11 of behemoth's (scale 3e-5), so the peer computes behemoth's function.
 
 DeepSpeed settings and why:
 
@@ -65,6 +68,14 @@ from torch import nn
 
 TINY = dict(hidden=64, ffn=96, heads=4, kv_heads=2, layers=2, vocab=512, seq=64, mbs=2, steps=4, warmup=1)
 """``--tiny``: defaults small enough for a CPU smoke check (gloo); measures nothing."""
+
+SETTINGS = (
+    "MoE(drop_tokens=False unless --capacity-factor: dropless as behemoth; top2_2nd_expert_sampling=False: "
+    "deterministic top-2 as Mixtral; min_capacity=0, use_rts=False, use_residual=False); client torch AdamW "
+    "(fused on CUDA) over split_params_into_different_moe_groups_for_optimizer groups (ZeRO-2 asserts a moe "
+    "group); ZeRO-2 overlap_comm, contiguous_gradients, reduce_scatter, 5e8 buckets; DS_BUILD_OPS=0"
+)
+"""What the RESULT says was chosen, and why (the module docstring has the long form)."""
 
 AUX_LOSS_COEF = 0.01
 """Weight of each layer's balancing loss (behemoth's ``LlamaConfig.router_aux_loss_coef``)."""
@@ -340,6 +351,60 @@ def slowest(value: float, dev: torch.device) -> float:
     return float(t.item())
 
 
+def check(a, dev: torch.device, result: dict) -> None:
+    """``--check``: the peer's forward (DeepSpeed-MoE over the ep ranks, fp32, no engine) against
+    behemoth's serial ``mixtral-4b`` model of the same shape with the same weights, on this rank's
+    tokens: the largest logit difference, and that of one expert's gradient (the peer's local expert
+    against behemoth's, summed over the ranks' losses). Equal up to float rounding when the two
+    compute the same function; a perturbed weight shows at once."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    from behemoth.models import build_model
+
+    deepspeed.init_distributed(dist_backend="nccl" if dev.type == "cuda" else "gloo")
+    rank, local = dist.get_rank(), a.experts // a.ep
+    shape = dict(hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads, ffn_hidden=a.ffn, num_experts=a.experts)
+    ref = build_model(
+        "mixtral-4b", vocab_size=a.vocab, seq_len=a.seq, device=dev, num_layers=a.layers, experts_top_k=a.top_k, **shape
+    )
+    with dev:
+        peer = MixtralLike(a, MoE)
+    for module in peer.modules():
+        if isinstance(module, MoE):
+            module.set_deepspeed_parallelism()
+    with torch.no_grad():
+        for name in ("embed", "lm_head", "norm"):
+            getattr(peer, name).weight.copy_(getattr(ref, name).weight)
+        for mine, theirs in zip(peer.layers, ref.layers):
+            for name in "qkvo":
+                getattr(mine.attn, name).weight.copy_(getattr(theirs.attn, name).weight)
+            mine.attn_norm.weight.copy_(theirs.attn_norm.weight)
+            mine.mlp_norm.weight.copy_(theirs.mlp_norm.weight)
+            mine.moe.deepspeed_moe.gate.wg.weight.copy_(theirs.mlp.router.weight)
+            for j, expert in enumerate(mine.moe.deepspeed_moe.experts.deepspeed_experts):
+                e = rank * local + j  # DeepSpeed's all-to-all hands rank r experts r * E / ep ...
+                gate, up = theirs.mlp.gate_up_proj[e].chunk(2, dim=0)
+                expert.gate.weight.copy_(gate)
+                expert.up.weight.copy_(up)
+                expert.down.weight.copy_(theirs.mlp.down_proj[e])
+    g = torch.Generator(device=dev).manual_seed(rank)
+    ids = torch.randint(0, a.vocab, (a.mbs, a.seq), device=dev, generator=g)
+    got, _ = peer(ids)
+    want = ref(ids)
+    got.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    mine = peer.layers[0].moe.deepspeed_moe.experts.deepspeed_experts[0].down.weight.grad
+    theirs = ref.layers[0].mlp.down_proj.grad.clone()
+    dist.all_reduce(theirs)  # the peer's expert saw both ranks' tokens
+    result.update(
+        check_logits_max_diff=slowest((got - want).abs().max().item(), dev),
+        check_logits_scale=round(want.abs().max().item(), 4),
+        check_expert_grad_max_diff=slowest((mine - theirs[rank * local]).abs().max().item(), dev),
+        check_expert_grad_scale=float(theirs[rank * local].abs().max()),
+    )
+
+
 def dry(a) -> None:
     """Parameter counts without DeepSpeed's engine or process groups: the peer's MoE layers are
     stand-ins with DeepSpeed's parameter layout (gate ``wg`` and ``E / ep`` local experts)."""
@@ -403,6 +468,9 @@ def parse_args(argv=None):
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (a CPU smoke check's fallback)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo, DS_ACCELERATOR=cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke check, not a measurement")
+    p.add_argument(
+        "--check", action="store_true", help="compare the peer's forward with behemoth's model (fp32; --tiny on CPU)"
+    )
     p.add_argument("--dry", action="store_true", help="print parameter counts and exit (no DeepSpeed, no GPU)")
     if p.parse_args(argv).tiny:  # tiny defaults; flags given still win
         p.set_defaults(**TINY)
@@ -443,12 +511,13 @@ def main(argv=None) -> None:
         top2_2nd_expert_sampling=a.top2_sampling,
         bf16=a.bf16,
         zero=2,
+        settings=SETTINGS,
     )
     failed = False
     try:
         if a.experts % a.ep or world % a.ep:
             raise ValueError(f"--ep {a.ep} must divide --experts {a.experts} and the world size {world}.")
-        run(a, dev, result)
+        (check if a.check else run)(a, dev, result)
     except Exception as e:  # the peer's failure is its result
         failed = True
         result.update(error=f"{type(e).__name__}: {e}"[:600], rank=rank)
