@@ -7,7 +7,8 @@
 # MBS: default "4 8"; BH_PLAN: behemoth's plan, default its best measured recipe
 # "dp=2,ep=2,compile=True,zero=1,param_dtype=bf16" (BH_PLAIN=1 also runs Plan(dp=2, ep=2) at the
 # first MBS); DS_EXTRA: extra peer_ds_moe.py flags (e.g. "--capacity-factor 1.25"); SKIP_BH=1 runs
-# the peer alone; DEADLINE: seconds by which the last run ends (default 570).
+# the peer alone; CHECK=1 first compares the peer's forward with behemoth's model at tiny shapes on the
+# GPUs (peer_ds_moe.py --check, about 20 s); DEADLINE: seconds by which the last run ends (default 570).
 set -u
 out=${OUT:-/tmp}
 log="$out/ds_moe.log"
@@ -26,6 +27,7 @@ run() {   # name, seconds, command...
   echo "rc=$? in $((SECONDS - s)) s" | tee -a "$log"
   grep -E "^RESULT|OutOfMemory|Error" "$out/dsmoe-$name.txt" | tail -6 | tee -a "$log"
 }
+[ -n "${CHECK:-}" ] && run check 60 benchmarks/peer_ds_moe.py --tiny --check
 plan=${BH_PLAN:-dp=2,ep=2,compile=True,zero=1,param_dtype=bf16}
 first=1
 for m in ${MBS:-4 8}; do
