@@ -32,8 +32,13 @@ if [ -n "${CAL:-}" ]; then
   cal=$CAL
 else
   timeout 90 torchrun --standalone --nproc-per-node "$most" benchmarks/calibrate.py --out "$out/calibration.json" \
-    > "$out/calibrate.log" 2>&1 || echo "calibration failed: see calibrate.log" | tee -a "$out/planner_proof.log"
-  cal="$out/calibration.json"; [ -f "$cal" ] || cal=h100
+    > "$out/calibrate.log" 2>&1 || {
+    # a calibration that failed (or that the planner rejects) is not used: the shipped one of the card
+    rm -f "$out/calibration.json"
+    echo "calibration failed: see calibrate.log; the shipped calibration is used" | tee -a "$out/planner_proof.log"
+  }
+  cal="$out/calibration.json"
+  [ -f "$cal" ] || { cal=h100; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && cal=h200; }
 fi
 for model in $MODELS; do
   case $model in
@@ -51,10 +56,13 @@ for model in $MODELS; do
       left=$((BUDGET - ($(date +%s) - start)))
       [ "$left" -gt 20 ] || break
       resume=(); [ -s "$rows" ] && resume=(--resume "$rows")
+      before=$(wc -l < "$rows")
       CUDA_VISIBLE_DEVICES=$devs timeout $((left + 60)) torchrun --standalone --nproc-per-node "$n" \
         benchmarks/planner_proof.py "${args[@]}" --layouts "$LAYOUTS" --steps "$STEPS" --warmup "$WARMUP" --budget-s "$left" \
         --calibration "$cal" ${resume[@]+"${resume[@]}"} $EXTRA 2>>"$out/planner_proof.err" | tee -a "$out/planner_proof.log" "$rows"
       grep -q '"final": true' "$rows" && break
+      # an attempt that wrote nothing fails before its first layout (the same way each time): stop
+      [ "$(wc -l < "$rows")" -gt "$before" ] || { echo "# no layout ran in attempt $attempt: stopped" | tee -a "$out/planner_proof.log"; break; }
       echo "# the run ended before its summary (attempt $attempt); resuming" | tee -a "$out/planner_proof.log"
     done
   done
