@@ -22,6 +22,15 @@ ops run (``ops``: about one kernel each on a GPU) and the host syncs CUDA's sync
 (``host_syncs``: a value read with ``item``/``tolist``, a blocking copy; null on the CPU; the
 dispatch's one wait for its split sizes, an event, is not among them).
 
+``--host-only`` (dispatch; one process, no torchrun): the host's work of the same dispatch and
+combine, and of their backward, over an ep axis (``--ep``, default 2) whose all-to-alls hand
+the rows sent back (:func:`part_dispatch_host`): a ``HOST`` json line per precision with the
+ATen ops, the all-to-all calls and the median µs of each part (with ``--align 16``: the groups
+padded as on a GPU). At small shapes (``--dispatch-tokens 512 --hidden 64``) the time is the
+host's overhead, which bounds the dispatch on a GPU::
+
+    python benchmarks/bench_moe.py --host-only --dispatch-tokens 512 --hidden 64 --align 16 --iters 500
+
 ``layer`` (``what: moe-layer``): one :class:`~behemoth.models.moe.MoEFeedForward` (hidden 4,096,
 expert FFN 14,336, 8 experts, top-2) under :class:`~behemoth.parallel.expert.ExpertParallel` at
 ``ep = world``, 16k tokens per rank, forward + backward, against a dense SwiGLU
@@ -302,6 +311,10 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
         dispatch_ops, dispatch_syncs = counted(dispatch_only, dev)
         combine_ops, combine_syncs = counted(combine_only, dev)
         round_trip_ops, round_trip_syncs = counted(round_trip, dev)
+        with autocast():
+            rows_NH, _, r = dispatch(x_TH, experts_TK, E, ep, align=align)
+            y_TH = combine(rows_NH.to(torch.bfloat16), weights_TK, r)
+        backward_ops, _ = counted(lambda: y_TH.backward(dy_TH), dev)  # the round trip's backward alone
         sorted_AH = x_TH.detach().to(x_NH.dtype)[routed.order_A // K]  # the rows dispatch sends
         a2a_us = timed_us(
             lambda: comm.all_to_all_single(sorted_AH, ep, routed.send_sizes, routed.recv_sizes),
@@ -331,6 +344,7 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
                 round_trip_fwd_bwd_us=round(round_trip_us, 1),
                 a2a_only_us=round(a2a_us, 1),
                 ops=dict(dispatch=dispatch_ops, combine=combine_ops, round_trip_fwd_bwd=round_trip_ops),
+                ops_backward=backward_ops,
                 host_syncs=dict(dispatch=dispatch_syncs, combine=combine_syncs, round_trip_fwd_bwd=round_trip_syncs),
                 dispatch_mib_sent_per_rank=round(sum(routed.send_sizes) * row_bytes / 2**20, 1),
                 dispatch_mib_leaving_rank0=round(leaving * row_bytes / 2**20, 1),
@@ -338,6 +352,93 @@ def part_dispatch(a, dev: torch.device, mesh: ParallelMesh, paths: PathCount) ->
                 gpu=_gpu_name(dev),
             )
         )
+
+
+class _Mirror:
+    """``dist.all_to_all_single`` for :func:`part_dispatch_host`: the rows received are the rows
+    sent (every member of the axis sends what this one sends, so the split sizes agree), copied
+    on the host; no process group."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        self.calls += 1
+        output.copy_(input)
+        return _Done() if async_op else None
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+def part_dispatch_host(a) -> None:
+    """``--host-only``: the host's work of the dispatch and combine on one process, no collective
+    run: an ``ep`` axis (``--ep``, default 2) whose all-to-alls hand back the rows sent
+    (:class:`_Mirror`), so every op, index and Python step of a member of a real exchange runs,
+    and nothing waits. Small shapes (``--dispatch-tokens``, ``--hidden``) make the kernels cost
+    almost nothing on the CPU: the time is the host's overhead. One ``HOST`` json line per
+    precision: ATen ops and all-to-all calls of the dispatch, the combine and their backward,
+    median µs of each (``perf_counter``), and of the layer's exchange (``overlap.exchange``, one
+    chunk, an identity for the experts) forward and backward."""
+    from behemoth.comm import Axis, Ledger
+    from behemoth.parallel.expert import overlap
+    from behemoth.parallel.expert.dispatch import Routes
+
+    T, H, E, K, n = a.dispatch_tokens, a.hidden, a.experts, a.top_k, a.ep or 2
+    dev = torch.device("cpu")
+    mirror = _Mirror()
+    dist.all_to_all_single = mirror
+    ep = Axis("ep", n, 0, tuple(range(n)), None, Ledger())
+    g = torch.Generator().manual_seed(1000)
+    _, weights_TK, experts_TK = route(torch.randn(T, E, generator=g), K)
+    weights_TK.requires_grad_()
+    align = a.align if a.align else 1
+    for precision in _precisions(a):
+        x_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        x_TH = torch.randn(T, H, generator=g).to(x_dtype).requires_grad_()
+        dy_TH = torch.randn(T, H, generator=g, dtype=x_dtype)
+        autocast = functools.partial(torch.autocast, "cpu", torch.bfloat16, precision == "autocast")
+        held = {}
+
+        def dispatch_fwd():
+            with autocast():
+                x_NH, _, held["routed"] = dispatch(x_TH, experts_TK, E, ep, align=align)
+            held["y_NH"] = x_NH.to(torch.bfloat16)
+
+        def combine_fwd():
+            with autocast():
+                held["y_TH"] = combine(held["y_NH"], weights_TK, held["routed"])
+
+        def backward():
+            held.pop("y_TH").backward(dy_TH)
+            x_TH.grad = weights_TK.grad = None
+
+        def exchange_fwd():
+            with autocast():
+                routes = Routes.build(experts_TK, E, ep, align=align)
+                held["y_TH"] = overlap.exchange(x_TH, weights_TK, routes, lambda x_NH, counts: x_NH * 1)
+
+        steps = (("dispatch", dispatch_fwd), ("combine", combine_fwd), ("backward", backward))
+        steps += (("exchange", exchange_fwd), ("exchange_backward", backward))
+        ops, calls, times = {}, {}, {k: [] for k, _ in steps}
+        for i in range(a.warmup + a.iters + 1):
+            for name, fn in steps:
+                if i == a.warmup + a.iters:  # the last round: counted, not timed
+                    before = mirror.calls
+                    ops[name] = counted(fn, dev)[0]
+                    calls[name] = mirror.calls - before
+                    continue
+                t = time.perf_counter()
+                fn()
+                if i >= a.warmup:
+                    times[name].append((time.perf_counter() - t) * 1e6)
+        line = dict(what="moe-dispatch-host", precision=precision, ep=n, tokens_per_rank=T, hidden=H, experts=E)
+        line |= dict(top_k=K, align=align, iters=a.iters, ops=ops, all_to_alls=calls)
+        line["host_us_median"] = {k: round(sorted(v)[len(v) // 2], 1) for k, v in times.items()}
+        line["host_us_min"] = {k: round(min(v), 1) for k, v in times.items()}
+        print("HOST " + json.dumps(line), flush=True)
 
 
 def _precisions(a) -> list[str]:
@@ -740,6 +841,12 @@ def parse_args(argv=None):
         default="1",
         help="layer, model: comma-separated chunk counts of the overlapped expert exchange (1: at once)",
     )
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="dispatch: the host's work alone, one process, no collective run (part_dispatch_host); no torchrun",
+    )
+    p.add_argument("--align", type=int, default=0, help="--host-only: the experts' groups padded to this (0: 1)")
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 peak FLOP/s per GPU (H100/H200 SXM)")
     p.add_argument(
         "--combine",
@@ -780,6 +887,9 @@ def parse_args(argv=None):
 
 def main() -> None:
     a = parse_args()
+    if a.host_only:
+        part_dispatch_host(a)
+        return
     use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no GPU is visible (torch.cuda.is_available() is False).")

@@ -170,3 +170,141 @@ def test_moe_layers_take_the_expert_path_under_any_plan():
     assert loop.ops["nonzero"] == 4  # the serial layer: once per expert
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.aux_loss, serial.aux_loss, rtol=1e-6, atol=0)
+
+
+class Mirror:
+    """``dist.all_to_all_single`` of an axis whose every member sends what this one sends: the rows
+    received are the rows sent (the split sizes then agree), so one process runs a member's whole
+    exchange -- every op of it -- with no process group."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        self.calls += 1
+        assert list(output_split_sizes) == list(input_split_sizes)
+        output.copy_(input)
+        assert not async_op
+
+
+def mirrored_axis(monkeypatch, size: int = 2) -> tuple[Axis, Mirror]:
+    import torch.distributed as dist
+
+    mirror = Mirror()
+    monkeypatch.setattr(dist, "all_to_all_single", mirror)
+    return Axis("ep", size, 0, tuple(range(size)), None, Ledger()), mirror
+
+
+def test_mirrored_exchange_weighs_each_tokens_rows(monkeypatch):
+    """dispatch -> identity experts -> combine over a mirrored ep = 2 axis (the rows come back as
+    sent): each token's output is its k routing weights times its row, its gradients those of
+    that sum; a capacity's drops add nothing; the groups padded or not."""
+    from behemoth.parallel.expert.dispatch import combine, dispatch
+
+    ep, _ = mirrored_axis(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    T, H, E, K = 23, 6, 8, 2
+    for align, drop in ((1, False), (4, False), (16, True)):
+        experts_TK = torch.rand(T, E, generator=g).argsort(-1)[:, :K]
+        if drop:
+            experts_TK[::4, 1] = E
+        kept_TK = (experts_TK < E).double()
+        x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True)
+        x_NH, counts, routed = dispatch(x, experts_TK, E, ep, align=align)
+        assert x_NH.shape[0] == sum(counts) and all(c % align == 0 for c in counts)
+        y = combine(x_NH * 1, w, routed)
+        want = ((w * kept_TK).sum(1, keepdim=True) * x).detach()
+        torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+        dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+        y.backward(dy)
+        torch.testing.assert_close(x.grad, (w * kept_TK).sum(1, keepdim=True).detach() * dy, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w.grad, (dy * x.detach()).sum(1, keepdim=True) * kept_TK, rtol=1e-12, atol=1e-12)
+
+
+def test_weigh_rows_is_autograds_weighted_index_add_bit_for_bit():
+    """:class:`WeighRows` (one autograd node) computes, forward and backward, bit for bit what
+    autograd computes for the plain ops it replaces: bf16 rows with float32 weights (the product
+    in float32, the sum returned in bf16), float32 rows with bf16 weights, a capacity's drops,
+    and either input without a gradient."""
+    from behemoth.parallel.expert.dispatch import Routed, WeighRows
+
+    g = torch.Generator().manual_seed(2)
+    T, H, K = 9, 5, 2
+    for y_dtype, w_dtype, out_dtype, drop in (
+        (torch.bfloat16, torch.float32, torch.bfloat16, False),
+        (torch.bfloat16, torch.float32, torch.float32, True),
+        (torch.float32, torch.bfloat16, torch.float32, False),
+    ):
+        order = torch.randperm(T * K, generator=g)[: T * K - (5 if drop else 0)]
+        y = torch.randn(order.numel(), H, generator=g).to(y_dtype)
+        w = torch.rand(T, K, generator=g).to(w_dtype)
+        dy = torch.randn(T, H, generator=g).to(out_dtype)
+        for grads in ((True, True), (True, False), (False, True)):
+            outs = []
+            for fn in ("plain", "node"):
+                y_, w_ = y.clone().requires_grad_(grads[0]), w.clone().requires_grad_(grads[1])
+                if fn == "plain":
+                    weighted = y_ * w_.reshape(-1).index_select(0, order)[:, None]
+                    out = weighted.new_zeros((T, H)).index_add_(0, order // K, weighted).to(out_dtype)
+                else:
+                    out = WeighRows.apply(y_, w_, order, order // K, out_dtype)
+                out.backward(dy)
+                outs.append((out, y_.grad, w_.grad))
+            for a, b in zip(*outs):
+                assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
+    assert Routed.__dataclass_fields__["order_A"]  # what weigh_rows reads
+
+
+def test_all_to_all_single_writes_into_out_on_a_trivial_axis():
+    from behemoth.comm import all_to_all_single
+
+    axis = OneRankMesh().axis("ep")
+    t, out = torch.arange(4.0), torch.zeros(4)
+    assert all_to_all_single(t, axis, [4], [4], out=out) is out and out.tolist() == t.tolist()
+    assert all_to_all_single(t, axis, [4], [4]) is t
+
+
+def test_dispatch_and_combine_op_counts(monkeypatch):
+    """The host's work of one expert-parallel dispatch and combine, pinned: the ATen ops (each
+    about one kernel and a few µs of host time on a GPU) of a member's dispatch, combine and their
+    backward over a mirrored ep = 2 axis, bf16 rows with the groups padded as the grouped GEMMs
+    want (``benchmarks/bench_moe.py --host-only`` measures the same), and the all-to-alls: one of
+    the split sizes and one of rows each way, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from behemoth.parallel.expert.dispatch import combine, dispatch
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ep, mirror = mirrored_axis(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    T, H, E, K = 64, 8, 8, 2
+    experts_TK = torch.rand(T, E, generator=g).argsort(-1)[:, :K].contiguous()  # as the router's top-k
+    x = torch.randn(T, H, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(T, K, generator=g, requires_grad=True)
+    dispatch(x, experts_TK, E, ep, align=16)  # a first call makes what is cached
+    counts, calls = {}, {}
+    with Ops() as ops:
+        x_NH, _, routed = dispatch(x, experts_TK, E, ep, align=16)
+    counts["dispatch"], calls["dispatch"], mirror.calls = ops.ops, mirror.calls - 2, 0
+    y_NH = x_NH * 1
+    with Ops() as ops:
+        y = combine(y_NH, w, routed)
+    counts["combine"], calls["combine"], mirror.calls = ops.ops, mirror.calls, 0
+    dy = torch.ones_like(y)
+    with Ops() as ops:
+        y.backward(dy)
+    counts["backward"], calls["backward"] = ops.ops, mirror.calls
+    assert calls == {"dispatch": 2, "combine": 1, "backward": 2}
+    limits = {"dispatch": 22, "combine": 9, "backward": 22}  # backward: the identity experts' mul is one more
+    for part, limit in limits.items():
+        assert len(counts[part]) <= limit + (part == "backward"), (part, len(counts[part]), counts[part])
+    assert counts["dispatch"].count("sort") == 1 and "cat" not in counts["dispatch"]

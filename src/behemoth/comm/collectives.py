@@ -148,14 +148,19 @@ def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
 
 
 @eager
-def all_to_all_single(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+def all_to_all_single(
+    t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Uneven all-to-all along dim 0: the first ``send_sizes[0]`` rows of ``t`` go to member 0,
     the next ``send_sizes[1]`` to member 1, ...; what arrives is concatenated in member order,
     ``recv_sizes[i]`` rows from member i (the sizes must match the senders'; exchange them
-    first). Any size may be 0. Ledger: payload = the bytes sent, wire = those leaving this rank."""
+    first). Any size may be 0. ``out``: a contiguous tensor of the rows received to write them
+    into (a new one when None; on a trivial axis ``t`` is copied into it). Ledger: payload = the
+    bytes sent, wire = those leaving this rank."""
     if axis.trivial:
-        return t
-    out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
+        return t if out is None else out.copy_(t)
+    if out is None:
+        out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
     row = t.element_size() * math.prod(t.shape[1:])
     t0 = time.perf_counter()
     dist.all_to_all_single(

@@ -10,10 +10,11 @@ The E experts are sharded over the ``ep`` axis in contiguous blocks (member r ho
    of one chunk for member r are one contiguous run; the assignments per chunk and expert
    counted on the device (no host read);
 2. **split sizes**: every member's per-chunk, per-expert counts exchanged with one even
-   all-to-all of ``chunks * E`` integers, then read to the host **once** (:class:`HostSizes`:
-   started right after the exchange, into pinned memory, while the device goes on gathering the
-   rows): the only wait of the host per layer and step -- the backward reads nothing, and a
-   recompute under activation checkpointing replays the routes (:mod:`.replay`);
+   all-to-all of ``chunks * E`` integers, received into the buffer the counts were made in, and
+   that buffer read to the host **once** (:class:`HostSizes`: started right after the exchange,
+   into pinned memory, while the device goes on gathering the rows): the only wait of the host
+   per layer and step -- the backward reads nothing, and a recompute under activation
+   checkpointing replays the routes (:mod:`.replay`);
 3. **dispatch**: each chunk's rows gathered in expert order (cast to the GEMM dtype first,
    :class:`SendRows`), exchanged with one uneven ``all_to_all_single``
    (:class:`~behemoth.comm.AllToAllSingleAxis`), then placed by local expert in one scatter
@@ -22,7 +23,15 @@ The E experts are sharded over the ``ep`` axis in contiguous blocks (member r ho
    one expert per member, unpadded);
 4. the local experts (:func:`~.grouped.grouped_swiglu`);
 5. **combine**: the rows taken back in the order they arrived (:class:`TakeRows`), the reverse
-   all-to-all, and each token's k outputs weighted and summed in one ``index_add``.
+   all-to-all, and each token's k outputs weighted and summed in one ``index_add``
+   (:class:`WeighRows`, one autograd node for the weights' gather, the product and the sum).
+
+The path is host-bound on a GPU (each ATen op is a kernel launch and some µs of the host's
+time; the rows' kernels are short), so it runs as few ops as it can: no slicing where a capacity
+dropped nothing, no concatenation for the host read, no permutation where the rows arrive in the
+experts' layout, index tensors made once per routes and reused by the combine and both
+backwards. tests/unit/test_expert_dispatch.py pins the op counts of a member's dispatch, combine
+and their backward; ``benchmarks/bench_moe.py --host-only`` measures their host time.
 
 Every permutation's backward is the adjoint gather or scatter over the same index (no sort and no
 atomic accumulation: each is a permutation, and a token's k row gradients are summed as one
@@ -62,6 +71,7 @@ __all__ = [
     "Routes",
     "SendRows",
     "TakeRows",
+    "WeighRows",
     "block_shifts",
     "chunk_sizes",
     "combine",
@@ -71,12 +81,24 @@ __all__ = [
 ]
 
 
-def count_experts(experts_A: torch.Tensor, num_bins: int) -> torch.Tensor:
+_UNIT: dict[torch.device, torch.Tensor] = {}
+"""A one-element int64 one per device, expanded to count with (no kernel, no allocation)."""
+
+
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    unit = _UNIT.get(device)
+    if unit is None:
+        unit = _UNIT[device] = torch.ones(1, dtype=torch.int64, device=device)
+    return unit.expand(n)
+
+
+def count_experts(experts_A: torch.Tensor, num_bins: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Assignments per expert of the flat ``experts_A`` (values in ``[0, num_bins)``), int64, on
-    ``experts_A``'s device: ``torch.bincount`` without its host read of the largest value."""
-    return experts_A.new_zeros(num_bins, dtype=torch.int64).scatter_add_(
-        0, experts_A.long(), torch.ones_like(experts_A, dtype=torch.int64)
-    )
+    ``experts_A``'s device: ``torch.bincount`` without its host read of the largest value.
+    ``out``: ``num_bins`` zeros to add the counts to (a new tensor when None)."""
+    if out is None:
+        out = experts_A.new_zeros(num_bins, dtype=torch.int64)
+    return out.scatter_add_(0, experts_A.long(), _ones(experts_A.numel(), experts_A.device))
 
 
 def block_shifts(recv_counts_RL: list[list[int]], padded_L: list[int]) -> list[int]:
@@ -124,8 +146,8 @@ class HostSizes:
     def __init__(self, sizes: torch.Tensor) -> None:
         self.event = None
         if sizes.is_cuda:
-            self.host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-            self.host.copy_(sizes, non_blocking=True)  # queued on sizes' device's current stream
+            # a non-blocking copy to the host lands in pinned memory; queued on sizes' device's current stream
+            self.host = sizes.to("cpu", non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(sizes.device))
         else:
@@ -199,9 +221,11 @@ class SendRows(torch.autograd.Function):
     def forward(ctx, x_TH, order_A, token_A, top_k: int, dtype: torch.dtype, kept):
         rows_AH = x_TH.to(dtype).index_select(0, token_A)
         kept = kept()
-        ctx.save_for_backward(order_A[:kept])
+        if kept < order_A.numel():  # a capacity dropped some (else no slicing)
+            order_A, rows_AH = order_A[:kept], rows_AH[:kept]
+        ctx.save_for_backward(order_A)
         ctx.shape, ctx.dtype, ctx.top_k = x_TH.shape, x_TH.dtype, top_k
-        return rows_AH[:kept]
+        return rows_AH
 
     @staticmethod
     def backward(ctx, grad_AH: torch.Tensor):
@@ -269,10 +293,10 @@ class Routes:
         self.orders, self.tokens = [], []  # each chunk's assignments in expert order (its dropped ones last)
         at = 0
         for size in token_sizes:
-            block = order_A[at : at + size * top_k]
+            block = order_A if len(token_sizes) == 1 else order_A[at : at + size * top_k]
             block = block - at if at else block  # flat indices within the chunk
             self.orders.append(block)
-            self.tokens.append(block // top_k)
+            self.tokens.append(block // top_k if top_k > 1 else block)
             at += size * top_k
         self._routed: dict[int, Routed] = {}
         self._moves: dict[int, tuple[list[int], list[int]] | None] = {}
@@ -296,13 +320,16 @@ class Routes:
             runs = to_device([s * top_k for s in sizes], key_A.device)
             chunk_A = torch.repeat_interleave(torch.arange(chunks, device=key_A.device), runs, output_size=T * top_k)
             key_A = key_A + bins * chunk_A
-        counts = count_experts(key_A, chunks * bins)
+        # the counts, then the split sizes received, in one buffer: the host reads it whole
+        both = key_A.new_zeros(chunks * (bins + num_experts), dtype=torch.int64)
+        counts, recv = both.split([chunks * bins, chunks * num_experts])
+        count_experts(key_A, chunks * bins, out=counts)
         send = counts[:num_experts]
         if chunks > 1:  # member r gets, chunk by chunk, the counts of its local experts
             send = counts.view(chunks, bins)[:, :num_experts].reshape(chunks, n, num_local).transpose(0, 1).reshape(-1)
         block = [chunks * num_local] * n
-        recv = comm.all_to_all_single(send, axis, block, block)
-        pending = _Pending(HostSizes(torch.cat([counts, recv])), num_experts, n, chunks)
+        comm.all_to_all_single(send, axis, block, block, out=recv)
+        pending = _Pending(HostSizes(both), num_experts, n, chunks)
         # the one sort, of narrow keys (fewer radix passes on a GPU); each chunk's dropped assignments last
         narrow = torch.int16 if chunks * bins <= 2**15 else torch.int32
         order_A = torch.argsort(key_A.to(narrow), stable=True)
@@ -329,7 +356,9 @@ class Routes:
         recv_sizes = [sum(row) for row in recv_RL]
         local_counts = [sum(row[l] for row in recv_RL) for l in range(num_local)]
         padded = pad_groups(local_counts, self.align)[0] if self.align > 1 else local_counts
-        order, token = self.orders[chunk][:kept], self.tokens[chunk][:kept]
+        order, token = self.orders[chunk], self.tokens[chunk]
+        if kept < order.numel():  # a capacity dropped some (else no slicing)
+            order, token = order[:kept], token[:kept]
         routed = Routed(self.axis, order, token, send_sizes, recv_sizes, None, None, sum(padded), dtype, padded)
         shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
         self._routed[chunk] = routed
@@ -345,12 +374,16 @@ class Routes:
             shifts, pad_rows = moves
             n, num_local = self.axis.size, self.num_experts // self.axis.size
             received, device = sum(routed.recv_sizes), routed.order_A.device
-            moved, pad = to_device(shifts + pad_rows, device).split([len(shifts), len(pad_rows)])
-            recv = self.recv if self.chunks == 1 else self.recv.view(n, self.chunks, num_local)[:, chunk]
+            if pad_rows:  # one copy to the device for both
+                moved, routed.pad = to_device(shifts + pad_rows, device).split([len(shifts), len(pad_rows)])
+            else:
+                moved = to_device(shifts, device)
+            recv = self.recv  # (member, local expert) of the one chunk, flat
+            if self.chunks > 1:
+                recv = recv.view(n, self.chunks, num_local)[:, chunk].reshape(-1)
             routed.slot = torch.arange(received, device=device) + torch.repeat_interleave(
-                moved, recv.reshape(-1), output_size=received
+                moved, recv, output_size=received
             )
-            routed.pad = pad if pad_rows else None
         return routed
 
 
@@ -369,13 +402,42 @@ def take_rows(y_NH: torch.Tensor, routed: Routed) -> torch.Tensor:
     return TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
 
 
+class WeighRows(torch.autograd.Function):
+    """The combine's weighted sum, local: forward ``y_TH[token_A[i]] += y_AH[i] * w_A[i]`` with
+    ``w_A = weights_TK.flatten()[order_A]``, in the product's dtype (``index_add_`` into zeros),
+    returned in ``dtype``. Backward, what autograd derives for those ops, without its graph of
+    them: the gradient in the product's dtype gathered per row (``g_AH = grad[token_A]``), the
+    rows' ``g_AH * w_A`` in ``y_AH``'s dtype, the weights' ``(g_AH * y_AH).sum(-1)`` put back at
+    ``order_A`` (zero at a dropped slot) in ``weights_TK``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, y_AH, weights_TK, order_A, token_A, dtype: torch.dtype):
+        w_A1 = torch.take(weights_TK, order_A).unsqueeze(1)
+        weighted_AH = y_AH * w_A1
+        y_TH = weighted_AH.new_zeros((weights_TK.shape[0], y_AH.shape[-1])).index_add_(0, token_A, weighted_AH)
+        ctx.save_for_backward(y_AH, w_A1, order_A, token_A)
+        ctx.wshape, ctx.wdtype, ctx.acc = weights_TK.shape, weights_TK.dtype, weighted_AH.dtype
+        return y_TH.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        y_AH, w_A1, order_A, token_A = ctx.saved_tensors
+        g_AH = grad_TH.to(ctx.acc).index_select(0, token_A)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = (g_AH * w_A1).to(y_AH.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_A = (g_AH * y_AH).sum(1)
+            make = grad_A.new_empty if order_A.numel() == ctx.wshape.numel() else grad_A.new_zeros  # every slot put
+            grad_w = make(ctx.wshape).put_(order_A, grad_A).to(ctx.wdtype)
+        return grad_y, grad_w, None, None, None
+
+
 def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
     """``y_TH``: the rows back at their tokens, each token's k weighted by ``weights_TK`` and
-    summed (in the product's dtype), returned in the dispatched tokens' dtype. Local."""
-    num_tokens = weights_TK.shape[0]
-    weighted_AH = y_AH * weights_TK.reshape(-1).index_select(0, routed.order_A)[:, None]
-    y_TH = weighted_AH.new_zeros((num_tokens, y_AH.shape[-1])).index_add_(0, routed.token_A, weighted_AH)
-    return y_TH.to(routed.dtype)
+    summed (in the product's dtype), returned in the dispatched tokens' dtype (:class:`WeighRows`).
+    Local."""
+    return WeighRows.apply(y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
 
 
 @torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
