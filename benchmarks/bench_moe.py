@@ -253,14 +253,27 @@ def token_major_weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed)
     return (y_TKH * weights_TK.unsqueeze(-1)).sum(1).to(routed.dtype)
 
 
+def token_major_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed) -> torch.Tensor:
+    """``--combine token-major``'s :func:`~behemoth.parallel.expert.dispatch.combine`: the rows
+    taken back and sent, then :func:`token_major_weigh_rows` (the library's combine is one
+    autograd node with its own weighing)."""
+    from behemoth.parallel.expert.dispatch import take_rows
+
+    rows_NH = take_rows(y_NH, routed)
+    y_AH = comm.AllToAllSingleAxis.apply(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
+    return token_major_weigh_rows(y_AH, weights_TK, routed)
+
+
 def use_combine(kind: str) -> None:
     """``--combine``: ``index-add`` (the library's) or ``token-major`` (:func:`token_major_weigh_rows`,
-    put in the library's place for this process)."""
+    put in the library's place for this process: in its weighing and its combine)."""
+    global combine
     if kind == "token-major":
         from behemoth.parallel.expert import dispatch as dispatch_module
         from behemoth.parallel.expert import overlap as overlap_module
 
         dispatch_module.weigh_rows = overlap_module.weigh_rows = token_major_weigh_rows
+        combine = dispatch_module.combine = overlap_module.combine = token_major_combine
 
 
 # ---------------------------------------------------------------- part 1: dispatch and combine

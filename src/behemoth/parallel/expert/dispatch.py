@@ -19,19 +19,26 @@ The E experts are sharded over the ``ep`` axis in contiguous blocks (member r ho
    :class:`SendRows`), exchanged with one uneven ``all_to_all_single``
    (:class:`~behemoth.comm.AllToAllSingleAxis`), then placed by local expert in one scatter
    (:class:`PlaceRows`; each group padded with zero rows to a multiple of ``align`` where the
-   grouped GEMMs want it) -- skipped where they arrive in that layout already (one member, or
-   one expert per member, unpadded);
+   grouped GEMMs want it; where each row goes, :func:`placement`, is made on the host from the
+   split sizes and copied to the device in one copy) -- skipped where they arrive in that
+   layout already (one member, or one expert per member, unpadded);
 4. the local experts (:func:`~.grouped.grouped_swiglu`);
 5. **combine**: the rows taken back in the order they arrived (:class:`TakeRows`), the reverse
    all-to-all, and each token's k outputs weighted and summed in one ``index_add``
    (:class:`WeighRows`, one autograd node for the weights' gather, the product and the sum).
 
+:func:`dispatch` and :func:`combine` run steps 3 and 5 as one autograd node each
+(:class:`DispatchRows`, :class:`CombineRows`: the same ops as the three Functions of each step,
+one node instead of three); :mod:`.overlap`, which starts and waits for each all-to-all apart,
+runs the steps' Functions one by one.
+
 The path is host-bound on a GPU (each ATen op is a kernel launch and some µs of the host's
 time; the rows' kernels are short), so it runs as few ops as it can: no slicing where a capacity
-dropped nothing, no concatenation for the host read, no permutation where the rows arrive in the
-experts' layout, index tensors made once per routes and reused by the combine and both
-backwards. tests/unit/test_expert_dispatch.py pins the op counts of a member's dispatch, combine
-and their backward; ``benchmarks/bench_moe.py --host-only`` measures their host time.
+dropped nothing, no concatenation for the host read, no device kernels for the placement but its
+copy, no permutation where the rows arrive in the experts' layout, index tensors made once per
+routes and reused by the combine and both backwards. tests/unit/test_expert_dispatch.py pins
+the op counts of a member's dispatch, combine and their backward; ``benchmarks/bench_moe.py
+--host-only`` measures their host time.
 
 Every permutation's backward is the adjoint gather or scatter over the same index (no sort and no
 atomic accumulation: each is a permutation, and a token's k row gradients are summed as one
@@ -40,7 +47,7 @@ runs the reverse all-to-alls on every member, even one that received no rows (it
 stays in the autograd graph), so an expert with no tokens cannot hang a step.
 
 The bookkeeping (:func:`count_experts`, :func:`block_shifts`, :func:`padding_rows`,
-:func:`chunk_sizes`) is pure and unit-tested (against a plain sort and regrouping, in
+:func:`placement`, :func:`chunk_sizes`) is pure and unit-tested (against a plain sort and regrouping, in
 tests/unit/test_expert_dispatch.py).
 
 Communication per forward per MoE layer: all-to-all of ``chunks * E`` int64 (sizes), then of the
@@ -58,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ... import comm
@@ -67,6 +75,8 @@ from .grouped import gemm_dtype, pad_groups, to_device
 __all__ = [
     "HostSizes",
     "PlaceRows",
+    "CombineRows",
+    "DispatchRows",
     "Routed",
     "Routes",
     "SendRows",
@@ -78,6 +88,7 @@ __all__ = [
     "count_experts",
     "dispatch",
     "padding_rows",
+    "placement",
 ]
 
 
@@ -129,6 +140,20 @@ def padding_rows(counts_L: list[int], padded_L: list[int]) -> list[int]:
         rows.extend(range(at + c, at + p))
         at += p
     return rows
+
+
+def placement(shifts: list[int], counts: list[int], pad_rows: list[int], pinned: bool = False) -> torch.Tensor:
+    """The rows of the experts' layout the received rows go to -- row i of block b (``counts[b]``
+    rows, the blocks in arrival order) at ``i + shifts[b]`` (:func:`block_shifts`) -- followed by
+    ``pad_rows`` (:func:`padding_rows`), as one int64 host tensor (in pinned memory where
+    ``pinned``, for a copy to the GPU that does not wait): made on the host, where the sizes
+    are, so the device runs no kernel for it but the copy."""
+    received = sum(counts)
+    rows = np.empty(received + len(pad_rows), dtype=np.int64)
+    np.add(np.repeat(np.asarray(shifts, dtype=np.int64), counts), np.arange(received), out=rows[:received])
+    rows[received:] = pad_rows
+    out = torch.from_numpy(rows)
+    return out.pin_memory() if pinned else out
 
 
 def chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
@@ -230,10 +255,16 @@ class SendRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_AH: torch.Tensor):
         (order_A,) = ctx.saved_tensors
-        (T, H), K = ctx.shape, ctx.top_k
-        make = grad_AH.new_empty if order_A.numel() == T * K else grad_AH.new_zeros  # every slot written
-        grad_TKH = make((T * K, H)).index_copy_(0, order_A, grad_AH.contiguous()).view(T, K, H)
-        return grad_TKH.sum(1, dtype=ctx.dtype), None, None, None, None, None
+        return _sum_slots(grad_AH, order_A, ctx.shape, ctx.top_k, ctx.dtype), None, None, None, None, None
+
+
+def _sum_slots(grad_AH: torch.Tensor, order_A: torch.Tensor, shape, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """:class:`SendRows`'s backward: each row's gradient put back at its (token, slot) position
+    ``order_A`` (zero at a dropped one) and a token's k summed in ``dtype``."""
+    (T, H), K = shape, top_k
+    make = grad_AH.new_empty if order_A.numel() == T * K else grad_AH.new_zeros  # every slot written
+    grad_TKH = make((T * K, H)).index_copy_(0, order_A, grad_AH.contiguous()).view(T, K, H)
+    return grad_TKH.sum(1, dtype=dtype)
 
 
 def _scatter(rows_NH: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor | None, num_rows: int) -> torch.Tensor:
@@ -299,7 +330,7 @@ class Routes:
             self.tokens.append(block // top_k if top_k > 1 else block)
             at += size * top_k
         self._routed: dict[int, Routed] = {}
-        self._moves: dict[int, tuple[list[int], list[int]] | None] = {}
+        self._moves: dict[int, tuple[list[int], list[int], list[int]] | None] = {}
 
     @property
     def chunks(self) -> int:
@@ -322,7 +353,7 @@ class Routes:
             key_A = key_A + bins * chunk_A
         # the counts, then the split sizes received, in one buffer: the host reads it whole
         both = key_A.new_zeros(chunks * (bins + num_experts), dtype=torch.int64)
-        counts, recv = both.split([chunks * bins, chunks * num_experts])
+        counts, recv = both.split_with_sizes([chunks * bins, chunks * num_experts])
         count_experts(key_A, chunks * bins, out=counts)
         send = counts[:num_experts]
         if chunks > 1:  # member r gets, chunk by chunk, the counts of its local experts
@@ -362,7 +393,8 @@ class Routes:
         routed = Routed(self.axis, order, token, send_sizes, recv_sizes, None, None, sum(padded), dtype, padded)
         shifts, pad_rows = block_shifts(recv_RL, padded), padding_rows(local_counts, padded)
         self._routed[chunk] = routed
-        self._moves[chunk] = (shifts, pad_rows) if any(shifts) or pad_rows else None
+        counts = [c for row in recv_RL for c in row]
+        self._moves[chunk] = (shifts, counts, pad_rows) if any(shifts) or pad_rows else None
         return routed
 
     def lay_out(self, chunk: int) -> Routed:
@@ -371,19 +403,12 @@ class Routes:
         routed = self._routed[chunk]
         moves = self._moves.pop(chunk, None)
         if moves is not None:
-            shifts, pad_rows = moves
-            n, num_local = self.axis.size, self.num_experts // self.axis.size
-            received, device = sum(routed.recv_sizes), routed.order_A.device
-            if pad_rows:  # one copy to the device for both
-                moved, routed.pad = to_device(shifts + pad_rows, device).split([len(shifts), len(pad_rows)])
-            else:
-                moved = to_device(shifts, device)
-            recv = self.recv  # (member, local expert) of the one chunk, flat
-            if self.chunks > 1:
-                recv = recv.view(n, self.chunks, num_local)[:, chunk].reshape(-1)
-            routed.slot = torch.arange(received, device=device) + torch.repeat_interleave(
-                moved, recv, output_size=received
-            )
+            shifts, counts, pad_rows = moves
+            device = routed.order_A.device
+            rows = placement(shifts, counts, pad_rows, pinned=device.type == "cuda")
+            if device.type != "cpu":  # one copy for both, without waiting
+                rows = rows.to(device, non_blocking=True)
+            routed.slot, routed.pad = rows.split_with_sizes([sum(counts), len(pad_rows)]) if pad_rows else (rows, None)
         return routed
 
 
@@ -412,25 +437,39 @@ class WeighRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_AH, weights_TK, order_A, token_A, dtype: torch.dtype):
-        w_A1 = torch.take(weights_TK, order_A).unsqueeze(1)
-        weighted_AH = y_AH * w_A1
-        y_TH = weighted_AH.new_zeros((weights_TK.shape[0], y_AH.shape[-1])).index_add_(0, token_A, weighted_AH)
+        y_TH, w_A1 = _weigh(ctx, y_AH, weights_TK, order_A, token_A, dtype)
         ctx.save_for_backward(y_AH, w_A1, order_A, token_A)
-        ctx.wshape, ctx.wdtype, ctx.acc = weights_TK.shape, weights_TK.dtype, weighted_AH.dtype
-        return y_TH.to(dtype)
+        return y_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
         y_AH, w_A1, order_A, token_A = ctx.saved_tensors
-        g_AH = grad_TH.to(ctx.acc).index_select(0, token_A)
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = (g_AH * w_A1).to(y_AH.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_A = (g_AH * y_AH).sum(1)
-            make = grad_A.new_empty if order_A.numel() == ctx.wshape.numel() else grad_A.new_zeros  # every slot put
-            grad_w = make(ctx.wshape).put_(order_A, grad_A).to(ctx.wdtype)
+        grad_y, grad_w = _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, *ctx.needs_input_grad[:2])
         return grad_y, grad_w, None, None, None
+
+
+def _weigh(ctx, y_AH, weights_TK, order_A, token_A, dtype: torch.dtype):
+    """:class:`WeighRows`'s forward: ``(y_TH, w_A1)``; what its backward needs of the weights kept
+    on ``ctx``."""
+    w_A1 = torch.take(weights_TK, order_A).unsqueeze(1)
+    weighted_AH = y_AH * w_A1
+    y_TH = weighted_AH.new_zeros((weights_TK.shape[0], y_AH.shape[-1])).index_add_(0, token_A, weighted_AH)
+    ctx.wshape, ctx.wdtype, ctx.acc = weights_TK.shape, weights_TK.dtype, weighted_AH.dtype
+    return y_TH.to(dtype), w_A1
+
+
+def _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, rows: bool, weights: bool):
+    """:class:`WeighRows`'s backward: the gradients of the rows and of the weights (each None
+    unless asked for)."""
+    g_AH = grad_TH.to(ctx.acc).index_select(0, token_A)
+    grad_y = grad_w = None
+    if rows:
+        grad_y = (g_AH * w_A1).to(y_AH.dtype)
+    if weights:
+        grad_A = (g_AH * y_AH).sum(1)
+        make = grad_A.new_empty if order_A.numel() == ctx.wshape.numel() else grad_A.new_zeros  # every slot put
+        grad_w = make(ctx.wshape).put_(order_A, grad_A).to(ctx.wdtype)
+    return grad_y, grad_w
 
 
 def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
@@ -438,6 +477,62 @@ def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> 
     summed (in the product's dtype), returned in the dispatched tokens' dtype (:class:`WeighRows`).
     Local."""
     return WeighRows.apply(y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
+
+
+class DispatchRows(torch.autograd.Function):
+    """:func:`dispatch_routes` as one autograd node, collective over the routes' axis: forward
+    :class:`SendRows` (the wait for the split sizes after its gather), the uneven all-to-all of
+    the rows and :class:`PlaceRows` where the rows do not arrive in the experts' layout; backward
+    theirs in reverse (the gather at ``slot``, the reverse all-to-all, the rows put back at their
+    slots and a token's k summed). The same ops as the three apart, one node instead of three."""
+
+    @staticmethod
+    def forward(ctx, x_TH, routes: Routes, dtype: torch.dtype):
+        order = routes.orders[0]
+        rows_AH = x_TH.to(dtype).index_select(0, routes.tokens[0])
+        routed = routes.routed(0, x_TH.dtype)  # waits for the split sizes
+        if routed.order_A.numel() < order.numel():
+            rows_AH = rows_AH[: routed.order_A.numel()]
+        x_recv = comm.all_to_all_single(rows_AH, routes.axis, routed.send_sizes, routed.recv_sizes)
+        slot = routes.lay_out(0).slot
+        ctx.save_for_backward(routed.order_A, *(() if slot is None else (slot,)))
+        ctx.routed, ctx.shape, ctx.dtype, ctx.top_k = routed, x_TH.shape, x_TH.dtype, routes.top_k
+        return x_recv if slot is None else _scatter(x_recv, slot, routed.pad, routed.num_rows)
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        order_A, *slot = ctx.saved_tensors
+        r = ctx.routed
+        grad = grad_NH.index_select(0, slot[0]) if slot else grad_NH.contiguous()
+        grad_AH = comm.all_to_all_single(grad, r.axis, r.recv_sizes, r.send_sizes)
+        return _sum_slots(grad_AH, order_A, ctx.shape, ctx.top_k, ctx.dtype), None, None
+
+
+class CombineRows(torch.autograd.Function):
+    """:func:`combine` as one autograd node, collective over the routed axis: forward
+    :class:`TakeRows` where the rows are not in arrival order, the reverse all-to-all and
+    :class:`WeighRows`; backward theirs in reverse (the weighing's, the all-to-all of the rows'
+    gradient, put back at ``slot``). The same ops as the three apart, one node instead of three."""
+
+    @staticmethod
+    def forward(ctx, y_NH, weights_TK, routed: Routed):
+        slot = routed.slot
+        rows_NH = y_NH if slot is None else y_NH.index_select(0, slot)
+        y_AH = comm.all_to_all_single(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
+        y_TH, w_A1 = _weigh(ctx, y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
+        ctx.save_for_backward(y_AH, w_A1, routed.order_A, routed.token_A)
+        ctx.routed = routed
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        y_AH, w_A1, order_A, token_A = ctx.saved_tensors
+        r = ctx.routed
+        grad_y, grad_w = _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, *ctx.needs_input_grad[:2])
+        if grad_y is not None:
+            grad_y = comm.all_to_all_single(grad_y, r.axis, r.send_sizes, r.recv_sizes)
+            grad_y = grad_y if r.slot is None else _scatter(grad_y, r.slot, r.pad, r.num_rows)
+        return grad_y, grad_w, None
 
 
 @torch.compiler.disable  # eager in compiled blocks: a host read sizes the exchange
@@ -455,19 +550,22 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
     rows, at least ``align`` (:func:`~.grouped.pad_groups`; ``local_counts`` then count the
     padding, which :func:`combine` drops): the layout the grouped GEMMs want
     (:func:`~.grouped.group_alignment`), made in the scatter the rows take anyway."""
-    return dispatch_routes(x_TH, Routes.build(experts_TK, num_experts, axis, align=align))
+    return _dispatch_routes(x_TH, Routes.build(experts_TK, num_experts, axis, align=align))
 
 
 @torch.compiler.disable  # eager in compiled blocks, as dispatch
 def dispatch_routes(x_TH: torch.Tensor, routes: Routes):
     """:func:`dispatch` along ``routes`` (of one chunk): ``(x_NH, local_counts, routed)``.
-    Collective over the routes' axis: the rows."""
+    Collective over the routes' axis: the rows (:class:`DispatchRows`)."""
+    return _dispatch_routes(x_TH, routes)
+
+
+def _dispatch_routes(x_TH: torch.Tensor, routes: Routes):
     if routes.chunks != 1:
         raise ValueError(f"dispatch_routes: routes of {routes.chunks} chunks; overlap.exchange runs those.")
-    x_AH = routes.send_rows(x_TH, 0)  # waits for the sizes
-    routed = routes.routed(0, x_TH.dtype)
-    x_recv = comm.AllToAllSingleAxis.apply(x_AH, routes.axis, routed.send_sizes, routed.recv_sizes)
-    return place_rows(x_recv, routes.lay_out(0)), routed.counts, routed
+    x_NH = DispatchRows.apply(x_TH, routes, gemm_dtype(x_TH))
+    routed = routes.routed(0, x_TH.dtype)  # made by DispatchRows
+    return x_NH, routed.counts, routed
 
 
 @torch.compiler.disable  # eager in compiled blocks, as dispatch
@@ -479,6 +577,4 @@ def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> tor
     the sum returned in the dispatched tokens' dtype (the residual stream's: float32 under
     autocast, as the serial layer returns it). Collective over the axis of :func:`dispatch`;
     no host read."""
-    rows_NH = take_rows(y_NH, routed)
-    y_AH = comm.AllToAllSingleAxis.apply(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
-    return weigh_rows(y_AH, weights_TK, routed)
+    return CombineRows.apply(y_NH, weights_TK, routed)
