@@ -9,8 +9,8 @@ same row to a member several times. Here, per MoE layer and forward:
    checkpointed block's recompute, :mod:`.replay`): the unique (member, token) pairs, in member
    then token order (one stable sort of ``ep * T`` one-bit keys); the split sizes -- for each
    member the assignments to each of its local experts and the pairs it gets -- exchanged with
-   one even all-to-all of ``E + ep`` int64 per member, then read to the host **once**
-   (:class:`~.dispatch.HostSizes`);
+   one even all-to-all of ``E + ep`` int64 per member, received beside the pair counts, and
+   read to the host **once** (:class:`~.dispatch.HostSizes`);
 2. **dispatch**: each pair's row, cast to the experts' GEMM dtype, with the pair's k routing
    weights (float32) and the token's slots as the receiver's local experts (int16; ``L`` where
    another member holds the slot's expert) packed as bytes after it, in one uneven all-to-all
@@ -140,12 +140,15 @@ class MemberRoutes:
         member_TK = experts_TK.long() // num_local
         hit = torch.zeros(n * T, dtype=torch.int16, device=device)
         hit.scatter_(0, (member_TK * T + torch.arange(T, device=device)[:, None]).reshape(-1), 1)
-        pairs_N = hit.view(n, T).sum(1, dtype=torch.int64)
+        # the pairs per member, then the split sizes received, in one buffer: the host reads it whole
+        both = torch.empty(n * (num_local + 2), dtype=torch.int64, device=device)
+        pairs_N, recv = both.split_with_sizes([n, n * (num_local + 1)])
+        torch.sum(hit.view(n, T), 1, dtype=torch.int64, out=pairs_N)
         counts_E = count_experts(experts_TK.reshape(-1), num_experts)
         send = torch.cat([counts_E.view(n, num_local), pairs_N[:, None]], 1).reshape(-1)
         block = [num_local + 1] * n
-        recv = comm.all_to_all_single(send, axis, block, block)
-        pending = HostSizes(torch.cat([pairs_N, recv]))
+        comm.all_to_all_single(send, axis, block, block, out=recv)
+        pending = HostSizes(both)
         order = torch.argsort(hit, descending=True, stable=True)  # the pairs first, in (member, token) order
         # each candidate pair's slots as that member's local experts (L: another member's)
         members = torch.arange(n, device=device)[:, None, None]
