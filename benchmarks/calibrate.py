@@ -12,8 +12,9 @@ Measures, on rank 0's GPU unless said otherwise:
   both by sequence length (``attention_by_seq``: longer sequences run flash attention faster);
   grouped-query attention's beside multi-head's at 2,048 tokens (``extra.attention_gqa_2048``,
   not read by the planner);
-* the experts' grouped GEMMs (``torch._grouped_mm``) against dense GEMMs of one group's shape,
-  forward and backward (``grouped_gemm_ratio``: :func:`grouped_gemm_ratio`);
+* the experts' grouped GEMMs (``torch._grouped_mm``), forward and backward, against the GEMM
+  table's rate for one group's GEMMs, by rows per group (``grouped_gemm_by_rows``, their mean
+  ``grouped_gemm_vs_table``: :func:`grouped_gemm_by_rows`);
 * device-memory bandwidth (a large copy), and the rate of the blocks' non-GEMM kernels
   (``elementwise_bytes_per_s``: :func:`elementwise_rate`, the bytes ``planner.elementwise`` counts
   over a GPT-6.7B and a Llama-8B block's non-GEMM kernel time);
@@ -88,36 +89,61 @@ def gemm_points() -> list[list[float]]:
     return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
 
 
-GROUPED_SHAPES = ((4, 8192, 2048, 5632), (8, 2048, 2048, 1408), (4, 4096, 4096, 14336))
-"""(groups, rows per group, hidden H, expert width I) of :func:`grouped_gemm_ratio`: Mixtral-like
-experts over 2 ranks, fine-grained experts, a Llama-8B-wide expert."""
+GROUPED_SHAPE = (4, 2048, 5632)
+"""(groups, hidden H, expert width I) of :func:`grouped_gemm_by_rows`: the mixtral-4b preset's
+experts, 8 of them over 2 expert-parallel ranks."""
+GROUPED_ROWS = (512, 1024, 2048, 4096, 8192, 16384)
+"""Rows per group :func:`grouped_gemm_by_rows` measures at: what 2-8 ranks' micro-batches of 1-8
+sequences of 2,048 tokens give such experts (``T k ep / E``)."""
 
 
-def grouped_gemm_ratio() -> float:
-    """The experts' grouped GEMMs' rate over dense GEMMs' of one group's shape, forward and
-    backward: ``torch._grouped_mm`` of the experts' gate/up projection (``[G rows, H] @ [G, H, 2I]``,
-    ``parallel/expert/grouped.py``'s kernel and layout) against G ``F.linear`` of a group each, for
-    :data:`GROUPED_SHAPES` (the mean of the ratios). 1.0 where the grouped kernel does not run
-    (no ``torch._grouped_mm``, compute capability below 9.0)."""
+def grouped_gemm_by_rows(gemm: list[list[float]]) -> list[list[float]]:
+    """``[[rows per group, grouped_gemm_vs_table], ...]``: the time the GEMM table (``gemm``, this
+    run's points, short bursts as these are) gives each group's GEMMs, over the time
+    ``torch._grouped_mm`` takes for all the groups at once, as ``parallel/expert/grouped.py`` runs the
+    experts' SwiGLU GEMMs (the fused gate/up ``[G rows, H] @ [G, H, 2I]`` and the down projection
+    ``[G rows, I] @ [G, I, H]``, each forward and its input and weight gradients), for
+    :data:`GROUPED_SHAPE`'s groups of :data:`GROUPED_ROWS` rows. The GEMMs alone: the cost model
+    counts the activation between them as elementwise work, and the gradients come from
+    ``torch.autograd.grad`` (no accumulation into ``.grad``). Not a loop of per-group ``F.linear``
+    calls: their launches and the concatenation are host and copy time the table's rates, which the
+    cost model scales, never pay. Empty where the grouped kernel does not run (no
+    ``torch._grouped_mm``, compute capability below 9.0)."""
     if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability() < (9, 0):
-        return 1.0
-    ratios = []
-    for groups, rows, h, i in GROUPED_SHAPES:
-        x = torch.randn(groups * rows, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(groups, 2 * i, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
-        grad = torch.randn(groups * rows, 2 * i, device="cuda", dtype=torch.bfloat16)
+        return []
+    points = [(float(f), float(r)) for f, r in gemm]
 
-        def grouped():
-            torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
+    def table(m: int, n: int, k: int) -> float:  # one GEMM, forward and both gradients (as many flops each)
+        flops = 2.0 * m * n * k
+        return 3 * flops / _interp(points, flops)
 
-        def dense():
-            parts = [F.linear(x[g * rows : (g + 1) * rows], w[g]) for g in range(groups)]
-            torch.cat(parts).backward(grad)
+    groups, h, i = GROUPED_SHAPE
+    out = []
+    for rows in GROUPED_ROWS:
+        expected = groups * (table(rows, 2 * i, h) + table(rows, h, i))
+        out.append([float(rows), expected / _grouped_seconds(groups, rows, h, i, iters=10 if rows < 4096 else 5)])
+    return out
 
-        ratios.append(_time(dense) / _time(grouped))
-        x.grad = w.grad = None
-    return sum(ratios) / len(ratios)
+
+def _grouped_seconds(groups: int, rows: int, h: int, i: int, device: str = "cuda", iters: int = 5) -> float:
+    """Seconds of the experts' grouped GEMMs (:func:`grouped_gemm_by_rows`) for ``groups`` groups of
+    ``rows`` rows, hidden ``h``, expert width ``i``, in bf16."""
+    n = groups * rows
+    kw = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(n, h, **kw, requires_grad=True)
+    mid = torch.randn(n, i, **kw, requires_grad=True)
+    gate_up = torch.randn(groups, 2 * i, h, **kw, requires_grad=True)  # [E, 2I, H], the library's layout
+    down = torch.randn(groups, h, i, **kw, requires_grad=True)  # [E, H, I]
+    g_up, g_down = torch.randn(n, 2 * i, **kw), torch.randn(n, h, **kw)
+    offsets = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
+
+    def grouped():
+        up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)
+        torch.autograd.grad(up, (x, gate_up), g_up)
+        y = torch._grouped_mm(mid, down.transpose(-2, -1), offs=offsets)
+        torch.autograd.grad(y, (mid, down), g_down)
+
+    return _time(grouped, iters=iters)
 
 
 def _attention_point(b: int, n: int, s: int, d: int, kv: int | None = None) -> tuple[float, float]:
@@ -582,10 +608,13 @@ def main() -> None:
         except Exception as e:  # keep the rest: the planner falls back to hbm_bytes_per_s
             print(f"calibrate: elementwise rate not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         try:
-            d["grouped_gemm_ratio"] = grouped_gemm_ratio()
-            measured.append("grouped_gemm_ratio")
+            by_rows = grouped_gemm_by_rows(d["gemm"])
+            if by_rows:
+                d["grouped_gemm_by_rows"] = by_rows
+                d["grouped_gemm_vs_table"] = sum(r for _, r in by_rows) / len(by_rows)
+                measured.append("grouped_gemm_by_rows")
         except Exception as e:  # keep the rest: the planner takes the dense GEMM table's rate
-            print(f"calibrate: grouped GEMM ratio not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            print(f"calibrate: grouped GEMMs not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
     if world > 1:

@@ -6,6 +6,7 @@ and labels it. Exact values from the calibration, against the formulas the docst
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -30,15 +31,18 @@ def _plan(k: int, **kw) -> bh.Plan:
 
 
 def test_expert_gemms_run_in_chunks():
-    """k chunks run each local expert's GEMMs k times on 1/k of the rows; the experts' part of the
-    block's GEMMs is what the overlap hides behind."""
+    """k chunks run each local expert's GEMMs k times on 1/k of the rows (its gate and up
+    projections one GEMM of twice the width, as parallel/expert/grouped.py runs them), at the busiest
+    ep rank's load; the experts' part of the block's GEMMs is what the overlap hides behind."""
     s = MOE.shape
-    mbs, f, h = 4, s.ffn_hidden, s.hidden
+    mbs, f, h = 4, MOE.expert_ffn_hidden or s.ffn_hidden, s.hidden
     for k in (1, 2, 4):
         bt = block_times(_plan(k), MOE, DEVICE, mbs)
         rows = mbs * MOE.seq_len * MOE.experts_top_k * 8 / MOE.num_experts / k
-        one = 2 * DEVICE.gemm_seconds(rows, f, h, 2) + DEVICE.gemm_seconds(rows, h, f, 2)  # gated MLP
-        assert bt.expert_gemm_forward == pytest.approx(k * one * MOE.num_experts / 8, rel=1e-12)
+        one = DEVICE.gemm_seconds(rows, 2 * f, h, 2) + DEVICE.gemm_seconds(rows, h, f, 2)  # gated MLP
+        load = MOE.expert_load_imbalance
+        assert load > 1.0
+        assert bt.expert_gemm_forward == pytest.approx(k * one * MOE.num_experts / 8 * load, rel=1e-12)
         assert bt.gemm_forward > bt.expert_gemm_forward > 0
     dense = block_times(bh.Plan(precision="bf16").resolve(1), workload_for("gpt-1.3b", global_batch=8), DEVICE, 1)
     assert dense.expert_gemm_forward == 0.0
@@ -84,6 +88,7 @@ def _expected_ep(plan: bh.Plan, cal, mbs: int, slow: float):
     leave = 7 / 8
     splits = k * MOE.num_experts * 8 * leave
     one = mbs * MOE.seq_len * MOE.experts_top_k * s.hidden * Dtypes.of(plan).compute * leave
+    one *= MOE.expert_load_imbalance  # the busiest rank's rows
     t_splits = cal.collective_seconds("nvlink", 8, splits * layers, layers)
     pair = cal.collective_seconds("nvlink", 8, 2 * one * layers, 2 * k * layers)
     gemm = layers * block_times(plan, MOE, cal, mbs).expert_gemm_forward
@@ -121,6 +126,7 @@ def test_ep_overlap_checkpointed_and_bytes():
     assert gemm_b == pytest.approx(block_times(base.plan, MOE, DEVICE, base.micro_batch_size).expert_gemm_forward)
     layers = MOE.shape.num_layers
     one = ckpt.micro_batch_size * MOE.seq_len * MOE.experts_top_k * MOE.shape.hidden * 2 * 7 / 8
+    one *= MOE.expert_load_imbalance
     pair = DEVICE.collective_seconds("nvlink", 8, 2 * one * layers, 4 * layers)
     again = pair - (1 - DEVICE.overlap_slowdown) * min(pair / 2, layers * gemm_b)
     assert ckpt.exposed["ep"] == pytest.approx(exposed + again) and ckpt.comm["ep"] == pytest.approx(comm + pair)
@@ -143,17 +149,90 @@ def test_search_tries_ep_overlap_where_there_is_expert_parallelism():
     assert "ep_overlap=2" in why and "ep_overlap=1" in why and "hidden behind the experts' GEMMs" in why
 
 
-def test_grouped_gemm_ratio_scales_the_bf16_expert_gemms_only():
-    """``Calibration.grouped_gemm_ratio``: the experts' GEMMs run through ``torch._grouped_mm`` under
-    bf16 (at that ratio of the table's rate); under fp32 the loop of dense GEMMs (the table's)."""
-    half = dataclasses.replace(DEVICE, grouped_gemm_ratio=0.5)
+def test_grouped_gemm_factor_scales_the_bf16_expert_gemms_only():
+    """``Calibration.grouped_gemm_vs_table``: the experts' GEMMs run through ``torch._grouped_mm``
+    under bf16 (at that factor of the table's rate for one group's GEMMs); under fp32 the loop of
+    dense GEMMs (the table's)."""
+    half = dataclasses.replace(DEVICE, grouped_gemm_vs_table=0.5)
     bf16 = _plan(1)
     fp32 = bh.Plan(ep=8, precision="fp32").resolve(8)
     for plan, factor in ((bf16, 2.0), (fp32, 1.0)):
         base, slow = (block_times(plan, MOE, c, 4).expert_gemm_forward for c in (DEVICE, half))
         assert slow == pytest.approx(factor * base, rel=1e-12)
-    with pytest.raises(ValueError, match="grouped_gemm_ratio"):
-        dataclasses.replace(CAL, grouped_gemm_ratio=0.0)
+    for bad in (dict(grouped_gemm_vs_table=0.0), dict(grouped_gemm_by_rows=((1024.0, 5.0),))):
+        with pytest.raises(ValueError, match="grouped_gemm"):
+            dataclasses.replace(CAL, **bad)
+
+
+def test_grouped_gemm_factor_by_rows_per_group():
+    """``grouped_gemm_by_rows``: the factor at the expert's rows per group, interpolated in log2 of
+    the rows and clamped at the measured ends; it overrides the single figure, and survives the
+    JSON. An older calibration's ``grouped_gemm_ratio`` (against a loop of per-group calls) is kept
+    in ``extra`` and not read."""
+    from behemoth.planner.calibration import Calibration
+
+    by_rows = dataclasses.replace(
+        DEVICE, grouped_gemm_vs_table=0.3, grouped_gemm_by_rows=((1024.0, 1.2), (4096.0, 0.8))
+    )
+    assert by_rows.grouped_gemm_factor(1024) == pytest.approx(1.2)
+    assert by_rows.grouped_gemm_factor(2048) == pytest.approx(1.0)
+    assert by_rows.grouped_gemm_factor(100) == pytest.approx(1.2) and by_rows.grouped_gemm_factor(1e6) == 0.8
+    again = Calibration.from_dict(json.loads(by_rows.to_json()))
+    assert again.grouped_gemm_by_rows == by_rows.grouped_gemm_by_rows and again.grouped_gemm_factor(2048) == 1.0
+    # the experts' rows per group here: 4 sequences of 1,024 tokens, top 2, one expert per rank
+    rows = 4 * MOE.seq_len * MOE.experts_top_k * 8 / MOE.num_experts
+    at = dataclasses.replace(DEVICE, grouped_gemm_vs_table=by_rows.grouped_gemm_factor(rows))
+    assert block_times(_plan(1), MOE, by_rows, 4).expert_gemm_forward == pytest.approx(
+        block_times(_plan(1), MOE, at, 4).expert_gemm_forward, rel=1e-12
+    )
+    old = Calibration.from_dict({**json.loads(DEVICE.to_json()), "grouped_gemm_ratio": 1.645})
+    assert old.extra["grouped_gemm_ratio"] == 1.645 and old.grouped_gemm_factor(8192) == 1.0
+
+
+def test_the_busiest_ep_rank_sets_the_experts_pace():
+    """``Workload.expert_load_imbalance``: under expert parallelism the experts' GEMMs and the rows'
+    all-to-alls take that factor of their balanced time (every layer waits for its busiest rank);
+    at ep = 1 every rank runs its own tokens' assignments: no factor. The split sizes' exchange
+    and the rest of the block are the balanced ones."""
+    even, skewed = (dataclasses.replace(MOE, expert_load_imbalance=x) for x in (1.0, 1.3))
+    c = Cluster(num_gpus=8, calibration=DEVICE)
+    a, b = (block_times(_plan(1), w, DEVICE, 4) for w in (even, skewed))
+    assert b.expert_gemm_forward == pytest.approx(1.3 * a.expert_gemm_forward, rel=1e-12)
+    assert b.forward - a.forward == pytest.approx(0.3 * a.expert_gemm_forward, rel=1e-9)
+    local = bh.Plan(pp=8, microbatches=8, precision="bf16").resolve(8)
+    assert block_times(local, even, DEVICE, 4) == block_times(local, skewed, DEVICE, 4)
+    pa, pb = (predict(_plan(1), w, c) for w in (even, skewed))
+    mbs, layers = pa.micro_batch_size, MOE.shape.num_layers
+    one = mbs * MOE.seq_len * MOE.experts_top_k * MOE.shape.hidden * 2 * 7 / 8
+    splits = MOE.num_experts * 8 * 7 / 8
+    t_splits = DEVICE.collective_seconds("nvlink", 8, splits * layers, layers)
+    for p, x in ((pa, 1.0), (pb, 1.3)):
+        pair = DEVICE.collective_seconds("nvlink", 8, 2 * one * x * layers, 2 * layers)
+        assert p.comm["ep"] == pytest.approx(t_splits + 2 * pair, rel=1e-12)
+    with pytest.raises(ValueError, match="expert_load_imbalance"):
+        dataclasses.replace(MOE, expert_load_imbalance=0.9)
+
+
+def test_the_split_sizes_read_idles_the_device_once_per_layer_forward(monkeypatch):
+    """host.ep_sync_seconds: under expert parallelism each MoE layer's forward reads its split sizes
+    on the host, which then launches ``EP_SYNC_KERNELS`` kernels and the rows' all-to-all (its call
+    and kernels) while the device waits; once per layer and micro-batch whatever the chunks, none at
+    ep = 1 or without host figures; the cost model adds it to each layer's forward."""
+    from behemoth.planner import cost
+    from behemoth.planner.host import EP_SYNC_KERNELS, ep_sync_seconds
+
+    one = (EP_SYNC_KERNELS + CAL.kernels_per_collective) * CAL.host_kernel_s + CAL.host_call_s["1d"]
+    assert ep_sync_seconds(_plan(1), MOE, CAL) == pytest.approx(one) and one > 0
+    assert ep_sync_seconds(_plan(4), MOE, CAL) == pytest.approx(one)
+    assert ep_sync_seconds(bh.Plan(pp=8, microbatches=8, precision="bf16").resolve(8), MOE, CAL) == 0.0
+    assert ep_sync_seconds(_plan(1), MOE, DEVICE) == 0.0
+    c = Cluster(num_gpus=8, calibration=DEVICE)
+    base = predict(_plan(1), MOE, c)
+    monkeypatch.setattr(cost, "ep_sync_seconds", lambda plan, w, cal: 1e-3)
+    waits = predict(_plan(1), MOE, c)
+    assert waits.stage_times[0] - base.stage_times[0] == pytest.approx(MOE.shape.num_layers * 1e-3)
+    assert waits.stage_times[1] == base.stage_times[1]
+    assert waits.step - base.step == pytest.approx(base.plan.microbatches * MOE.shape.num_layers * 1e-3)
 
 
 def test_routing_dispatch_and_combine_bytes_split_with_the_tokens_over_tp():

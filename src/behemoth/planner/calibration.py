@@ -31,12 +31,21 @@ measure there)::
       "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
       "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... by tensor-parallel mode, where measured
       "host_forward_share": 0.33,                    # the forward's share of a block's host time
-      "grouped_gemm_ratio": 0.9                      # experts' grouped GEMMs' rate / dense GEMMs' (1: not measured)
+      "grouped_gemm_vs_table": 1.0,                  # experts' grouped GEMMs' rate / the table's (1: not measured)
+      "grouped_gemm_by_rows": [[rows, ratio], ...]   # ... by rows per group, where measured
     }
 
 The host figures feed :mod:`.host` (the step is at least its host issue time); all zero (the
 default) predicts no host bound. ``sustained_ratio`` scales the GEMM table and the attention
 rate (a short burst runs at boost clocks that a step's seconds of work do not hold); default 1.
+
+The experts' grouped GEMMs (``torch._grouped_mm``) run each group's GEMM at ``grouped_gemm_vs_table``
+of the table's rate for that group's size (:meth:`Calibration.grouped_gemm_factor`), or at the
+``grouped_gemm_by_rows`` point for its rows per group where the calibration measured them. An older
+calibration's ``grouped_gemm_ratio`` (the grouped kernel against a Python loop of per-group
+``F.linear`` calls and their concatenation, whose launches and copies the table's rates do not
+pay: 1.645 on an H200, where the kernel itself runs at about the table's rate) is not that
+quantity: it is kept in ``extra`` and not read.
 
 A collective over ``p`` ranks on a link class takes ``latency(p) + wire_bytes / bus_bw(p)``
 (the alpha-beta model, with ``wire_bytes`` the ledger's ring bytes per rank, so the bus
@@ -136,10 +145,16 @@ class Calibration:
     elementwise_bytes_per_s: float = 0.0
     """Bytes per second the blocks' non-GEMM operators (norms, activations, rotary embeddings,
     casts: :mod:`.elementwise`) move; 0: ``hbm_bytes_per_s`` (a large copy's rate)."""
-    grouped_gemm_ratio: float = 1.0
-    """The experts' grouped GEMMs' rate (``torch._grouped_mm``, ``parallel/expert/grouped.py``,
-    forward and backward) over dense GEMMs' of one group's shape, at MoE shapes
-    (``benchmarks/calibrate.py``); 1 (the default, where not measured) takes the GEMM table's."""
+    grouped_gemm_vs_table: float = 1.0
+    """The experts' grouped GEMMs' rate (``torch._grouped_mm``, ``parallel/expert/grouped.py``: the
+    gate/up and down projections, forward and backward) over the GEMM table's rate at one group's
+    GEMM (its ``2mnk`` flops), both short bursts (``sustained_ratio`` scales both), as
+    ``benchmarks/calibrate.py`` measures it (the mean of its ``grouped_gemm_by_rows``); 1 (the
+    default, where not measured) takes the table's rate."""
+    grouped_gemm_by_rows: tuple[tuple[float, float], ...] = ()
+    """``(rows per group, grouped_gemm_vs_table)`` points: the kernel's rate relative to the table
+    changes with its groups' rows (few rows: it fills the GPU better than one small GEMM; many: it
+    falls behind cuBLAS); empty: ``grouped_gemm_vs_table`` at every size."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -166,9 +181,11 @@ class Calibration:
             raise ValueError(
                 f"calibration {self.name!r}: host_forward_share={self.host_forward_share!r} must be in (0, 1)."
             )
-        if not 0.0 < self.grouped_gemm_ratio <= 4.0:  # over a loop of small GEMMs the grouped kernel wins
+        ratios = (self.grouped_gemm_vs_table, *(r for _, r in self.grouped_gemm_by_rows))
+        if not all(0.0 < r <= 4.0 for r in ratios) or any(n <= 0 for n, _ in self.grouped_gemm_by_rows):
             raise ValueError(
-                f"calibration {self.name!r}: grouped_gemm_ratio={self.grouped_gemm_ratio!r} must be in (0, 4]."
+                f"calibration {self.name!r}: grouped_gemm_vs_table={self.grouped_gemm_vs_table!r} and "
+                f"grouped_gemm_by_rows={self.grouped_gemm_by_rows!r} need ratios in (0, 4] (and rows > 0)."
             )
         if not 0.0 <= self.allocator_slack <= 1.0:
             raise ValueError(f"calibration {self.name!r}: allocator_slack={self.allocator_slack!r} must be in [0, 1].")
@@ -208,6 +225,14 @@ class Calibration:
             return self.attention_flops_per_s, self.attention_backward_ratio
         return _interp([(p[0], p[1]) for p in pts], seq), _interp([(p[0], p[2]) for p in pts], seq)
 
+    def grouped_gemm_factor(self, rows: float) -> float:
+        """The experts' grouped GEMMs' rate over the table's, with ``rows`` rows per group:
+        ``grouped_gemm_by_rows`` interpolated in log2(rows) (clamped at the ends), else
+        ``grouped_gemm_vs_table``."""
+        if self.grouped_gemm_by_rows and rows > 0:
+            return _interp(list(self.grouped_gemm_by_rows), rows)
+        return self.grouped_gemm_vs_table
+
     def gemm_seconds(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:
         """One GEMM ``[m, k] @ [k, n]``: its flops at the table's rate, or its bytes at HBM speed."""
         if m <= 0 or n <= 0 or k <= 0:
@@ -234,6 +259,7 @@ class Calibration:
         d["gemm"] = [list(p) for p in self.gemm]
         d["links"] = {k: [list(p) for p in v] for k, v in self.links.items()}
         d["attention_by_seq"] = [list(p) for p in self.attention_by_seq]
+        d["grouped_gemm_by_rows"] = [list(p) for p in self.grouped_gemm_by_rows]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -246,6 +272,7 @@ class Calibration:
         d["attention_by_seq"] = tuple(
             sorted((float(s), float(r), float(b)) for s, r, b in d.get("attention_by_seq", ()))
         )
+        d["grouped_gemm_by_rows"] = tuple(sorted((float(n), float(r)) for n, r in d.get("grouped_gemm_by_rows", ())))
         d["extra"] = {**d.get("extra", {}), **extra}
         return cls(**d)
 

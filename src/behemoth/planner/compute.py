@@ -32,8 +32,10 @@ attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
 layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, ``T`` this rank's
-share of the tokens (1D tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`) (under bf16, grouped:
-at the calibration's ``grouped_gemm_ratio`` of the table's rate), in ``ep_overlap``
+share of the tokens (1D tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`), each
+expert's gate and up projections as one GEMM (under bf16, grouped: at the calibration's
+:meth:`~.calibration.Calibration.grouped_gemm_factor` of the table's rate for one group's GEMM), under
+expert parallelism at the busiest rank's load (:func:`.moe_bytes.busiest_rank_load`), in ``ep_overlap``
 chunks of a ``1/ep_overlap`` share each, its routing, dispatch and combine move the bytes
 :func:`.moe_bytes.expert_elementwise_bytes` counts, and each extra chunk casts the experts' weights and
 sums their gradients once more (:func:`ep_chunk_seconds`). Activation checkpointing adds a forward to
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 from ..plan import Plan
 from .calibration import Calibration
 from .elementwise import block_elementwise_bytes, cross_entropy_bytes, norm_bytes
-from .moe_bytes import expert_elementwise_bytes, token_split
+from .moe_bytes import busiest_rank_load, expert_elementwise_bytes, token_split
 from .params import block_local_params, weight_split
 from .traffic import tp_grid
 from .workload import Workload
@@ -164,12 +166,16 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all,
         # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py); under 1D tensor
         # parallelism the tp ranks split the tokens (parallel/expert/tokens.py): T/tp each
+        # each expert's gate and up projections are one GEMM (``[rows, h] @ [h, 2f]``, the fused
+        # weight of parallel/expert/grouped.py), then its down projection; under bf16 the grouped
+        # kernel runs each group's at the calibration's factor of the table's rate for that size
+        # (the loop elsewhere: the table's); under ep > 1 the busiest rank's rows set the pace
         k = plan.ep_overlap
         rows = t / token_split(plan) * w.experts_top_k * plan.ep / w.num_experts / k
-        one = (2 if s.gated_mlp else 1) * cal.gemm_seconds(rows, f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
-        if eb == 2 and plan.precision == "bf16":  # torch._grouped_mm's rate (the loop's elsewhere: the table's)
-            one /= cal.grouped_gemm_ratio
-        experts = k * one * w.num_experts / plan.ep
+        one = cal.gemm_seconds(rows, (2 if s.gated_mlp else 1) * f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
+        if eb == 2 and plan.precision == "bf16":
+            one /= cal.grouped_gemm_factor(rows)
+        experts = k * one * w.num_experts / plan.ep * busiest_rank_load(plan, w)
         gemm += experts
     else:
         f = s.ffn_hidden

@@ -53,7 +53,8 @@ from .bubble import pipeline_time, ranks_inflight
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
 from .footprint import Footprint, footprint
-from .host import cp_block_calls, host_times, tp_block_calls
+from .host import cp_block_calls, ep_sync_seconds, host_times, tp_block_calls
+from .moe_bytes import busiest_rank_load
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import device_reserve
 from .traffic import tp_grid
@@ -132,12 +133,16 @@ def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: i
     most their time (the forward's behind the forward GEMMs; the backward's reverse pair behind
     the input- and weight-gradient GEMMs, twice the forward's; a recompute's as the forward's),
     each hidden second costing the GEMMs ``slow`` of it. The split sizes' exchange precedes every
-    chunk (the host waits for its sizes) and stays exposed. ``k = 1`` hides nothing."""
+    chunk (the host waits for its sizes) and stays exposed. ``k = 1`` hides nothing. The rows'
+    all-to-alls wait for the busiest rank's (:func:`.moe_bytes.busiest_rank_load` of the balanced
+    bytes)."""
     size, stride = plan.ep, plan.cp * plan.tp
     k, m = plan.ep_overlap, plan.microbatches
     ckpt = plan.activation_checkpointing
     twice = plan.pp > 1 and plan.schedule == "zero-bubble"
     splits, one, meta = ep_layer_bytes(plan, w, mbs, dt)
+    load = busiest_rank_load(plan, w)
+    one, meta = one * load, meta * load
     t_splits = cluster.collective_seconds(size, stride, splits * layers, layers)
     # all chunks' pairs (the member exchange's weights and slots packed in its rows; its recompute
     # sends the rows alone)
@@ -318,6 +323,9 @@ def predict(
         t_f += e_f
         t_b += e_b
         exposed["ep"] = (e_f + e_b) * m
+    # each MoE layer's forward under expert parallelism: the host waits for the device at its
+    # split sizes' read, then the device for the host's issue of the dispatch (:func:`.host.ep_sync_seconds`)
+    t_f += layers * ep_sync_seconds(plan, w, cal)
     # each MoE layer's balancing statistics: one small all-reduce over the data axis that its
     # forward (and a checkpointed block's recompute) waits for
     data_axis = "dp_cp" if plan.cp > 1 else "dp"

@@ -54,7 +54,7 @@ from __future__ import annotations
 from ..plan import Plan
 from .workload import Workload
 
-__all__ = ["expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path", "token_split"]
+__all__ = ["busiest_rank_load", "expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path", "token_split"]
 
 
 def _compute_bytes(plan: Plan) -> int:
@@ -65,6 +65,14 @@ def token_split(plan: Plan) -> int:
     """Into how many shares an MoE block's tokens are split over tensor parallelism: 1D's tp ranks
     each route and run their own (``parallel/expert/tokens.py``); 1 otherwise."""
     return plan.tp if plan.tp_mode == "1d" else 1
+
+
+def busiest_rank_load(plan: Plan, w: Workload) -> float:
+    """What an MoE layer's experts' GEMMs and its rows' all-to-alls take over their balanced time:
+    under expert parallelism (ep > 1) every layer's all-to-alls wait for the rank whose experts
+    received the most rows (``Workload.expert_load_imbalance``); with every expert on each rank
+    (ep = 1) a rank runs its own tokens' assignments, as many on every rank: 1."""
+    return w.expert_load_imbalance if plan.ep > 1 and w.num_experts else 1.0
 
 
 def takes_local_path(plan: Plan) -> bool:

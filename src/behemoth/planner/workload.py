@@ -37,8 +37,20 @@ class Workload:
     member exchange sends per token): None as if the k were drawn uniformly without replacement
     (``ep (1 - C(E - E/ep, k) / C(E, k))`` at each ep); a number: that many at every ep > 1
     (at most ep and k; e.g. 1 where every token's experts share a member)."""
+    expert_load_imbalance: float = 1.07
+    """Under expert parallelism (ep > 1), the rows the busiest ep rank's experts receive in one MoE
+    layer over the mean rank's, on average over the layers: every layer's all-to-alls wait for its
+    busiest rank, so its experts' GEMMs and its rows' all-to-alls take this factor of the balanced
+    time. The router decides it, not the layout: 1 for a perfectly balanced router. Default 1.07:
+    the Mixtral-shaped preset (8 experts, top 2, a freshly initialised router) over 2 ep ranks
+    measured a busiest layer's 1.11-1.28x (``bench_moe.py``'s ``rank_load_max_over_mean``: the
+    largest over 16 layers, about 1.2 typically); a layer's excess over 1 taken as half-normal,
+    the largest of 16 is about 2.2 of its spread and the mean 0.8, so the mean layer's is about
+    1 + 0.2 x 0.8 / 2.2 = 1.07."""
 
     def __post_init__(self) -> None:
+        if not self.expert_load_imbalance >= 1.0:
+            raise ValueError(f"Workload.expert_load_imbalance={self.expert_load_imbalance!r}: must be >= 1.")
         for name in ("seq_len", "global_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
