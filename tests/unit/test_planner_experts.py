@@ -254,3 +254,39 @@ def test_routing_dispatch_and_combine_bytes_split_with_the_tokens_over_tp():
         act_b = 18 * (width * MOE.experts_top_k - width) / tp * tokens / DEVICE.elementwise_rate
         assert moe[0] - ref[0] == pytest.approx(act_f + fwd / tp * tokens / DEVICE.elementwise_rate, rel=1e-9)
         assert moe[1] - ref[1] == pytest.approx(act_b + bwd / tp * tokens / DEVICE.elementwise_rate, rel=1e-9)
+
+
+def test_calibrate_measures_the_grouped_gemms_against_the_table_the_model_reads(monkeypatch):
+    """benchmarks/calibrate.py's ``grouped_gemm_by_rows``: the table's time for each group's GEMMs
+    (the fused gate/up and the down projection, forward and both gradients) over the grouped
+    kernel's, at each measured rows per group: a kernel as fast as the model's per-group GEMMs at
+    the table's rate (``block_times``' experts under ``grouped_gemm_vs_table = 1``) measures 1, one
+    taking 0.8 of that time 1.25; none where the kernel does not run."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import calibrate
+
+    table = dataclasses.replace(CAL, sustained_ratio=1.0)
+
+    def model(groups, rows, h, i, iters=5):  # the planner's time of these GEMMs, forward and backward
+        return 3 * groups * (table.gemm_seconds(rows, 2 * i, h) + table.gemm_seconds(rows, h, i))
+
+    # what the cost model gives the experts of one rank (ep 8: one expert, 8,192 rows), balanced
+    even = dataclasses.replace(MOE, expert_load_imbalance=1.0)
+    f, rows = MOE.expert_ffn_hidden or MOE.shape.ffn_hidden, 4 * MOE.seq_len * MOE.experts_top_k
+    experts = block_times(_plan(1), even, dataclasses.replace(table, host_kernel_s=0.0), 4).expert_gemm_forward
+    assert 3 * experts == pytest.approx(model(1, rows, MOE.shape.hidden, f), rel=1e-12)
+    gemm = [list(p) for p in CAL.gemm]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None), raising=False)
+    for speed in (1.0, 1.25):
+        monkeypatch.setattr(calibrate, "_grouped_seconds", lambda *a, s=speed, **k: model(*a, **k) / s)
+        points = calibrate.grouped_gemm_by_rows(gemm)
+        assert [p[0] for p in points] == list(calibrate.GROUPED_ROWS)
+        assert all(p[1] == pytest.approx(speed, rel=1e-9) for p in points)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert calibrate.grouped_gemm_by_rows(gemm) == []

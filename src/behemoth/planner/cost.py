@@ -16,7 +16,10 @@
   ring attention's K/V shifts behind the attention blocks; 2D/2.5D SUMMA's gathers and
   reduce-scatters (one of each operand around one GEMM) and Ulysses' all-to-alls exposed;
   experts' all-to-alls in ``ep_overlap = k`` chunks hiding ``(k-1)/k`` of the rows' all-to-alls
-  behind the experts' GEMMs, the split sizes' exchange exposed (:func:`_ep_times`); under expert
+  behind the experts' GEMMs, the split sizes' exchange exposed (:func:`_ep_times`), the rows'
+  all-to-alls and the experts' GEMMs at the busiest ep rank's load (:func:`.moe_bytes.busiest_rank_load`),
+  and each MoE layer's forward idle while the host issues the dispatch after reading its split
+  sizes (:func:`.host.ep_sync_seconds`); under expert
   parallelism the experts' gradients reduce over ``ep_dp`` (x cp) beside the dense ones over
   ``dp`` (x cp), each axis at its own link's speed and in buckets of its own (ZeRO 0 closes a
   bucket where the parameter kind changes: each block's experts apart from the dense parameters

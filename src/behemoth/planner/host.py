@@ -39,7 +39,10 @@ at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its Pyt
 bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code around them),
 which ``benchmarks/calibrate.py`` measures on small models whose kernels take no time. A
 pipeline stage also sends and receives its activation and its gradient per micro-batch
-(:func:`pipeline_calls`). A calibration without host figures (all zero) predicts no host bound.
+(:func:`pipeline_calls`). Under expert parallelism each MoE layer's forward reads its split sizes
+on the host, which no work can be queued past, so the device idles while the host then issues the
+dispatch (:func:`ep_sync_seconds`: on the device's path, the cost model adds it to the forward). A
+calibration without host figures (all zero) predicts no host bound.
 Pure; tests/unit/test_planner_host.py; the tensor-parallel counts against a run's collectives in
 tests/dist/test_planner_host_calls.py.
 """
