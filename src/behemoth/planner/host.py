@@ -62,7 +62,6 @@ __all__ = [
     "HostTimes",
     "EP_CHUNK_KERNELS",
     "EP_CHUNKED_KERNELS",
-    "EP_SYNC_KERNELS",
     "block_calls",
     "ep_block_calls",
     "ep_chunk_kernels",
@@ -114,25 +113,20 @@ outputs' concatenation; backward, the concatenations of the chunks' input and ro
 gradients; recompute, the outputs' concatenation."""
 
 
-EP_SYNC_KERNELS = 2.0
-"""Kernels an MoE layer's forward launches under expert parallelism between the host's read of its
-split sizes and its rows' all-to-all (``dispatch.py``: ``SendRows`` casts the rows and gathers
-them in expert order, sized by the read); the sort and the indices before it are queued ahead."""
-
-
 def ep_sync_seconds(plan: Plan, w: Workload, cal: Calibration) -> float:
     """Seconds the device waits in one MoE layer's forward per micro-batch under expert
     parallelism: the host reads the layer's split sizes (``dispatch.py``'s ``HostSizes``: it waits
-    for the device to finish the routing), so no work is queued beyond that point; the device then
-    idles while the host launches :data:`EP_SYNC_KERNELS` kernels and issues the rows' all-to-all
-    (its call and its kernels), at the calibration's host figures. Once per layer and micro-batch,
-    for every ``ep_overlap`` chunk (one read); none in the backward or a recompute (the routes are
-    kept or replayed), none at ep = 1 (``parallel/expert/local.py`` never reads the sizes on the
-    host), and 0 without host figures."""
+    for the device to finish the routing and the rows' gather, queued before the read), so no work
+    is queued beyond that point; the device then idles while the host issues the rows' all-to-all
+    (one collective call and its kernels, at the calibration's host figures; the sizes' few
+    host-side sums before it are left out). Once per layer and micro-batch, for every
+    ``ep_overlap`` chunk (one read); none in the backward or a recompute (the routes are kept or
+    replayed), none at ep = 1 (``parallel/expert/local.py`` never reads the sizes on the host),
+    and 0 without host figures."""
     if plan.ep == 1 or not w.num_experts or not (cal.host_kernel_s or cal.host_call_s):
         return 0.0
     mode = plan.tp_mode if plan.tp > 1 else "1d"
-    return (EP_SYNC_KERNELS + kernels_per_call(cal, mode)) * cal.host_kernel_s + host_call_seconds(cal, mode)
+    return kernels_per_call(cal, mode) * cal.host_kernel_s + host_call_seconds(cal, mode)
 
 
 def ep_chunk_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
