@@ -58,15 +58,24 @@ def _workload():
     return workload_for(cfg, seq_len=T, global_batch=1)
 
 
-def _expected(rows: int, local: bool = False) -> float:
+ROUTED = bh.Plan(dp=2, ep=2, precision="bf16")
+"""A layout whose MoE layers take the routed path (ep > 1)."""
+SERIAL = bh.Plan(precision="bf16")
+"""... and one data rank's (ep = 1), which runs the serial layer outside the local path."""
+
+
+def _expected(rows: int, local: bool = False, slot: bool = True, plan: bh.Plan = ROUTED) -> float:
     """The planner's bytes for the layer: its input's 16-bit cast (the router's; a dense MLP's
     input cast, which ``ACTIVATION_BYTES`` counts per hidden unit), the SwiGLU's ``8`` per unit of
     ``I k``, and :func:`expert_saved_bytes`; ``rows`` beyond the T k assignments (the grouped
-    GEMMs' padding) hold their input row and their ``8 I`` of intermediates."""
+    GEMMs' padding) hold their input row and their ``8 I`` of intermediates. ``slot``: whether
+    the rows need a slot index into the experts' layout (not where they arrive in it: one rank,
+    no padding)."""
     per_token = (
         2 * H
         + ACTIVATION_BYTES[(True, True)][2] * I * K
-        + expert_saved_bytes(bh.Plan(precision="bf16"), _workload(), local=local)
+        + expert_saved_bytes(plan, _workload(), local=local)
+        - (0 if slot or local else 8 * K)
     )
     return T * per_token + rows * (2 * H + 8 * I)
 
@@ -87,7 +96,8 @@ def test_expert_parallel_layer_saves_what_the_planner_counts(path, monkeypatch):
         monkeypatch.setattr(style, "local_ready", lambda *args: False)
     layer = _layer()
     x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1))
-    counts = torch.bincount(layer.route_tokens(x).experts_TK.reshape(-1), minlength=E).tolist()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # routed as the forward below routes them
+        counts = torch.bincount(layer.route_tokens(x).experts_TK.reshape(-1), minlength=E).tolist()
     padding = {
         "loop": 0,
         "grouped-routed": sum(pad_groups(counts, GROUP_ROWS)[0]) - T * K,
@@ -96,11 +106,12 @@ def test_expert_parallel_layer_saves_what_the_planner_counts(path, monkeypatch):
     local = path == "grouped-local"
     ExpertParallel().apply(layer, OneRankMesh())
     got = _saved_activations(layer, x)
-    # within 0.25%: the padding rows' index tensor and the router loss's scalars are left out, and
-    # rows arriving in the experts' layout already (one rank, no padding) need no slot index
-    assert got == pytest.approx(_expected(padding, local), rel=2.5e-3), (got, _expected(padding, local))
+    # within 0.25%: the padding rows' index tensor and the router loss's scalars are left out; rows
+    # arriving in the experts' layout already (one rank, no padding) need no slot index
+    want = _expected(padding, local, slot=padding > 0)
+    assert got == pytest.approx(want, rel=2.5e-3), (got, want)
     # without the routing's, dispatch's and combine's tensors the count is a third short
-    assert got - T * expert_saved_bytes(bh.Plan(precision="bf16"), _workload(), local=local) < 0.7 * got
+    assert got - T * expert_saved_bytes(ROUTED, _workload(), local=local) < 0.7 * got
 
 
 def test_the_local_path_is_the_planners_at_ep_1_in_16_bit():
@@ -108,9 +119,11 @@ def test_the_local_path_is_the_planners_at_ep_1_in_16_bit():
     one, two = bh.Plan(precision="bf16"), bh.Plan(dp=2, ep=2, precision="bf16")
     assert expert_saved_bytes(one, w) == expert_saved_bytes(one, w, local=True)
     assert expert_saved_bytes(two, w) == expert_saved_bytes(two, w, local=False)
-    # the routed path keeps the fp32 weighted product (4 h k) and three index tensors beside the
-    # gathered weights (28 k); the local path one slot per assignment (8 k)
-    assert expert_saved_bytes(two, w) - expert_saved_bytes(one, w) == 4 * H * K + 20 * K
+    # the routed path keeps three index tensors beside the gathered weights (28 k), the local path
+    # one slot per assignment (8 k); the serial layer (ep = 1 off the local path) also keeps the
+    # fp32 weighted product (4 h k), which the routed path's one-node weighted sum does not
+    assert expert_saved_bytes(two, w) - expert_saved_bytes(one, w) == 20 * K
+    assert expert_saved_bytes(one, w, local=False) - expert_saved_bytes(two, w) == 4 * H * K
     assert expert_saved_bytes(bh.Plan(), w) == expert_saved_bytes(bh.Plan(), w, local=False)  # fp32 GEMMs: routed
 
 
@@ -118,7 +131,8 @@ def test_serial_layer_saves_what_the_planner_counts():
     layer = _layer()
     x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1))
     got = _saved_activations(layer, x)
-    assert got == pytest.approx(_expected(0), rel=5e-3), (got, _expected(0))
+    want = _expected(0, plan=SERIAL)
+    assert got == pytest.approx(want, rel=5e-3), (got, want)
 
 
 def test_experts_keep_a_tensor_parallel_ranks_share_of_the_tokens():

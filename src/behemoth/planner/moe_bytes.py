@@ -12,9 +12,9 @@ hidden width, E experts, k experts a token visits, c the bytes of the GEMMs' dty
 ``[rows, I]`` activations (the dense rows' ``8 f``):
 
 * the dispatched rows the experts' first grouped GEMM reads, ``[T k, h]`` in the GEMMs' dtype
-  (``c h k``); the experts' output rows the combine weighs (``y_AH``, ``c h k``), which the
-  product with the fp32 routing weights keeps; and that product, ``[T k, h]`` in fp32, which
-  ``index_add_`` keeps (its derivative reads its source's shape: ``4 h k``);
+  (``c h k``); the experts' output rows the combine weighs (``y_AH``, ``c h k``), which its
+  weighted sum (``dispatch.py``'s ``WeighRows``, one autograd node) keeps with the gathered
+  weights, not their fp32 product;
 * the router's fp32 probabilities (softmax's output) and the z-loss's fp32 copy of the logits
   (``8 E``), the log-sum-exp (4), the top-k's indices (int64, ``8 k``), the k weights and their
   sum (``4 k + 4``);
@@ -28,8 +28,8 @@ nothing) and one int64 slot per assignment (``8 k``); its layout adds ``16 E`` r
 micro-batch at most (left out, as the groups' padding is).
 
 The serial layer (``MoEFeedForward.forward``: a loop over experts, which one data rank runs at
-``ep = 1``) keeps the same rows: each expert's rows cast for its GEMM, its output and the
-weighted fp32 product ``index_add`` keeps. The groups' padding to 16 rows (at most ``16 E / ep``
+``ep = 1`` outside the local path) keeps the same rows and also the weighted product, ``[T k, h]``
+in fp32, which its ``index_add`` keeps (its derivative reads its source's shape: ``4 h k``). The groups' padding to 16 rows (at most ``16 E / ep``
 rows a layer and micro-batch) is left out. Under 1D tensor parallelism the tp ranks split an MoE
 block's tokens (``parallel/expert/tokens.py``); the memory and elementwise models still count
 these bytes over all the micro-batch's tokens on every tp rank (an upper bound there). tests/unit/test_planner_moe_bytes.py checks the count against
@@ -93,7 +93,8 @@ def expert_saved_bytes(plan: Plan, w: Workload, *, local: bool | None = None) ->
     router = 8 * e + 4 + 8 * k + 4 * k + 4  # probs and the z-loss's logits (fp32), lse, top-k indices, weights, sum
     if takes_local_path(plan) if local is None else local:
         return float(2 * c * h * k + router + 8 * k)  # gathered rows, output rows; the slots (int64)
-    rows = (2 * c + 4) * h * k  # dispatched rows, the experts' output rows, the fp32 weighted product
+    # dispatched rows, the experts' output rows; the serial layer's fp32 weighted product (ep = 1)
+    rows = (2 * c + (4 if plan.ep == 1 else 0)) * h * k
     indices = 24 * k + 4 * k  # order, slots, tokens (int64); the gathered weights (fp32)
     return float(rows + router + indices)
 
