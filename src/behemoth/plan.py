@@ -228,25 +228,6 @@ class Plan:
     def check_supported(self) -> None:
         """Raise NotImplementedError for a field whose capability has not been built yet."""
         self._check_pipeline_composes()
-        self._check_experts_compose()
-
-    def _check_experts_compose(self) -> None:
-        """Expert parallelism composes with data parallelism (ep divides dp), ZeRO 1-3 (expert chunks
-        sharded over ep_dp, dense chunks over dp), 1D tensor parallelism with or without sequence
-        parallelism (attention split over tp, experts whole on each tp rank), context parallelism (expert
-        gradients over ep_dp x cp), pipelines (experts inside each stage, the all-to-alls over the
-        stage's ep group), micro-batches, bf16 and fp16 (the overflow vote spans the ep ranks)."""
-        if self.ep == 1:
-            return
-        if self.tp > 1 and self.tp_mode != "1d":
-            raise NotImplementedError(
-                f"Plan.ep={self.ep} with tp={self.tp}: expert parallelism with tp_mode={self.tp_mode!r} is "
-                "not built yet (the grid splits every activation's rows and hidden over the tp grid, and "
-                "the experts need whole hidden rows of their tokens). Use tp_mode='1d' (attention split "
-                "over tp, experts whole on every tp rank; with or without sequence_parallel), or tp=1. "
-                "Expert parallelism composes with dp, ZeRO 1-3, 1D tp, cp, pp, microbatches, every "
-                "precision and activation checkpointing."
-            )
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, ZeRO 0-3 and offload (each stage chunked over its own

@@ -73,11 +73,10 @@ def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, ep=2, pp=2, microbatches=2).check_supported()  # experts inside pipeline stages
     Plan(dp=2, ep=2, precision="fp16").check_supported()  # fp16: the overflow vote spans the ep ranks
     Plan(dp=2, ep=2, tp=2, sequence_parallel=True).check_supported()  # experts under sequence parallelism
-    for kwargs, name in [
-        (dict(dp=2, ep=2, tp=4, tp_mode="2d"), "expert parallelism with tp_mode='2d'"),
-    ]:
-        with pytest.raises(NotImplementedError, match=name):
-            Plan(**kwargs).check_supported()
+    Plan(dp=2, ep=2, tp=4, tp_mode="2d").check_supported()  # experts under the grids: rows exchanged
+    Plan(dp=2, ep=2, tp=8, tp_mode="3d").check_supported()
+    with pytest.raises(NotImplementedError, match="interleaves pipeline stages, but pp=1"):
+        Plan(virtual_stages=2, schedule="interleaved").check_supported()
 
 
 def test_ravel_unravel_roundtrip():

@@ -11,9 +11,9 @@ parallelism, ``dp`` reads ``dp_cp`` and ``ep_dp`` reads ``ep_dp_cp``: the cp ran
 parameters           held                    gradients summed over         initial broadcast
 ===================  ======================  ============================  ====================
 dense                whole, every dp rank    ``dp``                        over ``dp``
-routers              whole, every dp rank    1D tp: ``tp`` in the block's  over ``dp``
+routers              whole, every dp rank    tp: ``tp`` in the block's     over ``dp``
                                              backward; then ``dp``
-experts              E/ep of E, by ep rank   1D tp: ``tp`` in the block's  over ``ep_dp``
+experts              E/ep of E, by ep rank   tp: ``tp`` in the block's     over ``ep_dp``
                                              backward; then ``ep_dp``
                                              (:func:`data_axis_of`)
 ===================  ======================  ============================  ====================
@@ -32,7 +32,11 @@ gathered (the gather's reduce-scatter then sums exactly this rank's gradient int
 returns it: this rank's shard of the output. The block's parameters (router, experts, a shared
 expert) have then seen only this rank's tokens, so their gradients are summed over ``tp`` in the
 block's backward (``CopyToAxis`` on each, as a sequence-parallel norm's weight) before the
-gradient sync sums them over their data axis as above.
+gradient sync sums them over their data axis as above. Under the 2D, 2.5D and 3D grids the
+block's input is the rank's batch block with its hidden block: the ranks of its grid row
+(``tp_col``) exchange them (one all-to-all) for whole rows of a 1/q share of that batch block's
+tokens each, and the outputs back (:class:`~.tokens.TokenShare` with ``hidden``); every rank of
+the grid has then seen its own tokens, so the gradients are summed over the whole ``tp`` group.
 
 :class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
 :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
@@ -50,7 +54,10 @@ router probabilities of its tokens), so the shares summed over ``dp`` are the se
 (:mod:`.losses`). Under 1D tensor parallelism the tp shares of those numbers, of the probability
 sums and of the z-loss sum are first added up over ``tp`` (one all-reduce of 3E + 2 numbers per
 layer): each tp rank's loss then reads as its data rank's whole share (the reported loss stays
-the serial one) while its gradient is that of its own tokens' part. The style is applied to
+the serial one) while its gradient is that of its own tokens' part. Under a grid the shares are
+added over the axis whose ranks hold the same input rows (:func:`~.tokens.grid_axes`), the
+counts over the rest of the grid too, since the engine sums the reported loss over the grid's
+input batch axes. The style is applied to
 every MoE block, at ep = 1 and on one data rank too
 (a pipeline, tensor parallelism, one device): its trivial axes' collectives cost nothing, and the
 tokens still take one sort by expert, one host read of the split sizes and grouped GEMMs, where
@@ -67,12 +74,12 @@ refuses (before any collective) what does not compose yet; :func:`gather_expert_
 the experts of a state dict back in the serial ``[E, ...]`` shapes.
 
 Tested in tests/dist/test_expert_parallel.py against serial training (under 1D tensor
-parallelism: tests/dist/test_expert_tensor.py and tests/dist/test_expert_tokens.py).
+parallelism: tests/dist/test_expert_tensor.py and tests/dist/test_expert_tokens.py; under the
+grids: tests/dist/test_expert_grid.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import types
 from dataclasses import dataclass
@@ -87,7 +94,6 @@ from ...models.moe import MoEFeedForward, balance_terms, z_loss_sum
 from ...specs import find_spec
 from ..context.layout import gather_sequence, split_sequence
 from ..style import apply_styles
-from ..tensor.functional import replicated
 from ..tensor.layout import DimShard, ShardSpec, set_spec
 from ..tensor.region1d import ParallelRegion
 from .blocks import ExpertBlock, experts_forward, is_transformers_moe_block
@@ -97,7 +103,7 @@ from .local import local_exchange, local_ready
 from .losses import ExpertLayers
 from .overlap import exchange
 from .replay import routes
-from .tokens import TokenShare
+from .tokens import TokenShare, TokenSplit, grid_axes, sum_gradients_over, sum_shares, token_axis
 
 __all__ = [
     "ExpertParallel",
@@ -170,8 +176,9 @@ def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
 def check_experts(model: nn.Module, plan) -> None:
     """Refuse, on every rank before any collective, a plan the model's experts cannot run under:
     ``Plan.ep`` > 1 on a model without behemoth MoE layers or with a number of experts it does
-    not divide (ValueError), and MoE layers with a dimension they do not compose with yet
-    (NotImplementedError)."""
+    not divide (ValueError); every tensor-parallel mode composes. Under a tensor-parallel grid
+    (2D, 2.5D, 3D) it marks each MoE block ``_behemoth_grid_rows``: the grid's parameter check
+    then leaves its parameters to this style, which runs the block on whole rows."""
     layers = moe_layers(model)
     if not layers:
         if plan.ep > 1:
@@ -189,13 +196,9 @@ def check_experts(model: nn.Module, plan) -> None:
                 f"Plan.ep={plan.ep} must divide the number of experts of every MoE layer; {name!r} has "
                 f"{num_experts}. Choose ep among the divisors of {num_experts}."
             )
-    if plan.tp > 1 and plan.tp_mode != "1d":
-        raise NotImplementedError(
-            f"Plan.tp={plan.tp} with tp_mode={plan.tp_mode!r} and mixture-of-experts layers is not built yet (the "
-            f"grid splits every activation's rows and hidden over the tp grid, and the experts need whole hidden "
-            f"rows of their tokens). Use tp_mode='1d' (attention split over tp, experts whole on every tp rank), "
-            f"or tp=1."
-        )
+    if plan.tp > 1 and plan.tp_mode != "1d":  # whole rows of its tokens: tensor parallelism leaves it be
+        for layer in layers.values():
+            layer._behemoth_grid_rows = True
 
 
 class ExpertParallel:
@@ -210,8 +213,13 @@ class ExpertParallel:
     :class:`~behemoth.parallel.tensor.region1d.ParallelRegion` under sequence parallelism (the
     block reads the norm's gathered sequence and returns this tp rank's shard; whole in and out
     while the region pauses it), else None.
-    ``tensor_axis``: the 1D tensor-parallel axis whose ranks split the block's tokens
-    (:mod:`.tokens`), or None (every token on every rank). ``chunks``: the tokens of each forward
+    ``tensor_axis``: the tensor-parallel axis whose ranks split the block's tokens
+    (:mod:`.tokens`), or None (every token on every rank). ``grid``: under the 2D, 2.5D and 3D
+    grids (``tensor_axis`` then ``"tp_col"``, the block's input and output this rank's hidden
+    block of its batch block, the block's gradients summed over the whole grid ``"tp"``), ``(the
+    axis the router losses' shares are summed over, the other axes of the grid)``: the first is
+    the grid axis the engine does not sum the reported losses over (:func:`grid_axes`); else
+    None. ``chunks``: the tokens of each forward
     split into this many runs, each run's all-to-alls overlapped with another's expert GEMMs
     (:mod:`.overlap`); 1 exchanges them at once. ``dedup``: send each token once per member
     holding any of its experts (:mod:`.dispatch_members`) where
@@ -227,13 +235,14 @@ class ExpertParallel:
         chunks: int = 1,
         dedup: bool = False,
         tensor_axis: str | None = None,
+        grid: tuple[str, tuple[str, ...]] | None = None,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"ExpertParallel(chunks={chunks!r}): must be an integer >= 1 (1: no overlap).")
         self.ep_axis, self.data_axis, self.replica_axis = ep_axis, data_axis, replica_axis
         self.context, self.sequence_parallel, self.chunks = context, sequence_parallel, chunks
         self.dedup = dedup
-        self.tensor_axis = tensor_axis
+        self.tensor_axis, self.grid = tensor_axis, grid
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         block = ExpertBlock(module)  # TypeError for any other module
@@ -254,15 +263,18 @@ class ExpertParallel:
         if self.context is not None and not mesh.axis(self.context[0]).trivial:
             whole_rows = _whole_rows(mesh.axis(self.context[0]), self.context[1])
         split = None
+        grid = self.grid is not None
         if self.tensor_axis is not None and not mesh.axis(self.tensor_axis).trivial:
-            split = (mesh.axis(self.tensor_axis), self.sequence_parallel)
+            tp = mesh.axis(self.tensor_axis)
+            loss, rows = (mesh.axis(self.grid[0]), tuple(mesh.axis(a) for a in self.grid[1])) if grid else (tp, ())
+            split = TokenSplit(tp, self.sequence_parallel, grid, loss, rows)
         # each token sent once per member holding its experts where that sends fewer rows (dispatch_members)
         facts = dict(ep=ep.size, num_experts=block.num_experts, top_k=block.top_k, chunks=self.chunks)
         members = self.dedup and dedup_applies(**facts, dropless=block.dropless)
         forward = _make_forward(block, ep, data, whole_rows, split, self.chunks, members)
         module.forward = types.MethodType(forward, module)
-        if split is not None:
-            _sum_gradients_over(block, split[0])
+        if split is not None:  # the grid's ranks all split the tokens: summed over the whole of it
+            sum_gradients_over(block, mesh.axis("tp") if grid else split.tp)
         module._behemoth_expert_routes = True  # its routes are kept for a recompute (replay.recorded)
         return module
 
@@ -282,70 +294,6 @@ def _whole_rows(cp: Axis, mode: str):
     return gather, take
 
 
-def _sum_gradients_over(block: ExpertBlock, tp: Axis) -> None:
-    """Each tp rank runs the block on its own share of the tokens, so the gradients of every
-    parameter of the block (router, experts, shared expert) are partial over ``tp``: each is read
-    through its ``CopyToAxis`` view (identity, its gradient all-reduced over ``tp`` in the
-    backward), as a sequence-parallel norm's weight is, one view per parameter and forward of the
-    block (:class:`_SummedViews`). The modules the block calls (the router; a transformers block's
-    ``gate`` and ``experts``, called once per chunk of ``Plan.ep_overlap``) take theirs in their
-    own forward, after the hooks that run before it (ZeRO-3's gathers); the others in the block's."""
-    module = block.module
-    views = _SummedViews(tp)
-    called = [module.router] if block.native else [module.gate, module.experts]
-    inside = {id(m) for c in called for m in c.modules()}
-    for m in called:
-        _forward_summed(m, [m], views)
-    _forward_summed(module, [m for m in module.modules() if id(m) not in inside], views, opens=True)
-
-
-class _SummedViews:
-    """The ``CopyToAxis`` views over ``tp`` of some modules' own parameters, made at most once per
-    forward of an MoE block: the first call of a module in it makes them, later calls (the chunks of
-    an overlapped exchange) read the same ones, so each parameter's gradient is all-reduced once."""
-
-    def __init__(self, tp: Axis) -> None:
-        self.tp = tp
-        self.made: dict[int, dict[str, torch.Tensor]] | None = None
-
-    @contextlib.contextmanager
-    def block_forward(self):
-        self.made = {}
-        try:
-            yield
-        finally:
-            self.made = None
-
-    @contextlib.contextmanager
-    def read(self, module: nn.Module):
-        saved = {n: p for n, p in module._parameters.items() if p is not None}
-        made = self.made if self.made is not None else {}
-        if id(module) not in made:
-            made[id(module)] = {n: replicated(p, self.tp) for n, p in saved.items()}
-        try:
-            module._parameters.update(made[id(module)])
-            yield
-        finally:
-            module._parameters.update(saved)
-
-
-def _forward_summed(module: nn.Module, owners: list[nn.Module], views: _SummedViews, opens: bool = False) -> None:
-    """Run ``module``'s forward (as it is now, on the instance) with the own parameters of each of
-    ``owners`` read through ``views``; ``opens``: this is the block's forward (its views' span)."""
-    inner = module.forward
-    owners = [m for m in owners if any(True for _ in m.parameters(recurse=False))]
-
-    def forward(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            if opens:
-                stack.enter_context(views.block_forward())
-            for m in owners:
-                stack.enter_context(views.read(m))
-            return inner(*args, **kwargs)
-
-    module.forward = forward
-
-
 def _make_forward(
     block: ExpertBlock, ep: Axis, data: Axis, whole_rows=None, split=None, chunks: int = 1, members: bool = False
 ):
@@ -355,9 +303,9 @@ def _make_forward(
         # (this rank's shard) is what the block returns
         share = None
         if split is not None:
-            tp, region = split
+            region = split.region
             sequence_parallel = region is not None and not region.sequence_parallel_paused
-            share = TokenShare(tp, x_BSH.shape, sequence_parallel)
+            share = TokenShare(split.tp, x_BSH.shape, sequence_parallel, hidden=split.hidden)
         x_in = x_BSH if share is None else share.take(x_BSH)
         rows = whole_rows if share is None else _then(share.rows(), whole_rows)
         x_in = block.jitter(x_in)
@@ -383,7 +331,9 @@ def _make_forward(
             # the serial batch's counts, drops and tokens (float64: exact integers at any scale)
             local = torch.cat([counts_E, r.dropped_counts(), counts_E.new_full((1,), x_TH.shape[0])]).double()
             if share is not None:
-                local, prob_sums_E, z_sum = _sum_shares(local, prob_sums_E, z_sum, share.tp)
+                local, prob_sums_E, z_sum = sum_shares(local, prob_sums_E, z_sum, split.loss)
+                for ax in split.rows:  # the grid's other tokens: their counts, drops and token counts
+                    local = comm.all_reduce(local, ax)
             totals = comm.all_reduce(local, data).to(prob_sums_E.dtype)
         with record_function("behemoth::moe_exchange"):
             if routed is None:
@@ -403,21 +353,6 @@ def _make_forward(
         return y if share is None else share.give(y)
 
     return forward
-
-
-def _sum_shares(local: torch.Tensor, prob_sums_E: torch.Tensor, z_sum, tp: Axis):
-    """The tp ranks' shares of one data rank's tokens added up, in one all-reduce over ``tp``:
-    ``local`` (counts, drops, tokens) summed; ``prob_sums_E`` and ``z_sum`` (in the graph) keep
-    this rank's gradient and take the sum's value, so this rank's router loss reads as its data
-    rank's whole share (the step's reported loss, summed over the data axis only, is the serial
-    one) while its gradient stays this rank's part (the router's gradient is summed over tp)."""
-    z = z_sum.detach().double().reshape(1) if z_sum is not None else local.new_zeros(1)  # one form for both
-    summed = comm.all_reduce(torch.cat([local, prob_sums_E.detach().double(), z]), tp)
-    n, E = local.numel(), prob_sums_E.numel()
-    prob_sums_E = prob_sums_E + (summed[n : n + E].to(prob_sums_E.dtype) - prob_sums_E).detach()
-    if z_sum is not None:
-        z_sum = z_sum + (summed[-1].to(z_sum.dtype) - z_sum).detach()
-    return summed[:n], prob_sums_E, z_sum
 
 
 def _then(inner, outer):
@@ -459,7 +394,8 @@ def parallelize_experts(model: nn.Module, mesh, plan) -> ExpertLayers:
         sequence_parallel=_region_of(model) if sequence_parallel else None,
         chunks=plan.ep_overlap,
         dedup=plan.ep_dedup,
-        tensor_axis="tp" if plan.tp > 1 and plan.tp_mode == "1d" else None,  # the tp ranks split the tokens
+        tensor_axis=token_axis(plan),  # the tp ranks split the tokens
+        grid=grid_axes(plan),
     )
     styled = dict.fromkeys(layers, style)
     if styled:

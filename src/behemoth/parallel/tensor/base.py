@@ -94,9 +94,14 @@ def check_enters_and_leaves(model: nn.Module, roles: dict[str, str], mode: str, 
 
 def check_every_parameter_owned(model: nn.Module, roles: dict[str, str], mode: str) -> None:
     """For 2D, 2.5D, 3D: every parameter belongs to a module with a role (a serial one would see
-    a hidden block of a batch block and silently train wrong)."""
+    a hidden block of a batch block and silently train wrong), or lies inside a module marked
+    ``_behemoth_grid_rows`` (an MoE block, which the expert style runs on whole rows of its
+    tokens: behemoth.parallel.expert.tokens)."""
     owned = {n for n, r in roles.items() if r != "attention"}
+    whole = [n for n, m in model.named_modules() if getattr(m, "_behemoth_grid_rows", False)]
     for pname, _ in model.named_parameters(remove_duplicate=False):
+        if any(pname.startswith(n + ".") for n in whole):
+            continue
         if pname.rpartition(".")[0] not in owned:
             raise ValueError(
                 f"tensor parallelism ({mode}): parameter {pname} has no tensor-parallel role. In {mode} every "
