@@ -32,7 +32,7 @@ attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 
 ``RING_MERGE_BYTES`` per element at HBM speed: the output forward, dQ and the travelling dK/dV
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
 layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, ``T`` this rank's
-share of the tokens (1D tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`), each
+share of the tokens (tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`), each
 expert's gate and up projections as one GEMM (under bf16, grouped: at the calibration's
 :meth:`~.calibration.Calibration.grouped_gemm_factor` of the table's rate for one group's GEMM), under
 expert parallelism at the busiest rank's load (:func:`.moe_bytes.busiest_rank_load`), in ``ep_overlap``
@@ -164,7 +164,7 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
     if w.num_experts:
         f = w.expert_ffn_hidden or s.ffn_hidden
         # each rank runs its E/ep experts over the tokens routed to them: on average T k rows in all,
-        # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py); under 1D tensor
+        # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py); under tensor
         # parallelism the tp ranks split the tokens (parallel/expert/tokens.py): T/tp each
         # each expert's gate and up projections are one GEMM (``[rows, h] @ [h, 2f]``, the fused
         # weight of parallel/expert/grouped.py), then its down projection; under bf16 the grouped

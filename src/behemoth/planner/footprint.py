@@ -31,7 +31,7 @@ Activations saved per block and micro-batch, in bytes, in the form of Korthikant
 ``r = p`` when the layout shards norms and dropout (sequence parallelism, 2D, 3D) else 1,
 ``T`` tokens of the micro-batch on this context-parallel rank. A mixture of experts counts its
 experts as a SwiGLU over ``f = I k`` plus what its routing, dispatch and combine keep
-(:func:`.moe_bytes.expert_saved_bytes`), over this tp rank's share of the tokens (1D tensor
+(:func:`.moe_bytes.expert_saved_bytes`), over this tp rank's share of the tokens (tensor
 parallelism splits an MoE block's tokens over tp, ``parallel/expert/tokens.py``:
 :func:`.moe_bytes.token_split`). Under 16-bit autocast (fp32
 parameters) every GEMM keeps the 16-bit copy of its weight that autocast made for it until its
@@ -119,7 +119,7 @@ def block_activation_bytes(plan: Plan, w: Workload, mbs: int) -> tuple[float, fl
     t = mbs * w.seq_len / plan.cp
     rep = plan.tp if (plan.tp_mode != "1d" or plan.sequence_parallel) else 1
     a_rep, a_h, a_f = ACTIVATION_BYTES[(s.gated_mlp, plan.precision in ("bf16", "fp16"))]
-    if w.num_experts:  # the experts over this tp rank's share of the tokens (1D tp splits them)
+    if w.num_experts:  # the experts over this tp rank's share of the tokens (tp splits them)
         f = (w.expert_ffn_hidden or s.ffn_hidden) * w.experts_top_k
         experts = (a_f * f + expert_saved_bytes(plan, w)) / token_split(plan)
         full = t * (a_rep * s.hidden / rep + a_h * s.hidden / plan.tp + experts)

@@ -30,7 +30,7 @@ micro-batch at most (left out, as the groups' padding is).
 The serial layer (``MoEFeedForward.forward``: a loop over experts, which one data rank runs at
 ``ep = 1`` outside the local path) keeps the same rows and also the weighted product, ``[T k, h]``
 in fp32, which its ``index_add`` keeps (its derivative reads its source's shape: ``4 h k``). The groups' padding to 16 rows (at most ``16 E / ep``
-rows a layer and micro-batch) is left out. Under 1D tensor parallelism the tp ranks split an MoE
+rows a layer and micro-batch) is left out. Under tensor parallelism the tp ranks split an MoE
 block's tokens (``parallel/expert/tokens.py``); the memory and elementwise models still count
 these bytes over all the micro-batch's tokens on every tp rank (an upper bound there). tests/unit/test_planner_moe_bytes.py checks the count against
 autograd's saved tensors of a Llama MoE block.
@@ -62,9 +62,11 @@ def _compute_bytes(plan: Plan) -> int:
 
 
 def token_split(plan: Plan) -> int:
-    """Into how many shares an MoE block's tokens are split over tensor parallelism: 1D's tp ranks
-    each route and run their own (``parallel/expert/tokens.py``); 1 otherwise."""
-    return plan.tp if plan.tp_mode == "1d" else 1
+    """Into how many shares the tp group's tokens of an MoE block are split: tp under every mode
+    (``parallel/expert/tokens.py``): 1D's tp ranks each route and run their own share; a grid's
+    ranks hold a batch block of 1/q (2D), 1/(d q) (2.5D) or 1/q**2 (3D) of them and its grid row's
+    q ranks split that block again, so each runs 1/tp of the tokens too."""
+    return plan.tp
 
 
 def busiest_rank_load(plan: Plan, w: Workload) -> float:
