@@ -7,8 +7,9 @@ sees exactly B*S/tp of the data rank's tokens per forward, and training matches 
 fp32), and each rank's router losses summed as the engine sums the reported loss are serial's
 (rtol 1e-6): behemoth's MoE Llama and transformers' Mixtral under tp=4 2D on 4 ranks, behemoth's
 MoE Llama with S = 15 (the padded token split) and a capacity router that drops what serial
-drops; on 8 ranks tp=8 2.5D (depth 2), tp=8 3D and dp=2 x ep=2 x 2D under ZeRO-3; on 16 ranks
-dp=2 x ep=2 x 2.5D and x 3D."""
+drops; on 8 ranks tp=8 2.5D (depth 2), tp=8 3D, dp=2 x ep=2 x 2D, and the same under ZeRO-3 with
+two micro-batches, ``ep_overlap=2`` and activation checkpointing; on 16 ranks dp=2 x ep=2 x 2.5D
+and x 3D."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def _eight_ranks(rank: int, world: int) -> None:
     plans = {
         bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2): BATCH * SEQ // 8,
         bh.Plan(tp=8, tp_mode="3d"): BATCH * SEQ // 8,
-        bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d", zero=3): BATCH // 2 * SEQ // 4,
+        bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d"): BATCH // 2 * SEQ // 4,
     }
     for plan, tokens in plans.items():
         model = build_moe()
@@ -115,6 +116,17 @@ def _eight_ranks(rank: int, world: int) -> None:
         _router_losses_as_serial(engine, batches[0], plan.describe())
         seen = _router_rows(engine.model)
         _check(engine, batches, want, seen, tokens, f"MoE Llama {plan.describe()}")
+
+    # ZeRO-3, two micro-batches, overlapped chunks and checkpointed blocks (whose recompute replays the
+    # forward's routes) through the grid's token split
+    plan = bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d", zero=3, microbatches=2, ep_overlap=2, activation_checkpointing=True)
+    want = serial_moe_run(batches, clip=1.0, world=2, micro=2)
+    model = build_moe()
+    engine = bh.boost(model, optimizer_for(model), plan, max_grad_norm=1.0)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=plan.describe())
+    assert_grad_norms_close(norms, want[2], what=plan.describe())
+    assert_state_close(engine.full_state_dict(), want[1], what=plan.describe())
 
 
 def test_moe_under_25d_3d_and_ep_2d_matches_serial():
