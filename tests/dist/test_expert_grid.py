@@ -29,12 +29,11 @@ from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_
 from test_expert_routing import adamw as routed_adamw
 from test_expert_routing import build as build_routed
 from test_expert_routing import serial_run as serial_routed_run
-from test_expert_tokens import _router_rows
+from test_expert_tokens import _check, _router_rows
 
 import behemoth as bh
 from behemoth import comm
 from behemoth.batch import row_block
-from behemoth.parallel.expert import moe_layers
 
 
 def _router_losses_as_serial(engine, batch, what):
@@ -50,14 +49,6 @@ def _router_losses_as_serial(engine, batch, what):
     for ax in (engine.data_axis, *par.batch_axes):
         got = comm.all_reduce(got, ax)
     assert torch.isclose(got, torch.tensor([want], dtype=got.dtype), rtol=1e-6, atol=0).item(), (what, got, want)
-
-
-def _check(engine, batches, want, seen, tokens, what):
-    losses, norms = train_steps(engine, batches)
-    assert seen == [tokens] * (len(moe_layers(engine.model)) * len(batches)), (what, seen[:4], tokens)
-    assert_losses_close(losses, want[0], what=what)
-    assert_grad_norms_close(norms, want[2], what=what)
-    assert_state_close(engine.full_state_dict(), want[1], what=what)
 
 
 def _grid_2d(rank: int, world: int) -> None:
