@@ -196,15 +196,19 @@ class SerialRun:
     (``get_total_norm`` of the same gradients when not clipping)."""
 
 
-def train_serially(model, opt, batches):
+def train_serially(model, opt, batches, dtype=None, router_loss: bool = False):
     """Plain PyTorch on the global batches (a model returning logits, or an output with
     ``.logits``; cross-entropy over the shifted labels, clipped at 1.0): losses, state, pre-clip
-    gradient norms."""
+    gradient norms. ``dtype``: the forward under CPU autocast to it; ``router_loss``: a
+    transformers MoE model's ``router_aux_loss_coef * outputs.aux_loss`` added to the loss."""
     losses, norms = [], []
     for b in batches:
-        out = model(b["input_ids"])
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            out = model(b["input_ids"])
         logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        if router_loss:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()

@@ -28,7 +28,6 @@ column normalises the kv head it holds), 3D tp=8 and 2.5D tp=8 (one kv head); ``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from common import (
     assert_grad_norms_close,
     assert_losses_close,
@@ -66,19 +65,7 @@ def serial_run(family: str, batches, dtype=None, opt=adamw, **config):
     ``router_aux_loss_coef * outputs.aux_loss``, gradients clipped at 1.0, ``opt``; the forward
     under CPU autocast to ``dtype`` if given."""
     model = build(family, **config)
-    opt = opt(model)
-    losses, norms = [], []
-    for b in batches:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            out = model(b["input_ids"])
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-        loss = ce + model.config.router_aux_loss_coef * out.aux_loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return train_serially(model, opt(model), batches, dtype=dtype, router_loss=True)
 
 
 def check_parity(family: str, plan: bh.Plan, batches, want, what: str, rtol=1e-4, atol=1e-5, opt=adamw, **config):
