@@ -142,10 +142,11 @@ class PipelineExecutor:
         self.schedule, self.actions = schedule, schedule[split.rank]
         # Zero-bubble runs each backward twice over one retained graph (BI, then BW); a compiled block's
         # backward may not donate (overwrite) its saved buffers then. Donation is decided when a graph
-        # compiles, at its first forward: those run with it off.
+        # compiles, at its first forward: those run with it off, and without AOTAutograd's on-disk
+        # cache, whose entries (compiled elsewhere, with donation) it would otherwise load.
         split_backward = any(a.kind == BI for a in self.actions)
         self.compile_context = (
-            (lambda: torch._functorch.config.patch(donated_buffer=False))
+            (lambda: torch._functorch.config.patch(donated_buffer=False, enable_autograd_cache=False))
             if plan.compile and split_backward
             else contextlib.nullcontext
         )
