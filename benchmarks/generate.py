@@ -24,8 +24,9 @@ kept on the model between calls (the timed call replays the graphs the
 earlier calls recorded). ``--compile forward`` is the older way: ``torch.compile(model.forward,
 mode="reduce-overhead")``, the sampling and bookkeeping eager around it. Under 1D tensor
 parallelism generation runs the layers' no-grad forward (functional collectives), so a decode
-step is one graph with its all-reduces inside; 2D / 2.5D / 3D layers keep their collectives eager
-(``torch.compiler.disable``), so their graphs are cut around them.
+step is one graph with its all-reduces inside; 2D / 2.5D / 3D layers trace their collectives as
+functional ones inside compiled code (``behemoth.comm.traced``), so their decode step is one
+graph too.
 
 ``--one-shot on|both`` (tp > 1) runs ``bh.generate(one_shot_all_reduce=True)``: the decode
 steps' small all-reduces over tp as a symmetric-memory one-shot all-reduce (no NVLink multicast;

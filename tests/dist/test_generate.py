@@ -9,7 +9,8 @@ seeded samples of bh.generate on the serial model.
 Every plan must give the reference tokens exactly, logits within 1e-5 at every step, the
 serial model's samples, and a KV cache of exactly ``kv_cache_bytes`` on every rank. Two spawned
 worlds (4 and 8 ranks) run the plans; the 4-rank one also generates from a checkpoint written
-by an engine under another plan (loaded under 2D and under ZeRO-3).
+by an engine under another plan (loaded under 2D and under ZeRO-3). Under 2D and 2.5D the decode
+step compiled whole is one graph with the eager call's tokens and collectives.
 """
 
 from __future__ import annotations
@@ -171,6 +172,32 @@ def _check_eos_and_batch_of_one(plan: bh.Plan, refs: dict) -> None:
     assert one == want[1:2], plan.describe()
 
 
+def _check_compiled_grid(plan: bh.Plan, refs: dict) -> None:
+    """The whole decode step compiled (``compile=backend``) under a grid layout is one graph (the
+    embedding's swap with the transposed grid rank traced as an all-to-all, no graph break),
+    gives the reference tokens and books the eager call's collectives on every axis."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rows, want = prompts(), refs["llama"]["tokens"]
+    model = bh.parallelize(build("llama"), plan)
+    ledger = model._behemoth_parallelization.mesh.ledger
+    ledger.reset()
+    assert bh.generate(model, rows, max_new_tokens=NEW) == want, plan.describe()
+    eager = {axis: stats["ops"] for axis, stats in ledger.stats().items()}
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    try:
+        assert bh.generate(model, rows, max_new_tokens=NEW, compile=counter) == want, plan.describe()
+        assert counter.frame_count == 1, (plan.describe(), counter.frame_count)
+        ledger.reset()
+        assert bh.generate(model, rows, max_new_tokens=NEW, compile=counter) == want, plan.describe()
+        assert counter.frame_count == 1, (plan.describe(), counter.frame_count)  # nothing new compiled
+        assert {axis: stats["ops"] for axis, stats in ledger.stats().items()} == eager, plan.describe()
+    finally:
+        torch._dynamo.reset()
+
+
 def _world4(rank, world, refs, tmp):
     _check_plan(bh.Plan(tp=4), refs)
     _check_plan(bh.Plan(tp=4, sequence_parallel=True), refs, ("llama", "hf-gpt2"))
@@ -179,6 +206,7 @@ def _world4(rank, world, refs, tmp):
     _check_plan(bh.Plan(dp=4), refs, ("gpt",))
     _check_plan(bh.Plan(tp=4, tp_mode="2d"), refs)
     _check_eos_and_batch_of_one(bh.Plan(tp=4, tp_mode="2d"), refs)
+    _check_compiled_grid(bh.Plan(tp=4, tp_mode="2d"), refs)
     _check_eos_and_batch_of_one(bh.Plan(dp=2, tp=2), refs)
     # an engine under one plan saves; another under another plan loads and generates the same
     rows = prompts()
@@ -210,6 +238,7 @@ def _world4(rank, world, refs, tmp):
 def _world8(rank, world, refs):
     _check_plan(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), refs, ("gpt", "hf-llama"))
     _check_plan(bh.Plan(tp=8, tp_mode="3d"), refs, ("llama", "hf-gpt2"))
+    _check_compiled_grid(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), refs)
 
 
 def test_generate_under_every_plan(tmp_path):

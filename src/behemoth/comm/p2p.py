@@ -11,15 +11,26 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import traced
 from .axis import AsyncCollective, Axis, device_for, eager, nbytes
 
 
-@eager
 def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
     """Send ``t`` to the axis member ``peer_index`` and return the same-shaped tensor it sends
     back (point-to-point). The pairing must be symmetric: ``peer_index``'s peer is this rank.
-    A rank paired with itself returns ``t`` and moves nothing."""
-    if axis.trivial or peer_index == axis.rank:
+    A rank paired with itself returns ``t`` and moves nothing. Inside compiled code:
+    :func:`.traced.exchange` (every member of the axis must call it then, a rank paired with
+    itself included)."""
+    if axis.trivial:
+        return t
+    if torch.compiler.is_compiling():
+        return traced.exchange(t, axis, peer_index)
+    return _exchange(t, axis, peer_index)
+
+
+@eager
+def _exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
+    if peer_index == axis.rank:
         return t
     t = t.contiguous()
     out = torch.empty_like(t)

@@ -1,5 +1,6 @@
 """Collectives inside ``torch.compile``'d code: the functional collectives of
-``torch.distributed._functional_collectives`` (all-gather, reduce-scatter, all-reduce; each
+``torch.distributed._functional_collectives`` (all-gather, reduce-scatter, all-reduce, and the
+point-to-point swap as an all-to-all; each
 result waited on with ``wait_tensor`` where it is used), over the same process groups and
 booked in the same ledger as the eager collectives of :mod:`.collectives`.
 
@@ -95,6 +96,19 @@ def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     t = t.contiguous()
     _book(t, axis, "reduce_scatter", nbytes(t), (n - 1) / n * nbytes(t))
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", dim % t.dim(), axis.group))
+
+
+def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
+    """The swap of :func:`.p2p.exchange` (the pairing symmetric) as one uneven all-to-all over
+    ``axis``: this member's whole ``t`` to ``peer_index``, nothing to the others. Every member
+    takes part, one paired with itself too (it sends ``t`` to itself; the eager form skips it).
+    Ledger as the eager form: nothing booked for a member paired with itself."""
+    t = t.contiguous()
+    sizes = [int(i == peer_index) for i in range(axis.size)]
+    if peer_index != axis.rank:
+        _book(t, axis, "exchange", nbytes(t), nbytes(t))
+    out = funcol.all_to_all_single(t.reshape(1, -1), sizes, sizes, axis.group)
+    return funcol.wait_tensor(out).reshape(t.shape)
 
 
 def regather(t: torch.Tensor) -> torch.Tensor:
