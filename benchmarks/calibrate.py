@@ -25,7 +25,10 @@ Measures, on rank 0's GPU unless said otherwise:
   the world (NVLink inside a node; across nodes, written as the "ib" link class);
 * every rank: ``overlap_slowdown``, what a 256 MiB all-reduce over the world on a side stream
   adds to four 8192**3 GEMMs it runs beside, as a fraction of the all-reduce's own time;
-* pinned host <-> device copy rates, and a CPU AdamW update's parameters per second;
+* pinned host <-> device copy rates;
+* every rank at once: the CPU AdamW update's parameters per second of one rank, the fused CPU
+  kernel that offloaded chunks run, with the threads the launch gives each rank (torchrun: 1;
+  ``behemoth launch``: the cores over the ranks; ``extra.cpu_adam_threads``), the slowest rank's;
 * every rank at once: ``sustained_ratio``, the rate of 8192**3 GEMMs run back to back for
   ``SUSTAIN_S`` seconds (the last part of it) over the GEMM table's rate at that size (short
   bursts), as a training step's seconds of work see clocks drop;
@@ -244,21 +247,33 @@ def elementwise_rate() -> float:
     return moved / seconds
 
 
-def host_rates() -> tuple[float, float, float]:
+def host_rates() -> tuple[float, float]:
+    """Pinned host->device and device->host copy rates (bytes/s) of one GPU."""
     n = 2**27  # 512 MiB of fp32
     host = torch.empty(n, dtype=torch.float32).pin_memory()
     dev = torch.empty(n, device="cuda", dtype=torch.float32)
     h2d = n * 4 / _time(lambda: dev.copy_(host, non_blocking=True), iters=3)
     d2h = n * 4 / _time(lambda: host.copy_(dev, non_blocking=True), iters=3)
-    p = torch.nn.Parameter(torch.randn(2**24))
-    p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-    opt.step()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        opt.step()
-    adam = 3 * p.numel() / (time.perf_counter() - t0)
-    return h2d, d2h, adam
+    return h2d, d2h
+
+
+def cpu_adam_rate(world: int) -> float:
+    """Parameters per second one rank's CPU AdamW updates while every rank of the host updates
+    at once, each with the threads its launch gave it: the kernel the offloaded chunks run (the
+    ZeRO optimizer gives host masters the fused CPU kernel; ``parallel/zero/measure.py``'s
+    :func:`cpu_update_rate`, which ``offload='auto'`` also measures with), the slowest rank's
+    rate. The ranks share the host's memory bandwidth in a step, so one rank alone (the others
+    idle) would measure more than each gets; the foreach kernel, measured here before, runs
+    several times slower than the fused one (the cost model read it as the fused one's rate)."""
+    from behemoth.parallel.zero.auto import FUSED_CPU
+    from behemoth.parallel.zero.measure import cpu_update_rate
+
+    if world > 1:
+        dist.barrier()
+    rate = torch.tensor([cpu_update_rate(torch.optim.AdamW, {"lr": 1e-3}, FUSED_CPU) / 4], device="cuda")
+    if world > 1:
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate.item())
 
 
 def collectives(world: int, local: int) -> dict[str, list[list[float]]]:
@@ -616,8 +631,12 @@ def main() -> None:
                 measured.append("grouped_gemm_by_rows")
         except Exception as e:  # keep the rest: the planner takes the dense GEMM table's rate
             print(f"calibrate: grouped GEMMs not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        d["h2d_bytes_per_s"], d["d2h_bytes_per_s"], d["cpu_adam_params_per_s"] = host_rates()
+        d["h2d_bytes_per_s"], d["d2h_bytes_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
+    adam = cpu_adam_rate(world)
+    if rank == 0:
+        d["cpu_adam_params_per_s"] = adam
+        d.setdefault("extra", {})["cpu_adam_threads"] = torch.get_num_threads()
     if world > 1:
         links = collectives(world, local)
         for k, pts in links.items():

@@ -282,3 +282,30 @@ def test_ulysses_copies_around_its_all_to_alls():
     assert a.forward - (b.forward - ring_f) == pytest.approx(fwd / cal.hbm_bytes_per_s)
     ring_b = 2 * 10 * tokens * h * 3 / cal.hbm_bytes_per_s
     assert a.backward - (b.backward - ring_b) == pytest.approx(bwd / cal.hbm_bytes_per_s)
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_offloaded_update_is_each_ranks_shard_at_the_host_rates(gpus):
+    """ZeRO-1 ``offload="cpu"``: each rank moves its shard's fp32 gradients down and parameters up
+    and updates the shard with the CPU AdamW at ``cpu_adam_params_per_s`` -- one rank's rate with
+    every rank updating at once, so a shard a quarter the size takes a quarter the time -- and the
+    backward hides at most its own time of it. The shard counted from the built model."""
+    from behemoth.models import build_model
+
+    w = workload_for("gpt-tiny", seq_len=64, global_batch=8, vocab_size=96)
+    n = sum(p.numel() for p in build_model("gpt-tiny", vocab_size=96, seq_len=64, device="meta").parameters())
+    adam, h2d, d2h = 1e5, 1e8, 2e8  # slow enough that the update outlasts the backward
+    cal = dataclasses.replace(
+        load_calibration("h200"), cpu_adam_params_per_s=adam, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h
+    )
+    plan = bh.Plan(dp=gpus, zero=1, offload="cpu")
+    p = predict(plan, w, Cluster(num_gpus=gpus, gpus_per_node=gpus, calibration=cal))
+    shard = n / gpus
+    work = shard / adam + shard * 4 / d2h + shard * 4 / h2d
+    backward = plan.resolve(gpus).microbatches * p.stage_times[1]
+    assert p.optimizer == 0.0
+    if gpus == 1:  # no gradient reduction: the whole backward hides its part
+        assert p.offload == pytest.approx(work - backward)
+    else:
+        assert work - backward <= p.offload <= work
+    assert p.step >= p.offload + p.compute

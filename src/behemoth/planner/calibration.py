@@ -35,6 +35,13 @@ measure there)::
       "grouped_gemm_by_rows": [[rows, ratio], ...]   # ... by rows per group, where measured
     }
 
+``cpu_adam_params_per_s`` is one rank's rate with every rank of its host updating at once (they
+share the host's memory bandwidth) and with the threads its launch gives it, of the kernel the
+offloaded chunks run: the fused CPU AdamW (``parallel/zero/optimizer.py`` gives host masters
+``fused=True``); the cost model divides each rank's offloaded parameters by it. A rate of the
+foreach kernel (several times slower on the same cores) is not that quantity: an older
+calibration's is kept in ``extra`` (``cpu_adamw_foreach_params_per_s``) and not read.
+
 The host figures feed :mod:`.host` (the step is at least its host issue time); all zero (the
 default) predicts no host bound. ``sustained_ratio`` scales the GEMM table and the attention
 rate (a short burst runs at boost clocks that a step's seconds of work do not hold); default 1.
@@ -103,6 +110,7 @@ class Calibration:
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     cpu_adam_params_per_s: float
+    """Parameters per second one rank's fused CPU AdamW updates, all ranks of a host at once."""
     gpu_bytes: float
     reserved_bytes: float = 3e9
     attention_backward_ratio: float = 0.8
