@@ -262,15 +262,22 @@ def cpu_adam_rate(world: int) -> float:
     at once, each with the threads its launch gave it: the kernel the offloaded chunks run (the
     ZeRO optimizer gives host masters the fused CPU kernel; ``parallel/zero/measure.py``'s
     :func:`cpu_update_rate`, which ``offload='auto'`` also measures with), the slowest rank's
-    rate. The ranks share the host's memory bandwidth in a step, so one rank alone (the others
-    idle) would measure more than each gets; the foreach kernel, measured here before, runs
-    several times slower than the fused one (the cost model read it as the fused one's rate)."""
+    rate. Timed in a worker thread set up as ``parallel/zero/overlap.py``'s (the thread the
+    update runs in during the backward; the H100 host of benchmarks/RESULTS.md ran fused AdamW at
+    3.61 G parameters/s there against 4.87 in the main thread). The ranks share the host's memory
+    bandwidth in a step, so one rank alone (the others idle) would measure more than each gets;
+    the foreach kernel, measured here before, runs several times slower than the fused one (the
+    cost model read it as the fused one's rate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from behemoth.parallel.zero.auto import FUSED_CPU
     from behemoth.parallel.zero.measure import cpu_update_rate
 
     if world > 1:
         dist.barrier()
-    rate = torch.tensor([cpu_update_rate(torch.optim.AdamW, {"lr": 1e-3}, FUSED_CPU) / 4], device="cuda")
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
+        params_per_s = pool.submit(cpu_update_rate, torch.optim.AdamW, {"lr": 1e-3}, FUSED_CPU).result() / 4
+    rate = torch.tensor([params_per_s], device="cuda")
     if world > 1:
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate.item())
