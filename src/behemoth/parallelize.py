@@ -28,6 +28,7 @@ Tested in tests/dist/test_parallelize.py against the serial model.
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -199,12 +200,30 @@ def apply_plan(
         apply_compile(model)
     if stage_layout is not None:
         record.pipeline, record.channels = split_pipeline(model, mesh, device, *stage_layout)
-        record.experts = record.experts.held(model)  # this stage's MoE blocks (the others' are gone)
+        _let_go_of_other_stages(record, model)
     broadcast_parameters(model, mesh, data_axis, sync_params)
     broadcast_buffers(model, mesh, data_axis)
 
     model.__dict__["_behemoth_parallelization"] = record
     return model
+
+
+def _let_go_of_other_stages(record: Parallelization, model: nn.Module) -> None:
+    """Free what the pipeline split cut out of this rank: the tensor-parallel shards of the other
+    stages' parameters (``record.replaced`` keeps this stage's only; the vocabulary-parallel head
+    is kept by the stage holding it), and the other stages' MoE
+    blocks (``record.experts`` keeps this stage's), which sit in reference cycles -- the forward
+    the expert style binds to each block -- so they are collected here, or their parameters stay
+    allocated until Python's cycle collector happens to run (tests/dist/test_planner_memory.py)."""
+    held = {id(p) for p in model.parameters()}
+    record.replaced = {k: p for k, p in record.replaced.items() if id(p) in held}
+    head = record.vocab_head
+    if head is not None and not any(id(p) in held for p in head.parameters()):
+        record.vocab_head = None  # another stage's: this one computes no loss
+    everywhere = len(record.experts)
+    record.experts = record.experts.held(model)  # this stage's MoE blocks (the others' are gone)
+    if len(record.experts) < everywhere:
+        gc.collect()
 
 
 # ------------------------------------------------------------------ the steps, in order

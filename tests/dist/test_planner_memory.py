@@ -5,12 +5,19 @@ projections, 2D, 2.5D with depth 2, 3D), experts over ``ep``, and pipeline stage
 2D: the parameters each rank holds, summed tensor by tensor, equal
 ``behemoth.planner.params.local_params`` for its stage exactly, and without a pipeline the
 predicted parameter bytes (``plan_memory(...).params``, ZeRO 0) equal the bytes the rank holds.
+The parameter storages still allocated in the process (every ``nn.Parameter`` Python has not
+freed, reachable or not, before any cycle collection) equal the planner's parameters too: a
+pipeline rank keeps no other stage's blocks (mixture-of-experts blocks sit in reference cycles,
+their forward bound to them, which only a cycle collection frees).
 For layouts with data parallelism the gradient all-reduce the ledger books over ``dp`` in one
 step equals ``step_traffic``'s (the same per-rank count, in fp32 gradients).
 """
 
 from __future__ import annotations
 
+import gc
+
+import torch
 from common import SEQ, VOCAB, build, global_batches, make_optimizer, shard
 
 import behemoth as bh
@@ -80,3 +87,38 @@ def _world(rank, world):
 
 def test_parameters_per_rank_are_the_planners():
     bh.spawn(_world, WORLD, timeout=500)
+
+
+def _allocated_parameter_bytes() -> int:
+    """Bytes of the distinct storages of every ``nn.Parameter`` object the process still has,
+    whether or not anything reaches it (no cycle collection first)."""
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.nn.Parameter) and not o.is_meta:
+            s = o.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+PIPELINES = [dict(pp=2), dict(pp=4), dict(tp=2, pp=2), dict(ep=2, pp=2)]
+
+
+def _held_world(rank, world):
+    for fields in PIPELINES:
+        gc.collect()  # the layouts before this one
+        model = build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=LAYERS)
+        w = workload_for(model, seq_len=SEQ, global_batch=BATCH)
+        plan = bh.Plan(precision="fp32", **fields).resolve(world)
+        gc.collect()  # nothing but the serial model's parameters allocated
+        model = bh.parallelize(model, plan)
+        stage = parallelization(model).mesh.coord("pp")
+        want = 4 * local_params(plan, w, stage=stage)
+        got = _allocated_parameter_bytes()
+        assert got == want, f"{plan.describe()} rank {rank}: {got} parameter bytes allocated, the planner counts {want}"
+        del model
+
+
+def test_a_pipeline_rank_frees_the_other_stages_experts():
+    """The MoE Llama cut into pipeline stages (with tp and ep too) on 4 gloo ranks: the parameter
+    bytes each rank still has allocated after ``bh.parallelize`` are the planner's for its stage."""
+    bh.spawn(_held_world, 4, timeout=300)
