@@ -10,7 +10,11 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   schedule a stage with an input gradient runs its blocks' backward collectives twice (BI, then
   BW backpropagating through the stage again), as the ledger books them; under 1D an MoE
   block's token split over tp (its shares' statistics, its output and input gradient gathered,
-  its router's and experts' gradients summed: :func:`~.tp1d_traffic.tp1d_block_traffic`);
+  its router's and experts' gradients summed: :func:`~.tp1d_traffic.tp1d_block_traffic`), under
+  the 2D, 2.5D and 3D grids its grid row's all-to-alls of whole rows over ``tp_col``, its
+  statistics summed over the grid's axes and its router's and experts' gradients over the whole
+  grid (:func:`~.tp2d_traffic.grid_experts_traffic`), a recompute without the exchange that puts
+  its output back (:func:`token_split_output_bytes`);
 * ``cp``: :func:`~.context_traffic.cp_model_traffic` of the stage's layers, per micro-batch;
   under the zero-bubble schedule a stage with an input gradient (all but the first) sends the
   backward's share twice: its weight-gradient pass (BW) backpropagates through the attention's
@@ -42,13 +46,15 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
 * ``ep``: each MoE layer's split-size exchange (one even all-to-all of ``ep_overlap * E`` int64
   counts), dispatch and combine all-to-alls forward (one per chunk each, the same rows), the
   reverse pair backward (the pair again in a checkpointed block's recompute, which reuses its
-  forward's split sizes, and in zero-bubble's BW); the rows as if routing were even (the ledger
-  books the routed ones): :func:`ep_layer_bytes`; under ``Plan.ep_dedup`` one row per (token,
+  forward's split sizes, and in zero-bubble's BW); the rows of this tensor-parallel rank's share of
+  the tokens (1/tp of them under every tp mode) as if routing were even (the ledger books the
+  routed ones): :func:`ep_layer_bytes`; under ``Plan.ep_dedup`` one row per (token,
   member) pair, its routing weights and slots packed after it; at ZeRO stage 0 the step's gradient norm
   sums the experts' float32 share over it (``parallel/zero/norm.py``).
 
 The wire bytes use the ring formulas of :mod:`.collectives`. Pure; checked against the ledger
-of real runs in tests/dist/test_planner_ledger.py.
+of real runs in tests/dist/test_planner_ledger.py (mixture-of-experts models:
+test_planner_expert_ledger.py, and under the grids test_planner_expert_grid_ledger.py).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from functools import lru_cache
 from ..plan import Plan
 from .collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from .context_traffic import cp_model_traffic
+from .moe_bytes import token_split
 from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
@@ -74,6 +81,7 @@ __all__ = [
     "member_exchange",
     "members_per_token",
     "step_traffic",
+    "token_split_output_bytes",
 ]
 
 
@@ -93,15 +101,14 @@ class Dtypes:
 
 
 def _tp_kwargs(plan: Plan, w: Workload) -> dict:
+    # the router and this rank's experts of one block: their gradients sum over tp (every rank of a grid)
+    held = w.expert_params / plan.ep + w.shape.hidden * w.num_experts
+    experts = {"experts": w.num_experts, "expert_params": held} if w.num_experts else {}
     if plan.tp_mode == "1d":
-        if not w.num_experts:
-            return {"sequence_parallel": plan.sequence_parallel}
-        # the router and this rank's experts of one block: their gradients sum over tp
-        held = w.expert_params / plan.ep + w.shape.hidden * w.num_experts
-        return {"sequence_parallel": plan.sequence_parallel, "experts": w.num_experts, "expert_params": held}
+        return {"sequence_parallel": plan.sequence_parallel, **experts}
     if plan.tp_mode in ("2d", "2.5d"):
-        return {"depth": plan.tp_depth}
-    return {}
+        return {"depth": plan.tp_depth, **experts}
+    return experts
 
 
 def tp_step_bytes(
@@ -116,8 +123,8 @@ def tp_step_bytes(
 ) -> float:
     """Wire bytes over the tensor-parallel axes for one step of ``layers`` blocks (plus the
     embedding, head and loss when ``edges``); ``diagonal``: a 2D/2.5D rank on its grid's
-    diagonal (no embedding swap). Grid modes also all-reduce the step's float64 loss sum
-    over each tp axis that splits the batch (2D: one of q; 2.5D: depth and one of q; 3D: two of q).
+    diagonal (no embedding swap). Grid modes also all-reduce the step's float64 loss sum (and a
+    MoE model's router losses beside it) over each tp axis that splits the batch (2D: one of q; 2.5D: depth and one of q; 3D: two of q).
     Activation checkpointing runs each block's forward collectives again in its backward;
     ``twice_backward`` (a zero-bubble stage with an input gradient) the blocks' backward ones."""
     if plan.tp == 1:
@@ -128,13 +135,36 @@ def tp_step_bytes(
     if plan.tp_mode in ("2d", "2.5d") and diagonal:
         extra += (("diagonal", True),)
     fwd, bwd, rest = _tp_micro(plan.tp_mode, w.shape, mbs, w.seq_len // plan.cp, plan.tp, extra, dt)
-    block = fwd + bwd + (fwd if plan.activation_checkpointing else 0.0) + (bwd if twice_backward else 0.0)
+    again = fwd - token_split_output_bytes(plan, w, mbs, dt) if plan.activation_checkpointing else 0.0
+    block = fwd + bwd + again + (bwd if twice_backward else 0.0)
     total = (block * layers + (rest if edges else 0.0)) * plan.microbatches
     if plan.tp_mode != "1d":
         q, d = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
         axes = {"2d": (q,), "2.5d": (d, q), "3d": (q, q)}[plan.tp_mode]
-        total += sum(all_reduce_bytes(8, a) for a in axes if a > 1)
+        totals = 2 if w.num_experts else 1  # the loss sum, a MoE model's router losses beside it
+        total += sum(all_reduce_bytes(8 * totals, a) for a in axes if a > 1)
     return total
+
+
+def token_split_output_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> float:
+    """Wire bytes of the collective that puts one MoE block's output back in the tensor-parallel
+    layout from this rank's share of the tokens (``parallel/expert/tokens.py``'s ``give``), per
+    micro-batch of ``mbs`` sequences: 1D's all-gather of the ``[T, h]`` output (none under sequence
+    parallelism: the block returns its shard), a grid row's all-to-all of its ``T / (tp / q)``
+    tokens' rows back to hidden blocks; T padded to a multiple of tp (1D) or those tokens to a
+    multiple of q (grids) where the sequence does not divide. A checkpointed block's recompute does
+    not run it again: nothing its backward keeps comes after it, and torch's non-reentrant
+    checkpoint stops recomputing once it has every kept tensor back. 0 for a dense model."""
+    if plan.tp == 1 or not w.num_experts or (plan.tp_mode == "1d" and plan.sequence_parallel):
+        return 0.0
+    seq = w.seq_len // plan.cp
+    h, t = w.shape.hidden, mbs * seq
+    if plan.tp_mode == "1d":
+        rows = t if seq % plan.tp == 0 else -(-t // plan.tp) * plan.tp
+        return all_gather_bytes(rows * h * dt.stream, plan.tp)
+    q, _ = tp_grid(plan.tp, plan.tp_mode, plan.tp_depth)
+    tokens = t * q // plan.tp
+    return all_gather_bytes(-(-tokens // q) * q * h / q * dt.stream, q)
 
 
 @lru_cache(maxsize=65536)
@@ -143,8 +173,8 @@ def _tp_micro(mode, shape, mbs: int, seq: int, tp: int, extra: tuple, dt: Dtypes
     of one micro-batch."""
     kw = dict(batch=mbs, seq=seq, tp=tp, dtype_bytes=dt.compute, param_bytes=dt.param, **dict(extra))
     model_only = {k: kw.pop(k) for k in ("diagonal",) if k in kw}
-    # 1D: an MoE block's token split moves the residual stream's dtype (the others ignore it)
-    block = block_traffic(mode, shape, **kw, **({"stream_bytes": dt.stream} if mode == "1d" else {}))
+    # an MoE block's token split moves the residual stream's dtype (a dense grid block ignores it)
+    block = block_traffic(mode, shape, **kw, stream_bytes=dt.stream)
     full = model_traffic(mode, shape, stream_bytes=dt.stream, **kw, **model_only).total
     return block.forward, block.backward, full - block.total * shape.num_layers
 
@@ -304,8 +334,8 @@ def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float
     """``(splits, rows, meta)``: wire bytes one rank sends per MoE layer and micro-batch of
     ``mbs`` sequences in the split sizes' even all-to-all (int64, one per expert and chunk of
     ``Plan.ep_overlap``; (ep-1)/ep of them leave the rank), in one all-to-all of the rows (a
-    dispatch or a combine, all chunks together: the chunks split the same rows), as if routing
-    were even, in the experts' GEMM dtype (dispatch casts the rows to autocast's before they
+    dispatch or a combine, all chunks together: the chunks split the same rows) of this tp rank's
+    share of the tokens (:func:`~.moe_bytes.token_split`), as if routing were even, in the experts' GEMM dtype (dispatch casts the rows to autocast's before they
     leave: parallel/expert/traffic.py), and the bytes the member exchange packs after each pair's
     row (its k float32 routing weights and k int16 slots, in whole elements of the row; as many
     back in the backward). Under the member
@@ -315,7 +345,7 @@ def ep_layer_bytes(plan: Plan, w: Workload, mbs: int, dt: Dtypes) -> tuple[float
     if plan.ep == 1 or not w.num_experts:
         return 0.0, 0.0, 0.0
     leave = (plan.ep - 1) / plan.ep
-    tokens = mbs * w.seq_len // plan.cp
+    tokens = mbs * w.seq_len // plan.cp / token_split(plan)  # the tp ranks route their shares of them
     if member_exchange(plan, w):
         pairs = tokens * members_per_token(plan, w)
         splits = (w.num_experts + plan.ep) * 8 * leave

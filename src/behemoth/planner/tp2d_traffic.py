@@ -16,6 +16,9 @@ embedding all-gathers the int64 ids over ``tp_row``, reduce-scatters its partial
 ``tp_col`` and swaps with the transposed grid rank (none on the grid's diagonal) -- the same
 backward --; a learned position table all-reduces its gradient over ``tp_row``; the
 vocab-parallel loss all-reduces ``[T/(d q)]`` maxima and ``[2, T/(d q)]`` sums over ``tp_col``.
+A mixture-of-experts block has no grid Linears in its MLP: its grid rows run it on whole rows of
+their tokens (:func:`grid_experts_traffic`, 3D's too; checked against the ledger in
+tests/dist/test_planner_expert_grid_ledger.py).
 
 
 Units and notation: :mod:`behemoth.planner.traffic`.
@@ -141,12 +144,16 @@ def norm2d(shape: TransformerShape, tokens_local: float, q: int, depth: int, par
     return Traffic(fwd, bwd + all_reduce_bytes(vec, q) + all_reduce_bytes(vec, depth))
 
 
-def grid_linears_traffic(shape: TransformerShape, lin, kv_projection: Traffic | None = None) -> Traffic:
+def grid_linears_traffic(
+    shape: TransformerShape, lin, kv_projection: Traffic | None = None, *, mlp: bool = True
+) -> Traffic:
     """The Linears of one block under a grid mode (2D, 2.5D, 3D), where every Linear gathers its
     own input: ``lin(in_features=, out_features=)`` (the mode's Linear formula with the tokens,
     degree and dtypes bound) summed over fused qkv, or q, k and v
     (``kv_projection``: one k or v projection's traffic where it is not ``lin(h, K D)``); the
-    attention output; fc, or gate and up; and proj, or down. Norms are the caller's."""
+    attention output; and unless ``mlp`` is False (a mixture-of-experts block, which has no grid
+    Linears: :func:`grid_experts_traffic`) fc, or gate and up, and proj, or down. Norms are the
+    caller's."""
     h, f = shape.hidden, shape.ffn_hidden
     attn, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
 
@@ -157,7 +164,52 @@ def grid_linears_traffic(shape: TransformerShape, lin, kv_projection: Traffic | 
         out = one(h, attn + 2 * kv)
     else:
         out = one(h, attn) + 2 * (one(h, kv) if kv_projection is None else kv_projection)
-    return out + (one(attn, h) + (2 if shape.gated_mlp else 1) * one(h, f) + one(f, h))
+    out += one(attn, h)
+    return out + ((2 if shape.gated_mlp else 1) * one(h, f) + one(f, h) if mlp else Traffic())
+
+
+GRID_STATISTICS_AXES = {
+    "2d": ("tp_col", ("tp_row",)),
+    "2.5d": ("tp_col", ("tp_depth", "tp_row")),
+    "3d": ("tp_row", ("tp_depth", "tp_col")),
+}
+"""Per grid mode, the axis an MoE block's router-loss shares are summed over and the grid's other
+axes its counts are summed over too (``parallel/expert/tokens.py``'s ``grid_axes``; a test holds
+them equal)."""
+
+
+def grid_experts_traffic(
+    *,
+    tokens: float,
+    hidden: int,
+    q: int,
+    depth: int,
+    mode: str,
+    experts: int,
+    expert_params: float,
+    stream_bytes: int,
+    param_bytes: int,
+) -> Traffic:
+    """One mixture-of-experts block under a grid (``parallel/expert/tokens.py``, ``style.py``), per
+    rank: its ``tokens`` (its batch block's, T / (tp / q)) in hidden blocks of ``hidden / q``; the q
+    ranks of its grid row (``tp_col``) trade them for whole rows of a 1/q share each in one
+    all-to-all, and the outputs back in another (``[ceil(tokens / q) q, hidden / q]`` in the
+    residual stream's dtype, the tokens padded to a multiple of q where the sequence does not
+    divide; ``(q-1)/q`` of it leaves the rank), the gradients the inverse pair backward. Forward, the
+    balancing statistics' shares (``3E + 2`` float64: counts, drops, tokens, probability sums,
+    z-loss) all-reduced over the loss axis, then the counts, drops and tokens (``2E + 1``) over each
+    other axis of the grid (:data:`GRID_STATISTICS_AXES`; ``tp_depth`` has ``depth`` ranks: 2.5D's d,
+    3D's q).
+    Backward, the gradients of the ``expert_params`` parameters the rank holds in the block (its
+    router and its experts: they saw its share of the tokens only) all-reduced over the whole grid,
+    in ``param_bytes``."""
+    rows = -(-tokens // q) * q
+    a2a = 2 * all_gather_bytes(rows * hidden / q * stream_bytes, q)  # an all-to-all sends (q-1)/q of it
+    sizes = {"tp_row": q, "tp_col": q, "tp_depth": depth}
+    loss, others = GRID_STATISTICS_AXES[mode]
+    stats = all_reduce_bytes((3 * experts + 2) * 8, sizes[loss])
+    stats += sum(all_reduce_bytes((2 * experts + 1) * 8, sizes[a]) for a in others)
+    return Traffic(a2a + stats, a2a + all_reduce_bytes(expert_params * param_bytes, q * q * depth))
 
 
 def tp2d_block_traffic(
@@ -170,9 +222,15 @@ def tp2d_block_traffic(
     dtype_bytes: int = 2,
     param_bytes: int = 4,
     keep_weights: bool = True,
+    stream_bytes: int | None = None,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
-    down), forward + backward, per rank; attention itself is local."""
+    down), forward + backward, per rank; attention itself is local. With ``experts`` (E > 0) the
+    MLP is a mixture of E experts the grid rows run on whole rows of their tokens
+    (:func:`grid_experts_traffic`; ``expert_params``: the block's router and experts this rank
+    holds; ``stream_bytes``: the residual stream's element size, default ``param_bytes``)."""
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
@@ -190,7 +248,22 @@ def tp2d_block_traffic(
     kv = None
     if not shape.fused_qkv and shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads:  # replicated
         kv = _kv_replicated2d(t, shape.hidden, shape, tp, depth, dtype_bytes, param_bytes, keep_weights)
-    return grid_linears_traffic(shape, lin, kv) + 2 * norm2d(shape, t / (depth * q), q, depth, param_bytes)
+    out = grid_linears_traffic(shape, lin, kv, mlp=not experts) + 2 * norm2d(
+        shape, t / (depth * q), q, depth, param_bytes
+    )
+    if experts:
+        out += grid_experts_traffic(
+            tokens=t / (depth * q),
+            hidden=shape.hidden,
+            q=q,
+            depth=depth,
+            mode="2.5d" if depth > 1 else "2d",
+            experts=experts,
+            expert_params=expert_params,
+            stream_bytes=param_bytes if stream_bytes is None else stream_bytes,
+            param_bytes=param_bytes,
+        )
+    return out
 
 
 def tp2d_model_traffic(
@@ -205,6 +278,8 @@ def tp2d_model_traffic(
     param_bytes: int = 4,
     diagonal: bool = False,
     keep_weights: bool = True,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, final norm, head and loss, for a
     rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
@@ -226,6 +301,9 @@ def tp2d_model_traffic(
         dtype_bytes=dtype_bytes,
         param_bytes=param_bytes,
         keep_weights=keep_weights,
+        stream_bytes=stream,
+        experts=experts,
+        expert_params=expert_params,
     )
     swap = 0.0 if diagonal else local * h / q
     out += Traffic(
@@ -272,15 +350,18 @@ GRID_GRAD_LEAD = 6
 ``behemoth.parallel.tensor.deferred_grads.DeferredGrads.lead`` (a test holds them equal)."""
 
 
-def grid_deferred_layers(shape: TransformerShape, q: int, blocks: int, *, last_stage: bool = True) -> list[bool]:
+def grid_deferred_layers(
+    shape: TransformerShape, q: int, blocks: int, *, last_stage: bool = True, experts: bool = False
+) -> list[bool]:
     """The layers a 2D / 2.5D pass defers the gradient reductions of, in forward order (each
     block's norm, q/k/v (fused, or three but replicated k and v projections), output, norm, MLP
-    Linears; on the last pipeline stage the final norm and the head): True where the layer hands
-    vectors to the buckets (a norm with a weight, a Linear with a bias)."""
+    Linears (none in a mixture-of-experts block, ``experts``: its parameters sum over the grid in
+    its own backward); on the last pipeline stage the final norm and the head): True where the
+    layer hands vectors to the buckets (a norm with a weight, a Linear with a bias)."""
     norm, bias = shape.norm_params > 0, shape.linear_bias
     replicated_kv = not shape.fused_qkv and shape.num_kv_heads < q and shape.num_kv_heads != shape.num_heads
     qkv = [bias] if shape.fused_qkv or replicated_kv else [bias] * 3
-    block = [norm, *qkv, bias, norm] + [bias] * (3 if shape.gated_mlp else 2)
+    block = [norm, *qkv, bias, norm] + [bias] * (0 if experts else 3 if shape.gated_mlp else 2)
     return block * blocks + ([norm, False] if last_stage else [])
 
 

@@ -25,7 +25,7 @@ from functools import partial
 
 from ..specs import TransformerShape
 from .collectives import Traffic, all_gather_bytes, all_reduce_bytes, payload, reduce_scatter_bytes
-from .tp2d_traffic import grid_linears_traffic, norm2d
+from .tp2d_traffic import grid_experts_traffic, grid_linears_traffic, norm2d
 
 
 def cube_side(tp: int) -> int:
@@ -98,12 +98,23 @@ def linear3d_bytes(
 
 
 def tp3d_block_traffic(
-    shape: TransformerShape, *, batch: int, seq: int, tp: int, dtype_bytes: int = 2, param_bytes: int = 4
+    shape: TransformerShape,
+    *,
+    batch: int,
+    seq: int,
+    tp: int,
+    dtype_bytes: int = 2,
+    param_bytes: int = 4,
+    stream_bytes: int | None = None,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block on the cube (2 norms; q/k/v or fused qkv, out; fc and proj, or
     gate, up and down), forward + backward, per rank; attention itself is local. Every Linear
     gathers its own input (no sharing between q, k and v). Norms: statistics over the hidden
-    axis (as 2D), weight (and bias) gradients all-reduced over tp_row and tp_depth."""
+    axis (as 2D), weight (and bias) gradients all-reduced over tp_row and tp_depth. With
+    ``experts`` (E > 0) the MLP is a mixture of experts the cube's rows (``tp_col``) run on whole
+    rows of their ``T/q**2`` tokens (:func:`~.tp2d_traffic.grid_experts_traffic`)."""
     q = cube_side(tp)
     if q == 1:
         return Traffic()
@@ -111,7 +122,20 @@ def tp3d_block_traffic(
     lin = partial(
         tp3d_linear_traffic, tokens=t, tp=tp, bias=shape.linear_bias, dtype_bytes=dtype_bytes, param_bytes=param_bytes
     )
-    return grid_linears_traffic(shape, lin) + 2 * norm2d(shape, t / q**2, q, q, param_bytes)
+    out = grid_linears_traffic(shape, lin, mlp=not experts) + 2 * norm2d(shape, t / q**2, q, q, param_bytes)
+    if experts:
+        out += grid_experts_traffic(
+            tokens=t / q**2,
+            hidden=shape.hidden,
+            q=q,
+            depth=q,
+            mode="3d",
+            experts=experts,
+            expert_params=expert_params,
+            stream_bytes=param_bytes if stream_bytes is None else stream_bytes,
+            param_bytes=param_bytes,
+        )
+    return out
 
 
 def tp3d_model_traffic(
@@ -124,6 +148,8 @@ def tp3d_model_traffic(
     stream_bytes: int | None = None,
     param_bytes: int = 4,
     position_rows: int = 1,
+    experts: int = 0,
+    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward on the cube: embedding, every block, final norm, head and
     loss. The embedding all-gathers the int64 ids of this rank's input block over tp_col and
@@ -140,7 +166,15 @@ def tp3d_model_traffic(
     h, v, t = shape.hidden, shape.vocab_size, batch * seq
     local = t / q**2
     out = shape.num_layers * tp3d_block_traffic(
-        shape, batch=batch, seq=seq, tp=tp, dtype_bytes=dtype_bytes, param_bytes=param_bytes
+        shape,
+        batch=batch,
+        seq=seq,
+        tp=tp,
+        dtype_bytes=dtype_bytes,
+        param_bytes=param_bytes,
+        stream_bytes=stream,
+        experts=experts,
+        expert_params=expert_params,
     )
     ids = all_gather_bytes(q * local * 8, q) + all_gather_bytes(q * q * local * 8, q)
     lookup = reduce_scatter_bytes(t * h / q, q) + reduce_scatter_bytes(t * h / q**2, q)

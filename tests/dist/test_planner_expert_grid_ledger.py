@@ -1,0 +1,64 @@
+"""The planner's bytes per axis of a mixture-of-experts model under the 2D, 2.5D and 3D grids equal
+the comm ledger's.
+
+The tiny MoE Llama with its routers zeroed (every rank routes alike: the planner's even-routing
+rows are exact) and kept so by a learning rate of 0, but trainable (their gradients are summed
+over the grid, as the planner counts: ``test_planner_expert_ledger._model_and_optimizer``). Each
+MoE block's grid row (``tp_col``) trades its hidden blocks for whole rows of its share of the
+tokens in one all-to-all and the outputs back (the inverse pair backward), sums its balancing
+statistics' shares over the loss axis and the counts over the grid's other axes, and the
+router's and experts' gradients over the whole grid (``parallel/expert/tokens.py``); the block
+has no grid Linears of its own. One forward + backward's tensor-parallel bytes (every grid axis
+and the whole grid's ``tp`` together; the step's gradient norm, summed over tp in the optimizer
+step, is left out as in tests/dist/test_planner_ledger.py) and one whole step's bytes on every
+other axis (dp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
+tp=4 2D on 4 ranks, with and without activation checkpointing (the recompute's forward
+collectives again); on 8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid
+rank's share of the tokens), tp=8 2.5D (depth 2) and tp=8 3D.
+"""
+
+from __future__ import annotations
+
+import pytest
+from common import global_batches, shard
+from test_planner_expert_ledger import _model_and_optimizer
+from test_planner_ledger import BATCH, FP32, _ledger, _workload, second_step_bytes
+
+import behemoth as bh
+from behemoth.planner.axis_traffic import step_traffic
+
+
+def _world(rank, world, plans):
+    for plan in plans:
+        model, optimizer = _model_and_optimizer()
+        w = _workload(model)
+        engine = bh.boost(model, optimizer, plan)
+        mesh = engine.mesh
+        diagonal = plan.tp_mode in ("2d", "2.5d") and mesh.coord("tp_row") == mesh.coord("tp_col")
+        want = step_traffic(engine.plan, w, dt=FP32, diagonal=diagonal)
+        what = f"{engine.plan.describe()} rank {rank}"
+        steps = second_step_bytes(engine)  # a whole step: the gradient sync, the norm, the update
+        others = {a: b for a, b in steps.items() if not a.startswith("tp")}
+        assert others == {a: int(b) for a, b in want.items() if a != "tp" and b}, f"{what}: ledger {others} vs {want}"
+        engine.reset_comm_stats()
+        engine._forward_backward(shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size))
+        got = _ledger(engine)["tp"]
+        assert got == int(want["tp"]), f"{what}: tp ledger {got} vs planner {want['tp']}"
+
+
+def test_expert_grid_2d_bytes_equal_the_ledger():
+    plans = [bh.Plan(tp=4, tp_mode="2d", precision="fp32", activation_checkpointing=c) for c in (False, True)]
+    plans.append(bh.Plan(tp=4, precision="fp32", activation_checkpointing=True))
+    bh.spawn(_world, 4, plans, timeout=500)
+
+
+EIGHT = [
+    bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d", precision="fp32"),
+    bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2, precision="fp32"),
+    bh.Plan(tp=8, tp_mode="3d", precision="fp32"),
+]
+
+
+@pytest.mark.parametrize("plan", EIGHT, ids=lambda p: p.describe())
+def test_expert_grid_eight_ranks_bytes_equal_the_ledger(plan):
+    bh.spawn(_world, 8, [plan], timeout=600)
