@@ -14,18 +14,27 @@ step, is left out as in tests/dist/test_planner_ledger.py) and one whole step's 
 other axis (dp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
 tp=4 2D on 4 ranks, with and without activation checkpointing (the recompute's forward
 collectives again); on 8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid
-rank's share of the tokens), tp=8 2.5D (depth 2) and tp=8 3D.
+rank's share of the tokens), tp=8 2.5D (depth 2) and tp=8 3D. And each block's collective calls
+(a 4-block run's less a 2-block one's, halved; the gradient sync's own launches left out) are
+``behemoth.planner.host.block_calls``': the MoE Llama under tp=4 2D, checkpointed too (whose
+recompute issues the forward's calls but the exchange that puts the output back, its backward's
+norm gradients summed in the pass's buckets as an unchecked block's), and so the dense GPT and
+Llama checkpointed under 2D; on 8 ranks the MoE Llama under 2.5D, 3D (with over-decomposition)
+and dp=2 x ep=2 x 2D.
 """
 
 from __future__ import annotations
 
 import pytest
-from common import global_batches, shard
+from common import SEQ, global_batches, shard
 from test_planner_expert_ledger import _model_and_optimizer
+from test_planner_host_calls import _calls, _model
 from test_planner_ledger import BATCH, FP32, _ledger, _workload, second_step_bytes
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import step_traffic
+from behemoth.planner.host import block_calls
+from behemoth.planner.workload import workload_for
 
 
 def _world(rank, world, plans):
@@ -62,3 +71,30 @@ EIGHT = [
 @pytest.mark.parametrize("plan", EIGHT, ids=lambda p: p.describe())
 def test_expert_grid_eight_ranks_bytes_equal_the_ledger(plan):
     bh.spawn(_world, 8, [plan], timeout=600)
+
+
+def _calls_world(rank, world, runs):
+    for family, plan in runs:
+        got = (_calls(family, plan, 4, gradient_sync=False) - _calls(family, plan, 2, gradient_sync=False)) / 2
+        # the planner's 4-block model less its 2-block one, halved (a pass's bucket flushes depend on the depth)
+        planned = {
+            n: n * sum(block_calls(plan.resolve(world), workload_for(_model(family, n), seq_len=SEQ, global_batch=8)))
+            for n in (2, 4)
+        }
+        want = (planned[4] - planned[2]) / 2
+        assert got == pytest.approx(want), f"{family} {plan.describe()}: {got} calls per block, planner {want}"
+
+
+def test_expert_grid_2d_calls_per_block_are_the_runs():
+    runs = [("llama-moe", bh.Plan(tp=4, tp_mode="2d", activation_checkpointing=c)) for c in (False, True)]
+    runs += [(family, bh.Plan(tp=4, tp_mode="2d", activation_checkpointing=True)) for family in ("gpt", "llama")]
+    bh.spawn(_calls_world, 4, runs, timeout=500)
+
+
+def test_expert_grid_eight_ranks_calls_per_block_are_the_runs():
+    plans = (
+        bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2),
+        bh.Plan(tp=8, tp_mode="3d", tp_overlap=2),
+        bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d"),
+    )
+    bh.spawn(_calls_world, 8, [("llama-moe", p) for p in plans], timeout=600)

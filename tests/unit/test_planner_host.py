@@ -53,8 +53,10 @@ def test_collective_calls_per_block():
     # the norms' and biases' gradients in 21 bucket all-reduces a pass (145 vectors: 6 a block
     # and the final norm's, one flush per 7 layers), a 24th of them a block
     assert tp_block_calls(_plan(tp=4, tp_mode="2d"), GPT) == (10.0, 14.0 + 21 / 24)
-    # summed where they run (1 per norm, 1 per bias): compiled or recomputed blocks, ZeRO-3's hooks
-    for summed in (dict(compile=True), dict(activation_checkpointing=True), dict(zero=3)):
+    # a checkpointed block's too (its recompute issues the forward's calls again: block_calls)
+    assert tp_block_calls(_plan(tp=4, tp_mode="2d", activation_checkpointing=True), GPT) == (10.0, 14.0 + 21 / 24)
+    # summed where they run (1 per norm, 1 per bias): compiled blocks, ZeRO-3's hooks
+    for summed in (dict(compile=True), dict(zero=3)):
         assert tp_block_calls(_plan(tp=4, tp_mode="2d", **summed), GPT) == (10.0, 20.0), summed
     # 3D: 8 per Linear, 5 per extra piece; 2 per norm, and 2 per vector (norms', biases) over the cube
     assert tp_block_calls(_plan(tp=8, tp_mode="3d", tp_overlap=2), GPT) == pytest.approx((24.0, 48.0))

@@ -17,7 +17,10 @@ Per block and micro-batch, from the same structure the traffic formulas count
   and row-bias gradient all-reduces; replicated k/v projections' gradient all-reduces; 2D, 2.5D
   and 3D: their SUMMA gathers and reduce-scatters per Linear (:func:`tp_block_calls`), 2D's and
   2.5D's biases and norms summed in a pass's bucket flushes (a block's share of them,
-  :func:`~.tp2d_traffic.grid_vector_flushes`) where their reductions are deferred;
+  :func:`~.tp2d_traffic.grid_vector_flushes`) where their reductions are deferred; an MoE block
+  under a grid has no MLP Linears but its grid row's all-to-all each way (the inverse pair
+  backward), its statistics' all-reduces over the grid's axes and its router's and experts'
+  gradient all-reduces over the whole grid;
   Ulysses' two all-to-alls each way, ring attention's ``cp - 1`` K/V shifts forward and
   ``2 cp - 1`` backward (one coalesced send/receive each); each MoE layer's split-size exchange
   and each of its ``ep_overlap`` chunks' dispatch and combine forward, each chunk's reverse pair
@@ -25,7 +28,8 @@ Per block and micro-batch, from the same structure the traffic formulas count
   ZeRO-3's gather of the block's
   parameters forward and backward, and its gradient reduce-scatter (every micro-batch without a
   pipeline); activation checkpointing repeats the forward's calls in the backward (but an MoE
-  layer's split sizes: the recompute replays its routes);
+  layer's split sizes: the recompute replays its routes; and the call that puts an MoE block's
+  output back from its tp share of the tokens, :func:`token_split_output_calls`);
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
   measured on a tiny GPT, scaled to the model's block by the kernels its operators launch,
   :func:`serial_block_kernels`) plus ``kernels_per_call`` of the layout's mode per call (the collective and the copies
@@ -44,7 +48,8 @@ on the host, which no work can be queued past, so the device idles while the hos
 dispatch (:func:`ep_sync_seconds`: on the device's path, the cost model adds it to the forward). A
 calibration without host figures (all zero) predicts no host bound.
 Pure; tests/unit/test_planner_host.py; the tensor-parallel counts against a run's collectives in
-tests/dist/test_planner_host_calls.py.
+tests/dist/test_planner_host_calls.py (an MoE block's under the grids, and checkpointed grid blocks,
+in tests/dist/test_planner_expert_grid_ledger.py).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ __all__ = [
     "ep_chunk_kernels",
     "ep_sync_seconds",
     "tp_block_calls",
+    "token_split_output_calls",
     "grid_grads_deferred",
     "cp_block_calls",
     "pipeline_calls",
@@ -205,42 +211,49 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
         # and the gradients of the norms' vectors and the rows' biases summed over tp
         vectors = 2 * norm_vectors + (2.0 if s.linear_bias else 0.0)
         return 2.0 + 2.0 * k, 4.0 + 2.0 * k + vectors + replicated_kv
+    # an MoE block under a grid has no grid Linears in its MLP: its grid row trades the tokens' hidden
+    # blocks for whole rows and back (an all-to-all each way, the inverse pair backward), sums its
+    # statistics' shares over the loss axis and its counts over the grid's other axes of more than one
+    # rank, and its parameters' gradients (router, gate_up, down) over the whole grid
+    linears = block_linears(s) - ((3 if s.gated_mlp else 2) if w.num_experts else 0)
+    deep = plan.tp_mode == "3d" or plan.tp_depth > 1
+    moe_f, moe_b = (2.0 + 1.0 + (2.0 if deep else 1.0), 2.0 + 3.0) if w.num_experts else (0.0, 0.0)
     if plan.tp_mode == "3d":
         # 8 per Linear and 5 more per extra over-decomposition piece; each norm combines and sums
         # its statistics and, as each bias, sums its vectors' gradients over the cube's two other axes
-        linears = block_linears(s)
         vectors = 2 * norm_vectors + (linears if s.linear_bias else 0)
         total = linears * (8.0 + 5.0 * (k - 1)) + 2 * 2 + 2 * vectors
-        return total / 3, 2 * total / 3
+        return total / 3 + moe_f, 2 * total / 3 + moe_b
     # SUMMA per Linear: gathers of X and W forward; X's re-gather (W's gathered block is kept)
     # and the dX, dW reduce-scatters backward; each norm combines its statistics forward
     # (LayerNorm gathers, RMSNorm sums) and all-reduces its sums backward
-    linears = block_linears(s)
     tesseract = plan.tp_mode == "2.5d" and plan.tp_depth > 1
     if grid_grads_deferred(plan):
         # the norms' and biases' gradients summed down the grid column in buckets, the block's
         # share of a pass's flushes (and under 2.5D each flush, and each weight's gradient, over depth)
         blocks = stage_layers(plan, w)[-1]
         q = grid_side(plan.tp, plan.tp_depth if tesseract else 1)
-        flushes = grid_vector_flushes(grid_deferred_layers(s, q, blocks)) / blocks
-        return 2.0 * linears + 2, 3.0 * linears + 2 + flushes + (linears + flushes if tesseract else 0)
+        flushes = grid_vector_flushes(grid_deferred_layers(s, q, blocks, experts=bool(w.num_experts))) / blocks
+        bwd = 3.0 * linears + 2 + flushes + (linears + flushes if tesseract else 0)
+        return 2.0 * linears + 2 + moe_f, bwd + moe_b
     # else each norm's vectors in one all-reduce and each bias's in one, down the grid column;
     # 2.5D: every parameter's gradient is also summed over the depth axis
     biases = linears if s.linear_bias else 0
     depth = linears + biases + 2 * norm_vectors if tesseract else 0
-    return 2.0 * linears + 2, 3.0 * linears + 4 + biases + depth
+    return 2.0 * linears + 2 + moe_f, 3.0 * linears + 4 + biases + depth + moe_b
 
 
 def grid_grads_deferred(plan: Plan) -> bool:
     """Whether a 2D / 2.5D block's layers hand their gradient reductions to the pass
     (``behemoth.parallel.tensor.deferred_grads``), so its vectors are summed in buckets: in eager
-    blocks, not recomputed (activation checkpointing's recompute sums where it runs), without
-    ZeRO-3's hooks on the layers, and not in zero-bubble's split backward (counted as summed
-    where they run)."""
+    blocks (checkpointed ones too: a run's calls show a checkpointed block's backward summing them
+    in the same flushes as an unchecked one's, tests/dist/test_planner_expert_grid_ledger.py),
+    without ZeRO-3's hooks on the layers, and not in zero-bubble's split backward (counted as
+    summed where they run)."""
     if plan.tp_mode not in ("2d", "2.5d") or plan.tp == 1:
         return False
     split = plan.pp > 1 and plan.schedule == "zero-bubble"
-    return not (plan.compile or plan.activation_checkpointing or plan.zero == 3 or split)
+    return not (plan.compile or plan.zero == 3 or split)
 
 
 def cp_block_calls(plan: Plan) -> tuple[float, float]:
@@ -280,8 +293,18 @@ def block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
     if plan.zero == 3 and plan.dp * plan.cp > 1:
         f, b = f + 1, b + 1 + (1 if plan.pp == 1 else 0)
     if plan.activation_checkpointing:
-        b += f + again
+        b += f + again - token_split_output_calls(plan, w)
     return f + ef, b + eb
+
+
+def token_split_output_calls(plan: Plan, w: Workload) -> float:
+    """The call that puts an MoE block's output back in the tensor-parallel layout from this rank's
+    share of the tokens (``parallel/expert/tokens.py``'s ``give``: 1D's all-gather, a grid row's
+    all-to-all; none under sequence parallelism), which a checkpointed block's recompute does not
+    issue again (:func:`~.axis_traffic.token_split_output_bytes`)."""
+    if plan.tp == 1 or not w.num_experts or (plan.tp_mode == "1d" and plan.sequence_parallel):
+        return 0.0
+    return 1.0
 
 
 def pipeline_calls(plan: Plan) -> tuple[float, float]:
