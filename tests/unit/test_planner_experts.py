@@ -289,3 +289,24 @@ def test_calibrate_measures_the_grouped_gemms_against_the_table_the_model_reads(
         assert all(p[1] == pytest.approx(speed, rel=1e-9) for p in points)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert calibrate.grouped_gemm_by_rows(gemm) == []
+
+
+def test_the_grid_statistics_axes_are_the_runtimes():
+    """The axes the planner sums an MoE block's statistics over under each grid mode are the ones
+    the expert style sums them over (``parallel/expert/tokens.py``'s ``grid_axes``)."""
+    from behemoth.parallel.expert.tokens import grid_axes
+    from behemoth.planner.tp2d_traffic import GRID_STATISTICS_AXES
+
+    for mode, tp, depth in (("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)):
+        plan = bh.Plan(tp=tp, tp_mode=mode, tp_depth=depth)
+        assert GRID_STATISTICS_AXES[mode] == grid_axes(plan), mode
+
+
+def test_expert_gemm_rows_under_a_grid_are_a_tp_share():
+    """Under 2D, 2.5D and 3D each rank routes and runs the experts on 1/tp of its data rank's tokens
+    (a grid row's share of its batch block): a micro-batch of tp sequences gives each rank the
+    expert GEMMs one sequence gives a single device."""
+    one = block_times(bh.Plan(precision="bf16").resolve(1), MOE, DEVICE, 1).expert_gemm_forward
+    for mode, tp, depth in (("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)):
+        plan = bh.Plan(tp=tp, tp_mode=mode, tp_depth=depth, precision="bf16").resolve(tp)
+        assert block_times(plan, MOE, DEVICE, tp).expert_gemm_forward == pytest.approx(one, rel=1e-12), mode
