@@ -11,11 +11,14 @@ router's and experts' gradients over the whole grid (``parallel/expert/tokens.py
 has no grid Linears of its own. One forward + backward's tensor-parallel bytes (every grid axis
 and the whole grid's ``tp`` together; the step's gradient norm, summed over tp in the optimizer
 step, is left out as in tests/dist/test_planner_ledger.py) and one whole step's bytes on every
-other axis (dp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
+other axis (dp, cp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
 tp=4 2D on 4 ranks, with and without activation checkpointing (the recompute's forward
-collectives again); on 8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid
-rank's share of the tokens), tp=8 2.5D (depth 2) and tp=8 3D. And each block's collective calls
-(a 4-block run's less a 2-block one's, halved; the gradient sync's own launches left out) are
+collectives again, but not the exchange that puts the output back), and 1D tp=4 checkpointed; on
+8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid rank's share of the tokens),
+tp=8 2.5D (depth 2), tp=8 3D, cp=2 x 2D, and dp=2 x 2D under ZeRO 1 with two micro-batches (the
+chunks' padding, which the planner does not count, taken from the run's chunk layout and added).
+And each block's collective calls (a 4-block run's less a 2-block one's, halved; the gradient
+sync's own launches left out) are
 ``behemoth.planner.host.block_calls``': the MoE Llama under tp=4 2D, checkpointed too (whose
 recompute issues the forward's calls but the exchange that puts the output back, its backward's
 norm gradients summed in the pass's buckets as an unchecked block's), and so the dense GPT and
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 from common import SEQ, global_batches, shard
-from test_planner_expert_ledger import _model_and_optimizer
+from test_planner_expert_ledger import _chunk_bytes, _model_and_optimizer, _padding
 from test_planner_host_calls import _calls, _model
 from test_planner_ledger import BATCH, FP32, _ledger, _workload, second_step_bytes
 
@@ -45,6 +48,9 @@ def _world(rank, world, plans):
         mesh = engine.mesh
         diagonal = plan.tp_mode in ("2d", "2.5d") and mesh.coord("tp_row") == mesh.coord("tp_col")
         want = step_traffic(engine.plan, w, dt=FP32, diagonal=diagonal)
+        if plan.zero:  # the chunks' padding (the planner counts parameters), as the run laid them out
+            for axis, pad in _padding(engine.grad_sync.reducer.store).items():
+                want[axis] += _chunk_bytes(engine.plan, pad, mesh.axis(axis).size)
         what = f"{engine.plan.describe()} rank {rank}"
         steps = second_step_bytes(engine)  # a whole step: the gradient sync, the norm, the update
         others = {a: b for a, b in steps.items() if not a.startswith("tp")}
@@ -61,16 +67,22 @@ def test_expert_grid_2d_bytes_equal_the_ledger():
     bh.spawn(_world, 4, plans, timeout=500)
 
 
-EIGHT = [
-    bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d", precision="fp32"),
-    bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2, precision="fp32"),
-    bh.Plan(tp=8, tp_mode="3d", precision="fp32"),
-]
+EIGHT = {
+    "dp2 ep2 2d": [bh.Plan(dp=2, ep=2, tp=4, tp_mode="2d", precision="fp32")],
+    "2.5d, 3d": [
+        bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2, precision="fp32"),
+        bh.Plan(tp=8, tp_mode="3d", precision="fp32"),
+    ],
+    "cp2 2d, zero 1": [
+        bh.Plan(tp=4, tp_mode="2d", cp=2, precision="fp32"),
+        bh.Plan(dp=2, tp=4, tp_mode="2d", zero=1, microbatches=2, precision="fp32"),
+    ],
+}
 
 
-@pytest.mark.parametrize("plan", EIGHT, ids=lambda p: p.describe())
-def test_expert_grid_eight_ranks_bytes_equal_the_ledger(plan):
-    bh.spawn(_world, 8, [plan], timeout=600)
+@pytest.mark.parametrize("name", sorted(EIGHT))
+def test_expert_grid_eight_ranks_bytes_equal_the_ledger(name):
+    bh.spawn(_world, 8, EIGHT[name], timeout=600)
 
 
 def _calls_world(rank, world, runs):

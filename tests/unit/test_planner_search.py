@@ -10,7 +10,7 @@ import pytest
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster
 from behemoth.planner.cost import plan_memory, predict
-from behemoth.planner.search import MOE_GRID_UNMODELLED, Limits, search, shape_refusal
+from behemoth.planner.search import Limits, search, shape_refusal
 from behemoth.planner.workload import Workload, workload_for
 from behemoth.specs import TransformerShape
 
@@ -63,10 +63,12 @@ def test_moe_search_tries_expert_parallelism():
     r = search(w, Cluster(num_gpus=8, calibration=CAL), Limits(top=10000))
     eps = {p.plan.ep for p in r.ranked}
     assert eps >= {1, 2, 8} and all(p.plan.ep == 1 or p.bytes.get("ep", 0) > 0 for p in r.ranked)
-    # experts under the grid tp modes run (parallel/expert/tokens.py) but their traffic is not modelled
+    # experts under every tp mode: 1D (with sequence parallelism too) and the grids, their grid rows'
+    # all-to-alls on the tp axes (parallel/expert/tokens.py)
     tps = [p.plan for p in r.ranked if p.plan.tp > 1]
-    assert tps and all(p.tp_mode == "1d" for p in tps) and any(p.sequence_parallel for p in tps)
-    assert r.refused[MOE_GRID_UNMODELLED] > 0
+    assert any(p.tp_mode == "1d" and p.sequence_parallel for p in tps)
+    assert {"2d", "2.5d", "3d"} <= {p.tp_mode for p in tps}
+    assert all(p.bytes.get("tp", 0) > 0 for p in r.ranked if p.plan.tp > 1)
 
 
 GPT_175B = TransformerShape(

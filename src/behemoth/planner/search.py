@@ -30,13 +30,7 @@ from .cost import Prediction, plan_memory, predict
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["MOE_GRID_UNMODELLED", "Limits", "SearchResult", "search", "shape_refusal"]
-
-MOE_GRID_UNMODELLED = "experts under a tp grid: their traffic is not modelled"
-"""Why the search leaves out a mixture-of-experts model under 2D, 2.5D or 3D tensor parallelism:
-``bh.boost`` runs it (``parallel/expert/tokens.py``: each grid row's all-to-alls of whole rows, the
-router's and experts' gradients summed over the grid), but the byte, host and time models here
-count the grid's dense MLP, not that."""
+__all__ = ["Limits", "SearchResult", "search", "shape_refusal"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,8 +98,7 @@ def _divisors(n: int) -> list[int]:
 
 def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
     """Why the model's shape cannot take ``plan`` at micro-batch size ``mbs`` ('' if it can):
-    the divisibility the tensor, context, pipeline and expert styles check at ``bh.boost``, and
-    the layouts this cost model does not cover (experts under a tp grid: :data:`MOE_GRID_UNMODELLED`)."""
+    the divisibility the tensor, context, pipeline and expert styles check at ``bh.boost``."""
     s = w.shape
     tp, cp = plan.tp, plan.cp
     if plan.pp * plan.virtual_stages > s.num_layers:
@@ -135,8 +128,6 @@ def shape_refusal(plan: Plan, w: Workload, mbs: int) -> str:
             return "Ulysses needs cp | heads per tp rank"
     if plan.ep > 1 and (not w.num_experts or w.num_experts % plan.ep):
         return "ep must divide the experts"
-    if w.num_experts and tp > 1 and plan.tp_mode != "1d":  # bh.boost runs them (parallel/expert/tokens.py)
-        return MOE_GRID_UNMODELLED
     return ""
 
 
