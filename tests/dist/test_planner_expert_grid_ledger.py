@@ -13,7 +13,8 @@ and the whole grid's ``tp`` together; the step's gradient norm, summed over tp i
 step, is left out as in tests/dist/test_planner_ledger.py) and one whole step's bytes on every
 other axis (dp, cp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
 tp=4 2D on 4 ranks, with and without activation checkpointing (the recompute's forward
-collectives again, but not the exchange that puts the output back), and 1D tp=4 checkpointed; on
+collectives again, but not the exchange that puts the output back), and 1D tp=4 checkpointed and
+dp=2 x ep=2 x 1D tp=2; on
 8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid rank's share of the tokens),
 tp=8 2.5D (depth 2), tp=8 3D, cp=2 x 2D, and dp=2 x 2D under ZeRO 1 with two micro-batches (the
 chunks' padding, which the planner does not count, taken from the run's chunk layout and added).
@@ -63,7 +64,16 @@ def _world(rank, world, plans):
 
 def test_expert_grid_2d_bytes_equal_the_ledger():
     plans = [bh.Plan(tp=4, tp_mode="2d", precision="fp32", activation_checkpointing=c) for c in (False, True)]
-    plans.append(bh.Plan(tp=4, precision="fp32", activation_checkpointing=True))
+    bh.spawn(_world, 4, plans, timeout=500)
+
+
+def test_expert_1d_bytes_equal_the_ledger():
+    """1D the same way: a checkpointed block's recompute without its output's all-gather; under
+    expert parallelism each tp rank's all-to-alls carry its 1/tp share of the tokens."""
+    plans = [
+        bh.Plan(tp=4, precision="fp32", activation_checkpointing=True),
+        bh.Plan(dp=2, ep=2, tp=2, precision="fp32"),
+    ]
     bh.spawn(_world, 4, plans, timeout=500)
 
 
