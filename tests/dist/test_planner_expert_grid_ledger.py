@@ -14,12 +14,11 @@ step, is left out as in tests/dist/test_planner_ledger.py) and one whole step's 
 other axis (dp, cp, ep, ep_dp) equal ``behemoth.planner.axis_traffic.step_traffic``'s on every rank:
 tp=4 2D on 4 ranks, with and without activation checkpointing (the recompute's forward
 collectives again, but not the exchange that puts the output back), and 1D tp=4 checkpointed and
-dp=2 x ep=2 x 1D tp=2; on
-8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid rank's share of the tokens),
-tp=8 2.5D (depth 2), tp=8 3D, cp=2 x 2D, and dp=2 x 2D under ZeRO 1 with two micro-batches (the
-chunks' padding, which the planner does not count, taken from the run's chunk layout and added).
-And each block's collective calls (a 4-block run's less a 2-block one's, halved; the gradient
-sync's own launches left out) are
+dp=2 x ep=2 x 1D tp=2; on 8 ranks dp=2 x ep=2 x tp=4 2D (the experts' all-to-alls carry a grid
+rank's share of the tokens), tp=8 2.5D (depth 2), tp=8 3D, cp=2 x 2D, and dp=2 x 2D under ZeRO 1
+with two micro-batches (the chunks' padding, which the planner does not count, taken from the
+run's chunk layout and added). And each block's collective calls (a 4-block run's less a 2-block
+one's, halved; the gradient sync's own launches left out) are
 ``behemoth.planner.host.block_calls``': the MoE Llama under tp=4 2D, checkpointed too (whose
 recompute issues the forward's calls but the exchange that puts the output back, its backward's
 norm gradients summed in the pass's buckets as an unchecked block's), and so the dense GPT and
