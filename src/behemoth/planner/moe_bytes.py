@@ -30,9 +30,10 @@ micro-batch at most (left out, as the groups' padding is).
 The serial layer (``MoEFeedForward.forward``: a loop over experts, which one data rank runs at
 ``ep = 1`` outside the local path) keeps the same rows and also the weighted product, ``[T k, h]``
 in fp32, which its ``index_add`` keeps (its derivative reads its source's shape: ``4 h k``). The groups' padding to 16 rows (at most ``16 E / ep``
-rows a layer and micro-batch) is left out. Under tensor parallelism the tp ranks split an MoE
-block's tokens (``parallel/expert/tokens.py``); the memory and elementwise models still count
-these bytes over all the micro-batch's tokens on every tp rank (an upper bound there). tests/unit/test_planner_moe_bytes.py checks the count against
+rows a layer and micro-batch) is left out. Under tensor parallelism (every mode: 1D and the 2D,
+2.5D and 3D grids) the tp ranks split an MoE block's tokens (``parallel/expert/tokens.py``); the
+memory and elementwise models count these bytes over this rank's share of them
+(:func:`token_split`). tests/unit/test_planner_moe_bytes.py checks the count against
 autograd's saved tensors of a Llama MoE block.
 
 **Moved** (:func:`expert_elementwise_bytes`), beyond the activation over ``f`` and the two input
