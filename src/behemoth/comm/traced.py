@@ -84,7 +84,12 @@ def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     n = axis.size
     t = t.contiguous()
     _book(t, axis, "all_gather", n * nbytes(t), (n - 1) * nbytes(t))
-    return funcol.wait_tensor(funcol.all_gather_tensor(t, dim % t.dim(), axis.group))
+    out = funcol.wait_tensor(funcol.all_gather_tensor(t, 0, axis.group))
+    # Gathered along dim 0, then the members' shards laid side by side here: torch 2.11's
+    # all_gather_tensor does that step for another dim in a helper the compiler will not trace
+    # (a graph break in every 2D/2.5D linear).
+    dim %= t.dim()
+    return out if dim == 0 else torch.cat(out.chunk(n, 0), dim)
 
 
 def reduce_scatter(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
