@@ -22,6 +22,8 @@ import behemoth as bh
 from behemoth import comm
 from behemoth.mesh import ParallelMesh, ravel, unravel
 from behemoth.parallel.tensor import embed2d, tp2d, tp2p5d
+from behemoth.parallel.tensor.base import no_grad_forward
+from behemoth.parallel.tensor.grid import stationary_is_cheaper
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 from behemoth.planner.tp2d_traffic import summa_linear_bytes
 
@@ -402,11 +404,53 @@ def prefetch_matches(mesh, L):
         assert not prefetch_of(chain[0]).pending  # nothing outlives its pass
 
 
+def no_grad_matches(mesh, L):
+    """Without autograd a grid Linear runs weight-stationary for a few tokens and SUMMA's forward
+    for many (whichever moves fewer elements, ``stationary_is_cheaper``): both give the training
+    forward's output (float64: equal up to the order of the in-block sums) for plain, fused,
+    Conv1D and replicated-kv layers, and the stationary form moves no weight over ``tp_row``."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    q, d = mesh.axis("tp_col").size, mesh.axis("tp_depth").size
+    conv = Conv1D(3 * H, H).double()
+    nn.init.normal_(conv.bias)
+    layers = {
+        "linear": (L.Linear.from_serial(nn.Linear(H, 12).double(), mesh), 12),
+        "no bias": (L.Linear.from_serial(nn.Linear(H, 12, bias=False).double(), mesh), 12),
+        "fused qkv": (L.Linear.from_serial(nn.Linear(H, 3 * H).double(), mesh, fused=3), 3 * H),
+        "fused Conv1D": (L.Linear.from_serial(conv, mesh, fused=3), 3 * H),
+    }
+    if d == 1:  # one kv head for the grid's q columns (2D's grouped-query k/v projection)
+        kv = nn.Linear(H, H // q, bias=True).double()
+        layers["replicated kv"] = (tp2d.KVReplicatedLinear2D(kv, mesh, "2d", 1, H // q), None)
+    for seq, stationary in ((1, True), (S, False)):
+        x = L.split(rand(B, seq, H, seed=4), mesh)
+        rows = x.shape[0] * seq
+        for what, (layer, out) in layers.items():
+            n_out = out // q if out is not None else H // q
+            cheaper = stationary_is_cheaper(rows, H // q, n_out, q)
+            assert out is None or cheaper == stationary, (what, rows)  # the kv block is small: either
+            want = layer(x)
+            mesh.ledger.reset()
+            with torch.no_grad(), no_grad_forward(layer):
+                got = layer(x)
+            close(got, want.detach(), f"{what} without autograd, {seq} position(s)")
+            row_bytes = mesh.ledger.stats().get("tp_row", {}).get("bytes", 0)
+            weight_bytes = q * layer.weight.numel() * 8 if out is not None else q * (H // q) ** 2 * 8
+            if cheaper:  # only the partial outputs' reduce-scatter over tp_row
+                assert row_bytes == q * rows * n_out * 8, (what, row_bytes)
+            else:  # the gathered weight column
+                assert row_bytes == weight_bytes, (what, row_bytes, weight_bytes)
+        assert "forward" not in layer.__dict__  # the training forward is back
+
+
 def _world_2d(rank, world):
     mesh = ParallelMesh(bh.Plan(tp=4, tp_mode="2d"), rank, world)
     layer_scenarios(mesh, LAYERS_2D)
     autocast_smoke(mesh, LAYERS_2D)
     prefetch_matches(mesh, LAYERS_2D)
+    no_grad_matches(mesh, LAYERS_2D)
     mesh25 = ParallelMesh(bh.Plan(tp=4, tp_mode="2.5d", tp_depth=1), rank, world)
     depth_one_is_2d(mesh, mesh25)
 
@@ -415,6 +459,7 @@ def _world_25d(rank, world):
     mesh = ParallelMesh(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), rank, world)
     layer_scenarios(mesh, LAYERS_25D)
     prefetch_matches(mesh, LAYERS_25D)
+    no_grad_matches(mesh, LAYERS_25D)
 
 
 # --------------------------------------------------------------------------- tests

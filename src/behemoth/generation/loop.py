@@ -13,10 +13,12 @@ the attention that owns it (:mod:`.cache`):
   row at its slot and position (1D sequence parallelism paused: one token cannot be split on
   the sequence). The vocabulary-parallel head gathers its logits, so every rank of a tp group
   holds the logits of all the group's rows and picks the same tokens (:mod:`.sampling`: greedy,
-  or seeded draws that do not depend on the plan) with no further communication. 1D layers
-  run their no-grad forward for the duration (``tp1d.no_grad_forward``: plain Linears and
-  functional collectives), so a decode step issues one all-reduce per row layer and for the
-  embedding and one all-gather of the logits, syncs nothing to the host, and ``torch.compile``
+  or seeded draws that do not depend on the plan) with no further communication. Tensor-parallel
+  layers run their no-grad forward for the duration (``base.no_grad_forward``; 1D: plain
+  Linears and functional collectives; the 2D/2.5D Linears: weight-stationary for a decode
+  step's few tokens, moving activations instead of weight columns), so a 1D decode step issues
+  one all-reduce per row layer and for the embedding and one all-gather of the logits, syncs
+  nothing to the host, and ``torch.compile``
   of the model's forward traces it into one graph. The step's token, position, slot and
   bookkeeping live in device tensors advanced in place (:mod:`.decode`), so
   ``generate(compile=True)`` compiles the whole step -- forward, pick, bookkeeping -- once and,
@@ -45,7 +47,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..parallel.tensor.tp1d import no_grad_forward, sequence_parallel_paused
+from ..parallel.tensor.base import no_grad_forward
+from ..parallel.tensor.tp1d import sequence_parallel_paused
 from ..specs import max_seq_len_of
 from .cache import KVCache, cached_attentions
 from .decode import CompiledDecode, Decoder, DecodeState, StepClock, decode_step

@@ -12,6 +12,7 @@ which also runs every check, on every rank, before any collective.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -133,3 +134,25 @@ def replicated_over_tp(module: nn.Module) -> None:
 def norm_eps(module: nn.Module) -> float | None:
     """A serial norm's epsilon (``eps``, or transformers' ``variance_epsilon``); None: the dtype's."""
     return getattr(module, "eps", getattr(module, "variance_epsilon", None))
+
+
+# --------------------------------------------------------------------------- without autograd
+@contextlib.contextmanager
+def no_grad_forward(model: nn.Module):
+    """For the duration (under ``torch.no_grad``), every tensor-parallel layer of ``model`` whose
+    class has a ``forward_no_grad`` runs it instead of its ``forward``: the same numbers with no
+    autograd Functions and no bookkeeping for a backward. 1D's (:mod:`.tp1d`, :mod:`.vocab1d`):
+    functional collectives, so a decode step costs about the serial model's Python plus one call
+    per collective and ``torch.compile`` traces it into one graph (CUDA graphs included); the
+    grid Linears' (:mod:`.tp2d`, 2.5D's too): weight-stationary for a few tokens
+    (:func:`.grid.linear_no_grad`). The training ``forward`` stays as it is (it launches the
+    backward's collectives), so it is swapped rather than changed. A no-op for a model without
+    such layers."""
+    layers = [m for m in model.modules() if hasattr(type(m), "forward_no_grad")]
+    for m in layers:
+        m.forward = m.forward_no_grad
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)

@@ -212,3 +212,45 @@ def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
     if rows and not g.row_axis.trivial:
         p = comm.CopyToAxis.apply(p, g.row_axis)
     return p if g.depth_axis.trivial else comm.CopyToAxis.apply(p, g.depth_axis)
+
+
+# --------------------------------------------------------------------------- without autograd
+def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
+    """Whether :func:`stationary_linear` moves fewer elements per rank than :func:`summa_linear`
+    for a local input of ``rows x n_in`` and a weight block of ``n_in x n_out``. Both gather the
+    input's ``(q-1) rows n_in``; SUMMA adds the weight column's ``(q-1) n_in n_out``, the
+    weight-stationary form the swap's ``rows n_in`` and the reduce-scatter's ``(q-1) rows
+    n_out``: it wins while the tokens are few (a decode step: Llama-3-8B at q = 2 below 1,024
+    rows a rank), SUMMA for a prompt's many. Every rank of a grid holds the same shapes, so
+    all choose alike."""
+    return rows * n_in + (q - 1) * rows * n_out < (q - 1) * n_in * n_out
+
+
+def summa_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
+    """:class:`SummaFn`'s forward without autograd: ``Y(i, j) = X(i, :) W(:, j)`` (+ bias block
+    j) from the row's gathered input and the column's gathered weight."""
+    hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
+    w_col = comm.all_gather(w if in_out else w.t(), g.row_axis)  # W(:, j) as [in, out/q]
+    y = hx.wait().t() @ w_col
+    return y if b is None else y.add_(b.to(y.dtype))
+
+
+def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
+    """``Y(i, j) = sum_k X(i, k) W(k, j)`` (+ bias block j) with every weight block left where
+    it is (the 2D weight-stationary layout of inference): rank (k, j) swaps with its transposed
+    peer for X(j, k), gathers X(:, k) along its grid row, multiplies by its own W(k, j), and the
+    partials ``X(:, k) W(k, j)`` are reduce-scattered down the grid column, rank (i, j) keeping
+    batch block i. Within each depth slab under 2.5D (the peer is the slab's). No autograd."""
+    xt = comm.exchange(x.contiguous(), g.tp_axis, g.transpose_peer)  # X(j, k): batch block j
+    xs = comm.all_gather(xt, g.col_axis, 0)  # X(:, k), batch blocks in grid-row order
+    y = comm.reduce_scatter(xs @ (w if in_out else w.t()), g.row_axis, 0)
+    return y if b is None else y.add_(b.to(y.dtype))
+
+
+def linear_no_grad(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
+    """A grid Linear's forward without autograd (generation, evaluation): weight-stationary
+    while the tokens are few (:func:`stationary_is_cheaper`), else SUMMA's. ``x`` is ``[rows,
+    in/q]``, ``w`` the local weight block (``[out/q, in/q]``, ``in_out``: ``[in/q, out/q]``)."""
+    n_out = w.shape[1] if in_out else w.shape[0]
+    cheaper = not g.row_axis.trivial and stationary_is_cheaper(x.shape[0], x.shape[1], n_out, g.q)
+    return (stationary_linear if cheaper else summa_linear)(x, w, b, g, in_out)

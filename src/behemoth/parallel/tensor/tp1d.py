@@ -54,7 +54,7 @@ Grouped-query attention with fewer kv heads K than p (and p % K == 0): each rank
 whole k/v projection (replicated, routed through CopyToAxis) and uses the rows of kv head
 ``r // (p // K)``, the one its query heads read.
 
-Without autograd (generation), :func:`no_grad_forward` swaps each layer's forward for its
+Without autograd (generation), :func:`.base.no_grad_forward` swaps each layer's forward for its
 ``forward_no_grad``: the same numbers with no autograd Function, no region bookkeeping and
 functional collectives (one all-reduce per row layer and for the embedding, one all-gather of
 the logits), so a decode step costs about the serial model's Python plus one call per
@@ -82,7 +82,6 @@ from ... import comm
 from ...comm import Axis
 from .functional import autocast_dtype, cast_to, replicated_parameters
 from .region1d import ParallelRegion, column_parallel_linear, row_parallel_linear
-from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 
 MODE = "1d"
 SEQ_DIM = 1
@@ -136,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
         return column_parallel_linear(source, cast_to(w, dtype), cast_to(b, dtype), gathered, group)
 
     def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward without autograd (:func:`no_grad_forward`): ``f`` is the identity
+        """The forward without autograd (:func:`.base.no_grad_forward`): ``f`` is the identity
         forward, so a plain Linear, with no region bookkeeping; traceable by ``torch.compile``.
         A sequence-parallel input still goes through :meth:`forward` (it checks the gather)."""
         if self.expect_gathered and not self.region.sequence_parallel_paused:
@@ -189,7 +188,7 @@ class RowParallelLinear(nn.Module):
         return y if b is None else y + b.to(y.dtype)
 
     def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward without autograd (:func:`no_grad_forward`): the GEMM, then ``g`` as one
+        """The forward without autograd (:func:`.base.no_grad_forward`): the GEMM, then ``g`` as one
         functional all-reduce, traceable by ``torch.compile`` (a compiled decode step keeps it
         inside its graph). Sequence parallelism (not paused) goes through :meth:`forward`."""
         if self.sequence_parallel and not self.region.sequence_parallel_paused:
@@ -246,25 +245,3 @@ def sequence_parallel_paused(model: nn.Module):
     finally:
         for k, r in regions.items():
             r.sequence_parallel_paused = before[k]
-
-
-@contextlib.contextmanager
-def no_grad_forward(model: nn.Module):
-    """For the duration (under ``torch.no_grad``), ``model``'s 1D layers run their
-    ``forward_no_grad``: the same numbers with no autograd Functions, no region bookkeeping
-    and, for ``g`` and the embedding's and head's collectives, functional collectives
-    (:func:`behemoth.comm.all_reduce_functional`). A generation step then costs about the
-    Python of the serial model plus one call per collective, and ``torch.compile`` of the
-    model's forward traces it into one graph (CUDA graphs included) instead of breaking the
-    graph at every layer. The training ``forward`` stays eager in compiled blocks (it
-    launches the backward's collectives), so it is swapped rather than changed. A no-op for a
-    model without 1D layers."""
-    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
-    layers = [m for m in model.modules() if isinstance(m, kinds)]
-    for m in layers:
-        m.forward = m.forward_no_grad
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.__dict__.pop("forward", None)

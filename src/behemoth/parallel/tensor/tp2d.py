@@ -61,7 +61,15 @@ from torch import nn
 from ... import comm
 from .deferred_grads import deferred_pass
 from .functional import ShardedNormFn, autocast_dtype
-from .grid import SummaFn, activation_spec, gather_activation, gather_batch, grid_of, replicate_on
+from .grid import (
+    SummaFn,
+    activation_spec,
+    gather_activation,
+    gather_batch,
+    grid_of,
+    linear_no_grad,
+    replicate_on,
+)
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, linear_layout
 from .weight_prefetch import may_prefetch, prefetch_of, prefetching_pass
@@ -211,13 +219,17 @@ class Linear2D(nn.Module):
         copy_shards(layer, module)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, n_in = self.grid, self.in_features // self.grid.q
+    def _check_input(self, x: torch.Tensor) -> int:
+        n_in = self.in_features // self.grid.q
         if x.shape[-1] != n_in:
             raise ValueError(
                 f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
-                f"block in_features/q = {self.in_features}/{g.q} = {n_in} (layout [b/q, s, h/q])."
+                f"block in_features/q = {self.in_features}/{self.grid.q} = {n_in} (layout [b/q, s, h/q])."
             )
+        return n_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, n_in = self.grid, self._check_input(x)
         deferred = deferred_pass(self, self.weight, self.bias)
         dt = autocast_dtype(x)
         w_col = pf = defer = None
@@ -238,6 +250,18 @@ class Linear2D(nn.Module):
         y = SummaFn.apply(
             x.reshape(-1, n_in), w, b, g, self.weight_layout == "in_out", self.keep_gathered_weight, w_col, pf, defer
         )
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without autograd (:func:`~.base.no_grad_forward`): the same numbers up to
+        the order of the in-block sums, weight-stationary for a few tokens (a decode step moves
+        activations only, not the weight column SUMMA gathers), SUMMA's for many
+        (:func:`~.grid.linear_no_grad`)."""
+        n_in, dt = self._check_input(x), autocast_dtype(x)
+        w = self.weight
+        if dt is not None:
+            x, w = x.to(dt), w.to(dt)
+        y = linear_no_grad(x.reshape(-1, n_in), w, self.bias, self.grid, self.weight_layout == "in_out")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -287,6 +311,15 @@ class KVReplicatedLinear2D(nn.Module):
         if self.bias is not None:
             y = y + comm.CopyToAxis.apply(self.bias, g.tp_axis)[lo:hi].to(y.dtype)
         return y
+
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without autograd, as :meth:`Linear2D.forward_no_grad`."""
+        (lo, hi), dt = self.rows, autocast_dtype(x)
+        w = self.weight[lo:hi]
+        if dt is not None:
+            x, w = x.to(dt), w.to(dt)
+        y = linear_no_grad(x.reshape(-1, x.shape[-1]), w, None, self.grid, False).view(*x.shape[:-1], hi - lo)
+        return y if self.bias is None else y + self.bias[lo:hi].to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rows={self.rows}, q={self.grid.q}"

@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         return comm.ReduceFromAxis.apply(out, self.axis)
 
     def forward_no_grad(self, ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without autograd (``tp1d.no_grad_forward``): the all-reduce is a
+        """:meth:`forward` without autograd (``base.no_grad_forward``): the all-reduce is a
         functional one, traceable by ``torch.compile``."""
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.weight.shape[0])
@@ -88,7 +88,7 @@ class VocabParallelHead(nn.Module):
         return logits
 
     def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without autograd (``tp1d.no_grad_forward``): a plain Linear and,
+        """:meth:`forward` without autograd (``base.no_grad_forward``): a plain Linear and,
         with ``gather_output``, a functional all-gather; traceable by ``torch.compile``."""
         logits = F.linear(x, self.weight, self.bias)
         return comm.all_gather_functional(logits, self.axis, -1) if self.gather_output else logits
