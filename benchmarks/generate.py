@@ -26,7 +26,9 @@ mode="reduce-overhead")``, the sampling and bookkeeping eager around it. Under 1
 parallelism generation runs the layers' no-grad forward (functional collectives), so a decode
 step is one graph with its all-reduces inside; 2D / 2.5D / 3D layers trace their collectives as
 functional ones inside compiled code (``behemoth.comm.traced``), so their decode step is one
-graph too.
+graph too. ``--grid-decode both`` runs each 2D configuration twice: the Linears' no-grad forward
+weight-stationary (each rank keeps its weight block and moves the activations: the default) and
+SUMMA's (gathering the weight columns every step), key ``grid_decode``.
 
 ``--one-shot on|both`` (tp > 1) runs ``bh.generate(one_shot_all_reduce=True)``: the decode
 steps' small all-reduces over tp as a symmetric-memory one-shot all-reduce (no NVLink multicast;
@@ -55,6 +57,10 @@ from torch._dynamo.utils import counters
 import behemoth as bh
 from behemoth.comm import oneshot
 from behemoth.models import Llama, LlamaConfig
+from behemoth.parallel.tensor import tp2d
+
+GRID_DECODE = {"stationary": [True], "summa": [False], "both": [True, False]}
+"""``--grid-decode``: the 2D runs' ``Linear2D.weight_stationary`` values."""
 
 LLAMA3_8B = dict(
     vocab_size=128256,
@@ -161,8 +167,10 @@ def profile_decode(model, prompts, new: int, tag: str, compile_step: bool) -> No
         print(f"PROFILE {n:8.1f} {cpu:9.1f} {dev:9.1f}  {key[:90]}", flush=True)
 
 
-def run_config(args, *, tp: int, mode: str, batch: int) -> None:
+def run_config(args, *, tp: int, mode: str, batch: int, stationary: bool = True) -> None:
     world = dist.get_world_size()
+    for cls in (tp2d.Linear2D, tp2d.KVReplicatedLinear2D):  # the class default, else SUMMA's forward
+        cls.weight_stationary = stationary
     plan = bh.Plan(dp=world // tp, tp=tp, tp_mode=mode)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -184,6 +192,7 @@ def run_config(args, *, tp: int, mode: str, batch: int) -> None:
             what="behemoth-generate",
             tp=tp,
             tp_mode=mode,
+            grid_decode=("stationary" if stationary else "summa") if mode != "1d" else None,
             dp=world // tp,
             batch=batch,
             prompt=args.prompt,
@@ -274,6 +283,12 @@ def main() -> None:
         help="tp > 1: the decode steps' small all-reduces as the symmetric-memory one-shot all-reduce "
         "(bh.generate(one_shot_all_reduce=True)); both: one RESULT line each, the same model",
     )
+    p.add_argument(
+        "--grid-decode",
+        default="stationary",
+        choices=sorted(GRID_DECODE),
+        help="2d-vs-1d: the 2D Linears' no-grad forward: weight-stationary (default), SUMMA's, or both",
+    )
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check")
     p.add_argument("--profile", action="store_true", help="print the top ops per decode step of each run")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
@@ -296,7 +311,8 @@ def main() -> None:
         if world < 4:
             sys.exit("--sweep 2d-vs-1d needs 4 GPUs (tp = 4).")
         for b in map(int, args.batches.split(",")):
-            configs += [dict(tp=4, mode="1d", batch=b), dict(tp=4, mode="2d", batch=b)]
+            configs += [dict(tp=4, mode="1d", batch=b)]
+            configs += [dict(tp=4, mode="2d", batch=b, stationary=s) for s in GRID_DECODE[args.grid_decode]]
     for c in configs:
         try:
             run_config(args, **c)

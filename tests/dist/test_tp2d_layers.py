@@ -443,6 +443,14 @@ def no_grad_matches(mesh, L):
             else:  # the gathered weight column
                 assert row_bytes == weight_bytes, (what, row_bytes, weight_bytes)
         assert "forward" not in layer.__dict__  # the training forward is back
+    layer, _ = layers["linear"]  # weight_stationary=False: SUMMA's forward for few tokens too
+    layer.weight_stationary = False
+    x = L.split(rand(B, 1, H, seed=4), mesh)
+    want = layer(x).detach()
+    mesh.ledger.reset()
+    with torch.no_grad(), no_grad_forward(layer):
+        close(layer(x), want, "linear without autograd, SUMMA's forward")
+    assert mesh.ledger.stats()["tp_row"]["bytes"] == q * layer.weight.numel() * 8  # the gathered weight column
 
 
 def _world_2d(rank, world):

@@ -247,10 +247,11 @@ def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool
     return y if b is None else y.add_(b.to(y.dtype))
 
 
-def linear_no_grad(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
+def linear_no_grad(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool, stationary: bool = True) -> torch.Tensor:
     """A grid Linear's forward without autograd (generation, evaluation): weight-stationary
-    while the tokens are few (:func:`stationary_is_cheaper`), else SUMMA's. ``x`` is ``[rows,
-    in/q]``, ``w`` the local weight block (``[out/q, in/q]``, ``in_out``: ``[in/q, out/q]``)."""
+    while the tokens are few (:func:`stationary_is_cheaper`) unless ``stationary`` is False, else
+    SUMMA's. ``x`` is ``[rows, in/q]``, ``w`` the local weight block (``[out/q, in/q]``,
+    ``in_out``: ``[in/q, out/q]``)."""
     n_out = w.shape[1] if in_out else w.shape[0]
-    cheaper = not g.row_axis.trivial and stationary_is_cheaper(x.shape[0], x.shape[1], n_out, g.q)
+    cheaper = stationary and not g.row_axis.trivial and stationary_is_cheaper(x.shape[0], x.shape[1], n_out, g.q)
     return (stationary_linear if cheaper else summa_linear)(x, w, b, g, in_out)

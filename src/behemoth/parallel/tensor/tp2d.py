@@ -141,6 +141,10 @@ class Linear2D(nn.Module):
     prefetch_weight: bool = True
     """Gather the weight column ahead, when the pass starts (:mod:`.weight_prefetch`; only while
     ``keep_gathered_weight``)."""
+    weight_stationary: bool = True
+    """Without autograd, run weight-stationary while that moves fewer elements than SUMMA
+    (:func:`~.grid.linear_no_grad`; set False, on the class or an instance, for SUMMA's forward
+    always)."""
 
     def __init__(
         self,
@@ -264,7 +268,8 @@ class Linear2D(nn.Module):
         w = self.weight
         if dt is not None:
             x, w = x.to(dt), w.to(dt)
-        y = linear_no_grad(x.reshape(-1, n_in), w, self.bias, self.grid, self.weight_layout == "in_out")
+        in_out = self.weight_layout == "in_out"
+        y = linear_no_grad(x.reshape(-1, n_in), w, self.bias, self.grid, in_out, self.weight_stationary)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -282,9 +287,10 @@ class KVReplicatedLinear2D(nn.Module):
     Communication: a Linear2D's with a ``[D, in/q]`` weight block; backward adds the
     all-reduce of the weight gradient over ``tp_col`` (each column contributes its head's
     rows). A bias is replicated over the whole grid (gradient all-reduced over ``tp``).
-    ``keep_gathered_weight``: as :class:`Linear2D`'s."""
+    ``keep_gathered_weight``, ``weight_stationary``: as :class:`Linear2D`'s."""
 
     keep_gathered_weight: bool = True
+    weight_stationary: bool = True
 
     def __init__(self, module: nn.Linear, mesh, mode: str, kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -321,7 +327,8 @@ class KVReplicatedLinear2D(nn.Module):
         w = self.weight[lo:hi]
         if dt is not None:
             x, w = x.to(dt), w.to(dt)
-        y = linear_no_grad(x.reshape(-1, x.shape[-1]), w, None, self.grid, False).view(*x.shape[:-1], hi - lo)
+        y = linear_no_grad(x.reshape(-1, x.shape[-1]), w, None, self.grid, False, self.weight_stationary)
+        y = y.view(*x.shape[:-1], hi - lo)
         return y if self.bias is None else y + self.bias[lo:hi].to(y.dtype)
 
     def extra_repr(self) -> str:
