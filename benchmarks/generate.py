@@ -30,6 +30,10 @@ graph too. ``--grid-decode both`` runs each 2D configuration twice: the Linears'
 weight-stationary (each rank keeps its weight block and moves the activations: the default) and
 SUMMA's (gathering the weight columns every step), key ``grid_decode``.
 
+``--sweep fit`` (``--prompt 4096 --new 16`` say): the largest batch 1D and 2D at tp = 4 each
+generate (eager) within ``--fit-gib`` GiB a GPU (``torch.cuda.set_per_process_memory_fraction``),
+doubled then bisected, every probe a RESULT line, and the 2D/1D ratio of batch x context.
+
 ``--one-shot on|both`` (tp > 1) runs ``bh.generate(one_shot_all_reduce=True)``: the decode
 steps' small all-reduces over tp as a symmetric-memory one-shot all-reduce (no NVLink multicast;
 ``behemoth.comm.oneshot``; NCCL where it cannot run), ``both`` with and without it on the same
@@ -259,9 +263,71 @@ def run_peer(args) -> None:
     torch.cuda.empty_cache()
 
 
+def generate_fits(model, batch: int, args) -> bool:
+    """Whether ``bh.generate`` of ``batch`` rows (``--prompt`` tokens, ``--new`` new ones; eager)
+    runs in the memory allowed, every rank agreeing (an out-of-memory error on any rank fails it;
+    the ranks hold equal shapes, so they meet it at the same operation)."""
+    world, cuda = dist.get_world_size(), torch.cuda.is_available()
+    vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
+    prompts = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        bh.generate(model, prompts.repeat(world // 4, 1), max_new_tokens=args.new)
+        failed = 0.0
+    except torch.OutOfMemoryError:
+        failed = 1.0
+    vote = torch.tensor([failed], device=_device())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return vote.item() == 0.0
+
+
+def run_fit(args, mode: str) -> int:
+    """The largest batch (a multiple of 2: 2D splits it over its grid rows) that ``mode`` at tp 4
+    generates in the memory allowed: doubled from 2 until a batch fails or ``--fit-max`` is
+    passed, then bisected. One RESULT line per probe and one for the fit; returns the batch."""
+    world = dist.get_world_size()
+    model = bh.parallelize(
+        build(args.prompt + args.new, args.layers, args.tiny), bh.Plan(dp=world // 4, tp=4, tp_mode=mode)
+    )
+    context = args.prompt + args.new
+
+    def probe(batch: int) -> bool:
+        t = time.perf_counter()
+        ok = generate_fits(model, batch, args)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        if dist.get_rank() == 0:
+            line = dict(
+                what="fit-probe",
+                tp_mode=mode,
+                batch=batch,
+                context=context,
+                fits=ok,
+                s=round(time.perf_counter() - t, 1),
+            )
+            print("RESULT " + json.dumps(dict(line, peak_gib=None if peak is None else round(peak, 2))), flush=True)
+        return ok
+
+    lo, hi = 0, None
+    batch = 2
+    while hi is None and batch <= args.fit_max:
+        lo, hi = (batch, None) if probe(batch) else (lo, batch)
+        batch *= 2
+    while hi is not None and hi - lo > 2:
+        mid = (lo + hi) // 4 * 2
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    if dist.get_rank() == 0:
+        fit = dict(what="fit", tp_mode=mode, batch=lo, context=context, batch_x_context=lo * context)
+        print("RESULT " + json.dumps(dict(fit, capped=hi is None, fit_gib=args.fit_gib)), flush=True)
+    return lo  # the model goes with this frame; the caller empties the cache
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", default="tp", choices=["tp", "2d-vs-1d"])
+    p.add_argument("--sweep", default="tp", choices=["tp", "2d-vs-1d", "fit"])
+    p.add_argument("--fit-gib", type=float, default=24.0, help="fit: GiB a GPU may use (default 24)")
+    p.add_argument("--fit-max", type=int, default=4096, help="fit: the largest batch probed (default 4096)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
     p.add_argument("--batch", default="1", help="tp sweep: batch sizes (comma-separated; default 1)")
@@ -307,6 +373,21 @@ def main() -> None:
             for tp in (1, 2, 4)
             if tp <= world and world % tp == 0
         ]
+    elif args.sweep == "fit":
+        if world % 4:
+            sys.exit("--sweep fit needs a multiple of 4 GPUs (tp = 4).")
+        if torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(
+                args.fit_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+            )
+        fits = {}
+        for mode in ("1d", "2d"):
+            fits[mode] = run_fit(args, mode)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            ratio = fits["2d"] / fits["1d"] if fits["1d"] else None
+            print("RESULT " + json.dumps(dict(what="fit-ratio", two_d_over_one_d=ratio, **fits)), flush=True)
     else:
         if world < 4:
             sys.exit("--sweep 2d-vs-1d needs 4 GPUs (tp = 4).")
