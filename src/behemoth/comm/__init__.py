@@ -13,8 +13,8 @@ The package, one module per kind of operation (every name is importable from her
 * :mod:`.collectives` -- collectives as plain functions, for engine-level work (gradient
   buckets, ZeRO chunks, SUMMA's steps): :func:`all_reduce`, :func:`all_gather`,
   :func:`reduce_scatter`, :func:`broadcast`, :func:`reduce`, :func:`all_to_all`,
-  :func:`all_to_all_single` (uneven splits), :func:`all_gather_into`, and
-  :func:`all_gather_async`, :func:`reduce_scatter_async`, :func:`all_to_all_single_async` that
+  :func:`all_to_all_single` (uneven splits; :func:`all_to_all_rows` when shapes, not data, fix
+  the sizes: traced inside compiled code), :func:`all_gather_into`, and :func:`all_gather_async`, :func:`reduce_scatter_async`, :func:`all_to_all_single_async` that
   return a handle; the scalar helpers :func:`all_reduce_scalars`, :func:`all_agree`;
 * :mod:`.traced` -- what :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` and
   the ``*_async`` forms run inside ``torch.compile``'d code: functional collectives the
@@ -48,6 +48,7 @@ from .collectives import (
     all_reduce,
     all_reduce_scalars,
     all_to_all,
+    all_to_all_rows,
     all_to_all_single,
     all_to_all_single_async,
     broadcast,
@@ -81,6 +82,7 @@ __all__ = [
     "broadcast",
     "reduce",
     "all_to_all",
+    "all_to_all_rows",
     "all_to_all_single",
     "all_to_all_single_async",
     "all_gather_into",

@@ -147,6 +147,15 @@ def all_to_all(t: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     return torch.cat(outs, dim=gather_dim)
 
 
+def all_to_all_rows(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    """:func:`all_to_all_single` for split sizes fixed by shapes, not by data (a grid's
+    redistribution of activation blocks): inside compiled code :func:`.traced.all_to_all_single`,
+    so the compiler traces it (the expert exchange's data-dependent sizes stay eager)."""
+    if torch.compiler.is_compiling():
+        return traced.all_to_all_single(t, axis, send_sizes, recv_sizes)
+    return all_to_all_single(t, axis, send_sizes, recv_sizes)
+
+
 @eager
 def all_to_all_single(
     t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int], out: torch.Tensor | None = None

@@ -112,8 +112,22 @@ def exchange(t: torch.Tensor, axis: Axis, peer_index: int) -> torch.Tensor:
     sizes = [int(i == peer_index) for i in range(axis.size)]
     if peer_index != axis.rank:
         _book(t, axis, "exchange", nbytes(t), nbytes(t))
-    out = funcol.all_to_all_single(t.reshape(1, -1), sizes, sizes, axis.group)
-    return funcol.wait_tensor(out).reshape(t.shape)
+    return _all_to_all_rows(t.reshape(1, -1), axis, sizes, sizes).reshape(t.shape)
+
+
+def all_to_all_single(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    """:func:`.collectives.all_to_all_single` (uneven rows along dim 0, sizes fixed by shapes
+    rather than by data) as a functional all-to-all. Ledger as the eager form."""
+    if axis.trivial:
+        return t
+    row = nbytes(t) // max(1, t.shape[0])
+    sent = sum(send_sizes) * row
+    _book(t, axis, "all_to_all", sent, sent - send_sizes[axis.rank] * row)
+    return _all_to_all_rows(t.contiguous(), axis, send_sizes, recv_sizes)
+
+
+def _all_to_all_rows(t: torch.Tensor, axis: Axis, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single(t, list(recv_sizes), list(send_sizes), axis.group))
 
 
 def regather(t: torch.Tensor) -> torch.Tensor:

@@ -217,12 +217,12 @@ def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------- without autograd
 def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
     """Whether :func:`stationary_linear` moves fewer elements per rank than :func:`summa_linear`
-    for a local input of ``rows x n_in`` and a weight block of ``n_in x n_out``. Both gather the
-    input's ``(q-1) rows n_in``; SUMMA adds the weight column's ``(q-1) n_in n_out``, the
-    weight-stationary form the swap's ``rows n_in`` and the reduce-scatter's ``(q-1) rows
-    n_out``: it wins while the tokens are few (a decode step: Llama-3-8B at q = 2 below 1,024
-    rows a rank), SUMMA for a prompt's many. Every rank of a grid holds the same shapes, so
-    all choose alike."""
+    for a local input of ``rows x n_in`` and a weight block of ``n_in x n_out``. SUMMA receives
+    the input's ``(q-1) rows n_in`` and the weight column's ``(q-1) n_in n_out``; the
+    weight-stationary form the input's ``q rows n_in`` (its own block too, but for the diagonal)
+    and the reduce-scatter's ``(q-1) rows n_out``: it wins while the tokens are few (a decode
+    step: Llama-3-8B at q = 2 below 1,024 rows a rank), SUMMA for a prompt's many. Every rank of
+    a grid holds the same shapes, so all choose alike."""
     return rows * n_in + (q - 1) * rows * n_out < (q - 1) * n_in * n_out
 
 
@@ -237,12 +237,16 @@ def summa_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> 
 
 def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
     """``Y(i, j) = sum_k X(i, k) W(k, j)`` (+ bias block j) with every weight block left where
-    it is (the 2D weight-stationary layout of inference): rank (k, j) swaps with its transposed
-    peer for X(j, k), gathers X(:, k) along its grid row, multiplies by its own W(k, j), and the
-    partials ``X(:, k) W(k, j)`` are reduce-scattered down the grid column, rank (i, j) keeping
-    batch block i. Within each depth slab under 2.5D (the peer is the slab's). No autograd."""
-    xt = comm.exchange(x.contiguous(), g.tp_axis, g.transpose_peer)  # X(j, k): batch block j
-    xs = comm.all_gather(xt, g.col_axis, 0)  # X(:, k), batch blocks in grid-row order
+    it is (the 2D weight-stationary layout of inference): one all-to-all over the grid brings
+    rank (k, j) the input column X(:, k) (each rank (i, k) sends its block to the q ranks of grid
+    row k), it multiplies by its own W(k, j), and the partials ``X(:, k) W(k, j)`` are
+    reduce-scattered down the grid column, rank (i, j) keeping batch block i. Within each depth
+    slab under 2.5D. Two collectives, as SUMMA's forward. No autograd."""
+    rows, q = x.shape[0], g.q
+    slab = range(g.depth * q * q, (g.depth + 1) * q * q)  # tp index (depth*q + i)*q + j
+    send = [rows if t in slab and t // q % q == g.col else 0 for t in range(g.tp_axis.size)]
+    recv = [rows if t in slab and t % q == g.row else 0 for t in range(g.tp_axis.size)]
+    xs = comm.all_to_all_rows(x.contiguous().repeat(q, 1), g.tp_axis, send, recv)  # X(:, k), batch order
     y = comm.reduce_scatter(xs @ (w if in_out else w.t()), g.row_axis, 0)
     return y if b is None else y.add_(b.to(y.dtype))
 
