@@ -49,6 +49,7 @@ GPU time on GPUs, by CPU time on CPU, with each op's calls per step.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -403,8 +404,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.sweep == "tp" and not args.no_peer and not args.tiny and dist.get_rank() == 0:
         run_peer(args)
+    # On GPUs this script has sat for minutes after its last result: past 60 s, print every
+    # thread's stack (where it hangs) and exit, rather than hold the machine until the timeout.
+    faulthandler.dump_traceback_later(60, exit=True)
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
