@@ -404,12 +404,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.sweep == "tp" and not args.no_peer and not args.tiny and dist.get_rank() == 0:
         run_peer(args)
-    # On GPUs this script has sat for minutes after its last result: past 60 s, print every
-    # thread's stack (where it hangs) and exit, rather than hold the machine until the timeout.
+    # On GPUs this script has sat for minutes after its last result: if the barrier, the group's
+    # teardown or the interpreter's exit takes over 60 s, print every thread's stack (where it
+    # hangs) and exit, rather than hold the machine until the timeout.
     faulthandler.dump_traceback_later(60, exit=True)
     dist.barrier()
     dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
