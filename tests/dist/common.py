@@ -8,6 +8,7 @@ into a test failure with the child's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -416,3 +417,19 @@ def block_saved_bytes(family: str, plan, split, batch: int) -> tuple[int, int]:
     if split:
         assert got <= 1.02 * want / plan.tp, f"{plan.describe()} {family}: saves {got} B, serial {want} B/tp={plan.tp}"
     return got, want
+
+
+@contextlib.contextmanager
+def untraced_gather_layout():
+    """For the duration, the compiler refuses to trace the helper that lays out a functional
+    all-gather along a dim other than 0, as torch 2.11's does (torch 2.13 traces it): a compiled
+    graph that calls it breaks there, as it would on the GPU machines' torch."""
+    import torch._dynamo
+    import torch.distributed._functional_collectives as funcol
+
+    helper = funcol._maybe_view_chunk_cat
+    funcol._maybe_view_chunk_cat = torch._dynamo.disable(helper)
+    try:
+        yield
+    finally:
+        funcol._maybe_view_chunk_cat = helper

@@ -34,6 +34,7 @@ from common import (
     make_optimizer,
     train_serially,
     train_steps,
+    untraced_gather_layout,
 )
 
 import behemoth as bh
@@ -94,7 +95,8 @@ def _compile_world(rank, world):
             e_losses, e_norms, e_state, e_traffic = _run(family, False, batches, precision)
             torch._dynamo.reset()
             counters.clear()
-            losses, norms, state, traffic = _run(family, True, batches, precision)
+            with untraced_gather_layout():  # no break on torch 2.11 either
+                losses, norms, state, traffic = _run(family, True, batches, precision)
             breaks = dict(counters["graph_break"])
             assert not breaks, f"{what}: {sum(breaks.values())} graph breaks: {list(breaks)}"
             assert counters["stats"]["unique_graphs"] == 1, f"{what}: {dict(counters['stats'])} (one graph expected)"
