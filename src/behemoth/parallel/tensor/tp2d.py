@@ -38,11 +38,11 @@ their gradients all-reduced over it. Here the depth axis has size 1, so it moves
 Compiled blocks (``Plan(compile=True)``): inside ``torch.compile``'d code every collective of
 these layers, forward and backward, is a traced functional collective (:mod:`behemoth.comm.traced`),
 so a transformer block is one graph with no break, booked in the ledger as in eager mode
-(tests/dist/test_tp2d_compile.py, torch 2.13 on CPU). torch 2.11 broke the graph inside every
-all-gather along a non-zero dim (its layout helper is not traced), which ran the layers' autograd
-Functions eagerly between compiled pieces on GPUs; :func:`behemoth.comm.traced.all_gather` now
-gathers along dim 0 and lays the shards out itself (a 2D decode step: one graph on torch 2.11
-GPUs; a training step not re-measured since).
+(tests/dist/test_tp2d_compile.py, torch 2.13 on CPU, and with torch 2.11's refusal to trace the
+layout helper of an all-gather along a non-zero dim emulated: a training step makes no such
+gather; generation's did, and :func:`behemoth.comm.traced.all_gather` now gathers along dim 0 and
+lays the shards out itself). A torch 2.11 GPU profile of training showed the layers' autograd
+Functions run eagerly between compiled pieces: not explained yet.
 
 Modules: :mod:`.grid` (the grid, activation layouts and SUMMA, shared with 2.5D), this one
 (Linear2D, norms, the replicated-kv projection), :mod:`.embed2d` (token and position
