@@ -14,7 +14,8 @@ The package, one module per kind of operation (every name is importable from her
   buckets, ZeRO chunks, SUMMA's steps): :func:`all_reduce`, :func:`all_gather`,
   :func:`reduce_scatter`, :func:`broadcast`, :func:`reduce`, :func:`all_to_all`,
   :func:`all_to_all_single` (uneven splits; :func:`all_to_all_rows` when shapes, not data, fix
-  the sizes: traced inside compiled code), :func:`all_gather_into`, and :func:`all_gather_async`, :func:`reduce_scatter_async`, :func:`all_to_all_single_async` that
+  the sizes: traced inside compiled code), :func:`all_gather_into`, and
+  :func:`all_gather_async`, :func:`reduce_scatter_async`, :func:`all_to_all_single_async` that
   return a handle; the scalar helpers :func:`all_reduce_scalars`, :func:`all_agree`;
 * :mod:`.traced` -- what :func:`all_reduce`, :func:`all_gather`, :func:`reduce_scatter` and
   the ``*_async`` forms run inside ``torch.compile``'d code: functional collectives the

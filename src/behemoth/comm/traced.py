@@ -86,8 +86,8 @@ def all_gather(t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
     _book(t, axis, "all_gather", n * nbytes(t), (n - 1) * nbytes(t))
     out = funcol.wait_tensor(funcol.all_gather_tensor(t, 0, axis.group))
     # Gathered along dim 0, then the members' shards laid side by side here: torch 2.11's
-    # all_gather_tensor does that step for another dim in a helper the compiler will not trace
-    # (a graph break in every 2D/2.5D linear).
+    # all_gather_tensor does that step for another dim in a helper its compiler will not trace
+    # (a graph break wherever a grid layer gathers along its last dim: a 2D decode step did).
     dim %= t.dim()
     return out if dim == 0 else torch.cat(out.chunk(n, 0), dim)
 
