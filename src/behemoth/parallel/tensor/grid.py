@@ -111,6 +111,20 @@ def gather_activation(x: torch.Tensor, g: Grid) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- SUMMA
+def summa_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool, w_col=None):
+    """SUMMA's forward, ``(Y(i, j), W(:, j))``: ``Y(i, j) = X(i, :) W(:, j)`` (+ bias block j) from
+    the row's gathered input and the column's gathered weight (both gathers in flight at once;
+    ``w`` cast to x's dtype before it travels). ``w_col``: the column gathered ahead
+    (:mod:`.weight_prefetch`, in x's dtype). No autograd: :class:`SummaFn`'s forward, and the
+    no-grad forward's for many tokens."""
+    hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
+    if w_col is None:
+        wx = w if w.dtype == x.dtype else w.to(x.dtype)
+        w_col = comm.all_gather_async(wx if in_out else wx.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
+    y = hx.wait().t() @ w_col
+    return (y if b is None else y.add_(b.to(y.dtype))), w_col
+
+
 class SummaFn(torch.autograd.Function):
     """``y = x @ w.T + b`` (``in_out``: ``y = x @ w + b``, a Conv1D weight kept in its own
     orientation) with x block (i, k) on rank (i, k), w block (k, j) on rank (k, j) and the bias
@@ -144,13 +158,7 @@ class SummaFn(torch.autograd.Function):
     def forward(ctx, x, w, b, g: Grid, in_out: bool, keep_w: bool = False, w_col=None, prefetch=None, defer=None):
         ctx.g, ctx.in_out, ctx.b_dtype, ctx.w_dtype = g, in_out, None if b is None else b.dtype, w.dtype
         ctx.defer = defer
-        hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
-        if w_col is None:  # else gathered ahead (weight_prefetch), in x's dtype
-            wx = w if w.dtype == x.dtype else w.to(x.dtype)  # cast before it travels
-            w_col = comm.all_gather_async(wx if in_out else wx.t(), g.row_axis).wait()  # W(:, j) as [in, out/q]
-        y = hx.wait().t() @ w_col
-        if b is not None:
-            y.add_(b.to(y.dtype))
+        y, w_col = summa_linear(x, w, b, g, in_out, w_col)
         ctx.w_col = None
         if not keep_w:
             ctx.save_for_backward(x, w)  # x itself: often saved already by the op that made it
@@ -226,15 +234,6 @@ def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
     return rows * n_in + (q - 1) * rows * n_out < (q - 1) * n_in * n_out
 
 
-def summa_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
-    """:class:`SummaFn`'s forward without autograd: ``Y(i, j) = X(i, :) W(:, j)`` (+ bias block
-    j) from the row's gathered input and the column's gathered weight."""
-    hx = comm.all_gather_async(x.t(), g.col_axis)  # X(i, :)^T, [in, m]
-    w_col = comm.all_gather(w if in_out else w.t(), g.row_axis)  # W(:, j) as [in, out/q]
-    y = hx.wait().t() @ w_col
-    return y if b is None else y.add_(b.to(y.dtype))
-
-
 def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
     """``Y(i, j) = sum_k X(i, k) W(k, j)`` (+ bias block j) with every weight block left where
     it is (the 2D weight-stationary layout of inference): one all-to-all over the grid brings
@@ -246,7 +245,7 @@ def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool
     slab = range(g.depth * q * q, (g.depth + 1) * q * q)  # tp index (depth*q + i)*q + j
     send = [rows if t in slab and t // q % q == g.col else 0 for t in range(g.tp_axis.size)]
     recv = [rows if t in slab and t % q == g.row else 0 for t in range(g.tp_axis.size)]
-    xs = comm.all_to_all_rows(x.contiguous().repeat(q, 1), g.tp_axis, send, recv)  # X(:, k), batch order
+    xs = comm.all_to_all_rows(x.repeat(q, 1), g.tp_axis, send, recv)  # X(:, k), batch order
     y = comm.reduce_scatter(xs @ (w if in_out else w.t()), g.row_axis, 0)
     return y if b is None else y.add_(b.to(y.dtype))
 
@@ -258,4 +257,4 @@ def linear_no_grad(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool, s
     ``in_out``: ``[in/q, out/q]``)."""
     n_out = w.shape[1] if in_out else w.shape[0]
     cheaper = stationary and not g.row_axis.trivial and stationary_is_cheaper(x.shape[0], x.shape[1], n_out, g.q)
-    return (stationary_linear if cheaper else summa_linear)(x, w, b, g, in_out)
+    return stationary_linear(x, w, b, g, in_out) if cheaper else summa_linear(x, w, b, g, in_out)[0]
