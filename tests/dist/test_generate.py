@@ -123,7 +123,7 @@ def _cache_formula(model, plan: bh.Plan, local_rows: int) -> int:
     layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
     width = max(PROMPT_LENGTHS) + (-max(PROMPT_LENGTHS) % plan.tp if plan.sequence_parallel else 0)
     return kv_cache_bytes(
-        num_layers=layers,
+        num_layers=layers // plan.pp,  # a pipeline rank caches its stage's layers
         rows=local_rows,
         num_kv_heads=kv,
         head_dim=hidden // heads,
@@ -146,7 +146,7 @@ def _check_plan(plan: bh.Plan, refs: dict, families=FAMILIES) -> None:
         assert got.tokens == want["tokens"], (what, got.tokens, want["tokens"])
         for i, z in enumerate(want["logits"]):
             torch.testing.assert_close(got.logits_BTV[i], z, rtol=0, atol=1e-5, msg=lambda m: f"{what} row {i}: {m}")
-        split = par.batch_parts * par.plan.dp
+        split = par.batch_parts * par.plan.dp * par.plan.cp  # context parallelism's ranks take rows too
         local = -(-len(rows) // split)
         assert got.cache_bytes == _cache_formula(model, plan, local), (what, got.cache_bytes)
         sampled = bh.generate(model, rows, max_new_tokens=NEW, **SAMPLING)
@@ -248,11 +248,31 @@ def test_generate_under_every_plan(tmp_path):
     bh.spawn(_world8, 8, refs, timeout=600)
 
 
-def _build_moe() -> torch.nn.Module:
+def _world_stages(rank, world, refs):
+    """Pipelines (the last stage's logits shared over pp) and context parallelism (whole rows a cp
+    rank, the model's own attention), alone and with dp and tp; compile under pp refused."""
+    _check_plan(bh.Plan(pp=2, tp=2), refs, ("gpt", "hf-llama"))
+    _check_plan(bh.Plan(pp=2, dp=2), refs, ("llama", "hf-gpt2"))
+    _check_plan(bh.Plan(cp=2, tp=2), refs, ("llama", "hf-llama"))
+    _check_plan(bh.Plan(cp=2, dp=2, cp_mode="ring"), refs, ("gpt",))
+    _check_plan(bh.Plan(pp=2, cp=2), refs, ("llama",))
+    _check_eos_and_batch_of_one(bh.Plan(pp=2, dp=2), refs)
+    model = bh.parallelize(build("llama"), bh.Plan(pp=2, dp=2))
+    expect_error(lambda: bh.generate(model, prompts(), max_new_tokens=4, compile=True), "pipeline parallelism")
+    capacity = _build_moe(expert_capacity_factor=1.0)  # drops counted over the cp shares of a sequence
+    model = bh.parallelize(capacity, bh.Plan(cp=2, dp=2))
+    expect_error(lambda: bh.generate(model, prompts(), max_new_tokens=4), "capacity", "cp=1")
+
+
+def test_generate_under_pipelines_and_context_parallelism():
+    bh.spawn(_world_stages, 4, references(), timeout=600)
+
+
+def _build_moe(**extra) -> torch.nn.Module:
     from behemoth.models import Llama, LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32, num_experts=4
+        vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=4, num_kv_heads=2, hidden=32, num_experts=4, **extra
     )
     return Llama(cfg).eval()
 

@@ -32,7 +32,18 @@ the attention that owns it (:mod:`.cache`):
 behemoth's models take the cache through their attention modules' ``kv_cache`` seam;
 transformers models (GPT-2, Llama) through their own ``StaticCache`` (``past_key_values``,
 ``cache_position``), which sizes itself from the first keys it sees, so sharded heads and row
-blocks need nothing more. Pipeline and context parallelism are refused.
+blocks need nothing more.
+
+* **Pipelines.** Every pipeline rank runs the step: the model's pipelined forward carries the
+  activations from stage to stage (one send per boundary), each stage's attention modules fill
+  their own part of the cache, and the last stage's logits are broadcast over ``pp``
+  (:class:`~.steps.StageStep`), so every rank picks the same tokens. Eager only (a compiled step
+  is one graph of the whole model).
+* **Context parallelism.** Its ranks take rows of their own, as data-parallel ranks do (the rows
+  are split over ``dp x cp``), and the attention modules run the model's own attention for the
+  duration (:func:`~behemoth.parallel.context.context_parallel_paused`): one token cannot be
+  split on the sequence. A capacity that drops assignments per sequence, counted over the cp
+  shares of one sequence inside the forward, is refused.
 
 Tested in tests/dist/test_generate.py (tokens equal to transformers' ``generate`` and to a
 no-cache serial loop, logits at every step, sampling across plans, KV bytes per rank) and
@@ -47,6 +58,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..parallel.context import context_parallel_paused
 from ..parallel.tensor.base import no_grad_forward
 from ..parallel.tensor.tp1d import sequence_parallel_paused
 from ..specs import max_seq_len_of
@@ -54,7 +66,7 @@ from .cache import KVCache, cached_attentions
 from .decode import CompiledDecode, Decoder, DecodeState, StepClock, decode_step
 from .prompts import Prompts, left_pad, padded_rows, positions
 from .sampling import Sampler, Sampling
-from .steps import CachedStep, TransformersStep
+from .steps import CachedStep, StageStep, TransformersStep
 
 __all__ = ["generate", "Generation"]
 
@@ -101,8 +113,8 @@ def generate(
     one_shot_all_reduce: bool = False,
 ):
     """Continue each prompt by up to ``max_new_tokens`` tokens with ``model`` (serial, or
-    parallelized by ``bh.parallelize`` / ``bh.boost`` under any plan without pp or cp; every rank
-    calls it with the same arguments).
+    parallelized by ``bh.parallelize`` / ``bh.boost`` under any plan; every rank calls it with the
+    same arguments).
 
     ``prompts``: a ``[B, P]`` tensor of token ids (left-padded where ``attention_mask`` is 0) or
     a list of token lists of any lengths. Returns, on every rank, for a tensor the ``[B, P + T]``
@@ -180,15 +192,16 @@ class _Run:
 
     def __init__(self, model: nn.Module, record) -> None:
         self.model, self.record = model, record
+        self.pp, self.context = None, None
         if record is not None:
             plan = record.plan
-            if plan.pp > 1 or plan.cp > 1:
-                raise ValueError(
-                    f"generation runs under data and tensor parallelism; the plan has pp={plan.pp}, cp={plan.cp}. "
-                    f"Load the checkpoint under a plan with pp=1 and cp=1 (any dp and tp) to generate."
-                )
+            if plan.cp > 1:
+                _check_context(model, plan)
+                self.context = record.context
+            if plan.pp > 1:
+                self.pp = record.mesh.axis("pp")
             self.device = record.device
-            self.dp = record.mesh.axis("dp")
+            self.dp = record.data_axis  # dp, or dp x cp: context parallelism's ranks take rows of their own
             self.parts, self.index = record.batch_parts, record.batch_index
             self.sp = plan.sequence_parallel and plan.tp > 1
             self.prompt_multiple = plan.tp if self.sp else 1
@@ -212,6 +225,7 @@ class _Run:
         head = self.record.vocab_head if self.record is not None else None
         gather, training = (head.gather_output if head is not None else None), self.model.training
         tp = self.record.mesh.axis("tp") if self.record is not None and self.record.plan.tp > 1 else None
+        context = self.context
         self.model.eval()
         if head is not None:
             head.gather_output = True
@@ -220,6 +234,7 @@ class _Run:
                 torch.no_grad(),
                 no_grad_forward(self.model),
                 comm.one_shot_all_reduce(tp) if one_shot and tp is not None else contextlib.nullcontext(),
+                context_parallel_paused(self.model, context.attention) if context else contextlib.nullcontext(),
             ):
                 yield
         finally:
@@ -268,6 +283,12 @@ class _Run:
         real = rows_global < real_rows
         sampler = Sampler(sampling, real_rows, rows_global)
         valid_bP = self.tp_block(valid_BP)
+        if compile and self.pp is not None:
+            raise ValueError(
+                f"generate(compile=...) compiles one decode step of the whole model; under pipeline parallelism "
+                f"(pp={self.pp.size}) a step runs stage by stage with sends between them. Pass compile=False "
+                f"(each stage's blocks may still be torch.compile'd), or load the checkpoint under pp=1 to compile."
+            )
         if compile:
             compiled = self._compiled(valid_bP, B, P + max_new, max_new, compile)
             step, state = CachedStep(self.model, compiled.cache), compiled.state
@@ -275,6 +296,8 @@ class _Run:
         else:
             step, state = self._step_fn(valid_bP, P + max_new), DecodeState(B, max_new, dev)
             decode = decode_step
+            if self.pp is not None:  # the last stage's logits, on every pipeline rank
+                step = StageStep(step, self.pp, self.pp.size - 1)
         state.start(
             done_B=~real.to(dev),
             next_pos_B=valid_BP.long().sum(-1),
@@ -347,6 +370,18 @@ class _Run:
         compiled = CompiledDecode.of(self.model, key, build)
         compiled.cache.reset(valid_bP)
         return compiled
+
+
+def _check_context(model: nn.Module, plan) -> None:
+    """Under context parallelism generation splits the rows over ``dp x cp`` (whole rows a rank,
+    attention as the model's own); a capacity that drops assignments per sequence gathers its
+    sequences over ``cp`` inside the forward, which whole rows do not allow."""
+    if any(getattr(m, "capacity_factor", None) is not None for m in model.modules()):
+        raise ValueError(
+            f"generation under context parallelism (cp={plan.cp}) gives each cp rank whole rows, but the model's "
+            f"experts have a capacity (capacity_factor), whose drops are counted over the cp ranks' shares of one "
+            f"sequence. Load the checkpoint under a plan with cp=1 to generate."
+        )
 
 
 class _Loop:

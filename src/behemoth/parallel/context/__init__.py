@@ -44,12 +44,19 @@ from .layout import (
     zigzag_indices,
 )
 from .ring import ring_attention, ring_bytes, ring_step_block
-from .style import ContextParallelAttention, ContextParallelized, check_attention_module, parallelize_context
+from .style import (
+    ContextParallelAttention,
+    ContextParallelized,
+    check_attention_module,
+    context_parallel_paused,
+    parallelize_context,
+)
 from .ulysses import ulysses_attention, ulysses_bytes, ulysses_kv_heads
 
 __all__ = [
     "MODES",
     "check_sequence",
+    "context_parallel_paused",
     "zigzag_chunks",
     "zigzag_indices",
     "position_ids_for",

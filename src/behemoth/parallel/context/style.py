@@ -54,6 +54,7 @@ Tested in ``tests/dist/test_context_parallel.py`` (whole models against serial t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -94,14 +95,45 @@ class ContextParallelAttention:
         kind = check_attention_module(module)
         sdpa = ContextSDPA(mesh.axis("cp"), self.mode)
         if kind == "seam":
+            module._behemoth_plain_attention = module.__dict__.get("attention_fn")  # None: the class's
             module.attention_fn = sdpa
             return module
         from transformers import AttentionInterface
 
         AttentionInterface.register(CP_ATTENTION_IMPL, transformers_context_attention)
         module._behemoth_context_attention = sdpa
-        module.config._attn_implementation = CP_ATTENTION_IMPL
+        config = module.config
+        if config._attn_implementation != CP_ATTENTION_IMPL:  # the config is shared: the first module keeps it
+            config._behemoth_plain_attention = config._attn_implementation
+        config._attn_implementation = CP_ATTENTION_IMPL
         return module
+
+
+@contextlib.contextmanager
+def context_parallel_paused(model: nn.Module, attention: tuple[str, ...]):
+    """The attention modules named ``attention`` (those :class:`ContextParallelAttention` styled)
+    run their own attention again for the duration -- the model's, over whatever tokens this rank
+    is given (generation: whole rows, a KV cache) -- and context-parallel attention after it."""
+    names = set(attention)  # a pipeline stage holds some of them only
+    modules = [m for n, m in model.named_modules() if n in names]
+    seams = [m for m in modules if isinstance(m.__dict__.get("attention_fn"), ContextSDPA)]
+    configs = {id(m.config): m.config for m in modules if hasattr(m, "_behemoth_context_attention")}
+    styled = {id(m): m.__dict__["attention_fn"] for m in seams}
+    try:
+        for m in seams:
+            plain = m._behemoth_plain_attention
+            if plain is None:
+                del m.__dict__["attention_fn"]
+            else:
+                m.attention_fn = plain
+        for config in configs.values():
+            config._attn_implementation = config._behemoth_plain_attention
+        yield
+    finally:
+        for m in seams:
+            m.attention_fn = styled[id(m)]
+        for config in configs.values():
+            config._attn_implementation = CP_ATTENTION_IMPL
 
 
 def check_attention_module(module: nn.Module, name: str = "") -> str:

@@ -28,8 +28,11 @@ from .stage import PipelineSplit
 __all__ = ["install_pipelined_forward"]
 
 
-def _message_key(args, device: torch.device) -> tuple:
+def _message_key(args, kwargs, device: torch.device) -> tuple:
+    """The inputs' shapes (positional, then keyword by name) and the autocast dtype: one message
+    shape per key (a call by keywords alone, as transformers' generation makes, is keyed too)."""
     shapes = tuple(tuple(t.shape) for t in args if isinstance(t, torch.Tensor))
+    shapes += tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     return ("forward", shapes, str(dtype))
 
@@ -50,14 +53,17 @@ def install_pipelined_forward(model: nn.Module, split: PipelineSplit, channels: 
     def forward(*args, **kwargs):
         if split.ctx.chunk is not None:  # a schedule runs one chunk: the model's own forward
             return inner(*args, **kwargs)
-        key, out = _message_key(args, channels.device), None
+        key, out = _message_key(args, kwargs, channels.device), None
         try:
             for chunk in range(split.v):
                 stage = split.stage(chunk)
                 x = None if stage == 0 else channels.recv_activation(stage - 1, key, prv)
                 split.ctx.chunk, split.ctx.stash = chunk, x
+                # ``logits_to_keep`` (the positions whose logits the head computes) is the last
+                # stage's: another stage slicing its output by it would send on too few positions
+                kw = kwargs if stage == last else {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
                 try:
-                    out = inner(*args, **kwargs)
+                    out = inner(*args, **kw)
                 finally:
                     split.ctx.chunk, split.ctx.stash = None, None
                 if stage != last:
