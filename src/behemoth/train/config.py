@@ -75,12 +75,6 @@ class Config:
             f"--data.eval_fraction=0.05 (the end of the token stream, never trained on).",
         )
         if self.train.sample_every:
-            require(
-                self.plan.pp == 1 and self.plan.cp == 1,
-                f"train.sample_every={self.train.sample_every}: generation runs under data and tensor parallelism, "
-                f"and this plan has pp={self.plan.pp}, cp={self.plan.cp}; set train.sample_every=0, or sample from "
-                f"a checkpoint with `behemoth generate CHECKPOINT --prompt ...` under a plan without pp and cp.",
-            )
             needed = len(self.train.sample_prompt.encode("utf-8")) + self.train.sample_tokens
             require(
                 needed <= self.model.seq_len,
