@@ -49,6 +49,7 @@ GPU time on GPUs, by CPU time on CPU, with each op's calls per step.
 from __future__ import annotations
 
 import argparse
+import ast
 import faulthandler
 import json
 import os
@@ -203,6 +204,7 @@ def run_config(args, *, tp: int, mode: str, batch: int, stationary: bool = True)
             prompt=args.prompt,
             new_tokens=args.new,
             compile=args.compile,
+            inductor=args.inductor or None,
             one_shot=one_shot,
             # switched on where every rank could run it (else the usual all-reduce ran)
             one_shot_ran=one_shot and bool(oneshot._KEPT),
@@ -360,7 +362,18 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the top ops per decode step of each run")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script, measures nothing")
+    p.add_argument(
+        "--inductor",
+        default="",
+        help="inductor settings for the compiled runs, e.g. coordinate_descent_tuning=1,max_autotune=1 "
+        "(torch._inductor.config; each RESULT line names them)",
+    )
     args = p.parse_args()
+    for item in filter(None, args.inductor.split(",")):
+        import torch._inductor.config as inductor_config
+
+        key, value = item.split("=")
+        setattr(inductor_config, key, ast.literal_eval(value))
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
