@@ -6,7 +6,7 @@ counts each row's length, marks the rows that produced ``eos_token_id``, and adv
 position, slot and step index -- all in place, in tensors allocated once
 (:class:`DecodeState`). So a step takes no argument, syncs nothing to the host, and has the same
 shapes and addresses every time: ``torch.compile`` traces it into one function and, on GPUs,
-``mode="reduce-overhead"`` replays it as one CUDA graph (:class:`CompiledDecode`, kept on the
+inductor replays it as one CUDA graph (:class:`CompiledDecode`, kept on the
 model so that later calls of the same shape replay the graphs already recorded). The loop reads
 the device's "every row has stopped" flag only every ``stop_check_every`` steps.
 
@@ -109,11 +109,19 @@ def decode_step(decoder: Decoder) -> None:
     decoder.decode()
 
 
+GPU_DECODE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+"""inductor's settings for the decode step on a GPU: ``mode="reduce-overhead"``'s CUDA graphs,
+and coordinate-descent tuning of the generated kernels, with which inductor also writes a
+decode step's matrix-vector products (a few rows by a weight) as its own kernels instead of
+calling cuBLAS: Llama-3-8B at batch 1 on one H200, 5.32 -> 4.59 ms a token
+(benchmarks/RESULTS.md)."""
+
+
 class CompiledDecode:
     """The buffers and the compiled decode step of ``bh.generate(..., compile=...)`` for one
     shape, kept on the model between calls: the KV cache and :class:`DecodeState` (their
     addresses stay, so the CUDA graph recorded by an earlier call replays) and the step compiled
-    (``mode="reduce-overhead"``, CUDA graphs, with inductor on GPUs). The prefill stays eager:
+    (with inductor on GPUs: :data:`GPU_DECODE_OPTIONS`, CUDA graphs among them). The prefill stays eager:
     it runs once a call, and compiled it would compile again for every prompt length. Another
     shape replaces them."""
 
@@ -122,7 +130,7 @@ class CompiledDecode:
     def __init__(self, key, cache, state: DecodeState, backend, device: torch.device) -> None:
         self.key, self.cache, self.state = key, cache, state
         graphs = backend == "inductor" and device.type == "cuda"
-        self.decode = torch.compile(decode_step, backend=backend, mode="reduce-overhead" if graphs else None)
+        self.decode = torch.compile(decode_step, backend=backend, options=GPU_DECODE_OPTIONS if graphs else None)
 
     @classmethod
     def of(cls, model, key, build):

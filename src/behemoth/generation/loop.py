@@ -127,8 +127,8 @@ def generate(
 
     ``compile``: False runs the decode steps as they are (a ``torch.compile``'d ``model.forward``
     still compiles); True compiles the whole decode step -- the forward, the pick, the
-    bookkeeping -- into one function (inductor; on GPUs replayed as a CUDA graph,
-    ``mode="reduce-overhead"``; the prefill stays as it is); a ``torch.compile`` backend (a
+    bookkeeping -- into one function (inductor; on GPUs replayed as a CUDA graph, its kernels
+    tuned, ``decode.GPU_DECODE_OPTIONS``; the prefill stays as it is); a ``torch.compile`` backend (a
     name or a callable) compiles the step with it. A compiled call keeps its KV cache and
     buffers on the model for the next call of the same shape (behemoth's models only).
     ``stop_check_every``: with ``eos_token_id``, how many steps run between two reads of "has
