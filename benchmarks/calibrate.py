@@ -501,12 +501,14 @@ def host_figures(world: int, dev) -> dict:
     """The host figures of behemoth.planner.host (see the module docstring); every rank runs it."""
 
     plans = host_plans(world)
-    per_block = {}
+    per_block, steps = {}, {}
     for mode, plan in plans.items():
         lo, hi = (_host_step(n, plan, dev) for n in HOST_LAYERS)
         span = HOST_LAYERS[1] - HOST_LAYERS[0]
         per_block[mode] = [max((h - l) / span, 0.0) for h, l in zip(hi, lo)]
-    blocks = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2]) for m, v in per_block.items()}
+        # the raw steps too (seconds, kernels, NCCL kernels at each depth), so a later fit can redo the slope
+        steps[mode] = {str(n): list(v) for n, v in zip(HOST_LAYERS, (lo, hi))}
+    blocks = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2], steps=steps[m]) for m, v in per_block.items()}
     out = fit_host(blocks, world)
     lo, hi = (_host_forward(n, plans["serial"], dev) for n in HOST_LAYERS)
     forward = max(hi - lo, 0.0) / (HOST_LAYERS[1] - HOST_LAYERS[0])
