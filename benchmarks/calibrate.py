@@ -33,14 +33,16 @@ Measures, on rank 0's GPU unless said otherwise:
   ``SUSTAIN_S`` seconds (the last part of it) over the GEMM table's rate at that size (short
   bursts), as a training step's seconds of work see clocks drop;
 * every rank: the host figures of :mod:`behemoth.planner.host`, from behemoth's tiny GPT (hidden
-  64, 128 tokens: kernels that take no time, so a step takes its host time) at 2 and 6 blocks:
-  per block, the host seconds of one training step (``engine.step``) and the kernels it launches
-  (the profiler's count), serially and under 1D tensor parallelism over the world (2D too when
-  the world is a square): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
-  from the serial block; ``host_call_s[mode]`` (seconds per collective call beyond its kernels)
-  and ``kernels_per_call[mode]`` from each mode's extra kernels per collective call, the calls
-  counted as the cost model counts them (:func:`fit_host`; ``--refit-host`` applies it to an
-  earlier calibration's recorded blocks);
+  64, 128 tokens: kernels that take no time) at 2 and 6 blocks: per block, the seconds of one
+  training step (``engine.step``), the host's issue seconds of it (from an idle device to the
+  executor's return: what the host itself spends, not what it then waits for the device and the
+  other ranks) and the kernels it launches (the profiler's count), serially and under 1D tensor
+  parallelism over the world (2D too when the world is a square), each depth's raw step kept
+  (``extra.host_blocks``): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
+  from the serial block's issue seconds; ``host_call_s[mode]`` (issue seconds per collective call
+  beyond its kernels) and ``kernels_per_call[mode]`` from each mode's extra kernels per collective
+  call, the calls counted as the cost model counts them (:func:`fit_host`; ``--refit-host``
+  applies it to an earlier calibration's recorded blocks);
   ``host_forward_share``, a serial block's forward (recording its graph, no backward) over its
   whole step, per block.
   The JSON is written before this part and again after it, so a failure there keeps the rest.
@@ -444,8 +446,13 @@ def _tiny_engine(layers: int, plan, dev):
     return engine, batch
 
 
-def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
-    """(seconds per step, kernels per step, NCCL kernels per step) of the tiny GPT under ``plan``."""
+def _host_step(layers: int, plan, dev) -> tuple[float, int, int, float]:
+    """(seconds per step, kernels per step, NCCL kernels per step, host issue seconds per step) of
+    the tiny GPT under ``plan``. The issue seconds run from an idle device (synchronized, ranks
+    aligned by a barrier) to the return of the step executor's ``run`` (every micro-batch's forward
+    and backward issued, before the loss's read waits for the device): the host's own time, without
+    what it then waits for -- a chain of dependent collectives, each at the device's and its peers'
+    latency, which a block with almost no work cannot hide and a real model's GEMMs do."""
     from torch.profiler import ProfilerActivity, profile
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -460,6 +467,26 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
         engine.step(batch)
     sync()
     seconds = (time.perf_counter() - t0) / HOST_STEPS
+    issued, run = [], engine.executor.run
+
+    def timed_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        issued.append(time.perf_counter())
+        return out
+
+    engine.executor.run = timed_run
+    issue = 0.0
+    for _ in range(HOST_STEPS):
+        if dist.is_initialized():
+            dist.barrier()
+        sync()
+        issued.clear()
+        t0 = time.perf_counter()
+        engine.step(batch)
+        issue += issued[0] - t0
+    sync()
+    engine.executor.run = run
+    issue /= HOST_STEPS
     cuda = dev.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         engine.step(batch)
@@ -474,7 +501,7 @@ def _host_step(layers: int, plan, dev) -> tuple[float, int, int]:
         kernels = [e.name for e in events if e.name.startswith("aten::") and not e.cpu_children]
         count = len(kernels)
     calls = max(sum("nccl" in k.lower() for k in kernels), sum(e.name.startswith(("nccl:", "gloo:")) for e in events))
-    return seconds, count, calls
+    return seconds, count, calls, issue
 
 
 def _host_forward(layers: int, plan, dev) -> float:
@@ -508,7 +535,7 @@ def host_figures(world: int, dev) -> dict:
         per_block[mode] = [max((h - l) / span, 0.0) for h, l in zip(hi, lo)]
         # the raw steps too (seconds, kernels, NCCL kernels at each depth), so a later fit can redo the slope
         steps[mode] = {str(n): list(v) for n, v in zip(HOST_LAYERS, (lo, hi))}
-    blocks = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2], steps=steps[m]) for m, v in per_block.items()}
+    blocks = {m: dict(seconds=v[0], kernels=v[1], nccl=v[2], issue=v[3], steps=steps[m]) for m, v in per_block.items()}
     out = fit_host(blocks, world)
     lo, hi = (_host_forward(n, plans["serial"], dev) for n in HOST_LAYERS)
     forward = max(hi - lo, 0.0) / (HOST_LAYERS[1] - HOST_LAYERS[0])
@@ -541,13 +568,22 @@ def fit_host(blocks: dict, world: int) -> dict:
     (``planner.host.tp_block_calls`` of the same model and layout), so the model reproduces each
     measured block. A profile that listed each call's record function beside its NCCL kernel (as
     this script's counts did before it left them out) shows more NCCL entries than calls: those
-    are not kernels. ``kernels_per_collective`` (other axes' calls, modes not measured): 1D's."""
+    are not kernels. ``kernels_per_collective`` (other axes' calls, modes not measured): 1D's.
+
+    The seconds fitted are a block's host issue seconds (``issue``) where the blocks recorded them,
+    else (an older calibration's) its step seconds, which also hold what the host then waited for
+    at the step's end: in a block with almost no work, a chain of dependent collectives at the
+    device's and the other ranks' latency, which does not grow with the host's calls (a real
+    model's GEMMs hide it), so the per-call figure fitted from them is too large."""
     from behemoth.models import build_config
     from behemoth.planner.host import tp_block_calls
     from behemoth.planner.workload import workload_for
 
+    def host_seconds(b: dict) -> float:
+        return b["issue"] if b.get("issue") is not None else b["seconds"]
+
     serial = blocks["serial"]
-    per_kernel = serial["seconds"] / max(serial["kernels"], 1.0)
+    per_kernel = host_seconds(serial) / max(serial["kernels"], 1.0)
     out = {"host_block_kernels": serial["kernels"], "host_kernel_s": per_kernel, "host_call_s": {}}
     out["kernels_per_call"] = {}
     w = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
@@ -559,7 +595,7 @@ def fit_host(blocks: dict, world: int) -> dict:
         b = blocks[mode]
         kernels = b["kernels"] - max(b["nccl"] - calls, 0.0)
         if calls > 0:
-            out["host_call_s"][mode] = max(b["seconds"] - kernels * per_kernel, 0.0) / calls
+            out["host_call_s"][mode] = max(host_seconds(b) - kernels * per_kernel, 0.0) / calls
             out["kernels_per_call"][mode] = max(kernels - serial["kernels"], 0.0) / calls
     if "1d" in out["kernels_per_call"]:
         out["kernels_per_collective"] = out["kernels_per_call"]["1d"]

@@ -167,6 +167,48 @@ def test_host_fit_reproduces_the_measured_blocks():
         assert ht.forward + ht.backward == pytest.approx(blocks[mode]["seconds"], rel=1e-12)
 
 
+def test_host_fit_takes_the_host_issue_time_not_the_device_wait():
+    """Synthetic blocks made from known host figures (seconds per kernel and per call, the calls
+    as the cost model counts them) plus, in each step's wall time, a wait for the device that does
+    not grow with the host's calls (a chain of dependent collectives at the device's and the peers'
+    latency in a block with no work): the fit recovers the host figures from the issue seconds,
+    and host_times of each block is its issue time, not its wall time. A block without issue
+    seconds (an older calibration's) is fitted from its wall time, wait included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from calibrate import fit_host
+
+    from behemoth.models import build_config
+
+    tiny = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
+    per_kernel, per_call = 30e-6, {"1d": 80e-6, "2d": 120e-6}
+    serial_kernels, extra = 50.0, {"1d": 1.5, "2d": 3.0}
+    plans = {"1d": _plan(tp=4), "2d": _plan(tp=4, tp_mode="2d")}
+    blocks = {"serial": dict(seconds=serial_kernels * per_kernel + 1e-4, kernels=serial_kernels, nccl=0.0)}
+    blocks["serial"]["issue"] = serial_kernels * per_kernel
+    for mode, plan in plans.items():
+        calls = sum(tp_block_calls(plan, tiny))
+        kernels = serial_kernels + extra[mode] * calls
+        issue = kernels * per_kernel + calls * per_call[mode]
+        wait = 5e-3  # per block, the device chain the host waited for at the step's end
+        blocks[mode] = dict(seconds=issue + wait, issue=issue, kernels=kernels, nccl=calls)
+    fit = fit_host(blocks, 4)
+    assert fit["host_kernel_s"] == pytest.approx(per_kernel, rel=1e-12)
+    for mode in plans:
+        assert fit["host_call_s"][mode] == pytest.approx(per_call[mode], rel=1e-9)
+        assert fit["kernels_per_call"][mode] == pytest.approx(extra[mode], rel=1e-12)
+    cal = dataclasses.replace(load_calibration(GOLDEN_CAL), host_forward_share=0.5, **fit)
+    for mode, plan in plans.items():
+        ht = host_times(plan, tiny, cal)
+        assert ht.forward + ht.backward == pytest.approx(blocks[mode]["issue"], rel=1e-9)
+    old = {m: {k: v for k, v in b.items() if k != "issue"} for m, b in blocks.items()}
+    before = fit_host(old, 4)
+    assert before["host_kernel_s"] == pytest.approx(blocks["serial"]["seconds"] / serial_kernels, rel=1e-12)
+    assert before["host_call_s"]["2d"] > fit["host_call_s"]["2d"]
+
+
 def test_the_step_is_at_least_its_host_time():
     """2D with 8 one-sequence micro-batches per step is host-bound on the golden calibration: the
     step is its host time (plus what follows the last micro-batch); without host figures it is the
