@@ -17,6 +17,7 @@ import pytest
 import torch
 from common import SEQ, build, global_batches, make_optimizer, shard
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 from behemoth.planner.host import block_calls, tp_block_calls
@@ -77,6 +78,73 @@ def _world(rank, world):
 def test_collective_calls_per_block_are_the_runs():
     torch.manual_seed(0)
     bh.spawn(_world, 4, timeout=500)
+
+
+class _PhaseCalls(TorchDispatchMode):
+    """Counts the process group's calls (the c10d ops reaching the dispatcher) in the forward and,
+    once the logits' gradient arrives, in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase, self.calls = "forward", Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket).startswith("c10d."):
+            self.calls[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _llama_8b_shaped(layers: int):
+    """Llama-3-8B's block structure, narrower: 32 heads over 8 kv heads (GQA 4:1), an MLP 3.5x
+    wide, separate q/k/v and gate/up/down projections, RMSNorm, no biases."""
+    from common import VOCAB
+
+    from behemoth.models import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, seq_len=SEQ, num_layers=layers, num_heads=32, num_kv_heads=8, hidden=256, ffn_hidden=896
+    )
+    return Llama(config)
+
+
+def _phase_calls(layers: int, plan) -> Counter:
+    model = _llama_8b_shaped(layers)
+    engine = bh.boost(model, make_optimizer("sgd", model), plan)
+    batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
+    engine.step(batch)
+    mode = _PhaseCalls()
+
+    def backward_starts(module, inputs, out):
+        def flip(grad):
+            mode.phase = "backward"
+            return grad
+
+        out.register_hook(flip)
+
+    hook = engine.model.register_forward_hook(backward_starts)
+    with mode:
+        engine._forward_backward(batch)
+    hook.remove()
+    return mode.calls
+
+
+def _llama_8b_world(rank, world):
+    plan = bh.Plan(tp=4, tp_mode="2d")
+    lo, hi = _phase_calls(2, plan), _phase_calls(4, plan)
+    w = {n: workload_for(_llama_8b_shaped(n), seq_len=SEQ, global_batch=8) for n in (2, 4)}
+    planned = {n: tp_block_calls(plan.resolve(world), w[n]) for n in (2, 4)}
+    for i, phase in enumerate(("forward", "backward")):
+        got = (hi[phase] - lo[phase]) / 2
+        want = (4 * planned[4][i] - 2 * planned[2][i]) / 2
+        assert got == want, f"Llama-8B-shaped 2D block, {phase}: {got} calls per block, planner {want}"
+
+
+def test_llama_8b_shaped_2d_calls_forward_and_backward_are_the_runs():
+    """Llama-8B's block under 2D (q = 2), forward and backward apart: the SUMMA gathers of X and
+    W per Linear and the norms' statistics forward (16), X's re-gather and the dX, dW
+    reduce-scatters per Linear, the norms' sums and the block's share of the pass's bucket
+    flushes backward."""
+    bh.spawn(_llama_8b_world, 4, timeout=300)
 
 
 RINGS = (bh.Plan(cp=2), bh.Plan(cp=2, cp_mode="ring"), bh.Plan(cp=2, activation_checkpointing=True))
