@@ -41,7 +41,9 @@ Per block and micro-batch, from the same structure the traffic formulas count
 
 at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its Python and
 bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code around them),
-which ``benchmarks/calibrate.py`` measures on small models whose kernels take no time. A
+which ``benchmarks/calibrate.py`` measures on small models whose kernels take no time (from the
+host's issue time, not the step's wall time: in a block with almost no work that also holds a chain
+of dependent collectives' latency, which a real model's GEMMs hide). A
 pipeline stage also sends and receives its activation and its gradient per micro-batch
 (:func:`pipeline_calls`). Under expert parallelism each MoE layer's forward reads its split sizes
 on the host, which no work can be queued past, so the device idles while the host then issues the
