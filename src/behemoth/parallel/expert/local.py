@@ -73,7 +73,9 @@ def layout(experts_TK: torch.Tensor, num_experts: int, align: int = GROUP_ROWS):
     shift_E = (ends_E - padded_E) - (torch.cumsum(counts_E, 0) - counts_E)  # group start less run start
     sorted_slot_A = torch.arange(A, device=device) + shift_E.index_select(0, flat_A.index_select(0, order_A))
     slot_A = torch.empty_like(sorted_slot_A).index_copy_(0, order_A, sorted_slot_A)
-    ends_E[-1] = num_rows  # the last group takes the rows left over
+    # the last group takes the rows left over (a device fill: assigning a Python number to an
+    # element copies it from the host, which waits for the device)
+    ends_E[-1:].fill_(num_rows)
     return slot_A, ends_E.to(torch.int32), num_rows
 
 

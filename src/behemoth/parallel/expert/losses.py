@@ -155,7 +155,7 @@ class ExpertLayers:
             counts = getattr(self.layers.get(n), "token_counts", None)
             if counts is not None:
                 table[i, : counts.numel()] = counts.detach().reshape(-1)
-                table[i, -1] = 1.0
+                table[i, -1:].fill_(1.0)  # on the device: no copy from the host
         table = comm.all_reduce(table, axis).cpu()
         return {n: table[i, : self.num_experts[n]].tolist() for i, n in enumerate(self.names) if table[i, -1] > 0}
 
