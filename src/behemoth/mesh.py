@@ -66,6 +66,14 @@ def named_axes(plan: Plan) -> dict[str, tuple[str, ...]]:
         axes.update({"tp_depth": ("tp_depth",), "tp_row": ("tp_row",), "tp_col": ("tp_col",)})
     if plan.ep > 1 and plan.cp > 1:  # experts' replicas under context parallelism (their gradients' axis)
         axes["ep_dp_cp"] = ("ep_dp", "cp")
+    if plan.tp > 1:
+        # an MoE block's parameters under tensor parallelism: whole on every tp rank, each of which runs
+        # the block on its own share of the tokens, so their gradients are summed over the data axis
+        # and tp together, once per step (and sharded there by ZeRO): parallel/expert/style.py
+        cp = ("cp",) if plan.cp > 1 else ()
+        axes["dp_cp_tp" if cp else "dp_tp"] = ("ep_dp", "ep", *cp, *tp_parts)
+        if plan.ep > 1:
+            axes["ep_dp_cp_tp" if cp else "ep_dp_tp"] = ("ep_dp", *cp, *tp_parts)
     return axes
 
 

@@ -103,7 +103,7 @@ from .local import local_exchange, local_ready
 from .losses import ExpertLayers
 from .overlap import exchange
 from .replay import routes
-from .tokens import TokenShare, TokenSplit, grid_axes, sum_gradients_over, sum_shares, token_axis
+from .tokens import TokenShare, TokenSplit, grid_axes, sum_shares, token_axis
 
 __all__ = [
     "ExpertParallel",
@@ -116,6 +116,7 @@ __all__ = [
     "gather_expert_state",
     "moe_layers",
     "parallelize_experts",
+    "summed_over_tp",
 ]
 
 
@@ -143,16 +144,28 @@ def data_axis_of(p: torch.Tensor, default: str) -> str:
     return default if shard is None else shard.data_axis
 
 
+def summed_over_tp(p: torch.Tensor) -> bool:
+    """Whether ``p`` belongs to an MoE block whose tp ranks each run their own share of its tokens
+    (:mod:`.tokens`): its gradient on a rank is that share's, summed over tp by the gradient sync."""
+    return getattr(p, "_behemoth_summed_over_tp", False)
+
+
 def expert_param_axes(model: nn.Module, mesh, data_axis: Axis):
     """For the gradient sync: ``p -> (the axis p is replicated over, the axis it is sharded over or
-    None)`` -- ``(ep_dp, ep)`` for a sharded expert, ``(data_axis, None)`` for the rest -- or None
-    when ``model`` holds no sharded expert (every parameter then follows ``data_axis``)."""
-    if not any(expert_shard(p) is not None for p in model.parameters()):
+    None)`` -- ``(ep_dp, ep)`` for a sharded expert, ``(data_axis, None)`` for the rest; under tensor
+    parallelism an MoE block's parameters (:func:`summed_over_tp`: router, experts, shared expert)
+    are replicated over that axis times tp, ``dp_tp`` (``dp_cp_tp``) or ``ep_dp_tp``
+    (``ep_dp_cp_tp``), where their partial gradients are summed once per step -- or None when
+    ``model`` holds neither (every parameter then follows ``data_axis``)."""
+    if not any(expert_shard(p) is not None or summed_over_tp(p) for p in model.parameters()):
         return None
 
     def axes(p: torch.Tensor) -> tuple[Axis, Axis | None]:
         shard = expert_shard(p)
-        return (data_axis, None) if shard is None else (mesh.axis(shard.data_axis), mesh.axis(shard.axis))
+        replicas = data_axis.name if shard is None else shard.data_axis
+        if summed_over_tp(p):
+            replicas += "_tp"
+        return mesh.axis(replicas), None if shard is None else mesh.axis(shard.axis)
 
     return axes
 
@@ -273,8 +286,9 @@ class ExpertParallel:
         members = self.dedup and dedup_applies(**facts, dropless=block.dropless)
         forward = _make_forward(block, ep, data, whole_rows, split, self.chunks, members)
         module.forward = types.MethodType(forward, module)
-        if split is not None:  # the grid's ranks all split the tokens: summed over the whole of it
-            sum_gradients_over(block, mesh.axis("tp") if grid else split.tp)
+        if split is not None:  # partial gradients over tp (the whole grid): the gradient sync sums them
+            for p in module.parameters():
+                p._behemoth_summed_over_tp = True
         module._behemoth_expert_routes = True  # its routes are kept for a recompute (replay.recorded)
         return module
 

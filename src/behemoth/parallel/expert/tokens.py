@@ -38,9 +38,10 @@ gives a capacity (per whole sequence) the gather of a per-token tensor over tp a
 rank's share of a verdict back, as context parallelism's capacity path takes them.
 All communication goes through :mod:`behemoth.comm`'s autograd Functions.
 
-Having seen its share only, a rank's router and experts hold a part of their gradients: they are
-summed over the whole tp group in the block's backward (:func:`sum_gradients_over`: 1D's ``tp``,
-every rank of a grid), and the balancing statistics are summed in the forward (:func:`sum_shares`:
+Having seen its share only, a rank's router and experts hold a part of their gradients: the
+gradient sync sums them over the whole tp group (1D's ``tp``, every rank of a grid) with their data
+axis, once per step (``style.expert_param_axes``), and the balancing statistics are summed in the
+forward (:func:`sum_shares`:
 the counts over the whole tp group, the probability sums over the axis :func:`grid_axes` names;
 :class:`TokenSplit` holds the axes), so the router losses are the serial model's.
 
@@ -50,19 +51,15 @@ Tested in tests/dist/test_expert_tokens.py (1D) and tests/dist/test_expert_grid.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ... import comm
 from ...comm import Axis
-from ..tensor.functional import replicated
-from .blocks import ExpertBlock
 
-__all__ = ["TokenShare", "TokenSplit", "grid_axes", "sum_gradients_over", "sum_shares", "token_axis"]
+__all__ = ["TokenShare", "TokenSplit", "grid_axes", "sum_shares", "token_axis"]
 
 
 class TokenShare:
@@ -164,71 +161,6 @@ def sum_shares(local: torch.Tensor, prob_sums_E: torch.Tensor, z_sum, tp: Axis):
     if z_sum is not None:
         z_sum = z_sum + (summed[-1].to(z_sum.dtype) - z_sum).detach()
     return summed[:n], prob_sums_E, z_sum
-
-
-def sum_gradients_over(block: ExpertBlock, tp: Axis) -> None:
-    """Each tp rank runs the block on its own share of the tokens, so the gradients of every
-    parameter of the block (router, experts, shared expert) are partial over ``tp`` (the whole tp
-    group: 1D's axis, or every rank of a grid): each is read
-    through its ``CopyToAxis`` view (identity, its gradient all-reduced over ``tp`` in the
-    backward), as a sequence-parallel norm's weight is, one view per parameter and forward of the
-    block (:class:`_SummedViews`). The modules the block calls (the router; a transformers block's
-    ``gate`` and ``experts``, called once per chunk of ``Plan.ep_overlap``) take theirs in their
-    own forward, after the hooks that run before it (ZeRO-3's gathers); the others in the block's."""
-    module = block.module
-    views = _SummedViews(tp)
-    called = [module.router] if block.native else [module.gate, module.experts]
-    inside = {id(m) for c in called for m in c.modules()}
-    for m in called:
-        _forward_summed(m, [m], views)
-    _forward_summed(module, [m for m in module.modules() if id(m) not in inside], views, opens=True)
-
-
-class _SummedViews:
-    """The ``CopyToAxis`` views over ``tp`` of some modules' own parameters, made at most once per
-    forward of an MoE block: the first call of a module in it makes them, later calls (the chunks of
-    an overlapped exchange) read the same ones, so each parameter's gradient is all-reduced once."""
-
-    def __init__(self, tp: Axis) -> None:
-        self.tp = tp
-        self.made: dict[int, dict[str, torch.Tensor]] | None = None
-
-    @contextlib.contextmanager
-    def block_forward(self):
-        self.made = {}
-        try:
-            yield
-        finally:
-            self.made = None
-
-    @contextlib.contextmanager
-    def read(self, module: nn.Module):
-        saved = {n: p for n, p in module._parameters.items() if p is not None}
-        made = self.made if self.made is not None else {}
-        if id(module) not in made:
-            made[id(module)] = {n: replicated(p, self.tp) for n, p in saved.items()}
-        try:
-            module._parameters.update(made[id(module)])
-            yield
-        finally:
-            module._parameters.update(saved)
-
-
-def _forward_summed(module: nn.Module, owners: list[nn.Module], views: _SummedViews, opens: bool = False) -> None:
-    """Run ``module``'s forward (as it is now, on the instance) with the own parameters of each of
-    ``owners`` read through ``views``; ``opens``: this is the block's forward (its views' span)."""
-    inner = module.forward
-    owners = [m for m in owners if any(True for _ in m.parameters(recurse=False))]
-
-    def forward(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            if opens:
-                stack.enter_context(views.block_forward())
-            for m in owners:
-                stack.enter_context(views.read(m))
-            return inner(*args, **kwargs)
-
-    module.forward = forward
 
 
 def token_axis(plan) -> str | None:

@@ -29,7 +29,9 @@ class GradNorm:
     """The squared gradient norm of this rank's chunk shards, weighted and summed to the serial
     model's norm. ``ranks[c]``: whose shard of chunk ``c`` this rank holds; ``batched``: read
     every unread chunk in one multi-tensor norm per accumulator (stage 0 on the device);
-    ``shard_axes``: at stage 0, per chunk, the axis its parameters are sharded over, or None."""
+    ``shard_axes``: at stage 0, per chunk, the axis its parameters are sharded over, or None;
+    ``split_over_tp``: at stages 1-3, per chunk, whether its shards split it over tp as well (an MoE
+    block's parameters under tensor parallelism, sharded over the data axis times tp)."""
 
     def __init__(
         self,
@@ -43,8 +45,10 @@ class GradNorm:
         device: torch.device,
         batched: bool,
         shard_axes: list[Axis | None] | None,
+        split_over_tp: list[bool] | None = None,
     ) -> None:
         self.layout, self.params, self.ranks = layout, params, ranks
+        self.split_over_tp = split_over_tp
         self.stage, self.axis, self.tp, self.device = stage, axis, tp, device
         self.batched = batched
         self.shard_axes = shard_axes
@@ -58,14 +62,17 @@ class GradNorm:
     def _piece_weights(self) -> list[list[tuple[int, int, float]]]:
         """Per chunk, runs ``(shard offset, length, weight)`` of parameter pieces in this rank's shard,
         weighted 1/(copies of that piece over tp) so a sum over tp counts each element once; a
-        parameter counted elsewhere (:meth:`configure`) weighs 0."""
+        parameter counted elsewhere (:meth:`configure`) weighs 0; a chunk sharded over tp too
+        (``split_over_tp``: its shards are distinct pieces on every tp rank) weighs 1."""
         out = []
         for ch in self.layout.chunks:
             runs = []
+            whole = self.split_over_tp is not None and self.split_over_tp[ch.index]
             for sl in self.layout.shard_slices(ch.index, self.ranks[ch.index]):
                 p = self.params[sl.param]
                 spec = get_spec(p)
                 w = 1.0 / (shard_copies(spec, self.tp.size) if is_sharded(spec) else self.tp.size)
+                w = 1.0 if whole else w
                 runs.append((sl.shard_offset, sl.length, 0.0 if id(p) in self.skip else w))
             out.append(runs)
         return out

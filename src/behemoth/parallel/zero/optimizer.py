@@ -170,6 +170,11 @@ class ZeroOptimizer:
             # stage 0, per chunk, the axis its parameters are sharded over (their squared norms are summed over
             # it); at stages 1-3 every rank's shards are distinct pieces, all summed over the data axis
             shard_axes=[s for _, s in chunk_axes] if chunk_axes and stage == 0 else None,
+            # stages 1-3: chunks sharded over the data axis times tp (an MoE block's parameters under
+            # tensor parallelism) hold distinct pieces on every tp rank
+            split_over_tp=[set(tp.ranks) <= set(a.ranks) for a, _ in chunk_axes]
+            if chunk_axes and stage and not tp.trivial
+            else None,
         )
         self.host_update = HostUpdate(
             lambda st: self.store.upload(st), device, self.cls, self.defaults, self.norm.norm_sq
