@@ -52,7 +52,8 @@ def test_calibration_round_trip_and_interpolation():
 def test_link_classes_follow_the_mesh_layout():
     c = Cluster(num_gpus=64, calibration=load_calibration(GOLDEN_CAL))
     s = axis_strides(dp=4, pp=2, tp=4, cp=2)
-    assert s == {"tp": (4, 1), "cp": (2, 4), "dp": (4, 8), "dp_cp": (8, 4), "pp": (2, 32)}
+    # dp_cp_tp: an MoE block's gradient axis under tensor parallelism (the data axis times tp)
+    assert s == {"tp": (4, 1), "cp": (2, 4), "dp": (4, 8), "dp_cp": (8, 4), "dp_cp_tp": (32, 1), "pp": (2, 32)}
     assert c.link(*s["tp"]) == "nvlink" and c.link(*s["cp"]) == "nvlink"
     assert c.link(*s["dp"]) == "ib" and c.link(*s["pp"]) == "ib"
     with pytest.raises(ValueError, match="whole nodes"):

@@ -13,6 +13,7 @@ import math
 import pytest
 
 import behemoth as bh
+from behemoth.mesh import atomic_dims, axis_groups, named_axes
 from behemoth.planner.axis_traffic import Dtypes, balance_bytes, expert_local_params, step_traffic
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster, axis_strides
@@ -71,6 +72,21 @@ def test_expert_axes_follow_the_mesh_layout():
     assert CLUSTER.link(*s["ep"]) == "ib" and CLUSTER.link(*s["ep_dp"]) == "ib"
     assert axis_strides(dp=8, pp=1, tp=1, cp=1, ep=2)["ep_dp"] == (4, 2)
     assert "ep_dp" not in axis_strides(dp=8, pp=1, tp=1, cp=1)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_tensor_parallel_expert_axes_span_their_mesh_groups(cp):
+    """Under tensor parallelism an MoE block's gradient axes (the data axis times tp) have the
+    size of the mesh's groups and a stride that spans what each group spans (at most: an
+    ``ep_dp`` group skips the other ep ranks' blocks)."""
+    plan = bh.Plan(dp=4, ep=2, cp=cp, tp=2, pp=2).resolve(16 * cp)
+    s = axis_strides(dp=4, pp=2, tp=2, cp=cp, ep=2)
+    dims, named = atomic_dims(plan), named_axes(plan)
+    suffix = "_cp_tp" if cp > 1 else "_tp"
+    for axis in ("dp" + suffix, "ep_dp" + suffix):
+        size, stride = s[axis]
+        for group in axis_groups(dims, named[axis]):
+            assert len(group) == size and max(group) - min(group) < size * stride, (axis, group, s[axis])
 
 
 def test_zero0_buckets_close_where_the_parameter_kind_changes():

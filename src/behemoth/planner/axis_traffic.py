@@ -9,12 +9,12 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
   block's recomputed forward runs its forward collectives again, and under the zero-bubble
   schedule a stage with an input gradient runs its blocks' backward collectives twice (BI, then
   BW backpropagating through the stage again), as the ledger books them; under 1D an MoE
-  block's token split over tp (its shares' statistics, its output and input gradient gathered,
-  its router's and experts' gradients summed: :func:`~.tp1d_traffic.tp1d_block_traffic`), under
-  the 2D, 2.5D and 3D grids its grid row's all-to-alls of whole rows over ``tp_col``, its
-  statistics summed over the grid's axes and its router's and experts' gradients over the whole
-  grid (:func:`~.tp2d_traffic.grid_experts_traffic`), a recompute without the exchange that puts
-  its output back (:func:`token_split_output_bytes`);
+  block's token split over tp (its shares' statistics, its output and input gradient gathered:
+  :func:`~.tp1d_traffic.tp1d_block_traffic`), under the 2D, 2.5D and 3D grids its grid row's
+  all-to-alls of whole rows over ``tp_col`` and its statistics summed over the grid's axes
+  (:func:`~.tp2d_traffic.grid_experts_traffic`), a recompute without the exchange that puts its
+  output back (:func:`token_split_output_bytes`); its router's and experts' gradients are
+  summed in the step's gradient sync instead (``dp_tp`` below);
 * ``cp``: :func:`~.context_traffic.cp_model_traffic` of the stage's layers, per micro-batch;
   under the zero-bubble schedule a stage with an input gradient (all but the first) sends the
   backward's share twice: its weight-gradient pass (BW) backpropagates through the attention's
@@ -39,6 +39,13 @@ Per axis, for one rank, per optimizer step (``microbatches`` forward + backward 
 * ``ep_dp`` (``ep_dp_cp`` under context parallelism): under expert parallelism the experts'
   parameters sync over it as the dense ones over ``dp`` (the same ZeRO stage's collectives;
   ``parallel/expert/style.py``'s ``expert_param_axes``); nothing where it has one rank;
+* ``dp_tp``, ``ep_dp_tp`` (``dp_cp_tp``, ``ep_dp_cp_tp`` under context parallelism): under
+  tensor parallelism (every mode) each tp rank runs an MoE block on its own share of the tokens,
+  so the block's parameters, whole on every tp rank, sync over the data axis times tp, once per
+  step as the dense ones over the data axis (the same ZeRO stage's collectives,
+  :func:`tp_summed_params`): the router, and the experts at ``ep = 1``, over ``dp_tp``; the
+  experts under expert parallelism over ``ep_dp_tp`` (:func:`expert_axis`); the data axis then
+  syncs the dense parameters alone;
 * ``pp``: every micro-batch's activation sent forward and its input gradient sent backward by
   each of the rank's stages (the residual stream's element size; the ledger books a transfer
   on its sender); the all-reduce of a tied embedding's gradient between the first and the
@@ -66,7 +73,7 @@ from functools import lru_cache
 from ..plan import Plan
 from .collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from .context_traffic import cp_model_traffic
-from .moe_bytes import token_split
+from .moe_bytes import token_split, tp_summed_params
 from .params import local_params, stage_layers, weight_split
 from .traffic import block_traffic, model_traffic, tp_grid
 from .workload import Workload
@@ -75,6 +82,7 @@ from .zero3_traffic import zero3_resident_params
 __all__ = [
     "Dtypes",
     "balance_bytes",
+    "block_axis",
     "ep_layer_bytes",
     "expert_axis",
     "expert_local_params",
@@ -101,9 +109,7 @@ class Dtypes:
 
 
 def _tp_kwargs(plan: Plan, w: Workload) -> dict:
-    # the router and this rank's experts of one block: their gradients sum over tp (every rank of a grid)
-    held = w.expert_params / plan.ep + w.shape.hidden * w.num_experts
-    experts = {"experts": w.num_experts, "expert_params": held} if w.num_experts else {}
+    experts = {"experts": w.num_experts} if w.num_experts else {}
     if plan.tp_mode == "1d":
         return {"sequence_parallel": plan.sequence_parallel, **experts}
     if plan.tp_mode in ("2d", "2.5d"):
@@ -223,23 +229,30 @@ def step_traffic(
             fwd *= 2  # the recomputed forward runs them again
         out["cp"] = (fwd + bwd) / s.num_layers * layers * m
     g = plan.dp * plan.cp
+    # under tensor parallelism an MoE block's parameters sync over the data axis times tp (their
+    # partial gradients summed there once per step): the router (and the experts at ep = 1) over
+    # dp_tp, the experts under expert parallelism over ep_dp_tp (x cp)
+    summed = tp_summed_params(plan, w, layers)
+    experts = expert_local_params(plan, w, layers)
+    if summed:
+        out[block_axis(plan)] = _sync_bytes(plan, summed - experts, g * plan.tp, dt)
     if g > 1:
-        n = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None)
-        experts = expert_local_params(plan, w, layers)
+        # the dense parameters (the MoE blocks' sync over their own axes)
+        dense = local_params(plan, w, layers=layers, stage=stage if pp > 1 else None) - (summed or experts)
         axis = "dp_cp" if plan.cp > 1 else "dp"
         # the step's loss sum (and a MoE model's router losses beside it); its token count over dp
         # alone (every cp rank holds its dp rank's whole batch: engine.py's _loss_normaliser)
         # ZeRO-3 without a pipeline: the chunks the forward ends in stay gathered into the backward
         z3 = plan.zero == 3 and pp == 1
         resident = zero3_resident_params(plan, w) if z3 else 0
-        out[axis] = _sync_bytes(plan, n - experts, g, dt, resident) + all_reduce_bytes(8 * totals, g)
+        out[axis] = _sync_bytes(plan, dense, g, dt, resident) + all_reduce_bytes(8 * totals, g)
         if plan.dp > 1:
             out["dp"] = out.get("dp", 0.0) + all_reduce_bytes(8, plan.dp)
         out[axis] += balance_bytes(plan, w) * layers * m * (2 if plan.activation_checkpointing else 1)
         if plan.zero:
             out[axis] += all_reduce_bytes(4, g)  # the step's gradient norm: each rank's fp32 share of it
-        if experts and g // plan.ep > 1:
-            out[expert_axis(plan)] = _sync_bytes(plan, experts, g // plan.ep, dt)
+    if experts and g // plan.ep * plan.tp > 1:
+        out[expert_axis(plan)] = _sync_bytes(plan, experts, g // plan.ep * plan.tp, dt)
     if pp > 1:
         act = mbs * w.seq_len // plan.cp * s.hidden * dt.stream / _tp_stream_split(plan)
         last = pp * plan.virtual_stages - 1
@@ -298,8 +311,17 @@ def expert_local_params(plan: Plan, w: Workload, layers: int) -> float:
 
 
 def expert_axis(plan: Plan) -> str:
-    """The axis expert gradients sum over: ``ep_dp``, or ``ep_dp_cp`` under context parallelism."""
-    return "ep_dp_cp" if plan.cp > 1 else "ep_dp"
+    """The axis expert gradients sum over under expert parallelism: ``ep_dp``, ``ep_dp_cp`` under
+    context parallelism; times tp (``ep_dp_tp``, ``ep_dp_cp_tp``) under tensor parallelism, whose
+    ranks each run their share of the block's tokens."""
+    return ("ep_dp_cp" if plan.cp > 1 else "ep_dp") + ("_tp" if plan.tp > 1 else "")
+
+
+def block_axis(plan: Plan) -> str:
+    """The axis an MoE block's other parameters (its router; its experts at ``ep = 1``) sum their
+    gradients over under tensor parallelism: the data axis times tp, ``dp_tp`` or ``dp_cp_tp``
+    (``parallel/expert/style.py``'s ``expert_param_axes``)."""
+    return ("dp_cp" if plan.cp > 1 else "dp") + "_tp"
 
 
 def balance_bytes(plan: Plan, w: Workload) -> float:

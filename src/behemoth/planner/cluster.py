@@ -83,8 +83,13 @@ def axis_strides(*, dp: int, pp: int, tp: int, cp: int, ep: int = 1) -> dict[str
     ``ep`` strided by cp x tp; ``ep_dp`` (the experts' gradient axis) strided by ep x cp x tp, and
     ``ep_dp_cp`` (``ep_dp`` x ``cp``) given the stride that spans what its groups span (a group
     stays on one node when the dp x cp x tp ranks it spreads over do); the expert axes only with
-    ``ep > 1``."""
+    ``ep > 1``; with ``tp > 1`` an MoE block's gradient axes ``dp_tp`` (``dp_cp_tp``), contiguous,
+    and ``ep_dp_tp`` (``ep_dp_cp_tp``), strided by ep."""
     out = {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, cp * tp), "dp_cp": (dp * cp, tp), "pp": (pp, dp * cp * tp)}
     if ep > 1:
         out.update(ep=(ep, cp * tp), ep_dp=(dp // ep, ep * cp * tp), ep_dp_cp=(dp // ep * cp, ep * tp))
+    if tp > 1:  # an MoE block's gradient axes under tensor parallelism: the data axis's times tp
+        out["dp_cp_tp" if cp > 1 else "dp_tp"] = (dp * cp * tp, 1)
+        if ep > 1:
+            out["ep_dp_cp_tp" if cp > 1 else "ep_dp_tp"] = (dp // ep * cp * tp, ep)
     return out

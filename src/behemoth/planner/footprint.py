@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .memory import zero_chunk_elements
-from .moe_bytes import expert_saved_bytes, token_split
+from .moe_bytes import expert_saved_bytes, token_split, tp_summed_params
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import allocator_slack
 from .traffic import tp_grid
@@ -220,7 +220,8 @@ def zero3_held_bytes(plan: Plan, w: Workload, shard: float, pb: int) -> tuple[fl
 def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
     """Elements of one rank's ZeRO shards of its ``n`` parameters (``layers`` blocks): ``n / g``
     over the ``g = dp x cp`` ranks for a dense model; a mixture of experts shards its experts over
-    ``ep_dp = g / ep`` (``parallel/expert/style.py``'s ``expert_param_axes``) and, without a
+    ``ep_dp = g / ep`` (``parallel/expert/style.py``'s ``expert_param_axes``; under tensor
+    parallelism an MoE block's parameters over those times tp) and, without a
     pipeline or tensor parallelism, counts the chunks' padding as the runtime packs them
     (:func:`.zero3_traffic.chunk_shard_elements`: exact)."""
     g = plan.dp * plan.cp
@@ -229,6 +230,10 @@ def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
     if plan.pp == 1 and plan.tp == 1:
         return float(sum(chunk_shard_elements(plan, w)))
     experts = layers * w.expert_params / plan.ep if plan.ep > 1 else 0.0
+    t = plan.tp
+    if t > 1:  # an MoE block's parameters shard over the data axis times tp (tp_summed_params)
+        summed = tp_summed_params(plan, w, layers)
+        return (n - summed) / g + (summed - experts) / (g * t) + experts / (max(g // plan.ep, 1) * t)
     return (n - experts) / g + experts / max(g // plan.ep, 1)
 
 

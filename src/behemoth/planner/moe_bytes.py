@@ -55,7 +55,14 @@ from __future__ import annotations
 from ..plan import Plan
 from .workload import Workload
 
-__all__ = ["busiest_rank_load", "expert_elementwise_bytes", "expert_saved_bytes", "takes_local_path", "token_split"]
+__all__ = [
+    "busiest_rank_load",
+    "expert_elementwise_bytes",
+    "expert_saved_bytes",
+    "takes_local_path",
+    "token_split",
+    "tp_summed_params",
+]
 
 
 def _compute_bytes(plan: Plan) -> int:
@@ -112,3 +119,12 @@ def expert_elementwise_bytes(w: Workload) -> tuple[float, float]:
     forward = 2 * h + 32 * e + 36 * k + 150 * k + (4 + 4 + 4 + 6 + 12) * h * k + 4 * h
     backward = (8 + 14 + 14 + 4 + 4 + 6) * h * k + 8 * i * k + 4 * h + 6 * h + 40 * e
     return float(forward), float(backward)
+
+
+def tp_summed_params(plan: Plan, w: Workload, layers: int) -> float:
+    """Parameters one rank holds in ``layers`` MoE blocks whose gradients are partial over tp
+    (each tp rank runs its own share of the tokens, ``parallel/expert/tokens.py``): the router and
+    its E/ep experts, whole on every tp rank; 0 without tensor parallelism or experts."""
+    if plan.tp == 1 or not w.num_experts:
+        return 0.0
+    return layers * (w.expert_params / plan.ep + w.shape.hidden * w.num_experts)

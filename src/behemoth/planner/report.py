@@ -69,8 +69,9 @@ def table(res: SearchResult, rows: int = 10) -> str:
     return "\n".join(lines)
 
 
-_SYNC = ("dp", "dp_cp", "ep_dp", "ep_dp_cp")
-"""The gradient axes: the dense parameters' (dp, x cp) and the experts' (ep_dp, x cp)."""
+_SYNC = ("dp", "dp_cp", "ep_dp", "ep_dp_cp", "dp_tp", "dp_cp_tp", "ep_dp_tp", "ep_dp_cp_tp")
+"""The gradient axes: the dense parameters' (dp, x cp) and the experts' (ep_dp, x cp); under tensor
+parallelism an MoE block's parameters' (the same, x tp)."""
 
 
 def _parts(p: Prediction) -> dict[str, float]:

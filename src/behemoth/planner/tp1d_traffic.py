@@ -76,14 +76,13 @@ def tp1d_block_traffic(
     stream_bytes: int | None = None,
     param_bytes: int = 4,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block (attention pair + MLP pair), forward + backward, per rank. With
     ``experts`` (E > 0) the MLP is a mixture of E experts whose tokens the tp ranks split
     (``parallel/expert/tokens.py``): each rank routes and runs its share. Forward, the tp shares
     of the balancing statistics (``3E + 2`` float64: counts, drops, tokens, probability sums,
-    z-loss) all-reduced; backward, the gradients of the block's ``expert_params`` parameters this
-    rank holds (router and its experts; they saw only its tokens) all-reduced in ``param_bytes``.
+    z-loss) all-reduced (the block's parameter gradients, partial over tp, are summed by the step's
+    gradient sync over the data axis times tp: ``axis_traffic.step_traffic``).
     Without sequence parallelism the output all-gathered forward and the input gradient
     all-gathered backward (the ``[T, h]`` residual stream's dtype; ``T`` padded to a multiple
     of tp where the sequence does not divide); with it, the norm's all-gather of the sequence
@@ -109,7 +108,7 @@ def tp1d_block_traffic(
             rows = t if seq % p == 0 else -(-t // p) * p  # the token split pads to a multiple of tp
             x = rows * h * (dtype_bytes if stream_bytes is None else stream_bytes)
             mlp = Traffic(all_gather_bytes(x, p), all_gather_bytes(x, p))
-        mlp += Traffic(all_reduce_bytes((3 * experts + 2) * 8, p), all_reduce_bytes(expert_params * param_bytes, p))
+        mlp += Traffic(all_reduce_bytes((3 * experts + 2) * 8, p), 0.0)
         out = (
             tp1d_linear_traffic(in_features=h, out_features=attn_width, orientation="column", **kw)
             + tp1d_linear_traffic(in_features=attn_width, out_features=h, orientation="row", **kw)
@@ -142,7 +141,6 @@ def tp1d_model_traffic(
     stream_bytes: int | None = None,
     param_bytes: int = 4,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, head and vocab-parallel loss."""
     p, h, t = tp, shape.hidden, batch * seq
@@ -159,7 +157,6 @@ def tp1d_model_traffic(
         stream_bytes=stream_bytes,
         param_bytes=param_bytes,
         experts=experts,
-        expert_params=expert_params,
     )
     out += Traffic(all_reduce_bytes(t * h * param_bytes, p), 0.0)  # vocab-parallel embedding
     out += Traffic(0.0, all_reduce_bytes(t * h * dtype_bytes, p))  # head's f (cast input)

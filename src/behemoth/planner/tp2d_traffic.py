@@ -186,9 +186,7 @@ def grid_experts_traffic(
     depth: int,
     mode: str,
     experts: int,
-    expert_params: float,
     stream_bytes: int,
-    param_bytes: int,
 ) -> Traffic:
     """One mixture-of-experts block under a grid (``parallel/expert/tokens.py``, ``style.py``), per
     rank: its ``tokens`` (its batch block's, T / (tp / q)) in hidden blocks of ``hidden / q``; the q
@@ -200,16 +198,16 @@ def grid_experts_traffic(
     z-loss) all-reduced over the loss axis, then the counts, drops and tokens (``2E + 1``) over each
     other axis of the grid (:data:`GRID_STATISTICS_AXES`; ``tp_depth`` has ``depth`` ranks: 2.5D's d,
     3D's q).
-    Backward, the gradients of the ``expert_params`` parameters the rank holds in the block (its
-    router and its experts: they saw its share of the tokens only) all-reduced over the whole grid,
-    in ``param_bytes``."""
+    The block's parameter gradients (its router's and experts': they saw its share of the tokens
+    only) are summed over the whole grid by the step's gradient sync, with the data axis
+    (``axis_traffic.step_traffic``), not here."""
     rows = -(-tokens // q) * q
     a2a = 2 * all_gather_bytes(rows * hidden / q * stream_bytes, q)  # an all-to-all sends (q-1)/q of it
     sizes = {"tp_row": q, "tp_col": q, "tp_depth": depth}
     loss, others = GRID_STATISTICS_AXES[mode]
     stats = all_reduce_bytes((3 * experts + 2) * 8, sizes[loss])
     stats += sum(all_reduce_bytes((2 * experts + 1) * 8, sizes[a]) for a in others)
-    return Traffic(a2a + stats, a2a + all_reduce_bytes(expert_params * param_bytes, q * q * depth))
+    return Traffic(a2a + stats, a2a)
 
 
 def tp2d_block_traffic(
@@ -224,13 +222,11 @@ def tp2d_block_traffic(
     keep_weights: bool = True,
     stream_bytes: int | None = None,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block (2 norms; q/k/v or fused qkv, out; fc and proj, or gate, up and
     down), forward + backward, per rank; attention itself is local. With ``experts`` (E > 0) the
     MLP is a mixture of E experts the grid rows run on whole rows of their tokens
-    (:func:`grid_experts_traffic`; ``expert_params``: the block's router and experts this rank
-    holds; ``stream_bytes``: the residual stream's element size, default ``param_bytes``)."""
+    (:func:`grid_experts_traffic`; ``stream_bytes``: the residual stream's element size, default ``param_bytes``)."""
     q = grid_side(tp, depth)
     if tp == 1:
         return Traffic()
@@ -259,9 +255,7 @@ def tp2d_block_traffic(
             depth=depth,
             mode="2.5d" if depth > 1 else "2d",
             experts=experts,
-            expert_params=expert_params,
             stream_bytes=param_bytes if stream_bytes is None else stream_bytes,
-            param_bytes=param_bytes,
         )
     return out
 
@@ -279,7 +273,6 @@ def tp2d_model_traffic(
     diagonal: bool = False,
     keep_weights: bool = True,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward: embedding, every block, final norm, head and loss, for a
     rank off the grid's diagonal (``diagonal=True``: a rank (i, i), which skips the
@@ -303,7 +296,6 @@ def tp2d_model_traffic(
         keep_weights=keep_weights,
         stream_bytes=stream,
         experts=experts,
-        expert_params=expert_params,
     )
     swap = 0.0 if diagonal else local * h / q
     out += Traffic(

@@ -107,7 +107,6 @@ def tp3d_block_traffic(
     param_bytes: int = 4,
     stream_bytes: int | None = None,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """One transformer block on the cube (2 norms; q/k/v or fused qkv, out; fc and proj, or
     gate, up and down), forward + backward, per rank; attention itself is local. Every Linear
@@ -131,9 +130,7 @@ def tp3d_block_traffic(
             depth=q,
             mode="3d",
             experts=experts,
-            expert_params=expert_params,
             stream_bytes=param_bytes if stream_bytes is None else stream_bytes,
-            param_bytes=param_bytes,
         )
     return out
 
@@ -149,7 +146,6 @@ def tp3d_model_traffic(
     param_bytes: int = 4,
     position_rows: int = 1,
     experts: int = 0,
-    expert_params: float = 0.0,
 ) -> Traffic:
     """A whole forward + backward on the cube: embedding, every block, final norm, head and
     loss. The embedding all-gathers the int64 ids of this rank's input block over tp_col and
@@ -174,7 +170,6 @@ def tp3d_model_traffic(
         param_bytes=param_bytes,
         stream_bytes=stream,
         experts=experts,
-        expert_params=expert_params,
     )
     ids = all_gather_bytes(q * local * 8, q) + all_gather_bytes(q * q * local * 8, q)
     lookup = reduce_scatter_bytes(t * h / q, q) + reduce_scatter_bytes(t * h / q**2, q)
