@@ -8,12 +8,25 @@ fp32); the block's parameters reduce over ``dp_tp``, whose ledger shows one step
 them (ZeRO 0: one all-reduce of their fp32 gradients; ZeRO 1: one reduce-scatter of their chunks
 and one all-gather of the updated parameters) however many micro-batches the step has; and the tp
 axis carries none of their gradients: its bytes in a step are those of the same plan with the
-block's parameters frozen."""
+block's parameters frozen.
+
+On 4 ranks (dp=2 x tp=2), where the larger groups shard ZeRO's chunks: ep=2 at ZeRO 2 with 2
+micro-batches (the router's chunks over ``dp_tp``, 4 ranks, the experts' over ``ep_dp_tp``)
+matches serial training, and its checkpoint loads at ep=1 x ZeRO-3 with offload='cpu' (the whole
+block over ``dp_tp``) and at cp=2 x ep=2 x ZeRO 1 without tensor parallelism, and keeps matching
+serial for a step."""
 
 from __future__ import annotations
 
 import torch
-from common import assert_grad_norms_close, assert_losses_close, assert_state_close, global_batches, shard
+from common import (
+    assert_grad_norms_close,
+    assert_losses_close,
+    assert_state_close,
+    global_batches,
+    shard,
+    train_steps,
+)
 from test_expert_parallel import BATCH, STEPS, build_moe, optimizer_for, serial_moe_run
 
 import behemoth as bh
@@ -76,3 +89,43 @@ def _world(rank: int, world: int) -> None:
 
 def test_expert_gradients_are_summed_over_tp_once_per_step():
     bh.spawn(_world, 2, timeout=900)
+
+
+def _shared_chunks(engine, what) -> None:
+    """Each MoE block's chunks are sharded over the data axis times tp: a rank holds 1/(dp*tp)."""
+    store = engine.grad_sync.reducer.store
+    for p in _block_params(engine.model):
+        st = store.chunk_of[id(p)]
+        axis = store.replica_axis(st)
+        assert axis.name.endswith("_tp") and st.shard_size * axis.size == st.size, (what, axis.name, st.size)
+
+
+def _four_ranks(rank: int, world: int, path: str) -> None:
+    batches = global_batches(STEPS, BATCH)
+    want = serial_moe_run(batches, clip=1.0, world=2, micro=2)
+    plan = bh.Plan(dp=2, tp=2, ep=2, zero=2, microbatches=2, chunk_mb=0.02)
+    what = plan.describe()
+    model = build_moe()
+    engine = bh.boost(model, optimizer_for(model), plan, max_grad_norm=1.0)
+    _shared_chunks(engine, what)
+    losses, norms = train_steps(engine, batches)
+    assert_losses_close(losses, want[0], what=what)
+    assert_grad_norms_close(norms, want[2], what=what)
+    assert_state_close(engine.full_state_dict(), want[1], what=what)
+    engine.save(path)
+
+    want = serial_moe_run(batches + batches[:1], clip=1.0, world=2, micro=2)
+    for fields in (dict(tp=2, zero=3, offload="cpu"), dict(cp=2, ep=2, zero=1)):
+        plan = bh.Plan(dp=2, microbatches=2, **fields)
+        what = f"saved at {engine.plan.describe()}, loaded at {plan.describe()}"
+        fresh = build_moe(seed=5)
+        loaded = bh.boost(fresh, optimizer_for(fresh), plan, max_grad_norm=1.0)
+        loaded.load(path)
+        losses, norms = train_steps(loaded, batches[:1])
+        assert_losses_close(losses, want[0][-1:], what=what)
+        assert_grad_norms_close(norms, want[2][-1:], what=what)
+        assert_state_close(loaded.full_state_dict(), want[1], what=what)
+
+
+def test_expert_chunks_shard_over_dp_and_tp_and_checkpoints_load_across_plans(tmp_path):
+    bh.spawn(_four_ranks, 4, str(tmp_path / "ckpt"), timeout=900)

@@ -11,16 +11,15 @@ parallelism, ``dp`` reads ``dp_cp`` and ``ep_dp`` reads ``ep_dp_cp``: the cp ran
 parameters           held                    gradients summed over         initial broadcast
 ===================  ======================  ============================  ====================
 dense                whole, every dp rank    ``dp``                        over ``dp``
-routers              whole, every dp rank    tp: ``tp`` in the block's     over ``dp``
-                                             backward; then ``dp``
-experts              E/ep of E, by ep rank   tp: ``tp`` in the block's     over ``ep_dp``
-                                             backward; then ``ep_dp``
-                                             (:func:`data_axis_of`)
+routers              whole, every dp rank    ``dp``; under tp ``dp_tp``    over ``dp``
+experts              E/ep of E, by ep rank   ``ep_dp``; under tp           over ``ep_dp``
+                                             ``ep_dp_tp``                  (:func:`data_axis_of`)
 ===================  ======================  ============================  ====================
 
 Under ZeRO 1-3 the dense parameters and the experts are chunked apart and each chunk is sharded
 over its own axis (the dense chunks over ``dp``, the expert chunks over ``ep_dp``: never gathered
-beyond the ep rank's experts). Under 1D tensor parallelism the attention and dense MLPs are split
+beyond the ep rank's experts; under tensor parallelism an MoE block's chunks over those axes
+times tp, :func:`expert_param_axes`). Under 1D tensor parallelism the attention and dense MLPs are split
 over ``tp`` (:func:`dense_tensor_plan`) and the experts are whole on every tp rank, but the tp
 ranks split each MoE block's tokens (:mod:`.tokens`, Megatron's "parallel folding" with expert
 tensor parallelism 1): each routes and runs the experts on its own share, 1/tp of them (the
@@ -30,13 +29,15 @@ to a multiple of tp). Without sequence parallelism the block takes its share of 
 (``GatherFromAxis``); with sequence parallelism it slices its shard of the sequence the norm
 gathered (the gather's reduce-scatter then sums exactly this rank's gradient into its shard) and
 returns it: this rank's shard of the output. The block's parameters (router, experts, a shared
-expert) have then seen only this rank's tokens, so their gradients are summed over ``tp`` in the
-block's backward (``CopyToAxis`` on each, as a sequence-parallel norm's weight) before the
-gradient sync sums them over their data axis as above. Under the 2D, 2.5D and 3D grids the
+expert) have then seen only this rank's tokens, so their gradients are partial over ``tp``: they
+are whole on every tp rank, replicated over their data axis times tp, and the gradient sync sums
+them there, once per step as every gradient (``dp_tp``, ``ep_dp_tp``; under context parallelism
+``dp_cp_tp``, ``ep_dp_cp_tp``: :func:`expert_param_axes`), not in every micro-batch's backward. Under the 2D, 2.5D and 3D grids the
 block's input is the rank's batch block with its hidden block: the ranks of its grid row
 (``tp_col``) exchange them (one all-to-all) for whole rows of a 1/q share of that batch block's
 tokens each, and the outputs back (:class:`~.tokens.TokenShare` with ``hidden``); every rank of
-the grid has then seen its own tokens, so the gradients are summed over the whole ``tp`` group.
+the grid has then seen its own tokens, so the gradients are summed over the whole ``tp`` group
+(every grid axis) with the data axis.
 
 :class:`ExpertParallel` (``apply(moe_block, mesh)``) takes behemoth's
 :class:`~behemoth.models.moe.MoEFeedForward` or a transformers sparse MoE block (Mixtral,
@@ -229,7 +230,8 @@ class ExpertParallel:
     ``tensor_axis``: the tensor-parallel axis whose ranks split the block's tokens
     (:mod:`.tokens`), or None (every token on every rank). ``grid``: under the 2D, 2.5D and 3D
     grids (``tensor_axis`` then ``"tp_col"``, the block's input and output this rank's hidden
-    block of its batch block, the block's gradients summed over the whole grid ``"tp"``), ``(the
+    block of its batch block, the block's gradients summed over the whole grid ``"tp"`` by the
+    gradient sync), ``(the
     axis the router losses' shares are summed over, the other axes of the grid)``: the first is
     the grid axis the engine does not sum the reported losses over (:func:`grid_axes`); else
     None. ``chunks``: the tokens of each forward

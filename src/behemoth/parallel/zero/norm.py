@@ -2,7 +2,8 @@
 
 Each rank holds pieces of the gradients: its shards of the chunks (stages 1-3), tensor-parallel
 shards or copies of each parameter, one pipeline stage's parameters, expert parameters split over
-``ep``. :class:`GradNorm` weighs each parameter piece in a chunk shard 1/(its copies over tp),
+``ep``. :class:`GradNorm` weighs each parameter piece in a chunk shard 1/(its copies over tp) (1 in
+a chunk sharded over tp too: an MoE block's under tensor parallelism),
 weighs a tied copy counted on another rank 0, and sums the squared norms over the axes the
 gradients are split on (the data axis at stages 1-3, an expert chunk's own axis at stage 0, tp,
 the pipeline's axes), so the result is the serial model's norm on every rank.

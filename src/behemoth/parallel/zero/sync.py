@@ -123,7 +123,8 @@ def build_grad_sync(
     of :meth:`GradSync.state_dict`. ``module_runs(module)`` says whether a called module computes
     now (ZeRO-3 gathers only for those: a pipeline's inactive chunks pass through). Expert parameters sharded by
     :class:`~behemoth.parallel.expert.ExpertParallel` are reduced and broadcast over ``ep_dp``
-    instead. Collective: every rank of ``data_axis`` builds it."""
+    instead, and under tensor parallelism an MoE block's parameters over their axis times tp
+    (their gradients partial over tp: summed there once per step). Collective: every rank of ``data_axis`` builds it."""
     budget = None if plan.offload_budget_gb is None else int(plan.offload_budget_gb * 2**30)
     return ZeroOptimizer(
         model,
@@ -139,7 +140,7 @@ def build_grad_sync(
         world=mesh.axis("world") if plan.pp > 1 else None,
         param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else None,
         names=dict(names) if names is not None else param_names(model),
-        param_axes=expert_param_axes(model, mesh, data_axis),  # experts: over ep_dp, not dp
+        param_axes=expert_param_axes(model, mesh, data_axis),  # experts: over ep_dp; MoE blocks under tp: x tp
         reduce_once=plan.pp > 1,  # a stage's gradients: reduced once per step, after its last micro-batch
         module_runs=module_runs,
     )
