@@ -129,3 +129,21 @@ def test_the_table_counts_the_experts_sync_as_data_parallel():
     cols = f"/{(p.bytes['dp'] + p.bytes['ep_dp']) / 1e9:.2f}/{0.0:.2f}/{p.bytes['ep'] / 1e9:.2f}"
     assert cols in text, (cols, text)
     assert f"{(p.bytes['dp']) / 1e9:.2f}/{0.0:.2f}/" not in text
+
+
+def test_moe_block_sync_under_tensor_parallelism_is_priced():
+    """Under tp an MoE block's gradients sync over the data axis times tp: the routers over
+    dp_tp, the experts over ep_dp_tp, each in buckets of its own (ZeRO 0), priced from the bytes
+    the traffic model books there; the dense parameters' dp sync no longer carries them."""
+    plan = _plan(tp=2)
+    p = predict(plan, MOE, CLUSTER)
+    layers, bucket = MOE.shape.num_layers, plan.bucket_mb * 2**20
+    s = axis_strides(dp=plan.dp, pp=1, tp=2, cp=1, ep=plan.ep)
+    experts = expert_local_params(plan, MOE, layers)
+    routers = layers * MOE.shape.hidden * MOE.num_experts
+    for axis, count in (("dp_tp", routers), ("ep_dp_tp", experts)):
+        nb = math.ceil(4 * count / bucket) + layers - 1
+        assert p.comm[axis] == pytest.approx(CLUSTER.collective_seconds(*s[axis], p.bytes[axis], nb), rel=1e-12)
+        assert p.exposed[axis] >= 0.0
+    # the dense sync over dp moves fewer bytes than without tensor parallelism (the blocks left it)
+    assert p.bytes["dp"] < predict(_plan(), MOE, CLUSTER).bytes["dp"]

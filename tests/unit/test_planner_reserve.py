@@ -41,6 +41,18 @@ def test_communicators_a_rank_opens(plan, world, want):
     assert communicators(plan.resolve(world)) == want
 
 
+def test_communicators_of_moe_blocks_under_tensor_parallelism():
+    """A mixture of experts under tp syncs its MoE blocks' gradients over the data axis times tp
+    (and, under ep, over ep_dp times tp): one more group each where it is not the world's."""
+    plan = bh.Plan(dp=2, ep=2, tp=2, pp=2, microbatches=8).resolve(8)
+    # dp, tp, ep, pp; four channels and the ep peer (ep_dp has one rank)
+    assert communicators(plan) == (4, 5)
+    # and dp_tp (4 ranks), ep_dp_tp (2 ranks)
+    assert communicators(plan, experts=True) == (6, 5)
+    # without a pipeline dp_tp is the world's; ep_dp_tp is not
+    assert communicators(bh.Plan(dp=2, ep=2, tp=2).resolve(4), experts=True) == (4, 1)
+
+
 def test_device_reserve_is_context_communicators_and_slack():
     cal = dataclasses.replace(
         load_calibration(GOLDEN_CAL),

@@ -51,13 +51,21 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import Dtypes, balance_bytes, ep_layer_bytes, expert_axis, expert_local_params, step_traffic
+from .axis_traffic import (
+    Dtypes,
+    balance_bytes,
+    block_axis,
+    ep_layer_bytes,
+    expert_axis,
+    expert_local_params,
+    step_traffic,
+)
 from .bubble import pipeline_time, ranks_inflight
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
 from .footprint import Footprint, footprint
 from .host import cp_block_calls, ep_sync_seconds, host_times, tp_block_calls
-from .moe_bytes import busiest_rank_load
+from .moe_bytes import busiest_rank_load, tp_summed_params
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .reserve import device_reserve
 from .traffic import tp_grid
@@ -160,17 +168,37 @@ def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: i
 def gradient_buckets(plan: Plan, w: Workload, layers: int, *, stage: int | None = None) -> dict[str, int]:
     """Buckets (ZeRO 0) or chunks (ZeRO 1-3) of ``bucket_mb`` each that a rank's gradients of
     ``layers`` blocks (and its stage's other parts) reduce in, per axis: the data axis's, and under
-    expert parallelism (over more than one replica) the experts' axis's. ZeRO 0 closes a bucket
-    where the parameter kind changes (``parallel/zero/chunks.py``'s ``pack_buckets``), so each
-    block's experts sit in buckets apart from the dense parameters around them: the dense
-    parameters' ``layers + 1`` runs and the experts' ``layers`` runs each take at least one."""
+    expert parallelism (over more than one replica) the experts' axis's; under tensor parallelism
+    an MoE block's router (and its experts at ``ep = 1``) over the data axis times tp
+    (:func:`.axis_traffic.block_axis`), its experts under expert parallelism over ``ep_dp`` times
+    tp. ZeRO 0 closes a bucket where the parameter kind changes (``parallel/zero/chunks.py``'s
+    ``pack_buckets``), so each block's experts sit in buckets apart from the dense parameters
+    around them: the dense parameters' ``layers + 1`` runs and the experts' ``layers`` runs each
+    take at least one."""
+    return {axis: nb for axis, (_, nb) in _sync_groups(plan, w, layers, stage).items()}
+
+
+def _sync_groups(plan: Plan, w: Workload, layers: int, stage: int | None) -> dict[str, tuple[float, int]]:
+    """Per gradient axis, ``(the parameters one rank syncs over it, their buckets or chunks)``
+    (:func:`gradient_buckets`); an axis of one rank is left out."""
     n = local_params(plan, w, layers=layers, stage=stage)
     experts = expert_local_params(plan, w, layers)
+    summed = tp_summed_params(plan, w, layers)
     bucket = plan.bucket_mb * 2**20
-    runs = layers if experts and plan.zero == 0 else 0
-    out = {("dp_cp" if plan.cp > 1 else "dp"): max(1, math.ceil((n - experts) * 4 / bucket)) + runs}
-    if experts and plan.dp * plan.cp // plan.ep > 1:  # the experts' replicas reduce theirs
-        out[expert_axis(plan)] = max(1, math.ceil(experts * 4 / bucket)) + max(0, runs - 1)
+    runs = layers if (experts or summed) and plan.zero == 0 else 0
+    g = plan.dp * plan.cp
+
+    def buckets(count: float, extra: int) -> int:
+        return max(1, math.ceil(count * 4 / bucket)) + extra
+
+    out = {}
+    if g > 1:
+        dense = n - (summed or experts)
+        out["dp_cp" if plan.cp > 1 else "dp"] = (dense, buckets(dense, runs))
+    if summed > experts:  # the routers (and the experts at ep = 1), summed over the data axis times tp
+        out[block_axis(plan)] = (summed - experts, buckets(summed - experts, max(0, runs - 1)))
+    if experts and g // plan.ep * plan.tp > 1:  # the experts' replicas reduce theirs
+        out[expert_axis(plan)] = (experts, buckets(experts, max(0, runs - 1)))
     return out
 
 
@@ -216,7 +244,7 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
     mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
     total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
     slack = total - mem.allocated if len(stages) > 1 else mem.slack
-    reserved = device_reserve(plan, cluster.calibration, total)
+    reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
     return Footprint(mem.params, mem.grads, mem.optimizer, mem.activations, reserved, mem.host, slack)
 
 
@@ -383,19 +411,16 @@ def predict(
     # over ep_dp (x cp), in buckets and chunks of their own
     g = plan.dp * plan.cp
     n = local_params(plan, w, layers=layers, stage=pp - 1)
-    experts = expert_local_params(plan, w, layers)
-    shard = (n - experts) / g + experts * plan.ep / g
+    groups = _sync_groups(plan, w, layers, pp - 1)
+    # this rank's ZeRO shard: each group's parameters over its axis's ranks (the rest whole)
+    shard = n - sum(c for c, _ in groups.values()) + sum(c / strides[axis][0] for axis, (c, _) in groups.items())
     e = hidden = 0.0
-    if g > 1:
-        counts = {data_axis: n - experts}
-        if experts and g // plan.ep > 1:
-            counts[expert_axis(plan)] = experts
+    if groups:
         z = plan.zero
         pb = 2 if plan.param_dtype == "bf16" else 4
         reduce, gathers, buckets = {}, {}, 0
-        for axis, nb in gradient_buckets(plan, w, layers, stage=pp - 1).items():
+        for axis, (count, nb) in groups.items():
             size, stride = strides[axis]
-            count = counts[axis]
             total = nbytes[axis] - (balance_bytes(plan, w) * layers * m * (1 + ckpt) if axis == data_axis else 0.0)
             gather = (size - 1) / size * count * pb if z in (1, 2) else 0.0
             scalars = 2 if axis == data_axis else 0
@@ -415,7 +440,8 @@ def predict(
         e = left + sum(gathers.values())
         for axis in reduce:
             exposed[axis] = (left * reduce[axis] / reducing if reducing else 0.0) + gathers[axis]
-        exposed[data_axis] += balance  # inside the makespan: the forward waits for it
+        if data_axis in exposed:
+            exposed[data_axis] += balance  # inside the makespan: the forward waits for it
 
     # the optimizer step, on the GPU or the host
     opt = (shard if plan.zero else n) * 36 / cal.hbm_bytes_per_s

@@ -204,9 +204,9 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
             # gathered and the input gradient gathered (sequence parallelism: the norms' gathers and
             # the input gradient's reduce-scatter, as a dense block's)
             if not plan.sequence_parallel:
-                return 2.0 + k, 2.0 + 3.0 + replicated_kv
+                return 2.0 + k, 2.0 + replicated_kv
             vectors = 2 * norm_vectors + (1.0 if s.linear_bias else 0.0)
-            return 3.0 + k, 3.0 + k + 3.0 + vectors + replicated_kv
+            return 3.0 + k, 3.0 + k + vectors + replicated_kv
         if not plan.sequence_parallel:
             return 2.0 * k, 2.0 + replicated_kv
         # norms' gathers + rows' reduce-scatters; re-gather + dX reduce-scatter + rows' dY gathers,
@@ -219,7 +219,7 @@ def tp_block_calls(plan: Plan, w: Workload) -> tuple[float, float]:
     # rank, and its parameters' gradients (router, gate_up, down) over the whole grid
     linears = block_linears(s) - ((3 if s.gated_mlp else 2) if w.num_experts else 0)
     deep = plan.tp_mode == "3d" or plan.tp_depth > 1
-    moe_f, moe_b = (2.0 + 1.0 + (2.0 if deep else 1.0), 2.0 + 3.0) if w.num_experts else (0.0, 0.0)
+    moe_f, moe_b = (2.0 + 1.0 + (2.0 if deep else 1.0), 2.0) if w.num_experts else (0.0, 0.0)
     if plan.tp_mode == "3d":
         # 8 per Linear and 5 more per extra over-decomposition piece; each norm combines and sums
         # its statistics and, as each bias, sums its vectors' gradients over the cube's two other axes

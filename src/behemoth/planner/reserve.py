@@ -44,10 +44,12 @@ PIPELINE_CHANNELS = 4
 and to the next, gradients from the next and to the previous (the same four when pp = 2)."""
 
 
-def communicators(plan: Plan) -> tuple[int, int]:
+def communicators(plan: Plan, *, experts: bool = False) -> tuple[int, int]:
     """``(collective, point-to-point)`` communicators one rank of ``plan`` (resolved) opens
     beyond the world's: a group per mesh axis it runs collectives on whose size is neither 1
-    nor the world's; its pipeline channels, and a point-to-point connection per peer of an
+    nor the world's (``experts``: a mixture of experts, whose MoE blocks under tensor parallelism
+    sync their gradients over the data axis times tp, and under expert parallelism over ``ep_dp``
+    times tp as well); its pipeline channels, and a point-to-point connection per peer of an
     all-to-all (Ulysses over cp, the experts over ep) or of ring attention's exchange (the
     previous and the next rank)."""
     world = plan.dp * plan.pp * plan.tp * plan.cp
@@ -67,6 +69,10 @@ def communicators(plan: Plan) -> tuple[int, int]:
             sizes += [q, q, d]
     if plan.ep > 1:
         sizes += [plan.ep, plan.dp // plan.ep] + ([plan.dp // plan.ep * plan.cp] if plan.cp > 1 else [])
+    if experts and plan.tp > 1:
+        sizes.append(plan.dp * plan.cp * plan.tp)
+        if plan.ep > 1:
+            sizes.append(plan.dp // plan.ep * plan.cp * plan.tp)
     if plan.pp > 1:
         sizes.append(plan.pp)
     collective = sum(1 for s in sizes if 1 < s < world)
@@ -78,13 +84,14 @@ def communicators(plan: Plan) -> tuple[int, int]:
     return collective, p2p
 
 
-def device_reserve(plan: Plan, cal: Calibration, allocated: float) -> float:
+def device_reserve(plan: Plan, cal: Calibration, allocated: float, *, experts: bool = False) -> float:
     """Bytes beyond ``allocated`` (the predicted peak of PyTorch's tensors) that one rank of
-    ``plan`` (resolved) holds on its device: context, NCCL buffers, allocator slack."""
+    ``plan`` (resolved; ``experts``: of a mixture of experts) holds on its device: context, NCCL
+    buffers, allocator slack."""
     slack = cal.allocator_slack * allocated
     if cal.cuda_context_bytes <= 0:
         return cal.reserved_bytes + slack
-    coll, p2p = communicators(plan)
+    coll, p2p = communicators(plan, experts=experts)
     return cal.cuda_context_bytes + (1 + coll) * cal.nccl_comm_bytes + p2p * cal.nccl_p2p_bytes + slack
 
 
