@@ -32,15 +32,17 @@ Per block and micro-batch, from the same structure the traffic formulas count
   output back from its tp share of the tokens, :func:`token_split_output_calls`);
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
   measured on a tiny GPT, scaled to the model's block by the kernels its operators launch,
-  :func:`serial_block_kernels`) plus ``kernels_per_call`` of the layout's mode per call (the collective and the copies
-  around it; ``kernels_per_collective`` where the mode was not measured);
-  the serial block's split between forward and backward measured too
-  (``host_forward_share``, default a third), the collectives' as the layers issue them;
+  :func:`serial_block_kernels`) plus the kernels the tensor-parallel layout's layers add to it
+  (:func:`tp_block_kernels`, counted from the code for the block's shape and the plan) and, per
+  call of the other axes (context, expert, ZeRO-3), 1D's ``kernels_per_call`` (else
+  ``kernels_per_collective``); the serial block's split between forward and backward measured
+  too (``host_forward_share``, default a third), the layout's as its layers issue them;
   checkpointing adds a forward; an MoE layer's ``ep_overlap`` chunks add the kernels each extra
   chunk launches (:func:`ep_chunk_kernels`, counted from the code);
 
-at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its Python and
-bookkeeping beyond its kernels; per tensor-parallel mode, the layouts' own code around them),
+at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its own kernel, its
+Python and bookkeeping beyond the kernels counted; per tensor-parallel mode, the layouts' own code
+around them),
 which ``benchmarks/calibrate.py`` measures on small models whose kernels take no time (from the
 host's issue time, not the step's wall time: in a block with almost no work that also holds a chain
 of dependent collectives' latency, which a real model's GEMMs hide). A
@@ -82,6 +84,7 @@ __all__ = [
     "host_block_kernels",
     "kernels_per_call",
     "serial_block_kernels",
+    "tp_block_kernels",
     "host_times",
 ]
 
@@ -171,6 +174,74 @@ def serial_block_kernels(shape) -> tuple[float, float]:
     fwd = 2 * norm_f + readers + linears * (1 + bias) + linears + 1 + 2 + act_f + (23 if rope else 0)
     bwd = 2 * norm_b + linears * (1 + bias) + readers + 2 + 2 * linears + linears * bias + act_b + 1 + 2
     bwd += (readers - 2) + (1 if shape.fused_qkv else 0) + (16 if rope else 0)
+    return float(fwd), float(bwd)
+
+
+def tp_block_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
+    """Kernels a tensor-parallel layout adds to one block per micro-batch beyond the serial block
+    (the same block under data parallelism in the same engine): ``(forward, backward)``, counted
+    from the layers' code (``parallel/tensor/``) under bf16 autocast over fp32 parameters; the
+    collectives' own kernels are not counted here (they go with each call's host seconds,
+    ``host_call_s``), nor allocations (``empty``, ``new_empty``) and dtype queries. A
+    dispatch-level count of GPT and Llama blocks checks it (tests/dist/test_planner_host_kernels.py).
+
+    1D: each row layer adds its bias after the GEMM (``matmul(out=)`` then ``+ b``: 1 a biased
+    row) and runs one GEMM per ``tp_overlap`` piece (``k - 1`` more a row); the column layers
+    that read one input cast it once for the group (q/k/v, gate/up: ``readers - 2`` casts fewer,
+    forward and backward) and sum their input gradients in place; replicated k/v projections
+    slice their output's gradient back (2). Sequence parallelism: each norm's output gathered on
+    the sequence (a concatenation each), with ``k > 1`` each row's pieces concatenated, each row's
+    output gradient gathered backward (a concatenation each), and an RMSNorm's backward three
+    casts fewer (its output leaves the norm cast, ``make_sequence_parallel_norm``, counted).
+
+    2D and 2.5D: each norm is ``ShardedNormFn`` -- LayerNorm's forward 19 ops (the shard's mean,
+    centred squares and sum, their stack; the gathered statistics' mean, sum and spread, ``rsqrt``,
+    the normalisation, weight and bias) for the fused kernel's 1, backward 15 (the normalised
+    input again, the weight's and bias's gradients, the two sums stacked, the input gradient) for
+    1; RMSNorm's forward 7 (square, sum, divide, ``+ eps``, ``rsqrt``, two products) for the
+    serial 6, backward 10 for 14; without a bias one op fewer each way -- each biased Linear adds
+    its bias in place after the GEMM (1) and its gradient is summed in the bias's dtype (no cast
+    back: 1 fewer); the deferred gradient pass concatenates each bucket it flushes (the block's
+    share of a pass's flushes, :func:`~.tp2d_traffic.grid_vector_flushes`). 3D: the same norms
+    and, per Linear, the input's gather on its hidden dim concatenated (1) forward and its
+    gradient's backward (1), and per extra ``tp_overlap`` piece a GEMM forward and two GEMMs and
+    an accumulation backward; its biases keep their casts.
+
+    An MoE block counts its attention only (the MLP's Linears are the experts')."""
+    if plan.tp == 1:
+        return 0.0, 0.0
+    s = w.shape
+    k = plan.tp_overlap
+    bias = 1 if s.linear_bias else 0
+    moe = bool(w.num_experts)
+    mlp_linears = 0 if moe else (3 if s.gated_mlp else 2)
+    linears = (1 if s.fused_qkv else 3) + 1 + mlp_linears
+    if plan.tp_mode == "1d":
+        rows = 1 + (0 if moe else 1)
+        readers = (1 if s.fused_qkv else 3) + (0 if moe else (2 if s.gated_mlp else 1))
+        shared = readers - (1 if moe else 2)  # one cast per group of column layers reading one input
+        replicated_kv = 2.0 if s.num_kv_heads < plan.tp and s.num_kv_heads < s.num_heads else 0.0
+        fwd = rows * bias - shared + (k - 1) * rows
+        bwd = -shared + replicated_kv
+        if plan.sequence_parallel:
+            fwd += 2 + (rows if k > 1 else 0)
+            bwd += rows - (6 if s.rms_norm else 0)
+        return float(fwd), float(bwd)
+    norm_bias = 1 if s.norm_params > s.hidden else 0
+    norm_f, norm_b = (1, -4) if s.rms_norm else (17 + norm_bias, 13 + norm_bias)
+    fwd = 2 * norm_f
+    bwd = 2 * norm_b
+    if plan.tp_mode == "3d":
+        fwd += linears * k
+        bwd += linears + 3 * linears * (k - 1)
+        return float(fwd + linears * bias), float(bwd)
+    fwd += linears * bias
+    bwd -= linears * bias
+    if grid_grads_deferred(plan):
+        tesseract = plan.tp_mode == "2.5d" and plan.tp_depth > 1
+        blocks = stage_layers(plan, w)[-1]
+        q = grid_side(plan.tp, plan.tp_depth if tesseract else 1)
+        bwd += grid_vector_flushes(grid_deferred_layers(s, q, blocks, experts=moe)) / blocks
     return float(fwd), float(bwd)
 
 
@@ -350,7 +421,8 @@ def host_call_seconds(cal: Calibration, tp_mode: str) -> float:
 def kernels_per_call(cal: Calibration, tp_mode: str) -> float:
     """Kernels per collective call of a layout whose tensor parallelism is ``tp_mode``: the
     calibration's ``kernels_per_call`` for that mode (as :func:`host_call_seconds` falls back),
-    else its ``kernels_per_collective``."""
+    else its ``kernels_per_collective``. :func:`host_times` reads it for "1d" only, for the calls
+    of axes other than tensor parallelism (a layout's own kernels: :func:`tp_block_kernels`)."""
     return _by_mode(cal.kernels_per_call, tp_mode, cal.kernels_per_collective)
 
 
@@ -360,13 +432,17 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
         return HostTimes(0.0, 0.0)
     f, b = block_calls(plan, w)
     mode = plan.tp_mode if plan.tp > 1 else "1d"
-    one, kpc = host_call_seconds(cal, mode), kernels_per_call(cal, mode)
+    one, kpc = host_call_seconds(cal, mode), kernels_per_call(cal, "1d")
     kern = host_block_kernels(cal, w.shape)
     share = cal.host_forward_share
     ef, eb = ep_chunk_kernels(plan, w)
-    kf = kern * share + kpc * f + ef
-    kb = kern * (1 - share) + kpc * b + (kern * share if plan.activation_checkpointing else 0.0)
-    kb += eb
+    # the tensor-parallel layers' kernels counted (tp_block_kernels); the other axes' calls at the
+    # calibration's kernels per call
+    tf, tb = tp_block_kernels(plan, w)
+    cf, cb = tp_block_calls(plan, w)
+    again = kern * share + tf if plan.activation_checkpointing else 0.0
+    kf = kern * share + tf + kpc * (f - cf) + ef
+    kb = kern * (1 - share) + tb + kpc * (b - cb - (cf if plan.activation_checkpointing else 0.0)) + again + eb
     pf, pb = pipeline_calls(plan)
     p2p = (pf + pb) * (cal.host_call_s.get("1d", one) + cal.host_kernel_s)
     return HostTimes(
