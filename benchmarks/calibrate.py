@@ -40,8 +40,9 @@ Measures, on rank 0's GPU unless said otherwise:
   parallelism over the world (2D too when the world is a square), each depth's raw step kept
   (``extra.host_blocks``): ``host_block_kernels`` and ``host_kernel_s`` (seconds per kernel)
   from the serial block's issue seconds; ``host_call_s[mode]`` (issue seconds per collective call
-  beyond its kernels) and ``kernels_per_call[mode]`` from each mode's extra kernels per collective
-  call, the calls counted as the cost model counts them (:func:`fit_host`; ``--refit-host``
+  beyond the serial block's kernels and those the layout's layers add, counted from the code as the
+  cost model counts them) and ``kernels_per_call[mode]`` (each mode's measured extra kernels per
+  collective call), the calls counted as the cost model counts them (:func:`fit_host`; ``--refit-host``
   applies it to an earlier calibration's recorded blocks);
   ``host_forward_share``, a serial block's forward (recording its graph, no backward) over its
   whole step, per block.
@@ -563,12 +564,15 @@ def host_plans(world: int) -> dict:
 def fit_host(blocks: dict, world: int) -> dict:
     """The host figures from one block's host seconds, kernels and NCCL kernels per step
     (``blocks[mode]``, the tiny GPT's): ``host_kernel_s`` and ``host_block_kernels`` from the
-    serial block; per tensor-parallel mode, ``kernels_per_call`` and ``host_call_s`` from its extra
-    kernels and seconds per collective call, the calls counted as the cost model counts them
-    (``planner.host.tp_block_calls`` of the same model and layout), so the model reproduces each
-    measured block. A profile that listed each call's record function beside its NCCL kernel (as
-    this script's counts did before it left them out) shows more NCCL entries than calls: those
-    are not kernels. ``kernels_per_collective`` (other axes' calls, modes not measured): 1D's.
+    serial block; per tensor-parallel mode, ``host_call_s`` from its seconds beyond the serial
+    block's kernels and the kernels its layers add (``planner.host.tp_block_kernels``, counted from
+    the code, as the cost model counts them) per collective call, the calls counted as the cost
+    model counts them (``planner.host.tp_block_calls`` of the same model and layout), so the model
+    reproduces each measured block; ``kernels_per_call`` the measured extra kernels per call (the
+    cost model reads 1D's for other axes' calls; the other modes' are the measurement, kept). A
+    profile that listed each call's record function beside its NCCL kernel (as this script's counts
+    did before it left them out) shows more NCCL entries than calls: those are not kernels.
+    ``kernels_per_collective`` (other axes' calls, modes not measured): 1D's.
 
     The seconds fitted are a block's host issue seconds (``issue``) where the blocks recorded them,
     else (an older calibration's) its step seconds, which also hold what the host then waited for
@@ -576,7 +580,7 @@ def fit_host(blocks: dict, world: int) -> dict:
     device's and the other ranks' latency, which does not grow with the host's calls (a real
     model's GEMMs hide it), so the per-call figure fitted from them is too large."""
     from behemoth.models import build_config
-    from behemoth.planner.host import tp_block_calls
+    from behemoth.planner.host import tp_block_calls, tp_block_kernels
     from behemoth.planner.workload import workload_for
 
     def host_seconds(b: dict) -> float:
@@ -591,11 +595,13 @@ def fit_host(blocks: dict, world: int) -> dict:
     for mode in ("1d", "2d"):
         if mode not in blocks:
             continue
-        calls = sum(tp_block_calls(plans[mode].resolve(world), w))
+        plan = plans[mode].resolve(world)
+        calls = sum(tp_block_calls(plan, w))
         b = blocks[mode]
         kernels = b["kernels"] - max(b["nccl"] - calls, 0.0)
+        counted = serial["kernels"] + sum(tp_block_kernels(plan, w))
         if calls > 0:
-            out["host_call_s"][mode] = max(host_seconds(b) - kernels * per_kernel, 0.0) / calls
+            out["host_call_s"][mode] = max(host_seconds(b) - counted * per_kernel, 0.0) / calls
             out["kernels_per_call"][mode] = max(kernels - serial["kernels"], 0.0) / calls
     if "1d" in out["kernels_per_call"]:
         out["kernels_per_collective"] = out["kernels_per_call"]["1d"]

@@ -28,6 +28,7 @@ from behemoth.planner.host import (
     pipeline_calls,
     serial_block_kernels,
     tp_block_calls,
+    tp_block_kernels,
 )
 from behemoth.planner.params import stage_layers
 from behemoth.planner.traffic import block_traffic
@@ -86,16 +87,27 @@ def test_collective_calls_per_block():
 
 
 def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
+    """The serial block's kernels, the layout's own (counted, tp_block_kernels) and its calls at the
+    calibrated costs; the other axes' calls (here ZeRO-3's) at 1D's kernels per call too."""
     cal = load_calibration(GOLDEN_CAL)
     plan = _plan(tp=4, sequence_parallel=True)
     f, b = block_calls(plan, GPT)
+    tf, tb = tp_block_kernels(plan, GPT)
     kern, kpc, c_k, c_c = cal.host_block_kernels, cal.kernels_per_collective, cal.host_kernel_s, cal.host_call_s["1d"]
     ht = host_times(plan, GPT, cal)
-    assert ht.forward == pytest.approx((kern / 3 + kpc * f) * c_k + f * c_c)
-    assert ht.backward == pytest.approx((2 * kern / 3 + kpc * b) * c_k + b * c_c)
+    assert ht.forward == pytest.approx((kern / 3 + tf) * c_k + f * c_c)
+    assert ht.backward == pytest.approx((2 * kern / 3 + tb) * c_k + b * c_c)
     grid = host_times(_plan(tp=4, tp_mode="2d"), GPT, cal)  # 2D's calls at 2D's own cost
     f2, b2 = block_calls(_plan(tp=4, tp_mode="2d"), GPT)
-    assert grid.forward == pytest.approx((kern / 3 + kpc * f2) * c_k + f2 * cal.host_call_s["2d"])
+    tf2, _ = tp_block_kernels(_plan(tp=4, tp_mode="2d"), GPT)
+    assert grid.forward == pytest.approx((kern / 3 + tf2) * c_k + f2 * cal.host_call_s["2d"])
+    zero = _plan(tp=4, tp_mode="2d", zero=3)  # ZeRO-3's gathers and reduce-scatter: 1D's kernels per call
+    f3, b3 = block_calls(zero, GPT)
+    (c3f, c3b), (t3f, t3b) = tp_block_calls(zero, GPT), tp_block_kernels(zero, GPT)
+    z = host_times(zero, GPT, cal)
+    assert (f3 - c3f, b3 - c3b) == (1.0, 2.0)
+    assert z.forward == pytest.approx((kern / 3 + t3f + kpc) * c_k + f3 * cal.host_call_s["2d"])
+    assert z.backward == pytest.approx((2 * kern / 3 + t3b + 2 * kpc) * c_k + b3 * cal.host_call_s["2d"])
     assert host_call_seconds(cal, "3d") == host_call_seconds(cal, "2.5d") == cal.host_call_s["2d"]
     assert host_call_seconds(dataclasses.replace(cal, host_call_s={"1d": 1e-5}), "3d") == 1e-5
     ckpt = host_times(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT, cal)
@@ -106,7 +118,9 @@ def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
 
 def test_kernels_per_call_by_mode():
     """A calibration's kernels per call by tensor-parallel mode: 2D's own where measured, 2.5D and
-    3D falling back to 2D's, and to ``kernels_per_collective`` where no mode was measured."""
+    3D falling back to 2D's, and to ``kernels_per_collective`` where no mode was measured. The
+    host time no longer reads a layout's own (its layers' kernels are counted, tp_block_kernels):
+    2D's measured 4.2 does not move it."""
     cal = dataclasses.replace(load_calibration(GOLDEN_CAL), kernels_per_call={"1d": 1.5, "2d": 4.2})
     assert kernels_per_call(cal, "1d") == 1.5
     assert kernels_per_call(cal, "2d") == kernels_per_call(cal, "3d") == kernels_per_call(cal, "2.5d") == 4.2
@@ -114,9 +128,11 @@ def test_kernels_per_call_by_mode():
     plan = _plan(tp=4, tp_mode="2d")
     f, b = block_calls(plan, GPT)
     ht = host_times(plan, GPT, cal)
+    tf, tb = tp_block_kernels(plan, GPT)
     c_k, c_c = cal.host_kernel_s, cal.host_call_s["2d"]
-    assert ht.forward == pytest.approx((cal.host_block_kernels / 3 + 4.2 * f) * c_k + f * c_c, rel=1e-12)
-    assert ht.kernels == pytest.approx(cal.host_block_kernels + 4.2 * (f + b), rel=1e-12)
+    assert ht.forward == pytest.approx((cal.host_block_kernels / 3 + tf) * c_k + f * c_c, rel=1e-12)
+    assert ht.kernels == pytest.approx(cal.host_block_kernels + tf + tb, rel=1e-12)
+    assert host_times(plan, GPT, dataclasses.replace(cal, kernels_per_call={"1d": 1.5})) == ht
 
 
 def test_block_kernels_scale_with_the_model():
@@ -136,16 +152,22 @@ def test_block_kernels_scale_with_the_model():
 
 def test_host_fit_reproduces_the_measured_blocks():
     """benchmarks/calibrate.py's fit of the host figures: the serial block gives the seconds per
-    kernel; each mode's extra kernels and seconds per collective call, its calls counted as the
-    cost model counts them (the tiny GPT's 1D block on 4 ranks: 2 forward, 2 backward; 2D: 10 and
-    15, its 2 blocks' biases and norms summed in 2 bucket flushes a pass), so host_times of that block equals the measured seconds. A profile that also listed each
-    call's record function (8 NCCL entries for 4 calls) has those entries taken off its kernels."""
+    kernel; each mode's seconds per collective call beyond the serial block's kernels and those its
+    layers add (counted, tp_block_kernels of the tiny GPT's block: 1D on 4 ranks 2 + 0, 2D 40 +
+    25), its calls counted as the cost model counts them (1D: 2 forward, 2 backward; 2D: 10 and
+    15, its 2 blocks' biases and norms summed in 2 bucket flushes a pass), so host_times of that
+    block equals the measured seconds; the measured extra kernels per call kept as measured. A
+    profile that also listed each call's record function (8 NCCL entries for 4 calls) has those
+    entries taken off its kernels."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     from calibrate import fit_host
 
+    from behemoth.models import build_config
+
+    tiny = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
     blocks = {
         "serial": dict(seconds=4e-3, kernels=50.0, nccl=0.0),
         "1d": dict(seconds=5e-3, kernels=60.0, nccl=8.0),
@@ -155,12 +177,15 @@ def test_host_fit_reproduces_the_measured_blocks():
     per_kernel = 4e-3 / 50
     assert fit["host_kernel_s"] == per_kernel and fit["host_block_kernels"] == 50.0
     assert fit["kernels_per_call"] == {"1d": (56.0 - 50.0) / 4, "2d": (200.0 - 50.0) / 25}
-    assert fit["host_call_s"]["1d"] == pytest.approx((5e-3 - 56 * per_kernel) / 4, rel=1e-12)
-    assert fit["host_call_s"]["2d"] == pytest.approx((20e-3 - 200 * per_kernel) / 25, rel=1e-12)
+    counted = {
+        mode: sum(tp_block_kernels(plan, tiny))
+        for mode, plan in (("1d", _plan(tp=4)), ("2d", _plan(tp=4, tp_mode="2d")))
+    }
+    assert counted == {"1d": 2.0, "2d": 65.0}  # 1D: the rows' biases; 2D: the norms' 2 x (18 + 14), the
+    # biases' adds (4) less their gradients' casts (4), the block's share of the pass's flushes (1)
+    assert fit["host_call_s"]["1d"] == pytest.approx((5e-3 - (50 + 2) * per_kernel) / 4, rel=1e-12)
+    assert fit["host_call_s"]["2d"] == pytest.approx((20e-3 - (50 + 65) * per_kernel) / 25, rel=1e-12)
     assert fit["kernels_per_collective"] == 1.5
-    from behemoth.models import build_config
-
-    tiny = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
     cal = dataclasses.replace(load_calibration(GOLDEN_CAL), host_forward_share=0.5, **fit)
     for mode, plan in (("1d", _plan(tp=4)), ("2d", _plan(tp=4, tp_mode="2d"))):
         ht = host_times(plan, tiny, cal)
@@ -168,12 +193,14 @@ def test_host_fit_reproduces_the_measured_blocks():
 
 
 def test_host_fit_takes_the_host_issue_time_not_the_device_wait():
-    """Synthetic blocks made from known host figures (seconds per kernel and per call, the calls
-    as the cost model counts them) plus, in each step's wall time, a wait for the device that does
-    not grow with the host's calls (a chain of dependent collectives at the device's and the peers'
-    latency in a block with no work): the fit recovers the host figures from the issue seconds,
-    and host_times of each block is its issue time, not its wall time. A block without issue
-    seconds (an older calibration's) is fitted from its wall time, wait included."""
+    """Synthetic blocks made from known host figures (seconds per kernel and per call; the kernels:
+    the serial block's, those the layout's layers add as tp_block_kernels counts them, and each
+    call's own; the calls as the cost model counts them) plus, in each step's wall time, a wait for
+    the device that does not grow with the host's calls (a chain of dependent collectives at the
+    device's and the peers' latency in a block with no work): the fit recovers the host figures
+    from the issue seconds (the seconds per call: the call's own kernel's and its Python), and
+    host_times of each block is its issue time, not its wall time. A block without issue seconds
+    (an older calibration's) is fitted from its wall time, wait included."""
     import sys
     from pathlib import Path
 
@@ -184,21 +211,23 @@ def test_host_fit_takes_the_host_issue_time_not_the_device_wait():
 
     tiny = workload_for(build_config("gpt-tiny", vocab_size=512, seq_len=128), global_batch=1)
     per_kernel, per_call = 30e-6, {"1d": 80e-6, "2d": 120e-6}
-    serial_kernels, extra = 50.0, {"1d": 1.5, "2d": 3.0}
+    serial_kernels = 50.0
     plans = {"1d": _plan(tp=4), "2d": _plan(tp=4, tp_mode="2d")}
     blocks = {"serial": dict(seconds=serial_kernels * per_kernel + 1e-4, kernels=serial_kernels, nccl=0.0)}
     blocks["serial"]["issue"] = serial_kernels * per_kernel
     for mode, plan in plans.items():
         calls = sum(tp_block_calls(plan, tiny))
-        kernels = serial_kernels + extra[mode] * calls
-        issue = kernels * per_kernel + calls * per_call[mode]
+        layers = sum(tp_block_kernels(plan, tiny))
+        issue = (serial_kernels + layers + calls) * per_kernel + calls * per_call[mode]
         wait = 5e-3  # per block, the device chain the host waited for at the step's end
-        blocks[mode] = dict(seconds=issue + wait, issue=issue, kernels=kernels, nccl=calls)
+        blocks[mode] = dict(seconds=issue + wait, issue=issue, kernels=serial_kernels + layers + calls, nccl=calls)
     fit = fit_host(blocks, 4)
     assert fit["host_kernel_s"] == pytest.approx(per_kernel, rel=1e-12)
-    for mode in plans:
-        assert fit["host_call_s"][mode] == pytest.approx(per_call[mode], rel=1e-9)
-        assert fit["kernels_per_call"][mode] == pytest.approx(extra[mode], rel=1e-12)
+    for mode, plan in plans.items():
+        calls = sum(tp_block_calls(plan, tiny))
+        assert fit["host_call_s"][mode] == pytest.approx(per_call[mode] + per_kernel, rel=1e-9)
+        layers = sum(tp_block_kernels(plan, tiny))
+        assert fit["kernels_per_call"][mode] == pytest.approx((layers + calls) / calls, rel=1e-12)
     cal = dataclasses.replace(load_calibration(GOLDEN_CAL), host_forward_share=0.5, **fit)
     for mode, plan in plans.items():
         ht = host_times(plan, tiny, cal)

@@ -29,7 +29,7 @@ measure there)::
       "host_call_s": {"1d": 6e-05, "2d": 2.5e-04},  # ... per collective call, by tensor-parallel mode
       "host_block_kernels": 90,                      # kernels of one block's forward + backward
       "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
-      "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... by tensor-parallel mode, where measured
+      "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... as measured by mode (other axes' calls: "1d")
       "host_forward_share": 0.33,                    # the forward's share of a block's host time
       "grouped_gemm_vs_table": 1.0,                  # experts' grouped GEMMs' rate / the table's (1: not measured)
       "grouped_gemm_by_rows": [[rows, ratio], ...]   # ... by rows per group, where measured
@@ -129,14 +129,19 @@ class Calibration:
     host_kernel_s: float = 0.0
     """Host seconds per kernel an eager op launches (Python, dispatch, autograd, the launch)."""
     host_call_s: dict = field(default_factory=dict)
-    """Host seconds per collective call beyond its kernels, by tensor-parallel mode ("1d" also
-    serves the other axes' calls); see :mod:`.host`."""
+    """Host seconds per collective call beyond the kernels counted around it, by tensor-parallel
+    mode ("1d" also serves the other axes' calls): for a tensor-parallel layout's own calls, beyond
+    the kernels its layers add to the block (:func:`.host.tp_block_kernels`, counted from the
+    code), so the call's own kernel and the layers' Python around it; see :mod:`.host`."""
     host_block_kernels: float = 0.0
     """Kernels one serial transformer block launches per micro-batch, forward and backward."""
     kernels_per_collective: float = 0.0
     """Kernels per collective call (its own and the copies around it)."""
     kernels_per_call: dict = field(default_factory=dict)
-    """... by tensor-parallel mode, where measured (a mode absent: ``kernels_per_collective``)."""
+    """... by tensor-parallel mode, where measured: the measured block's extra kernels over its
+    calls. The cost model reads only "1d" (else ``kernels_per_collective``) for the calls of axes
+    other than tensor parallelism (context, expert, ZeRO-3); a layout's own tensor-parallel
+    kernels are counted (:func:`.host.tp_block_kernels`), so "2d" is kept as the measurement only."""
     host_forward_share: float = 1 / 3
     """The forward's share of a serial block's host time per micro-batch (forward and backward)."""
     cuda_context_bytes: float = 0.0
