@@ -7,8 +7,10 @@ must match the serial layer on the full input (float64, tight tolerance). Also: 
 an attention block chained with no redistribution (the ledger holds nothing but the
 Linears' and the norm's traffic), embedding + norm + head + vocab-parallel cross-entropy,
 tied and untied, overlap k = 2 against k = 1, the ledger against ``linear3d_bytes``, saved
-activations within 1.25x of serial / p. A no-process test covers specs, the overlap
-schedule and the errors.
+activations within 1.25x of serial / p. A second world checks the forward without autograd:
+weight-stationary for a few tokens, the training form for many, both with the training
+forward's output and the ledger's bytes those of the collectives each form issues. A
+no-process test covers specs, the overlap schedule, the traffic formulas and the errors.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import behemoth as bh
 from behemoth import comm
 from behemoth.mesh import ParallelMesh
 from behemoth.parallel.tensor import embed3d, tp3d
+from behemoth.parallel.tensor.base import no_grad_forward
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
+from behemoth.planner import tp3d_traffic
 from behemoth.planner.tp3d_traffic import linear3d_bytes
 
 B, S, H, V = 4, 4, 8, 16  # q = 2: B/q^2 = 1 row of 4 tokens per rank (overlap 2 splits it)
@@ -316,6 +320,71 @@ def ledger_scenarios(mesh):
             assert got == want if not wire else abs(got - want) <= 1, (swapped, bias, in_grad, wire, got, want)
 
 
+def no_grad_scenarios(mesh):
+    """Without autograd (``no_grad_forward``) a 3D Linear and the head run weight-stationary for
+    a few tokens and the training form for many: both give the training forward's output in its
+    layout (float64: equal up to the order of the in-block sums) for both layouts, with and
+    without bias, fused (qkv, Conv1D, gate_up) and the head, gathered logits too. Each rank's
+    wire bytes are those of the collectives each form issues: the training form receives X over
+    I, W over tp_depth and the reduce-scatter over O, ``(q-1) (m K/q + K/q N/q^2 + q m N/q^2)``
+    elements; the stationary one X of the whole (I, W) plane, the reduce-scatter over O and the
+    all-to-all over tp_depth, ``(q^2-1) m (K/q + N/q^2)``, no weight element."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    q = mesh.axis("tp_col").size
+    conv = Conv1D(3 * H, H).double()
+    nn.init.normal_(conv.bias)
+    serial_head = nn.Linear(H, V, bias=False).double()
+    layers = {}  # name: (layer, out_features, reads the swapped layout)
+    for swapped in (False, True):
+        for bias in (True, False):
+            lin = nn.Linear(H, 12, bias=bias).double()
+            layers[f"linear swapped={swapped} bias={bias}"] = (
+                tp3d.Linear3D.from_serial(lin, mesh, swapped=swapped),
+                12,
+                swapped,
+            )
+    layers["fused qkv"] = (tp3d.Linear3D.from_serial(nn.Linear(H, 3 * H).double(), mesh, fused=3), 3 * H, False)
+    layers["fused Conv1D"] = (tp3d.Linear3D.from_serial(conv, mesh, fused=3), 3 * H, False)
+    gate_up = nn.Linear(H, 4 * H, bias=False).double()
+    layers["fused gate_up swapped"] = (tp3d.Linear3D.from_serial(gate_up, mesh, swapped=True, fused=2), 4 * H, True)
+    layers["head"] = (embed3d.VocabParallelHead3D.from_serial(serial_head, mesh), V, False)
+    for seq, stationary in ((1, True), (S, False)):
+        for what, (layer, out, swapped) in layers.items():
+            what = f"{what}, {seq} position(s)"
+            x = tp3d.split_activation_3d(rand(B, seq, H, seed=4), mesh, swapped=swapped)
+            rows, n_in, n_out = x.shape[0] * seq, H // q, out // q**2
+            stationary_wire = (q * q - 1) * rows * (n_in + n_out) * 8
+            training_wire = (q - 1) * (rows * n_in + n_in * n_out + q * rows * n_out) * 8
+            assert (stationary_wire < training_wire) == stationary, what  # a decode step's few rows: fewer
+            want_wire = stationary_wire if stationary else training_wire
+            want = layer(x).detach()
+            mesh.ledger.reset()
+            with torch.no_grad(), no_grad_forward(layer):
+                got = layer(x)
+            assert tp_bytes(mesh, wire=True) == want_wire, (what, tp_bytes(mesh, wire=True), want_wire)
+            close(got, want, f"{what} without autograd")
+            assert tp3d.stationary_is_cheaper(rows, n_in, n_out, q) == stationary, what
+            assert tp_bytes(mesh) == tp3d_traffic.linear3d_no_grad_bytes(B * seq, H, out, q, element_size=8), what
+            assert "forward" not in layer.__dict__  # the training forward is back
+    head = layers["head"][0]  # gathered logits, as generation asks for them
+    head.gather_output = True
+    ids_x = rand(B, 1, H, seed=4)
+    with torch.no_grad(), no_grad_forward(head):
+        close(head(tp3d.split_activation_3d(ids_x, mesh)), serial_head(ids_x).detach(), "gathered logits, no autograd")
+    head.gather_output = False
+    layer = layers["linear swapped=False bias=True"][0]  # weight_stationary=False: the training form
+    layer.weight_stationary = False
+    x = tp3d.split_activation_3d(rand(B, 1, H, seed=4), mesh)
+    want = layer(x).detach()
+    mesh.ledger.reset()
+    with torch.no_grad(), no_grad_forward(layer):
+        close(layer(x), want, "linear without autograd, training form")
+    training = tp3d_traffic.linear3d_no_grad_bytes(B, H, 12, q, stationary=False, element_size=8)
+    assert tp_bytes(mesh) == training > tp3d_traffic.linear3d_no_grad_bytes(B, H, 12, q, element_size=8)
+
+
 def helper_scenarios(mesh):
     x = rand(B, S, H, seed=9)
     for swapped in (False, True):
@@ -359,6 +428,14 @@ def test_3d_layers_match_serial():
     bh.spawn(_world_3d, 8, timeout=240)
 
 
+def _world_no_grad(rank, world):
+    no_grad_scenarios(ParallelMesh(bh.Plan(tp=8, tp_mode="3d"), rank, world))
+
+
+def test_3d_no_grad_forward_is_weight_stationary_for_few_tokens():
+    bh.spawn(_world_no_grad, 8, timeout=240)
+
+
 def test_pure_layout_schedule_and_errors(monkeypatch):
     """No processes: a mesh without groups is enough for shapes, specs and every ValueError
     (a collective would fail on the missing group, so each error comes before any)."""
@@ -396,6 +473,15 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     want = 2 * ((3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4 + 32)
     assert linear3d_bytes(64, 16, 32, 2, bias=True, element_size=2) == want
     assert linear3d_bytes(64, 16, 32, 1) == 0
+    # without autograd, per rank m = T/q^2 rows, K/q in, N/q^2 out: stationary q (q+1) m (K/q + N/q^2)
+    # elements of payload, the training form (T K + K N + T N) / q^2; wire (q-1)/q of either
+    nb = tp3d_traffic.linear3d_no_grad_bytes
+    assert nb(4, 16, 32, 2, stationary=True) == 2 * (2 * 3 * 1 * (8 + 8))
+    assert nb(4, 16, 32, 2, stationary=False) == 2 * (4 * 16 + 16 * 32 + 4 * 32) // 4
+    assert nb(4, 16, 32, 2) == nb(4, 16, 32, 2, stationary=True)  # 1 * (2*8 + 8) < 8 * 8
+    assert nb(64, 16, 32, 2) == nb(64, 16, 32, 2, stationary=False)  # 16 * (2*8 + 8) > 8 * 8
+    assert nb(4, 16, 32, 2, wire=True) == nb(4, 16, 32, 2) / 2 and nb(4, 16, 32, 1) == 0
+    assert tp3d.stationary_is_cheaper(1, 8, 8, 2) and not tp3d.stationary_is_cheaper(16, 8, 8, 2)
 
     msg = "tensor parallelism \\(3d\\): "
     with pytest.raises(ValueError, match=msg + "Linear3D in_features = 7 is not divisible by 2"):

@@ -97,6 +97,39 @@ def linear3d_bytes(
     return t.total if wire else round(t.total)
 
 
+def linear3d_no_grad_bytes(
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    q: int,
+    *,
+    stationary: bool | None = None,
+    element_size: int = 2,
+    wire: bool = False,
+) -> float:
+    """Bytes one rank moves for one 3D Linear's forward without autograd (generation: a decode
+    step's ``tokens`` = rows of the tp group), as the ledger counts them (payload, or with
+    ``wire=True`` its ``wire_bytes``). Per rank ``rows = T/q**2`` tokens, ``n_in = K/q``,
+    ``n_out = N/q**2`` (the weight block). The training form (``Linear3D.forward``'s): all-gather
+    X over the input axis and W over tp_depth, reduce-scatter Y over the output axis -- payload
+    ``q rows n_in + q n_in n_out + q**2 rows n_out`` = ``(T K + K N + T N) / q**2``. The
+    weight-stationary form (``tp3d.stationary_linear``): all-gather X over the input axis then
+    tp_depth, reduce-scatter the partials over the output axis, all-to-all over tp_depth --
+    payload ``q (q+1) rows (n_in + n_out)``, no weight element. Wire: ``(q-1)/q`` of the payload
+    in both. ``stationary=None``: the form ``Linear3D.forward_no_grad`` picks
+    (``tp3d.stationary_is_cheaper``: fewer wire bytes). A bias adds nothing; q = 1 moves nothing."""
+    if q == 1:
+        return 0
+    rows, n_in, n_out = tokens // q**2, in_features // q, out_features // q**2
+    if stationary is None:
+        stationary = rows * (q * n_in + n_out) < n_in * n_out
+    if stationary:
+        elements = q * (q + 1) * rows * (n_in + n_out)
+    else:
+        elements = q * rows * n_in + q * n_in * n_out + q * q * rows * n_out
+    return elements * element_size * ((q - 1) / q if wire else 1)
+
+
 def tp3d_block_traffic(
     shape: TransformerShape,
     *,

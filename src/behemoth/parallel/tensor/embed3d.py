@@ -163,6 +163,12 @@ class VocabParallelHead3D(Linear3D):
         logits = super().forward(x)
         return gather_activation(logits, self.out_layout) if self.gather_output else logits
 
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without autograd (the Linear's weight-stationary form for few tokens:
+        a decode step moves no vocab block of the table)."""
+        logits = super().forward_no_grad(x)
+        return gather_activation(logits, self.out_layout) if self.gather_output else logits
+
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``
         ``[B, S]``, the same on every tp rank: this rank's batch block's sum, all-reduced over

@@ -87,6 +87,8 @@ __all__ = [
     "gather_batch_3d",
     "gather_activation_3d",
     "Linear3D",
+    "stationary_is_cheaper",
+    "stationary_linear",
     "LayerNorm3D",
     "RMSNorm3D",
     "INPUT_BATCH_AXES",
@@ -211,6 +213,26 @@ def _gather_weight(w: torch.Tensor, axis: Axis, fused: int) -> comm.AsyncCollect
     return comm.all_gather_async(w.reshape(fused, -1, w.shape[-1]), axis, 1)
 
 
+def gathered_linear(x: torch.Tensor, w: torch.Tensor, axes, fused: int, k: int = 1) -> torch.Tensor:
+    """The training forward of a 3D Linear, no autograd (:class:`_Linear3DFn`'s, and the no-grad
+    forward's for many tokens): ``x [m, K/q]`` (batch block (w, i)), ``w [N/q**2, K/q]`` ->
+    ``y [m, N/q]`` (batch block (w, o)); ``axes`` = (I, W, O). All-gather w over W; for each of
+    the ``k`` pieces of x: all-gather over I (piece p+1's issued before piece p's GEMM), GEMM,
+    reduce-scatter over O (in flight while the next piece computes)."""
+    I, W, O = axes
+    w_h = _gather_weight(w, W, fused)
+    xs = x.chunk(k, 0)
+    nxt = comm.all_gather_async(xs[0], I, 0)
+    wg = w_h.wait().reshape(-1, w.shape[-1])
+    ys = []
+    for p in range(k):
+        xg = nxt.wait()
+        if p + 1 < k:
+            nxt = comm.all_gather_async(xs[p + 1], I, 0)
+        ys.append(comm.reduce_scatter_async(xg @ wg.t(), O, 0))
+    return torch.cat([h.wait() for h in ys], 0)
+
+
 class _Linear3DFn(torch.autograd.Function):
     """``y = x @ w.T`` on the cube. ``x [m, K/q]``: this rank's tokens (batch block (w, i));
     ``w [N/q**2, K/q]``; ``y [m, N/q]`` (batch block (w, o)). ``axes`` = (I, W, O).
@@ -223,20 +245,9 @@ class _Linear3DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, axes, fused: int, k: int):
-        I, W, O = axes
         ctx.axes, ctx.fused, ctx.k = axes, fused, k
         ctx.save_for_backward(x, w)
-        w_h = _gather_weight(w, W, fused)
-        xs = x.chunk(k, 0)
-        nxt = comm.all_gather_async(xs[0], I, 0)
-        wg = w_h.wait().reshape(-1, w.shape[-1])
-        ys = []
-        for p in range(k):
-            xg = nxt.wait()
-            if p + 1 < k:
-                nxt = comm.all_gather_async(xs[p + 1], I, 0)
-            ys.append(comm.reduce_scatter_async(xg @ wg.t(), O, 0))
-        return torch.cat([h.wait() for h in ys], 0)
+        return gathered_linear(x, w, axes, fused, k)
 
     @staticmethod
     def backward(ctx, dy):
@@ -267,6 +278,44 @@ class _Linear3DFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+# --------------------------------------------------------------------------- without autograd
+def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
+    """Whether :func:`stationary_linear` moves fewer elements per rank than
+    :func:`gathered_linear` for a local input of ``rows x n_in`` (``n_in = K/q``) and a weight
+    block of ``n_out x n_in`` (``n_out = N/q**2``). The training forward receives the input's
+    ``(q-1) rows n_in`` over I, the weight's ``(q-1) n_in n_out`` over W and the reduce-scatter's
+    ``(q-1) q rows n_out`` over O; the weight-stationary form ``(q**2-1) rows (n_in + n_out)``
+    (the input of the whole (I, W) plane, its reduce-scatter and all-to-all): it wins while
+    ``rows (q n_in + n_out) < n_in n_out``, i.e. while the tokens are few (a decode step:
+    Llama-3-8B at q = 2 below 409 rows a rank for q_proj, 1,303 for the fused gate_up), the
+    training form for a prompt's many. Shapes alone decide, and every rank of the cube holds
+    the same ones, so all choose alike."""
+    return rows * (q * n_in + n_out) < n_in * n_out
+
+
+def stationary_linear(x: torch.Tensor, w: torch.Tensor, axes, fused: int) -> torch.Tensor:
+    """``y = x @ w.T`` with every weight block left where it is: ``x [m, K/q]`` (batch block (w, i),
+    in-block o), ``w [N/q**2, K/q]`` (out block (i, w), in-block o) -> ``y [m, N/q]`` in the
+    layout :func:`gathered_linear` writes (batch block (w, o), out block i); ``axes`` = (I, W, O).
+
+    The weight blocks of in-block o (every out block) sit on the (I, W) plane of the ranks with
+    O coordinate o, which also holds every token's in-block o: all-gather x over I, then W (every
+    batch block, in block order ``w*q + i``), one GEMM with the rank's own block (the partial
+    ``X[:, K(o)] W[K(o), N(i, w)]`` of every token), reduce-scatter over O summing the in-blocks
+    (the rank keeps batch blocks ``(w', o)`` of every w'), and an all-to-all over W that sends
+    block ``(w', o)`` to depth w' and brings back, from every depth, its own block's columns
+    ``N(i, w')`` -- concatenated in depth order (per fused part), the out block N(i). Four
+    collectives, ``(q**2-1) m (K/q + N/q**2)`` elements received per rank, no weight element.
+    No autograd."""
+    I, W, O = axes
+    q, m = O.size, x.shape[0]
+    xs = comm.all_gather(comm.all_gather(x, I, 0), W, 0)  # [q*q*m, K/q]: batch blocks w*q + i
+    part = (xs @ w.t()).view(q, q, m, -1).transpose(0, 1).reshape(q * q * m, -1)  # blocks i*q + w
+    part = comm.reduce_scatter(part, O, 0)  # [q*m, N/q**2]: blocks (w', o) of every w', summed
+    y = comm.all_to_all_rows(part, W, [m] * q, [m] * q)  # from depth w': [m, N(i, w')]
+    return y.view(q, m, fused, -1).permute(1, 2, 0, 3).reshape(m, -1)
+
+
 def _layout_name(swapped: bool) -> str:
     return (
         "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]"
@@ -288,6 +337,11 @@ class Linear3D(nn.Module):
     ``overlap=k``: Tensor3D over-decomposition of the rank's tokens into k pieces.
     Build with :meth:`from_serial`; ``__init__`` zero-fills the shards.
     """
+
+    weight_stationary: bool = True
+    """Without autograd, run weight-stationary while that moves fewer elements than the training
+    forward (:meth:`forward_no_grad`, :func:`stationary_is_cheaper`; set False, on the class or
+    an instance, for the training form always)."""
 
     def __init__(
         self,
@@ -360,13 +414,17 @@ class Linear3D(nn.Module):
         copy_shards(layer, module)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lay, name, n_in = self.in_layout, type(self).__name__, self.in_features // self.cube.q
+    def _check_input(self, x: torch.Tensor) -> int:
+        n_in = self.in_features // self.cube.q
         if x.shape[-1] != n_in:
             raise ValueError(
-                f"{name}: input's last dim is {x.shape[-1]}; expected the hidden block in_features/q "
-                f"= {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)})."
+                f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden block "
+                f"in_features/q = {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)})."
             )
+        return n_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay, name, n_in = self.in_layout, type(self).__name__, self._check_input(x)
         rows = x.numel() // n_in
         if rows % self.overlap:
             raise ValueError(
@@ -382,6 +440,23 @@ class Linear3D(nn.Module):
         if self.bias is not None:
             y = y + replicated(self.bias, lay.hidden, lay.depth).to(y.dtype)
         return y
+
+    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without autograd (:func:`~.base.no_grad_forward`): the same numbers up to
+        the order of the in-block sums, in the same output layout; weight-stationary for a few
+        tokens (:func:`stationary_linear`: a decode step moves activations, not the weight
+        blocks the training forward gathers over tp_depth), the training form for many
+        (:func:`stationary_is_cheaper`; no over-decomposition either way)."""
+        lay, n_in, q = self.in_layout, self._check_input(x), self.cube.q
+        w = self.weight.t() if self.weight_layout == "in_out" else self.weight
+        dt = autocast_dtype(x)
+        if dt is not None:
+            x, w = x.to(dt), w.to(dt)
+        x2, axes = x.reshape(-1, n_in), (lay.inner, lay.depth, lay.hidden)
+        stationary = self.weight_stationary and q > 1 and stationary_is_cheaper(x2.shape[0], n_in, w.shape[0], q)
+        y = stationary_linear(x2, w, axes, self.fused) if stationary else gathered_linear(x2, w, axes, self.fused)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y.add_(self.bias.to(y.dtype))
 
     def extra_repr(self) -> str:
         return (
