@@ -15,6 +15,7 @@ step compiled whole is one graph with the eager call's tokens and collectives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -238,7 +239,6 @@ def _world4(rank, world, refs, tmp):
 
 def _world8(rank, world, refs):
     _check_plan(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), refs, ("gpt", "hf-llama"))
-    _check_plan(bh.Plan(tp=8, tp_mode="3d"), refs, ("llama", "hf-gpt2"))
     _check_compiled_grid(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), refs)
 
 
@@ -246,6 +246,73 @@ def test_generate_under_every_plan(tmp_path):
     refs = references()
     bh.spawn(_world4, 4, refs, str(tmp_path), timeout=600)
     bh.spawn(_world8, 8, refs, timeout=600)
+
+
+@contextlib.contextmanager
+def _recorded_3d_forms():
+    """For the duration, record the rows of every 3D Linear forward without autograd, by form:
+    ``{"stationary": [...], "gathered": [...]}`` (the weight-stationary one, the training one)."""
+    from behemoth.parallel.tensor import tp3d
+
+    forms = {"stationary": "stationary_linear", "gathered": "gathered_linear"}
+    seen = {form: [] for form in forms}
+    saved = {form: getattr(tp3d, name, None) for form, name in forms.items()}  # a form tp3d lacks: never seen
+
+    def record(form, fn):
+        def run(x, *args):
+            seen[form].append(x.shape[0])
+            return fn(x, *args)
+
+        return run
+
+    for form, fn in saved.items():
+        if fn is not None:
+            setattr(tp3d, forms[form], record(form, fn))
+    try:
+        yield seen
+    finally:
+        for form, fn in saved.items():
+            if fn is not None:
+                setattr(tp3d, forms[form], fn)
+
+
+def _world_3d(rank, world, refs):
+    """3D (q = 2): the reference tokens and logits, every decode step's Linears (the head's too)
+    weight-stationary and the prompt's blocks in the training form; with ``weight_stationary``
+    off the same tokens for more bytes a rank."""
+    from behemoth.parallel.tensor.tp3d import Linear3D
+
+    plan = bh.Plan(tp=8, tp_mode="3d")
+    with _recorded_3d_forms() as seen:
+        _check_plan(plan, refs, ("llama", "hf-gpt2"))
+    rows_per_rank = -(-len(PROMPT_LENGTHS) // 4)  # the tp group's rows over q**2 batch blocks
+    assert seen["stationary"], "no 3D Linear ran weight-stationary"
+    assert set(seen["stationary"]) == {rows_per_rank}, set(seen["stationary"])  # a decode step's rows
+    assert seen["gathered"] and min(seen["gathered"]) >= rows_per_rank * max(PROMPT_LENGTHS), set(seen["gathered"])
+    model = bh.parallelize(build("llama"), plan)
+    linears = sum(isinstance(m, Linear3D) for m in model.modules())
+    with _recorded_3d_forms() as seen:
+        assert bh.generate(model, prompts(), max_new_tokens=NEW) == refs["llama"]["tokens"]
+    counts = (len(seen["stationary"]), len(seen["gathered"]), linears)
+    # the prompt's forward: every block's Linears in the training form, the head (logits of the
+    # last position alone: one row a rank) weight-stationary; then every Linear of each step
+    assert counts[1] == linears - 1 and (counts[0] - 1) % linears == 0, counts
+    assert counts[0] >= (NEW - 1) * linears + 1, counts  # at least one step a new token after the first
+    ledger = bh.parallelization(model).mesh.ledger
+    moved = {}
+    for stationary in (True, False):
+        Linear3D.weight_stationary = stationary
+        ledger.reset()
+        try:
+            assert bh.generate(model, prompts(), max_new_tokens=NEW) == refs["llama"]["tokens"], stationary
+        finally:
+            Linear3D.weight_stationary = True
+        moved[stationary] = sum(s["bytes"] for a, s in ledger.stats().items() if a.startswith("tp"))
+    assert moved[True] < moved[False], moved
+
+
+def test_generate_3d_weight_stationary():
+    bh.spawn(_world_3d, 8, references(), timeout=600)
 
 
 def _world_stages(rank, world, refs):
