@@ -15,8 +15,8 @@ the attention that owns it (:mod:`.cache`):
   holds the logits of all the group's rows and picks the same tokens (:mod:`.sampling`: greedy,
   or seeded draws that do not depend on the plan) with no further communication. Tensor-parallel
   layers run their no-grad forward for the duration (``base.no_grad_forward``; 1D: plain
-  Linears and functional collectives; the 2D/2.5D Linears: weight-stationary for a decode
-  step's few tokens, moving activations instead of weight columns), so a 1D decode step issues
+  Linears and functional collectives; the 2D/2.5D and 3D Linears: weight-stationary for a
+  decode step's few tokens, moving activations instead of weight blocks), so a 1D decode step issues
   one all-reduce per row layer and for the embedding and one all-gather of the logits, syncs
   nothing to the host, and ``torch.compile``
   of the model's forward traces it into one graph. The step's token, position, slot and

@@ -144,10 +144,10 @@ def no_grad_forward(model: nn.Module):
     autograd Functions and no bookkeeping for a backward. 1D's (:mod:`.tp1d`, :mod:`.vocab1d`):
     functional collectives, so a decode step costs about the serial model's Python plus one call
     per collective and ``torch.compile`` traces it into one graph (CUDA graphs included); the
-    grid Linears' (:mod:`.tp2d`, 2.5D's too): weight-stationary for a few tokens
-    (:func:`.grid.linear_no_grad`). The training ``forward`` stays as it is (it launches the
-    backward's collectives), so it is swapped rather than changed. A no-op for a model without
-    such layers."""
+    grid Linears' (:mod:`.tp2d`, 2.5D's too) and the cube's (:mod:`.tp3d`): weight-stationary for
+    a few tokens (:func:`.grid.linear_no_grad`, :meth:`.tp3d.Linear3D.forward_no_grad`). The
+    training ``forward`` stays as it is (it launches the backward's collectives), so it is
+    swapped rather than changed. A no-op for a model without such layers."""
     layers = [m for m in model.modules() if hasattr(type(m), "forward_no_grad")]
     for m in layers:
         m.forward = m.forward_no_grad

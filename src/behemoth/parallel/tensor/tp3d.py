@@ -32,6 +32,18 @@ Biases: block N(i), replicated over (W, O); their gradients are all-reduced ther
 Per rank, one Linear forward + backward moves ``(3 T K + 3 K N + 2 T N) / q**2`` elements
 (T = B*S of the tp group; ``behemoth.planner.tp3d_traffic.linear3d_bytes``).
 
+Without autograd (generation, :func:`.base.no_grad_forward`) a Linear runs weight-stationary
+while that moves fewer elements (:func:`stationary_is_cheaper`, shapes alone: every rank picks
+alike): the training forward's weight gather over W, ``(q-1) K N / q**3`` elements a rank whatever
+the tokens, dominates a decode step, so instead the tokens come to the weights. The weight blocks
+of in-block o sit on the (I, W) plane of the ranks with O coordinate o, which also holds every
+token's in-block o: all-gather X over I and W (every token, ``[T, K/q]``), one GEMM with the
+rank's own block, reduce-scatter the partials over O, all-to-all over W into the training
+forward's output layout (:func:`stationary_linear`); ``(q**2-1) (T/q**2) (K/q + N/q**2)``
+elements received a rank, no weight element (``planner.tp3d_traffic.linear3d_no_grad_bytes``).
+It wins while ``(T/q**2) (K + N/q**2) < K N / q**3``: a decode step's few rows, not a prompt's.
+``Linear3D.weight_stationary = False`` keeps the training form; no over-decomposition there.
+
 Over-decomposition (``overlap=k``): the rank's tokens are cut into k pieces; piece p+1's
 gathers are in flight while piece p's GEMM runs, and piece p's reduce-scatter while piece
 p+1 computes (asynchronous collectives, ``comm.all_gather_async`` / ``reduce_scatter_async``).
@@ -287,8 +299,8 @@ def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
     ``(q-1) q rows n_out`` over O; the weight-stationary form ``(q**2-1) rows (n_in + n_out)``
     (the input of the whole (I, W) plane, its reduce-scatter and all-to-all): it wins while
     ``rows (q n_in + n_out) < n_in n_out``, i.e. while the tokens are few (a decode step:
-    Llama-3-8B at q = 2 below 409 rows a rank for q_proj, 1,303 for the fused gate_up), the
-    training form for a prompt's many. Shapes alone decide, and every rank of the cube holds
+    Llama-3-8B at q = 2 up to 120 rows a rank for k_proj, 409 for q_proj, 955 for gate / up),
+    the training form for a prompt's many. Shapes alone decide, and every rank of the cube holds
     the same ones, so all choose alike."""
     return rows * (q * n_in + n_out) < n_in * n_out
 
