@@ -9,8 +9,9 @@ seeded samples of bh.generate on the serial model.
 Every plan must give the reference tokens exactly, logits within 1e-5 at every step, the
 serial model's samples, and a KV cache of exactly ``kv_cache_bytes`` on every rank. Two spawned
 worlds (4 and 8 ranks) run the plans; the 4-rank one also generates from a checkpoint written
-by an engine under another plan (loaded under 2D and under ZeRO-3). Under 2D and 2.5D the decode
-step compiled whole is one graph with the eager call's tokens and collectives.
+by an engine under another plan (loaded under 2D and under ZeRO-3). A third (8 ranks) runs 3D
+and checks that its decode steps' Linears run weight-stationary. Under 2D, 2.5D and 3D the
+decode step compiled whole is one graph with the eager call's tokens and collectives.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ def _recorded_3d_forms():
 def _world_3d(rank, world, refs):
     """3D (q = 2): the reference tokens and logits, every decode step's Linears (the head's too)
     weight-stationary and the prompt's blocks in the training form; with ``weight_stationary``
-    off the same tokens for more bytes a rank."""
+    off the same tokens for more bytes a rank; the decode step compiled whole is one graph."""
     from behemoth.parallel.tensor.tp3d import Linear3D
 
     plan = bh.Plan(tp=8, tp_mode="3d")
@@ -309,6 +310,7 @@ def _world_3d(rank, world, refs):
             Linear3D.weight_stationary = True
         moved[stationary] = sum(s["bytes"] for a, s in ledger.stats().items() if a.startswith("tp"))
     assert moved[True] < moved[False], moved
+    _check_compiled_grid(plan, refs)  # the stationary form traced too: one graph a step
 
 
 def test_generate_3d_weight_stationary():
