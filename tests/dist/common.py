@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 
@@ -433,3 +435,42 @@ def untraced_gather_layout():
         yield
     finally:
         funcol._maybe_view_chunk_cat = helper
+
+
+class PhaseCounter(TorchDispatchMode):
+    """Counts, in ``self.n``, the ops reaching the dispatcher that :meth:`counts` accepts, in the
+    forward and, once the model's output gradient arrives (:func:`count_by_phase`), the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase, self.n = "forward", Counter()
+
+    def counts(self, func) -> bool:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.counts(func):
+            self.n[self.phase] += 1
+        return out
+
+
+def count_by_phase(engine, batch: dict, mode: PhaseCounter) -> Counter:
+    """``mode``'s forward and backward counts over one forward and backward of ``engine`` on
+    ``batch`` (after a step that leaves lazy set-up behind)."""
+    engine.step(batch)
+
+    def backward_starts(module, inputs, out):
+        def flip(grad):
+            mode.phase = "backward"
+            return grad
+
+        out.register_hook(flip)
+
+    hook = engine.model.register_forward_hook(backward_starts)
+    try:
+        with mode:
+            engine._forward_backward(batch)
+    finally:
+        hook.remove()
+    return mode.n

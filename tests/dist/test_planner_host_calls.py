@@ -15,9 +15,8 @@ from collections import Counter
 
 import pytest
 import torch
-from common import SEQ, build, global_batches, make_optimizer, shard
+from common import SEQ, PhaseCounter, build, count_by_phase, global_batches, make_optimizer, shard
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import behemoth as bh
 from behemoth.planner.host import block_calls, tp_block_calls
@@ -80,18 +79,12 @@ def test_collective_calls_per_block_are_the_runs():
     bh.spawn(_world, 4, timeout=500)
 
 
-class _PhaseCalls(TorchDispatchMode):
+class _PhaseCalls(PhaseCounter):
     """Counts the process group's calls (the c10d ops reaching the dispatcher) in the forward and,
     once the logits' gradient arrives, in the backward."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase, self.calls = "forward", Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func.overloadpacket).startswith("c10d."):
-            self.calls[self.phase] += 1
-        return func(*args, **(kwargs or {}))
+    def counts(self, func) -> bool:
+        return str(func.overloadpacket).startswith("c10d.")
 
 
 def _llama_8b_shaped(layers: int):
@@ -110,22 +103,7 @@ def _llama_8b_shaped(layers: int):
 def _phase_calls(layers: int, plan) -> Counter:
     model = _llama_8b_shaped(layers)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
-    batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
-    engine.step(batch)
-    mode = _PhaseCalls()
-
-    def backward_starts(module, inputs, out):
-        def flip(grad):
-            mode.phase = "backward"
-            return grad
-
-        out.register_hook(flip)
-
-    hook = engine.model.register_forward_hook(backward_starts)
-    with mode:
-        engine._forward_backward(batch)
-    hook.remove()
-    return mode.calls
+    return count_by_phase(engine, shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size), _PhaseCalls())
 
 
 def _llama_8b_world(rank, world):

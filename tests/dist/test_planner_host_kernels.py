@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from common import SEQ, VOCAB, build, global_batches, make_optimizer, shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from common import SEQ, VOCAB, PhaseCounter, build, count_by_phase, global_batches, make_optimizer, shard
 
 import behemoth as bh
 from behemoth.planner.host import tp_block_kernels
@@ -26,24 +25,17 @@ from behemoth.planner.workload import workload_for
 NO_KERNEL = ("_unsafe_view", "clone", "detach", "empty", "empty_like", "new_empty", "ones_like", "promote_types")
 
 
-class _Kernels(TorchDispatchMode):
+class _Kernels(PhaseCounter):
     """Kernel-launching aten ops in the forward and, once the logits' gradient arrives, the backward."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase, self.n = "forward", Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def counts(self, func) -> bool:
         name = str(func.overloadpacket)
         if name.startswith("c10d") or "_c10d_functional" in name:
-            return out
+            return False
         ret = func._schema.returns
         if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
-            return out
-        if func.__name__.split(".")[0] not in NO_KERNEL:
-            self.n[self.phase] += 1
-        return out
+            return False
+        return func.__name__.split(".")[0] not in NO_KERNEL
 
 
 def _model(family: str, layers: int):
@@ -60,22 +52,7 @@ def _model(family: str, layers: int):
 def _kernels(family: str, plan, layers: int) -> Counter:
     model = _model(family, layers)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
-    batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
-    engine.step(batch)
-    mode = _Kernels()
-
-    def backward_starts(module, inputs, out):
-        def flip(grad):
-            mode.phase = "backward"
-            return grad
-
-        out.register_hook(flip)
-
-    hook = engine.model.register_forward_hook(backward_starts)
-    with mode:
-        engine._forward_backward(batch)
-    hook.remove()
-    return mode.n
+    return count_by_phase(engine, shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size), _Kernels())
 
 
 def _per_block(family: str, plan) -> tuple[float, float]:
