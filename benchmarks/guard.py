@@ -120,7 +120,7 @@ RUNS = [
         script="bench_gpt.py",
         args=(
             "--size",
-            "gpt-6.9b",
+            "gpt-6.7b",
             "--mbs",
             "8",
             "--zero",

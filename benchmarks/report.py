@@ -41,6 +41,8 @@ METRICS = {
 }
 PEER_NAMES = {"fsdp": "stock FSDP2", "ddp": "stock DDP"}
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+UNTIED_NAMES = {"gpt-6.7b": "GPT-6.9B"}
+"""bench_gpt.py's models keep their own head table unless ``--tied``: the 6.7B preset is GPT-6.9B."""
 
 
 def describe(run: Run) -> str:
@@ -50,6 +52,8 @@ def describe(run: Run) -> str:
     flags = {a for a in run.args if a.startswith("--") and args.get(a) is None}
     size = args.get("--size", "")
     model = size.replace("gpt-", "GPT-").replace("b", "B") if size.startswith("gpt-") else f"GPT-{size.upper()}"
+    if run.script == "bench_gpt.py" and "--tied" not in flags:
+        model = UNTIED_NAMES.get(size, model)
     parts = [model, f"{run.gpus} GPU" + ("s" if run.gpus > 1 else "")]
     if run.is_peer:
         parts.insert(0, PEER_NAMES.get(args.get("--mode", ""), f"stock {args.get('--mode', 'PyTorch')}"))
