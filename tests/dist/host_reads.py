@@ -1,8 +1,10 @@
 """Count the reads of device values by the host inside a block (each one a wait for the device on a
 GPU): the Python conversions of a tensor (``tolist``, ``item``, ``int()``, ``float()``, ``bool()``,
 ``numpy``) and the ATen ops that read a device value to size their output (``nonzero`` and boolean
-masks, ``bincount``, ``repeat_interleave`` without ``output_size``, ``unique``, ``masked_select``).
-On the CPU none of them waits, but each is the same read on a GPU: counting them here pins a
+masks, ``bincount``, ``repeat_interleave`` without ``output_size``, ``unique``, ``masked_select``),
+and a Python number written into a tensor's elements (``t[i] = 3``: the number lifted to a tensor
+and copied in, on a GPU from pageable host memory, which waits for the device). On the CPU none of
+them waits, but each is the same read on a GPU: counting them here pins a
 layer's waits without one."""
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class HostReads(TorchDispatchMode):
         self.ops: Counter = Counter()
         """Every ATen op run in the block, by name (what the block costs in kernels, roughly)."""
         self._saved: dict = {}
+        self._lifted: dict[int, torch.Tensor] = {}  # kept alive: their ids stay theirs
 
     def __enter__(self):
         for name in CONVERSIONS:
@@ -53,9 +56,14 @@ class HostReads(TorchDispatchMode):
         self.ops[name] += 1
         if name in SYNCING_OPS:
             self.counts[f"op:{name}"] += 1
+        elif name == "copy_" and id(args[1]) in self._lifted:  # t[i] = number
+            self.counts["op:scalar_write"] += 1
         elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
             self.counts["op:repeat_interleave"] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if name == "lift_fresh":
+            self._lifted[id(out)] = out
+        return out
 
     def total(self) -> int:
         return sum(self.counts.values())
