@@ -160,3 +160,37 @@ def test_expert_parallel_grouped_padded_equals_serial(monkeypatch):
     y_p.square().sum().backward()
     for (name, a), b in zip(serial.named_parameters(), parallel.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_layout", ["transposed", "row-major"])
+def test_grouped_mm_operator_equals_torch_and_keeps_the_weights_layout(dtype, weight_layout):
+    """The opaque operator compiled blocks trace: value and both gradients bit for bit those of
+    ``torch._grouped_mm``'s own autograd, for a weight passed transposed (``[E, O, K]`` as
+    ``[E, K, O]``, the experts' case) and one passed row-major; a transposed weight's gradient
+    comes out in the weight's own layout (contiguous: no strided copy where it accumulates), and
+    an operand starting off 16 bytes is copied to an aligned one first."""
+    g = torch.Generator().manual_seed(3)
+    K, O = 16, 24
+    ends = torch.tensor([16, 48, 64], dtype=torch.int32)
+    x = torch.randn(64, K, generator=g).to(dtype).requires_grad_()
+    if weight_layout == "transposed":
+        w = torch.randn(3, O, K, generator=g).to(dtype).requires_grad_()
+        b = w.transpose(-2, -1)
+    else:
+        w = torch.randn(3, K, O, generator=g).to(dtype).requires_grad_()
+        b = w
+    dy = torch.randn(64, O, generator=g).to(dtype)
+    want = torch._grouped_mm(x, b, offs=ends)
+    want_grads = torch.autograd.grad(want, (x, w), dy)
+    got = grouped.grouped_mm(x, b, ends)
+    got_grads = torch.autograd.grad(got, (x, w), dy)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, c in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    assert got_grads[1].is_contiguous()
+    # an operand one element into its storage (2 or 4 bytes: off 16) gives the same product
+    shifted = torch.cat([x.detach().new_zeros(1), x.detach().reshape(-1)])[1:].view(64, K)
+    assert shifted.data_ptr() % 16 != 0
+    torch.testing.assert_close(grouped.grouped_mm(shifted, b.detach(), ends), want.detach(), rtol=0, atol=0)
+    torch.library.opcheck(grouped.grouped_mm, (x, b, ends))

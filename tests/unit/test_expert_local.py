@@ -4,7 +4,7 @@ start of its padded group, the last group taking the rows left over), and the st
 -- forced on the CPU, where ``torch._grouped_mm`` runs a loop of its own -- against the serial
 layer and the routed path: outputs, router losses and gradients, in float32 and under bf16
 autocast, with idle and hot experts; no host read and no sort in forward or backward; a capacity
-keeps the routed path."""
+keeps the routed path; the layer compiled whole (no graph break) computes what it computes eagerly."""
 
 from __future__ import annotations
 
@@ -127,3 +127,39 @@ def test_capacity_keeps_the_routed_path(monkeypatch):
     ExpertParallel().apply(layer, OneRankMesh())
     got = _run(layer, torch.randn(2, 8, 16), autocast=True)
     assert dict(got[3].counts) == {"tolist": 1}
+
+
+@pytest.mark.parametrize("routing", ["random", "hot"])
+def test_local_path_compiles_whole_and_equals_eager(routing, monkeypatch):
+    """The local path inside a compiled block: one graph (``fullgraph=True`` fails on any break),
+    with the same outputs, router losses and gradients as the eager layer -- exactly, through
+    AOT autograd's graphs run eagerly (inductor's fused kernels round bf16 differently)."""
+    _forced(monkeypatch)
+    calls = []
+    real = local.local_exchange
+    monkeypatch.setattr("behemoth.parallel.expert.style.local_exchange", lambda *a: calls.append(1) or real(*a))
+    eager, compiled = _layer(), _layer()
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(4))
+    if routing == "hot":  # every token to experts 1 and 2: experts 0 and 3 get padding rows only
+        x[..., 0] = 1.0
+        for layer in (eager, compiled):
+            with torch.no_grad():
+                layer.router.weight.zero_()
+                layer.router.weight[1, 0] = layer.router.weight[2, 0] = 5.0
+    for layer in (eager, compiled):
+        ExpertParallel().apply(layer, OneRankMesh())
+    torch._dynamo.reset()
+    whole = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    want = _run(eager, x, autocast=True)
+    got = _run_with(compiled, whole, x)
+    assert calls == [1, 1]
+    for a, b in zip(got, want[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _run_with(layer, fn, x):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = fn(x)
+    (y.float().square().sum() + layer.aux_loss).backward()
+    return y.detach(), layer.aux_loss.detach(), [x.grad] + [p.grad for p in layer.parameters()]

@@ -26,7 +26,9 @@ they add nothing to the weights' gradients.
    the layout (zero at the padding).
 
 No collective, no host read, no atomic accumulation (each backward is the adjoint gather or
-scatter over the same index). Tested in tests/unit/test_expert_local.py against the serial layer
+scatter over the same index). Nothing here needs the host, so a compiled block traces it whole:
+the layout, the gathers and the experts' GEMMs (:func:`~.grouped.grouped_mm`, an opaque operator)
+are in the block's one graph, forward and backward. Tested in tests/unit/test_expert_local.py against the serial layer
 and the routed path (forced on the CPU, where ``torch._grouped_mm`` runs a loop of its own).
 """
 
@@ -120,7 +122,6 @@ class TokenRows(torch.autograd.Function):
         return grad_NH, None, None
 
 
-@torch.compiler.disable  # eager in compiled blocks, as the routed path
 def local_exchange(
     x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, run_experts, shared=None
 ) -> torch.Tensor:
