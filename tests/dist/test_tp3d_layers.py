@@ -27,7 +27,7 @@ from torch import nn
 import behemoth as bh
 from behemoth import comm
 from behemoth.mesh import ParallelMesh
-from behemoth.parallel.tensor import embed3d, tp3d
+from behemoth.parallel.tensor import embed3d, norms3d, tp3d
 from behemoth.parallel.tensor.base import no_grad_forward
 from behemoth.parallel.tensor.layout import DimShard, ShardSpec, get_spec, shard_tensor
 from behemoth.planner import tp3d_traffic
@@ -85,7 +85,7 @@ class AttnBlock(nn.Module):
 def shard_mlp(mesh, serial, overlap=1):
     return MLPBlock(
         H,
-        tp3d.LayerNorm3D.from_serial(serial.norm, mesh),
+        norms3d.LayerNorm3D.from_serial(serial.norm, mesh),
         tp3d.Linear3D.from_serial(serial.fc1, mesh, overlap=overlap),
         tp3d.Linear3D.from_serial(serial.fc2, mesh, swapped=True, overlap=overlap),
     )
@@ -160,7 +160,7 @@ def norm_scenarios(mesh):
             mesh,
             L,
             ln,
-            tp3d.LayerNorm3D.from_serial(ln, mesh, swapped=swapped),
+            norms3d.LayerNorm3D.from_serial(ln, mesh, swapped=swapped),
             x * 3 + 1,
             f"layernorm swapped={swapped}",
             in_spec=sp,
@@ -172,14 +172,14 @@ def norm_scenarios(mesh):
             mesh,
             L,
             rms,
-            tp3d.RMSNorm3D.from_serial(rms, mesh, swapped=swapped),
+            norms3d.RMSNorm3D.from_serial(rms, mesh, swapped=swapped),
             x,
             f"rmsnorm swapped={swapped}",
             in_spec=sp,
             out_spec=sp,
         )
     ln = nn.LayerNorm(H, bias=False).double()
-    check_layer(mesh, L, ln, tp3d.LayerNorm3D.from_serial(ln, mesh), x, "layernorm no bias")
+    check_layer(mesh, L, ln, norms3d.LayerNorm3D.from_serial(ln, mesh), x, "layernorm no bias")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from behemoth.models.llama import RMSNorm  # both compute in float32: compare in float32
@@ -187,7 +187,7 @@ def norm_scenarios(mesh):
     for rms in (RMSNorm(H), LlamaRMSNorm(H, eps=1e-6)):
         nn.init.normal_(rms.weight)
         check_layer(
-            mesh, L, rms, tp3d.RMSNorm3D.from_serial(rms, mesh), x.float(), type(rms).__name__, rtol=1e-5, atol=1e-6
+            mesh, L, rms, norms3d.RMSNorm3D.from_serial(rms, mesh), x.float(), type(rms).__name__, rtol=1e-5, atol=1e-6
         )
 
 
@@ -221,7 +221,7 @@ def block_scenarios(mesh):
     torch.manual_seed(1)
     attn = AttnBlock(nn.LayerNorm(H), nn.Linear(H, 3 * H), nn.Linear(H, H), heads=2).double()
     par = AttnBlock(
-        tp3d.LayerNorm3D.from_serial(attn.norm, mesh),
+        norms3d.LayerNorm3D.from_serial(attn.norm, mesh),
         tp3d.Linear3D.from_serial(attn.qkv, mesh, fused=3),
         tp3d.Linear3D.from_serial(attn.proj, mesh, swapped=True),
         heads=2 // q,
@@ -271,7 +271,7 @@ def lm_scenarios(mesh):
         lm = LM(
             wte,
             embed3d.PositionEmbedding3D.from_serial(serial.wpe, mesh),
-            tp3d.LayerNorm3D.from_serial(serial.ln, mesh),
+            norms3d.LayerNorm3D.from_serial(serial.ln, mesh),
             head,
         )
         loss = F.cross_entropy(serial(ids).flatten(0, 1), labels.flatten(), reduction="sum")
@@ -404,7 +404,7 @@ def autocast_smoke(mesh):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = lin(x)
         y = layer(tp3d.split_activation_3d(x, mesh))
-        norm = tp3d.LayerNorm3D(H, mesh, swapped=True)(y)
+        norm = norms3d.LayerNorm3D(H, mesh, swapped=True)(y)
     assert y.dtype == torch.bfloat16 and norm.dtype == torch.float32
     (y.float().sum() + norm.sum()).backward()
     assert layer.weight.grad.dtype == torch.float32
@@ -467,7 +467,7 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     assert torch.equal(shard_tensor(fq.t(), get_spec(conv.weight)), fq.view(3, 8, 8)[:, 6:8, 0:4].reshape(6, 4).t())
     emb, head = embed3d.Embedding3D(16, 8, mesh), embed3d.VocabParallelHead3D(8, 16, mesh)
     assert get_spec(emb.weight) == get_spec(head.weight) and emb.vocab_start == 12
-    assert get_spec(tp3d.LayerNorm3D(8, mesh, swapped=True).weight).dims == (DimShard(0, 2, 1, ("tp_row",)),)
+    assert get_spec(norms3d.LayerNorm3D(8, mesh, swapped=True).weight).dims == (DimShard(0, 2, 1, ("tp_row",)),)
     # traffic: (3 T K + 3 K N + 2 T N) / q^2 elements, bias 2 N / q
     assert linear3d_bytes(64, 16, 32, 2) == 4 * (3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4
     want = 2 * ((3 * 64 * 16 + 3 * 16 * 32 + 2 * 64 * 32) // 4 + 32)
@@ -503,9 +503,9 @@ def test_pure_layout_schedule_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="batch size = 3 is not divisible by 4"):
         tp3d.split_batch_3d(torch.zeros(3, 2), mesh)
     with pytest.raises(ValueError, match="RMSNorm3D hidden size = 5 is not divisible by 2"):
-        tp3d.RMSNorm3D(5, mesh)
+        norms3d.RMSNorm3D(5, mesh)
     with pytest.raises(ValueError, match="expected hidden/q = 8/2 = 4"):
-        tp3d.LayerNorm3D(8, mesh)(torch.zeros(1, 3, 8))
+        norms3d.LayerNorm3D(8, mesh)(torch.zeros(1, 3, 8))
     with pytest.raises(ValueError, match="labels .* must be this rank's batch block"):
         head.vocab_parallel_loss_sum(torch.zeros(1, 3, 8), torch.zeros(4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="does not match"):

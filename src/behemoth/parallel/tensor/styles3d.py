@@ -58,9 +58,10 @@ from .base import (
 )
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
+from .norms3d import LayerNorm3D, RMSNorm3D
 from .projection_norm import make_head_norm
 from .serial import attention_heads, linear_shape, localize_heads
-from .tp3d import INPUT_BATCH_AXES, MODE, LayerNorm3D, Linear3D, RMSNorm3D, cube_of
+from .tp3d import INPUT_BATCH_AXES, MODE, Linear3D, cube_of
 
 _LINEAR_ROLES = ("colwise", "rowwise", "colwise_fused3")
 
@@ -108,7 +109,7 @@ class RowwiseParallel3D(TensorStyle):
 
 @dataclass(frozen=True, kw_only=True)
 class NormParallel3D(TensorStyle):
-    """``nn.LayerNorm`` or an RMS norm -> :class:`~.tp3d.LayerNorm3D` / :class:`~.tp3d.RMSNorm3D`
+    """``nn.LayerNorm`` or an RMS norm -> :class:`~.norms3d.LayerNorm3D` / :class:`~.norms3d.RMSNorm3D`
     on the canonical layout."""
 
     role = "norm"
@@ -121,7 +122,7 @@ class NormParallel3D(TensorStyle):
 @dataclass(frozen=True, kw_only=True)
 class ColwiseNormParallel3D(TensorStyle):
     """A norm over the whole output of a ``colwise`` projection (OLMoE's ``q_norm`` / ``k_norm``)
-    -> :class:`~.tp3d.LayerNorm3D` / :class:`~.tp3d.RMSNorm3D` on the swapped layout the
+    -> :class:`~.norms3d.LayerNorm3D` / :class:`~.norms3d.RMSNorm3D` on the swapped layout the
     projection writes (feature block r: statistics over ``tp_row``, weight block r replicated over
     ``tp_depth`` and ``tp_col``)."""
 

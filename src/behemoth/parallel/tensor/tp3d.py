@@ -50,7 +50,7 @@ p+1 computes (asynchronous collectives, ``comm.all_gather_async`` / ``reduce_sca
 Any equal split of the local rows is consistent with the layouts, so the result equals k = 1
 (up to the summation order of dW) and the bytes are the same.
 
-Norms all-reduce their statistics over the hidden axis of their layout. The embeddings, head
+Norms (:mod:`.norms3d`) all-reduce their statistics over the hidden axis of their layout. The embeddings, head
 and loss live in :mod:`.embed3d`: the token embedding
 and LM head share one table layout (vocab block ``r*q + d`` of q**2, hidden block c) so they
 can be tied; the embedding reduce-scatters its partial lookups over tp_depth then tp_row, the
@@ -65,8 +65,8 @@ communication. ``local_ids`` (Embedding3D) all-gathers those int64 ids into the 
 ``local_positions`` (PositionEmbedding3D) re-indexes per-row positions onto the canonical rows
 of the residual stream; ``local_labels`` (the head) takes the labels block as it is.
 
-Modules: this one (cube, layouts, Linear3D, norms), :mod:`.embed3d` (embeddings, LM head,
-vocab-parallel loss), :mod:`.styles3d` (one style per role and the model-level checks).
+Modules: this one (cube, layouts, Linear3D), :mod:`.norms3d` (LayerNorm, RMSNorm), :mod:`.embed3d`
+(embeddings, LM head, vocab-parallel loss), :mod:`.styles3d` (one style per role and the model-level checks).
 
 Tested in tests/dist/test_tp3d_layers.py (world 8, q = 2) against the serial layers in float64,
 and whole models in tests/dist/test_tp3d.py.
@@ -85,7 +85,7 @@ from torch import nn
 from ... import comm
 from ...comm import Axis
 from .base import require_mode
-from .functional import ShardedNormFn, autocast_dtype, replicated
+from .functional import autocast_dtype, replicated
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, linear_layout
 
@@ -101,8 +101,7 @@ __all__ = [
     "Linear3D",
     "stationary_is_cheaper",
     "stationary_linear",
-    "LayerNorm3D",
-    "RMSNorm3D",
+    "layout_name",
     "INPUT_BATCH_AXES",
 ]
 
@@ -328,7 +327,7 @@ def stationary_linear(x: torch.Tensor, w: torch.Tensor, axes, fused: int) -> tor
     return y.view(q, m, fused, -1).permute(1, 2, 0, 3).reshape(m, -1)
 
 
-def _layout_name(swapped: bool) -> str:
+def layout_name(swapped: bool) -> str:
     return (
         "swapped [B/q^2 over (tp_depth, tp_col), S, H/q over tp_row]"
         if swapped
@@ -431,7 +430,7 @@ class Linear3D(nn.Module):
         if x.shape[-1] != n_in:
             raise ValueError(
                 f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden block "
-                f"in_features/q = {self.in_features}/{self.cube.q} = {n_in} (layout {_layout_name(self.swapped)})."
+                f"in_features/q = {self.in_features}/{self.cube.q} = {n_in} (layout {layout_name(self.swapped)})."
             )
         return n_in
 
@@ -475,99 +474,3 @@ class Linear3D(nn.Module):
             f"in={self.in_features}, out={self.out_features}, q={self.cube.q}, swapped={self.swapped}, "
             f"fused={self.fused}, overlap={self.overlap}, bias={self.bias is not None}"
         )
-
-
-# --------------------------------------------------------------------------- norms
-class _Norm3D(nn.Module):
-    RMS = False
-
-    def __init__(
-        self,
-        hidden: int,
-        mesh,
-        *,
-        eps: float | None = 1e-5,
-        weight: bool = True,
-        bias: bool = True,
-        swapped: bool = False,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        name = type(self).__name__
-        cube = self.cube = cube_of(mesh, name)
-        check_divisible(f"{name} hidden size", hidden, cube.q, MODE)
-        lay = self.layout = cube.layout(swapped)
-        self.hidden, self.eps, self.swapped = hidden, eps, swapped
-        spec = ShardSpec(
-            (hidden,),
-            (DimShard(0, cube.q, lay.hidden.rank, (lay.hidden.name,)),),
-            (lay.depth.name, lay.inner.name) if cube.q > 1 else (),
-        )
-        kw = dict(device=device, dtype=dtype)
-        self.weight = set_spec(nn.Parameter(torch.ones(hidden // cube.q, **kw)), spec) if weight else None
-        self.bias = set_spec(nn.Parameter(torch.zeros(hidden // cube.q, **kw)), spec) if bias else None
-
-    def forward(self, x_bSh: torch.Tensor) -> torch.Tensor:
-        lay, n = self.layout, self.hidden // self.cube.q
-        if x_bSh.shape[-1] != n:
-            raise ValueError(
-                f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected hidden/q = "
-                f"{self.hidden}/{self.cube.q} = {n} (layout {_layout_name(self.swapped)})."
-            )
-        w = None if self.weight is None else replicated(self.weight, lay.inner, lay.depth)
-        b = None if self.bias is None else replicated(self.bias, lay.inner, lay.depth)
-        eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
-        y = ShardedNormFn.apply(x_bSh, w, b, eps, lay.hidden, self.hidden, self.RMS)
-        keep_fp32 = not self.RMS and autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
-        return y if keep_fp32 else y.to(x_bSh.dtype)
-
-    def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, q={self.cube.q}, eps={self.eps}, swapped={self.swapped}"
-
-
-class LayerNorm3D(_Norm3D):
-    """LayerNorm of ``[b, s, h]`` over the full hidden dim: statistics all-gathered over the
-    layout's hidden axis (tp_col; tp_row when ``swapped``), backward sums all-reduced there.
-    Weight and bias: the hidden block, replicated over the other two axes (gradients summed)."""
-
-    @classmethod
-    def from_serial(cls, module: nn.LayerNorm, mesh, *, swapped: bool = False):
-        if len(module.normalized_shape) != 1:
-            raise ValueError(
-                f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}."
-            )
-        p = next(module.parameters(), None)
-        kw = dict(device=p.device, dtype=p.dtype) if p is not None else {}
-        layer = cls(
-            module.normalized_shape[0],
-            mesh,
-            eps=module.eps,
-            weight=module.weight is not None,
-            bias=module.bias is not None,
-            swapped=swapped,
-            **kw,
-        )
-        copy_shards(layer, module)
-        return layer
-
-
-class RMSNorm3D(_Norm3D):
-    """RMSNorm of ``[b, s, h]``: ``x / sqrt(mean(x^2) + eps) * weight``, the mean over the full
-    hidden dim (one all-reduce over the layout's hidden axis), computed in at least float32."""
-
-    RMS = True
-
-    def __init__(
-        self, hidden: int, mesh, *, eps: float | None = 1e-5, swapped: bool = False, device=None, dtype=None
-    ) -> None:
-        super().__init__(hidden, mesh, eps=eps, weight=True, bias=False, swapped=swapped, device=device, dtype=dtype)
-
-    @classmethod
-    def from_serial(cls, module: nn.Module, mesh, *, swapped: bool = False):
-        """``nn.RMSNorm``, behemoth's Llama ``RMSNorm`` or transformers' ``LlamaRMSNorm``."""
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        w = module.weight
-        layer = cls(w.shape[0], mesh, eps=eps, swapped=swapped, device=w.device, dtype=w.dtype)
-        copy_shards(layer, module)
-        return layer
