@@ -33,12 +33,15 @@ Per block and micro-batch, from the same structure the traffic formulas count
 * **kernels**: ``Calibration.host_block_kernels`` (one serial block's forward and backward,
   measured on a tiny GPT, scaled to the model's block by the kernels its operators launch,
   :func:`serial_block_kernels`) plus the kernels the tensor-parallel layout's layers add to it
-  (:func:`tp_block_kernels`, counted from the code for the block's shape and the plan) and, per
-  call of the other axes (context, expert, ZeRO-3), 1D's ``kernels_per_call`` (else
-  ``kernels_per_collective``); the serial block's split between forward and backward measured
-  too (``host_forward_share``, default a third), the layout's as its layers issue them;
-  checkpointing adds a forward; an MoE layer's ``ep_overlap`` chunks add the kernels each extra
-  chunk launches (:func:`ep_chunk_kernels`, counted from the code);
+  (:func:`tp_block_kernels`, counted from the code for the block's shape and the plan), an MoE
+  block's layer in place of the dense MLP (:func:`~.expert_kernels.moe_block_kernels`: its router,
+  statistics, routes, rows and grouped GEMMs as the route the plan takes issues them, counted from
+  the code) and, per call of the other axes (context, expert, ZeRO-3), 1D's ``kernels_per_call``
+  (else ``kernels_per_collective``); the serial block's split between forward and backward
+  measured too (``host_forward_share``, default a third), the layout's and the MoE layer's as
+  they issue them; checkpointing adds a forward (an MoE layer's without what it replays or
+  never reaches again); an MoE layer's ``ep_overlap`` chunks add the kernels each extra chunk
+  launches (:func:`ep_chunk_kernels`, counted from the code);
 
 at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its own kernel, its
 Python and bookkeeping beyond the kernels counted; per tensor-parallel mode, the layouts' own code
@@ -53,7 +56,9 @@ dispatch (:func:`ep_sync_seconds`: on the device's path, the cost model adds it 
 calibration without host figures (all zero) predicts no host bound.
 Pure; tests/unit/test_planner_host.py; the tensor-parallel counts against a run's collectives in
 tests/dist/test_planner_host_calls.py (an MoE block's under the grids, and checkpointed grid blocks,
-in tests/dist/test_planner_expert_grid_ledger.py).
+in tests/dist/test_planner_expert_grid_ledger.py); the kernels against a run's dispatched operators
+in tests/dist/test_planner_host_kernels.py (a layout's) and tests/dist/test_planner_host_expert_kernels.py
+(an MoE layer's).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from dataclasses import dataclass
 from ..plan import Plan
 from ..specs import TransformerShape
 from .calibration import Calibration
+from .expert_kernels import moe_block_kernels
 from .params import stage_layers
 from .tp2d_traffic import grid_deferred_layers, grid_side, grid_vector_flushes
 from .workload import Workload
@@ -440,9 +446,11 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     # calibration's kernels per call
     tf, tb = tp_block_kernels(plan, w)
     cf, cb = tp_block_calls(plan, w)
-    again = kern * share + tf if plan.activation_checkpointing else 0.0
-    kf = kern * share + tf + kpc * (f - cf) + ef
-    kb = kern * (1 - share) + tb + kpc * (b - cb - (cf if plan.activation_checkpointing else 0.0)) + again + eb
+    # an MoE layer's own kernels in place of the dense MLP's (counted: expert_kernels)
+    mf, mb, mr = moe_block_kernels(plan, w)
+    again = kern * share + tf + mr if plan.activation_checkpointing else 0.0
+    kf = kern * share + tf + mf + kpc * (f - cf) + ef
+    kb = kern * (1 - share) + tb + mb + kpc * (b - cb - (cf if plan.activation_checkpointing else 0.0)) + again + eb
     pf, pb = pipeline_calls(plan)
     p2p = (pf + pb) * (cal.host_call_s.get("1d", one) + cal.host_kernel_s)
     return HostTimes(

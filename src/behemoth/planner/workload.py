@@ -32,6 +32,9 @@ class Workload:
     """Experts each token visits."""
     expert_ffn_hidden: int = 0
     """Inner width of one expert (0: the dense ffn_hidden)."""
+    experts_norm_topk: bool = True
+    """Each token's k expert weights divided by their sum (Mixtral), or not (OLMoE): a few more
+    kernels per MoE layer (:mod:`.expert_kernels`)."""
     expert_spread: float | None = None
     """The ep members a token's k experts sit on, on average, under ``Plan.ep_dedup`` (what the
     member exchange sends per token): None as if the k were drawn uniformly without replacement
@@ -130,4 +133,5 @@ def workload_for(model, *, seq_len: int | None = None, global_batch: int, vocab_
         num_experts=experts,
         experts_top_k=getattr(config, "experts_top_k", 1) if experts else 1,
         expert_ffn_hidden=(getattr(config, "expert_ffn_hidden", None) or 0) if experts else 0,
+        experts_norm_topk=bool(getattr(config, "router_norm_topk", getattr(config, "norm_topk_prob", True))),
     )

@@ -1,0 +1,110 @@
+"""The kernels an MoE layer launches (behemoth.planner.expert_kernels) against a dispatch-level
+count of a run's: the aten ops that launch a kernel (every op but views, allocations, dtype
+queries and the profiler's record functions; copies and fills counted; the collectives apart,
+priced per call) in one forward and, once the logits' gradient arrives, one backward of a 4-block
+model less a 2-block one's, halved, under bf16 autocast -- a tiny MoE Llama (4 experts of width
+24, top-2, renormalised) less the same Llama with dense MLPs under the same plan, against the
+planner's MoE block less its dense block (the layer's kernels less the dense MLP's, and the
+tensor-parallel layout's own kernels of each). On the CPU, with the grouped GEMMs' fast path
+forced (``torch._grouped_mm`` runs a loop of its own there) so the GPU's routes run: the copies
+between host and device only a CUDA device makes (``EP_DEVICE_COPIES``) are left out. On 2 gloo
+ranks: ep 1 (the local route) and ep 2 (the routed one), each with and without activation
+checkpointing; 1D tensor parallelism 2 (each tp rank its share of the tokens) with and without
+sequence parallelism."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from common import SEQ, PhaseCounter, count_by_phase, global_batches, make_optimizer, moe_llama_config, shard
+
+import behemoth as bh
+from behemoth.planner.expert_kernels import EP_DEVICE_COPIES, expert_route, moe_block_kernels
+from behemoth.planner.host import tp_block_kernels
+from behemoth.planner.workload import workload_for
+
+# no kernel: views (by schema), allocations, dtype queries and the profiler's ranges
+NO_KERNEL = (
+    "_unsafe_view",
+    "detach",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "promote_types",
+    "_record_function_enter_new",
+    "_record_function_exit",
+)
+
+
+class _Kernels(PhaseCounter):
+    """Kernel-launching aten ops in the forward and, once the logits' gradient arrives, the backward."""
+
+    def counts(self, func) -> bool:
+        name = str(func.overloadpacket)
+        if name.startswith("c10d") or "_c10d_functional" in name:
+            return False
+        ret = func._schema.returns
+        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return False
+        return func.__name__.split(".")[0] not in NO_KERNEL
+
+
+def _config(dense: bool, layers: int):
+    config = moe_llama_config(num_layers=layers)
+    return dataclasses.replace(config, num_experts=0) if dense else config
+
+
+def _per_block(plan, dense: bool) -> tuple[float, float]:
+    from behemoth.models import Llama
+
+    counts = []
+    for layers in (2, 4):
+        model = Llama(_config(dense, layers))
+        engine = bh.boost(model, make_optimizer("sgd", model), plan)
+        counts.append(
+            count_by_phase(engine, shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size), _Kernels())
+        )
+    lo, hi = counts
+    return tuple((hi[p] - lo[p]) / 2 for p in ("forward", "backward"))
+
+
+def _counted(plan, world: int) -> tuple[float, float]:
+    """The planner's MoE block less its dense block under ``plan``, as a CPU run launches them."""
+    plan = plan.resolve(world)
+    moe, dense = (workload_for(_config(d, 2), seq_len=SEQ, global_batch=8) for d in (False, True))
+    f, b, again = moe_block_kernels(plan, moe)
+    (mf, mb), (df, db) = tp_block_kernels(plan, moe), tp_block_kernels(dataclasses.replace(plan, ep=1), dense)
+    f, b = f + mf - df, b + again + mb - db
+    if expert_route(plan, moe) == "routed":
+        device_f, _, device_again = EP_DEVICE_COPIES
+        f, b = f - device_f, b - (device_again if plan.activation_checkpointing else 0.0)
+    return f, b
+
+
+def _world(rank, world):
+    from behemoth.parallel.expert import grouped
+
+    # the grouped GEMMs' fast kernel claimed for bf16 GEMMs on the CPU, so the GPU's routes run
+    grouped._fast_kernel = lambda x: grouped.gemm_dtype(x) == torch.bfloat16
+    plans = (
+        bh.Plan(precision="bf16"),
+        bh.Plan(precision="bf16", activation_checkpointing=True),
+        bh.Plan(ep=2, precision="bf16"),
+        bh.Plan(ep=2, precision="bf16", activation_checkpointing=True),
+        bh.Plan(tp=2, precision="bf16"),
+        bh.Plan(tp=2, sequence_parallel=True, precision="bf16"),
+    )
+    for plan in plans:
+        # the dense model under the same plan (ep 1: it has no experts to shard; its dense part is the same)
+        moe, dense = _per_block(plan, False), _per_block(dataclasses.replace(plan, ep=1), True)
+        got = tuple(m - d for m, d in zip(moe, dense))
+        want = _counted(plan, world)
+        assert got == want, (
+            f"{plan.describe()}: an MoE block launches {got} kernels beyond a dense one's, counted {want}"
+        )
+
+
+def test_moe_block_kernels_are_the_runs():
+    torch.manual_seed(0)
+    bh.spawn(_world, 2, timeout=120)
