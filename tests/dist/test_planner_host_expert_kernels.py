@@ -9,7 +9,7 @@ tensor-parallel layout's own kernels of each). On the CPU, with the grouped GEMM
 forced (``torch._grouped_mm`` runs a loop of its own there) so the GPU's routes run: the copies
 between host and device only a CUDA device makes (``EP_DEVICE_COPIES``) are left out. On 2 gloo
 ranks: ep 1 (the local route) and ep 2 (the routed one), each with and without activation
-checkpointing; 1D tensor parallelism 2 (each tp rank its share of the tokens) with and without
+checkpointing; ep 2 in chunks (``ep_overlap``: host.ep_chunk_kernels); 1D tensor parallelism 2 (each tp rank its share of the tokens) with and without
 sequence parallelism."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from common import SEQ, PhaseCounter, count_by_phase, global_batches, make_optim
 
 import behemoth as bh
 from behemoth.planner.expert_kernels import EP_DEVICE_COPIES, expert_route, moe_block_kernels
-from behemoth.planner.host import tp_block_kernels
+from behemoth.planner.host import EP_CHUNK_DEVICE_KERNELS, ep_chunk_kernels, tp_block_kernels
 from behemoth.planner.workload import workload_for
 
 # no kernel: views (by schema), allocations, dtype queries and the profiler's ranges
@@ -74,11 +74,19 @@ def _counted(plan, world: int) -> tuple[float, float]:
     plan = plan.resolve(world)
     moe, dense = (workload_for(_config(d, 2), seq_len=SEQ, global_batch=8) for d in (False, True))
     f, b, again = moe_block_kernels(plan, moe)
-    (mf, mb), (df, db) = tp_block_kernels(plan, moe), tp_block_kernels(dataclasses.replace(plan, ep=1), dense)
+    (mf, mb), (df, db) = (
+        tp_block_kernels(plan, moe),
+        tp_block_kernels(dataclasses.replace(plan, ep=1, ep_overlap=1), dense),
+    )
     f, b = f + mf - df, b + again + mb - db
     if expert_route(plan, moe) == "routed":
         device_f, _, device_again = EP_DEVICE_COPIES
         f, b = f - device_f, b - (device_again if plan.activation_checkpointing else 0.0)
+    cf, cb = ep_chunk_kernels(plan, moe)
+    if cf:  # over-decomposed: the extra chunks' kernels, less a CUDA device's own
+        (df, _, dr), (cdf, _, _) = EP_CHUNK_DEVICE_KERNELS
+        k = plan.ep_overlap
+        f, b = f + cf - (k - 1) * df - cdf, b + cb - ((k - 1) * dr if plan.activation_checkpointing else 0.0)
     return f, b
 
 
@@ -92,12 +100,14 @@ def _world(rank, world):
         bh.Plan(precision="bf16", activation_checkpointing=True),
         bh.Plan(ep=2, precision="bf16"),
         bh.Plan(ep=2, precision="bf16", activation_checkpointing=True),
+        bh.Plan(ep=2, ep_overlap=3, precision="bf16"),
+        bh.Plan(ep=2, ep_overlap=2, precision="bf16", activation_checkpointing=True),
         bh.Plan(tp=2, precision="bf16"),
         bh.Plan(tp=2, sequence_parallel=True, precision="bf16"),
     )
     for plan in plans:
         # the dense model under the same plan (ep 1: it has no experts to shard; its dense part is the same)
-        moe, dense = _per_block(plan, False), _per_block(dataclasses.replace(plan, ep=1), True)
+        moe, dense = _per_block(plan, False), _per_block(dataclasses.replace(plan, ep=1, ep_overlap=1), True)
         got = tuple(m - d for m, d in zip(moe, dense))
         want = _counted(plan, world)
         assert got == want, (

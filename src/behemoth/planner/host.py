@@ -77,6 +77,7 @@ __all__ = [
     "HostTimes",
     "EP_CHUNK_KERNELS",
     "EP_CHUNKED_KERNELS",
+    "EP_CHUNK_DEVICE_KERNELS",
     "block_calls",
     "ep_block_calls",
     "ep_chunk_kernels",
@@ -109,7 +110,7 @@ REFERENCE_SHAPE = TransformerShape(
 )
 """The block ``Calibration.host_block_kernels`` counts: ``benchmarks/calibrate.py``'s tiny GPT."""
 
-EP_CHUNK_KERNELS = (19.0, 24.0, 16.0)
+EP_CHUNK_KERNELS = (19.0, 23.0, 16.0)
 """Kernels each MoE layer launches per chunk of ``Plan.ep_overlap`` beyond the first: ``(forward,
 backward, recompute)``, counted from ``parallel/expert/overlap.py`` and ``dispatch.py`` on the GPU
 path (bf16 autocast over fp32 parameters, grouped GEMMs, groups padded in the placement).
@@ -118,16 +119,24 @@ Forward: the chunk's assignment indices (2: offset, token), its rows cast and ga
 it holds, one copy to the device: 1) and the scatter (``PlaceRows``, 2), the experts
 (``swiglu_grouped_mm``: 2 weight casts, the offsets' copy, 2 grouped GEMMs, SiLU and the product:
 7), the gather back (``TakeRows``, 1), the weighting and sum (``WeighRows``: the weights' take, the
-product, the zeros and the ``index_add_``: 4). Backward: the weighting's (7), the scatter back (2),
-the experts' (2 grouped GEMMs each and a gradient cast each, the product and SiLU 3, the gate/up
+product, the zeros and the ``index_add_``: 4). Backward: the weighting's (the gradient's gather,
+the rows' product and cast, the weights' product, sum and ``put_``: 6), the scatter back (2), the
+experts' (2 grouped GEMMs each and a gradient cast each, the product and SiLU 3, the gate/up
 concatenation 1: 10) with the weights' gradients summed (2), the gather's (1), ``SendRows``'s (2).
 A recompute replays the routes (no indices, no ``lay_out``): the rows, the experts, the gather back
-and the weighting (16)."""
-EP_CHUNKED_KERNELS = (10.0, 2.0, 1.0)
+and the weighting (16). A dispatch-level count of a run checks them
+(tests/dist/test_planner_host_expert_kernels.py), less :data:`EP_CHUNK_DEVICE_KERNELS` on its CPU."""
+EP_CHUNKED_KERNELS = (10.0, 0.0, 1.0)
 """... and once per layer where ``ep_overlap > 1``: forward, the chunk keys (``Routes.build``: the
 runs' copy, arange, ``repeat_interleave``'s 3, the key's multiply and add) and the split sizes
-regrouped by member (2 copies), and the outputs' concatenation; backward, the concatenations of
-the chunks' input and routing-weight gradients; recompute, the outputs' concatenation."""
+regrouped by member (2 copies), and the outputs' concatenation; backward none (the chunks' input
+and routing-weight gradients are concatenated, as the one chunk's split is:
+:func:`~.expert_kernels.moe_layer_kernels`); recompute, the outputs' concatenation."""
+EP_CHUNK_DEVICE_KERNELS = ((2.0, 0.0, 1.0), (3.0, 0.0, 0.0))
+"""Of :data:`EP_CHUNK_KERNELS` and :data:`EP_CHUNKED_KERNELS`, the kernels only a CUDA device
+launches: per extra chunk the placement's and the offsets' copies to the device (a recompute: the
+offsets' again); once, the runs' copy and two of ``repeat_interleave``'s three kernels (one
+operator at the dispatcher)."""
 
 
 def ep_sync_seconds(plan: Plan, w: Workload, cal: Calibration) -> float:
