@@ -17,6 +17,13 @@ from behemoth.planner.bubble import _closed, _simulated
 from behemoth.planner.calibration import Calibration, load_calibration
 from behemoth.planner.cluster import Cluster
 from behemoth.planner.cost import predict
+from behemoth.planner.expert_kernels import (
+    EP_DEVICE_COPIES,
+    expert_route,
+    mlp_kernels,
+    moe_block_kernels,
+    moe_layer_kernels,
+)
 from behemoth.planner.host import (
     block_calls,
     cp_block_calls,
@@ -148,6 +155,41 @@ def test_block_kernels_scale_with_the_model():
     ht = host_times(_plan(), llama, cal)
     assert ht.kernels == pytest.approx(cal.host_block_kernels * 140 / 51, rel=1e-12)
     assert ht.forward + ht.backward == pytest.approx(ht.kernels * cal.host_kernel_s, rel=1e-12)
+
+
+def test_moe_layer_kernels_replace_the_dense_mlps():
+    """An MoE block's host kernels: the dense block's with its MLP's (Llama's SwiGLU: 10 forward, 16
+    backward) replaced by the MoE layer's, counted from the code (expert_kernels; checked against a
+    run in tests/dist/test_planner_host_expert_kernels.py) for the route the plan takes: the local
+    route at ep 1, the routed one at ep > 1 (its device copies included), a recompute without the
+    routes it replays nor the loss's sum over the layers and its last add; a dense model adds none."""
+    moe = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
+    dense = dataclasses.replace(moe, num_experts=0)
+    assert mlp_kernels(moe.shape) == (10.0, 16.0)
+    assert moe_block_kernels(_plan(), dense) == (0.0, 0.0, 0.0)
+    local, routed = _plan(), _plan(ep=2)
+    assert (expert_route(local, moe), expert_route(routed, moe)) == ("local", "routed")
+    # widths the grouped GEMMs do not take (2 I not a multiple of 16): the routed path at ep 1 too
+    assert expert_route(local, dataclasses.replace(moe, expert_ffn_hidden=5636)) == "routed"
+    f, b, r = moe_layer_kernels(local, moe)
+    assert (f, b, r) == (67.0, 49.0, 0.0)
+    rf, rb, _ = moe_layer_kernels(routed, moe)
+    assert (rf, rb) == (52.0 + EP_DEVICE_COPIES[0], 54.0)
+    # unnormalised top-k weights (OLMoE): the weights' sum and division fewer, and their backward
+    unnormed = dataclasses.replace(moe, experts_norm_topk=False)
+    assert moe_layer_kernels(local, unnormed) == (f - 2, b - 7, 0.0)
+    ckpt = moe_layer_kernels(_plan(activation_checkpointing=True), moe)
+    assert ckpt == (f, b, f - 2)
+    ckpt = moe_layer_kernels(_plan(ep=2, activation_checkpointing=True), moe)
+    assert ckpt[2] == rf - 2 - 5 - EP_DEVICE_COPIES[0] + EP_DEVICE_COPIES[2]
+    assert moe_block_kernels(local, moe) == (f - 10, b - 16, 0.0)
+    # host_times: the MoE block's kernels beyond the dense block's are exactly these (one rank, no
+    # calls: the statistics' all-reduce needs a data axis)
+    cal = load_calibration(GOLDEN_CAL)
+    one = bh.Plan(precision="bf16").resolve(1)
+    for plan in (one, dataclasses.replace(one, activation_checkpointing=True)):
+        extra = host_times(plan, moe, cal).kernels - host_times(plan, dense, cal).kernels
+        assert extra == pytest.approx(sum(moe_block_kernels(plan, moe)), rel=1e-12)
 
 
 def test_host_fit_reproduces_the_measured_blocks():
