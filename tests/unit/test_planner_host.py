@@ -192,6 +192,17 @@ def test_moe_layer_kernels_replace_the_dense_mlps():
         assert extra == pytest.approx(sum(moe_block_kernels(plan, moe)), rel=1e-12)
 
 
+def test_a_pipelines_host_bound_is_its_busiest_ranks():
+    """Each pipeline rank's host issues its own blocks: the step's host time is the busiest rank's
+    (GPT-1.3B at pp 2: 13 blocks on the first rank, 11 on the last), all micro-batches."""
+    cal = load_calibration(GOLDEN_CAL)
+    plan = bh.Plan(tp=2, pp=2, microbatches=8, schedule="1f1b", precision="bf16").resolve(16)
+    assert stage_layers(plan, GPT) == (13, 11)
+    ht = host_times(plan, GPT, cal)
+    p = predict(plan, GPT, Cluster(num_gpus=16, calibration=cal))
+    assert p.host == pytest.approx(8 * (13 * (ht.forward + ht.backward) + ht.pipeline), rel=1e-12)
+
+
 def test_host_fit_reproduces_the_measured_blocks():
     """benchmarks/calibrate.py's fit of the host figures: the serial block gives the seconds per
     kernel; each mode's seconds per collective call beyond the serial block's kernels and those its

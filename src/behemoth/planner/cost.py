@@ -31,7 +31,9 @@
   runs its blocks' backward but the weight gradients twice, collectives included (the bytes of
   :mod:`.axis_traffic` count both, as the ledger books them);
 * **host** -- each stage's micro-batch forward and backward take at least the host's time to
-  issue their kernels and collectives (:mod:`.host`): eager layouts of many small kernels and
+  issue their kernels and collectives (:mod:`.host`), each pipeline rank's host its own blocks',
+  the busiest rank's setting the pipeline's pace where it exceeds the slowest stage's device time
+  (the embedding's and the head's few kernels left out): eager layouts of many small kernels and
   collectives are host-bound;
 * **bubble** -- the schedule simulator (:mod:`.bubble`) with the stage's micro-batch times
   (zero-bubble with its BI and BW times), each including its receive: the pipeline executor
@@ -105,8 +107,8 @@ class Prediction:
     """One micro-batch's forward and backward through a pipeline stage, and one hand-off's
     latency (what the schedule simulator ran with)."""
     host: float = 0.0
-    """Host seconds to issue the critical rank's kernels and collectives, all micro-batches
-    (:mod:`.host`); where it exceeds the device's time it sets the micro-batch's pace."""
+    """Host seconds to issue the busiest pipeline rank's kernels and collectives (its own blocks'),
+    all micro-batches (:mod:`.host`); where it exceeds the device's time it sets the micro-batch's pace."""
     host_bound: bool = False
     """The host, not the device, sets the pace of the forward or the backward."""
     host_wait: float = 0.0
@@ -394,10 +396,13 @@ def predict(
         comm["pp"] = cluster.collective_seconds(2, stride, nbytes.get("pp", 0.0), 0)
         exposed["pp"] = 2 * m * recv  # inside the makespan: the receives' waits
 
-    # the host issues every kernel and collective; the device waits where it falls behind
+    # the host issues every kernel and collective; the device waits where it falls behind. Each
+    # pipeline rank's host issues its own blocks; the schedule runs every stage at the pace of the
+    # slowest (t_f, t_b: the most any stage's device takes), so the busiest rank's host bounds it
     ht = host_times(plan, w, cal)
-    host_f = layers * ht.forward + ht.pipeline / 2
-    host_b = (layers * ht.backward) * (1.5 if zb else 1.0) + ht.pipeline / 2
+    busiest = max(per_rank)
+    host_f = busiest * ht.forward + ht.pipeline / 2
+    host_b = (busiest * ht.backward) * (1.5 if zb else 1.0) + ht.pipeline / 2
     host_bound = host_f > t_f or host_b > t_b
     host_wait = m * (max(0.0, host_f - t_f) + max(0.0, host_b - t_b))
     if zb and t_bi is not None and host_b > t_b:
