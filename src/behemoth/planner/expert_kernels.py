@@ -21,9 +21,10 @@ collectives' own kernels go with each call (:mod:`.host`). The count replaces th
 
 A dispatch-level count of a run checks it (tests/dist/test_planner_host_expert_kernels.py: a tiny
 MoE Llama against the same model with dense MLPs, ep = 1 and 2, with and without activation
-checkpointing, 1D tensor parallelism with and without sequence parallelism), on the CPU with the
-grouped GEMMs' fast path forced: there a CUDA device's three copies between host and device
-(:data:`EP_DEVICE_COPIES`) are not made. Pure.
+checkpointing, ep 2 in chunks, 1D tensor parallelism with and without sequence parallelism, 2D on
+4 ranks), on the CPU with the grouped GEMMs' fast path forced: there a CUDA device's three copies
+between host and device (:data:`EP_DEVICE_COPIES`) are not made. The eager path's: a compiled
+block (``Plan.compile``) traces the local route whole. Pure.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
     its gather comes, the router's and the rows' input casts go, the output is cast back: 1),
     backward the slice's, the output cast's and the residual add's cast of the branch's gradient,
     less the router's input cast (2). The 2D, 2.5D and 3D grids' shares (an all-to-all each way)
-    are counted as 1D's without sequence parallelism (not checked).
+    are counted as 1D's without sequence parallelism (checked under 2D, the copies the
+    collectives make around them left out; not under 2.5D or 3D).
 
     Recompute (activation checkpointing): the forward again, but not the layer's loss summed
     over the layers (outside the block), nor the ops that a stopping recompute does not reach
