@@ -157,8 +157,10 @@ def footprint(
     shard = shard_elements(plan, w, n, layers) if z else 0.0
     if z == 0:
         params, grads, opt = n * pb, n * 4, n * 8
-    elif z == 1:  # the gradient chunks, and the reduced shard the optimizer reads (parallel/zero/reduce.py)
-        params, grads, opt = n * pb, n * 4 + shard * 4, shard * (8 + masters)
+    elif z == 1:  # the gradient chunks, and the reduced shard the optimizer reads (parallel/zero/reduce.py),
+        # but where a chunk has one replica: its gradient chunk is that shard
+        own = single_replica_elements(plan, w, n, layers)
+        params, grads, opt = n * pb, n * 4 + (shard - own) * 4, shard * (8 + masters)
     elif z == 2:
         params, grads, opt = n * pb, shard * 4, shard * (8 + masters)
     else:
@@ -178,7 +180,8 @@ def footprint(
         if z == 2:
             grads = shard * 4
     if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
-        grads = n * 4 + (0.0 if off else shard * 4)  # beside the reduced shards (on the host under offload)
+        # beside the reduced shards (on the host under offload; none beside a chunk of one replica)
+        grads = n * 4 + (0.0 if off else (shard - single_replica_elements(plan, w, n, layers)) * 4)
     elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
         chunk, largest = gradient_chunk_elements(plan, w)
         grads += 4 * (3 * chunk + largest)
@@ -235,6 +238,20 @@ def shard_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
         summed = tp_summed_params(plan, w, layers)
         return (n - summed) / g + (summed - experts) / (g * t) + experts / (max(g // plan.ep, 1) * t)
     return (n - experts) / g + experts / max(g // plan.ep, 1)
+
+
+def single_replica_elements(plan: Plan, w: Workload, n: float, layers: int) -> float:
+    """Elements of the rank's ``n`` parameters whose ZeRO chunks have one replica (their replica
+    group, as in :func:`shard_elements`, is this rank alone: the dense part at ``dp x cp = 1``, the
+    experts at ``ep = dp x cp``, an MoE block's parameters under tp never), where the gradient
+    chunk is the reduced shard itself (``parallel/zero/reduce.py``). Chunk padding not counted."""
+    g = plan.dp * plan.cp
+    if not w.num_experts:
+        return n if g == 1 else 0.0
+    experts = layers * w.expert_params / plan.ep if plan.ep > 1 else 0.0
+    if plan.tp > 1:  # the MoE blocks' parameters replicate over the data axis times tp
+        return (n - tp_summed_params(plan, w, layers)) if g == 1 else 0.0
+    return (n - experts if g == 1 else 0.0) + (experts if g // plan.ep == 1 and experts else 0.0)
 
 
 def autocast_cache_bytes(plan: Plan, w: Workload, layers: int) -> float:

@@ -19,6 +19,10 @@ data axis is launched at once, while the backward goes on, in one fixed order on
   only its gradient shards; during the step's backwards, its whole gradient (one reduction per
   chunk per step instead of one per micro-batch).
 
+A chunk whose replica axis has one member (one data rank; experts at ``ep`` = the world) reduces
+nothing: its gradient chunk becomes the shard's gradient the optimizer reads (``grad_acc``) as it
+is, not a copy of it (fp32, 4 bytes a parameter less, and one copy of the chunk a step fewer).
+
 Callbacks, given at construction: ``norm_of(chunk, gradient shard)`` reads a chunk's part of the
 squared gradient norm where its reduced gradient lands (stages 1-3), ``on_final(chunk)`` is called
 once a chunk's gradient of the step is final (the CPU update during the backward, :mod:`.overlap`).
@@ -171,11 +175,17 @@ class GradReducer:
             # The step's whole gradient (no earlier micro-batch to add): its norm is read here, where
             # it lies -- on a GPU, before the copy to the host (vector_norm ran at ~12 GB/s on a 16-core host).
             st.norm_sq = self.norm_of(st, reduced)
-        if st.grad_acc is None:
+        # one replica (the chunk's replica axis is this rank alone): the reduction is the gradient
+        # chunk itself, on the master's device, kept as the shard's gradient without a copy
+        own = self.store.replica_axis(st).trivial and reduced.device == st.master.device
+        if st.grad_acc is None and not own:
             st.grad_acc = self.store.grad_buffer(st)
         if st.reduced_once:
             self._wait_host_grad(st)
             st.grad_acc.add_(reduced.to(st.grad_acc.device))
+        elif own:
+            st.grad_acc = reduced
+            st.reduced_once = True
         elif st.grad_acc.device.type == "cpu" and reduced.device.type == "cuda":
             # Down to pinned memory on a side stream, after all that is queued on the compute
             # stream: the backward's next kernels do not queue behind the copy.

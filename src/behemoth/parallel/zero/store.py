@@ -363,6 +363,11 @@ class ChunkStore:
                 out["masters"] += st.shard_size * 4
             if st.grad_full is not None and self.device.type == device_type:
                 out["grads"] += st.size * 4
-            if st.grad_acc is not None and st.grad_acc.device.type == device_type:
+            aliased = (
+                st.grad_full is not None
+                and st.grad_acc is not None
+                and st.grad_acc.data_ptr() == st.grad_full.data_ptr()
+            )
+            if st.grad_acc is not None and st.grad_acc.device.type == device_type and not aliased:
                 out["grads"] += st.shard_size * 4
         return out
