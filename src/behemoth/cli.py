@@ -6,6 +6,7 @@
     behemoth run --nproc N [--] SCRIPT.py [ARGS ...]     N local ranks of your own script
     behemoth plan --search MODEL --gpus N [--explain ...]  the fastest layouts, predicted (no GPU needed)
     behemoth plan --memory --model NAME [--dp N ...]    what ZeRO / offload='auto' would keep where, and why
+    behemoth plan --generate MODEL --gpus N [--batch B --context C --sweep N]  generation per tp layout, predicted
     behemoth export CHECKPOINT OUT [--max-shard-size 5GB] [--dtype bf16]   a transformers checkpoint
     behemoth generate CHECKPOINT --prompt TEXT [--prompts-file F] [--max-new-tokens N] [--plan.key=value ...]
                                                          continue prompts with a trained checkpoint
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m = sub.add_parser(
         "plan",
-        help="plan a job without a GPU: search every layout (--search) or plan ZeRO memory (--memory)",
+        help="plan a job without a GPU: search every layout (--search), plan ZeRO memory (--memory), predict generation (--generate)",
         description="--search MODEL: enumerate every legal layout of MODEL on --gpus GPUs, predict each "
         "one's step time and memory, print the fastest that fit. --memory: the chunk layout, per-rank model "
         "data per ZeRO stage and, when the model does not fit, the GPU/host split offload='auto' would "
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         "  behemoth plan --search gpt-1.3b --gpus 8 --explain\n"
         "  behemoth plan --search gpt-13b --gpus 64 --nodes 8 --gpu-gb 80 --batch 512\n"
         "  behemoth plan --memory --model gpt-1.3b --dp 8\n"
+        "  behemoth plan --generate llama-8b --vocab 128256 --gpus 4 --batch 64 --context 4096 --sweep 1024\n"
         "  behemoth plan --memory --model gpt-13b --gpu-gb 80 --host-gb 256 --param-dtype bf16 "
         "--activations-gb 15",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -94,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="simulate MODEL from 64 (or 8) GPUs up to --gpus, doubling: each tensor-parallel mode's best "
         "plan, where 2D/2.5D/3D overtake 1D",
+    )
+    what.add_argument(
+        "--generate",
+        metavar="MODEL",
+        help="generation (inference) of MODEL on --gpus GPUs in one tensor-parallel group: per layout the decode "
+        "ms a token, tokens/s, prefill tokens/s, weights and KV cache per GPU, the largest batch and context "
+        "that fit; --sweep N: where 2D's decode and prefill overtake 1D's as the GPUs grow",
     )
     m.add_argument("--model", help="--memory: a preset name, e.g. gpt-13b or llama-1b (see behemoth.models)")
     m.add_argument("--gpus", type=int, default=8, help="--search: GPUs in the job (default 8)")
@@ -125,6 +134,21 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="activation memory per rank (the runtime measures it in its warm-up step)",
+    )
+    m.add_argument("--prompt", type=int, default=128, help="--generate: prompt tokens a row (default 128)")
+    m.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="--generate: cache slots a row, prompt + new tokens (default prompt + 256)",
+    )
+    m.add_argument("--eager", action="store_true", help="--generate: an eager decode step (default: one CUDA graph)")
+    m.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--generate: also sweep 1D against 2D from 4 GPUs up to N, x4 (Optimus's 64-GPU setting included)",
     )
     e = sub.add_parser(
         "export",
@@ -305,7 +329,47 @@ def cmd_generate(a, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_generate_plan(a) -> int:
+    from behemoth.planner.generation import (
+        format_generation,
+        format_scale,
+        generation_layouts,
+        predict_generation,
+        scale_generation,
+    )
+    from behemoth.planner.workload import workload_for
+
+    batch = a.batch or 1
+    context = a.context or a.prompt + 256
+    if context <= a.prompt:
+        raise ValueError(f"--context {context} must exceed --prompt {a.prompt} (slots for the new tokens).")
+    cluster = _cluster(a, a.gpus)
+    w = workload_for(a.generate, seq_len=context, global_batch=batch, vocab_size=a.vocab)
+    cal = cluster.calibration
+    kw = dict(batch=batch, prompt=a.prompt, new_tokens=context - a.prompt, compiled=not a.eager)
+    print(
+        f"{a.generate}: {w.num_params / 1e9:.2f}B parameters (bf16), generating: batch {batch}, prompt {a.prompt}, "
+        f"context {context}; one tensor-parallel group of {a.gpus} GPUs, {cluster.memory_bytes / 2**30:.0f} GiB "
+        f"each; decode step {'eager' if a.eager else 'one CUDA graph'}; calibration {cal.name}"
+    )
+    layouts = generation_layouts(w.shape, a.gpus)
+    if not layouts:
+        print(f"no tensor-parallel layout of {a.gpus} GPUs divides {a.generate}'s heads and widths")
+        return 1
+    print(format_generation([predict_generation(w, lay, cluster, **kw) for lay in layouts]))
+    if a.sweep:
+        counts = [4]
+        while counts[-1] * 4 <= a.sweep:
+            counts.append(counts[-1] * 4)
+        island = a.gpus // a.nodes if a.nodes else 8
+        print(f"\n1D against 2D as the GPUs grow (NVLink islands of {island}, batch {batch}):")
+        print(format_scale(scale_generation(w, cluster, tuple(counts), gpus_per_node=island, **kw)))
+    return 0
+
+
 def cmd_plan(a) -> int:
+    if a.generate:
+        return cmd_generate_plan(a)
     if a.search:
         return cmd_search(a)
     if a.scale:
