@@ -28,7 +28,7 @@ cache (``4 b H P L D``) at the calibration's attention rate.
 
 What it leaves out (and so predicts faster than a run): the norms', rotary's and sampling's
 elementwise kernels, and the gaps between a CUDA graph's kernels. Pure; tested in
-tests/unit/test_planner_generation.py and, the bytes and memory, tests/dist/test_planner_generation.py.
+tests/unit/test_planner_generation.py and, the bytes and memory, tests/dist/test_planner_generation_ledger.py.
 """
 
 from __future__ import annotations

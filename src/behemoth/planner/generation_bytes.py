@@ -31,7 +31,7 @@ mirrors ``generation.cache.kv_cache_bytes`` (the planner imports nothing of the 
 test holds them equal); :func:`generation_memory` is one rank's memory.
 
 Pure: no torch, no process group. Checked against the ledger in
-tests/dist/test_planner_generation.py.
+tests/dist/test_planner_generation_ledger.py.
 """
 
 from __future__ import annotations
