@@ -4,7 +4,7 @@
   and ``stationary_is_cheaper`` (parallel/tensor/grid.py);
 * a forward's collectives agree with the training formulas' forward halves where the forms are
   the same (1D's row all-reduces, with sequence parallelism its gathers and reduce-scatters;
-  a grid Linear's SUMMA forward);
+  a grid Linear's SUMMA forward) and each 3D Linear's with ``linear3d_no_grad_bytes``;
 * monotonicity: more HBM or link bandwidth, a lower latency, fewer rows or a shorter context
   never predicts a slower decode step; a compiled step is never slower than an eager one;
 * the largest batch and context reported fit and one more does not;
@@ -95,6 +95,27 @@ def test_grid_summa_linear_moves_the_training_forward_bytes():
     assert _wire(q_proj) == pytest.approx(want, rel=1e-12)
     decode = ledger_of(forward_collectives(shape, rows=rows, seq=1, tp=tp, mode="2d"))
     assert "all_to_all" in decode["tp"]["ops"]  # a decode step's Linears run weight-stationary
+
+
+def test_3d_linears_move_linear3d_no_grad_bytes():
+    """Each 3D Linear's calls (four weight-stationary, three in the training form) add up to
+    ``linear3d_no_grad_bytes``: payload and wire, in a decode step and in a long prefill."""
+    from behemoth.planner.generation_bytes import _linears
+    from behemoth.planner.tp3d_traffic import linear3d_no_grad_bytes
+
+    shape, q = LLAMA.shape, 2
+    for rows, seq in ((8, 1), (8, 2048)):
+        calls = forward_collectives(shape, rows=rows, seq=seq, tp=q**3, mode="3d")[4:]  # after the embedding
+        tokens = rows * seq
+        for fin, fout in _linears(shape):
+            calls = calls[1:] if calls[0].op == "all_reduce" else calls  # a norm
+            stationary = tokens // q**2 * (q * fin // q + fout // q**2) < fin // q * (fout // q**2)
+            n = 4 if stationary else 3
+            mine, calls = calls[:n], calls[n:]
+            for wire in (False, True):
+                want = linear3d_no_grad_bytes(tokens, fin, fout, q, element_size=2, wire=wire)
+                got = sum(c.wire if wire else c.bytes for c in mine)
+                assert got == pytest.approx(want, rel=1e-12), (rows, seq, fin, fout, wire)
 
 
 def _predict(cal=None, *, layout=gen.Layout(4), batch=8, prompt=128, new=256, compiled=True, gpus=4):

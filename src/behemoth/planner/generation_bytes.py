@@ -21,8 +21,9 @@ on every rank. Per mode, in call order:
   blocks, a reduce-scatter of the partials over ``tp_row``), SUMMA's forward otherwise (the
   input blocks all-gathered over ``tp_col``, the weight column over ``tp_row``); the head's
   logits are all-gathered over ``tp_col``, ``tp_row`` and ``tp_depth``.
-* **3D** (``embed3d``, ``tp3d``): modelled in total bytes by
-  :func:`~.tp3d_traffic.linear3d_no_grad_bytes` a Linear (not checked axis by axis).
+* **3D** (``embed3d``, ``norms3d``, ``tp3d``): as 2D's with the cube's axes (:func:`_forward_3d`),
+  each Linear's bytes those of :func:`~.tp3d_traffic.linear3d_no_grad_bytes` (a unit test holds
+  them equal).
 
 :func:`forward_collectives` lists the calls of one forward as :class:`Call` s (axis, op, the
 ledger's ``bytes`` and ``wire_bytes``); :func:`ledger_of` sums them as ``Ledger.stats()`` does,
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 from ..specs import TransformerShape
 from .tp2d_traffic import grid_side
-from .tp3d_traffic import cube_side, linear3d_no_grad_bytes
+from .tp3d_traffic import cube_side
 
 __all__ = [
     "Call",
@@ -230,39 +231,54 @@ def _forward_1d(shape, rows, seq, tp, sp, dt, pb) -> list[Call]:
 
 
 def _forward_3d(shape, rows, seq, tp, dt, pb) -> list[Call]:
-    """3D in total bytes per Linear (:func:`linear3d_no_grad_bytes`), booked on one axis of q
-    ranks per collective the form issues (3: the training form's; 4: the stationary one's); the
-    norms' all-reduces of ``[rows/q**2 * seq]`` fp32 sums, the embedding's id gathers and
-    reduce-scatters and the head's logits gather as the 2D grid's. Not checked per axis."""
+    """3D (``embed3d``, ``norms3d``, ``tp3d``): this rank's ``b = rows / q**2`` rows. The
+    embedding all-gathers the int64 ids over tp_col then tp_depth and reduce-scatters its
+    lookups over tp_depth then tp_row (the canonical layout); each RMS norm all-reduces over
+    tp_col (the canonical layout's hidden axis); a Linear reading the canonical layout (q, k, v,
+    gate, up, the head) has (I, W, O) = (tp_row, tp_depth, tp_col), one reading the swapped
+    layout (the attention's output, down) (tp_col, tp_depth, tp_row); weight-stationary while
+    :func:`.tp3d_traffic.linear3d_no_grad_bytes`' rule says so (all-gather the input over I
+    then W, reduce-scatter over O, all-to-all over W), else the training form (all-gather the
+    weight over W and the input over I, reduce-scatter over O); the head's logits (swapped
+    layout) are all-gathered over tp_row, tp_col and tp_depth."""
     q = cube_side(tp)
-    tokens = rows * seq
-    out: list[Call] = []
-    local = tokens // q**2
-    out += [_ag("tp_col", local * 8, q), _ag("tp_depth", q * local * 8, q)]
-    out += [_rs("tp_depth", tokens * shape.hidden / q * pb, q), _rs("tp_row", tokens * shape.hidden / q**2 * pb, q)]
+    b = rows // q**2
+    h, v = shape.hidden, shape.vocab_size
+    m = b * seq
+    out = [_ag("tp_col", m * 8, q), _ag("tp_depth", q * m * 8, q)]
+    out += [_rs("tp_depth", q * q * m * h / q * pb, q), _rs("tp_row", q * m * h / q * pb, q)]
 
-    def linear(t: int, fin: int, fout: int) -> list[Call]:
-        r, n_in, n_out = t // q**2, fin // q, fout // q**2
-        stationary = r * (q * n_in + n_out) < n_in * n_out
-        wire = linear3d_no_grad_bytes(t, fin, fout, q, stationary=stationary, element_size=dt, wire=True)
-        pay = linear3d_no_grad_bytes(t, fin, fout, q, stationary=stationary, element_size=dt)
-        n = 4 if stationary else 3
-        axes = ("tp_col", "tp_depth", "tp_row", "tp_depth")[:n]
-        return [Call(a, "linear3d", pay / n, wire / n, q) for a in axes]
+    def linear(tokens: int, fin: int, fout: int, swapped: bool) -> list[Call]:
+        i_ax, o_ax = ("tp_col", "tp_row") if swapped else ("tp_row", "tp_col")
+        n_in, n_out = fin // q, fout // q**2
+        if tokens * (q * n_in + n_out) < n_in * n_out:  # tp3d.stationary_is_cheaper
+            part = q * tokens * n_out * dt
+            return [
+                _ag(i_ax, tokens * n_in * dt, q),
+                _ag("tp_depth", q * tokens * n_in * dt, q),
+                _rs(o_ax, q * q * tokens * n_out * dt, q),
+                Call("tp_depth", "all_to_all", part, part - tokens * n_out * dt, q),
+            ]
+        return [
+            _ag("tp_depth", n_out * n_in * dt, q),
+            _ag(i_ax, tokens * n_in * dt, q),
+            _rs(o_ax, q * q * tokens * n_out * dt, q),
+        ]
 
     stat = max(4, dt)
     block: list[Call] = []
+    last_attn = 1 if shape.fused_qkv else 3
+    down = len(_linears(shape)) - 1
     for i, (fin, fout) in enumerate(_linears(shape)):
         if i == 0:
-            block.append(_ar("tp_row", local * stat, q))
-        block += linear(tokens, fin, fout)
-        if i == (1 if shape.fused_qkv else 3):
-            block.append(_ar("tp_row", local * stat, q))
+            block.append(_ar("tp_col", m * stat, q))
+        block += linear(m, fin, fout, swapped=i in (last_attn, down))
+        if i == last_attn:
+            block.append(_ar("tp_col", m * stat, q))
     out += block * shape.num_layers
-    b = rows // q**2
-    out.append(_ar("tp_row", b * stat, q))
-    out += linear(rows, shape.hidden, shape.vocab_size)
-    logits = b * shape.vocab_size / q * dt
+    out.append(_ar("tp_col", b * stat, q))  # the final norm, last position only
+    out += linear(b, h, v, swapped=False)
+    logits = b * v / q * dt
     out += [_ag("tp_row", logits, q), _ag("tp_col", q * logits, q), _ag("tp_depth", q * q * logits, q)]
     return out
 
