@@ -3,7 +3,7 @@
 For a tiny grouped-query Llama (4 heads, 1 kv head: fewer kv heads than tp, so 1D replicates
 them and 2D runs its replicated k/v projections) under 1D tp 2, 1D tp 4 with and without
 sequence parallelism and 2D tp 4, on 3 prompts (2D pads them to 4 rows), and (2 kv heads: the
-cube needs q | K) 3D tp 8:
+cube needs q | K) 3D tp 8 and 2.5D tp 8 (depth 2):
 
 * the collectives of the prefill (``max_new_tokens=1``) and of one decode step (the ledger of
   ``max_new_tokens=2`` less the prefill's) equal ``planner.generation_bytes.forward_collectives``
@@ -112,6 +112,7 @@ def _world4(rank, world):
 
 def _world8(rank, world):
     _check(bh.Plan(tp=8, tp_mode="3d"), kv_heads=2)
+    _check(bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2), kv_heads=2)
 
 
 def test_generation_bytes_tp2():
@@ -122,5 +123,5 @@ def test_generation_bytes_tp4():
     bh.spawn(_world4, 4, timeout=180)
 
 
-def test_generation_bytes_3d():
+def test_generation_bytes_3d_and_2p5d():
     bh.spawn(_world8, 8, timeout=180)
