@@ -100,14 +100,14 @@ def test_grid_summa_linear_moves_the_training_forward_bytes():
 def test_3d_linears_move_linear3d_no_grad_bytes():
     """Each 3D Linear's calls (four weight-stationary, three in the training form) add up to
     ``linear3d_no_grad_bytes``: payload and wire, in a decode step and in a long prefill."""
-    from behemoth.planner.generation_bytes import _linears
+    from behemoth.planner.generation_bytes import block_linears
     from behemoth.planner.tp3d_traffic import linear3d_no_grad_bytes
 
     shape, q = LLAMA.shape, 2
     for rows, seq in ((8, 1), (8, 2048)):
         calls = forward_collectives(shape, rows=rows, seq=seq, tp=q**3, mode="3d")[4:]  # after the embedding
         tokens = rows * seq
-        for fin, fout in _linears(shape):
+        for fin, fout in block_linears(shape):
             calls = calls[1:] if calls[0].op == "all_reduce" else calls  # a norm
             stationary = tokens // q**2 * (q * fin // q + fout // q**2) < fin // q * (fout // q**2)
             n = 4 if stationary else 3

@@ -40,8 +40,8 @@ from .calibration import Calibration
 from .cluster import Cluster
 from .generation_bytes import (
     Call,
-    _linears,
     batch_parts,
+    block_linears,
     forward_collectives,
     generation_memory,
     padded_rows,
@@ -206,7 +206,7 @@ def _gemms(shape, layout: Layout, rows: int, seq: int, cal: Calibration, eb: int
         return cal.gemm_seconds(b, n_out, fin, eb)
 
     block = 0.0
-    for i, (fin, fout) in enumerate(_linears(shape)):
+    for i, (fin, fout) in enumerate(block_linears(shape)):
         block += one(rows * seq, fin, fout, kv=(not shape.fused_qkv and i in (1, 2)))
     return shape.num_layers * block + one(rows, shape.hidden, shape.vocab_size)
 

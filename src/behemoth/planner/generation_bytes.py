@@ -48,6 +48,7 @@ __all__ = [
     "Call",
     "GenerationMemory",
     "batch_parts",
+    "block_linears",
     "forward_collectives",
     "generation_memory",
     "kv_cache_bytes",
@@ -126,7 +127,7 @@ def _ar(axis: str, full: float, n: int) -> Call:
     return Call(axis, "all_reduce", full, 2 * (n - 1) / n * full, n)
 
 
-def _linears(shape: TransformerShape) -> list[tuple[int, int]]:
+def block_linears(shape: TransformerShape) -> list[tuple[int, int]]:
     """(in, out) of one block's Linears in call order: q, k, v (or fused qkv), the attention's
     output, the MLP's."""
     h, f = shape.hidden, shape.ffn_hidden
@@ -197,7 +198,7 @@ def forward_collectives(
     kv_out = shape.head_dim if replicated else 0
     t = b * seq
     block: list[Call] = []
-    for i, (fin, fout) in enumerate(_linears(shape)):
+    for i, (fin, fout) in enumerate(block_linears(shape)):
         if i == 0:
             block += norm(t)
         local_out = kv_out if (replicated and i in (1, 2)) else fout // q
@@ -268,8 +269,8 @@ def _forward_3d(shape, rows, seq, tp, dt, pb) -> list[Call]:
     stat = max(4, dt)
     block: list[Call] = []
     last_attn = 1 if shape.fused_qkv else 3
-    down = len(_linears(shape)) - 1
-    for i, (fin, fout) in enumerate(_linears(shape)):
+    down = len(block_linears(shape)) - 1
+    for i, (fin, fout) in enumerate(block_linears(shape)):
         if i == 0:
             block.append(_ar("tp_col", m * stat, q))
         block += linear(m, fin, fout, swapped=i in (last_attn, down))
