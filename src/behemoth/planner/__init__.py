@@ -25,5 +25,11 @@ module                 what it holds
 ``auto``               ``auto_plan(model, world)``: the search's winner (``plan="auto"``)
 ``report``             the table, ``explain``, a Chrome trace
 ``scale``              64-1,024 GPU sweeps: where 2D / 2.5D / 3D overtake 1D
+``host``               the host's issue time per block (kernels and collective calls);
+                       ``expert_kernels``: an MoE layer's kernels by route
+``generation_bytes``   generation's collectives per axis (prefill, a decode step) and its
+                       memory per rank (weights, KV cache, activations)
+``generation``         generation's time per layout, the largest batch x context that fits,
+                       the 1D-against-2D sweep (``behemoth plan --generate``)
 =====================  ==================================================================
 """
