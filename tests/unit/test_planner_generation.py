@@ -1,7 +1,5 @@
 """The planner's model of generation (planner/generation.py, generation_bytes.py), without processes.
 
-* its mirrors of the runtime's rules equal the runtime's: ``kv_cache_bytes`` (generation/cache.py)
-  and ``stationary_is_cheaper`` (parallel/tensor/grid.py);
 * a forward's collectives agree with the training formulas' forward halves where the forms are
   the same (1D's row all-reduces, with sequence parallelism its gathers and reduce-scatters;
   a grid Linear's SUMMA forward) and each 3D Linear's with ``linear3d_no_grad_bytes``;
@@ -14,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
@@ -26,7 +23,6 @@ from behemoth.planner.generation_bytes import (
     generation_memory,
     kv_cache_bytes,
     ledger_of,
-    stationary_is_cheaper,
 )
 from behemoth.planner.params import local_params
 from behemoth.planner.reserve import device_reserve
@@ -35,37 +31,6 @@ from behemoth.planner.tp2d_traffic import tp2d_linear_traffic
 from behemoth.planner.workload import workload_for
 
 LLAMA = workload_for("llama-8b", seq_len=4096, global_batch=1, vocab_size=128256)
-
-
-def test_kv_cache_bytes_mirrors_the_runtime():
-    from behemoth.generation.cache import kv_cache_bytes as runtime
-
-    for (tp, mode, depth), k, rows in itertools.product(
-        [
-            (1, "1d", 1),
-            (2, "1d", 1),
-            (4, "1d", 1),
-            (8, "1d", 1),
-            (4, "2d", 1),
-            (16, "2d", 1),
-            (8, "2.5d", 2),
-            (8, "3d", 1),
-        ],
-        (1, 2, 8),
-        (1, 3),
-    ):
-        if mode == "3d" and k < 2:
-            continue
-        kw = dict(num_layers=3, rows=rows, num_kv_heads=k, head_dim=16, length=40, dtype_bytes=2)
-        mode_kw = dict(tp=tp, tp_mode=mode, tp_depth=depth)
-        assert kv_cache_bytes(**kw, **mode_kw) == runtime(**kw, **mode_kw), (tp, mode, depth, k, rows)
-
-
-def test_stationary_rule_mirrors_the_runtime():
-    from behemoth.parallel.tensor.grid import stationary_is_cheaper as runtime
-
-    for rows, n_in, n_out, q in itertools.product((1, 2, 64, 1024), (8, 512, 2048), (4, 512, 7168), (2, 4, 8)):
-        assert stationary_is_cheaper(rows, n_in, n_out, q) == runtime(rows, n_in, n_out, q)
 
 
 def _wire(calls) -> float:

@@ -28,8 +28,8 @@ on every rank. Per mode, in call order:
 :func:`forward_collectives` lists the calls of one forward as :class:`Call` s (axis, op, the
 ledger's ``bytes`` and ``wire_bytes``); :func:`ledger_of` sums them as ``Ledger.stats()`` does,
 so a test compares a prediction with a run's ledger key for key. :func:`kv_cache_bytes`
-mirrors ``generation.cache.kv_cache_bytes`` (the planner imports nothing of the runtime; a
-test holds them equal); :func:`generation_memory` is one rank's memory.
+(``generation/sizes.py``) and the stationary rules (``parallel/tensor/stationary.py``) are the
+runtime's own; :func:`generation_memory` is one rank's memory.
 
 Pure: no torch, no process group. Checked against the ledger in
 tests/dist/test_planner_generation_ledger.py.
@@ -37,9 +37,11 @@ tests/dist/test_planner_generation_ledger.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from ..generation.sizes import kv_cache_bytes
+from ..parallel.tensor.stationary import cube_stationary_is_cheaper
+from ..parallel.tensor.stationary import grid_stationary_is_cheaper as stationary_is_cheaper
 from ..specs import TransformerShape
 from .tp2d_traffic import grid_side
 from .tp3d_traffic import cube_side
@@ -82,12 +84,6 @@ def ledger_of(calls: list[Call]) -> dict[str, dict]:
         s["wire_bytes"] += c.wire
         s["ops"][c.op] = s["ops"].get(c.op, 0) + 1
     return out
-
-
-def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
-    """``parallel/tensor/grid.stationary_is_cheaper`` (a test holds them equal): whether a grid
-    Linear's weight-stationary form moves fewer elements than SUMMA's forward."""
-    return rows * n_in + (q - 1) * rows * n_out < (q - 1) * n_in * n_out
 
 
 def _grid(tp: int, mode: str, depth: int) -> tuple[int, int]:
@@ -252,7 +248,7 @@ def _forward_3d(shape, rows, seq, tp, dt, pb) -> list[Call]:
     def linear(tokens: int, fin: int, fout: int, swapped: bool) -> list[Call]:
         i_ax, o_ax = ("tp_col", "tp_row") if swapped else ("tp_row", "tp_col")
         n_in, n_out = fin // q, fout // q**2
-        if tokens * (q * n_in + n_out) < n_in * n_out:  # tp3d.stationary_is_cheaper
+        if cube_stationary_is_cheaper(tokens, n_in, n_out, q):
             part = q * tokens * n_out * dt
             return [
                 _ag(i_ax, tokens * n_in * dt, q),
@@ -285,35 +281,6 @@ def _forward_3d(shape, rows, seq, tp, dt, pb) -> list[Call]:
 
 
 # --------------------------------------------------------------------------- memory
-def kv_cache_bytes(
-    *,
-    num_layers: int,
-    rows: int,
-    num_kv_heads: int,
-    head_dim: int,
-    length: int,
-    dtype_bytes: int,
-    tp: int = 1,
-    tp_mode: str = "1d",
-    tp_depth: int = 1,
-) -> int:
-    """K/V bytes per rank, as ``generation.cache.kv_cache_bytes`` (a test holds them equal):
-    ``2 * layers * rows * K_local * length * D * bytes``; ``rows`` this rank's (1D: the tp
-    group's; 2D / 2.5D: / ``q * depth``; 3D: / ``q**2``), ``K_local`` 1D ``K / tp`` (1 when
-    K < tp: a replicated kv head), 2D / 2.5D ``K / q`` (1 when K < q), 3D ``K / q``."""
-    if tp_mode == "1d" or tp == 1:
-        k_local = num_kv_heads // tp if num_kv_heads >= tp else 1
-    elif tp_mode in ("2d", "2.5d"):
-        q = math.isqrt(tp // tp_depth)
-        k_local = num_kv_heads // q if num_kv_heads >= q else 1
-    elif tp_mode == "3d":
-        q = round(tp ** (1 / 3))
-        k_local = num_kv_heads // q
-    else:
-        raise ValueError(f"tp_mode={tp_mode!r}: must be '1d', '2d', '2.5d' or '3d'.")
-    return 2 * num_layers * rows * k_local * length * head_dim * dtype_bytes
-
-
 @dataclass(frozen=True)
 class GenerationMemory:
     """One rank's device memory for a generation of ``rows`` (the tp group's) x ``length`` slots, bytes."""

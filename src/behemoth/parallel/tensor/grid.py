@@ -32,6 +32,7 @@ from ...comm import Axis
 from ...comm.traced import regather
 from .base import require_mode
 from .layout import DimShard, ShardSpec, check_divisible
+from .stationary import grid_stationary_is_cheaper as stationary_is_cheaper
 
 
 # --------------------------------------------------------------------------- grid (pure)
@@ -223,17 +224,6 @@ def replicate_on(p: torch.Tensor, g: Grid, *, rows: bool) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- without autograd
-def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
-    """Whether :func:`stationary_linear` moves fewer elements per rank than :func:`summa_linear`
-    for a local input of ``rows x n_in`` and a weight block of ``n_in x n_out``. SUMMA receives
-    the input's ``(q-1) rows n_in`` and the weight column's ``(q-1) n_in n_out``; the
-    weight-stationary form the input's ``q rows n_in`` (its own block too, but for the diagonal)
-    and the reduce-scatter's ``(q-1) rows n_out``: it wins while the tokens are few (a decode
-    step: Llama-3-8B at q = 2 below 1,024 rows a rank), SUMMA for a prompt's many. Every rank of
-    a grid holds the same shapes, so all choose alike."""
-    return rows * n_in + (q - 1) * rows * n_out < (q - 1) * n_in * n_out
-
-
 def stationary_linear(x: torch.Tensor, w: torch.Tensor, b, g: Grid, in_out: bool) -> torch.Tensor:
     """``Y(i, j) = sum_k X(i, k) W(k, j)`` (+ bias block j) with every weight block left where
     it is (the 2D weight-stationary layout of inference): one all-to-all over the grid brings

@@ -88,6 +88,7 @@ from .base import require_mode
 from .functional import autocast_dtype, replicated
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, linear_layout
+from .stationary import cube_stationary_is_cheaper as stationary_is_cheaper
 
 __all__ = [
     "Cube",
@@ -290,20 +291,6 @@ class _Linear3DFn(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- without autograd
-def stationary_is_cheaper(rows: int, n_in: int, n_out: int, q: int) -> bool:
-    """Whether :func:`stationary_linear` moves fewer elements per rank than
-    :func:`gathered_linear` for a local input of ``rows x n_in`` (``n_in = K/q``) and a weight
-    block of ``n_out x n_in`` (``n_out = N/q**2``). The training forward receives the input's
-    ``(q-1) rows n_in`` over I, the weight's ``(q-1) n_in n_out`` over W and the reduce-scatter's
-    ``(q-1) q rows n_out`` over O; the weight-stationary form ``(q**2-1) rows (n_in + n_out)``
-    (the input of the whole (I, W) plane, its reduce-scatter and all-to-all): it wins while
-    ``rows (q n_in + n_out) < n_in n_out``, i.e. while the tokens are few (a decode step:
-    Llama-3-8B at q = 2 up to 120 rows a rank for k_proj, 409 for q_proj, 955 for gate / up),
-    the training form for a prompt's many. Shapes alone decide, and every rank of the cube holds
-    the same ones, so all choose alike."""
-    return rows * (q * n_in + n_out) < n_in * n_out
-
-
 def stationary_linear(x: torch.Tensor, w: torch.Tensor, axes, fused: int) -> torch.Tensor:
     """``y = x @ w.T`` with every weight block left where it is: ``x [m, K/q]`` (batch block (w, i),
     in-block o), ``w [N/q**2, K/q]`` (out block (i, w), in-block o) -> ``y [m, N/q]`` in the
