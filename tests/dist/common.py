@@ -455,6 +455,25 @@ class PhaseCounter(TorchDispatchMode):
         return out
 
 
+class KernelCounter(PhaseCounter):
+    """Kernel-launching aten ops by phase: not the collectives, not the views (by schema), not the
+    ops named in ``no_kernel``; ``copies=False`` leaves the contiguous copies (``clone``) out too."""
+
+    def __init__(self, no_kernel: tuple[str, ...], copies: bool = True) -> None:
+        super().__init__()
+        self.no_kernel, self.copies = no_kernel, copies
+
+    def counts(self, func) -> bool:
+        name = str(func.overloadpacket)
+        if name.startswith("c10d") or "_c10d_functional" in name:
+            return False
+        ret = func._schema.returns
+        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return False
+        name = func.__name__.split(".")[0]
+        return name not in self.no_kernel and (self.copies or name != "clone")
+
+
 def count_by_phase(engine, batch: dict, mode: PhaseCounter) -> Counter:
     """``mode``'s forward and backward counts over one forward and backward of ``engine`` on
     ``batch`` (after a step that leaves lazy set-up behind)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from common import SEQ, PhaseCounter, count_by_phase, global_batches, make_optimizer, moe_llama_config, shard
+from common import SEQ, KernelCounter, count_by_phase, global_batches, make_optimizer, moe_llama_config, shard
 
 import behemoth as bh
 from behemoth.planner.expert_kernels import EP_DEVICE_COPIES, expert_route, moe_block_kernels
@@ -37,25 +37,6 @@ NO_KERNEL = (
 )
 
 
-class _Kernels(PhaseCounter):
-    """Kernel-launching aten ops in the forward and, once the logits' gradient arrives, the backward;
-    ``copies=False`` leaves the contiguous copies (``clone``) out."""
-
-    def __init__(self, copies: bool = True) -> None:
-        super().__init__()
-        self.copies = copies
-
-    def counts(self, func) -> bool:
-        name = str(func.overloadpacket)
-        if name.startswith("c10d") or "_c10d_functional" in name:
-            return False
-        ret = func._schema.returns
-        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
-            return False
-        name = func.__name__.split(".")[0]
-        return name not in NO_KERNEL and (self.copies or name != "clone")
-
-
 def _config(dense: bool, layers: int):
     config = moe_llama_config(num_layers=layers)
     return dataclasses.replace(config, num_experts=0) if dense else config
@@ -69,7 +50,7 @@ def _per_block(plan, dense: bool, copies: bool = True) -> tuple[float, float]:
         model = Llama(_config(dense, layers))
         engine = bh.boost(model, make_optimizer("sgd", model), plan)
         batch = shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size)
-        counts.append(count_by_phase(engine, batch, _Kernels(copies)))
+        counts.append(count_by_phase(engine, batch, KernelCounter(NO_KERNEL, copies)))
     lo, hi = counts
     return tuple((hi[p] - lo[p]) / 2 for p in ("forward", "backward"))
 

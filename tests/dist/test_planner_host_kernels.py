@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from common import SEQ, VOCAB, PhaseCounter, build, count_by_phase, global_batches, make_optimizer, shard
+from common import SEQ, VOCAB, KernelCounter, build, count_by_phase, global_batches, make_optimizer, shard
 
 import behemoth as bh
 from behemoth.planner.host import tp_block_kernels
@@ -23,19 +23,6 @@ from behemoth.planner.workload import workload_for
 # no kernel: views (by schema), allocations, dtype queries, and ``clone`` (the contiguous copies of
 # the CPU attention kernel's gradients and of gloo's reduce-scatter stand-in)
 NO_KERNEL = ("_unsafe_view", "clone", "detach", "empty", "empty_like", "new_empty", "ones_like", "promote_types")
-
-
-class _Kernels(PhaseCounter):
-    """Kernel-launching aten ops in the forward and, once the logits' gradient arrives, the backward."""
-
-    def counts(self, func) -> bool:
-        name = str(func.overloadpacket)
-        if name.startswith("c10d") or "_c10d_functional" in name:
-            return False
-        ret = func._schema.returns
-        if ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
-            return False
-        return func.__name__.split(".")[0] not in NO_KERNEL
 
 
 def _model(family: str, layers: int):
@@ -52,7 +39,9 @@ def _model(family: str, layers: int):
 def _kernels(family: str, plan, layers: int) -> Counter:
     model = _model(family, layers)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
-    return count_by_phase(engine, shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size), _Kernels())
+    return count_by_phase(
+        engine, shard(global_batches(1, 8)[0], engine.dp_rank, engine.dp_size), KernelCounter(NO_KERNEL)
+    )
 
 
 def _per_block(family: str, plan) -> tuple[float, float]:
