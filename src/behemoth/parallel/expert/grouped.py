@@ -206,7 +206,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     (differentiable), or both 2-D with the groups along their shared dimension (the weights'
     gradient, ``[E, K, O]``)."""
     with torch.autocast(a.device.type, enabled=False):
-        return torch._grouped_mm(_aligned(a), _aligned(b), offs=offsets)
+        out = torch._grouped_mm(_aligned(a), _aligned(b), offs=offsets)
+    # the kernel may pad its output's rows to 16 bytes (a width not a multiple of 8): the compiled
+    # graph assumes the contiguous layout the fake below describes
+    return out if out.is_contiguous() else out.contiguous()
 
 
 @grouped_mm.register_fake
