@@ -9,8 +9,8 @@ weights are ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (transformers 5's layo
   of behemoth's own, so compiled blocks trace it as one opaque call, which copies an operand that
   does not start on 16 bytes (a check on real addresses) and makes a transposed weight's gradient
   in the weight's own layout (made in the transposed view's, it was copied strided into the
-  parameter's gradient: 1.25 ms per projection for an OLMoE layer on an H200). It runs the GEMMs in bf16 -- the
-  operands' dtype, or autocast's, the operands then cast once per call as autocast casts them
+  parameter's gradient: 1.25 ms per projection for an OLMoE layer on an H200). It runs the GEMMs
+  in bf16 -- the operands' dtype, or autocast's, the operands then cast once per call as autocast casts them
   for each ``F.linear`` (the casts' backward hands float32 gradients to float32 parameters, as
   autocast's does) -- and runs each expert's rows as a group padded with zero rows to a
   multiple of :data:`GROUP_ROWS` (at least one block, so no group is empty): the padding is
@@ -43,6 +43,7 @@ __all__ = [
     "GroupEnds",
     "gemm_dtype",
     "group_alignment",
+    "grouped_mm",
     "grouped_mm_available",
     "grouped_swiglu",
     "pad_groups",

@@ -28,8 +28,9 @@ they add nothing to the weights' gradients.
 No collective, no host read, no atomic accumulation (each backward is the adjoint gather or
 scatter over the same index). Nothing here needs the host, so a compiled block traces it whole:
 the layout, the gathers and the experts' GEMMs (:func:`~.grouped.grouped_mm`, an opaque operator)
-are in the block's one graph, forward and backward. Tested in tests/unit/test_expert_local.py against the serial layer
-and the routed path (forced on the CPU, where ``torch._grouped_mm`` runs a loop of its own).
+are in the block's one graph, forward and backward. Tested in tests/unit/test_expert_local.py
+against the serial layer and the routed path (forced on the CPU, where ``torch._grouped_mm`` runs
+a loop of its own), and compiled whole against itself eager.
 """
 
 from __future__ import annotations
