@@ -187,12 +187,15 @@ def test_version_and_the_plan_help_examples_work(capsys):
     examples = [
         line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  behemoth ")
     ]
-    assert len(examples) == 4 and sum("--memory" in e for e in examples) == 2
+    assert len(examples) == 5 and sum("--memory" in e for e in examples) == 2
+    assert sum("--generate" in e for e in examples) == 1
     for example in examples:
         assert main(example.split()) == 0, example
         out = capsys.readouterr().out
         if "--memory" in example:
             assert re.match(r"^[\d,]+ parameters in \d+ chunks", out), example
+        elif "--generate" in example:  # the generation table, then the 1D-against-2D sweep
+            assert re.match(r"^llama-8b: [\d.]+B parameters \(bf16\), generating", out) and "decode ms" in out, example
         else:  # --search: the ranked table
             assert re.match(r"^gpt-[\d.]+b: [\d.]+B parameters", out) and "tokens/s" in out, example
     assert main(["plan", "--memory", "--model", "gpt-mini", "--vocab", "257", "--seq", "128"]) == 0
