@@ -13,8 +13,8 @@ Measures, on rank 0's GPU unless said otherwise:
   grouped-query attention's beside multi-head's at 2,048 tokens (``extra.attention_gqa_2048``,
   not read by the planner);
 * the experts' grouped GEMMs (``torch._grouped_mm``), forward and backward, against the GEMM
-  table's rate for one group's GEMMs, by rows per group (``grouped_gemm_by_rows``, their mean
-  ``grouped_gemm_vs_table``: :func:`grouped_gemm_by_rows`);
+  table's rate for the whole call's flops, by rows per group (``grouped_call_by_rows``, their mean
+  ``grouped_call_vs_table``: :func:`grouped_call_by_rows`);
 * device-memory bandwidth (a large copy), and the rate of the blocks' non-GEMM kernels
   (``elementwise_bytes_per_s``: :func:`elementwise_rate`, the bytes ``planner.elementwise`` counts
   over a GPT-6.7B and a Llama-8B block's non-GEMM kernel time);
@@ -95,25 +95,28 @@ def gemm_points() -> list[list[float]]:
     return [[f, sum(r) / len(r)] for f, r in sorted(by_flops.items())]
 
 
-GROUPED_SHAPE = (4, 2048, 5632)
-"""(groups, hidden H, expert width I) of :func:`grouped_gemm_by_rows`: the mixtral-4b preset's
-experts, 8 of them over 2 expert-parallel ranks."""
-GROUPED_ROWS = (512, 1024, 2048, 4096, 8192, 16384)
-"""Rows per group :func:`grouped_gemm_by_rows` measures at: what 2-8 ranks' micro-batches of 1-8
+GROUPED_SHAPES = ((4, 2048, 5632), (64, 2048, 1024))
+"""(groups, hidden H, expert width I) of :func:`grouped_call_by_rows`: the mixtral-4b preset's
+experts, 8 of them over 2 expert-parallel ranks (few wide groups), and the olmoe-1b-7b preset's 64
+on one rank (many narrow ones)."""
+GROUPED_ROWS = (128, 256, 512, 1024, 2048, 4096, 8192)
+"""Rows per group :func:`grouped_call_by_rows` measures at: what 1-8 ranks' micro-batches of 1-8
 sequences of 2,048 tokens give such experts (``T k ep / E``)."""
 
 
-def grouped_gemm_by_rows(gemm: list[list[float]]) -> list[list[float]]:
-    """``[[rows per group, grouped_gemm_vs_table], ...]``: the time the GEMM table (``gemm``, this
-    run's points, short bursts as these are) gives each group's GEMMs, over the time
-    ``torch._grouped_mm`` takes for all the groups at once, as ``parallel/expert/grouped.py`` runs the
-    experts' SwiGLU GEMMs (the fused gate/up ``[G rows, H] @ [G, H, 2I]`` and the down projection
-    ``[G rows, I] @ [G, I, H]``, each forward and its input and weight gradients), for
-    :data:`GROUPED_SHAPE`'s groups of :data:`GROUPED_ROWS` rows. The GEMMs alone: the cost model
-    counts the activation between them as elementwise work, and the gradients come from
-    ``torch.autograd.grad`` (no accumulation into ``.grad``). Not a loop of per-group ``F.linear``
-    calls: their launches and the concatenation are host and copy time the table's rates, which the
-    cost model scales, never pay. Empty where the grouped kernel does not run (no
+def grouped_call_by_rows(gemm: list[list[float]]) -> list[list[float]]:
+    """``[[rows per group, grouped_call_vs_table], ...]``: the time the GEMM table (``gemm``, this
+    run's points, short bursts as these are) gives the whole call's GEMMs -- every group's rows as
+    one GEMM, the fused gate/up ``[G rows, H] @ [H, 2I]`` and the down projection ``[G rows, I] @ [I,
+    H]``, each forward and its input and weight gradients -- over the time ``torch._grouped_mm``
+    takes for the groups, as ``parallel/expert/grouped.py`` runs the experts' SwiGLU GEMMs, for
+    :data:`GROUPED_ROWS` rows per group, the mean over :data:`GROUPED_SHAPES` (the two presets'
+    experts measure within about 20% of each other at a given rows per group; against one group's
+    GEMM they differ up to 4 times, which is why the whole call is the reference). The GEMMs alone:
+    the cost model counts the activation between them as elementwise work, and the gradients come
+    from ``torch.autograd.grad`` (no accumulation into ``.grad``). Not a loop of per-group
+    ``F.linear`` calls: their launches and the concatenation are host and copy time the table's
+    rates, which the cost model scales, never pay. Empty where the grouped kernel does not run (no
     ``torch._grouped_mm``, compute capability below 9.0)."""
     if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability() < (9, 0):
         return []
@@ -123,17 +126,18 @@ def grouped_gemm_by_rows(gemm: list[list[float]]) -> list[list[float]]:
         flops = 2.0 * m * n * k
         return 3 * flops / _interp(points, flops)
 
-    groups, h, i = GROUPED_SHAPE
     out = []
     for rows in GROUPED_ROWS:
-        expected = groups * (table(rows, 2 * i, h) + table(rows, h, i))
-        ratio = expected / _grouped_seconds(groups, rows, h, i, iters=10 if rows < 4096 else 5)
-        out.append([float(rows), min(ratio, 4.0)])  # the planner's bound: past it, a broken timer
+        ratios = []
+        for groups, h, i in GROUPED_SHAPES:
+            expected = table(groups * rows, 2 * i, h) + table(groups * rows, h, i)
+            ratios.append(expected / _grouped_seconds(groups, rows, h, i, iters=10 if groups * rows < 65536 else 5))
+        out.append([float(rows), min(sum(ratios) / len(ratios), 4.0)])  # the planner's bound: past it, a broken timer
     return out
 
 
 def _grouped_seconds(groups: int, rows: int, h: int, i: int, device: str = "cuda", iters: int = 5) -> float:
-    """Seconds of the experts' grouped GEMMs (:func:`grouped_gemm_by_rows`) for ``groups`` groups of
+    """Seconds of the experts' grouped GEMMs (:func:`grouped_call_by_rows`) for ``groups`` groups of
     ``rows`` rows, hidden ``h``, expert width ``i``, in bf16."""
     n = groups * rows
     kw = dict(device=device, dtype=torch.bfloat16)
@@ -675,11 +679,11 @@ def main() -> None:
         except Exception as e:  # keep the rest: the planner falls back to hbm_bytes_per_s
             print(f"calibrate: elementwise rate not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         try:
-            by_rows = grouped_gemm_by_rows(d["gemm"])
+            by_rows = grouped_call_by_rows(d["gemm"])
             if by_rows:
-                d["grouped_gemm_by_rows"] = by_rows
-                d["grouped_gemm_vs_table"] = sum(r for _, r in by_rows) / len(by_rows)
-                measured.append("grouped_gemm_by_rows")
+                d["grouped_call_by_rows"] = by_rows
+                d["grouped_call_vs_table"] = sum(r for _, r in by_rows) / len(by_rows)
+                measured.append("grouped_call_by_rows")
         except Exception as e:  # keep the rest: the planner takes the dense GEMM table's rate
             print(f"calibrate: grouped GEMMs not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"] = host_rates()

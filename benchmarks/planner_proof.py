@@ -74,6 +74,7 @@ import torch.distributed as dist  # noqa: E402
 
 import behemoth as bh  # noqa: E402
 from behemoth.models import build_config, build_model  # noqa: E402
+from behemoth.parallel.zero.measure import offload_host_budget  # noqa: E402
 from behemoth.planner.calibration import load_calibration  # noqa: E402
 from behemoth.planner.cluster import Cluster  # noqa: E402
 from behemoth.planner.cost import predict  # noqa: E402
@@ -495,7 +496,8 @@ def repredict(a) -> None:
     def again(r: dict):
         world = r["gpus"]
         gpu = a.gpu_gb * 2**30 if a.gpu_gb else cal.gpu_bytes
-        cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal)
+        host = {"host_bytes": a.host_gb * 2**30} if a.host_gb else {}
+        cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal, **host)
         w = workload_for(config, seq_len=a.seq, global_batch=a.batch or 8 * world)
         return predict(parse_plan(r["plan"]), w, cluster)
 
@@ -574,6 +576,21 @@ def repredict(a) -> None:
     )
 
 
+def host_budget(a, dev, world: int) -> dict:
+    """``host_bytes`` for the planner: what the runtime lets one rank's offloaded chunks take on this
+    host (``--host-gb`` per GPU, else the share of MemAvailable the ZeRO placement allows, split over
+    the host's ranks), the smallest any rank reads so that every rank searches alike; {} where the
+    host does not say (the planner's default)."""
+    if a.host_gb:
+        return {"host_bytes": a.host_gb * 2**30}
+    budget = offload_host_budget(world)
+    if budget is None:
+        return {}
+    t = torch.tensor([budget], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return {"host_bytes": float(t.item())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -609,6 +626,12 @@ def main() -> None:
         help="layouts to run first, as Plan.describe() prints them, separated by ';' (e.g. an earlier run's)",
     )
     ap.add_argument("--gpu-gb", type=float, default=None, help="memory per device to plan for (default: the GPU's)")
+    ap.add_argument(
+        "--host-gb",
+        type=float,
+        default=None,
+        help="host memory per GPU for offloaded chunks (default: the share of MemAvailable the runtime allows)",
+    )
     ap.add_argument(
         "--resume",
         default="",
@@ -652,7 +675,7 @@ def main() -> None:
     if a.gpu_gb is None and dev.type != "cuda":
         raise SystemExit("planner_proof: no GPU here; pass --gpu-gb (the memory to plan for) for a smoke run on CPU")
     gpu = a.gpu_gb * 2**30 if a.gpu_gb else float(torch.cuda.get_device_properties(dev).total_memory)
-    cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal)
+    cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal, **host_budget(a, dev, world))
     config = build_config(a.model, vocab_size=vocab, seq_len=a.seq, **model_overrides(a))
     w = workload_for(config, seq_len=a.seq, global_batch=a.batch)
     limits = Limits(top=5000, offloads=(None,) if a.no_offload else Limits().offloads)

@@ -149,44 +149,68 @@ def test_search_tries_ep_overlap_where_there_is_expert_parallelism():
     assert "ep_overlap=2" in why and "ep_overlap=1" in why and "hidden behind the experts' GEMMs" in why
 
 
-def test_grouped_gemm_factor_scales_the_bf16_expert_gemms_only():
-    """``Calibration.grouped_gemm_vs_table``: the experts' GEMMs run through ``torch._grouped_mm``
-    under bf16 (at that factor of the table's rate for one group's GEMMs); under fp32 the loop of
-    dense GEMMs (the table's)."""
-    half = dataclasses.replace(DEVICE, grouped_gemm_vs_table=0.5)
+def test_grouped_call_factor_scales_the_bf16_expert_gemms_only():
+    """``Calibration.grouped_call_vs_table``: the experts' GEMMs run through ``torch._grouped_mm``
+    under bf16 (at that factor of the table's rate for the whole call's flops); under fp32 the loop
+    of dense GEMMs (the table's)."""
+    half = dataclasses.replace(DEVICE, grouped_call_vs_table=0.5)
     bf16 = _plan(1)
     fp32 = bh.Plan(ep=8, precision="fp32").resolve(8)
     for plan, factor in ((bf16, 2.0), (fp32, 1.0)):
         base, slow = (block_times(plan, MOE, c, 4).expert_gemm_forward for c in (DEVICE, half))
         assert slow == pytest.approx(factor * base, rel=1e-12)
-    for bad in (dict(grouped_gemm_vs_table=0.0), dict(grouped_gemm_by_rows=((1024.0, 5.0),))):
-        with pytest.raises(ValueError, match="grouped_gemm"):
+    for bad in (dict(grouped_call_vs_table=0.0), dict(grouped_call_by_rows=((1024.0, 5.0),))):
+        with pytest.raises(ValueError, match="grouped_call"):
             dataclasses.replace(CAL, **bad)
 
 
-def test_grouped_gemm_factor_by_rows_per_group():
-    """``grouped_gemm_by_rows``: the factor at the expert's rows per group, interpolated in log2 of
+def test_the_grouped_call_is_costed_as_one_gemm_of_all_its_groups_rows():
+    """Under bf16 one grouped call runs all of a rank's local experts: the table's time for one
+    GEMM of every group's rows (gate/up and down), over the factor at the rows per group -- not the
+    sum of each group's small GEMMs at the table's rate for their size (which put 64 narrow experts
+    several times too slow); under fp32 the loop is that sum."""
+    s = MOE.shape
+    f, local = MOE.expert_ffn_hidden or s.ffn_hidden, MOE.num_experts  # ep 1: every expert on the rank
+    even = dataclasses.replace(MOE, expert_load_imbalance=1.0)
+    table = dataclasses.replace(DEVICE, grouped_call_by_rows=((256.0, 0.5), (4096.0, 1.0)))
+    tokens = 4 * MOE.seq_len
+    rows = tokens * MOE.experts_top_k / MOE.num_experts
+    up = (2 if s.gated_mlp else 1) * f
+    for plan in (bh.Plan(precision="bf16").resolve(1), bh.Plan(precision="fp32").resolve(1)):
+        got = block_times(plan, even, table, 4).expert_gemm_forward
+        if plan.precision == "bf16":
+            whole = table.gemm_seconds(rows * local, up, s.hidden) + table.gemm_seconds(rows * local, s.hidden, f)
+            want = whole / table.grouped_call_factor(rows)
+        else:
+            want = local * (table.gemm_seconds(rows, up, s.hidden, 4) + table.gemm_seconds(rows, s.hidden, f, 4))
+        assert got == pytest.approx(want, rel=1e-12), plan.precision
+
+
+def test_grouped_call_factor_by_rows_per_group():
+    """``grouped_call_by_rows``: the factor at the expert's rows per group, interpolated in log2 of
     the rows and clamped at the measured ends; it overrides the single figure, and survives the
-    JSON. An older calibration's ``grouped_gemm_ratio`` (against a loop of per-group calls) is kept
-    in ``extra`` and not read."""
+    JSON. An older calibration's ``grouped_gemm_vs_table`` / ``grouped_gemm_by_rows`` (against one
+    group's GEMM) and ``grouped_gemm_ratio`` (against a loop of per-group calls) are kept in
+    ``extra`` and not read."""
     from behemoth.planner.calibration import Calibration
 
     by_rows = dataclasses.replace(
-        DEVICE, grouped_gemm_vs_table=0.3, grouped_gemm_by_rows=((1024.0, 1.2), (4096.0, 0.8))
+        DEVICE, grouped_call_vs_table=0.3, grouped_call_by_rows=((1024.0, 1.2), (4096.0, 0.8))
     )
-    assert by_rows.grouped_gemm_factor(1024) == pytest.approx(1.2)
-    assert by_rows.grouped_gemm_factor(2048) == pytest.approx(1.0)
-    assert by_rows.grouped_gemm_factor(100) == pytest.approx(1.2) and by_rows.grouped_gemm_factor(1e6) == 0.8
+    assert by_rows.grouped_call_factor(1024) == pytest.approx(1.2)
+    assert by_rows.grouped_call_factor(2048) == pytest.approx(1.0)
+    assert by_rows.grouped_call_factor(100) == pytest.approx(1.2) and by_rows.grouped_call_factor(1e6) == 0.8
     again = Calibration.from_dict(json.loads(by_rows.to_json()))
-    assert again.grouped_gemm_by_rows == by_rows.grouped_gemm_by_rows and again.grouped_gemm_factor(2048) == 1.0
+    assert again.grouped_call_by_rows == by_rows.grouped_call_by_rows and again.grouped_call_factor(2048) == 1.0
     # the experts' rows per group here: 4 sequences of 1,024 tokens, top 2, one expert per rank
     rows = 4 * MOE.seq_len * MOE.experts_top_k * 8 / MOE.num_experts
-    at = dataclasses.replace(DEVICE, grouped_gemm_vs_table=by_rows.grouped_gemm_factor(rows))
+    at = dataclasses.replace(DEVICE, grouped_call_vs_table=by_rows.grouped_call_factor(rows))
     assert block_times(_plan(1), MOE, by_rows, 4).expert_gemm_forward == pytest.approx(
         block_times(_plan(1), MOE, at, 4).expert_gemm_forward, rel=1e-12
     )
-    old = Calibration.from_dict({**json.loads(DEVICE.to_json()), "grouped_gemm_ratio": 1.645})
-    assert old.extra["grouped_gemm_ratio"] == 1.645 and old.grouped_gemm_factor(8192) == 1.0
+    older = {"grouped_gemm_ratio": 1.645, "grouped_gemm_vs_table": 0.5, "grouped_gemm_by_rows": [[512, 2.0]]}
+    old = Calibration.from_dict({**json.loads(DEVICE.to_json()), **older})
+    assert all(old.extra[k] == v for k, v in older.items()) and old.grouped_call_factor(512) == 1.0
 
 
 def test_the_busiest_ep_rank_sets_the_experts_pace():
@@ -255,12 +279,13 @@ def test_routing_dispatch_and_combine_bytes_split_with_the_tokens_over_tp():
         assert moe[1] - ref[1] == pytest.approx(act_b + bwd / tp * tokens / DEVICE.elementwise_rate, rel=1e-9)
 
 
-def test_calibrate_measures_the_grouped_gemms_against_the_table_the_model_reads(monkeypatch):
-    """benchmarks/calibrate.py's ``grouped_gemm_by_rows``: the table's time for each group's GEMMs
-    (the fused gate/up and the down projection, forward and both gradients) over the grouped
-    kernel's, at each measured rows per group: a kernel as fast as the model's per-group GEMMs at
-    the table's rate (``block_times``' experts under ``grouped_gemm_vs_table = 1``) measures 1, one
-    taking 0.8 of that time 1.25; none where the kernel does not run."""
+def test_calibrate_measures_the_grouped_call_against_the_table_the_model_reads(monkeypatch):
+    """benchmarks/calibrate.py's ``grouped_call_by_rows``: the table's time for the whole call's
+    GEMMs (every group's rows as one fused gate/up and one down projection, forward and both
+    gradients) over the grouped kernel's, at each measured rows per group, the mean over its expert
+    shapes: a kernel as fast as the model's whole-call GEMMs at the table's rate (``block_times``'
+    experts under ``grouped_call_vs_table = 1``) measures 1, one taking 0.8 of that time 1.25; none
+    where the kernel does not run."""
     import sys
     from pathlib import Path
 
@@ -272,7 +297,7 @@ def test_calibrate_measures_the_grouped_gemms_against_the_table_the_model_reads(
     table = dataclasses.replace(CAL, sustained_ratio=1.0)
 
     def model(groups, rows, h, i, iters=5):  # the planner's time of these GEMMs, forward and backward
-        return 3 * groups * (table.gemm_seconds(rows, 2 * i, h) + table.gemm_seconds(rows, h, i))
+        return 3 * (table.gemm_seconds(groups * rows, 2 * i, h) + table.gemm_seconds(groups * rows, h, i))
 
     # what the cost model gives the experts of one rank (ep 8: one expert, 8,192 rows), balanced
     even = dataclasses.replace(MOE, expert_load_imbalance=1.0)
@@ -284,11 +309,11 @@ def test_calibrate_measures_the_grouped_gemms_against_the_table_the_model_reads(
     monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None), raising=False)
     for speed in (1.0, 1.25):
         monkeypatch.setattr(calibrate, "_grouped_seconds", lambda *a, s=speed, **k: model(*a, **k) / s)
-        points = calibrate.grouped_gemm_by_rows(gemm)
+        points = calibrate.grouped_call_by_rows(gemm)
         assert [p[0] for p in points] == list(calibrate.GROUPED_ROWS)
         assert all(p[1] == pytest.approx(speed, rel=1e-9) for p in points)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert calibrate.grouped_gemm_by_rows(gemm) == []
+    assert calibrate.grouped_call_by_rows(gemm) == []
 
 
 def test_the_grid_statistics_axes_are_the_runtimes():

@@ -31,8 +31,8 @@ measure there)::
       "kernels_per_collective": 2.5,                 # kernels a collective call launches (itself, copies)
       "kernels_per_call": {"1d": 1.5, "2d": 4.2},    # ... as measured by mode (other axes' calls: "1d")
       "host_forward_share": 0.33,                    # the forward's share of a block's host time
-      "grouped_gemm_vs_table": 1.0,                  # experts' grouped GEMMs' rate / the table's (1: not measured)
-      "grouped_gemm_by_rows": [[rows, ratio], ...]   # ... by rows per group, where measured
+      "grouped_call_vs_table": 1.0,                  # experts' grouped GEMM call's rate / the table's (1: not measured)
+      "grouped_call_by_rows": [[rows, ratio], ...]   # ... by rows per group, where measured
     }
 
 ``cpu_adam_params_per_s`` is one rank's rate with every rank of its host updating at once (they
@@ -46,13 +46,17 @@ The host figures feed :mod:`.host` (the step is at least its host issue time); a
 default) predicts no host bound. ``sustained_ratio`` scales the GEMM table and the attention
 rate (a short burst runs at boost clocks that a step's seconds of work do not hold); default 1.
 
-The experts' grouped GEMMs (``torch._grouped_mm``) run each group's GEMM at ``grouped_gemm_vs_table``
-of the table's rate for that group's size (:meth:`Calibration.grouped_gemm_factor`), or at the
-``grouped_gemm_by_rows`` point for its rows per group where the calibration measured them. An older
-calibration's ``grouped_gemm_ratio`` (the grouped kernel against a Python loop of per-group
-``F.linear`` calls and their concatenation, whose launches and copies the table's rates do not
-pay: 1.645 on an H200, where the kernel itself runs at about the table's rate) is not that
-quantity: it is kept in ``extra`` and not read.
+The experts' grouped GEMMs (``torch._grouped_mm``) run all of a rank's local experts in one call:
+it runs at ``grouped_call_vs_table`` of the table's rate for **the whole call's** flops (every
+group's rows as one GEMM), by the rows per group where the calibration measured them
+(``grouped_call_by_rows``, :meth:`Calibration.grouped_call_factor`; few rows per group waste the
+kernel's tiles). The whole call, not one group's GEMM: 64 groups of 512 rows (OLMoE's experts) fill
+the GPU as one large GEMM does (0.79 of its rate on an H200), not as one 512-row GEMM (4.6 times
+that GEMM's rate); 4 groups of Mixtral's wider experts measure 1.02 at the same rows. An older
+calibration's ``grouped_gemm_vs_table`` / ``grouped_gemm_by_rows`` (against the table's rate for
+one group's GEMM, which put OLMoE's experts 1.3-4.6 times too slow) and its ``grouped_gemm_ratio``
+(against a Python loop of per-group ``F.linear`` calls) are not that quantity: they are kept in
+``extra`` and not read.
 
 A collective over ``p`` ranks on a link class takes ``latency(p) + wire_bytes / bus_bw(p)``
 (the alpha-beta model, with ``wire_bytes`` the ledger's ring bytes per rank, so the bus
@@ -158,16 +162,16 @@ class Calibration:
     elementwise_bytes_per_s: float = 0.0
     """Bytes per second the blocks' non-GEMM operators (norms, activations, rotary embeddings,
     casts: :mod:`.elementwise`) move; 0: ``hbm_bytes_per_s`` (a large copy's rate)."""
-    grouped_gemm_vs_table: float = 1.0
-    """The experts' grouped GEMMs' rate (``torch._grouped_mm``, ``parallel/expert/grouped.py``: the
-    gate/up and down projections, forward and backward) over the GEMM table's rate at one group's
-    GEMM (its ``2mnk`` flops), both short bursts (``sustained_ratio`` scales both), as
-    ``benchmarks/calibrate.py`` measures it (the mean of its ``grouped_gemm_by_rows``); 1 (the
-    default, where not measured) takes the table's rate."""
-    grouped_gemm_by_rows: tuple[tuple[float, float], ...] = ()
-    """``(rows per group, grouped_gemm_vs_table)`` points: the kernel's rate relative to the table
-    changes with its groups' rows (few rows: it fills the GPU better than one small GEMM; many: it
-    falls behind cuBLAS); empty: ``grouped_gemm_vs_table`` at every size."""
+    grouped_call_vs_table: float = 1.0
+    """The experts' grouped GEMM call's rate (``torch._grouped_mm``, ``parallel/expert/grouped.py``:
+    the gate/up and down projections of all of a rank's local experts, forward and backward) over
+    the GEMM table's rate at the whole call's flops (every group's rows as one GEMM), both short
+    bursts (``sustained_ratio`` scales both), as ``benchmarks/calibrate.py`` measures it (the mean
+    of its ``grouped_call_by_rows``); 1 (the default, where not measured) takes the table's rate."""
+    grouped_call_by_rows: tuple[tuple[float, float], ...] = ()
+    """``(rows per group, grouped_call_vs_table)`` points: few rows per group waste the kernel's
+    tiles (0.5 of the whole call's table rate at 128 rows on an H200, 0.8-1.0 from 512); empty:
+    ``grouped_call_vs_table`` at every size."""
     extra: dict = field(default_factory=dict)
     """Anything else the calibration run recorded (kept, not read)."""
 
@@ -194,11 +198,11 @@ class Calibration:
             raise ValueError(
                 f"calibration {self.name!r}: host_forward_share={self.host_forward_share!r} must be in (0, 1)."
             )
-        ratios = (self.grouped_gemm_vs_table, *(r for _, r in self.grouped_gemm_by_rows))
-        if not all(0.0 < r <= 4.0 for r in ratios) or any(n <= 0 for n, _ in self.grouped_gemm_by_rows):
+        ratios = (self.grouped_call_vs_table, *(r for _, r in self.grouped_call_by_rows))
+        if not all(0.0 < r <= 4.0 for r in ratios) or any(n <= 0 for n, _ in self.grouped_call_by_rows):
             raise ValueError(
-                f"calibration {self.name!r}: grouped_gemm_vs_table={self.grouped_gemm_vs_table!r} and "
-                f"grouped_gemm_by_rows={self.grouped_gemm_by_rows!r} need ratios in (0, 4] (and rows > 0)."
+                f"calibration {self.name!r}: grouped_call_vs_table={self.grouped_call_vs_table!r} and "
+                f"grouped_call_by_rows={self.grouped_call_by_rows!r} need ratios in (0, 4] (and rows > 0)."
             )
         if not 0.0 <= self.allocator_slack <= 1.0:
             raise ValueError(f"calibration {self.name!r}: allocator_slack={self.allocator_slack!r} must be in [0, 1].")
@@ -238,13 +242,13 @@ class Calibration:
             return self.attention_flops_per_s, self.attention_backward_ratio
         return _interp([(p[0], p[1]) for p in pts], seq), _interp([(p[0], p[2]) for p in pts], seq)
 
-    def grouped_gemm_factor(self, rows: float) -> float:
-        """The experts' grouped GEMMs' rate over the table's, with ``rows`` rows per group:
-        ``grouped_gemm_by_rows`` interpolated in log2(rows) (clamped at the ends), else
-        ``grouped_gemm_vs_table``."""
-        if self.grouped_gemm_by_rows and rows > 0:
-            return _interp(list(self.grouped_gemm_by_rows), rows)
-        return self.grouped_gemm_vs_table
+    def grouped_call_factor(self, rows: float) -> float:
+        """The experts' grouped GEMM call's rate over the table's at the whole call's flops, with
+        ``rows`` rows per group: ``grouped_call_by_rows`` interpolated in log2(rows) (clamped at the
+        ends), else ``grouped_call_vs_table``."""
+        if self.grouped_call_by_rows and rows > 0:
+            return _interp(list(self.grouped_call_by_rows), rows)
+        return self.grouped_call_vs_table
 
     def gemm_seconds(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:
         """One GEMM ``[m, k] @ [k, n]``: its flops at the table's rate, or its bytes at HBM speed."""
@@ -272,7 +276,7 @@ class Calibration:
         d["gemm"] = [list(p) for p in self.gemm]
         d["links"] = {k: [list(p) for p in v] for k, v in self.links.items()}
         d["attention_by_seq"] = [list(p) for p in self.attention_by_seq]
-        d["grouped_gemm_by_rows"] = [list(p) for p in self.grouped_gemm_by_rows]
+        d["grouped_call_by_rows"] = [list(p) for p in self.grouped_call_by_rows]
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -285,7 +289,7 @@ class Calibration:
         d["attention_by_seq"] = tuple(
             sorted((float(s), float(r), float(b)) for s, r, b in d.get("attention_by_seq", ()))
         )
-        d["grouped_gemm_by_rows"] = tuple(sorted((float(n), float(r)) for n, r in d.get("grouped_gemm_by_rows", ())))
+        d["grouped_call_by_rows"] = tuple(sorted((float(n), float(r)) for n, r in d.get("grouped_call_by_rows", ())))
         d["extra"] = {**d.get("extra", {}), **extra}
         return cls(**d)
 

@@ -33,8 +33,9 @@ attention (``cp_mode='ring'``) merges each of its ``cp`` steps' block into fp32 
 backward; Ulysses copies its tensors around each all-to-all (:func:`ulysses_copy_seconds`). An MoE
 layer runs its experts' GEMMs on ``T k ep / E`` rows per local expert on average, ``T`` this rank's
 share of the tokens (tensor parallelism splits them over tp: :func:`.moe_bytes.token_split`), each
-expert's gate and up projections as one GEMM (under bf16, grouped: at the calibration's
-:meth:`~.calibration.Calibration.grouped_gemm_factor` of the table's rate for one group's GEMM), under
+expert's gate and up projections as one GEMM (under bf16, one grouped call for all the local
+experts: at the calibration's :meth:`~.calibration.Calibration.grouped_call_factor` of the table's
+rate for the whole call's flops; else each group's GEMMs at the table's rate for their size), under
 expert parallelism at the busiest rank's load (:func:`.moe_bytes.busiest_rank_load`), in ``ep_overlap``
 chunks of a ``1/ep_overlap`` share each, its routing, dispatch and combine move the bytes
 :func:`.moe_bytes.expert_elementwise_bytes` counts, and each extra chunk casts the experts' weights and
@@ -167,15 +168,20 @@ def block_times(plan: Plan, w: Workload, cal: Calibration, mbs: int) -> BlockTim
         # in ep_overlap chunks of as many rows each (parallel/expert/overlap.py); under tensor
         # parallelism the tp ranks split the tokens (parallel/expert/tokens.py): T/tp each
         # each expert's gate and up projections are one GEMM (``[rows, h] @ [h, 2f]``, the fused
-        # weight of parallel/expert/grouped.py), then its down projection; under bf16 the grouped
-        # kernel runs each group's at the calibration's factor of the table's rate for that size
-        # (the loop elsewhere: the table's); under ep > 1 the busiest rank's rows set the pace
+        # weight of parallel/expert/grouped.py), then its down projection; under bf16 one grouped
+        # call runs all the local experts' (a chunk's) at the calibration's factor of the table's
+        # rate for the whole call's flops, by rows per group (the loop elsewhere: the table's rate
+        # for each group's GEMMs); under ep > 1 the busiest rank's rows set the pace
         k = plan.ep_overlap
+        local = w.num_experts / plan.ep
         rows = t / token_split(plan) * w.experts_top_k * plan.ep / w.num_experts / k
-        one = cal.gemm_seconds(rows, (2 if s.gated_mlp else 1) * f, h, eb) + cal.gemm_seconds(rows, h, f, eb)
+        up = (2 if s.gated_mlp else 1) * f
         if eb == 2 and plan.precision == "bf16":
-            one /= cal.grouped_gemm_factor(rows)
-        experts = k * one * w.num_experts / plan.ep * busiest_rank_load(plan, w)
+            call = rows * local
+            one = (cal.gemm_seconds(call, up, h, eb) + cal.gemm_seconds(call, h, f, eb)) / cal.grouped_call_factor(rows)
+        else:
+            one = local * (cal.gemm_seconds(rows, up, h, eb) + cal.gemm_seconds(rows, h, f, eb))
+        experts = k * one * busiest_rank_load(plan, w)
         gemm += experts
     else:
         f = s.ffn_hidden

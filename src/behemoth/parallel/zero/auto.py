@@ -27,7 +27,7 @@ import torch
 from ... import comm
 from ...comm import Axis
 from .chunks import ChunkLayout
-from .measure import OtherPeak, cpu_update_rate, host_available, host_bandwidth
+from .measure import OFFLOAD_HOST_SHARE, OtherPeak, cpu_update_rate, host_available, host_bandwidth
 from .placement import StaticSplit, split_costs, static_split
 
 __all__ = ["ChunkPlacement", "FUSED_CPU", "STATE_BYTES", "raise_everywhere"]
@@ -195,7 +195,9 @@ class ChunkPlacement:
                     d2h_bandwidth=bw,
                     host_bytes=host_bytes,
                     cpu_update_bandwidth=self.cpu_rate or None,
-                    host_budget_bytes=None if host is None or self.device.type != "cuda" else int(0.9 * host),
+                    host_budget_bytes=None
+                    if host is None or self.device.type != "cuda"
+                    else int(OFFLOAD_HOST_SHARE * host),
                 )
             except ValueError as e:
                 raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
@@ -217,7 +219,7 @@ class ChunkPlacement:
         need = sum(c.shard_size * (8 + state) for c in self.layout.chunks[keep_o:])
         need += sum(c.shard_size * (4 - self.param_bytes) for c in self.layout.chunks[keep_p:])  # bf16 host copies
         avail = self._host_room()
-        if avail is not None and need > 0.9 * avail:
+        if avail is not None and need > OFFLOAD_HOST_SHARE * avail:
             raise MemoryError(
                 f"Plan(zero={self.stage}, offload={self.offload!r}) needs {need / 2**30:.1f} GiB of host memory for the "
                 f"offloaded chunks (fp32 master, gradient and {self.name} state, {8 + state} B per "

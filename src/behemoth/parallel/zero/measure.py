@@ -80,6 +80,19 @@ def cpu_update_rate(cls, defaults: dict, fused_cpu=()) -> float:
     return 3 * 4 * n / (time.perf_counter() - t0)
 
 
+OFFLOAD_HOST_SHARE = 0.9
+"""The share of the host's available memory offloaded chunks may take (the rest for the process,
+the data loader and the page cache): the placement's budget and the check before allocating."""
+
+
+def offload_host_budget(ranks_on_host: int) -> float | None:
+    """Host bytes one of ``ranks_on_host`` ranks may give its offloaded chunks, by the share the
+    runtime allows (:data:`OFFLOAD_HOST_SHARE` of MemAvailable, split evenly): what ``plan="auto"``
+    and the planner's proof plan with. None where the host does not say."""
+    avail = host_available()
+    return None if avail is None else OFFLOAD_HOST_SHARE * avail / max(1, ranks_on_host)
+
+
 def host_available() -> int | None:
     """MemAvailable of this host in bytes (Linux), else None."""
     try:
