@@ -10,9 +10,9 @@ without a pipeline or tensor parallelism: :func:`shard_elements`):
 stage  GPU                                host (``offload='cpu'``)
 =====  ================================  ===================================
 0      4 + 4 + 8                          --
-1      4 + 4 + 12/g (offload: 4 + 4)     8/g (+ 4/g gradient copy)
-2      4 + 12/g     (offload: 4 + 4/g)    12/g
-3      16/g + two blocks gathered         16/g, the GPU keeps the gathered blocks
+1      4 + 4 + 12/g (offload: 4 + 4)     16/g: fp32 master, gradient, Adam's 8
+2      4 + 12/g     (offload: 4 + 4/g)    16/g
+3      16/g + two blocks gathered         16/g (18/g with bf16 parameters), the GPU keeps the gathered blocks
 =====  ================================  ===================================
 
 Under pipeline parallelism ZeRO-2/3 reduce a stage's gradients once per step: the GPU holds the
@@ -169,10 +169,12 @@ def footprint(
         grads, opt = shard * 4 + 2 * per_block * 4, shard * (8 + masters)
         if g > 1 and plan.pp == 1 and not w.num_experts and not off:
             params, grads = zero3_held_bytes(plan, w, shard, pb)
-    if off:
-        host = opt + (shard * 4 if z >= 1 else 0.0)
+    if off:  # the runtime's rule (parallel/zero/auto.py's check_host_memory): per offloaded element an
+        # fp32 master, an fp32 gradient and the optimizer's state -- the master even where the GPU's
+        # parameters are fp32 -- and, where the parameters leave the GPU too (stage 3), what a
+        # 16-bit parameter's fp32 master lacks of the 4-byte host copy
+        host = shard * (4 + 4 + 8) + (shard * (4 - pb) if z == 3 else 0.0)
         if z == 3:
-            host += shard * pb
             params = 2 * per_block * pb
         opt = 0.0
         if z == 1:  # the reduced shard lives on the host
