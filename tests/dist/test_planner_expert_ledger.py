@@ -16,7 +16,7 @@ ranks, with and without micro-batches, without activation checkpointing) gathers
 forward and backward but the one its forward ends in (once); its padding is added per gather. Its
 routers stay in the others' param group (a group of their own packs into chunks of its own,
 gathered once per layer: not the planner's layout). The gradient sync's buckets per axis are
-``behemoth.planner.cost.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
+``behemoth.planner.grad_buckets.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
 changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
 ``behemoth.planner.host.block_calls``'.
 """
@@ -33,8 +33,8 @@ from test_planner_ledger import FP32, _moe, _workload, second_step_bytes
 import behemoth as bh
 from behemoth.planner.axis_traffic import expert_axis, step_traffic
 from behemoth.planner.collectives import all_gather_bytes, reduce_scatter_bytes
-from behemoth.planner.cost import gradient_buckets
 from behemoth.planner.footprint import shard_elements
+from behemoth.planner.grad_buckets import gradient_buckets
 from behemoth.planner.zero3_traffic import chunk_shard_elements, final_norm_index
 
 PLANS = {

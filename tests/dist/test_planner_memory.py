@@ -25,7 +25,7 @@ from behemoth.models import build_model
 from behemoth.parallelize import parallelization
 from behemoth.planner.axis_traffic import Dtypes, step_traffic
 from behemoth.planner.cluster import Cluster
-from behemoth.planner.cost import plan_memory
+from behemoth.planner.footprint import plan_memory
 from behemoth.planner.params import local_params
 from behemoth.planner.workload import workload_for
 

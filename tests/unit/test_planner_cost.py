@@ -78,7 +78,7 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     # the first stage's dense embedding gradient; ZeRO-3 gathers the chunks its forward ends in
     # once a micro-batch, with activation checkpointing too; the memory counts the allocator's slack as four
     # logits-sized blocks of one micro-batch, planner/reserve.py; a pipeline's memory is its stage needing
-    # the most, each with its own blocks, parameters and in-flight micro-batches, cost.plan_memory)
+    # the most, each with its own blocks, parameters and in-flight micro-batches, footprint.plan_memory)
     (bh.Plan(precision="bf16", microbatches=2), 0.33196449704240205, 33175428608.0),
     (bh.Plan(tp=4, sequence_parallel=True, precision="bf16"), 0.13475935696014163, 21971598848.0),
     (bh.Plan(tp=4, tp_mode="2d", precision="bf16"), 0.2233520883490061, 22540688896.0),

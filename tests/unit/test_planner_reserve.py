@@ -11,7 +11,8 @@ import pytest
 import behemoth as bh
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster
-from behemoth.planner.cost import plan_memory, predict
+from behemoth.planner.cost import predict
+from behemoth.planner.footprint import plan_memory
 from behemoth.planner.reserve import communicators, device_reserve
 from behemoth.planner.workload import workload_for
 
@@ -245,8 +246,7 @@ def test_a_pipeline_needs_the_most_any_stage_needs_with_its_own_blocks_and_micro
     each micro-batch's graph for its BW, so every rank holds pp; GPipe all m. The allocated peak is
     the stage with the most tensors, the total the most any stage needs with its slack."""
     from behemoth.planner.bubble import rank_inflight
-    from behemoth.planner.cost import plan_memory
-    from behemoth.planner.footprint import footprint
+    from behemoth.planner.footprint import footprint, plan_memory
     from behemoth.planner.params import local_params, stage_layers
 
     assert [rank_inflight("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]

@@ -9,7 +9,8 @@ import pytest
 
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster
-from behemoth.planner.cost import plan_memory, predict
+from behemoth.planner.cost import predict
+from behemoth.planner.footprint import plan_memory
 from behemoth.planner.search import Limits, search, shape_refusal
 from behemoth.planner.workload import Workload, workload_for
 from behemoth.specs import TransformerShape

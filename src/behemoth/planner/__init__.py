@@ -17,7 +17,10 @@ module                 what it holds
                        ``h200.json``, estimated from datasheets)
 ``cluster``            GPUs, nodes, memory, and the link class each axis's groups cross
 ``compute``            a roofline per GEMM shape as each tensor-parallel mode splits it
-``footprint``          memory per GPU and host of a plan
+``footprint``          memory per GPU and host of a plan (``plan_memory``: over its
+                       pipeline stages, the reserve included)
+``grad_buckets``       the gradient sync's axes: the parameters a rank reduces over each,
+                       in how many buckets or chunks
 ``moe_bytes``          what an MoE layer's routing, dispatch and combine keep and move
 ``bubble``             pipeline makespan and peak in-flight micro-batches (the simulator)
 ``cost``               ``predict(plan, workload, cluster)``: step time and memory

@@ -44,36 +44,29 @@
   overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
   offload also fetches each chunk forward and backward.
 
-Memory: :mod:`.footprint` and :mod:`.reserve`. Pure; tests/unit/test_planner_cost.py.
+Memory: :func:`.footprint.plan_memory` (:mod:`.footprint` of each pipeline stage that can hold the
+most, and :mod:`.reserve`); the gradient sync's axes and buckets: :mod:`.grad_buckets`. Pure;
+tests/unit/test_planner_cost.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from .axis_traffic import (
-    Dtypes,
-    balance_bytes,
-    block_axis,
-    ep_layer_bytes,
-    expert_axis,
-    expert_local_params,
-    step_traffic,
-)
-from .bubble import pipeline_time, ranks_inflight
+from .axis_traffic import Dtypes, balance_bytes, ep_layer_bytes, step_traffic
+from .bubble import pipeline_time
 from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
-from .footprint import Footprint, footprint
+from .footprint import Footprint, plan_memory
+from .grad_buckets import sync_groups
 from .host import cp_block_calls, ep_sync_seconds, host_times, tp_block_calls
-from .moe_bytes import busiest_rank_load, tp_summed_params
+from .moe_bytes import busiest_rank_load
 from .params import block_local_params, local_params, stage_layers, weight_split
-from .reserve import device_reserve
 from .traffic import tp_grid
 from .workload import Workload
 
-__all__ = ["Prediction", "gradient_buckets", "predict", "plan_memory", "model_flops_per_token"]
+__all__ = ["Prediction", "predict", "model_flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -167,43 +160,6 @@ def _ep_times(plan: Plan, w: Workload, cluster: Cluster, bt, layers: int, mbs: i
     return e_f, e_b, (t_splits + pair * (2 + twice) + ckpt * again) * m
 
 
-def gradient_buckets(plan: Plan, w: Workload, layers: int, *, stage: int | None = None) -> dict[str, int]:
-    """Buckets (ZeRO 0) or chunks (ZeRO 1-3) of ``bucket_mb`` each that a rank's gradients of
-    ``layers`` blocks (and its stage's other parts) reduce in, per axis: the data axis's, and under
-    expert parallelism (over more than one replica) the experts' axis's; under tensor parallelism
-    an MoE block's router (and its experts at ``ep = 1``) over the data axis times tp
-    (:func:`.axis_traffic.block_axis`), its experts under expert parallelism over ``ep_dp`` times
-    tp. ZeRO 0 closes a bucket where the parameter kind changes (``parallel/zero/chunks.py``'s
-    ``pack_buckets``), so each block's experts sit in buckets apart from the dense parameters
-    around them: the dense parameters' ``layers + 1`` runs and the experts' ``layers`` runs each
-    take at least one."""
-    return {axis: nb for axis, (_, nb) in _sync_groups(plan, w, layers, stage).items()}
-
-
-def _sync_groups(plan: Plan, w: Workload, layers: int, stage: int | None) -> dict[str, tuple[float, int]]:
-    """Per gradient axis, ``(the parameters one rank syncs over it, their buckets or chunks)``
-    (:func:`gradient_buckets`); an axis of one rank is left out."""
-    n = local_params(plan, w, layers=layers, stage=stage)
-    experts = expert_local_params(plan, w, layers)
-    summed = tp_summed_params(plan, w, layers)
-    bucket = plan.bucket_mb * 2**20
-    runs = layers if (experts or summed) and plan.zero == 0 else 0
-    g = plan.dp * plan.cp
-
-    def buckets(count: float, extra: int) -> int:
-        return max(1, math.ceil(count * 4 / bucket)) + extra
-
-    out = {}
-    if g > 1:
-        dense = n - (summed or experts)
-        out["dp_cp" if plan.cp > 1 else "dp"] = (dense, buckets(dense, runs))
-    if summed > experts:  # the routers (and the experts at ep = 1), summed over the data axis times tp
-        out[block_axis(plan)] = (summed - experts, buckets(summed - experts, max(0, runs - 1)))
-    if experts and g // plan.ep * plan.tp > 1:  # the experts' replicas reduce theirs
-        out[expert_axis(plan)] = (experts, buckets(experts, max(0, runs - 1)))
-    return out
-
-
 def _memo(cache: dict | None, key: tuple, fn):
     if cache is None:
         return fn()
@@ -213,49 +169,12 @@ def _memo(cache: dict | None, key: tuple, fn):
     return v
 
 
-def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list[int]:
-    """The pipeline ranks whose memory can be the most: the last (the head and the loss), the
-    first (the embeddings) where it holds more blocks or more in-flight micro-batches than the
-    last, and between them the first rank of each block count above the first rank's -- a middle
-    rank's memory grows with its blocks and its in-flight micro-batches, which no later rank has
-    more of (:func:`.bubble.rank_inflight`), and holds nothing the first rank does not."""
-    pp = len(layers)
-    first_of: dict[int, int] = {}
-    for r in range(1, pp - 1):
-        if layers[r] > layers[0]:
-            first_of.setdefault(layers[r], r)
-    first = [0] if layers[0] > layers[-1] or inflight[0] > inflight[-1] else []
-    return sorted({*first, pp - 1, *first_of.values()})
-
-
-def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
-    """Predicted memory per GPU (and host) of ``plan`` (resolved) on ``cluster``: :mod:`.footprint`
-    of every pipeline stage, each with its own blocks, parameters and in-flight micro-batches
-    (:func:`.bubble.rank_inflight`; the first stage of a balanced split holds more blocks than
-    the head's and more micro-batches) -- the tensors of the stage with the most, its slack
-    raised to what the stage needing the most memory needs beyond them -- and :mod:`.reserve`'s device memory beyond
-    the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``."""
-    mbs = w.global_batch // (plan.dp * plan.microbatches)
-    m, v = plan.microbatches, plan.virtual_stages
-    inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
-    stages = [
-        footprint(plan, w, mbs=mbs, inflight=inflight[r], reserved=0.0, stage=r)
-        for r in _memory_stages(stage_layers(plan, w), inflight)
-    ]
-    # the tensors of the stage with the most; the slack up to the most any stage needs with its own
-    mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
-    total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
-    slack = total - mem.allocated if len(stages) > 1 else mem.slack
-    reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
-    return Footprint(mem.params, mem.grads, mem.optimizer, mem.activations, reserved, mem.host, slack)
-
-
 def predict(
     plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None = None, memory: Footprint | None = None
 ) -> Prediction:
     """Predict ``plan`` (its ``dp`` resolved for ``cluster.num_gpus``) on ``cluster``. ``cache``: a
     dict to keep per-block results in across calls for one workload and cluster (the search's);
-    ``memory``: its :func:`plan_memory`, when the caller has it already."""
+    ``memory``: its :func:`.footprint.plan_memory`, when the caller has it already."""
     plan = plan.resolve(cluster.num_gpus)
     cal = cluster.calibration
     s, m, pp = w.shape, plan.microbatches, plan.pp
@@ -416,7 +335,7 @@ def predict(
     # over ep_dp (x cp), in buckets and chunks of their own
     g = plan.dp * plan.cp
     n = local_params(plan, w, layers=layers, stage=pp - 1)
-    groups = _sync_groups(plan, w, layers, pp - 1)
+    groups = sync_groups(plan, w, layers, pp - 1)
     # this rank's ZeRO shard: each group's parameters over its axis's ranks (the rest whole)
     shard = n - sum(c for c, _ in groups.values()) + sum(c / strides[axis][0] for axis, (c, _) in groups.items())
     e = hidden = 0.0

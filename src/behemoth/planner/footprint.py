@@ -49,7 +49,11 @@ head's 16-bit weight copy. ZeRO-1 keeps the whole fp32 gradient chunks and the r
 optimizer reads (``grad_full`` and ``grad_acc`` in ``parallel/zero/reduce.py``).
 
 Beyond the tensors, the caching allocator's slack (``Footprint.slack``, :func:`.reserve.allocator_slack`):
-the loss's logits-sized blocks of one micro-batch, which the backward's smaller requests split. Pure.
+the loss's logits-sized blocks of one micro-batch, which the backward's smaller requests split.
+
+A plan's memory (:func:`plan_memory`, what the cost model and the search read): the footprint of
+each pipeline stage that can hold the most, and beyond the tensors :mod:`.reserve`'s device
+memory (CUDA context, NCCL buffers). Pure.
 """
 
 from __future__ import annotations
@@ -57,15 +61,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
+from .bubble import ranks_inflight
+from .cluster import Cluster
 from .memory import zero_chunk_elements
 from .moe_bytes import expert_saved_bytes, token_split, tp_summed_params
 from .params import block_local_params, local_params, stage_layers, weight_split
-from .reserve import allocator_slack
+from .reserve import allocator_slack, device_reserve
 from .traffic import tp_grid
 from .workload import Workload
 from .zero3_traffic import chunk_shard_elements, zero3_resident_params
 
-__all__ = ["Footprint", "footprint"]
+__all__ = ["Footprint", "footprint", "plan_memory"]
 
 ACTIVATION_BYTES = {
     # (gated MLP, 16-bit autocast): bytes per token saved by one block, per hidden unit kept on
@@ -205,6 +211,43 @@ def footprint(
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits)
     return Footprint(params, grads, opt, act, reserved, host, slack)
+
+
+def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list[int]:
+    """The pipeline ranks whose memory can be the most: the last (the head and the loss), the
+    first (the embeddings) where it holds more blocks or more in-flight micro-batches than the
+    last, and between them the first rank of each block count above the first rank's -- a middle
+    rank's memory grows with its blocks and its in-flight micro-batches, which no later rank has
+    more of (:func:`.bubble.rank_inflight`), and holds nothing the first rank does not."""
+    pp = len(layers)
+    first_of: dict[int, int] = {}
+    for r in range(1, pp - 1):
+        if layers[r] > layers[0]:
+            first_of.setdefault(layers[r], r)
+    first = [0] if layers[0] > layers[-1] or inflight[0] > inflight[-1] else []
+    return sorted({*first, pp - 1, *first_of.values()})
+
+
+def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
+    """Predicted memory per GPU (and host) of ``plan`` (resolved) on ``cluster``: :func:`footprint`
+    of every pipeline stage, each with its own blocks, parameters and in-flight micro-batches
+    (:func:`.bubble.rank_inflight`; the first stage of a balanced split holds more blocks than
+    the head's and more micro-batches) -- the tensors of the stage with the most, its slack
+    raised to what the stage needing the most memory needs beyond them -- and :mod:`.reserve`'s device memory beyond
+    the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``."""
+    mbs = w.global_batch // (plan.dp * plan.microbatches)
+    m, v = plan.microbatches, plan.virtual_stages
+    inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
+    stages = [
+        footprint(plan, w, mbs=mbs, inflight=inflight[r], reserved=0.0, stage=r)
+        for r in _memory_stages(stage_layers(plan, w), inflight)
+    ]
+    # the tensors of the stage with the most; the slack up to the most any stage needs with its own
+    mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
+    total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
+    slack = total - mem.allocated if len(stages) > 1 else mem.slack
+    reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
+    return Footprint(mem.params, mem.grads, mem.optimizer, mem.activations, reserved, mem.host, slack)
 
 
 def zero3_held_bytes(plan: Plan, w: Workload, shard: float, pb: int) -> tuple[float, float]:

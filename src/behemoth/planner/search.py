@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
 from .cluster import Cluster
 from .context_traffic import tp_attention_split
-from .cost import Prediction, plan_memory, predict
+from .cost import Prediction, predict
+from .footprint import plan_memory
 from .traffic import tp_grid
 from .workload import Workload
 
