@@ -231,7 +231,8 @@ def test_weigh_rows_is_autograds_weighted_index_add_bit_for_bit():
     autograd computes for the plain ops it replaces: bf16 rows with float32 weights (the product
     in float32, the sum returned in bf16), float32 rows with bf16 weights, a capacity's drops,
     and either input without a gradient."""
-    from behemoth.parallel.expert.dispatch import Routed, WeighRows
+    from behemoth.parallel.expert.dispatch import Routed
+    from behemoth.parallel.expert.rows import WeighRows
 
     g = torch.Generator().manual_seed(2)
     T, H, K = 9, 5, 2

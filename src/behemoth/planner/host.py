@@ -112,8 +112,9 @@ REFERENCE_SHAPE = TransformerShape(
 
 EP_CHUNK_KERNELS = (19.0, 23.0, 16.0)
 """Kernels each MoE layer launches per chunk of ``Plan.ep_overlap`` beyond the first: ``(forward,
-backward, recompute)``, counted from ``parallel/expert/overlap.py`` and ``dispatch.py`` on the GPU
-path (bf16 autocast over fp32 parameters, grouped GEMMs, groups padded in the placement).
+backward, recompute)``, counted from ``parallel/expert/overlap.py``, ``dispatch.py`` and
+``rows.py`` on the GPU path (bf16 autocast over fp32 parameters, grouped GEMMs, groups padded in
+the placement).
 Forward: the chunk's assignment indices (2: offset, token), its rows cast and gathered
 (``SendRows``, 2), their placement (``Routes.lay_out``: computed on the host from the split sizes
 it holds, one copy to the device: 1) and the scatter (``PlaceRows``, 2), the experts

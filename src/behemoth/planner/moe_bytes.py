@@ -13,7 +13,7 @@ hidden width, E experts, k experts a token visits, c the bytes of the GEMMs' dty
 
 * the dispatched rows the experts' first grouped GEMM reads, ``[T k, h]`` in the GEMMs' dtype
   (``c h k``); the experts' output rows the combine weighs (``y_AH``, ``c h k``), which its
-  weighted sum (``dispatch.py``'s ``WeighRows``, one autograd node) keeps with the gathered
+  weighted sum (``rows.py``'s ``WeighRows``, one autograd node) keeps with the gathered
   weights, not their fp32 product;
 * the router's fp32 probabilities (softmax's output) and the z-loss's fp32 copy of the logits
   (``8 E``), the log-sum-exp (4), the top-k's indices (int64, ``8 k``), the k weights and their

@@ -1,7 +1,7 @@
 """Expert parallelism: the router's tokens dispatched to the ranks holding their experts
-(:mod:`.dispatch`; once per member holding any of a token's experts, :mod:`.dispatch_members`),
-chunk by chunk with the all-to-alls overlapped with the experts' GEMMs
-(:mod:`.overlap`), grouped expert GEMMs (:mod:`.grouped`), the MoE blocks it knows
+(:mod:`.dispatch`, its rows moved by :mod:`.rows`; once per member holding any of a token's
+experts, :mod:`.dispatch_members`), chunk by chunk with the all-to-alls overlapped with the
+experts' GEMMs (:mod:`.overlap`), grouped expert GEMMs (:mod:`.grouped`), the MoE blocks it knows
 (:mod:`.blocks`: behemoth's and transformers'), the style that plugs them into a model's MoE
 blocks (:mod:`.style`), their routes kept for activation checkpointing's recompute
 (:mod:`.replay`), and their router losses (:mod:`.losses`)."""

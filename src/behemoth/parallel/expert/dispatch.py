@@ -16,21 +16,23 @@ The E experts are sharded over the ``ep`` axis in contiguous blocks (member r ho
    per layer and step -- the backward reads nothing, and a recompute under activation
    checkpointing replays the routes (:mod:`.replay`);
 3. **dispatch**: each chunk's rows gathered in expert order (cast to the GEMM dtype first,
-   :class:`SendRows`), exchanged with one uneven ``all_to_all_single``
+   :class:`~.rows.SendRows`), exchanged with one uneven ``all_to_all_single``
    (:class:`~behemoth.comm.AllToAllSingleAxis`), then placed by local expert in one scatter
-   (:class:`PlaceRows`; each group padded with zero rows to a multiple of ``align`` where the
-   grouped GEMMs want it; where each row goes, :func:`placement`, is made on the host from the
-   split sizes and copied to the device in one copy) -- skipped where they arrive in that
-   layout already (one member, or one expert per member, unpadded);
+   (:class:`~.rows.PlaceRows`; each group padded with zero rows to a multiple of ``align``
+   where the grouped GEMMs want it; where each row goes, :func:`placement`, is made on the host
+   from the split sizes and copied to the device in one copy) -- skipped where they arrive in
+   that layout already (one member, or one expert per member, unpadded);
 4. the local experts (:func:`~.grouped.grouped_swiglu`);
-5. **combine**: the rows taken back in the order they arrived (:class:`TakeRows`), the reverse
-   all-to-all, and each token's k outputs weighted and summed in one ``index_add``
-   (:class:`WeighRows`, one autograd node for the weights' gather, the product and the sum).
+5. **combine**: the rows taken back in the order they arrived (:class:`~.rows.TakeRows`), the
+   reverse all-to-all, and each token's k outputs weighted and summed in one ``index_add``
+   (:class:`~.rows.WeighRows`, one autograd node for the weights' gather, the product and the
+   sum).
 
-:func:`dispatch` and :func:`combine` run steps 3 and 5 as one autograd node each
-(:class:`DispatchRows`, :class:`CombineRows`: the same ops as the three Functions of each step,
-one node instead of three); :mod:`.overlap`, which starts and waits for each all-to-all apart,
-runs the steps' Functions one by one.
+The rows' local Functions are :mod:`.rows`'. :func:`dispatch` and :func:`combine` run steps 3
+and 5 as one autograd node each (:class:`DispatchRows`, :class:`CombineRows`: the same ops as
+the three Functions of each step, one node instead of three); :mod:`.overlap`, which starts and
+waits for each all-to-all apart, runs the steps' Functions one by one (:func:`place_rows`,
+:func:`take_rows`, :func:`weigh_rows` along a :class:`Routed`).
 
 The path is host-bound on a GPU (each ATen op is a kernel launch and some µs of the host's
 time; the rows' kernels are short), so it runs as few ops as it can: no slicing where a capacity
@@ -40,11 +42,10 @@ routes and reused by the combine and both backwards. tests/unit/test_expert_disp
 the op counts of a member's dispatch, combine and their backward; ``benchmarks/bench_moe.py
 --host-only`` measures their host time.
 
-Every permutation's backward is the adjoint gather or scatter over the same index (no sort and no
-atomic accumulation: each is a permutation, and a token's k row gradients are summed as one
-``[T, K, H]`` reduction); the all-to-alls' backwards reuse the forward's split sizes. Each backward
-runs the reverse all-to-alls on every member, even one that received no rows (its empty output
-stays in the autograd graph), so an expert with no tokens cannot hang a step.
+Every permutation's backward is its adjoint gather or scatter over the same index (:mod:`.rows`);
+the all-to-alls' backwards reuse the forward's split sizes. Each backward runs the reverse
+all-to-alls on every member, even one that received no rows (its empty output stays in the
+autograd graph), so an expert with no tokens cannot hang a step.
 
 The bookkeeping (:func:`count_experts`, :func:`block_shifts`, :func:`padding_rows`,
 :func:`placement`, :func:`chunk_sizes`) is :mod:`.sizes`' (pure, unit-tested), re-exported here.
@@ -69,18 +70,15 @@ import torch
 from ... import comm
 from ...comm import Axis
 from .grouped import gemm_dtype, pad_groups, to_device
+from .rows import PlaceRows, SendRows, TakeRows, WeighRows, scatter_rows, sum_slots, weigh_backward, weigh_forward
 from .sizes import block_shifts, chunk_sizes, count_experts, padding_rows, placement
 
 __all__ = [
     "HostSizes",
-    "PlaceRows",
     "CombineRows",
     "DispatchRows",
     "Routed",
     "Routes",
-    "SendRows",
-    "TakeRows",
-    "WeighRows",
     "block_shifts",
     "chunk_sizes",
     "combine",
@@ -162,78 +160,6 @@ class _Pending:
         return assignments - self.read(chunk)[1]
 
 
-class SendRows(torch.autograd.Function):
-    """The rows a dispatch sends, local: forward ``x_TH.to(dtype)[token_A[:kept]]`` with ``token_A
-    = order_A // K`` (a token's row cast once, then gathered once per kept assignment, in expert
-    order; the gather is queued before the host waits for the split sizes, ``kept()``, which say
-    how many are kept). Backward:
-    each row's gradient put back at its (token, slot) position (zero for a dropped one) and a
-    token's K summed in ``x_TH``'s dtype, as the backward of ``x_TH[token].to(dtype)`` sums them."""
-
-    @staticmethod
-    def forward(ctx, x_TH, order_A, token_A, top_k: int, dtype: torch.dtype, kept):
-        rows_AH = x_TH.to(dtype).index_select(0, token_A)
-        kept = kept()
-        if kept < order_A.numel():  # a capacity dropped some (else no slicing)
-            order_A, rows_AH = order_A[:kept], rows_AH[:kept]
-        ctx.save_for_backward(order_A)
-        ctx.shape, ctx.dtype, ctx.top_k = x_TH.shape, x_TH.dtype, top_k
-        return rows_AH
-
-    @staticmethod
-    def backward(ctx, grad_AH: torch.Tensor):
-        (order_A,) = ctx.saved_tensors
-        return _sum_slots(grad_AH, order_A, ctx.shape, ctx.top_k, ctx.dtype), None, None, None, None, None
-
-
-def _sum_slots(grad_AH: torch.Tensor, order_A: torch.Tensor, shape, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """:class:`SendRows`'s backward: each row's gradient put back at its (token, slot) position
-    ``order_A`` (zero at a dropped one) and a token's k summed in ``dtype``."""
-    (T, H), K = shape, top_k
-    make = grad_AH.new_empty if order_A.numel() == T * K else grad_AH.new_zeros  # every slot written
-    grad_TKH = make((T * K, H)).index_copy_(0, order_A, grad_AH.contiguous()).view(T, K, H)
-    return grad_TKH.sum(1, dtype=dtype)
-
-
-def _scatter(rows_NH: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor | None, num_rows: int) -> torch.Tensor:
-    """``out[slot[i]] = rows_NH[i]`` in ``num_rows`` rows, the rows ``pad`` lists (all the others)
-    zero: written once each, no full memset."""
-    out = rows_NH.new_empty((num_rows, *rows_NH.shape[1:])).index_copy_(0, slot, rows_NH.contiguous())
-    return out if pad is None else out.index_fill_(0, pad, 0)
-
-
-class PlaceRows(torch.autograd.Function):
-    """Received rows into the experts' layout, local: forward ``out[slot[i]] = rows[i]`` in
-    ``num_rows`` rows (the rows ``pad`` lists, the groups' padding, zero); backward ``grad[slot]``
-    (the adjoint gather)."""
-
-    @staticmethod
-    def forward(ctx, rows_NH, slot, pad, num_rows: int):
-        ctx.save_for_backward(slot)
-        return _scatter(rows_NH, slot, pad, num_rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slot,) = ctx.saved_tensors
-        return grad.index_select(0, slot), None, None, None
-
-
-class TakeRows(torch.autograd.Function):
-    """The adjoint of :class:`PlaceRows`, local: forward ``rows[slot]``; backward the gradient put
-    back at ``slot`` in ``num_rows`` rows (zero at the rows ``pad`` lists)."""
-
-    @staticmethod
-    def forward(ctx, rows_NH, slot, pad, num_rows: int):
-        ctx.save_for_backward(slot, *(() if pad is None else (pad,)))
-        ctx.num_rows = num_rows
-        return rows_NH.index_select(0, slot)
-
-    @staticmethod
-    def backward(ctx, grad):
-        slot, *pad = ctx.saved_tensors
-        return _scatter(grad, slot, pad[0] if pad else None, ctx.num_rows), None, None, None
-
-
 class Routes:
     """One MoE layer's routes for one forward: the tokens split into ``chunks`` contiguous runs
     (:func:`chunk_sizes`), each run's (token, slot) assignments sorted by expert, and -- once the
@@ -296,7 +222,7 @@ class Routes:
 
     def send_rows(self, x_TH: torch.Tensor, chunk: int) -> torch.Tensor:
         """The rows chunk ``chunk`` (its ``token_sizes[chunk]`` tokens, ``x_TH``) sends, in expert
-        order, in the experts' GEMM dtype (:class:`SendRows`). The first call waits for the split
+        order, in the experts' GEMM dtype (:class:`~.rows.SendRows`). The first call waits for the split
         sizes."""
         order, token = self.orders[chunk], self.tokens[chunk]
         kept = lambda: self.pending.kept(chunk, order.numel())  # noqa: E731
@@ -341,7 +267,7 @@ class Routes:
 
 
 def place_rows(x_recv: torch.Tensor, routed: Routed) -> torch.Tensor:
-    """The received rows in the experts' layout (:class:`PlaceRows`; as they are where they
+    """The received rows in the experts' layout (:class:`~.rows.PlaceRows`; as they are where they
     arrive in it)."""
     if routed.slot is None:
         return x_recv
@@ -349,68 +275,23 @@ def place_rows(x_recv: torch.Tensor, routed: Routed) -> torch.Tensor:
 
 
 def take_rows(y_NH: torch.Tensor, routed: Routed) -> torch.Tensor:
-    """The experts' output rows in the order their inputs arrived (:class:`TakeRows`)."""
+    """The experts' output rows in the order their inputs arrived (:class:`~.rows.TakeRows`)."""
     if routed.slot is None:
         return y_NH
     return TakeRows.apply(y_NH, routed.slot, routed.pad, routed.num_rows)
 
 
-class WeighRows(torch.autograd.Function):
-    """The combine's weighted sum, local: forward ``y_TH[token_A[i]] += y_AH[i] * w_A[i]`` with
-    ``w_A = weights_TK.flatten()[order_A]``, in the product's dtype (``index_add_`` into zeros),
-    returned in ``dtype``. Backward, what autograd derives for those ops, without its graph of
-    them: the gradient in the product's dtype gathered per row (``g_AH = grad[token_A]``), the
-    rows' ``g_AH * w_A`` in ``y_AH``'s dtype, the weights' ``(g_AH * y_AH).sum(-1)`` put back at
-    ``order_A`` (zero at a dropped slot) in ``weights_TK``'s dtype."""
-
-    @staticmethod
-    def forward(ctx, y_AH, weights_TK, order_A, token_A, dtype: torch.dtype):
-        y_TH, w_A1 = _weigh(ctx, y_AH, weights_TK, order_A, token_A, dtype)
-        ctx.save_for_backward(y_AH, w_A1, order_A, token_A)
-        return y_TH
-
-    @staticmethod
-    def backward(ctx, grad_TH):
-        y_AH, w_A1, order_A, token_A = ctx.saved_tensors
-        grad_y, grad_w = _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, *ctx.needs_input_grad[:2])
-        return grad_y, grad_w, None, None, None
-
-
-def _weigh(ctx, y_AH, weights_TK, order_A, token_A, dtype: torch.dtype):
-    """:class:`WeighRows`'s forward: ``(y_TH, w_A1)``; what its backward needs of the weights kept
-    on ``ctx``."""
-    w_A1 = torch.take(weights_TK, order_A).unsqueeze(1)
-    weighted_AH = y_AH * w_A1
-    y_TH = weighted_AH.new_zeros((weights_TK.shape[0], y_AH.shape[-1])).index_add_(0, token_A, weighted_AH)
-    ctx.wshape, ctx.wdtype, ctx.acc = weights_TK.shape, weights_TK.dtype, weighted_AH.dtype
-    return y_TH.to(dtype), w_A1
-
-
-def _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, rows: bool, weights: bool):
-    """:class:`WeighRows`'s backward: the gradients of the rows and of the weights (each None
-    unless asked for)."""
-    g_AH = grad_TH.to(ctx.acc).index_select(0, token_A)
-    grad_y = grad_w = None
-    if rows:
-        grad_y = (g_AH * w_A1).to(y_AH.dtype)
-    if weights:
-        grad_A = (g_AH * y_AH).sum(1)
-        make = grad_A.new_empty if order_A.numel() == ctx.wshape.numel() else grad_A.new_zeros  # every slot put
-        grad_w = make(ctx.wshape).put_(order_A, grad_A).to(ctx.wdtype)
-    return grad_y, grad_w
-
-
 def weigh_rows(y_AH: torch.Tensor, weights_TK: torch.Tensor, routed: Routed) -> torch.Tensor:
     """``y_TH``: the rows back at their tokens, each token's k weighted by ``weights_TK`` and
-    summed (in the product's dtype), returned in the dispatched tokens' dtype (:class:`WeighRows`).
+    summed (in the product's dtype), returned in the dispatched tokens' dtype (:class:`~.rows.WeighRows`).
     Local."""
     return WeighRows.apply(y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
 
 
 class DispatchRows(torch.autograd.Function):
     """:func:`dispatch_routes` as one autograd node, collective over the routes' axis: forward
-    :class:`SendRows` (the wait for the split sizes after its gather), the uneven all-to-all of
-    the rows and :class:`PlaceRows` where the rows do not arrive in the experts' layout; backward
+    :class:`~.rows.SendRows` (the wait for the split sizes after its gather), the uneven all-to-all of
+    the rows and :class:`~.rows.PlaceRows` where the rows do not arrive in the experts' layout; backward
     theirs in reverse (the gather at ``slot``, the reverse all-to-all, the rows put back at their
     slots and a token's k summed). The same ops as the three apart, one node instead of three."""
 
@@ -425,7 +306,7 @@ class DispatchRows(torch.autograd.Function):
         slot = routes.lay_out(0).slot
         ctx.save_for_backward(routed.order_A, *(() if slot is None else (slot,)))
         ctx.routed, ctx.shape, ctx.dtype, ctx.top_k = routed, x_TH.shape, x_TH.dtype, routes.top_k
-        return x_recv if slot is None else _scatter(x_recv, slot, routed.pad, routed.num_rows)
+        return x_recv if slot is None else scatter_rows(x_recv, slot, routed.pad, routed.num_rows)
 
     @staticmethod
     def backward(ctx, grad_NH):
@@ -433,13 +314,13 @@ class DispatchRows(torch.autograd.Function):
         r = ctx.routed
         grad = grad_NH.index_select(0, slot[0]) if slot else grad_NH.contiguous()
         grad_AH = comm.all_to_all_single(grad, r.axis, r.recv_sizes, r.send_sizes)
-        return _sum_slots(grad_AH, order_A, ctx.shape, ctx.top_k, ctx.dtype), None, None
+        return sum_slots(grad_AH, order_A, ctx.shape, ctx.top_k, ctx.dtype), None, None
 
 
 class CombineRows(torch.autograd.Function):
     """:func:`combine` as one autograd node, collective over the routed axis: forward
-    :class:`TakeRows` where the rows are not in arrival order, the reverse all-to-all and
-    :class:`WeighRows`; backward theirs in reverse (the weighing's, the all-to-all of the rows'
+    :class:`~.rows.TakeRows` where the rows are not in arrival order, the reverse all-to-all and
+    :class:`~.rows.WeighRows`; backward theirs in reverse (the weighing's, the all-to-all of the rows'
     gradient, put back at ``slot``). The same ops as the three apart, one node instead of three."""
 
     @staticmethod
@@ -447,7 +328,7 @@ class CombineRows(torch.autograd.Function):
         slot = routed.slot
         rows_NH = y_NH if slot is None else y_NH.index_select(0, slot)
         y_AH = comm.all_to_all_single(rows_NH, routed.axis, routed.recv_sizes, routed.send_sizes)
-        y_TH, w_A1 = _weigh(ctx, y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
+        y_TH, w_A1 = weigh_forward(ctx, y_AH, weights_TK, routed.order_A, routed.token_A, routed.dtype)
         ctx.save_for_backward(y_AH, w_A1, routed.order_A, routed.token_A)
         ctx.routed = routed
         return y_TH
@@ -456,10 +337,10 @@ class CombineRows(torch.autograd.Function):
     def backward(ctx, grad_TH):
         y_AH, w_A1, order_A, token_A = ctx.saved_tensors
         r = ctx.routed
-        grad_y, grad_w = _weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, *ctx.needs_input_grad[:2])
+        grad_y, grad_w = weigh_backward(ctx, grad_TH, y_AH, w_A1, order_A, token_A, *ctx.needs_input_grad[:2])
         if grad_y is not None:
             grad_y = comm.all_to_all_single(grad_y, r.axis, r.send_sizes, r.recv_sizes)
-            grad_y = grad_y if r.slot is None else _scatter(grad_y, r.slot, r.pad, r.num_rows)
+            grad_y = grad_y if r.slot is None else scatter_rows(grad_y, r.slot, r.pad, r.num_rows)
         return grad_y, grad_w, None
 
 
@@ -472,7 +353,7 @@ def dispatch(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, axi
 
     The rows travel in the dtype the experts' GEMMs read them in (:func:`~.grouped.gemm_dtype`:
     autocast's under autocast, where the residual stream stays float32): cast before the
-    exchange, bit for bit what a cast after it gives, for half the bytes (:class:`SendRows`).
+    exchange, bit for bit what a cast after it gives, for half the bytes (:class:`~.rows.SendRows`).
 
     ``align`` > 1: each local expert's group is padded with zero rows to a multiple of ``align``
     rows, at least ``align`` (:func:`~.grouped.pad_groups`; ``local_counts`` then count the

@@ -16,7 +16,7 @@ they add nothing to the weights' gradients.
    expert (a scatter-add), and from them each assignment's row in the layout (``slot_A``, indexed
    by ``t*K + k``) and the groups' ends, all on the device;
 2. :class:`GatherRows`: the layout's rows gathered from the tokens in one gather (cast to the
-   GEMMs' dtype first, as :class:`~.dispatch.SendRows` casts); backward, each slot's gradient
+   GEMMs' dtype first, as :class:`~.rows.SendRows` casts); backward, each slot's gradient
    gathered token-major and the k summed in the tokens' dtype;
 3. the experts (:class:`~.grouped.GroupEnds` through ``run_experts``: a transformers block's
    ``experts`` module is called, so its hooks fire);
