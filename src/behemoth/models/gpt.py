@@ -5,7 +5,8 @@ Learners" (Radford et al., 2019): learned absolute position embeddings,
 pre-LayerNorm blocks, fused q/k/v projection, GELU (tanh approximation) MLP and
 an LM head tied to the token embedding. Initialisation follows GPT-2: normal
 (0, 0.02) everywhere, with the residual output projections scaled by
-1/sqrt(2 * num_layers).
+1/sqrt(2 * num_layers). What it shares with Llama (building, the init, the
+forward's plumbing, parameter counts) lives in models/causal_lm.py.
 
 This file holds no collectives and takes no process group; how the model is
 sharded lives in its spec (behemoth/specs/gpt.py), which matches on the module names used
@@ -30,12 +31,13 @@ Shape legend:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .causal_lm import AttentionSeams, CausalLM, CausalLMConfig, require
 
 __all__ = [
     "GPT",
@@ -64,13 +66,8 @@ GPT_PRESETS: dict[str, dict] = {
 }
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 @dataclass(frozen=True, kw_only=True)
-class GPTConfig:
+class GPTConfig(CausalLMConfig):
     """Shape and regularisation of a GPT-2 style model."""
 
     vocab_size: int
@@ -97,62 +94,24 @@ class GPTConfig:
     """Seed of the private generator that initialises the weights."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and value > 0,
-                f"GPTConfig.{name}={value!r}: must be a positive int; pass e.g. {name}=1 or larger.",
-            )
-        _require(
-            self.hidden % self.num_heads == 0,
-            f"GPTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
-            f"hidden % num_heads must be 0; choose a hidden that is a multiple of {self.num_heads} "
-            f"or a num_heads that divides {self.hidden}.",
-        )
-        _require(
-            self.ffn_hidden is None or (isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0),
-            f"GPTConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive int or None; "
-            f"pass None for the default 4 * hidden = {4 * self.hidden}.",
-        )
-        _require(
+        self._check_common(("vocab_size", "seq_len", "num_layers", "num_heads", "hidden"))
+        require(
             0.0 <= self.dropout < 1.0,
             f"GPTConfig.dropout={self.dropout!r}: must satisfy 0 <= dropout < 1; pass e.g. 0.0 or 0.1.",
         )
-        _require(
-            self.norm_eps > 0.0,
-            f"GPTConfig.norm_eps={self.norm_eps!r}: must be > 0; pass e.g. 1e-5.",
-        )
 
-    @property
-    def head_dim(self) -> int:
-        """Per-head width D = hidden // num_heads."""
-        return self.hidden // self.num_heads
-
-    @property
-    def resolved_ffn_hidden(self) -> int:
-        """MLP inner width F actually used: ``ffn_hidden`` or 4 * hidden."""
-        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+    def _default_ffn_hidden(self) -> int:
+        return 4 * self.hidden
 
 
-class CausalSelfAttention(nn.Module):
+class CausalSelfAttention(AttentionSeams):
     """Multi-head causal self-attention with a fused q/k/v projection.
 
     ``qkv`` maps H to 3 * N * D laid out as [q | k | v], each block ordered by
-    head. Input and output are x_BSH; no communication.
-
-    The core attention is ``self.attention_fn``, called like
-    ``F.scaled_dot_product_attention`` (its default). It is the one seam a parallel plan
-    may override on an instance (sequence parallelism plugs its attention in there), so
-    the model code itself never changes and never communicates.
-
-    ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
-    object whose ``update(k_BNSD, v_BNSD) -> (k_BNLD, v_BNLD, mask_B1SL)`` stores this
-    forward's keys and values and returns every cached slot with the boolean mask of the
-    slots each query may read (``behemoth.generation.KVCache`` is one).
+    head. Input and output are x_BSH; no communication. Its seams (``attention_fn``,
+    ``kv_cache``: :class:`~behemoth.models.causal_lm.AttentionSeams`) take q, k and v as
+    q_BNSD, k_BNSD, v_BNSD.
     """
-
-    attention_fn = staticmethod(F.scaled_dot_product_attention)
-    kv_cache = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -208,134 +167,38 @@ class GPTBlock(nn.Module):
         return x_BSH + self.mlp(self.ln_2(x_BSH))
 
 
-def _seeded_fill_(param: torch.Tensor, kind: str, std: float, generator: torch.Generator) -> None:
-    """Fill ``param`` in place; draws are made on CPU in float32 so the values do
-    not depend on the parameter's device or dtype."""
-    with torch.no_grad():
-        if kind == "normal":
-            if param.device.type == "cpu" and param.dtype == torch.float32:
-                param.normal_(0.0, std, generator=generator)  # same draws, no temporary
-            else:
-                values = torch.empty(param.shape, dtype=torch.float32)
-                param.copy_(values.normal_(0.0, std, generator=generator))
-        elif kind == "zeros":
-            param.zero_()
-        elif kind == "ones":
-            param.fill_(1.0)
-        else:
-            raise AssertionError(kind)
-
-
-class GPT(nn.Module):
+class GPT(CausalLM):
     """GPT-2 style language model: ``forward(input_ids_BS) -> logits_BSV``.
 
-    Built on the meta device and then materialised on ``device`` (default: the
-    current default device), so each weight is written once, by the seeded
-    init. Building with ``device="meta"`` skips the init (for counting
-    parameters or deferred materialisation; call ``init_weights()`` after
-    ``to_empty``). Two models built from equal configs have bit-identical
-    weights whatever the global torch seed, device or dtype.
+    Built, initialised and run as every :class:`~behemoth.models.causal_lm.CausalLM`; its trunk
+    adds learned position embeddings to the token embeddings, then runs the blocks.
     """
 
-    def __init__(
-        self,
-        config: GPTConfig,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, config.hidden)
-            self.wpe = nn.Embedding(config.seq_len, config.hidden)
-            self.drop = nn.Dropout(config.dropout)
-            self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
-            self.ln_f = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
-            self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
-        if dtype is not None:
-            self.to(dtype)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.to_empty(device=device)
-        self.tie_weights()
-        if device.type != "meta":
-            self.init_weights()
+    config: GPTConfig
+    norm_types = (nn.LayerNorm,)
 
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the same Parameter as ``wte.weight`` when
-        ``config.tie_embeddings``. Call again after ``to_empty``, which unties."""
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+    def _build_modules(self, config: GPTConfig) -> None:
+        self.wte = nn.Embedding(config.vocab_size, config.hidden)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """GPT-2 init from ``config.seed`` with a private CPU generator.
+    def embeddings(self) -> tuple[nn.Embedding, nn.Embedding]:
+        """The lookup tables: ``wte`` (tokens; a tied ``lm_head`` shares it) and ``wpe`` (positions)."""
+        return self.wte, self.wpe
 
-        Parameters are visited in ``named_parameters`` order (a tied weight
-        once): normal(0, 0.02) for Linear and Embedding weights,
-        normal(0, 0.02 / sqrt(2 * num_layers)) for the residual output
-        projections ``attn.proj`` and ``mlp.proj``, zeros for biases,
-        ones for LayerNorm weights.
-        """
-        generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
-        for module_name, module in self.named_modules():
-            for name, param in module.named_parameters(recurse=False):
-                if self.config.tie_embeddings and module is self.lm_head:
-                    continue  # same tensor as wte.weight, drawn there
-                if isinstance(module, nn.LayerNorm):
-                    _seeded_fill_(param, "ones" if name == "weight" else "zeros", 0.0, generator)
-                elif name == "bias":
-                    _seeded_fill_(param, "zeros", 0.0, generator)
-                elif module_name.endswith(("attn.proj", "mlp.proj")):
-                    _seeded_fill_(param, "normal", residual_std, generator)
-                else:
-                    _seeded_fill_(param, "normal", 0.02, generator)
+    def _is_residual_output(self, module_name: str, param_name: str) -> bool:
+        """The blocks' output projections ``attn.proj`` and ``mlp.proj``."""
+        return module_name.endswith(("attn.proj", "mlp.proj"))
 
-    def forward(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, logits_to_keep: int = 0
-    ) -> torch.Tensor:
-        """Logits for every position.
-
-        Args:
-            input_ids_BS: int64 token ids, S <= ``config.seq_len``.
-            position_ids_BS: positions into ``wpe`` (B or 1 rows); default
-                ``arange(S)``. Pass offsets when this rank holds a slice of a
-                longer sequence.
-            logits_to_keep: compute logits for the last this many positions only
-                (generation's prefill needs the last one); 0: every position.
-        Returns:
-            logits_BSV in the model's dtype.
-        """
-        S = input_ids_BS.shape[1]
-        if S > self.config.seq_len:
-            raise ValueError(
-                f"GPT.forward: sequence length {S} exceeds config.seq_len={self.config.seq_len}; "
-                f"truncate the input or build the model with seq_len >= {S}."
-            )
-        if position_ids_BS is None:
-            position_ids_BS = torch.arange(S, device=input_ids_BS.device).unsqueeze(0)
+    def _trunk(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings (``position_ids_BS`` index ``wpe``), dropout, the blocks."""
         x_BSH = self.drop(self.wte(input_ids_BS) + self.wpe(position_ids_BS))
         for block in self.blocks:
             x_BSH = block(x_BSH)
-        if logits_to_keep:
-            x_BSH = x_BSH[:, -logits_to_keep:]
+        return x_BSH
+
+    def _logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x_BSH))
-
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, a tied weight counted once.
-
-        ``exclude_embeddings`` drops the lookup tables ``wte`` and ``wpe``
-        (and so a head tied to ``wte``; an untied ``lm_head`` still counts).
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            total -= self.wte.weight.numel() + self.wpe.weight.numel()
-        return total
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, PaLM convention: 6 * N + 12 * L * H * S,
-        with N = ``num_params()`` (forward + backward matmuls, plus attention
-        scores and the weighted sum over ``seq_len`` keys)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.num_layers * c.hidden * seq_len

@@ -38,13 +38,13 @@ Shape legend:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .causal_lm import AttentionSeams, CausalLM, CausalLMConfig, require
 from .moe import MoEFeedForward, auxiliary_loss
 
 __all__ = [
@@ -97,13 +97,8 @@ LLAMA_PRESETS: dict[str, dict] = {
 }
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 @dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
+class LlamaConfig(CausalLMConfig):
     """Shape of a Llama style model."""
 
     vocab_size: int
@@ -155,67 +150,47 @@ class LlamaConfig:
     """Inner width of a shared expert every token goes through beside its k experts; 0: none."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads", "hidden"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and value > 0,
-                f"LlamaConfig.{name}={value!r}: must be a positive int; pass e.g. {name}=1 or larger.",
-            )
-        _require(
-            self.hidden % self.num_heads == 0,
-            f"LlamaConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
-            f"hidden % num_heads must be 0; choose a hidden that is a multiple of {self.num_heads} "
-            f"or a num_heads that divides {self.hidden}.",
-        )
-        _require(
+        self._check_common(("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads", "hidden"))
+        require(
             self.num_heads % self.num_kv_heads == 0,
             f"LlamaConfig.num_heads={self.num_heads} is not divisible by "
             f"num_kv_heads={self.num_kv_heads}: each kv head must serve a whole group of query "
             f"heads; choose num_kv_heads among the divisors of {self.num_heads}.",
         )
-        _require(
+        require(
             (self.hidden // self.num_heads) % 2 == 0,
             f"LlamaConfig head_dim = hidden // num_heads = {self.hidden // self.num_heads} is odd: "
             f"RoPE rotates pairs of channels, so head_dim must be even; change hidden or num_heads.",
         )
-        _require(
-            self.ffn_hidden is None or (isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0),
-            f"LlamaConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive int or None; "
-            f"pass None for the default {self._default_ffn_hidden()}.",
-        )
-        _require(
+        require(
             self.rope_theta > 0.0,
             f"LlamaConfig.rope_theta={self.rope_theta!r}: must be > 0; pass e.g. 10000.0.",
         )
-        _require(
-            self.norm_eps > 0.0,
-            f"LlamaConfig.norm_eps={self.norm_eps!r}: must be > 0; pass e.g. 1e-5.",
-        )
 
         if self.num_experts:
-            _require(
+            require(
                 isinstance(self.num_experts, int) and self.num_experts > 0,
                 f"LlamaConfig.num_experts={self.num_experts!r}: must be a positive int, or 0 for dense MLPs.",
             )
-            _require(
+            require(
                 1 <= self.experts_top_k <= self.num_experts,
                 f"LlamaConfig.experts_top_k={self.experts_top_k!r}: must be in [1, num_experts={self.num_experts}].",
             )
-            _require(
+            require(
                 isinstance(self.moe_every, int) and 1 <= self.moe_every <= self.num_layers,
                 f"LlamaConfig.moe_every={self.moe_every!r}: must be in [1, num_layers={self.num_layers}] so that "
                 f"at least one block has experts.",
             )
-            _require(
+            require(
                 self.router_score_func in ("softmax", "sigmoid"),
                 f"LlamaConfig.router_score_func={self.router_score_func!r}: must be 'softmax' or 'sigmoid'.",
             )
-            _require(
+            require(
                 self.expert_capacity_factor is None or self.expert_capacity_factor > 0,
                 f"LlamaConfig.expert_capacity_factor={self.expert_capacity_factor!r}: must be > 0, or None for "
                 f"dropless routing.",
             )
-            _require(
+            require(
                 self.router_bias_update_rate >= 0 and self.shared_expert_ffn_hidden >= 0,
                 f"LlamaConfig.router_bias_update_rate={self.router_bias_update_rate!r} and "
                 f"shared_expert_ffn_hidden={self.shared_expert_ffn_hidden!r}: must be >= 0 (0 turns them off).",
@@ -227,16 +202,6 @@ class LlamaConfig:
 
     def _default_ffn_hidden(self) -> int:
         return -(-int(8 * self.hidden / 3) // 64) * 64
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head width D = hidden // num_heads."""
-        return self.hidden // self.num_heads
-
-    @property
-    def resolved_ffn_hidden(self) -> int:
-        """SwiGLU inner width F actually used."""
-        return self._default_ffn_hidden() if self.ffn_hidden is None else self.ffn_hidden
 
 
 class RMSNorm(nn.Module):
@@ -282,21 +247,12 @@ def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
     return x_BNSD * cos_B1SD + _rotate_half(x_BNSD) * sin_B1SD
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(AttentionSeams):
     """Causal grouped-query attention with RoPE. x_BSH -> x_BSH, no communication.
 
-    The core attention is ``self.attention_fn``, called like
-    ``F.scaled_dot_product_attention`` (its default): the seam a parallel plan may
-    override on an instance (sequence parallelism), so this code never changes.
-
-    ``self.kv_cache`` (None: training, full causal attention) is the generation seam: an
-    object whose ``update(k_BKSD, v_BKSD) -> (k_BKLD, v_BKLD, mask_B1SL)`` stores this
-    forward's (rotated) keys and values and returns every cached slot with the boolean mask
-    of the slots each query may read (``behemoth.generation.KVCache`` is one).
+    Its seams (``attention_fn``, ``kv_cache``: :class:`~behemoth.models.causal_lm.AttentionSeams`)
+    take q_BNSD and the rotated keys and values k_BKSD, v_BKSD (``enable_gqa`` when K < N).
     """
-
-    attention_fn = staticmethod(F.scaled_dot_product_attention)
-    kv_cache = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -374,101 +330,47 @@ class LlamaBlock(nn.Module):
         return x_BSH + self.mlp(self.mlp_norm(x_BSH))
 
 
-class Llama(nn.Module):
+class Llama(CausalLM):
     """Llama style language model: ``forward(input_ids_BS) -> logits_BSV``.
 
-    Built on the meta device and then materialised on ``device`` (default: the
-    current default device), so each weight is written once, by the seeded
-    init; ``device="meta"`` skips the init (call ``init_weights()`` after
-    ``to_empty``). Equal configs give bit-identical weights whatever the global
-    torch seed, device or dtype.
+    Built, initialised and run as every :class:`~behemoth.models.causal_lm.CausalLM`; its trunk
+    embeds the tokens and runs the blocks, each rotating its queries and keys by the positions.
     """
 
-    def __init__(
-        self,
-        config: LlamaConfig,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        with torch.device("meta"):
-            self.embed = nn.Embedding(config.vocab_size, config.hidden)
-            self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_layers))
-            self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
-            self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
-        if dtype is not None:
-            self.to(dtype)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.to_empty(device=device)
-        self.tie_weights()
-        if device.type != "meta":
-            self.init_weights()
+    config: LlamaConfig
+    norm_types = (RMSNorm,)
 
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the same Parameter as ``embed.weight`` when
-        ``config.tie_embeddings``. Call again after ``to_empty``, which unties."""
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+    def _build_modules(self, config: LlamaConfig) -> None:
+        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+
+    def embeddings(self) -> tuple[nn.Embedding]:
+        """The lookup table ``embed`` (a tied ``lm_head`` shares it); RoPE has none."""
+        return (self.embed,)
+
+    def _is_residual_output(self, module_name: str, param_name: str) -> bool:
+        """``attn.o``, ``mlp.down``, a shared expert's ``down`` and the experts' ``down_proj``."""
+        return module_name.endswith(("attn.o", "mlp.down", "shared.down")) or param_name == "down_proj"
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Init from ``config.seed`` with a private CPU generator.
-
-        Parameters are visited in ``named_parameters`` order (a tied weight
-        once): normal(0, 0.02) for Linear and Embedding weights,
-        normal(0, 0.02 / sqrt(2 * num_layers)) for the residual outputs
-        ``attn.o``, ``mlp.down`` and the experts' ``down_proj``, ones for RMSNorm weights. Values are drawn
-        on CPU in float32, so they do not depend on device or dtype.
-        """
-        generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        """The seeded init of every :class:`~behemoth.models.causal_lm.CausalLM` (residual outputs:
+        see ``_is_residual_output``), and the routers' balancing biases at 0."""
         for module in self.modules():
             if isinstance(module, MoEFeedForward) and module.expert_bias is not None:
                 module.expert_bias.zero_()  # the balancing bias starts at 0
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
-        for module_name, module in self.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                if self.config.tie_embeddings and module is self.lm_head:
-                    continue  # same tensor as embed.weight, drawn there
-                if isinstance(module, RMSNorm):
-                    param.fill_(1.0)
-                    continue
-                residual = module_name.endswith(("attn.o", "mlp.down", "shared.down")) or param_name == "down_proj"
-                std = residual_std if residual else 0.02
-                if param.device.type == "cpu" and param.dtype == torch.float32:
-                    param.normal_(0.0, std, generator=generator)  # same draws, no temporary
-                else:
-                    values = torch.empty(param.shape, dtype=torch.float32)
-                    param.copy_(values.normal_(0.0, std, generator=generator))
+        super().init_weights()
 
-    def forward(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, logits_to_keep: int = 0
-    ) -> torch.Tensor:
-        """Logits for every position.
-
-        Args:
-            input_ids_BS: int64 token ids, S <= ``config.seq_len``.
-            position_ids_BS: RoPE positions (B or 1 rows); default ``arange(S)``.
-                Pass offsets when this rank holds a slice of a longer sequence.
-            logits_to_keep: compute logits for the last this many positions only
-                (generation's prefill needs the last one); 0: every position.
-        Returns:
-            logits_BSV in the model's dtype.
-        """
-        S = input_ids_BS.shape[1]
-        if S > self.config.seq_len:
-            raise ValueError(
-                f"Llama.forward: sequence length {S} exceeds config.seq_len={self.config.seq_len}; "
-                f"truncate the input or build the model with seq_len >= {S}."
-            )
-        if position_ids_BS is None:
-            position_ids_BS = torch.arange(S, device=input_ids_BS.device).unsqueeze(0)
+    def _trunk(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, then the blocks (``position_ids_BS`` are RoPE's positions)."""
         x_BSH = self.embed(input_ids_BS)
         for layer in self.layers:
             x_BSH = layer(x_BSH, position_ids_BS)
-        if logits_to_keep:
-            x_BSH = x_BSH[:, -logits_to_keep:]
+        return x_BSH
+
+    def _logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x_BSH))
 
     def aux_loss(self) -> torch.Tensor | None:
@@ -477,25 +379,12 @@ class Llama(nn.Module):
         Training adds it to the task loss; reading it clears it."""
         return auxiliary_loss(self)
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, a tied weight counted once.
-
-        ``exclude_embeddings`` drops the lookup table ``embed`` (and so a head
-        tied to it; an untied ``lm_head`` still counts).
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            total -= self.embed.weight.numel()
-        return total
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, PaLM convention: 6 * N + 12 * L * H * S, with N =
-        ``num_params()`` less the experts a token does not visit (each MoE layer counts k of
-        its E experts)."""
-        c = self.config
+    def active_params(self) -> int:
+        """Parameters one token's forward multiplies by: ``num_params()`` less the experts a token
+        does not visit (each MoE layer counts k of its E experts)."""
         idle = sum(
             (m.gate_up_proj.numel() + m.down_proj.numel()) * (m.num_experts - m.top_k) // m.num_experts
             for m in self.modules()
             if isinstance(m, MoEFeedForward)
         )
-        return 6 * (self.num_params() - idle) + 12 * c.num_layers * c.hidden * seq_len
+        return self.num_params() - idle
