@@ -6,8 +6,9 @@ call) in one forward and, once the logits' gradient arrives, one backward of a 4
 a 2-block one's, halved, under bf16 autocast, less the same count of the serial model (``dp`` over
 the world). A tiny GPT (LayerNorm, biases, fused q/k/v), a tiny Llama (RMSNorm, separate q/k/v,
 SwiGLU, 2 kv heads: replicated under 1D tp 4) and a Llama-8B-shaped one (32 heads over 8 kv
-heads); 1D with and without sequence parallelism and over-decomposition, and 2D, on 4 gloo ranks;
-2.5D (depth 2) and 3D (with and without over-decomposition) on 8."""
+heads); 1D with and without sequence parallelism and over-decomposition, and checkpointed (the
+backward's recompute, against the serial block's checkpointed: tp_recompute_kernels), and 2D, on
+4 gloo ranks; 2.5D (depth 2) and 3D (with and without over-decomposition) on 8."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from common import SEQ, VOCAB, KernelCounter, build, count_by_phase, global_batches, make_optimizer, shard
 
 import behemoth as bh
-from behemoth.planner.host import tp_block_kernels
+from behemoth.planner.host import tp_block_kernels, tp_recompute_kernels
 from behemoth.planner.workload import workload_for
 
 # no kernel: views (by schema), allocations, dtype queries, and ``clone`` (the contiguous copies of
@@ -49,13 +50,23 @@ def _per_block(family: str, plan) -> tuple[float, float]:
     return tuple((hi[p] - lo[p]) / 2 for p in ("forward", "backward"))
 
 
+def _counted(plan, w) -> tuple[float, float]:
+    """The planner's kernels beyond the serial block's: a checkpointed block's backward with its
+    recompute's, against the serial block's checkpointed too."""
+    f, b = tp_block_kernels(plan, w)
+    return f, b + (tp_recompute_kernels(plan, w) if plan.activation_checkpointing else 0.0)
+
+
 def _check(plans, world: int) -> None:
     for family in ("gpt", "llama", "llama-8b-shaped"):
-        serial = _per_block(family, bh.Plan(precision="bf16"))
+        serials = {}
         w = {n: workload_for(_model(family, n), seq_len=SEQ, global_batch=8) for n in (2, 4)}
         for plan in plans:
-            got = tuple(t - s for t, s in zip(_per_block(family, plan), serial))
-            counted = {n: tp_block_kernels(plan.resolve(world), w[n]) for n in (2, 4)}
+            ckpt = plan.activation_checkpointing
+            if ckpt not in serials:
+                serials[ckpt] = _per_block(family, bh.Plan(precision="bf16", activation_checkpointing=ckpt))
+            got = tuple(t - s for t, s in zip(_per_block(family, plan), serials[ckpt]))
+            counted = {n: _counted(plan.resolve(world), w[n]) for n in (2, 4)}
             want = tuple((4 * counted[4][i] - 2 * counted[2][i]) / 2 for i in (0, 1))
             assert got == want, f"{family} {plan.describe()}: {got} kernels beyond the serial block's, counted {want}"
 
@@ -68,6 +79,8 @@ def _flat_world(rank, world):
             bh.Plan(tp=4, sequence_parallel=True, precision="bf16"),
             bh.Plan(tp=4, sequence_parallel=True, tp_overlap=2, precision="bf16"),
             bh.Plan(tp=4, tp_mode="2d", precision="bf16"),
+            bh.Plan(tp=4, precision="bf16", activation_checkpointing=True),
+            bh.Plan(tp=4, sequence_parallel=True, tp_overlap=2, precision="bf16", activation_checkpointing=True),
         ),
         world,
     )

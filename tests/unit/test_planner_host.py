@@ -36,6 +36,7 @@ from behemoth.planner.host import (
     serial_block_kernels,
     tp_block_calls,
     tp_block_kernels,
+    tp_recompute_kernels,
 )
 from behemoth.planner.params import stage_layers
 from behemoth.planner.traffic import block_traffic
@@ -118,7 +119,10 @@ def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
     assert host_call_seconds(cal, "3d") == host_call_seconds(cal, "2.5d") == cal.host_call_s["2d"]
     assert host_call_seconds(dataclasses.replace(cal, host_call_s={"1d": 1e-5}), "3d") == 1e-5
     ckpt = host_times(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT, cal)
-    assert ckpt.backward == pytest.approx(ht.backward + ht.forward)  # the recompute's kernels and calls
+    # the recompute's kernels and calls: the forward's, the layout's as far as the recompute reaches
+    # (it stops before the last row's bias cast and add, and runs the GEMM the serial one stops short of)
+    assert tp_recompute_kernels(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT) == tf - 1
+    assert ckpt.backward == pytest.approx(ht.backward + ht.forward - c_k)
     none = dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={})
     assert host_times(plan, GPT, none) == host_times(plan, GPT, none).__class__(0.0, 0.0)
 

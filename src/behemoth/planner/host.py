@@ -39,9 +39,10 @@ Per block and micro-batch, from the same structure the traffic formulas count
   the code) and, per call of the other axes (context, expert, ZeRO-3), 1D's ``kernels_per_call``
   (else ``kernels_per_collective``); the serial block's split between forward and backward
   measured too (``host_forward_share``, default a third), the layout's and the MoE layer's as
-  they issue them; checkpointing adds a forward (an MoE layer's without what it replays or
-  never reaches again); an MoE layer's ``ep_overlap`` chunks add the kernels each extra chunk
-  launches (:func:`ep_chunk_kernels`, counted from the code);
+  they issue them; checkpointing adds a forward (the layout's as far as its recompute reaches,
+  :func:`tp_recompute_kernels`; an MoE layer's without what it replays or never reaches again);
+  an MoE layer's ``ep_overlap`` chunks add the kernels each extra chunk launches
+  (:func:`ep_chunk_kernels`, counted from the code);
 
 at ``host_kernel_s`` per kernel and ``host_call_s`` per collective call (its own kernel, its
 Python and bookkeeping beyond the kernels counted; per tensor-parallel mode, the layouts' own code
@@ -92,6 +93,7 @@ __all__ = [
     "kernels_per_call",
     "serial_block_kernels",
     "tp_block_kernels",
+    "tp_recompute_kernels",
     "host_times",
 ]
 
@@ -259,6 +261,26 @@ def tp_block_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
         q = grid_side(plan.tp, plan.tp_depth if tesseract else 1)
         bwd += grid_vector_flushes(grid_deferred_layers(s, q, blocks, experts=moe)) / blocks
     return float(fwd), float(bwd)
+
+
+def tp_recompute_kernels(plan: Plan, w: Workload) -> float:
+    """Kernels a tensor-parallel layout adds to a checkpointed block's recompute beyond the serial
+    block's recompute: :func:`tp_block_kernels`'s forward, less what the recompute never reaches.
+
+    ``torch.utils.checkpoint`` stops a recompute once the last tensor the block's backward saved is
+    saved again. In the serial block that is the last Linear's input, which an autograd op saves
+    before it runs: the serial recompute stops short of the down projection's GEMM (and the residual
+    add). Under 1D the row layer's GEMM runs inside its autograd Function (``RowParallelLinearFn``),
+    which saves its input once it has run: the recompute runs the last row's GEMMs (the ``k - 1``
+    extra pieces are counted in the forward's already: one kernel more than the serial recompute)
+    and its collective, and stops before the bias's cast and add that follow it (two kernels fewer
+    a biased row; with sequence parallelism too). An MoE block ends in its MoE layer (whose own
+    recompute :func:`~.expert_kernels.moe_layer_kernels` counts), so its attention recomputes whole.
+    The grids' recomputes are counted as their forwards."""
+    fwd, _ = tp_block_kernels(plan, w)
+    if plan.tp == 1 or plan.tp_mode != "1d" or w.num_experts:
+        return fwd
+    return fwd + 1 - (2 if w.shape.linear_bias else 0)
 
 
 def host_block_kernels(cal: Calibration, shape) -> float:
@@ -458,7 +480,7 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     cf, cb = tp_block_calls(plan, w)
     # an MoE layer's own kernels in place of the dense MLP's (counted: expert_kernels)
     mf, mb, mr = moe_block_kernels(plan, w)
-    again = kern * share + tf + mr if plan.activation_checkpointing else 0.0
+    again = kern * share + tp_recompute_kernels(plan, w) + mr if plan.activation_checkpointing else 0.0
     kf = kern * share + tf + mf + kpc * (f - cf) + ef
     kb = kern * (1 - share) + tb + mb + kpc * (b - cb - (cf if plan.activation_checkpointing else 0.0)) + again + eb
     pf, pb = pipeline_calls(plan)
