@@ -6,9 +6,10 @@ call) in one forward and, once the logits' gradient arrives, one backward of a 4
 a 2-block one's, halved, under bf16 autocast, less the same count of the serial model (``dp`` over
 the world). A tiny GPT (LayerNorm, biases, fused q/k/v), a tiny Llama (RMSNorm, separate q/k/v,
 SwiGLU, 2 kv heads: replicated under 1D tp 4) and a Llama-8B-shaped one (32 heads over 8 kv
-heads); 1D with and without sequence parallelism and over-decomposition, and checkpointed (the
-backward's recompute, against the serial block's checkpointed: tp_recompute_kernels), and 2D, on
-4 gloo ranks; 2.5D (depth 2) and 3D (with and without over-decomposition) on 8."""
+heads); 1D with and without sequence parallelism and over-decomposition, and 2D, on 4 gloo ranks;
+2.5D (depth 2) and 3D (with and without over-decomposition) on 8; and checkpointed (the backward
+with its recompute, against the serial block's checkpointed too: tp_recompute_kernels) 1D with
+and without sequence parallelism and over-decomposition, 2D, 2.5D and 3D."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def _flat_world(rank, world):
             bh.Plan(tp=4, tp_mode="2d", precision="bf16"),
             bh.Plan(tp=4, precision="bf16", activation_checkpointing=True),
             bh.Plan(tp=4, sequence_parallel=True, tp_overlap=2, precision="bf16", activation_checkpointing=True),
+            bh.Plan(tp=4, tp_mode="2d", precision="bf16", activation_checkpointing=True),
         ),
         world,
     )
@@ -97,6 +99,8 @@ def _cube_world(rank, world):
             bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2, precision="bf16"),
             bh.Plan(tp=8, tp_mode="3d", precision="bf16"),
             bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16"),
+            bh.Plan(tp=8, tp_mode="2.5d", tp_depth=2, precision="bf16", activation_checkpointing=True),
+            bh.Plan(tp=8, tp_mode="3d", tp_overlap=2, precision="bf16", activation_checkpointing=True),
         ),
         world,
     )

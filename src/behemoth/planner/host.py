@@ -270,17 +270,18 @@ def tp_recompute_kernels(plan: Plan, w: Workload) -> float:
     ``torch.utils.checkpoint`` stops a recompute once the last tensor the block's backward saved is
     saved again. In the serial block that is the last Linear's input, which an autograd op saves
     before it runs: the serial recompute stops short of the down projection's GEMM (and the residual
-    add). Under 1D the row layer's GEMM runs inside its autograd Function (``RowParallelLinearFn``),
-    which saves its input once it has run: the recompute runs the last row's GEMMs (the ``k - 1``
-    extra pieces are counted in the forward's already: one kernel more than the serial recompute)
-    and its collective, and stops before the bias's cast and add that follow it (two kernels fewer
-    a biased row; with sequence parallelism too). An MoE block ends in its MoE layer (whose own
-    recompute :func:`~.expert_kernels.moe_layer_kernels` counts), so its attention recomputes whole.
-    The grids' recomputes are counted as their forwards."""
+    add). Every layout's last Linear runs its GEMM inside an autograd Function (1D's
+    ``RowParallelLinearFn``, 2D's and 2.5D's SUMMA, 3D's), which saves its inputs once it has run:
+    the recompute runs the last Linear's GEMMs (the ``k - 1`` extra pieces are counted in the
+    forward's already: one kernel more than the serial recompute) and its collectives. 1D and 3D add
+    the bias after the Function (a cast and an add, 2 kernels the recompute never reaches; 2D and
+    2.5D add it inside). An MoE block ends in its MoE layer (whose own recompute
+    :func:`~.expert_kernels.moe_layer_kernels` counts), so its attention recomputes whole."""
     fwd, _ = tp_block_kernels(plan, w)
-    if plan.tp == 1 or plan.tp_mode != "1d" or w.num_experts:
+    if plan.tp == 1 or w.num_experts:
         return fwd
-    return fwd + 1 - (2 if w.shape.linear_bias else 0)
+    bias_after = plan.tp_mode in ("1d", "3d") and w.shape.linear_bias
+    return fwd + 1 - (2 if bias_after else 0)
 
 
 def host_block_kernels(cal: Calibration, shape) -> float:
