@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import behemoth as bh
+from behemoth.models import build_config
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
 from behemoth.planner.axis_traffic import Dtypes, step_traffic
 from behemoth.planner.bubble import _closed, _simulated
@@ -194,6 +195,28 @@ def test_moe_layer_kernels_replace_the_dense_mlps():
     for plan in (one, dataclasses.replace(one, activation_checkpointing=True)):
         extra = host_times(plan, moe, cal).kernels - host_times(plan, dense, cal).kernels
         assert extra == pytest.approx(sum(moe_block_kernels(plan, moe)), rel=1e-12)
+
+
+def test_a_shared_experts_kernels_join_the_moe_layers():
+    """A shared expert (one SwiGLU every token goes through beside its k experts) adds the same
+    kernels by either route: its input's cast, two weight casts, two GEMMs, SiLU, the product and
+    the add to the routed output forward (8); backward the branch gradient's cast, each Linear's two
+    GEMMs and weight-gradient cast, the product's two and SiLU's, the gate/up concatenation, the
+    input gradient's cast back, the third reader's sum and its two parameters' accumulations (15).
+    Under 1D sequence parallelism the layer's input is already in bf16: the three casts go. A
+    recompute runs it again whole."""
+    moe = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
+    shared = dataclasses.replace(moe, shared_expert_ffn_hidden=1024)
+    for plan in (_plan(), _plan(ep=2), _plan(tp=2), _plan(tp=4, tp_mode="2d"), _plan(activation_checkpointing=True)):
+        with_it, without = moe_layer_kernels(plan, shared), moe_layer_kernels(plan, moe)
+        again = 8.0 if plan.activation_checkpointing else 0.0
+        assert tuple(a - b for a, b in zip(with_it, without)) == (8.0, 15.0, again), plan.describe()
+    sp = _plan(tp=2, sequence_parallel=True, activation_checkpointing=True)
+    assert tuple(a - b for a, b in zip(moe_layer_kernels(sp, shared), moe_layer_kernels(sp, moe))) == (7.0, 13.0, 7.0)
+    assert moe_block_kernels(_plan(), dataclasses.replace(shared, num_experts=0)) == (0.0, 0.0, 0.0)
+    # read from a model's config
+    config = build_config("llama-moe-tiny", vocab_size=512, seq_len=64, shared_expert_ffn_hidden=16)
+    assert workload_for(config, seq_len=64, global_batch=8).shared_expert_ffn_hidden == 16
 
 
 def test_a_pipelines_host_bound_is_its_busiest_ranks():

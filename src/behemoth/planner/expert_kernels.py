@@ -15,14 +15,15 @@ Counted under bf16 autocast over fp32 parameters on the GPU path (the grouped GE
 groups padded to 16 rows), as the dispatcher sees the operators (every operator but views,
 allocations and dtype queries; a fill such as ``new_zeros`` or ``ones_like`` is one), for
 behemoth's layer with softmax scores, the top-k weights renormalised or not
-(``Workload.experts_norm_topk``), no shared expert, no capacity, no balancing bias. The
-collectives' own kernels go with each call (:mod:`.host`). The count replaces the dense MLP's
-(:func:`mlp_kernels`) in the block (:func:`moe_block_kernels`).
+(``Workload.experts_norm_topk``), with or without a shared expert, no capacity, no balancing
+bias. The collectives' own kernels go with each call (:mod:`.host`). The count replaces the dense
+MLP's (:func:`mlp_kernels`) in the block (:func:`moe_block_kernels`).
 
 A dispatch-level count of a run checks it (tests/dist/test_planner_host_expert_kernels.py: a tiny
 MoE Llama against the same model with dense MLPs, ep = 1 and 2, with and without activation
-checkpointing, ep 2 in chunks, 1D tensor parallelism with and without sequence parallelism, 2D on
-4 ranks), on the CPU with the grouped GEMMs' fast path forced: there a CUDA device's three copies
+checkpointing, ep 2 in chunks, 1D tensor parallelism with and without sequence parallelism and
+checkpointed, with a shared expert by both routes and under 1D tp, 2D on 4 ranks, 2.5D and 3D on 8,
+checkpointed too), on the CPU with the grouped GEMMs' fast path forced: there a CUDA device's three copies
 between host and device (:data:`EP_DEVICE_COPIES`) are not made. The eager path's: a compiled
 block (``Plan.compile``) traces the local route whole. Pure.
 """
@@ -117,9 +118,21 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
     copy (a reshape of the sequence's slice) and the layer's input in bf16 (the norm's cast before
     its gather comes, the router's and the rows' input casts go, the output is cast back: 1),
     backward the slice's, the output cast's and the residual add's cast of the branch's gradient,
-    less the router's input cast (2). The 2D, 2.5D and 3D grids' shares (an all-to-all each way)
-    are counted as 1D's without sequence parallelism (checked under 2D, the copies the
-    collectives make around them left out; not under 2.5D or 3D).
+    less the router's input cast (2). The 2D, 2.5D and 3D grids' shares (an all-to-all each way,
+    each concatenating what arrives: 2 forward, its inverse pair's 2 backward; the counts summed
+    over the grid's one or two other axes in place, no kernel) are counted as 1D's without sequence parallelism
+    (checked under 2D, 2.5D and 3D, the copies the collectives make around them left out).
+
+    A shared expert (``Workload.shared_expert_ffn_hidden``, ``models/moe.py``'s ``SharedExpert``:
+    every token of the rank's share through one SwiGLU beside the routed experts, by either route,
+    its output added to theirs): forward, its input's cast (none where the layer's input is already
+    in bf16: 1D with sequence parallelism), its two weights' casts, its two GEMMs, SiLU and the
+    product, and the add to the routed output (7 + 1); backward, the branch's gradient cast to bf16
+    (none with sequence parallelism), two GEMMs and a weight-gradient cast for each Linear, the
+    product's two and SiLU's, the gate/up concatenation, the input gradient's cast back (none with
+    sequence parallelism), the layer input's third reader summed, and its two parameters' gradients
+    added into the gradient sync's buffers (13 + 2; the router's and experts' three take the place
+    of the dense MLP's three weights'). A recompute runs it again whole.
 
     Recompute (activation checkpointing): the forward again, but not the layer's loss summed
     over the layers (outside the block), nor the ops that a stopping recompute does not reach
@@ -142,8 +155,12 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
         fwd += built + 2 + 2 + 6 + 1 + 4 + EP_DEVICE_COPIES[0]
         bwd += 6 + 2 + 1 + 2 + 2
     tail = 2  # the loss's sum over the layers, and its last add (a stopped recompute's)
+    sp = plan.tp > 1 and plan.tp_mode == "1d" and plan.sequence_parallel
+    if w.shared_expert_ffn_hidden:
+        cast = 0 if sp else 1  # the layer's input, and its gradient, in fp32: cast for the shared GEMM
+        fwd += 7 + cast
+        bwd += 13 + 2 * cast
     if plan.tp > 1:
-        sp = plan.tp_mode == "1d" and plan.sequence_parallel
         fwd += 9 + (1 if sp else 2)
         bwd += 2
         tail += 0 if sp else 1

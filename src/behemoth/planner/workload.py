@@ -32,6 +32,10 @@ class Workload:
     """Experts each token visits."""
     expert_ffn_hidden: int = 0
     """Inner width of one expert (0: the dense ffn_hidden)."""
+    shared_expert_ffn_hidden: int = 0
+    """Inner width of the shared expert every token goes through beside its k experts
+    (``LlamaConfig.shared_expert_ffn_hidden``; 0: none). Counted in the MoE layer's kernels
+    (:mod:`.expert_kernels`) only."""
     experts_norm_topk: bool = True
     """Each token's k expert weights divided by their sum (Mixtral), or not (OLMoE): a few more
     kernels per MoE layer (:mod:`.expert_kernels`)."""
@@ -133,5 +137,6 @@ def workload_for(model, *, seq_len: int | None = None, global_batch: int, vocab_
         num_experts=experts,
         experts_top_k=getattr(config, "experts_top_k", 1) if experts else 1,
         expert_ffn_hidden=(getattr(config, "expert_ffn_hidden", None) or 0) if experts else 0,
+        shared_expert_ffn_hidden=(getattr(config, "shared_expert_ffn_hidden", None) or 0) if experts else 0,
         experts_norm_topk=bool(getattr(config, "router_norm_topk", getattr(config, "norm_topk_prob", True))),
     )
