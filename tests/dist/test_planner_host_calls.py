@@ -7,7 +7,8 @@ parallelism and 2D tensor parallelism on 4 gloo ranks, and 2.5D (depth 2) and 3D
 without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2; and a mixture-of-
 experts Llama's (behemoth.planner.host.block_calls, ep_block_calls) on 2: the balancing
 statistics' all-reduce at ep 1 and the token split's calls under 1D tp 2, the split sizes and the chunks' all-to-alls at ep 2 with
-ep_overlap 1 and 2, and a checkpointed block's recompute (its forward's routes replayed)."""
+ep_overlap 1 and 2, and a checkpointed block's recompute (its forward's routes replayed); and with
+a shared expert, at ep 2 and under 1D tp 2."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ from behemoth.planner.workload import workload_for
 
 
 def _model(family: str, layers: int):
-    if family == "llama-moe":
+    if family in ("llama-moe", "llama-moe-shared"):
         from common import VOCAB
 
         from behemoth.models import build_model
 
-        return build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=layers)
+        shared = {"shared_expert_ffn_hidden": 16} if family == "llama-moe-shared" else {}
+        return build_model("llama-moe-tiny", vocab_size=VOCAB, seq_len=SEQ, num_layers=layers, **shared)
     return build(family, num_layers=layers)
 
 
@@ -170,15 +172,13 @@ EXPERTS = (
 )
 
 
-def check_expert_calls_per_block(plans, world: int) -> None:
+def check_expert_calls_per_block(plans, world: int, family: str = "llama-moe") -> None:
     """Each plan's collective calls per MoE block (a 4-layer run less a 2-layer one, halved)
     equal ``block_calls``. The gradient sync's own launches are left out: its buckets break at
     every MoE layer's experts (another axis reduces them)."""
-    w = workload_for(_model("llama-moe", 2), seq_len=SEQ, global_batch=8)
+    w = workload_for(_model(family, 2), seq_len=SEQ, global_batch=8)
     for plan in plans:
-        got = (
-            _calls("llama-moe", plan, 4, gradient_sync=False) - _calls("llama-moe", plan, 2, gradient_sync=False)
-        ) / 2
+        got = (_calls(family, plan, 4, gradient_sync=False) - _calls(family, plan, 2, gradient_sync=False)) / 2
         want = sum(block_calls(plan.resolve(world), w))
         assert got == want, f"{plan.describe()}: {got} calls per block, planner {want}"
 
@@ -199,6 +199,18 @@ def _experts_tp_world(rank, world):
     check_expert_calls_per_block(
         (bh.Plan(tp=2), bh.Plan(tp=2, sequence_parallel=True, activation_checkpointing=True)), world
     )
+
+
+def _shared_world(rank, world):
+    plans = (bh.Plan(ep=2, activation_checkpointing=True), bh.Plan(tp=2), bh.Plan(tp=2, activation_checkpointing=True))
+    check_expert_calls_per_block(plans, world, "llama-moe-shared")
+
+
+def test_expert_calls_per_block_with_a_shared_expert_are_the_runs():
+    """A shared expert beside the routed ones issues no collective of its own per block (its
+    gradients are summed with the router's and experts' in the gradient sync): the routed layer's
+    calls, at ep 2 and under 1D tp 2, checkpointed too."""
+    bh.spawn(_shared_world, 2, timeout=400)
 
 
 def test_expert_calls_per_block_under_1d_tp_are_the_runs():
