@@ -62,13 +62,15 @@ def _auto_plan(model: nn.Module, name: str) -> Plan:
         raise ValueError(f"plan={name!r}: pass a bh.Plan, None, or 'auto' (the planner's choice).")
     from .distributed import init
     from .planner.auto import auto_plan
+    from .planner.calibration import shipped_calibration_for
     from .planner.search import Limits
 
     init()
     cuda = torch.cuda.is_available()
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
+    cal = shipped_calibration_for(torch.cuda.get_device_name() if cuda else None)
     limits = Limits(precision="bf16" if cuda else "fp32")
-    return auto_plan(model, torch.distributed.get_world_size(), gpu_bytes=gpu, limits=limits)
+    return auto_plan(model, torch.distributed.get_world_size(), gpu_bytes=gpu, limits=limits, calibration=cal)
 
 
 def boost(

@@ -96,3 +96,16 @@ def test_scale_sweep_compares_tensor_parallel_modes():
     # a faster inter-node fabric never makes the best plan slower
     fast = scale_sweep(w, Cluster(num_gpus=8, calibration=cal, inter_node_bytes_per_s=4e11), (64,), views=("best",))
     assert min(p.best.step for p in fast) <= min(b.step for b in best.values())
+
+
+def test_plan_auto_reads_the_shipped_calibration_nearest_the_device():
+    """``plan="auto"`` on an H200 plans with the calibration measured on H200s, elsewhere (an H100,
+    no GPU) with the H100 estimate; each name is a shipped calibration."""
+    from behemoth.planner.calibration import CALIBRATIONS, load_calibration, shipped_calibration_for
+
+    assert shipped_calibration_for("NVIDIA H200") == "h200-measured-2gpu"
+    assert shipped_calibration_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert shipped_calibration_for(None) == "h100"
+    for name in ("NVIDIA H200", None):
+        assert shipped_calibration_for(name) in CALIBRATIONS
+        load_calibration(shipped_calibration_for(name))

@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["Calibration", "load_calibration", "CALIBRATIONS"]
+__all__ = ["Calibration", "load_calibration", "CALIBRATIONS", "shipped_calibration_for"]
 
 HERE = Path(__file__).resolve().parent / "calibrations"
 CALIBRATIONS = ("h100", "h200", "h200-measured-2gpu")
@@ -292,6 +292,12 @@ class Calibration:
         d["grouped_call_by_rows"] = tuple(sorted((float(n), float(r)) for n, r in d.get("grouped_call_by_rows", ())))
         d["extra"] = {**d.get("extra", {}), **extra}
         return cls(**d)
+
+
+def shipped_calibration_for(device_name: str | None) -> str:
+    """The shipped calibration nearest a device (``torch.cuda.get_device_name``): an H200 the one
+    measured on 2 x H200, anything else (an H100, no GPU) the H100 datasheet estimate."""
+    return "h200-measured-2gpu" if device_name and "H200" in device_name.upper() else "h100"
 
 
 def load_calibration(name_or_path: str | Path) -> Calibration:
