@@ -90,7 +90,7 @@ GOLDEN = [  # plan, 16 GPUs, GPT-1.3B, 32 x 2048 tokens: predicted step (s) and 
     ),
     (
         bh.Plan(cp=2, cp_mode="ring", zero=3, precision="bf16", offload="cpu", activation_checkpointing=True),
-        0.5029603623843666,
+        0.4898021671843666,
         10527384064.0,
     ),
     (bh.Plan(tp=2, pp=2, microbatches=8, schedule="zero-bubble", precision="bf16"), 0.19702071076974265, 13492915712.0),
@@ -105,7 +105,6 @@ def test_golden_predictions(plan, step, memory):
     assert p.step == pytest.approx(step, rel=1e-9)
     assert p.memory.gpu_total == pytest.approx(memory, rel=1e-9)
     assert p.tokens_per_s == pytest.approx(32 * 2048 / step, rel=1e-9)
-    assert p.step >= p.compute / p.plan.microbatches * 0  # sanity on the fields' presence
     assert p.step >= p.bubble + p.optimizer + p.offload
 
 
@@ -290,8 +289,9 @@ def test_ulysses_copies_around_its_all_to_alls():
 def test_offloaded_update_is_each_ranks_shard_at_the_host_rates(gpus):
     """ZeRO-1 ``offload="cpu"``: each rank moves its shard's fp32 gradients down and parameters up
     and updates the shard with the CPU AdamW at ``cpu_adam_params_per_s`` -- one rank's rate with
-    every rank updating at once, so a shard a quarter the size takes a quarter the time -- and the
-    backward hides at most its own time of it. The shard counted from the built model."""
+    every rank updating at once, so a shard a quarter the size takes a quarter the time -- the two
+    copy directions beside each other, the update beside neither, and the backward hides at most
+    its own time of it. The shard counted from the built model."""
     from behemoth.models import build_model
 
     w = workload_for("gpt-tiny", seq_len=64, global_batch=8, vocab_size=96)
@@ -303,7 +303,7 @@ def test_offloaded_update_is_each_ranks_shard_at_the_host_rates(gpus):
     plan = bh.Plan(dp=gpus, zero=1, offload="cpu")
     p = predict(plan, w, Cluster(num_gpus=gpus, gpus_per_node=gpus, calibration=cal))
     shard = n / gpus
-    work = shard / adam + shard * 4 / d2h + shard * 4 / h2d
+    work = shard / adam + max(shard * 4 / d2h, shard * 4 / h2d)
     backward = plan.resolve(gpus).microbatches * p.stage_times[1]
     assert p.optimizer == 0.0
     if gpus == 1:  # no gradient reduction: the whole backward hides its part

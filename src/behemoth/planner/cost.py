@@ -40,7 +40,8 @@
   waits on a stage's activation (per chunk) and output gradient when the action starts, and
   NCCL's send/receive moves a message only once both sides posted, so each transfer is on the
   stage's path every micro-batch;
-* **offload** -- gradients down, parameters up over the host link and the CPU Adam update,
+* **offload** -- gradients down, parameters up over the host link (the two directions beside each
+  other) and the CPU Adam update (beside neither: it shares the host's memory with them),
   overlapped with the backward (the CPU updates run during it) but one chunk's share; ZeRO-3
   offload also fetches each chunk forward and backward.
 
@@ -372,10 +373,16 @@ def predict(
     offload = 0.0
     if plan.offload is not None:
         pb = 2 if plan.param_dtype == "bf16" else 4
-        moves = shard * 4 / cal.d2h_bytes_per_s + shard * pb / cal.h2d_bytes_per_s
-        if plan.zero == 3:
-            moves += 2 * m * n / g * pb / cal.h2d_bytes_per_s
-        work = moves + shard / cal.cpu_adam_params_per_s
+        # per chunk, as its last gradient lands: down to the host, the CPU update, the parameters up
+        # (parallel/zero/overlap.py). The two copy directions run beside each other; the CPU update,
+        # memory-bound on the host, shares its memory with them and does not hide them. (Of three
+        # readings -- the three summed, the slowest of them pipelined, this one -- this one was
+        # nearest three one-GPU offload rows: +9%, -1%, +5% against +31%, +19%, +26% summed and
+        # -8%, -18%, -13% pipelined; chosen on those rows, not yet proved blind.)
+        stages = (shard * 4 / cal.d2h_bytes_per_s, shard / cal.cpu_adam_params_per_s, shard * pb / cal.h2d_bytes_per_s)
+        work = stages[1] + max(stages[0], stages[2])
+        if plan.zero == 3:  # each chunk's parameters fetched forward and backward, every micro-batch
+            work += 2 * m * n / g * pb / cal.h2d_bytes_per_s
         # the backward hides what the gradient reduction left of it
         offload = _hide(work, m * t_b - hidden, 1 - 1 / max(2, layers))
         opt = 0.0
