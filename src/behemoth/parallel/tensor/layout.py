@@ -84,6 +84,41 @@ def check_divisible(what: str, size: int, parts: int, mode: str) -> None:
         )
 
 
+def check_block_width(who: str, x: torch.Tensor, full: int, q: int, what: str, layout: str) -> int:
+    """This rank's block ``full / q`` of the last dim, after checking that ``x`` has it (``who``,
+    ``what`` -- the size split: ``"hidden"``, ``"the hidden block in_features"`` -- and ``layout``
+    named in the error)."""
+    n = full // q
+    if x.shape[-1] != n:
+        raise ValueError(
+            f"{who}: input's last dim is {x.shape[-1]}; expected {what}/q = {full}/{q} = {n} (layout {layout})."
+        )
+    return n
+
+
+def check_linear_blocks(
+    name: str,
+    in_features: int,
+    out_features: int,
+    fused: int,
+    weight_layout: str,
+    in_parts: int,
+    out_parts: int,
+    mode: str,
+) -> None:
+    """A grid or cube Linear's arguments: ``weight_layout`` is ``"out_in"`` (``nn.Linear``) or
+    ``"in_out"`` (transformers ``Conv1D``); the in features split into ``in_parts`` blocks, the out
+    features into ``fused`` equal parts and each part into ``out_parts`` blocks."""
+    if weight_layout not in ("out_in", "in_out"):
+        raise ValueError(
+            f"{name}: weight_layout={weight_layout!r} must be 'out_in' (nn.Linear) or 'in_out' (transformers Conv1D)."
+        )
+    check_divisible(f"{name} in_features", in_features, in_parts, mode)
+    check_divisible(f"{name} out_features", out_features, fused, mode)
+    part = f"{name} out_features/{fused} (per fused part)" if fused > 1 else f"{name} out_features"
+    check_divisible(part, out_features // fused, out_parts, mode)
+
+
 def block(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     """Block ``index`` of ``parts`` equal blocks of ``t`` along ``dim`` (a copy)."""
     if t.shape[dim] % parts:

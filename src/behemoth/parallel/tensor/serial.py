@@ -5,7 +5,10 @@
 * :func:`is_rms_norm`: an RMS-style norm (a weight, no bias, an eps attribute);
 * :func:`attention_heads` / :func:`localize_heads`: an attention module's head counts
   (behemoth's, GPT-2's, transformers Llama's attribute names), and setting them to a rank's;
-* :func:`copy_shards` / :func:`embedding_from_serial`: fill a sharded layer from a serial one.
+* :func:`norm_eps`: a serial norm's epsilon;
+* :func:`copy_shards`, and :func:`linear_from_serial`, :func:`layer_norm_from_serial`,
+  :func:`rms_norm_from_serial`, :func:`embedding_from_serial` (a layer class's ``from_serial``,
+  every mode that shards them alike): fill a sharded layer from a serial one.
 
 No communication. Tested through every mode's tests (tests/dist/test_tp*.py).
 """
@@ -100,6 +103,11 @@ def localize_heads(module: nn.Module, n: int, k: int, d: int | None, p: int) -> 
             setattr(module, attr, n_loc * d)
 
 
+def norm_eps(module: nn.Module) -> float | None:
+    """A serial norm's epsilon (``eps``, or transformers' ``variance_epsilon``); None: the dtype's."""
+    return getattr(module, "eps", getattr(module, "variance_epsilon", None))
+
+
 @torch.no_grad()
 def copy_shards(layer: nn.Module, serial: nn.Module) -> None:
     """Fill every parameter of ``layer`` with its ShardSpec's block of ``serial``'s."""
@@ -120,5 +128,56 @@ def embedding_from_serial(cls, module: nn.Embedding, mesh):
         device=w.device,
         dtype=w.dtype,
     )
+    copy_shards(layer, module)
+    return layer
+
+
+def linear_from_serial(cls, module: nn.Module, mesh, **kw):
+    """``cls(...)`` (a 2D, 2.5D or 3D Linear; ``kw``: its layout arguments, ``fused``, ...)
+    holding this rank's shard of an ``nn.Linear`` or a transformers ``Conv1D`` (weight ``[in, out]``)."""
+    shape = linear_layout(module)
+    if shape is None:
+        raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
+    in_f, out_f, transposed = shape
+    w = module.weight
+    layer = cls(
+        in_f,
+        out_f,
+        mesh,
+        bias=module.bias is not None,
+        weight_layout="in_out" if transposed else "out_in",
+        device=w.device,
+        dtype=w.dtype,
+        **kw,
+    )
+    copy_shards(layer, module)
+    return layer
+
+
+def layer_norm_from_serial(cls, module: nn.LayerNorm, mesh, **kw):
+    """``cls(...)`` (a 2D, 2.5D or 3D LayerNorm; ``kw``: its layout arguments) holding this
+    rank's shard of ``module``, over a 1-D ``normalized_shape``."""
+    if len(module.normalized_shape) != 1:
+        raise ValueError(f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}.")
+    p = next(module.parameters(), None)
+    dev = dict(device=p.device, dtype=p.dtype) if p is not None else {}
+    layer = cls(
+        module.normalized_shape[0],
+        mesh,
+        eps=module.eps,
+        weight=module.weight is not None,
+        bias=module.bias is not None,
+        **dev,
+        **kw,
+    )
+    copy_shards(layer, module)
+    return layer
+
+
+def rms_norm_from_serial(cls, module: nn.Module, mesh, **kw):
+    """``cls(...)`` (a 2D, 2.5D or 3D RMSNorm; ``kw``: its layout arguments) holding this rank's
+    shard of ``nn.RMSNorm``, behemoth's Llama ``RMSNorm`` or transformers' ``LlamaRMSNorm``."""
+    w = module.weight
+    layer = cls(w.shape[0], mesh, eps=norm_eps(module), device=w.device, dtype=w.dtype, **kw)
     copy_shards(layer, module)
     return layer

@@ -63,7 +63,7 @@ from torch import nn
 
 from ... import comm
 from .deferred_grads import deferred_pass
-from .functional import ShardedNormFn, autocast_dtype
+from .functional import autocast_dtype
 from .grid import (
     SummaFn,
     activation_spec,
@@ -73,8 +73,9 @@ from .grid import (
     linear_no_grad,
     replicate_on,
 )
-from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .serial import copy_shards, linear_layout
+from .layout import DimShard, ShardSpec, check_block_width, check_divisible, check_linear_blocks, set_spec, shard_tensor
+from .serial import layer_norm_from_serial, linear_from_serial, rms_norm_from_serial
+from .sharded_norm import ShardedNorm
 from .weight_prefetch import may_prefetch, prefetch_of, prefetching_pass
 
 __all__ = [
@@ -160,16 +161,7 @@ class Linear2D(nn.Module):
     ) -> None:
         super().__init__()
         g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
-        if weight_layout not in ("out_in", "in_out"):
-            raise ValueError(
-                f"{type(self).__name__}: weight_layout={weight_layout!r} must be 'out_in' "
-                f"(nn.Linear) or 'in_out' (transformers Conv1D)."
-            )
-        name = type(self).__name__
-        check_divisible(f"{name} in_features", in_features, g.q, g.mode)
-        check_divisible(f"{name} out_features", out_features, fused, g.mode)
-        part = f"{name} out_features/{fused} (per fused part)" if fused > 1 else f"{name} out_features"
-        check_divisible(part, out_features // fused, g.q, g.mode)
+        check_linear_blocks(type(self).__name__, in_features, out_features, fused, weight_layout, g.q, g.q, g.mode)
         self.in_features, self.out_features, self.fused, self.weight_layout = (
             in_features,
             out_features,
@@ -204,36 +196,13 @@ class Linear2D(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    @classmethod
-    def from_serial(cls, module: nn.Module, mesh, *, fused: int = 1):
-        """Shard an ``nn.Linear`` (or a transformers ``Conv1D``, weight ``[in, out]``)."""
-        shape = linear_layout(module)
-        if shape is None:
-            raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
-        in_f, out_f, transposed = shape
-        layout = "in_out" if transposed else "out_in"
-        w = module.weight
-        layer = cls(
-            in_f,
-            out_f,
-            mesh,
-            bias=module.bias is not None,
-            fused=fused,
-            weight_layout=layout,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(linear_from_serial)
+    """``from_serial(module, mesh, *, fused=1)``: shard an ``nn.Linear`` (or a transformers ``Conv1D``)."""
 
     def _check_input(self, x: torch.Tensor) -> int:
-        n_in = self.in_features // self.grid.q
-        if x.shape[-1] != n_in:
-            raise ValueError(
-                f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden "
-                f"block in_features/q = {self.in_features}/{self.grid.q} = {n_in} (layout [b/q, s, h/q])."
-            )
-        return n_in
+        return check_block_width(
+            type(self).__name__, x, self.in_features, self.grid.q, "the hidden block in_features", "[b/q, s, h/q]"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, n_in = self.grid, self._check_input(x)
@@ -336,11 +305,10 @@ class KVReplicatedLinear2D(nn.Module):
 
 
 # --------------------------------------------------------------------------- norms
-class Norm2D(nn.Module):
+class Norm2D(ShardedNorm):
     """The grid norms' common part: :class:`LayerNorm2D`, :class:`RMSNorm2D`."""
 
     MODE = "2d"
-    RMS = False
 
     def __init__(
         self,
@@ -353,24 +321,17 @@ class Norm2D(nn.Module):
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__()
-        g = self.grid = grid_of(mesh, self.MODE, type(self).__name__)
+        g = grid_of(mesh, self.MODE, type(self).__name__)
         check_divisible(f"{type(self).__name__} hidden size", hidden, g.q, g.mode)
-        self.hidden, self.eps = hidden, eps
         spec = ShardSpec(
             (hidden,), (DimShard(0, g.q, g.col, ("tp_col",)),), ("tp_row",) * (g.q > 1) + g.weight_replicas
         )
-        kw = dict(device=device, dtype=dtype)
-        self.weight = set_spec(nn.Parameter(torch.ones(hidden // g.q, **kw)), spec) if weight else None
-        self.bias = set_spec(nn.Parameter(torch.zeros(hidden // g.q, **kw)), spec) if bias else None
+        super().__init__(hidden, spec, eps=eps, weight=weight, bias=bias, device=device, dtype=dtype)
+        self.grid = g
 
     def forward(self, x_bSh: torch.Tensor) -> torch.Tensor:
         g = self.grid
-        if x_bSh.shape[-1] != self.hidden // g.q:
-            raise ValueError(
-                f"{type(self).__name__}: input's last dim is {x_bSh.shape[-1]}; expected "
-                f"hidden/q = {self.hidden}/{g.q} = {self.hidden // g.q}."
-            )
+        check_block_width(type(self).__name__, x_bSh, self.hidden, g.q, "hidden", "[b/q, s, h/q]")
         # weight and bias are replicated over tp_row: ShardedNormFn sums their gradients there
         deferred = deferred_pass(self, self.weight, self.bias)
         defer = None
@@ -381,10 +342,7 @@ class Norm2D(nn.Module):
         else:
             w = None if self.weight is None else replicate_on(self.weight, g, rows=False)
             b = None if self.bias is None else replicate_on(self.bias, g, rows=False)
-        eps = self.eps if self.eps is not None else torch.finfo(x_bSh.dtype).eps
-        y = ShardedNormFn.apply(x_bSh, w, b, eps, g.col_axis, self.hidden, self.RMS, g.row_axis, defer)
-        keep_fp32 = not self.RMS and autocast_dtype(x_bSh) is not None  # as nn.LayerNorm under autocast
-        return y if keep_fp32 else y.to(x_bSh.dtype)
+        return self.normalize(x_bSh, w, b, g.col_axis, g.row_axis, defer)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, q={self.grid.q}, eps={self.eps}"
@@ -394,24 +352,7 @@ class LayerNorm2D(Norm2D):
     """LayerNorm of ``[b/q, s, h/q]`` over the full hidden dim (statistics over ``tp_col``).
     Weight and bias: hidden block j, replicated over ``tp_row``."""
 
-    @classmethod
-    def from_serial(cls, module: nn.LayerNorm, mesh):
-        if len(module.normalized_shape) != 1:
-            raise ValueError(
-                f"{cls.__name__}: only a 1-D normalized_shape is supported; got {module.normalized_shape}."
-            )
-        p = next(module.parameters(), None)
-        kw = dict(device=p.device, dtype=p.dtype) if p is not None else {}
-        layer = cls(
-            module.normalized_shape[0],
-            mesh,
-            eps=module.eps,
-            weight=module.weight is not None,
-            bias=module.bias is not None,
-            **kw,
-        )
-        copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(layer_norm_from_serial)
 
 
 class RMSNorm2D(Norm2D):
@@ -423,11 +364,4 @@ class RMSNorm2D(Norm2D):
     def __init__(self, hidden: int, mesh, *, eps: float | None = 1e-5, device=None, dtype=None) -> None:
         super().__init__(hidden, mesh, eps=eps, weight=True, bias=False, device=device, dtype=dtype)
 
-    @classmethod
-    def from_serial(cls, module: nn.Module, mesh):
-        """``nn.RMSNorm``, behemoth's Llama ``RMSNorm`` or transformers' ``LlamaRMSNorm``."""
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        w = module.weight
-        layer = cls(w.shape[0], mesh, eps=eps, device=w.device, dtype=w.dtype)
-        copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(rms_norm_from_serial)

@@ -86,8 +86,8 @@ from ... import comm
 from ...comm import Axis
 from .base import require_mode
 from .functional import autocast_dtype, replicated
-from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
-from .serial import copy_shards, linear_layout
+from .layout import DimShard, ShardSpec, check_block_width, check_divisible, check_linear_blocks, set_spec, shard_tensor
+from .serial import linear_from_serial
 from .stationary import cube_stationary_is_cheaper as stationary_is_cheaper
 
 __all__ = [
@@ -358,18 +358,10 @@ class Linear3D(nn.Module):
         super().__init__()
         name = type(self).__name__
         cube = self.cube = cube_of(mesh, name)
-        if weight_layout not in ("out_in", "in_out"):
-            raise ValueError(
-                f"{name}: weight_layout={weight_layout!r} must be 'out_in' (nn.Linear) or "
-                f"'in_out' (transformers Conv1D)."
-            )
+        q = cube.q
+        check_linear_blocks(name, in_features, out_features, fused, weight_layout, q, q * q, MODE)
         if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
             raise ValueError(f"{name}: overlap={overlap!r} must be an integer >= 1 (1 = no over-decomposition).")
-        q = cube.q
-        check_divisible(f"{name} in_features", in_features, q, MODE)
-        check_divisible(f"{name} out_features", out_features, fused, MODE)
-        part = f"{name} out_features/{fused} (per fused part)" if fused > 1 else f"{name} out_features"
-        check_divisible(part, out_features // fused, q * q, MODE)
         self.in_features, self.out_features, self.fused, self.overlap = in_features, out_features, fused, overlap
         self.swapped, self.weight_layout = swapped, weight_layout
         lay = self.in_layout = cube.layout(swapped)
@@ -388,38 +380,13 @@ class Linear3D(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    @classmethod
-    def from_serial(cls, module: nn.Module, mesh, *, swapped: bool = False, fused: int = 1, overlap: int = 1):
-        """Shard an ``nn.Linear`` (or a transformers ``Conv1D``, weight ``[in, out]``)."""
-        shape = linear_layout(module)
-        if shape is None:
-            raise TypeError(f"{cls.__name__}.from_serial: expected nn.Linear or Conv1D, got {type(module).__name__}")
-        in_f, out_f, transposed = shape
-        layout = "in_out" if transposed else "out_in"
-        w = module.weight
-        layer = cls(
-            in_f,
-            out_f,
-            mesh,
-            bias=module.bias is not None,
-            swapped=swapped,
-            fused=fused,
-            overlap=overlap,
-            weight_layout=layout,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        copy_shards(layer, module)
-        return layer
+    from_serial = classmethod(linear_from_serial)
+    """``from_serial(module, mesh, *, swapped=False, fused=1, overlap=1)``: shard an ``nn.Linear``
+    (or a transformers ``Conv1D``)."""
 
     def _check_input(self, x: torch.Tensor) -> int:
-        n_in = self.in_features // self.cube.q
-        if x.shape[-1] != n_in:
-            raise ValueError(
-                f"{type(self).__name__}: input's last dim is {x.shape[-1]}; expected the hidden block "
-                f"in_features/q = {self.in_features}/{self.cube.q} = {n_in} (layout {layout_name(self.swapped)})."
-            )
-        return n_in
+        q, layout = self.cube.q, layout_name(self.swapped)
+        return check_block_width(type(self).__name__, x, self.in_features, q, "the hidden block in_features", layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay, name, n_in = self.in_layout, type(self).__name__, self._check_input(x)
