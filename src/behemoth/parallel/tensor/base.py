@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch import nn
 
 from .layout import ShardSpec, get_spec, set_spec
+from .projection_norm import make_head_norm
 
 if TYPE_CHECKING:
     from ...mesh import ParallelMesh
@@ -35,6 +36,21 @@ class TensorStyle:
 
     def apply(self, module: nn.Module, mesh: ParallelMesh) -> nn.Module:
         raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GridHeadNormStyle(TensorStyle):
+    """The ``head_norm`` role of the grid and cube modes (2D, 2.5D, 3D): a norm over each head
+    of a ``colwise`` projection (Qwen3's ``q_norm`` / ``k_norm``) stays itself with its whole
+    weight on every rank; each rank normalises its heads of its batch block, so the weight's
+    gradient is summed over tp (:func:`~.projection_norm.make_head_norm`). A mode's class names
+    its ``mode``."""
+
+    role = "head_norm"
+
+    def apply(self, module: nn.Module, mesh: ParallelMesh) -> nn.Module:
+        replicated_over_tp(module)
+        return make_head_norm(module, mesh.axis("tp"))
 
 
 def owner_of(name: str, attention) -> str | None:
@@ -129,11 +145,6 @@ def replicated_over_tp(module: nn.Module) -> None:
     for prm in module.parameters(recurse=False):
         if get_spec(prm) is None:
             set_spec(prm, ShardSpec(tuple(prm.shape), (), replicated_on=("tp",)))
-
-
-def norm_eps(module: nn.Module) -> float | None:
-    """A serial norm's epsilon (``eps``, or transformers' ``variance_epsilon``); None: the dtype's."""
-    return getattr(module, "eps", getattr(module, "variance_epsilon", None))
 
 
 # --------------------------------------------------------------------------- without autograd

@@ -35,12 +35,12 @@ import torch.nn as nn
 
 from ...comm import Axis
 from ...specs import transformer_blocks, transformer_blocks_name
-from .base import TensorStyle, check_fused3, check_kind, check_norm, norm_eps, owner_of
+from .base import TensorStyle, check_fused3, check_kind, check_norm, owner_of
 from .layout import DimShard, ShardSpec, check_divisible, get_spec, set_spec, shard_tensor
 from .projection_norm import ProjectionNorm, make_head_norm
 from .region1d import ParallelRegion
 from .sequence1d import SequenceShards
-from .serial import attention_heads, linear_shape, localize_heads
+from .serial import attention_heads, linear_shape, localize_heads, norm_eps
 from .tp1d import MODE, SEQ_DIM, ColumnParallelLinear, RowParallelLinear, make_sequence_parallel_norm
 from .vocab1d import VocabParallelEmbedding, VocabParallelHead
 

@@ -42,13 +42,13 @@ from typing import ClassVar
 from torch import nn
 
 from .base import (
+    GridHeadNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
     check_fused3,
     check_kind,
     check_norm,
-    norm_eps,
     owner_of,
     replicated_over_tp,
 )
@@ -56,8 +56,8 @@ from .deferred_grads import install_deferred_grads
 from .embed2d import Embedding2D, PositionEmbedding2D, VocabParallelHead2D
 from .grid import grid_of
 from .layout import check_divisible
-from .projection_norm import ProjectionNorm, make_head_norm
-from .serial import attention_heads, linear_shape, localize_heads
+from .projection_norm import ProjectionNorm
+from .serial import attention_heads, linear_shape, localize_heads, norm_eps
 from .tp2d import KVReplicatedLinear2D, LayerNorm2D, Linear2D, Norm2D, RMSNorm2D
 from .tp2p5d import Embedding25D, LayerNorm25D, Linear25D, PositionEmbedding25D, RMSNorm25D, VocabParallelHead25D
 
@@ -145,18 +145,10 @@ class ColwiseNormParallel2D(NormParallel2D):
         return ProjectionNorm(w, b, axis=g.col_axis, eps=norm_eps(module), rms=rms, param_axes=(g.tp_axis,), rows=rows)
 
 
-@dataclass(frozen=True, kw_only=True)
-class HeadNormParallel2D(TensorStyle):
-    """A norm over each head of a ``colwise`` projection (Qwen3's ``q_norm`` / ``k_norm``) stays
-    itself with its whole weight on every rank; each rank normalises its heads of its batch
-    block, so the weight's gradient is summed over tp (:func:`~.projection_norm.make_head_norm`)."""
+class HeadNormParallel2D(GridHeadNormStyle):
+    """A per-head norm (Qwen3's ``q_norm`` / ``k_norm``) on the grid: :class:`~.base.GridHeadNormStyle`."""
 
-    role = "head_norm"
     mode = "2d"
-
-    def apply(self, module: nn.Module, mesh) -> nn.Module:
-        replicated_over_tp(module)
-        return make_head_norm(module, mesh.axis("tp"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,18 +48,17 @@ import torch
 from torch import nn
 
 from .base import (
+    GridHeadNormStyle,
     TensorStyle,
     check_enters_and_leaves,
     check_every_parameter_owned,
     check_fused3,
     check_kind,
     check_norm,
-    replicated_over_tp,
 )
 from .embed3d import Embedding3D, PositionEmbedding3D, VocabParallelHead3D
 from .layout import check_divisible
 from .norms3d import LayerNorm3D, RMSNorm3D
-from .projection_norm import make_head_norm
 from .serial import attention_heads, linear_shape, localize_heads
 from .tp3d import INPUT_BATCH_AXES, MODE, Linear3D, cube_of
 
@@ -134,18 +133,10 @@ class ColwiseNormParallel3D(TensorStyle):
         return norm.from_serial(module, mesh, swapped=True)
 
 
-@dataclass(frozen=True, kw_only=True)
-class HeadNormParallel3D(TensorStyle):
-    """A norm over each head of a ``colwise`` projection (Qwen3's ``q_norm`` / ``k_norm``) stays
-    itself with its whole weight on every rank; each rank normalises its heads of its batch
-    block, so the weight's gradient is summed over tp (:func:`~.projection_norm.make_head_norm`)."""
+class HeadNormParallel3D(GridHeadNormStyle):
+    """A per-head norm (Qwen3's ``q_norm`` / ``k_norm``) on the cube: :class:`~.base.GridHeadNormStyle`."""
 
-    role = "head_norm"
     mode = MODE
-
-    def apply(self, module: nn.Module, mesh) -> nn.Module:
-        replicated_over_tp(module)
-        return make_head_norm(module, mesh.axis("tp"))
 
 
 @dataclass(frozen=True, kw_only=True)
