@@ -22,6 +22,7 @@ from .grid import Grid, activation_spec, gather_activation, grid_of, replicate_o
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, embedding_from_serial
 from .tp2d import Linear2D
+from .vocab_blocks import VocabHeadMixin, local_vocab_ids
 
 __all__ = [
     "Embedding2D",
@@ -87,11 +88,7 @@ class Embedding2D(nn.Module):
                 f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], g.batch_parts, g.mode
             )
             ids = ids_BS.chunk(g.depth_size, 0)[g.depth]
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= v)
-        local = local.masked_fill(outside, 0)
-        pad = self.padding_idx
-        pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
+        local, outside, pad = local_vocab_ids(ids, self.vocab_start, v, self.padding_idx)
         e = F.embedding(local, replicate_on(self.weight, g, rows=False), padding_idx=pad)
         e = e.masked_fill(outside[..., None], 0.0)
         e = comm.ReduceScatterToAxis.apply(e, g.col_axis, 0)  # batch block c, hidden block k
@@ -133,30 +130,16 @@ class PositionEmbedding2D(nn.Module):
 
 
 # --------------------------------------------------------------------------- LM head + loss
-class VocabParallelHead2D(Linear2D):
+class VocabParallelHead2D(VocabHeadMixin, Linear2D):
     """LM head: ``[b, s, h] -> logits [b, s, v]`` (batch block i, vocab block j), a SUMMA
-    Linear whose weight ``[V, H]`` has the :class:`Embedding2D` table layout. Pair it with
-    :func:`vocab_parallel_cross_entropy_2d`; full logits never exist on any rank.
+    Linear whose weight ``[V, H]`` has the :class:`Embedding2D` table layout (tie it by
+    ``from_serial(..., tied=embedding)``). Pair it with :func:`vocab_parallel_cross_entropy_2d`;
+    full logits never exist on any rank. Engine protocol: :class:`~.vocab_blocks.VocabHeadMixin`'s
+    (the gathered logits: all-gather over ``tp_col``, ``tp_row``, ``tp_depth``); with
+    ``local_labels`` the engine sums the loss over the batch axes."""
 
-    Engine protocol (as tp1d's head): :meth:`vocab_parallel_loss_sum`, and ``gather_output``
-    which, when set (for a user's loss_fn), makes ``forward`` all-gather the full logits
-    ``[B, S, V]`` on every rank (GatherFromAxis: slice backward). ``local_labels`` (set by
-    model-level ``parallelize``, whose engine splits the batch): the loss takes this rank's
-    labels block and sums over it alone; the engine sums over the batch axes."""
-
-    def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
-        super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
-        self.gather_output = False
-        self.local_labels = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
-        return gather_activation(logits, self.grid) if self.gather_output else logits
-
-    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without autograd (the Linear's weight-stationary form for few tokens)."""
-        logits = super().forward_no_grad(x)
-        return gather_activation(logits, self.grid) if self.gather_output else logits
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_activation(logits, self.grid)
 
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``,
@@ -173,19 +156,6 @@ class VocabParallelHead2D(Linear2D):
             logits, shard_tensor(labels_BS, activation_spec(labels_BS.shape, g, False)), g, self.out_features
         )
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, g.row_axis), g.depth_axis)
-
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, *, tied: Embedding2D | None = None):
-        """``tied``: the sharded token embedding whose Parameter this head shares."""
-        layer = super().from_serial(module, mesh)
-        if tied is not None:
-            if tied.weight._bh_shard != layer.weight._bh_shard:
-                raise ValueError(
-                    f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
-                    f"the head's {layer.weight._bh_shard}."
-                )
-            layer.weight = tied.weight
-        return layer
 
     def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
         return grid_cross_entropy(logits_bSv, labels_bS, self.grid, self.out_features, **kw)

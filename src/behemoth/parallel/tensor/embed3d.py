@@ -22,6 +22,7 @@ from .functional import replicated, vocab_parallel_cross_entropy
 from .layout import DimShard, ShardSpec, check_divisible, set_spec, shard_tensor
 from .serial import copy_shards, embedding_from_serial
 from .tp3d import MODE, Layout, Linear3D, activation_spec, cube_of, gather_activation, weight_spec
+from .vocab_blocks import VocabHeadMixin, local_vocab_ids
 
 __all__ = ["Embedding3D", "PositionEmbedding3D", "VocabParallelHead3D", "vocab_parallel_cross_entropy_3d"]
 
@@ -72,11 +73,7 @@ class Embedding3D(nn.Module):
         if self.local_ids:  # this rank's input block -> the tp group's ids (block order d*q + c)
             ids_BS = comm.all_gather(comm.all_gather(ids_BS.contiguous(), self.cube.col, 0), self.cube.depth, 0)
         check_divisible(f"{type(self).__name__} batch size (rows of the tp group's ids)", ids_BS.shape[0], q * q, MODE)
-        local = ids_BS - self.vocab_start
-        outside = (local < 0) | (local >= v)
-        local = local.masked_fill(outside, 0)
-        pad = self.padding_idx
-        pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < v else None
+        local, outside, pad = local_vocab_ids(ids_BS, self.vocab_start, v, self.padding_idx)
         e = F.embedding(local, self.weight, padding_idx=pad).masked_fill(outside[..., None], 0.0)
         e = comm.ReduceScatterToAxis.apply(e, lay.depth, 0)
         return comm.ReduceScatterToAxis.apply(e, lay.inner, 0)
@@ -141,33 +138,20 @@ class PositionEmbedding3D(nn.Module):
 
 
 # --------------------------------------------------------------------------- LM head + loss
-class VocabParallelHead3D(Linear3D):
+class VocabParallelHead3D(VocabHeadMixin, Linear3D):
     """LM head: canonical ``[b, s, h]`` -> logits ``[b, s, V/q]`` in the swapped layout (batch
     block ``d*q + c``, vocab block r), a :class:`Linear3D` whose weight ``[V, H]`` has the
-    :class:`Embedding3D` table layout. Pair it with :func:`vocab_parallel_cross_entropy_3d`
-    (vocab reductions over tp_row); full logits never exist on any rank.
+    :class:`Embedding3D` table layout (tie it by ``from_serial(..., tied=embedding)``). Pair it
+    with :func:`vocab_parallel_cross_entropy_3d` (vocab reductions over tp_row); full logits
+    never exist on any rank. Engine protocol: :class:`~.vocab_blocks.VocabHeadMixin`'s (the
+    gathered logits: all-gather over the three axes of the swapped layout); with
+    ``local_labels`` the labels block ``[b, S]`` is block ``d*q + c``, the logits' own, and the
+    engine sums the loss over :data:`INPUT_BATCH_AXES`."""
 
-    Engine protocol (as tp1d's and tp2d's heads): :meth:`vocab_parallel_loss_sum`, and
-    ``gather_output`` which, when set (for a user's loss_fn), makes ``forward`` all-gather the
-    full logits ``[B, S, V]`` on every rank (GatherFromAxis: slice backward). ``local_labels``
-    (set by model-level ``parallelize``, whose engine splits the batch): the loss takes this
-    rank's labels block ``[b, S]`` -- block ``d*q + c``, the logits' own -- and sums over it
-    alone; the engine sums over :data:`INPUT_BATCH_AXES`."""
+    tie_rule = " (a tied head must have swapped=False)"
 
-    def __init__(self, in_features: int, vocab_size: int, mesh, *, bias: bool = False, **kw) -> None:
-        super().__init__(in_features, vocab_size, mesh, bias=bias, **kw)
-        self.gather_output = False
-        self.local_labels = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
-        return gather_activation(logits, self.out_layout) if self.gather_output else logits
-
-    def forward_no_grad(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without autograd (the Linear's weight-stationary form for few tokens:
-        a decode step moves no vocab block of the table)."""
-        logits = super().forward_no_grad(x)
-        return gather_activation(logits, self.out_layout) if self.gather_output else logits
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_activation(logits, self.out_layout)
 
     def vocab_parallel_loss_sum(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Sum of the cross-entropy over every labelled token of the tp group's ``labels_BS``
@@ -184,19 +168,6 @@ class VocabParallelHead3D(Linear3D):
         labels = shard_tensor(labels_BS, activation_spec(labels_BS.shape, lay, False))
         local = cube_cross_entropy(logits, labels, lay, self.out_features)
         return comm.ReduceFromAxis.apply(comm.ReduceFromAxis.apply(local, lay.inner), lay.depth)
-
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, *, tied: Embedding3D | None = None, **kw):
-        """``tied``: the sharded token embedding whose Parameter this head shares."""
-        layer = super().from_serial(module, mesh, **kw)
-        if tied is not None:
-            if tied.weight._bh_shard != layer.weight._bh_shard:
-                raise ValueError(
-                    f"{cls.__name__}: tied embedding's shard {tied.weight._bh_shard} does not match "
-                    f"the head's {layer.weight._bh_shard} (a tied head must have swapped=False)."
-                )
-            layer.weight = tied.weight
-        return layer
 
     def cross_entropy(self, logits_bSv: torch.Tensor, labels_bS: torch.Tensor, **kw) -> torch.Tensor:
         return cube_cross_entropy(logits_bSv, labels_bS, self.out_layout, self.out_features, **kw)
