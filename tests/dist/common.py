@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ VOCAB, SEQ = 96, 16
 
 
 def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2) -> torch.nn.Module:
-    """A tiny model of ``family``, identical for the same seed in every process."""
+    """A tiny model of ``family``, identical for the same seed in every process (``hf-llama-kv1``:
+    transformers' Llama with one kv head)."""
     if family == "gpt":
         from behemoth.models import GPT, GPTConfig
 
@@ -58,7 +60,7 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
             eos_token_id=0,
         )
         return GPT2LMHeadModel(cfg)
-    if family == "hf-llama":
+    if family in ("hf-llama", "hf-llama-kv1"):
         from transformers import LlamaConfig as HFLlamaConfig
         from transformers import LlamaForCausalLM
 
@@ -68,7 +70,7 @@ def build(family: str, seed: int = 0, dropout: float = 0.0, num_layers: int = 2)
             intermediate_size=64,
             num_hidden_layers=num_layers,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=1 if family == "hf-llama-kv1" else 2,
             max_position_embeddings=SEQ,
         )
         return LlamaForCausalLM(cfg)
@@ -249,6 +251,16 @@ def serial_run(
     return SerialRun(losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms)
 
 
+@functools.cache
+def serial_reference(
+    family: str, opt_name: str, num_steps: int, batch: int, max_grad_norm=None, precision: str = "fp32"
+) -> SerialRun:
+    """:func:`serial_run` on ``global_batches(num_steps, batch)``, computed once per process for
+    the same arguments (a spawned world compares many plans with the same reference)."""
+    batches = global_batches(num_steps, batch)
+    return serial_run(family, opt_name, batches, max_grad_norm=max_grad_norm, precision=precision)
+
+
 def serial_train(family: str, opt_name: str, batches: list[dict], **kwargs):
     """``(losses, state)`` of :func:`serial_run`."""
     run = serial_run(family, opt_name, batches, **kwargs)
@@ -341,6 +353,14 @@ def check_last_complete_checkpoint(root: str, engine, name: str, batches: list[d
     engine.load(path)
     _, want = serial_train("gpt", "adamw", batches, max_grad_norm=1.0, **serial)
     assert_state_close(engine.full_state_dict(), want, what=what)
+
+
+def assert_ranks_agree(values, what: str) -> None:
+    """Every rank of the world holds the same ``values`` (a list of floats) as rank 0, exactly."""
+    t = torch.tensor(values, dtype=torch.float64)
+    ref = t.clone()
+    torch.distributed.broadcast(ref, 0)
+    assert torch.equal(t, ref), f"{what}: ranks disagree ({values} vs {ref.tolist()})"
 
 
 def expect_error(fn, *needles, kind=ValueError) -> None:

@@ -29,12 +29,14 @@ from common import (
     TinyLM,
     assert_grad_norms_close,
     assert_losses_close,
+    assert_ranks_agree,
     assert_state_close,
     block_saved_bytes,
     build,
     expect_error,
     global_batches,
     make_optimizer,
+    serial_reference,
     shard,
     train_and_save,
     train_steps,
@@ -47,76 +49,21 @@ from behemoth.specs import shape_of
 
 STEPS, BATCH = 3, 8
 TP_AXES = ("tp", "tp_row", "tp_col", "tp_depth")
-_SERIAL: dict = {}
-
-
-def _build(family):
-    """common.build, plus HF Llama with one kv head (fewer than q: replicated kv projections)."""
-    if family != "hf-llama-kv1":
-        return build(family)
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        HFLlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            max_position_embeddings=SEQ,
-        )
-    )
-
-
-def _serial(family, opt_name, batches, clip, key, precision="fp32"):
-    """Plain PyTorch on the global batches: losses, final state and every step's pre-clip grad norm
-    (``clip_grad_norm_``'s return value; ``get_total_norm`` of the same gradients without clipping)."""
-    k = (family, opt_name, clip, key, precision)
-    if k not in _SERIAL:
-        model = _build(family)
-        opt = make_optimizer(opt_name, model)
-        losses, norms = [], []
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        for b in batches:
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                out = model(b["input_ids"])
-            logits = out if isinstance(out, torch.Tensor) else out.logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-            loss.backward()
-            if clip is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-            else:
-                norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _SERIAL[k] = (losses, {n: v.detach().clone() for n, v in model.state_dict().items()}, norms)
-    return _SERIAL[k]
-
-
-def _agree(values, what):
-    t = torch.tensor(values, dtype=torch.float64)
-    ref = t.clone()
-    torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree ({values} vs {ref.tolist()})"
 
 
 def _check_plan(family, plan, *, opt="adamw", clip=1.0, loss_fn=None, what=""):
     batches = global_batches(STEPS, BATCH)
-    model = _build(family)
+    model = build(family)
     engine = bh.boost(model, make_optimizer(opt, model), plan, max_grad_norm=clip, loss_fn=loss_fn)
     losses, norms = train_steps(engine, batches)
-    want_losses, want_state, want_norms = _serial(family, opt, batches, clip, "parity", plan.precision)
+    want = serial_reference(family, opt, STEPS, BATCH, clip, plan.precision)
     what = f"{what or engine.plan.describe()} {family}/{opt}/clip={clip}"
     rtol = 1e-4 if plan.precision == "fp32" else 2e-2  # low-precision GEMMs of other splits round differently
-    assert_losses_close(losses, want_losses, rtol=rtol, what=what)
-    assert_state_close(engine.full_state_dict(), want_state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
-    _agree(losses, f"{what} loss")
+    assert_losses_close(losses, want.losses, rtol=rtol, what=what)
+    assert_state_close(engine.full_state_dict(), want.state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
+    assert_ranks_agree(losses, f"{what} loss")
     # every step's norm is the serial one: shards replicated on tp_row / tp_depth count once
-    assert_grad_norms_close(norms, want_norms, rtol=rtol, what=what)
+    assert_grad_norms_close(norms, want.grad_norms, rtol=rtol, what=what)
     if plan.tp_mode == "2d" and family == "hf-gpt2":  # tied embeddings stay one Parameter
         assert engine.model.lm_head.weight is engine.model.transformer.wte.weight
     return engine
@@ -128,7 +75,7 @@ def _loss_fn(out, b):
 
 # ----------------------------------------------------------------------------- traffic
 def _check_traffic(family, plan):
-    model = _build(family)
+    model = build(family)
     shape = shape_of(model.config)
     engine = bh.boost(model, make_optimizer("sgd", model), plan)
     batch = shard(global_batches(1, BATCH)[0], engine.dp_rank, engine.dp_size)
@@ -215,10 +162,10 @@ def _load_and_continue(family, plan, path):
     engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
     engine.load(path)
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
-    want_losses, want_state, _ = _serial(family, "adamw", batches, 1.0, "ckpt")
+    want = serial_reference(family, "adamw", len(batches), BATCH, 1.0)
     what = f"{family} {os.path.basename(os.path.dirname(path))} -> {plan.describe()}"
-    assert_losses_close(losses, want_losses[2:], what=what)
-    assert_state_close(engine.full_state_dict(), want_state, what=what)
+    assert_losses_close(losses, want.losses[2:], what=what)
+    assert_state_close(engine.full_state_dict(), want.state, what=what)
 
 
 CKPT_FAMILIES = ("hf-gpt2", "llama")  # tied + fused Conv1D; GQA without ties

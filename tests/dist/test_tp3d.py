@@ -31,12 +31,14 @@ from common import (
     TinyLM,
     assert_grad_norms_close,
     assert_losses_close,
+    assert_ranks_agree,
     assert_state_close,
     block_saved_bytes,
     build,
     expect_error,
     global_batches,
     make_optimizer,
+    serial_reference,
     shard,
     train_and_save,
     train_steps,
@@ -51,42 +53,10 @@ STEPS, BATCH = 3, 8  # q = 2: 8 rows -> 2 per rank (1 per rank with 2 micro-batc
 TP_AXES = ("tp", "tp_row", "tp_col", "tp_depth")
 PLAN_3D = bh.Plan(tp=8, tp_mode="3d")
 PLAN_3D_K2 = bh.Plan(tp=8, tp_mode="3d", tp_overlap=2)
-_SERIAL: dict = {}
 
 
 def _logits(out):
     return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def _serial(family, opt_name, batches, clip, key, precision="fp32"):
-    """Plain PyTorch on the global batches: losses, final state and every step's pre-clip grad norm
-    (``clip_grad_norm_``'s return value; ``get_total_norm`` of the same gradients without clipping)."""
-    k = (family, opt_name, clip, key, precision)
-    if k not in _SERIAL:
-        model = build(family)
-        opt = make_optimizer(opt_name, model)
-        losses, norms = [], []
-        for b in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                out = model(b["input_ids"])
-            loss = F.cross_entropy(_logits(out).float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-            loss.backward()
-            if clip is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-            else:
-                norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _SERIAL[k] = (losses, {n: v.detach().clone() for n, v in model.state_dict().items()}, norms)
-    return _SERIAL[k]
-
-
-def _agree(values, what):
-    t = torch.tensor(values, dtype=torch.float64)
-    ref = t.clone()
-    torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree ({values} vs {ref.tolist()})"
 
 
 def _check_plan(family, plan, *, opt="adamw", clip=1.0):
@@ -95,15 +65,15 @@ def _check_plan(family, plan, *, opt="adamw", clip=1.0):
     model = build(family)
     engine = bh.boost(model, make_optimizer(opt, model), plan, max_grad_norm=clip)
     losses, norms = train_steps(engine, batches)
-    want_losses, want_state, want_norms = _serial(family, opt, batches, clip, "parity", plan.precision)
+    want = serial_reference(family, opt, STEPS, BATCH, clip, plan.precision)
     what = f"{engine.plan.describe()} {family}/{opt}/clip={clip}"
     state = engine.full_state_dict()
     rtol = 1e-4 if plan.precision == "fp32" else 2e-2  # low-precision GEMMs of other splits round differently
-    assert_losses_close(losses, want_losses, rtol=rtol, what=what)
-    assert_state_close(state, want_state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
-    _agree(losses, f"{what} loss")
+    assert_losses_close(losses, want.losses, rtol=rtol, what=what)
+    assert_state_close(state, want.state, rtol=rtol, atol=1e-5 if rtol == 1e-4 else 2e-3, what=what)
+    assert_ranks_agree(losses, f"{what} loss")
     # every step's norm is the serial one: shards replicated over tp_row / tp_depth / tp_col count once
-    assert_grad_norms_close(norms, want_norms, rtol=rtol, what=what)
+    assert_grad_norms_close(norms, want.grad_norms, rtol=rtol, what=what)
     if family in ("gpt", "hf-gpt2"):  # tied embeddings stay one Parameter
         m = engine.model
         emb, head = (m.wte, m.lm_head) if family == "gpt" else (m.transformer.wte, m.lm_head)
@@ -227,10 +197,10 @@ def _load_and_continue(family, plan, path):
     engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
     engine.load(path)
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
-    want_losses, want_state, _ = _serial(family, "adamw", batches, 1.0, "ckpt")
+    want = serial_reference(family, "adamw", len(batches), BATCH, 1.0)
     what = f"{family} {os.path.basename(os.path.dirname(path))} -> {engine.plan.describe()}"
-    assert_losses_close(losses, want_losses[2:], what=what)
-    assert_state_close(engine.full_state_dict(), want_state, what=what)
+    assert_losses_close(losses, want.losses[2:], what=what)
+    assert_state_close(engine.full_state_dict(), want.state, what=what)
 
 
 def _checkpoints(root):
