@@ -17,7 +17,9 @@ Modules, one concept each:
   :mod:`.vocab1d` (embedding, head);
 * 2D / 2.5D: :mod:`.grid` (the grid and SUMMA, shared), :mod:`.tp2d`, :mod:`.embed2d`,
   :mod:`.tp2p5d`;
-* 3D: :mod:`.tp3d` (cube, Linear3D, norms), :mod:`.embed3d`.
+* 3D: :mod:`.tp3d` (cube, Linear3D), :mod:`.norms3d`, :mod:`.embed3d`;
+* what the grid and the cube share: :mod:`.sharded_norm` (norms over a split hidden dim),
+  :mod:`.vocab_blocks` (the embedding's vocabulary rows, the LM head's engine protocol).
 
 A module whose logits are vocabulary-sharded exposes ``vocab_parallel_loss_sum(logits,
 labels)`` and a ``gather_output`` flag; the engine computes the loss through it (no rank
