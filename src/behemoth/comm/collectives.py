@@ -288,10 +288,11 @@ def _reduce_scatter_async(t: torch.Tensor, axis: Axis, dim: int) -> AsyncCollect
 
 
 # --------------------------------------------------------------------------- scalars
-def all_reduce_scalars(values: list[float], axis: Axis) -> list[float]:
-    """Sum a few Python numbers over the axis in one collective (float64)."""
+def all_reduce_scalars(values: list[float], axis: Axis, op: str = "sum") -> list[float]:
+    """Reduce a few Python numbers over the axis in one collective (float64); ``op`` as in
+    :func:`all_reduce`."""
     t = torch.tensor(values, dtype=torch.float64, device=device_for(axis))
-    all_reduce(t, axis)
+    all_reduce(t, axis, op)
     return t.tolist()
 
 
