@@ -9,7 +9,9 @@ SwiGLU, 2 kv heads: replicated under 1D tp 4) and a Llama-8B-shaped one (32 head
 heads); 1D with and without sequence parallelism and over-decomposition, and 2D, on 4 gloo ranks;
 2.5D (depth 2) and 3D (with and without over-decomposition) on 8; and checkpointed (the backward
 with its recompute, against the serial block's checkpointed too: tp_recompute_kernels) 1D with
-and without sequence parallelism and over-decomposition, 2D, 2.5D and 3D."""
+and without sequence parallelism and over-decomposition, 2D, 2.5D and 3D. The serial block's own
+recompute (host.serial_recompute_kernels: its forward but the down projection's GEMM and the
+residual add) against one process's checkpointed GPT (with and without biases) and Llama blocks."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from common import SEQ, VOCAB, KernelCounter, build, count_by_phase, global_batches, make_optimizer, shard
 
 import behemoth as bh
-from behemoth.planner.host import tp_block_kernels, tp_recompute_kernels
+from behemoth.planner.host import serial_recompute_kernels, tp_block_kernels, tp_recompute_kernels
 from behemoth.planner.workload import workload_for
 
 # no kernel: views (by schema), allocations, dtype queries, and ``clone`` (the contiguous copies of
@@ -35,6 +37,10 @@ def _model(family: str, layers: int):
             vocab_size=VOCAB, seq_len=SEQ, num_layers=layers, num_heads=32, num_kv_heads=8, hidden=256, ffn_hidden=896
         )
         return Llama(config)
+    if family == "gpt-unbiased":
+        from behemoth.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=layers, num_heads=4, hidden=32, bias=False))
     return build(family, num_layers=layers)
 
 
@@ -109,3 +115,18 @@ def _cube_world(rank, world):
 def test_2p5d_and_3d_block_kernels_are_the_runs():
     torch.manual_seed(0)
     bh.spawn(_cube_world, 8, timeout=600)
+
+
+def _serial_world(rank, world):
+    for family in ("gpt", "gpt-unbiased", "llama", "llama-8b-shaped"):
+        plain, ckpt = (_per_block(family, bh.Plan(precision="bf16", activation_checkpointing=a)) for a in (False, True))
+        recompute = serial_recompute_kernels(workload_for(_model(family, 2), seq_len=SEQ, global_batch=8).shape)
+        assert ckpt == (plain[0], plain[1] + recompute), (
+            f"{family}: a checkpointed serial block launches {ckpt}, unchecked {plain}, its recompute counted {recompute}"
+        )
+
+
+def test_serial_block_recompute_kernels_are_the_runs():
+    """A checkpointed serial block's backward: the unchecked block's and the recompute counted."""
+    torch.manual_seed(0)
+    bh.spawn(_serial_world, 1, timeout=300)

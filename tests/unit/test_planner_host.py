@@ -35,6 +35,7 @@ from behemoth.planner.host import (
     kernels_per_call,
     pipeline_calls,
     serial_block_kernels,
+    serial_recompute_kernels,
     tp_block_calls,
     tp_block_kernels,
     tp_recompute_kernels,
@@ -120,10 +121,13 @@ def test_host_time_is_kernels_and_calls_at_the_calibrated_costs():
     assert host_call_seconds(cal, "3d") == host_call_seconds(cal, "2.5d") == cal.host_call_s["2d"]
     assert host_call_seconds(dataclasses.replace(cal, host_call_s={"1d": 1e-5}), "3d") == 1e-5
     ckpt = host_times(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT, cal)
-    # the recompute's kernels and calls: the forward's, the layout's as far as the recompute reaches
-    # (it stops before the last row's bias cast and add, and runs the GEMM the serial one stops short of)
+    # the recompute's kernels and calls: the forward's as far as the recompute reaches, the serial
+    # block's (it stops short of the down projection's GEMM and the residual add: 2 of the forward's
+    # 20 operators fewer, at the calibration's forward kernels per operator) and the layout's (it
+    # stops before the last row's bias cast and add, and runs the GEMM the serial one stops short of)
+    assert serial_recompute_kernels(GPT.shape) == serial_block_kernels(GPT.shape)[0] - 2
     assert tp_recompute_kernels(_plan(tp=4, sequence_parallel=True, activation_checkpointing=True), GPT) == tf - 1
-    assert ckpt.backward == pytest.approx(ht.backward + ht.forward - c_k)
+    assert ckpt.backward == pytest.approx(ht.backward + ht.forward - (kern / 3 * 2 / 20 + 1) * c_k)
     none = dataclasses.replace(cal, host_kernel_s=0.0, host_call_s={})
     assert host_times(plan, GPT, none) == host_times(plan, GPT, none).__class__(0.0, 0.0)
 
@@ -162,12 +166,35 @@ def test_block_kernels_scale_with_the_model():
     assert ht.forward + ht.backward == pytest.approx(ht.kernels * cal.host_kernel_s, rel=1e-12)
 
 
+def test_a_checkpointed_serial_blocks_recompute_stops_short_of_its_forward():
+    """A checkpointed serial block's recompute runs its forward but the down projection's GEMM and
+    the residual add after it (torch.utils.checkpoint stops once the GEMM's inputs are saved again;
+    checked against a run in tests/dist/test_planner_host_kernels.py), GPT's and Llama's, with
+    biases or without: host_times adds that share of the calibrated forward's kernels, not a whole
+    forward."""
+    cal = load_calibration(GOLDEN_CAL)
+    measured = dataclasses.replace(cal, host_forward_share=0.26)
+    gpt = workload_for(build_config("gpt-1.3b", vocab_size=50304, seq_len=2048, bias=False), global_batch=32)
+    llama = workload_for("llama-8b", global_batch=8)
+    assert (GPT.shape.linear_bias, gpt.shape.linear_bias, llama.shape.linear_bias) == (True, False, False)
+    for w in (GPT, gpt, llama):
+        fwd, _ = serial_block_kernels(w.shape)
+        assert serial_recompute_kernels(w.shape) == fwd - 2
+        for c in (cal, measured):
+            plain, ckpt = (host_times(_plan(activation_checkpointing=a), w, c) for a in (False, True))
+            forward = host_block_kernels(c, w.shape) * c.host_forward_share
+            assert ckpt.kernels - plain.kernels == pytest.approx(forward * (fwd - 2) / fwd, rel=1e-12)
+            assert ckpt.backward - plain.backward == pytest.approx(forward * (fwd - 2) / fwd * c.host_kernel_s)
+
+
 def test_moe_layer_kernels_replace_the_dense_mlps():
     """An MoE block's host kernels: the dense block's with its MLP's (Llama's SwiGLU: 10 forward, 16
     backward) replaced by the MoE layer's, counted from the code (expert_kernels; checked against a
     run in tests/dist/test_planner_host_expert_kernels.py) for the route the plan takes: the local
     route at ep 1, the routed one at ep > 1 (its device copies included), a recompute without the
-    routes it replays nor the loss's sum over the layers and its last add; a dense model adds none."""
+    routes it replays nor the loss's sum over the layers, nor the router loss's last division and add
+    (where it stops); a dense model adds none. The MoE block's recompute less the dense block's: the
+    layer's less the dense MLP's but the down projection's GEMM, where the dense recompute stops."""
     moe = workload_for("mixtral-4b", seq_len=2048, global_batch=32)
     dense = dataclasses.replace(moe, num_experts=0)
     assert mlp_kernels(moe.shape) == (10.0, 16.0)
@@ -184,9 +211,10 @@ def test_moe_layer_kernels_replace_the_dense_mlps():
     unnormed = dataclasses.replace(moe, experts_norm_topk=False)
     assert moe_layer_kernels(local, unnormed) == (f - 2, b - 7, 0.0)
     ckpt = moe_layer_kernels(_plan(activation_checkpointing=True), moe)
-    assert ckpt == (f, b, f - 2)
+    assert ckpt == (f, b, f - 3)
     ckpt = moe_layer_kernels(_plan(ep=2, activation_checkpointing=True), moe)
-    assert ckpt[2] == rf - 2 - 5 - EP_DEVICE_COPIES[0] + EP_DEVICE_COPIES[2]
+    assert ckpt[2] == rf - 3 - 5 - EP_DEVICE_COPIES[0] + EP_DEVICE_COPIES[2]
+    assert moe_block_kernels(_plan(activation_checkpointing=True), moe) == (f - 10, b - 16, f - 3 - 9)
     assert moe_block_kernels(local, moe) == (f - 10, b - 16, 0.0)
     # host_times: the MoE block's kernels beyond the dense block's are exactly these (one rank, no
     # calls: the statistics' all-reduce needs a data axis)

@@ -137,9 +137,11 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
     Recompute (activation checkpointing): the forward again, but not the layer's loss summed
     over the layers (outside the block), nor the ops that a stopping recompute does not reach
     (``torch.utils.checkpoint`` stops once it has recomputed every tensor the backward saved: the
-    router loss's last sum and, under 1D without sequence parallelism, the output gather's
-    concatenation); routed, the routes replayed (``replay.py``: not ``Routes.build``'s 5 but a
-    copy of the offsets, :data:`EP_DEVICE_COPIES`)."""
+    last is the token count the router loss's z-term is divided by, saved before the division
+    runs, so neither that division nor the loss's last add runs again, nor, under 1D without
+    sequence parallelism, the output gather's concatenation after them); routed, the routes
+    replayed (``replay.py``: not ``Routes.build``'s 5 but a copy of the offsets,
+    :data:`EP_DEVICE_COPIES`)."""
     if not w.num_experts:
         return 0.0, 0.0, 0.0
     norm = 1 if w.experts_norm_topk else 0
@@ -154,7 +156,7 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
         built = 5
         fwd += built + 2 + 2 + 6 + 1 + 4 + EP_DEVICE_COPIES[0]
         bwd += 6 + 2 + 1 + 2 + 2
-    tail = 2  # the loss's sum over the layers, and its last add (a stopped recompute's)
+    tail = 3  # the loss's sum over the layers; the z-term's division and the last add (a stopped recompute's)
     sp = plan.tp > 1 and plan.tp_mode == "1d" and plan.sequence_parallel
     if w.shared_expert_ffn_hidden:
         cast = 0 if sp else 1  # the layer's input, and its gradient, in fp32: cast for the shared GEMM
@@ -173,9 +175,12 @@ def moe_layer_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
 def moe_block_kernels(plan: Plan, w: Workload) -> tuple[float, float, float]:
     """Kernels an MoE block launches per micro-batch beyond the same block with a dense MLP
     (:func:`~.host.serial_block_kernels`): :func:`moe_layer_kernels` less :func:`mlp_kernels`,
-    ``(forward, backward, recompute)``; zeros for a dense model."""
+    ``(forward, backward, recompute)``; zeros for a dense model. The recompute: the MoE layer's less
+    the dense MLP's, which a checkpointed dense block's recompute runs but for the down projection's
+    GEMM (:func:`~.host.serial_recompute_kernels`); neither block's recompute reaches the residual
+    add after its MLP."""
     if not w.num_experts:
         return 0.0, 0.0, 0.0
     f, b, r = moe_layer_kernels(plan, w)
     mf, mb = mlp_kernels(w.shape)
-    return f - mf, b - mb, (r - mf if plan.activation_checkpointing else 0.0)
+    return f - mf, b - mb, (r - (mf - 1) if plan.activation_checkpointing else 0.0)

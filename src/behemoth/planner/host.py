@@ -39,8 +39,10 @@ Per block and micro-batch, from the same structure the traffic formulas count
   the code) and, per call of the other axes (context, expert, ZeRO-3), 1D's ``kernels_per_call``
   (else ``kernels_per_collective``); the serial block's split between forward and backward
   measured too (``host_forward_share``, default a third), the layout's and the MoE layer's as
-  they issue them; checkpointing adds a forward (the layout's as far as its recompute reaches,
-  :func:`tp_recompute_kernels`; an MoE layer's without what it replays or never reaches again);
+  they issue them; checkpointing adds a forward as far as its recompute reaches (the serial
+  block's, :func:`serial_recompute_kernels`, at the calibration's forward kernels per operator;
+  the layout's, :func:`tp_recompute_kernels`; an MoE layer's without what it replays or never
+  reaches again);
   an MoE layer's ``ep_overlap`` chunks add the kernels each extra chunk launches
   (:func:`ep_chunk_kernels`, counted from the code);
 
@@ -92,6 +94,7 @@ __all__ = [
     "host_block_kernels",
     "kernels_per_call",
     "serial_block_kernels",
+    "serial_recompute_kernels",
     "tp_block_kernels",
     "tp_recompute_kernels",
     "host_times",
@@ -195,6 +198,20 @@ def serial_block_kernels(shape) -> tuple[float, float]:
     return float(fwd), float(bwd)
 
 
+def serial_recompute_kernels(shape) -> float:
+    """Kernels a checkpointed serial block's recompute launches per micro-batch: its forward
+    (:func:`serial_block_kernels`) as far as ``torch.utils.checkpoint`` runs it again. The
+    recompute stops once the last tensor the block's backward saved is saved again: the MLP's down
+    projection's input and weight (cast, with its bias's cast, before the GEMM), which an autograd
+    op saves before it runs. So the down projection's GEMM and the residual add after it (which
+    saves nothing) are never run again: 2 kernels fewer than the forward, GPT's and Llama's blocks,
+    with biases or without. A dispatch-level count of checkpointed GPT and Llama blocks checks it
+    (tests/dist/test_planner_host_kernels.py). An MoE block's recompute stops in its MoE layer
+    instead (:func:`~.expert_kernels.moe_block_kernels`)."""
+    fwd, _ = serial_block_kernels(shape)
+    return fwd - 2
+
+
 def tp_block_kernels(plan: Plan, w: Workload) -> tuple[float, float]:
     """Kernels a tensor-parallel layout adds to one block per micro-batch beyond the serial block
     (the same block under data parallelism in the same engine): ``(forward, backward)``, counted
@@ -270,12 +287,12 @@ def tp_recompute_kernels(plan: Plan, w: Workload) -> float:
     ``torch.utils.checkpoint`` stops a recompute once the last tensor the block's backward saved is
     saved again. In the serial block that is the last Linear's input, which an autograd op saves
     before it runs: the serial recompute stops short of the down projection's GEMM (and the residual
-    add). Every layout's last Linear runs its GEMM inside an autograd Function (1D's
-    ``RowParallelLinearFn``, 2D's and 2.5D's SUMMA, 3D's), which saves its inputs once it has run:
-    the recompute runs the last Linear's GEMMs (the ``k - 1`` extra pieces are counted in the
-    forward's already: one kernel more than the serial recompute) and its collectives. 1D and 3D add
-    the bias after the Function (a cast and an add, 2 kernels the recompute never reaches; 2D and
-    2.5D add it inside). An MoE block ends in its MoE layer (whose own recompute
+    add: :func:`serial_recompute_kernels`). Every layout's last Linear runs its GEMM inside an
+    autograd Function (1D's ``RowParallelLinearFn``, 2D's and 2.5D's SUMMA, 3D's), which saves its
+    inputs once it has run: the recompute runs the last Linear's GEMMs (the ``k - 1`` extra pieces
+    are counted in the forward's already: one kernel more than the serial recompute) and its
+    collectives. 1D and 3D add the bias after the Function (a cast and an add, 2 kernels the
+    recompute never reaches; 2D and 2.5D add it inside). An MoE block ends in its MoE layer (whose own recompute
     :func:`~.expert_kernels.moe_layer_kernels` counts), so its attention recomputes whole."""
     fwd, _ = tp_block_kernels(plan, w)
     if plan.tp == 1 or w.num_experts:
@@ -481,7 +498,12 @@ def host_times(plan: Plan, w: Workload, cal: Calibration) -> HostTimes:
     cf, cb = tp_block_calls(plan, w)
     # an MoE layer's own kernels in place of the dense MLP's (counted: expert_kernels)
     mf, mb, mr = moe_block_kernels(plan, w)
-    again = kern * share + tp_recompute_kernels(plan, w) + mr if plan.activation_checkpointing else 0.0
+    again = 0.0
+    if plan.activation_checkpointing:
+        # the serial block's recompute, counted, at the calibration's forward kernels per operator
+        serial_fwd, _ = serial_block_kernels(w.shape)
+        recompute = kern * share * serial_recompute_kernels(w.shape) / serial_fwd
+        again = recompute + tp_recompute_kernels(plan, w) + mr
     kf = kern * share + tf + mf + kpc * (f - cf) + ef
     kb = kern * (1 - share) + tb + mb + kpc * (b - cb - (cf if plan.activation_checkpointing else 0.0)) + again + eb
     pf, pb = pipeline_calls(plan)
