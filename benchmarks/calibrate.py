@@ -571,7 +571,7 @@ def fit_host(blocks: dict, world: int) -> dict:
     serial block; per tensor-parallel mode, ``host_call_s`` from its seconds beyond the serial
     block's kernels and the kernels its layers add (``planner.host.tp_block_kernels``, counted from
     the code, as the cost model counts them) per collective call, the calls counted as the cost
-    model counts them (``planner.host.tp_block_calls`` of the same model and layout), so the model
+    model counts them (``planner.host_calls.tp_block_calls`` of the same model and layout), so the model
     reproduces each measured block; ``kernels_per_call`` the measured extra kernels per call (the
     cost model reads 1D's for other axes' calls; the other modes' are the measurement, kept). A
     profile that listed each call's record function beside its NCCL kernel (as this script's counts
@@ -584,7 +584,8 @@ def fit_host(blocks: dict, world: int) -> dict:
     device's and the other ranks' latency, which does not grow with the host's calls (a real
     model's GEMMs hide it), so the per-call figure fitted from them is too large."""
     from behemoth.models import build_config
-    from behemoth.planner.host import tp_block_calls, tp_block_kernels
+    from behemoth.planner.host import tp_block_kernels
+    from behemoth.planner.host_calls import tp_block_calls
     from behemoth.planner.workload import workload_for
 
     def host_seconds(b: dict) -> float:

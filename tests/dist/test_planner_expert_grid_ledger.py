@@ -19,7 +19,7 @@ rank's share of the tokens), tp=8 2.5D (depth 2), tp=8 3D, cp=2 x 2D, and dp=2 x
 with two micro-batches (the chunks' padding, which the planner does not count, taken from the
 run's chunk layout and added). And each block's collective calls (a 4-block run's less a 2-block
 one's, halved; the gradient sync's own launches left out) are
-``behemoth.planner.host.block_calls``': the MoE Llama under tp=4 2D, checkpointed too (whose
+``behemoth.planner.host_calls.block_calls``': the MoE Llama under tp=4 2D, checkpointed too (whose
 recompute issues the forward's calls but the exchange that puts the output back, its backward's
 norm gradients summed in the pass's buckets as an unchecked block's), and so the dense GPT and
 Llama checkpointed under 2D; on 8 ranks the MoE Llama under 2.5D, 3D (with over-decomposition)
@@ -36,7 +36,7 @@ from test_planner_ledger import BATCH, FP32, _ledger, _workload, second_step_byt
 
 import behemoth as bh
 from behemoth.planner.axis_traffic import step_traffic
-from behemoth.planner.host import block_calls
+from behemoth.planner.host_calls import block_calls
 from behemoth.planner.workload import workload_for
 
 

@@ -18,7 +18,7 @@ routers stay in the others' param group (a group of their own packs into chunks 
 gathered once per layer: not the planner's layout). The gradient sync's buckets per axis are
 ``behemoth.planner.grad_buckets.gradient_buckets``' (ZeRO 0 closes one where the parameter kind
 changes), and each block's collective calls under dp 4 x ep 2 (and x cp 2) are
-``behemoth.planner.host.block_calls``'.
+``behemoth.planner.host_calls.block_calls``'.
 """
 
 from __future__ import annotations
@@ -191,5 +191,5 @@ def _calls_world(rank, world):
 
 def test_expert_data_parallel_calls_per_block_are_the_runs():
     """dp 4 x ep 2 (and x cp 2): the statistics' all-reduce over the data axis of 4 beside the
-    all-to-alls, as ``behemoth.planner.host.block_calls`` counts them."""
+    all-to-alls, as ``behemoth.planner.host_calls.block_calls`` counts them."""
     bh.spawn(_calls_world, 4, timeout=500)

@@ -1,11 +1,11 @@
-"""The planner's collective calls per block (behemoth.planner.host.tp_block_calls) against a
+"""The planner's collective calls per block (behemoth.planner.host_calls.tp_block_calls) against a
 run's: the process group's record functions (``gloo:*``) of one forward + backward of a tiny
 GPT and a tiny Llama (separate q/k/v, gated MLP, RMSNorm, replicated kv heads under 1D tp 4)
 with 4 blocks less those of the same model with 2, halved (the planner's likewise: 2D's and
 2.5D's bucket flushes of the biases' and norms' gradients depend on the model's depth), under 1D, 1D with sequence
 parallelism and 2D tensor parallelism on 4 gloo ranks, and 2.5D (depth 2) and 3D (with and
 without over-decomposition) on 8; context parallelism's (Ulysses, ring) on 2; and a mixture-of-
-experts Llama's (behemoth.planner.host.block_calls, ep_block_calls) on 2: the balancing
+experts Llama's (behemoth.planner.host_calls.block_calls, ep_block_calls) on 2: the balancing
 statistics' all-reduce at ep 1 and the token split's calls under 1D tp 2, the split sizes and the chunks' all-to-alls at ep 2 with
 ep_overlap 1 and 2, and a checkpointed block's recompute (its forward's routes replayed); and with
 a shared expert, at ep 2 and under 1D tp 2."""
@@ -20,7 +20,7 @@ from common import SEQ, PhaseCounter, build, count_by_phase, global_batches, mak
 from torch.profiler import ProfilerActivity, profile
 
 import behemoth as bh
-from behemoth.planner.host import block_calls, tp_block_calls
+from behemoth.planner.host_calls import block_calls, tp_block_calls
 from behemoth.planner.workload import workload_for
 
 

@@ -26,20 +26,16 @@ from behemoth.planner.expert_kernels import (
     moe_layer_kernels,
 )
 from behemoth.planner.host import (
-    block_calls,
-    cp_block_calls,
-    ep_block_calls,
     host_block_kernels,
     host_call_seconds,
     host_times,
     kernels_per_call,
-    pipeline_calls,
     serial_block_kernels,
     serial_recompute_kernels,
-    tp_block_calls,
     tp_block_kernels,
     tp_recompute_kernels,
 )
+from behemoth.planner.host_calls import block_calls, cp_block_calls, ep_block_calls, pipeline_calls, tp_block_calls
 from behemoth.planner.params import stage_layers
 from behemoth.planner.traffic import block_traffic
 from behemoth.planner.workload import workload_for

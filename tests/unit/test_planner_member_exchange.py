@@ -13,7 +13,7 @@ import behemoth as bh
 from behemoth.parallel.expert.dispatch_members import dedup_applies
 from behemoth.parallel.expert.traffic import ep_all_to_all_bytes
 from behemoth.planner.axis_traffic import member_exchange, members_per_token, step_traffic
-from behemoth.planner.host import ep_block_calls
+from behemoth.planner.host_calls import ep_block_calls
 from behemoth.planner.workload import workload_for
 
 

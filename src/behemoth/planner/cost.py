@@ -61,7 +61,8 @@ from .cluster import Cluster, axis_strides
 from .compute import accumulate_seconds, block_times, embedding_backward_seconds, head_times
 from .footprint import Footprint, plan_memory
 from .grad_buckets import sync_groups
-from .host import cp_block_calls, ep_sync_seconds, host_times, tp_block_calls
+from .host import ep_sync_seconds, host_times
+from .host_calls import cp_block_calls, tp_block_calls
 from .moe_bytes import busiest_rank_load
 from .params import block_local_params, local_params, stage_layers, weight_split
 from .traffic import tp_grid
