@@ -74,7 +74,7 @@ import torch.distributed as dist  # noqa: E402
 
 import behemoth as bh  # noqa: E402
 from behemoth.models import build_config, build_model  # noqa: E402
-from behemoth.parallel.zero.measure import offload_host_budget  # noqa: E402
+from behemoth.parallel.zero.measure import agreed_offload_host_budget  # noqa: E402
 from behemoth.planner.calibration import load_calibration  # noqa: E402
 from behemoth.planner.cluster import Cluster  # noqa: E402
 from behemoth.planner.cost import predict  # noqa: E402
@@ -576,19 +576,15 @@ def repredict(a) -> None:
     )
 
 
-def host_budget(a, dev, world: int) -> dict:
+def host_budget(a, world: int) -> dict:
     """``host_bytes`` for the planner: what the runtime lets one rank's offloaded chunks take on this
     host (``--host-gb`` per GPU, else the share of MemAvailable the ZeRO placement allows, split over
     the host's ranks), the smallest any rank reads so that every rank searches alike; {} where the
     host does not say (the planner's default)."""
     if a.host_gb:
         return {"host_bytes": a.host_gb * 2**30}
-    budget = offload_host_budget(world)
-    if budget is None:
-        return {}
-    t = torch.tensor([budget], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return {"host_bytes": float(t.item())}
+    budget = agreed_offload_host_budget(world)
+    return {} if budget is None else {"host_bytes": budget}
 
 
 def main() -> None:
@@ -675,7 +671,7 @@ def main() -> None:
     if a.gpu_gb is None and dev.type != "cuda":
         raise SystemExit("planner_proof: no GPU here; pass --gpu-gb (the memory to plan for) for a smoke run on CPU")
     gpu = a.gpu_gb * 2**30 if a.gpu_gb else float(torch.cuda.get_device_properties(dev).total_memory)
-    cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal, **host_budget(a, dev, world))
+    cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal, **host_budget(a, world))
     config = build_config(a.model, vocab_size=vocab, seq_len=a.seq, **model_overrides(a))
     w = workload_for(config, seq_len=a.seq, global_batch=a.batch)
     limits = Limits(top=5000, offloads=(None,) if a.no_offload else Limits().offloads)

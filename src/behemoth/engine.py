@@ -61,6 +61,7 @@ def _auto_plan(model: nn.Module, name: str) -> Plan:
     if name != "auto":
         raise ValueError(f"plan={name!r}: pass a bh.Plan, None, or 'auto' (the planner's choice).")
     from .distributed import init
+    from .parallel.zero.measure import agreed_offload_host_budget
     from .planner.auto import auto_plan
     from .planner.calibration import shipped_calibration_for
     from .planner.search import Limits
@@ -71,24 +72,8 @@ def _auto_plan(model: nn.Module, name: str) -> Plan:
     cal = shipped_calibration_for(torch.cuda.get_device_name() if cuda else None)
     limits = Limits(precision="bf16" if cuda else "fp32")
     world = torch.distributed.get_world_size()
-    host = _offload_host_budget(world)
+    host = agreed_offload_host_budget(world)
     return auto_plan(model, world, gpu_bytes=gpu, host_bytes=host, limits=limits, calibration=cal)
-
-
-def _offload_host_budget(world: int) -> float | None:
-    """The host memory per rank ``plan="auto"`` may give offloaded chunks: the share the runtime
-    allows them (``parallel/zero/measure.py``), the smallest any rank reads, so that every rank's
-    search is the same; None where a host does not say."""
-    import os
-
-    from .comm import Axis, all_reduce_scalars
-    from .ledger import Ledger
-    from .parallel.zero.measure import offload_host_budget
-
-    mine = offload_host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    axis = Axis("world", world, torch.distributed.get_rank(), tuple(range(world)), None, Ledger())
-    (least,) = all_reduce_scalars([-1.0 if mine is None else mine], axis, "min")
-    return None if least < 0 else least
 
 
 def boost(

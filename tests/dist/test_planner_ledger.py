@@ -157,13 +157,13 @@ def _auto(rank, world):
     assert engine.plan == want_plan.resolve(world), (engine.plan, want_plan)
     # the host memory it plans offloaded chunks with: the runtime's share of MemAvailable over the
     # host's ranks, the least any rank read, the same on every rank
-    from behemoth.engine import _offload_host_budget
-    from behemoth.parallel.zero.measure import offload_host_budget
+    from behemoth.parallel.zero.measure import agreed_offload_host_budget, offload_host_budget
 
-    budget, mine = _offload_host_budget(world), offload_host_budget(world)
+    budget, mine = agreed_offload_host_budget(world), offload_host_budget(world)
     every = [None] * world
     torch.distributed.all_gather_object(every, (budget, mine))
-    assert len({b for b, _ in every}) == 1 and budget == min(m for _, m in every), every
+    # every rank the same figure; MemAvailable moves between the two reads, hence the tolerance
+    assert len({b for b, _ in every}) == 1 and budget == pytest.approx(min(m for _, m in every), rel=0.05), every
     batches = global_batches(2, 8 * world)
     losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches]
     assert_losses_close(

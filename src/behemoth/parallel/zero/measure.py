@@ -93,6 +93,24 @@ def offload_host_budget(ranks_on_host: int) -> float | None:
     return None if avail is None else OFFLOAD_HOST_SHARE * avail / max(1, ranks_on_host)
 
 
+def agreed_offload_host_budget(world: int) -> float | None:
+    """:func:`offload_host_budget` for this host's ranks (``LOCAL_WORLD_SIZE``), the least any of
+    the ``world`` ranks reads (one all-reduce over the default group), so that every rank plans with
+    the same figure: what ``plan="auto"`` and the planner's proof search with. None where a host
+    does not say."""
+    import os
+
+    import torch.distributed as dist
+
+    from ...comm import Axis, all_reduce_scalars
+    from ...ledger import Ledger
+
+    mine = offload_host_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    axis = Axis("world", world, dist.get_rank(), tuple(range(world)), None, Ledger())
+    (least,) = all_reduce_scalars([-1.0 if mine is None else mine], axis, "min")
+    return None if least < 0 else least
+
+
 def host_available() -> int | None:
     """MemAvailable of this host in bytes (Linux), else None."""
     try:
