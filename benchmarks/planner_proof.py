@@ -84,6 +84,7 @@ from behemoth.planner.workload import workload_for  # noqa: E402
 
 def features(plan) -> set:
     f = {("dp", plan.dp > 1), ("zero", plan.zero), ("offload", plan.offload), ("ckpt", plan.activation_checkpointing)}
+    f.add(("param_dtype", plan.param_dtype))
     if plan.tp > 1:
         f |= {("tp", plan.tp_mode, plan.tp), ("sp", plan.sequence_parallel), ("ov", plan.tp_mode, plan.tp_overlap)}
     if plan.cp > 1:
@@ -191,8 +192,13 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     batch = {"input_ids": x[:, :-1], "labels": x[:, 1:]}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    # offload='auto' places its chunks after a measured warm-up step and runs the next one on
+    # probation: both untimed, and the memory read from the placement it keeps
+    warmup = max(a.warmup, 2) if plan.offload == "auto" else a.warmup
     times = []
-    for i in range(a.warmup + a.steps):
+    for i in range(warmup + a.steps):
+        if cuda and plan.offload == "auto" and i == warmup:
+            torch.cuda.reset_peak_memory_stats()
         injected = i == 0 and INJECT.get("rank", -1) in (-1, dist.get_rank())
         if injected and INJECT.get("oom") == plan:  # a test's stand-in for running out of device memory
             raise torch.OutOfMemoryError("injected out-of-memory (--inject-oom)")
@@ -203,7 +209,7 @@ def run_one(a, plan, dev, vocab: int) -> dict:
         engine.step(batch)
         sync()
         times.append(time.perf_counter() - t)
-    warm = sorted(times[a.warmup :])
+    warm = sorted(times[warmup:])
     # the most any rank used (a pipeline's last stage holds the head and the logits); no figure on CPU
     used = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()] if cuda else [float("nan")] * 2
     peak = torch.tensor(used, device=dev, dtype=torch.float64)
@@ -640,6 +646,11 @@ def main() -> None:
         help="an earlier run's output: predict its measured layouts again with this tree and --calibration "
         "(no GPU), beside what they measured",
     )
+    ap.add_argument(
+        "--param-dtypes",
+        default="fp32",
+        help="Plan.param_dtype choices the search tries, comma-separated: fp32 (None), bf16 (default: fp32)",
+    )
     ap.add_argument("--inject-oom", default="", help="a Plan(...) whose first step raises out-of-memory (tests)")
     ap.add_argument("--inject-crash", default="", help="a Plan(...) whose first step ends the process (tests)")
     ap.add_argument(
@@ -674,7 +685,8 @@ def main() -> None:
     cluster = Cluster(num_gpus=world, gpus_per_node=world, gpu_bytes=gpu, calibration=cal, **host_budget(a, world))
     config = build_config(a.model, vocab_size=vocab, seq_len=a.seq, **model_overrides(a))
     w = workload_for(config, seq_len=a.seq, global_batch=a.batch)
-    limits = Limits(top=5000, offloads=(None,) if a.no_offload else Limits().offloads)
+    pdts = tuple(None if d == "fp32" else d for d in a.param_dtypes.split(","))
+    limits = Limits(top=5000, offloads=(None,) if a.no_offload else Limits().offloads, param_dtypes=pdts)
     res = search(w, cluster, limits)
     chosen = pick(res.ranked, 2 * a.layouts)  # the first --layouts, and stand-ins for those left out for time
     if a.include:  # named layouts first (e.g. an earlier run's, to compare), then the picks
@@ -699,7 +711,7 @@ def main() -> None:
             break
         # a layout expected to end past the budget is left out (the same on every rank: the
         # prediction and the rows are), a cheaper one may fit
-        if expected_seconds(p, rows, a.warmup, a.steps) > seconds_left(a.budget_s, dev):
+        if expected_seconds(p, rows, a.warmup + (p.plan.offload == "auto"), a.steps) > seconds_left(a.budget_s, dev):
             skipped += 1
             continue
         row = dict(

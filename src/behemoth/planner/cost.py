@@ -369,8 +369,10 @@ def predict(
         if data_axis in exposed:
             exposed[data_axis] += balance  # inside the makespan: the forward waits for it
 
-    # the optimizer step, on the GPU or the host
-    opt = (shard if plan.zero else n) * 36 / cal.hbm_bytes_per_s
+    # the optimizer step, on the GPU or the host (offload: the share of the shard the host updates)
+    mem = memory if memory is not None else plan_memory(plan, w, cluster)
+    on_host = mem.host_optimizer_fraction if plan.offload is not None else 0.0
+    opt = (shard if plan.zero else n) * (1.0 - on_host) * 36 / cal.hbm_bytes_per_s
     offload = 0.0
     if plan.offload is not None:
         pb = 2 if plan.param_dtype == "bf16" else 4
@@ -380,16 +382,15 @@ def predict(
         # readings -- the three summed, the slowest of them pipelined, this one -- this one was
         # nearest three one-GPU offload rows: +9%, -1%, +5% against +31%, +19%, +26% summed and
         # -8%, -18%, -13% pipelined; chosen on those rows, not yet proved blind.)
-        stages = (shard * 4 / cal.d2h_bytes_per_s, shard / cal.cpu_adam_params_per_s, shard * pb / cal.h2d_bytes_per_s)
+        o = shard * on_host
+        stages = (o * 4 / cal.d2h_bytes_per_s, o / cal.cpu_adam_params_per_s, o * pb / cal.h2d_bytes_per_s)
         work = stages[1] + max(stages[0], stages[2])
-        if plan.zero == 3:  # each chunk's parameters fetched forward and backward, every micro-batch
-            work += 2 * m * n / g * pb / cal.h2d_bytes_per_s
+        if plan.zero == 3:  # each host chunk's parameters fetched forward and backward, every micro-batch
+            work += 2 * m * n / g * mem.host_param_fraction * pb / cal.h2d_bytes_per_s
         # the backward hides what the gradient reduction left of it
         offload = _hide(work, m * t_b - hidden, 1 - 1 / max(2, layers))
-        opt = 0.0
 
     step = makespan + e + opt + offload
-    mem = memory if memory is not None else plan_memory(plan, w, cluster)
     why = ""
     if mem.gpu_total > cluster.memory_bytes:
         why = f"needs {mem.gpu_total / 2**30:.1f} GiB per GPU > {cluster.memory_bytes / 2**30:.1f} GiB"

@@ -58,9 +58,11 @@ memory (CUDA context, NCCL buffers). Pure.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..plan import Plan
+from .auto_offload import auto_refusal, place_auto
 from .bubble import ranks_inflight
 from .cluster import Cluster
 from .memory import zero_chunk_elements
@@ -106,6 +108,11 @@ class Footprint:
     slack: float = 0.0
     """What the caching allocator keeps reserved beyond the tensors' peak that it cannot release
     when a device allocation fails (:func:`.reserve.allocator_slack`)."""
+    host_optimizer_fraction: float = 0.0
+    """The share of the rank's shard whose master and optimizer state live on the host (updated
+    there): 1 under ``offload='cpu'``, the split's under ``offload='auto'`` (:mod:`.auto_offload`)."""
+    host_param_fraction: float = 0.0
+    """The share whose parameters live on the host and are fetched for every use (ZeRO-3)."""
 
     @property
     def allocated(self) -> float:
@@ -180,8 +187,9 @@ def footprint(
         # parameters are fp32 -- and, where the parameters leave the GPU too (stage 3), what a
         # 16-bit parameter's fp32 master lacks of the 4-byte host copy
         host = shard * (4 + 4 + 8) + (shard * (4 - pb) if z == 3 else 0.0)
-        if z == 3:
-            params = 2 * per_block * pb
+        if z == 3:  # the gathered blocks' parameters and gradients only: each reduced gradient goes down
+            # to the host's accumulator (parallel/zero/reduce.py), not to a shard on the GPU
+            params, grads = 2 * per_block * pb, 2 * per_block * 4
         opt = 0.0
         if z == 1:  # the reduced shard lives on the host
             grads = n * 4
@@ -200,8 +208,9 @@ def footprint(
     act = inflight * per_mb + (
         max(full, autocast_cache_bytes(plan, w, layers)) if plan.activation_checkpointing else 0.0
     )
+    fractions = (1.0, 1.0 if z == 3 else 0.0) if off else (0.0, 0.0)
     if not last:
-        return Footprint(params, grads, opt, act, reserved, host, 0.0)
+        return Footprint(params, grads, opt, act, reserved, host, 0.0, *fractions)
     t = mbs * w.seq_len / plan.cp
     logits = t * s.vocab_size / plan.tp * 4
     act += 2 * logits  # fp32 logits and their gradient on the last stage
@@ -212,7 +221,7 @@ def footprint(
     head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits)
-    return Footprint(params, grads, opt, act, reserved, host, slack)
+    return Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
 
 
 def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list[int]:
@@ -249,7 +258,13 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
     total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
     slack = total - mem.allocated if len(stages) > 1 else mem.slack
     reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
-    return Footprint(mem.params, mem.grads, mem.optimizer, mem.activations, reserved, mem.host, slack)
+    mem = dataclasses.replace(mem, reserved=reserved, slack=slack)
+    # offload='auto': the runtime's split of the chunks (where the planner cannot cost it, as 'cpu')
+    return (
+        place_auto(plan, w, cluster, mem)
+        if plan.offload == "auto" and not auto_refusal("auto", plan.pp, plan.ep, w)
+        else mem
+    )
 
 
 def zero3_held_bytes(plan: Plan, w: Workload, shard: float, pb: int) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from functools import lru_cache
 from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
 from ..parallel.zero.placement import StaticSplit, split_costs, static_split
 
-__all__ = ["MemoryPlan", "memory_plan", "zero_chunk_elements"]
+__all__ = ["MemoryPlan", "memory_plan", "packed_layout", "zero_chunk_elements"]
 
 GIB = 2.0**30
 
@@ -62,7 +62,7 @@ def memory_plan(
         raise ValueError(f"dp={dp!r}: must be >= 1.")
     sizes = tuple(param_sizes)
     chunk = zero_chunk_elements(sizes, dp)
-    layout = _packed(sizes, chunk, dp)
+    layout = packed_layout(sizes, chunk, dp)
     masters = 4 if param_bytes != 4 else 0  # fp32 parameters are their own masters
     per_stage = {
         s: zero_memory_bytes(
@@ -110,7 +110,7 @@ def memory_plan(
 
 
 @lru_cache(maxsize=1024)
-def _packed(param_sizes: tuple[int, ...], chunk: int, dp: int):
+def packed_layout(param_sizes: tuple[int, ...], chunk: int, dp: int):
     """:func:`~behemoth.parallel.zero.chunks.pack_chunks`, packed once per model, chunk size and
     dp (a search asks again for every layout that shares them)."""
     return pack_chunks(param_sizes, chunk, dp)

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
+from .auto_offload import auto_refusal
 from .cluster import Cluster
 from .context_traffic import tp_attention_split
 from .cost import Prediction, predict
@@ -55,7 +56,9 @@ class Limits:
     param_dtypes: tuple[str | None, ...] = (None,)
     """``Plan.param_dtype`` choices: add ``"bf16"`` to try bf16 parameter copies under ZeRO (other
     numerics than the fp32 model's, so only when asked)."""
-    offloads: tuple[str | None, ...] = (None, "cpu")
+    offloads: tuple[str | None, ...] = (None, "auto", "cpu")
+    """``Plan.offload`` choices, tried in this order where the ones before do not fit: ``'auto'``
+    keeps on the GPU what the runtime's split keeps (:mod:`.auto_offload`), ``'cpu'`` nothing."""
     activation_checkpointing: tuple[bool, ...] = (False, True)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """Sequences per micro-batch tried (those dividing each dp rank's share)."""
@@ -207,6 +210,10 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                             fields.update(pv)
                             variants = []  # [offload, checkpointing, Plan's fields, the Plan], cheapest first
                             for off in limits.offloads:
+                                why = auto_refusal(off, pp, ep, w)
+                                if why:  # a layout's, not a micro-batch size's
+                                    res.refused[why] += 1
+                                    continue
                                 for ac in limits.activation_checkpointing:
                                     f = dict(fields, offload=off, activation_checkpointing=ac)
                                     if _legal(f, verdicts, res):

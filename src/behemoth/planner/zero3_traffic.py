@@ -102,7 +102,16 @@ def chunk_shard_elements(plan: Plan, w: Workload) -> tuple[int, int]:
     parallelism). Without a pipeline."""
     sizes, kinds = rank_param_sizes(plan, w)
     g = plan.dp * plan.cp
-    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[1:]
+    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[1:3]
+
+
+def chunk_elements(plan: Plan, w: Workload) -> int:
+    """The chunk size (elements, before rounding to the shard count) the runtime picks for one rank
+    of ``plan`` without a pipeline: :func:`.memory.zero_chunk_elements`'s search, here for all its
+    candidates at once (one chunk group: a dense model, or experts at ``ep = 1``)."""
+    sizes, kinds = rank_param_sizes(plan, w)
+    g = plan.dp * plan.cp
+    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[3]
 
 
 def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> int:
@@ -110,9 +119,11 @@ def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: 
 
 
 @lru_cache(maxsize=4096)
-def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> tuple[int, int, int]:
+def _packed(
+    sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int
+) -> tuple[int, int, int, int]:
     """(the dense group's parameters in its chunks from the one holding parameter ``tail`` to the
-    last, the dense shard's elements, the expert shard's):
+    last, the dense shard's elements, the expert shard's, the chunk size picked):
     ``pack_chunks`` at the size ``search_chunk_size`` picks (least padding, ties to the larger),
     both run for all 256 candidates at once (the search costs this for every layout it ranks)."""
     lo = max(max(sizes), 1)
@@ -139,4 +150,4 @@ def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: in
         if kind == 0:
             last = total - last
     best = np.lexsort((-cands, padding))[0]
-    return int(last[best]), int(shards[0][best]), int(shards[1][best]) if 1 in shards else 0
+    return int(last[best]), int(shards[0][best]), int(shards[1][best]) if 1 in shards else 0, int(cands[best])

@@ -28,7 +28,7 @@ from ... import comm
 from ...comm import Axis
 from .chunks import ChunkLayout
 from .measure import OFFLOAD_HOST_SHARE, OtherPeak, cpu_update_rate, host_available, host_bandwidth
-from .placement import StaticSplit, split_costs, static_split
+from .placement import StaticSplit, chunk_split, measured_budget
 
 __all__ = ["ChunkPlacement", "FUSED_CPU", "STATE_BYTES", "raise_everywhere"]
 
@@ -163,9 +163,8 @@ class ChunkPlacement:
             return max(int(total * 0.6), min(int(total * 0.85), squeeze))
         if other_peak is None:  # a warm-up step not measured by OtherPeak (not started through ``start``)
             other_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self.device_model_bytes())
-        # 8% of the device and 2 GiB are left for the allocator's fragmentation and the optimizer's
-        # temporaries; the warm-up peak of activations and gathered chunks repeats every step.
-        return int(total * 0.92) - other_peak - 2 * 2**30
+        # the warm-up peak of activations and gathered chunks repeats every step
+        return measured_budget(total, other_peak)
 
     def _decide(self, budget: int) -> tuple[int, int]:
         """:meth:`_split_for` ``budget``, kept for :meth:`explain`."""
@@ -178,37 +177,24 @@ class ChunkPlacement:
 
     def _split_for(self, budget: int) -> tuple[int, int, StaticSplit | tuple[int, int, int]]:
         """How many chunks (a prefix, in execution order) keep their parameters and how many also their
-        optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir), and why."""
-        shard_bytes, ratio, host_bytes = split_costs(
-            [c.shard_size for c in self.layout.chunks], STATE_BYTES[self.name], self.param_bytes
-        )
-        n = len(shard_bytes)
-        bw = self.bandwidth or 25e9
-        if self.stage == 3:
-            host = self._host_room()
-            try:
-                split = static_split(
-                    shard_bytes,
-                    ratio,
-                    max(budget, max(shard_bytes)),
-                    h2d_bandwidth=bw,
-                    d2h_bandwidth=bw,
-                    host_bytes=host_bytes,
-                    cpu_update_bandwidth=self.cpu_rate or None,
-                    host_budget_bytes=None
-                    if host is None or self.device.type != "cuda"
-                    else int(OFFLOAD_HOST_SHARE * host),
-                )
-            except ValueError as e:
-                raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
-            return split.num_param_chunks, split.num_optim_chunks, split
-        # Stages 1-2 keep every chunk's parameters on the device: only the optimizer state is placed.
-        opt = [int(b * ratio) for b in shard_bytes]
-        keep_o, used = 0, 0
-        while keep_o < n and used + opt[keep_o] <= budget:
-            used += opt[keep_o]
-            keep_o += 1
-        return n, keep_o, (keep_o, n, budget)
+        optimizer state on the GPU, for ``budget`` bytes (the static split of Elixir), and why
+        (:func:`.placement.chunk_split`)."""
+        host = self._host_room() if self.stage == 3 else None
+        try:
+            return chunk_split(
+                self.stage,
+                [c.shard_size for c in self.layout.chunks],
+                STATE_BYTES[self.name],
+                self.param_bytes,
+                budget,
+                bandwidth=self.bandwidth or 25e9,
+                cpu_update_bandwidth=self.cpu_rate or None,
+                host_budget_bytes=None
+                if host is None or self.device.type != "cuda"
+                else int(OFFLOAD_HOST_SHARE * host),
+            )
+        except ValueError as e:
+            raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
 
     def check_host_memory(self, keep_p: int, keep_o: int) -> None:
         """Offloaded chunks need pinned host memory for the fp32 master, the gradient and the

@@ -23,7 +23,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Access", "PlacementPlan", "plan_placement", "StaticSplit", "static_split", "split_costs"]
+__all__ = [
+    "Access",
+    "PlacementPlan",
+    "plan_placement",
+    "StaticSplit",
+    "static_split",
+    "split_costs",
+    "chunk_split",
+    "measured_budget",
+]
 
 _NEVER = float("inf")
 
@@ -348,3 +357,52 @@ def split_costs(
         ratio,
         [n * (8 + optim_state_bytes + (param_bytes if copy else 0)) for n in shard_sizes],
     )
+
+
+def measured_budget(device_total: int, other_peak: int) -> int:
+    """Bytes of model data (shards, gradients, optimizer state) ``offload='auto'`` lets the device
+    hold once a warm-up step has measured ``other_peak``, its peak of everything else (activations,
+    gathered chunks, the loss): 92% of the device's ``device_total`` less that peak and 2 GiB, the
+    8% and the 2 GiB left for the allocator's fragmentation and the optimizer's temporaries. The
+    runtime (:class:`.auto.ChunkPlacement`) and the planner read this one rule."""
+    return int(device_total * 0.92) - other_peak - 2 * 2**30
+
+
+def chunk_split(
+    stage: int,
+    shard_sizes: Sequence[int],
+    optim_state_bytes: int,
+    param_bytes: int,
+    budget_bytes: int,
+    *,
+    bandwidth: float,
+    cpu_update_bandwidth: float | None = None,
+    host_budget_bytes: int | None = None,
+) -> tuple[int, int, StaticSplit | tuple[int, int, int]]:
+    """``(keep_p, keep_o, why)`` for chunks of ``shard_sizes`` elements (this rank's shards, in
+    execution order) under a device budget of ``budget_bytes``: chunks ``[0, keep_p)`` keep their
+    parameters on the device, ``[0, keep_o)`` also their master and optimizer state. Stage 3 places
+    both by :func:`static_split` (``why`` is its result; ValueError where nothing fits); stages 1-2
+    keep every chunk's parameters and place only the optimizer side, the longest prefix the budget
+    holds (``why``: ``(keep_o, chunks, budget)``). What ``offload='auto'`` runs and the planner
+    predicts with."""
+    shard_bytes, ratio, host_bytes = split_costs(shard_sizes, optim_state_bytes, param_bytes)
+    n = len(shard_bytes)
+    if stage == 3:
+        split = static_split(
+            shard_bytes,
+            ratio,
+            max(budget_bytes, max(shard_bytes, default=0)),
+            h2d_bandwidth=bandwidth,
+            d2h_bandwidth=bandwidth,
+            host_bytes=host_bytes,
+            cpu_update_bandwidth=cpu_update_bandwidth,
+            host_budget_bytes=host_budget_bytes,
+        )
+        return split.num_param_chunks, split.num_optim_chunks, split
+    opt = [int(b * ratio) for b in shard_bytes]
+    keep_o, used = 0, 0
+    while keep_o < n and used + opt[keep_o] <= budget_bytes:
+        used += opt[keep_o]
+        keep_o += 1
+    return n, keep_o, (keep_o, n, budget_bytes)

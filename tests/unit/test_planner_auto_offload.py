@@ -1,0 +1,144 @@
+"""``offload='auto'`` in the planner: the runtime's own split over the runtime's own chunks, the memory
+it leaves on the GPU and the host, and the offload work it leaves to the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import behemoth as bh
+from behemoth.models import build_model
+from behemoth.parallel.zero.chunks import pack_chunks, search_chunk_size
+from behemoth.parallel.zero.placement import chunk_split, measured_budget
+from behemoth.planner.auto_offload import auto_refusal, shard_chunks
+from behemoth.planner.calibration import load_calibration
+from behemoth.planner.cluster import Cluster
+from behemoth.planner.cost import predict
+from behemoth.planner.footprint import plan_memory
+from behemoth.planner.search import Limits, search
+from behemoth.planner.workload import workload_for
+
+CAL = load_calibration("h100")
+GIB = 2**30
+
+
+@pytest.mark.parametrize("name", ("gpt-tiny", "llama-tiny", "olmoe-tiny"))
+@pytest.mark.parametrize("dp", (1, 2, 3))
+def test_shard_chunks_are_the_runtimes(name, dp):
+    """The chunks the planner splits are those ``ZeroOptimizer._pack`` packs: the least-padding
+    size among its 256 candidates, next-fit, each chunk's shard over dp."""
+    model = build_model(name, vocab_size=96, seq_len=16, num_layers=5, device="meta")
+    w = workload_for(model, seq_len=16, global_batch=12)
+    sizes = [p.numel() for p in model.parameters()]
+    lo = max(sizes)
+    hi = max(2 * lo, sum(sizes) // 32)
+    cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+    chunk = search_chunk_size(sizes, dp, candidates=cands)[0]
+    want = [c.shard_size for c in pack_chunks(sizes, chunk, dp).chunks]
+    assert shard_chunks(bh.Plan(dp=dp, zero=3, offload="auto"), w) == want
+
+
+def _gib(x):
+    return x / GIB
+
+
+@pytest.mark.parametrize("zero", (1, 2, 3))
+@pytest.mark.parametrize("param_dtype", (None, "bf16"))
+def test_auto_keeps_what_the_runtimes_split_keeps(zero, param_dtype):
+    """GPT-13B on one GPU: the split is the runtime's (``chunk_split`` at ``measured_budget`` of the
+    predicted other data), the GPU holds the kept chunks beside that data and stays inside the
+    runtime's budget, the host what the rest needs (the runtime's 16 B an element, 2 more for a
+    bf16 copy's host master at ZeRO-3)."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=140 * GIB, host_bytes=400 * GIB)
+    kw = dict(dp=1, zero=zero, param_dtype=param_dtype, precision="bf16", activation_checkpointing=True, microbatches=8)
+    auto = plan_memory(bh.Plan(offload="auto", **kw), w, c)
+    cpu = plan_memory(bh.Plan(offload="cpu", **kw), w, c)
+    pb = 2 if param_dtype else 4
+    other = cpu.allocated - (cpu.params if zero < 3 else 0.0)
+    shards = shard_chunks(bh.Plan(offload="auto", **kw), w)
+    keep_p, keep_o, _ = chunk_split(
+        zero,
+        shards,
+        8,
+        pb,
+        measured_budget(int(c.memory_bytes), int(other)),
+        bandwidth=CAL.h2d_bytes_per_s,
+        cpu_update_bandwidth=CAL.cpu_adam_params_per_s * 4,
+        host_budget_bytes=int(c.host_bytes),
+    )
+    assert 0 < keep_o < len(shards)  # a real split: some chunks kept, some offloaded
+    total = sum(shards)
+    off_o = total - sum(shards[:keep_o])
+    off_p = total - sum(shards[:keep_p]) if zero == 3 else 0
+    assert auto.host_optimizer_fraction == pytest.approx(off_o / total)
+    assert auto.host_param_fraction == pytest.approx(off_p / total)
+    assert auto.host == pytest.approx(off_o * 16 + off_p * (4 - pb))
+    assert auto.host < cpu.host and cpu.host_optimizer_fraction == 1.0
+    # the model data kept is what the runtime's budget allowed; the activations are the same
+    kept = auto.allocated - cpu.allocated
+    assert 0 < kept <= measured_budget(int(c.memory_bytes), int(other))
+    assert auto.activations == cpu.activations
+    assert auto.allocated <= 0.92 * c.memory_bytes - 2 * GIB + (cpu.params if zero < 3 else 0.0)
+
+
+def test_auto_is_cpu_where_nothing_fits_and_none_where_everything_does():
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=8)
+    kw = dict(dp=1, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8)
+    roomy = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=140 * GIB)
+    auto = plan_memory(bh.Plan(offload="auto", **kw), w, roomy)
+    assert auto.host == 0 and auto.host_optimizer_fraction == auto.host_param_fraction == 0
+    none = plan_memory(bh.Plan(**kw), w, roomy)
+    assert auto.optimizer == pytest.approx(none.optimizer, rel=0.03)  # the chunks' padding beside n / g
+    # a device whose budget holds no chunk: everything offloaded, as 'cpu'
+    tight = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=3 * GIB)
+    auto = plan_memory(bh.Plan(offload="auto", **kw), w, tight)
+    cpu = plan_memory(bh.Plan(offload="cpu", **kw), w, tight)
+    assert auto.host_optimizer_fraction == 1.0 and auto.host == pytest.approx(cpu.host, rel=0.03)
+
+
+def test_auto_time_between_none_and_cpu_and_monotone_in_memory():
+    """Offloading less never predicts a slower step: 'auto' at most 'cpu', equal where it keeps
+    nothing, and faster as the GPU grows."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    kw = dict(dp=1, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8)
+    steps = []
+    for gb in (40, 60, 80, 100, 120, 140, 200, 300):
+        c = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=gb * GIB, host_bytes=400 * GIB)
+        auto, cpu = predict(bh.Plan(offload="auto", **kw), w, c), predict(bh.Plan(offload="cpu", **kw), w, c)
+        assert auto.step <= cpu.step * (1 + 1e-12)
+        steps.append(auto.step)
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+    # at 300 GiB everything stays: no offload work, the GPU's optimizer
+    assert predict(bh.Plan(offload="auto", **kw), w, c).offload == 0
+    # keeping nothing costs what 'cpu' costs
+    mem = plan_memory(bh.Plan(offload="cpu", **kw), w, c)
+    forced = predict(bh.Plan(offload="auto", **kw), w, c, memory=dataclasses.replace(mem))
+    assert forced.step == pytest.approx(predict(bh.Plan(offload="cpu", **kw), w, c).step, rel=1e-12)
+
+
+def test_search_takes_auto_before_cpu():
+    """13B on one 80 GB GPU needs the host: the search offers 'auto' (faster: part stays) and, for a
+    layout where 'auto' fits, never the slower 'cpu'."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=1, calibration=CAL, host_bytes=512 * 2**30)
+    r = search(w, c, Limits(top=1000))
+    assert r.ranked and r.best.plan.offload == "auto" and r.best.memory.host_optimizer_fraction < 1
+    layouts = {}
+    for p in r.ranked:
+        key = (p.plan.zero, p.plan.microbatches, p.plan.activation_checkpointing)
+        layouts.setdefault(key, set()).add(p.plan.offload)
+    assert all(offs != {"auto", "cpu"} for offs in layouts.values())
+    only_cpu = search(w, c, Limits(top=1000, offloads=(None, "cpu")))
+    assert r.best.step < only_cpu.best.step
+
+
+def test_auto_refused_where_the_planner_cannot_cost_it():
+    moe = workload_for("olmoe-tiny", seq_len=16, global_batch=8)
+    dense = workload_for("gpt-1.3b", seq_len=2048, global_batch=8)
+    assert auto_refusal("auto", 2, 1, dense) and auto_refusal("auto", 1, 2, moe)
+    assert not auto_refusal("auto", 1, 1, moe) and not auto_refusal("cpu", 2, 1, dense)
+    r = search(dense, Cluster(num_gpus=4, calibration=CAL), Limits(max_tp=1, max_cp=1, top=1000))
+    assert r.refused["offload='auto' is costed without a pipeline"] > 0
+    assert not any(p.plan.offload == "auto" and p.plan.pp > 1 for p in r.ranked)
