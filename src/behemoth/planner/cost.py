@@ -383,7 +383,13 @@ def predict(
         # nearest three one-GPU offload rows: +9%, -1%, +5% against +31%, +19%, +26% summed and
         # -8%, -18%, -13% pipelined; chosen on those rows, not yet proved blind.)
         o = shard * on_host
-        stages = (o * 4 / cal.d2h_bytes_per_s, o / cal.cpu_adam_params_per_s, o * pb / cal.h2d_bytes_per_s)
+        # at stages 2-3 each later micro-batch adds on the device: the host's accumulator up, the sum down
+        acc = (m - 1) * o * 4 if plan.zero >= 2 and pp == 1 else 0.0
+        stages = (
+            (o * 4 + acc) / cal.d2h_bytes_per_s,
+            o / cal.cpu_adam_params_per_s,
+            (o * pb + acc) / cal.h2d_bytes_per_s,
+        )
         work = stages[1] + max(stages[0], stages[2])
         if plan.zero == 3:  # each host chunk's parameters fetched forward and backward, every micro-batch
             work += 2 * m * n / g * mem.host_param_fraction * pb / cal.h2d_bytes_per_s
