@@ -226,18 +226,20 @@ class Plan:
         return self
 
     def check_supported(self) -> None:
-        """Raise NotImplementedError for a field whose capability has not been built yet."""
+        """Raise NotImplementedError for a field whose capability has not been built yet, and
+        ValueError for a combination of fields that breaks a composition rule."""
         self._check_pipeline_composes()
 
     def _check_pipeline_composes(self) -> None:
         """Pipeline parallelism composes with dp, ZeRO 0-3 and offload (each stage chunked over its own
         dp group, placed for its own memory), every tp mode, cp, activation checkpointing, compiled
         blocks, bf16 (autocast or ``param_dtype``) and fp16 (the overflow vote spans the stages);
-        micro-batches < pp run correctly. Only interleaving without a pipeline is refused."""
+        micro-batches < pp run correctly. Only interleaving without a pipeline is refused: an
+        invalid plan (ValueError), since there are no stages to interleave."""
         if self.pp == 1 and self.virtual_stages > 1:
-            raise NotImplementedError(
-                f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1; set pp "
-                ">= 2, or virtual_stages=1."
+            raise ValueError(
+                f"Plan.virtual_stages={self.virtual_stages} interleaves pipeline stages, but pp=1: interleaving "
+                "needs a pipeline of 2 or more stages; set pp >= 2, or virtual_stages=1."
             )
 
     def describe(self) -> str:

@@ -75,7 +75,7 @@ def test_unbuilt_capabilities_raise_not_implemented():
     Plan(dp=2, ep=2, tp=2, sequence_parallel=True).check_supported()  # experts under sequence parallelism
     Plan(dp=2, ep=2, tp=4, tp_mode="2d").check_supported()  # experts under the grids: rows exchanged
     Plan(dp=2, ep=2, tp=8, tp_mode="3d").check_supported()
-    with pytest.raises(NotImplementedError, match="interleaves pipeline stages, but pp=1"):
+    with pytest.raises(ValueError, match="interleaves pipeline stages, but pp=1"):
         Plan(virtual_stages=2, schedule="interleaved").check_supported()
 
 
