@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -399,6 +400,34 @@ def train_and_save(family, plan, path, batch: int) -> None:
     for b in global_batches(4, batch)[:2]:
         engine.step(shard(b, engine.dp_rank, engine.dp_size))
     engine.save(path)
+
+
+def load_and_continue(family, plan, path, batch: int) -> None:
+    """The second half of :func:`train_and_save`'s round trip: load ``path`` under ``plan``, train
+    on the last two of the four global batches; losses and state must match serial training
+    over all four."""
+    batches = global_batches(4, batch)
+    model = build(family)
+    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
+    engine.load(path)
+    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
+    want = serial_reference(family, "adamw", len(batches), batch, 1.0)
+    what = f"{family} {os.path.basename(os.path.dirname(path))} -> {plan.describe()}"
+    assert_losses_close(losses, want.losses[2:], what=what)
+    assert_state_close(engine.full_state_dict(), want.state, what=what)
+
+
+def assert_pipeline_p2p_ops(engine, m: int, steps: int) -> None:
+    """After ``steps`` steps of ``m`` micro-batches, each of this rank's stages received m
+    activations per step (but stage 0) and m gradients (but the last), and sent as many the other
+    way; the first step adds one shape header per activation channel; nothing else travels over
+    pp but scalars."""
+    pp, v = engine.plan.pp, engine.plan.virtual_stages
+    ops, last = engine.comm_stats()["pp"]["ops"], pp * v - 1
+    stages = [c * pp + engine.mesh.axis("pp").rank for c in range(v)]
+    sends = sum((s < last) * (m * steps + 1) + (s > 0) * m * steps for s in stages)
+    recvs = sum((s > 0) * (m * steps + 1) + (s < last) * m * steps for s in stages)
+    assert (ops["send"], ops["recv"]) == (sends, recvs), (engine.plan.describe(), ops)
 
 
 def saved_activation_bytes(fn, module) -> int:

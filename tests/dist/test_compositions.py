@@ -40,6 +40,8 @@ from common import (
     SEQ,
     assert_grad_norms_close,
     assert_losses_close,
+    assert_pipeline_p2p_ops,
+    assert_ranks_agree,
     assert_state_close,
     build,
     global_batches,
@@ -66,13 +68,6 @@ def _serial(family, layers, steps=STEPS):
     return _SERIAL[key]
 
 
-def _agree(values, what):
-    t = torch.tensor(values, dtype=torch.float64)
-    ref = t.clone()
-    torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree: {values} vs {ref.tolist()}"
-
-
 def _check(family, plan, layers=LAYERS, what=""):
     model = build(family, num_layers=layers)
     engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
@@ -83,19 +78,8 @@ def _check(family, plan, layers=LAYERS, what=""):
     assert_losses_close(losses, want.losses, what=what)
     assert_state_close(engine.full_state_dict(), want.state, what=what)
     assert_grad_norms_close(norms, want.grad_norms, what=what)
-    _agree(losses, what)
+    assert_ranks_agree(losses, what)
     return engine
-
-
-def _check_pipeline_traffic(engine, m):
-    """Per step each stage boundary carries m activations and m gradients (plus one shape header
-    per activation channel on the first step): the grid's row blocks, nothing else, over pp."""
-    pp, v = engine.plan.pp, engine.plan.virtual_stages
-    ops, last = engine.comm_stats()["pp"]["ops"], pp * v - 1
-    stages = [c * pp + engine.mesh.axis("pp").rank for c in range(v)]
-    sends = sum((s < last) * (m * STEPS + 1) + (s > 0) * m * STEPS for s in stages)
-    recvs = sum((s > 0) * (m * STEPS + 1) + (s < last) * m * STEPS for s in stages)
-    assert (ops["send"], ops["recv"]) == (sends, recvs), (engine.plan.describe(), ops)
 
 
 def _check_planner_bytes(engine, family, layers, axes):
@@ -124,7 +108,7 @@ def _pipeline_grid():
         ("hf-llama", bh.Plan(pp=2, microbatches=2, schedule="gpipe", **grid_25d)),
     ):
         engine = _check(family, plan)
-        _check_pipeline_traffic(engine, 2)
+        assert_pipeline_p2p_ops(engine, 2, STEPS)  # the grid's row blocks, nothing else, over pp
         _check_planner_bytes(engine, family, LAYERS, ("pp",))
 
 

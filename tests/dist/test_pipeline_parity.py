@@ -21,6 +21,8 @@ import torch
 from common import (
     assert_grad_norms_close,
     assert_losses_close,
+    assert_pipeline_p2p_ops,
+    assert_ranks_agree,
     assert_state_close,
     build,
     global_batches,
@@ -47,13 +49,6 @@ def _serial(family, layers, opt="adamw", clip=1.0, precision="fp32"):
     return _SERIAL[key]
 
 
-def _agree(values, what):
-    t = torch.tensor(values, dtype=torch.float64)
-    ref = t.clone()
-    torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree: {values} vs {ref.tolist()}"
-
-
 def _check(family, plan, layers, *, opt="adamw", clip=1.0, stages=None, loss_fn=None, what=""):
     model = build(family, num_layers=layers)
     engine = bh.boost(model, make_optimizer(opt, model), plan, max_grad_norm=clip, stages=stages, loss_fn=loss_fn)
@@ -69,19 +64,8 @@ def _check(family, plan, layers, *, opt="adamw", clip=1.0, stages=None, loss_fn=
         assert_losses_close(losses, want.losses, what=what)
         assert_state_close(engine.full_state_dict(), want.state, what=what)
         assert_grad_norms_close(norms, want.grad_norms, what=what)
-    _agree(losses, what)
+    assert_ranks_agree(losses, what)
     return engine
-
-
-def _check_traffic(engine, pp, v, m):
-    """Per step, each of this rank's stages receives m activations (but stage 0) and m
-    gradients (but the last), and sends as many the other way; the first step adds one
-    shape header per activation channel; nothing else travels over pp but scalars."""
-    ops, last = engine.comm_stats()["pp"]["ops"], pp * v - 1
-    stages = [c * pp + engine.mesh.axis("pp").rank for c in range(v)]
-    sends = sum((s < last) * (m * STEPS + 1) + (s > 0) * m * STEPS for s in stages)
-    recvs = sum((s > 0) * (m * STEPS + 1) + (s < last) * m * STEPS for s in stages)
-    assert (ops["send"], ops["recv"]) == (sends, recvs), (engine.plan.describe(), ops)
 
 
 def _pp_world(rank: int, world: int) -> None:
@@ -93,7 +77,7 @@ def _pp_world(rank: int, world: int) -> None:
                 plan = bh.Plan(pp=world, microbatches=m, schedule=schedule, virtual_stages=v)
                 engine = _check(family, plan, layers)
                 if m == 4 and family == "gpt":
-                    _check_traffic(engine, world, v, m)
+                    assert_pipeline_p2p_ops(engine, m, STEPS)
     # Fewer micro-batches than stages: runs (and matches) rather than hangs.
     for schedule, v in SCHEDULES:
         _check(

@@ -38,6 +38,7 @@ import torch
 from common import (
     assert_grad_norms_close,
     assert_losses_close,
+    assert_ranks_agree,
     assert_state_close,
     bf16_param_reference,
     build,
@@ -83,13 +84,6 @@ def _engine(family, plan, opt="adamw", clip=1.0):
     return bh.boost(model, make_optimizer(opt, model), plan, max_grad_norm=clip)
 
 
-def _agree(values, what):
-    t = torch.tensor(values, dtype=torch.float64)
-    ref = t.clone()
-    torch.distributed.broadcast(ref, 0)
-    assert torch.equal(t, ref), f"{what}: ranks disagree: {values} vs {ref.tolist()}"
-
-
 def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
     plan = bh.Plan(
         dp=2 // cp,
@@ -125,7 +119,7 @@ def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
     assert_losses_close(losses, want.losses, what=what)
     assert_grad_norms_close(norms, want.grad_norms, what=what)
     assert_state_close(engine.full_state_dict(), want.state, what=what)
-    _agree(losses, what)
+    assert_ranks_agree(losses, what)
 
 
 def _low_precision():
@@ -158,7 +152,7 @@ def _low_precision():
         state = engine.full_state_dict()
         assert_state_close(state, want_state, rtol=2e-2, atol=3e-3, what=what)
         assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point()), what
-        _agree(losses, what)
+        assert_ranks_agree(losses, what)
     for family, zero, schedule, v in (
         ("gpt", 2, "interleaved", 2),
         ("hf-llama", 0, "gpipe", 1),
@@ -182,7 +176,7 @@ def _low_precision():
         assert_losses_close(losses, want.losses, rtol=2e-2, what=what)
         assert_grad_norms_close(norms, want.grad_norms, rtol=2e-2, what=what)
         assert_state_close(engine.full_state_dict(), want.state, rtol=2e-2, atol=2e-3, what=what)
-        _agree(losses, what)
+        assert_ranks_agree(losses, what)
     _overflow_vote(batches)
 
 

@@ -31,6 +31,7 @@ from common import (
     build,
     expect_error,
     global_batches,
+    load_and_continue,
     make_optimizer,
     serial_run,
     serial_train,
@@ -524,19 +525,6 @@ def _check_user_model(world, sp, policy=TINY_POLICY):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _load_and_continue(family, plan, path):
-    batches = global_batches(4, BATCH)
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    engine.load(path)
-    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
-    want = _serial(family, "adamw", "ckpt", batches, 1.0)
-    want_losses, want_state = want.losses, want.state
-    what = f"{family} {os.path.basename(os.path.dirname(path))} -> {plan.describe()}"
-    assert_losses_close(losses, want_losses[2:], what=what)
-    assert_state_close(engine.full_state_dict(), want_state, what=what)
-
-
 # ----------------------------------------------------------------------------- worlds
 FAMILIES = ("gpt", "llama", "hf-gpt2", "hf-llama")
 
@@ -585,8 +573,10 @@ def _world_tp2(rank, world, root):
     for family in ("hf-gpt2", "llama"):
         train_and_save(family, bh.Plan(tp=2), os.path.join(root, family, "tp2", "step-2"), BATCH)
         train_and_save(family, bh.Plan(dp=2), os.path.join(root, family, "dp2", "step-2"), BATCH)
-        _load_and_continue(family, bh.Plan(dp=2), os.path.join(root, family, "tp2", "step-2"))
-        _load_and_continue(family, bh.Plan(tp=2, sequence_parallel=True), os.path.join(root, family, "dp2", "step-2"))
+        load_and_continue(family, bh.Plan(dp=2), os.path.join(root, family, "tp2", "step-2"), BATCH)
+        load_and_continue(
+            family, bh.Plan(tp=2, sequence_parallel=True), os.path.join(root, family, "dp2", "step-2"), BATCH
+        )
 
 
 def _world_tp4(rank, world, root):
@@ -607,7 +597,7 @@ def _world_tp4(rank, world, root):
         "tp = 4",
     )
     for family in ("hf-gpt2", "llama"):  # the tp=2 checkpoint under dp=2 x tp=2
-        _load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "tp2", "step-2"))
+        load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "tp2", "step-2"), BATCH)
 
 
 @pytest.fixture(scope="module")

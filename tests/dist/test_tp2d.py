@@ -35,6 +35,7 @@ from common import (
     build,
     expect_error,
     global_batches,
+    load_and_continue,
     make_optimizer,
     serial_reference,
     shard,
@@ -156,18 +157,6 @@ def test_plan_accepts_2d_and_25d():  # 3D: tests/dist/test_tp3d.py
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _load_and_continue(family, plan, path):
-    batches = global_batches(4, BATCH)
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    engine.load(path)
-    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
-    want = serial_reference(family, "adamw", len(batches), BATCH, 1.0)
-    what = f"{family} {os.path.basename(os.path.dirname(path))} -> {plan.describe()}"
-    assert_losses_close(losses, want.losses[2:], what=what)
-    assert_state_close(engine.full_state_dict(), want.state, what=what)
-
-
 CKPT_FAMILIES = ("hf-gpt2", "llama")  # tied + fused Conv1D; GQA without ties
 PLAN_2D = bh.Plan(tp=4, tp_mode="2d")
 
@@ -194,9 +183,9 @@ def _world_4(rank, world, root):
     _save_2d(root)
     for family in CKPT_FAMILIES:
         train_and_save(family, bh.Plan(dp=4), os.path.join(root, family, "dp4", "step-2"), BATCH)
-        _load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "2d-tp4", "step-2"))
-        _load_and_continue(family, bh.Plan(dp=4), os.path.join(root, family, "2d-tp4", "step-2"))
-        _load_and_continue(family, PLAN_2D, os.path.join(root, family, "dp4", "step-2"))
+        load_and_continue(family, bh.Plan(dp=2, tp=2), os.path.join(root, family, "2d-tp4", "step-2"), BATCH)
+        load_and_continue(family, bh.Plan(dp=4), os.path.join(root, family, "2d-tp4", "step-2"), BATCH)
+        load_and_continue(family, PLAN_2D, os.path.join(root, family, "dp4", "step-2"), BATCH)
 
 
 def _world_8(rank, world, root):
@@ -208,8 +197,10 @@ def _world_8(rank, world, root):
     _check_traffic("llama", plan_25d)
     _check_memory("gpt", plan_25d)
     for family in CKPT_FAMILIES:
-        _load_and_continue(family, plan_25d, os.path.join(root, family, "2d-tp4", "step-2"))
-    _load_and_continue("hf-gpt2", bh.Plan(dp=2, tp=4, tp_mode="2d"), os.path.join(root, "hf-gpt2", "2d-tp4", "step-2"))
+        load_and_continue(family, plan_25d, os.path.join(root, family, "2d-tp4", "step-2"), BATCH)
+    load_and_continue(
+        "hf-gpt2", bh.Plan(dp=2, tp=4, tp_mode="2d"), os.path.join(root, "hf-gpt2", "2d-tp4", "step-2"), BATCH
+    )
 
 
 def _save_world(rank, world, root):

@@ -135,10 +135,11 @@ def rand(*shape, seed=0, dtype=F64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def labels_BS(seed=3):
+def labels_BS(seed=3, shape=(B, S)):
+    """Labels of ``shape`` in ``[0, V)``, about 30% of them ignored (-100)."""
     g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (B, S), generator=g)
-    y[torch.rand(B, S, generator=g) < 0.3] = -100
+    y = torch.randint(0, V, shape, generator=g)
+    y[torch.rand(shape, generator=g) < 0.3] = -100
     return y
 
 
@@ -187,9 +188,10 @@ def shard_lm(mesh, L, serial, tied):
     return LM(wte, L.PositionEmbedding.from_serial(serial.wpe, mesh), L.LayerNorm.from_serial(serial.ln, mesh), head)
 
 
-def serial_lm(tied, seed=5):
+def serial_lm(tied, seed=5, seq=S):
+    """The serial :class:`LM` in float64 (position table of ``seq`` rows), its head tied or not."""
     torch.manual_seed(seed)
-    lm = LM(nn.Embedding(V, H, padding_idx=5), nn.Embedding(S, H), nn.LayerNorm(H), nn.Linear(H, V, bias=False))
+    lm = LM(nn.Embedding(V, H, padding_idx=5), nn.Embedding(seq, H), nn.LayerNorm(H), nn.Linear(H, V, bias=False))
     if tied:
         lm.head.weight = lm.wte.weight
     return lm.double()

@@ -37,9 +37,9 @@ from common import (
     build,
     expect_error,
     global_batches,
+    load_and_continue,
     make_optimizer,
     serial_reference,
-    shard,
     train_and_save,
     train_steps,
 )
@@ -191,25 +191,13 @@ def _errors(world):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _load_and_continue(family, plan, path):
-    batches = global_batches(4, BATCH)
-    model = build(family)
-    engine = bh.boost(model, make_optimizer("adamw", model), plan, max_grad_norm=1.0)
-    engine.load(path)
-    losses = [engine.step(shard(b, engine.dp_rank, engine.dp_size)) for b in batches[2:]]
-    want = serial_reference(family, "adamw", len(batches), BATCH, 1.0)
-    what = f"{family} {os.path.basename(os.path.dirname(path))} -> {engine.plan.describe()}"
-    assert_losses_close(losses, want.losses[2:], what=what)
-    assert_state_close(engine.full_state_dict(), want.state, what=what)
-
-
 def _checkpoints(root):
     for family in ("hf-gpt2", "llama"):  # tied + fused Conv1D; GQA without ties
         train_and_save(family, PLAN_3D, os.path.join(root, family, "3d-tp8", "step-2"), BATCH)
-        _load_and_continue(family, bh.Plan(dp=8), os.path.join(root, family, "3d-tp8", "step-2"))
-    _load_and_continue("llama", bh.Plan(dp=2, tp=4), os.path.join(root, "llama", "3d-tp8", "step-2"))
+        load_and_continue(family, bh.Plan(dp=8), os.path.join(root, family, "3d-tp8", "step-2"), BATCH)
+    load_and_continue("llama", bh.Plan(dp=2, tp=4), os.path.join(root, "llama", "3d-tp8", "step-2"), BATCH)
     train_and_save("hf-gpt2", bh.Plan(dp=8), os.path.join(root, "hf-gpt2", "dp8", "step-2"), BATCH)
-    _load_and_continue("hf-gpt2", PLAN_3D_K2, os.path.join(root, "hf-gpt2", "dp8", "step-2"))
+    load_and_continue("hf-gpt2", PLAN_3D_K2, os.path.join(root, "hf-gpt2", "dp8", "step-2"), BATCH)
 
 
 # ----------------------------------------------------------------------------- the world

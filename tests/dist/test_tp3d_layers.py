@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from common import saved_activation_bytes
-from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, rand
+from test_tp2d_layers import LM, MLPBlock, check_layer, check_params, close, gather_full, labels_BS, rand, serial_lm
 from torch import nn
 
 import behemoth as bh
@@ -61,13 +61,6 @@ def tp_bytes(mesh, wire=False):
     return sum(mesh.ledger.stats().get(a, {}).get(key, 0) for a in TP_AXES)
 
 
-def labels_BS(seed=3):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (B, S), generator=g)
-    y[torch.rand(B, S, generator=g) < 0.3] = -100
-    return y
-
-
 class AttnBlock(nn.Module):
     """x + proj(causal attention(qkv(norm(x)))) with a fused qkv; ``heads`` = heads held here."""
 
@@ -89,14 +82,6 @@ def shard_mlp(mesh, serial, overlap=1):
         tp3d.Linear3D.from_serial(serial.fc1, mesh, overlap=overlap),
         tp3d.Linear3D.from_serial(serial.fc2, mesh, swapped=True, overlap=overlap),
     )
-
-
-def serial_lm(tied, seed=5):
-    torch.manual_seed(seed)
-    lm = LM(nn.Embedding(V, H, padding_idx=5), nn.Embedding(S, H), nn.LayerNorm(H), nn.Linear(H, V, bias=False))
-    if tied:
-        lm.head.weight = lm.wte.weight
-    return lm.double()
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -263,9 +248,9 @@ def lm_scenarios(mesh):
     """Token + position embedding, norm, head and vocab-parallel cross-entropy, tied and untied."""
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(11))
     ids[0, 0] = 5  # padding row: no gradient
-    labels = labels_BS()
+    labels = labels_BS(shape=(B, S))
     for tied in (False, True):
-        serial = serial_lm(tied)
+        serial = serial_lm(tied, seq=S)
         wte = embed3d.Embedding3D.from_serial(serial.wte, mesh)
         head = embed3d.VocabParallelHead3D.from_serial(serial.head, mesh, tied=wte if tied else None)
         lm = LM(
