@@ -383,14 +383,11 @@ def predict(
         # nearest three one-GPU offload rows: +9%, -1%, +5% against +31%, +19%, +26% summed and
         # -8%, -18%, -13% pipelined; chosen on those rows, not yet proved blind.)
         o = shard * on_host
-        # at stages 2-3 each later micro-batch adds on the device: the host's accumulator up, the sum down
+        # at stages 2-3 each later micro-batch adds on the device: the host's accumulator up, the sum
+        # down, in turn on the gradients' one side stream (parallel/zero/reduce.py)
         acc = (m - 1) * o * 4 if plan.zero >= 2 and pp == 1 else 0.0
-        stages = (
-            (o * 4 + acc) / cal.d2h_bytes_per_s,
-            o / cal.cpu_adam_params_per_s,
-            (o * pb + acc) / cal.h2d_bytes_per_s,
-        )
-        work = stages[1] + max(stages[0], stages[2])
+        down = (o * 4 + acc) / cal.d2h_bytes_per_s + acc / cal.h2d_bytes_per_s
+        work = o / cal.cpu_adam_params_per_s + max(down, o * pb / cal.h2d_bytes_per_s)
         if plan.zero == 3:  # each host chunk's parameters fetched forward and backward, every micro-batch
             work += 2 * m * n / g * mem.host_param_fraction * pb / cal.h2d_bytes_per_s
         # the backward hides what the gradient reduction left of it
