@@ -72,9 +72,10 @@ def add_plan_parser(sub) -> None:
     m.add_argument(
         "--param-dtype",
         default="fp32",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "any"],
         help="parameter copies the model runs on: fp32 (Plan.param_dtype=None, the default) or bf16 copies "
-        "of the fp32 masters (Plan.param_dtype='bf16'; under zero=3, offloaded ones on the host)",
+        "of the fp32 masters (Plan.param_dtype='bf16'; under zero=3, offloaded ones on the host); --search "
+        "also takes 'any' (try both: bf16 copies change the numerics, so they are tried only when asked)",
     )
     m.add_argument(
         "--activations-gb",
@@ -108,7 +109,8 @@ def cmd_search(a) -> int:
     cluster = _cluster(a, a.gpus)
     nodes = cluster.num_nodes
     w = workload_for(a.search, seq_len=a.seq, global_batch=a.batch or 8 * a.gpus, vocab_size=a.vocab)
-    res = search(w, cluster, Limits(top=max(a.top, 2)))
+    dtypes = {"fp32": (None,), "bf16": ("bf16",), "any": (None, "bf16")}[a.param_dtype]
+    res = search(w, cluster, Limits(top=max(a.top, 2), param_dtypes=dtypes))
     cal = cluster.calibration
     print(
         f"{a.search}: {w.num_params / 1e9:.2f}B parameters, {w.global_batch} x {w.seq_len} tokens per step, "
@@ -218,6 +220,10 @@ def cmd_plan(a) -> int:
         return cmd_scale(a)
     if not a.model:
         raise ValueError("behemoth plan --memory needs --model NAME (e.g. --model gpt-1.3b).")
+    if a.param_dtype == "any":
+        raise ValueError(
+            "behemoth plan --memory --param-dtype any: plan one dtype, fp32 or bf16 ('any' is for --search)."
+        )
     from behemoth.models import build_model
     from behemoth.planner.memory import memory_plan
 

@@ -41,6 +41,19 @@ def test_plan_search_errors_are_for_people(capsys):
     assert "calibrate.py" in capsys.readouterr().err
 
 
+def test_plan_search_tries_bf16_parameters_when_asked(capsys):
+    """GPT-13B on one 80 GB GPU: fp32 parameters only by default; with ``--param-dtype any`` the table
+    holds bf16-parameter plans too (``+bf16p``), and says which offload each row takes."""
+    args = ["plan", "--search", "gpt-13b", "--gpus", "1", "--gpu-gb", "80", "--host-gb", "512", "--top", "40"]
+    assert cli.main(args) == 0
+    assert "bf16p" not in capsys.readouterr().out
+    assert cli.main(args + ["--param-dtype", "any"]) == 0
+    out = capsys.readouterr().out
+    assert "+bf16p" in out and "+auto" in out
+    assert cli.main(["plan", "--memory", "--model", "gpt-1.3b", "--param-dtype", "any"]) == 2
+    assert "for --search" in capsys.readouterr().err
+
+
 def test_plan_memory_still_works(capsys):
     assert cli.main(["plan", "--memory", "--model", "gpt-1.3b", "--dp", "8"]) == 0
     assert "chunks" in capsys.readouterr().out

@@ -34,7 +34,9 @@ def _layout(p: Prediction) -> str:
         parts.append(f"cp{plan.cp}:{plan.cp_mode}")
     if plan.ep > 1:
         parts.append(f"ep{plan.ep}" + (f"+ov{plan.ep_overlap}" if plan.ep_overlap > 1 else ""))
-    parts.append(f"z{plan.zero}" + ("+off" if plan.offload else ""))
+    parts.append(
+        f"z{plan.zero}" + (f"+{plan.offload}" if plan.offload else "") + ("+bf16p" if plan.param_dtype else "")
+    )
     parts.append(f"mbs{p.micro_batch_size}x{plan.microbatches}")
     if plan.activation_checkpointing:
         parts.append("ckpt")
