@@ -142,3 +142,19 @@ def test_auto_refused_where_the_planner_cannot_cost_it():
     r = search(dense, Cluster(num_gpus=4, calibration=CAL), Limits(max_tp=1, max_cp=1, top=1000))
     assert r.refused["offload='auto' is costed without a pipeline"] > 0
     assert not any(p.plan.offload == "auto" and p.plan.pp > 1 for p in r.ranked)
+
+
+def test_offloaded_micro_batches_cost_their_accumulate_copies():
+    """At ZeRO 2-3 each micro-batch after the first adds its offloaded gradient on the device (the
+    host's accumulator up, the sum down, parallel/zero/reduce.py): with the same tokens, more
+    micro-batches cost more offload work; ZeRO-1 sums in the GPU's gradient chunk and does not."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=80 * GIB, host_bytes=400 * GIB)
+
+    def work(zero, m):  # the offload work the backward does not hide
+        p = predict(bh.Plan(dp=1, zero=zero, offload="cpu", microbatches=m, precision="bf16"), w, c)
+        return p.offload
+
+    for zero in (2, 3):
+        assert work(zero, 1) < work(zero, 2) < work(zero, 8)
+    assert work(1, 8) <= work(1, 2) <= work(1, 1)  # no copies added; the same work hidden under more backwards

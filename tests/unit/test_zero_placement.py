@@ -178,6 +178,30 @@ def test_split_costs_fp32_masters_and_bf16_copies():
         split_costs([1], 8, param_bytes=3)
 
 
+def test_chunk_split_per_stage_and_the_measured_budget():
+    """The split ``offload='auto'`` runs (and the planner predicts with): at ZeRO-3 the static split
+    itself; at stages 1-2 every chunk keeps its parameters and the longest prefix of optimizer sides
+    the budget holds (fp32 AdamW: 12 B an element; chunks of 10 elements: 120 B each)."""
+    from behemoth.parallel.zero.placement import chunk_split, measured_budget
+
+    p, o, why = chunk_split(3, [10] * 4, 8, 4, 400, bandwidth=1.0)
+    s = static_split(*split_costs_of([10] * 4), 400, h2d_bandwidth=1.0, d2h_bandwidth=1.0)
+    assert (p, o) == (s.num_param_chunks, s.num_optim_chunks) and why == s
+    for stage in (1, 2):
+        assert chunk_split(stage, [10] * 4, 8, 4, 250, bandwidth=1.0) == (4, 2, (2, 4, 250))
+        assert chunk_split(stage, [10] * 4, 8, 4, 480, bandwidth=1.0)[:2] == (4, 4)
+        assert chunk_split(stage, [10] * 4, 8, 4, 119, bandwidth=1.0)[:2] == (4, 0)
+    # the budget after a warm-up: 92% of the device less its measured other peak and 2 GiB
+    assert measured_budget(100 * 2**30, 10 * 2**30) == int(100 * 2**30 * 0.92) - 12 * 2**30
+
+
+def split_costs_of(shards):
+    from behemoth.parallel.zero.placement import split_costs
+
+    dev, ratio, _ = split_costs(shards, 8)
+    return dev, ratio
+
+
 def test_other_peak_is_read_between_hooks_not_from_the_end_of_the_step():
     """offload='auto''s warm-up measure of non-model memory: the activations peak before the
     gradients (model data) exist, so the step's peak less its *final* model data under-counts
