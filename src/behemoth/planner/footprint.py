@@ -58,7 +58,6 @@ memory (CUDA context, NCCL buffers). Pure.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..plan import Plan
@@ -258,7 +257,17 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
     total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
     slack = total - mem.allocated if len(stages) > 1 else mem.slack
     reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
-    mem = dataclasses.replace(mem, reserved=reserved, slack=slack)
+    mem = Footprint(
+        mem.params,
+        mem.grads,
+        mem.optimizer,
+        mem.activations,
+        reserved,
+        mem.host,
+        slack,
+        mem.host_optimizer_fraction,
+        mem.host_param_fraction,
+    )
     # offload='auto': the runtime's split of the chunks (where the planner cannot cost it, as 'cpu')
     return (
         place_auto(plan, w, cluster, mem)

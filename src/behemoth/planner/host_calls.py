@@ -9,6 +9,8 @@ checkpointed grid blocks) tests/dist/test_planner_expert_grid_ledger.py.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..plan import Plan
 from .params import stage_layers
 from .tp2d_traffic import grid_deferred_layers, grid_side, grid_vector_flushes
@@ -95,7 +97,13 @@ def grid_flushes_per_block(plan: Plan, w: Workload) -> float:
     tesseract = plan.tp_mode == "2.5d" and plan.tp_depth > 1
     blocks = stage_layers(plan, w)[-1]
     q = grid_side(plan.tp, plan.tp_depth if tesseract else 1)
-    return grid_vector_flushes(grid_deferred_layers(w.shape, q, blocks, experts=bool(w.num_experts))) / blocks
+    return _flushes(w.shape, q, blocks, bool(w.num_experts)) / blocks
+
+
+@lru_cache(maxsize=4096)
+def _flushes(shape, q: int, blocks: int, experts: bool) -> int:
+    """:func:`grid_vector_flushes` of a pass over ``blocks`` blocks (a search asks per layout)."""
+    return grid_vector_flushes(grid_deferred_layers(shape, q, blocks, experts=experts))
 
 
 def grid_grads_deferred(plan: Plan) -> bool:
