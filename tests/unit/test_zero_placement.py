@@ -181,7 +181,7 @@ def test_split_costs_fp32_masters_and_bf16_copies():
 def test_chunk_split_per_stage_and_the_measured_budget():
     """The split ``offload='auto'`` runs (and the planner predicts with): at ZeRO-3 the static split
     itself; at stages 1-2 every chunk keeps its parameters and the longest prefix of optimizer sides
-    the budget holds (fp32 AdamW: 12 B an element; chunks of 10 elements: 120 B each)."""
+    the budget holds beside them (fp32 AdamW: 12 B an element; chunks of 10 elements: 120 B each)."""
     from behemoth.parallel.zero.placement import chunk_split, measured_budget
 
     p, o, why = chunk_split(3, [10] * 4, 8, 4, 400, bandwidth=1.0)
@@ -191,6 +191,8 @@ def test_chunk_split_per_stage_and_the_measured_budget():
         assert chunk_split(stage, [10] * 4, 8, 4, 250, bandwidth=1.0) == (4, 2, (2, 4, 250))
         assert chunk_split(stage, [10] * 4, 8, 4, 480, bandwidth=1.0)[:2] == (4, 4)
         assert chunk_split(stage, [10] * 4, 8, 4, 119, bandwidth=1.0)[:2] == (4, 0)
+        # the whole parameters (160 B) stay on the device inside the budget: 410 B leave 250 B
+        assert chunk_split(stage, [10] * 4, 8, 4, 410, bandwidth=1.0, resident_bytes=160) == (4, 2, (2, 4, 250))
     # the budget after a warm-up: 92% of the device less its measured other peak and 2 GiB
     assert measured_budget(100 * 2**30, 10 * 2**30) == int(100 * 2**30 * 0.92) - 12 * 2**30
 

@@ -76,6 +76,7 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded) -> object:
             bandwidth=cal.h2d_bytes_per_s,
             cpu_update_bandwidth=cal.cpu_adam_params_per_s * 4,
             host_budget_bytes=int(cluster.host_bytes),
+            resident_bytes=int(total) * plan.dp * plan.cp * pb if z < 3 else 0,  # stages 1-2: whole parameters
         )
     except ValueError:  # the host cannot hold what any split offloads: everything stays offloaded
         return offloaded

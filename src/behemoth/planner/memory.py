@@ -4,7 +4,7 @@ Given parameter sizes, the data-parallel degree, the ZeRO stage and the memory o
 and its host, it runs the same pieces the runtime runs before training -- the chunk-size
 search (:func:`~behemoth.parallel.zero.chunks.search_chunk_size`), the per-stage accounting
 (:func:`~behemoth.parallel.zero.chunks.zero_memory_bytes`) and, for ``offload='auto'``, the
-static GPU/host split (:func:`~behemoth.parallel.zero.placement.static_split`) -- and says
+split of the chunks between GPU and host (:func:`~behemoth.parallel.zero.placement.chunk_split`) -- and says
 what it chose and why. No process group, no device: a laptop can plan a cluster's run.
 
 The runtime measures two things this plan has to assume: the activation memory (the warm-up
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
-from ..parallel.zero.placement import StaticSplit, split_costs, static_split
+from ..parallel.zero.placement import StaticSplit, chunk_split, explain_split
 
 __all__ = ["MemoryPlan", "memory_plan", "packed_layout", "zero_chunk_elements"]
 
@@ -90,20 +90,21 @@ def memory_plan(
             f"zero={stage} fits on the GPU: offload='auto' keeps everything there (no transfer, GPU optimizer)."
         )
     else:
-        shards, ratio, host_need = split_costs([c.shard_size for c in layout.chunks], optim_state_bytes, param_bytes)
         try:
-            split = static_split(
-                shards,
-                ratio,
-                max(room, max(shards)),
-                h2d_bandwidth=h2d_bandwidth,
-                d2h_bandwidth=h2d_bandwidth,
-                host_bytes=host_need,
-                host_budget_bytes=int(0.9 * host_bytes),
+            _, _, why = chunk_split(
+                stage,
+                [c.shard_size for c in layout.chunks],
+                optim_state_bytes,
+                param_bytes,
+                max(room, 0),
+                bandwidth=h2d_bandwidth,
                 cpu_update_bandwidth=cpu_update_bandwidth,
+                host_budget_bytes=int(0.9 * host_bytes),
+                resident_bytes=sum(c.size for c in layout.chunks) * param_bytes if stage < 3 else 0,
             )
-            lines.append(f"zero={stage} does not fit on the GPU; with offload='auto' (stage 3 placement):")
-            lines.append(split.explain())
+            split = why if isinstance(why, StaticSplit) else None
+            lines.append(f"zero={stage} does not fit on the GPU; with offload='auto':")
+            lines.append(explain_split(stage, why))
         except ValueError as e:
             lines.append(f"Does not fit even with offload: {e}.")
     return MemoryPlan(chunk, layout.num_chunks, 100 * layout.padding_fraction, per_stage, split, fits, "\n".join(lines))

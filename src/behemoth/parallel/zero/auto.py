@@ -28,7 +28,7 @@ from ... import comm
 from ...comm import Axis
 from .chunks import ChunkLayout
 from .measure import OFFLOAD_HOST_SHARE, OtherPeak, cpu_update_rate, host_available, host_bandwidth
-from .placement import StaticSplit, chunk_split, measured_budget
+from .placement import StaticSplit, chunk_split, explain_split, measured_budget
 
 __all__ = ["ChunkPlacement", "FUSED_CPU", "STATE_BYTES", "raise_everywhere"]
 
@@ -153,8 +153,8 @@ class ChunkPlacement:
         if self.budget_bytes is not None:
             return self.budget_bytes
         shards = [c.shard_size * 4 for c in self.layout.chunks]
-        if self.device.type != "cuda":
-            return sum(shards) * (4 + STATE_BYTES[self.name]) // 8
+        if self.device.type != "cuda":  # stages 1-2: every chunk's parameters, and half the optimizer sides
+            return sum(shards) * (4 + STATE_BYTES[self.name]) // 8 + self._resident()
         free, total = torch.cuda.mem_get_info(self.device)
         if not measured:  # 60% of the device, or more (up to 85%) if the host could not hold the rest
             model = sum(shards) * (8 + STATE_BYTES[self.name]) // 4  # parameter + gradient + state
@@ -192,9 +192,15 @@ class ChunkPlacement:
                 host_budget_bytes=None
                 if host is None or self.device.type != "cuda"
                 else int(OFFLOAD_HOST_SHARE * host),
+                resident_bytes=self._resident(),
             )
         except ValueError as e:
             raise MemoryError(f"Plan(zero=3, offload={self.offload!r}): {e}.") from None
+
+    def _resident(self) -> int:
+        """Model data on the device whatever the placement: at stages 1-2 every chunk's whole
+        parameters (the budget holds them beside the optimizer state it keeps); none at stage 3."""
+        return sum(c.size for c in self.layout.chunks) * self.param_bytes if self.stage < 3 else 0
 
     def check_host_memory(self, keep_p: int, keep_o: int) -> None:
         """Offloaded chunks need pinned host memory for the fp32 master, the gradient and the
@@ -289,12 +295,5 @@ class ChunkPlacement:
 
     def explain(self) -> str:
         """What ``offload='auto'`` chose and why (empty before the first step)."""
-        if self.split is not None:
-            return self.split.explain()
-        if self._stage12_split is not None:
-            o, n, budget = self._stage12_split
-            return (
-                f"ZeRO-{self.stage}: parameters stay on the GPU; optimizer state of {o}/{n} chunks kept on the "
-                f"GPU within a budget of {budget / 2**30:.2f} GiB, the rest updated on the CPU."
-            )
-        return ""
+        why = self.split if self.split is not None else self._stage12_split
+        return "" if why is None else explain_split(self.stage, why)

@@ -31,6 +31,7 @@ __all__ = [
     "static_split",
     "split_costs",
     "chunk_split",
+    "explain_split",
     "measured_budget",
 ]
 
@@ -378,14 +379,15 @@ def chunk_split(
     bandwidth: float,
     cpu_update_bandwidth: float | None = None,
     host_budget_bytes: int | None = None,
+    resident_bytes: int = 0,
 ) -> tuple[int, int, StaticSplit | tuple[int, int, int]]:
     """``(keep_p, keep_o, why)`` for chunks of ``shard_sizes`` elements (this rank's shards, in
-    execution order) under a device budget of ``budget_bytes``: chunks ``[0, keep_p)`` keep their
-    parameters on the device, ``[0, keep_o)`` also their master and optimizer state. Stage 3 places
-    both by :func:`static_split` (``why`` is its result; ValueError where nothing fits); stages 1-2
-    keep every chunk's parameters and place only the optimizer side, the longest prefix the budget
-    holds (``why``: ``(keep_o, chunks, budget)``). What ``offload='auto'`` runs and the planner
-    predicts with."""
+    execution order) under a device budget of ``budget_bytes`` for model data: chunks ``[0,
+    keep_p)`` keep their parameters on the device, ``[0, keep_o)`` also their master and optimizer
+    state. Stage 3 places both by :func:`static_split` (``why`` is its result; ValueError where
+    nothing fits); stages 1-2 keep every chunk's whole parameters (``resident_bytes`` of the budget)
+    and place only the optimizer side, the longest prefix the rest holds (``why``: ``(keep_o,
+    chunks, that rest)``). What ``offload='auto'`` runs and the planner predicts with."""
     shard_bytes, ratio, host_bytes = split_costs(shard_sizes, optim_state_bytes, param_bytes)
     n = len(shard_bytes)
     if stage == 3:
@@ -401,8 +403,20 @@ def chunk_split(
         )
         return split.num_param_chunks, split.num_optim_chunks, split
     opt = [int(b * ratio) for b in shard_bytes]
+    room = budget_bytes - resident_bytes
     keep_o, used = 0, 0
-    while keep_o < n and used + opt[keep_o] <= budget_bytes:
+    while keep_o < n and used + opt[keep_o] <= room:
         used += opt[keep_o]
         keep_o += 1
-    return n, keep_o, (keep_o, n, budget_bytes)
+    return n, keep_o, (keep_o, n, room)
+
+
+def explain_split(stage: int, why: StaticSplit | tuple[int, int, int]) -> str:
+    """What :func:`chunk_split` chose and why, from its ``why``."""
+    if isinstance(why, StaticSplit):
+        return why.explain()
+    o, n, room = why
+    return (
+        f"ZeRO-{stage}: parameters stay on the GPU; optimizer state of {o}/{n} chunks kept on the "
+        f"GPU within the {room / 2**30:.2f} GiB the budget leaves beside them, the rest updated on the CPU."
+    )
