@@ -28,7 +28,8 @@ Measures, on rank 0's GPU unless said otherwise:
 * pinned host <-> device copy rates;
 * every rank at once: the CPU AdamW update's parameters per second of one rank, the fused CPU
   kernel that offloaded chunks run, with the threads the launch gives each rank (torchrun: 1;
-  ``behemoth launch``: the cores over the ranks; ``extra.cpu_adam_threads``), the slowest rank's;
+  ``behemoth launch``: the cores over the ranks; ``extra.cpu_adam_threads``), the slowest rank's,
+  while pinned copies run both ways (the device idle: ``extra.cpu_adam_idle_params_per_s``);
 * every rank at once: ``sustained_ratio``, the rate of 8192**3 GEMMs run back to back for
   ``SUSTAIN_S`` seconds (the last part of it) over the GEMM table's rate at that size (short
   bursts), as a training step's seconds of work see clocks drop;
@@ -264,30 +265,47 @@ def host_rates() -> tuple[float, float]:
     return h2d, d2h
 
 
-def cpu_adam_rate(world: int) -> float:
+def cpu_adam_rate(world: int) -> tuple[float, float]:
     """Parameters per second one rank's CPU AdamW updates while every rank of the host updates
     at once, each with the threads its launch gave it: the kernel the offloaded chunks run (the
     ZeRO optimizer gives host masters the fused CPU kernel; ``parallel/zero/measure.py``'s
     :func:`cpu_update_rate`, which ``offload='auto'`` also measures with), the slowest rank's
-    rate. Timed in a worker thread set up as ``parallel/zero/overlap.py``'s (the thread the
-    update runs in during the backward; the H100 host of benchmarks/RESULTS.md ran fused AdamW at
-    3.61 G parameters/s there against 4.87 in the main thread). The ranks share the host's memory
-    bandwidth in a step, so one rank alone (the others idle) would measure more than each gets;
-    the foreach kernel, measured here before, runs several times slower than the fused one (the
-    cost model read it as the fused one's rate)."""
+    rate; first with the device idle, then (the rate the cost model reads) while pinned copies run
+    both ways between the host and the device, as other chunks' gradients and parameters travel
+    while a chunk updates in a step (Llama-8B on one H200: the update ran at 2.8 G parameters/s in
+    the step against 4.2 G measured with the device idle). Timed in a worker thread set up as
+    ``parallel/zero/overlap.py``'s (the thread the update runs in during the backward; the H100 host
+    of benchmarks/RESULTS.md ran fused AdamW at 3.61 G parameters/s there against 4.87 in the main
+    thread). The ranks share the host's memory bandwidth in a step, so one rank alone (the others
+    idle) would measure more than each gets; the foreach kernel, measured here before, runs several
+    times slower than the fused one (the cost model read it as the fused one's rate)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from behemoth.parallel.zero.auto import FUSED_CPU
     from behemoth.parallel.zero.measure import cpu_update_rate
 
-    if world > 1:
-        dist.barrier()
+    rates = []
     with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
-        params_per_s = pool.submit(cpu_update_rate, torch.optim.AdamW, {"lr": 1e-3}, FUSED_CPU).result() / 4
-    rate = torch.tensor([params_per_s], device="cuda")
+        for busy in (False, True):
+            if world > 1:
+                dist.barrier()
+            if busy:  # ~1 s of copies each way on two side streams (at ~50 GB/s), queued before the update
+                n = 2**28  # 1 GiB of fp32 a buffer
+                host = [torch.empty(n).pin_memory() for _ in range(2)]
+                dev = [torch.empty(n, device="cuda") for _ in range(2)]
+                streams = [torch.cuda.Stream() for _ in range(2)]
+                for _ in range(48):
+                    with torch.cuda.stream(streams[0]):
+                        dev[0].copy_(host[0], non_blocking=True)
+                    with torch.cuda.stream(streams[1]):
+                        host[1].copy_(dev[1], non_blocking=True)
+            rates.append(pool.submit(cpu_update_rate, torch.optim.AdamW, {"lr": 1e-3}, FUSED_CPU).result() / 4)
+            torch.cuda.synchronize()
+    rate = torch.tensor(rates, device="cuda")
     if world > 1:
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    return float(rate.item())
+    idle, busy = rate.tolist()
+    return idle, busy
 
 
 def collectives(world: int, local: int) -> dict[str, list[list[float]]]:
@@ -689,10 +707,10 @@ def main() -> None:
             print(f"calibrate: grouped GEMMs not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
-    adam = cpu_adam_rate(world)
+    idle, adam = cpu_adam_rate(world)
     if rank == 0:
         d["cpu_adam_params_per_s"] = adam
-        d.setdefault("extra", {})["cpu_adam_threads"] = torch.get_num_threads()
+        d.setdefault("extra", {}).update(cpu_adam_threads=torch.get_num_threads(), cpu_adam_idle_params_per_s=idle)
     if world > 1:
         links = collectives(world, local)
         for k, pts in links.items():

@@ -90,7 +90,12 @@ class GradReducer:
         self.on_final = on_final  # called with a chunk once its reduced gradient of the step is in grad_acc
         # (chunk, gradient shard) -> the chunk's part of the squared gradient norm (the ZeRO optimizer's)
         self.norm_of = norm_of
-        self._d2h: torch.cuda.Stream | None = None  # gradients' device->host copies (GPU)
+        # GPU, offloaded chunks: the gradients' copies down (and adds), the accumulators' copies up,
+        # the staging buffer those land in, and the event of its last reader
+        self._d2h: torch.cuda.Stream | None = None
+        self._h2d: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None
+        self._staging_free: torch.cuda.Event | None = None
         self._hooks = post_accumulate_hooks([p for st in store.chunks for p in st.params], self._on_grad)
 
     def start_step(self) -> None:
@@ -181,7 +186,7 @@ class GradReducer:
         if st.grad_acc is None and not own:
             st.grad_acc = self.store.grad_buffer(st)
         if not own and st.grad_acc.device.type == "cpu" and reduced.device.type == "cuda":
-            self._to_host(st, reduced)
+            self._to_host(st, reduced, final)
         elif st.reduced_once:
             self._wait_host_grad(st)
             st.grad_acc.add_(reduced.to(st.grad_acc.device))
@@ -193,19 +198,45 @@ class GradReducer:
         if final and self.on_final is not None:  # reduced in the step's last micro-batch: the gradient is final
             self.on_final(st)
 
-    def _to_host(self, st: ChunkState, reduced: torch.Tensor) -> None:
-        """A reduced gradient into its chunk's accumulator in pinned host memory, on a side stream
-        after all that is queued on the compute stream (the backward's next kernels do not queue
-        behind it): copied down the first micro-batch; later ones add on the device -- the
-        accumulator up, the sum down -- where a blocking copy to pageable memory and the host's add
-        took 37 s of a 41 s step (Llama-8B, four micro-batches, half its optimizer offloaded, one
-        H200). The side stream orders each chunk's copies; ``host_grad_ready`` marks the last one."""
+    def _to_host(self, st: ChunkState, reduced: torch.Tensor, final: bool) -> None:
+        """A reduced gradient into its chunk's accumulator in pinned host memory, after all that is
+        queued on the compute stream (the backward's next kernels do not queue behind it): copied
+        down the first micro-batch; later ones add on the device -- the accumulator up into a staging
+        buffer on one side stream, the add and the sum down on another, so the two copy directions
+        run beside each other (chunk i's sum goes down while chunk i+1's accumulator comes up), where
+        a blocking copy to pageable memory and the host's add took 37 s of a 41 s step (Llama-8B,
+        four micro-batches, half its optimizer offloaded, one H200). The step's summed gradient has
+        its norm read on the device too, before it goes down (the host read 4 GB chunks at ~12 GB/s).
+        The down stream orders each chunk's copies; ``host_grad_ready`` marks the last one."""
+        dev = reduced.device
         if self._d2h is None:
-            self._d2h = torch.cuda.Stream(reduced.device)
-        self._d2h.wait_stream(torch.cuda.current_stream(reduced.device))
+            self._d2h, self._h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        self._d2h.wait_stream(torch.cuda.current_stream(dev))
+        if st.reduced_once:
+            n = reduced.numel()
+            if self._staging is None or self._staging.numel() < n:
+                if self._staging is not None:  # freed once the side streams' queued work has read it
+                    self._staging.record_stream(self._h2d)
+                    self._staging.record_stream(self._d2h)
+                self._staging = torch.empty(n, dtype=torch.float32, device=dev)
+                # memory the compute stream freed: its last reader there runs before the copy up writes
+                self._h2d.wait_stream(torch.cuda.current_stream(dev))
+            up = self._staging[:n]
+            # the staging buffer is free once the previous add has read it, the accumulator once its
+            # last copy down has landed
+            for event in (self._staging_free, st.host_grad_ready):
+                if event is not None:
+                    self._h2d.wait_event(event)
+            with torch.cuda.stream(self._h2d):
+                up.copy_(st.grad_acc, non_blocking=True)
+            self._d2h.wait_stream(self._h2d)
+            with torch.cuda.stream(self._d2h):
+                reduced.add_(up)
+                if final and self.norm_of is not None:
+                    st.norm_sq = self.norm_of(st, reduced)
+            self._staging_free = torch.cuda.Event()
+            self._staging_free.record(self._d2h)
         with torch.cuda.stream(self._d2h):
-            if st.reduced_once:
-                reduced.add_(st.grad_acc.to(reduced.device, non_blocking=True))
             st.grad_acc.copy_(reduced, non_blocking=True)
         reduced.record_stream(self._d2h)  # not reused before the copy has read it
         st.host_grad_ready = torch.cuda.Event()
@@ -236,6 +267,7 @@ class GradReducer:
             torch.cuda.current_stream().synchronize()  # host gradient copies are complete
         for st in self.store.chunks:
             self._wait_host_grad(st)
+        self._staging = self._staging_free = None  # its readers ran before the last copies down
         self._sync = False
 
     def abandon(self) -> None:
@@ -251,6 +283,7 @@ class GradReducer:
             st.ready, st.reduced_once = 0, False
             for p in st.params:
                 p.grad = None
+        self._staging = self._staging_free = None
         self._fresh.clear()
         self._sync = self._open = False
         if self.stage == 3:
