@@ -303,6 +303,9 @@ def run_guarded(run, dev, key: str = "layout", agree_s: float = AGREE_S) -> tupl
     except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
         err = "refused: " + str(e).splitlines()[0]
         _drop(e)
+    except MemoryError as e:  # the host had less free memory for offloaded chunks than planned for
+        err = "host memory: " + str(e).splitlines()[0]
+        _drop(e)
     said = agree(key, err, agree_s)
     free_memory()
     for pg in _process_groups():

@@ -20,7 +20,9 @@
 # unless set) ends a run blocked in any other way before the outer timeout.
 # CAL: a calibration (h100, h200, a JSON path) instead of calibrating. EXTRA: more flags for
 # planner_proof.py (e.g. --no-offload, --steps 3). PLANS: layouts to run first, as
-# Plan.describe() prints them, separated by ';' (e.g. an earlier run's, to compare).
+# Plan.describe() prints them, separated by ';' (e.g. an earlier run's, to compare). RESUME: the
+# rows file of an earlier call of the same run (same model, GPUs, CAL and flags): it goes on from
+# there, across device calls (a run longer than one call's limit).
 set -u
 MODELS=${MODELS:-${1:-gpt-1.3b}}; LAYOUTS=${LAYOUTS:-${2:-12}}; GPUS=${GPUS:-2 4}
 STEPS=${STEPS:-3}; WARMUP=${WARMUP:-1}; BUDGET=${BUDGET:-200}; EXTRA=${EXTRA:-}
@@ -52,6 +54,8 @@ for model in $MODELS; do
     # a run that ends early (a rank killed by an error its layout caused) is resumed without the
     # layouts it finished, the one it ended inside counted as failed, within the same budget
     rows="$out/proof_${model}_${n}gpus.jsonl"; : > "$rows"; start=$(date +%s)
+    # RESUME: an earlier call's rows of this run (its summaries dropped), whose layouts are kept
+    [ -n "${RESUME:-}" ] && grep -v '"summary": true' "$RESUME" > "$rows"
     for attempt in 1 2 3 4 5 6; do
       left=$((BUDGET - ($(date +%s) - start)))
       [ "$left" -gt 20 ] || break
