@@ -156,10 +156,15 @@ def footprint(
     holding ``inflight`` micro-batches' activations of its own blocks: its share of the blocks
     and parameters (the runtime's split, :func:`.params.stage_layers`), the loss's tensors and
     slack on the last stage only."""
+    r = plan.pp - 1 if stage is None else stage
+    return _stage_footprint(plan, w, mbs, inflight, reserved, r, _model_data(plan, w, r))
+
+
+def _model_data(plan: Plan, w: Workload, r: int) -> tuple:
+    """What no micro-batch changes of pipeline rank ``r``'s footprint: ``(layers, params, grads,
+    optimizer, host, fractions, autocast cache, head copy)`` (:func:`footprint`'s terms)."""
     s = w.shape
     g = plan.dp * plan.cp
-    r = plan.pp - 1 if stage is None else stage
-    last = r == plan.pp - 1
     layers = stage_layers(plan, w)[r]
     n = local_params(plan, w, stage=r)
     z, off = plan.zero, plan.offload is not None
@@ -202,14 +207,31 @@ def footprint(
     elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
         chunk, largest = gradient_chunk_elements(plan, w)
         grads += 4 * (3 * chunk + largest)
-    full, ckpt = block_activation_bytes(plan, w, mbs)
-    per_mb = layers * (ckpt if plan.activation_checkpointing else full)
-    act = inflight * per_mb + (
-        max(full, autocast_cache_bytes(plan, w, layers)) if plan.activation_checkpointing else 0.0
-    )
     fractions = (1.0, 1.0 if z == 3 else 0.0) if off else (0.0, 0.0)
-    if not last:
+    cached = autocast_cache_bytes(plan, w, layers) if plan.activation_checkpointing else 0.0
+    head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
+    return layers, params, grads, opt, host, fractions, cached, head_copy
+
+
+def _stage_footprint(
+    plan: Plan,
+    w: Workload,
+    mbs: int,
+    inflight: float,
+    reserved: float,
+    r: int,
+    data: tuple,
+    blocks: tuple[float, float] | None = None,
+) -> Footprint:
+    """:func:`footprint` of rank ``r`` from its :func:`_model_data` and (when the caller has it)
+    :func:`block_activation_bytes` at ``mbs``."""
+    layers, params, grads, opt, host, fractions, cached, head_copy = data
+    full, ckpt = blocks if blocks is not None else block_activation_bytes(plan, w, mbs)
+    per_mb = layers * (ckpt if plan.activation_checkpointing else full)
+    act = inflight * per_mb + (max(full, cached) if plan.activation_checkpointing else 0.0)
+    if r != plan.pp - 1:
         return Footprint(params, grads, opt, act, reserved, host, 0.0, *fractions)
+    s = w.shape
     t = mbs * w.seq_len / plan.cp
     logits = t * s.vocab_size / plan.tp * 4
     act += 2 * logits  # fp32 logits and their gradient on the last stage
@@ -217,7 +239,6 @@ def footprint(
     # the head's 16-bit weight copy; the last stage holds one such micro-batch but under GPipe,
     # which runs every forward first
     held = plan.microbatches if plan.pp > 1 and plan.schedule == "gpipe" else 1
-    head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits)
     return Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
@@ -238,20 +259,35 @@ def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list
     return sorted({*first, pp - 1, *first_of.values()})
 
 
-def plan_memory(plan: Plan, w: Workload, cluster: Cluster) -> Footprint:
+def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None = None) -> Footprint:
     """Predicted memory per GPU (and host) of ``plan`` (resolved) on ``cluster``: :func:`footprint`
     of every pipeline stage, each with its own blocks, parameters and in-flight micro-batches
     (:func:`.bubble.rank_inflight`; the first stage of a balanced split holds more blocks than
     the head's and more micro-batches) -- the tensors of the stage with the most, its slack
     raised to what the stage needing the most memory needs beyond them -- and :mod:`.reserve`'s device memory beyond
-    the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``."""
+    the tensors (CUDA context, NCCL buffers, the allocator's slack) as its ``reserved``.
+
+    ``cache``: a dict the caller keeps across calls for one workload (the search's), where each
+    stage's model data and a block's activations are kept per combination of the fields they read."""
     mbs = w.global_batch // (plan.dp * plan.microbatches)
     m, v = plan.microbatches, plan.virtual_stages
     inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
-    stages = [
-        footprint(plan, w, mbs=mbs, inflight=inflight[r], reserved=0.0, stage=r)
-        for r in _memory_stages(stage_layers(plan, w), inflight)
-    ]
+    if cache is None:
+        cache = {}
+    tp_key = (plan.tp, plan.tp_mode, plan.tp_depth, plan.ep, plan.cp, plan.precision, plan.param_dtype)
+    key = ("blocks", mbs, plan.sequence_parallel) + tp_key
+    blocks = cache.get(key)
+    if blocks is None:
+        blocks = cache[key] = block_activation_bytes(plan, w, mbs)
+    # what _model_data reads of the plan
+    data_key = tp_key + (plan.dp, plan.pp, v, plan.zero, plan.offload is not None, plan.activation_checkpointing)
+    stages = []
+    for r in _memory_stages(stage_layers(plan, w), inflight):
+        key = ("data", r) + data_key
+        data = cache.get(key)
+        if data is None:
+            data = cache[key] = _model_data(plan, w, r)
+        stages.append(_stage_footprint(plan, w, mbs, inflight[r], 0.0, r, data, blocks))
     # the tensors of the stage with the most; the slack up to the most any stage needs with its own
     mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
     total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total

@@ -185,7 +185,8 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
     limits = limits or Limits()
     res = SearchResult(ranked=[])
     verdicts: dict[tuple, str] = {}
-    cache: dict = {}
+    cache: dict = {}  # cost.predict's per-block results
+    memory: dict = {}  # footprint.plan_memory's per-stage model data and per-block activations
     budget = cluster.memory_bytes * limits.memory_headroom
     fitting: list[Prediction] = []
     eps = [e for e in limits.ep_degrees if w.num_experts and w.num_experts % e == 0] or [1]
@@ -221,7 +222,9 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                             if not variants:
                                 continue
                             for mbs in sizes:  # ascending: activations grow with the micro-batch
-                                if not _costed(variants, mbs, share // mbs, w, cluster, budget, cache, res, fitting):
+                                if not _costed(
+                                    variants, mbs, share // mbs, w, cluster, budget, (cache, memory), res, fitting
+                                ):
                                     break  # nothing fits at this size: no larger one fits either
     fitting.sort(key=lambda p: (p.step, p.memory.gpu_total))
     res.fits = len(fitting)
@@ -229,7 +232,7 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
     return res
 
 
-def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> bool:
+def _costed(variants, mbs, m, w, cluster, budget, caches, res, fitting) -> bool:
     """Cost one layout at one micro-batch size under each offload / activation-checkpointing
     choice, cheapest first: a choice that only saves memory (offload, recomputation) is tried
     only when every cheaper one fails to fit, since it never predicts a faster step. Memory is
@@ -237,6 +240,7 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> bool:
     counts as fitting: a larger micro-batch may divide where this one does not)."""
     fit: dict[tuple, bool] = {}
     refused = False
+    cache, memory = caches
     for variant in variants:
         off, ac, fields, base = variant
         if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
@@ -251,7 +255,7 @@ def _costed(variants, mbs, m, w, cluster, budget, cache, res, fitting) -> bool:
             fit[(off, ac)] = False
             refused = True
             continue
-        mem = plan_memory(plan, w, cluster)
+        mem = plan_memory(plan, w, cluster, cache=memory)
         ok = mem.gpu_total <= budget and mem.host <= cluster.host_bytes
         fit[(off, ac)] = ok
         res.evaluated += 1
