@@ -171,6 +171,15 @@ def _memo(cache: dict | None, key: tuple, fn):
     return v
 
 
+def _distinct_ranks(per_rank: tuple[int, ...]) -> tuple[int, ...]:
+    """The pipeline ranks whose times can differ: the first (the embedding), the last (the head)
+    and between them the first of each block count (the others run what it runs)."""
+    first_of: dict[int, int] = {}
+    for r in range(1, len(per_rank) - 1):
+        first_of.setdefault(per_rank[r], r)
+    return tuple(sorted({0, len(per_rank) - 1, *first_of.values()}))
+
+
 def predict(
     plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None = None, memory: Footprint | None = None
 ) -> Prediction:
@@ -208,10 +217,11 @@ def predict(
     acc = accumulate_seconds(plan, block_local_params(plan, w), cal)
     acc_head = accumulate_seconds(plan, s.vocab_size * s.hidden / weight_split(plan), cal)
     emb = embedding_backward_seconds(plan, w, cal, mbs)  # on the first stage
-    t_f = max(n * bt.forward + (hf if r == pp - 1 else 0.0) for r, n in enumerate(per_rank))
+    ranks = _memo(cache, ("ranks", pp, plan.virtual_stages), lambda: _distinct_ranks(per_rank))
+    t_f = max(per_rank[r] * bt.forward + (hf if r == pp - 1 else 0.0) for r in ranks)
     t_b = max(
-        n * (bt.backward + acc) + (hb + acc_head if r == pp - 1 else 0.0) + (emb if r == 0 else 0.0)
-        for r, n in enumerate(per_rank)
+        per_rank[r] * (bt.backward + acc) + (hb + acc_head if r == pp - 1 else 0.0) + (emb if r == 0 else 0.0)
+        for r in ranks
     )
     compute = m * (t_f + t_b)
     t_b_compute = t_b

@@ -157,7 +157,8 @@ def footprint(
     and parameters (the runtime's split, :func:`.params.stage_layers`), the loss's tensors and
     slack on the last stage only."""
     r = plan.pp - 1 if stage is None else stage
-    return _stage_footprint(plan, w, mbs, inflight, reserved, r, _model_data(plan, w, r))
+    params, grads, opt, act, host, slack, *fractions = _stage_terms(plan, w, mbs, inflight, r, _model_data(plan, w, r))
+    return Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
 
 
 def _model_data(plan: Plan, w: Workload, r: int) -> tuple:
@@ -213,24 +214,18 @@ def _model_data(plan: Plan, w: Workload, r: int) -> tuple:
     return layers, params, grads, opt, host, fractions, cached, head_copy
 
 
-def _stage_footprint(
-    plan: Plan,
-    w: Workload,
-    mbs: int,
-    inflight: float,
-    reserved: float,
-    r: int,
-    data: tuple,
-    blocks: tuple[float, float] | None = None,
-) -> Footprint:
-    """:func:`footprint` of rank ``r`` from its :func:`_model_data` and (when the caller has it)
-    :func:`block_activation_bytes` at ``mbs``."""
+def _stage_terms(
+    plan: Plan, w: Workload, mbs: int, inflight: float, r: int, data: tuple, blocks: tuple[float, float] | None = None
+) -> tuple[float, ...]:
+    """:func:`footprint`'s ``(params, grads, optimizer, activations, host, slack, host optimizer
+    fraction, host parameter fraction)`` of rank ``r`` from its :func:`_model_data` and (when the
+    caller has it) :func:`block_activation_bytes` at ``mbs``."""
     layers, params, grads, opt, host, fractions, cached, head_copy = data
     full, ckpt = blocks if blocks is not None else block_activation_bytes(plan, w, mbs)
     per_mb = layers * (ckpt if plan.activation_checkpointing else full)
     act = inflight * per_mb + (max(full, cached) if plan.activation_checkpointing else 0.0)
     if r != plan.pp - 1:
-        return Footprint(params, grads, opt, act, reserved, host, 0.0, *fractions)
+        return params, grads, opt, act, host, 0.0, *fractions
     s = w.shape
     t = mbs * w.seq_len / plan.cp
     logits = t * s.vocab_size / plan.tp * 4
@@ -241,7 +236,7 @@ def _stage_footprint(
     held = plan.microbatches if plan.pp > 1 and plan.schedule == "gpipe" else 1
     act += (held - 1) * t * s.vocab_size / plan.tp * 4 + held * head_copy
     slack = allocator_slack(logits)
-    return Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
+    return params, grads, opt, act, host, slack, *fractions
 
 
 def _memory_stages(layers: tuple[int, ...], inflight: tuple[float, ...]) -> list[int]:
@@ -271,9 +266,13 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None
     stage's model data and a block's activations are kept per combination of the fields they read."""
     mbs = w.global_batch // (plan.dp * plan.microbatches)
     m, v = plan.microbatches, plan.virtual_stages
-    inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
     if cache is None:
         cache = {}
+    key = ("stages", plan.schedule, plan.pp, m, v)
+    ranks = cache.get(key)
+    if ranks is None:
+        inflight = ranks_inflight(plan.schedule, plan.pp, m, v)
+        ranks = cache[key] = [(r, inflight[r]) for r in _memory_stages(stage_layers(plan, w), inflight)]
     tp_key = (plan.tp, plan.tp_mode, plan.tp_depth, plan.ep, plan.cp, plan.precision, plan.param_dtype)
     key = ("blocks", mbs, plan.sequence_parallel) + tp_key
     blocks = cache.get(key)
@@ -282,28 +281,27 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None
     # what _model_data reads of the plan
     data_key = tp_key + (plan.dp, plan.pp, v, plan.zero, plan.offload is not None, plan.activation_checkpointing)
     stages = []
-    for r in _memory_stages(stage_layers(plan, w), inflight):
+    for r, inflight in ranks:
         key = ("data", r) + data_key
         data = cache.get(key)
         if data is None:
             data = cache[key] = _model_data(plan, w, r)
-        stages.append(_stage_footprint(plan, w, mbs, inflight[r], 0.0, r, data, blocks))
+        stages.append(_stage_terms(plan, w, mbs, inflight, r, data, blocks))
     # the tensors of the stage with the most; the slack up to the most any stage needs with its own
-    mem = max(stages, key=lambda f: f.allocated) if len(stages) > 1 else stages[0]
-    total = max(f.gpu_total for f in stages) if len(stages) > 1 else mem.gpu_total
-    slack = total - mem.allocated if len(stages) > 1 else mem.slack
+    # (Footprint.allocated and .gpu_total of each stage's terms, its reserve 0)
+    if len(stages) > 1:
+        allocated = [params + grads + opt + act for params, grads, opt, act, *_ in stages]
+        most = max(range(len(stages)), key=allocated.__getitem__)
+        mem = stages[most]
+        total = max(a + t[5] + 0.0 for a, t in zip(allocated, stages))
+        slack = total - allocated[most]
+    else:
+        mem = stages[0]
+        params, grads, opt, act, _, slack, *_ = mem
+        total = params + grads + opt + act + slack + 0.0
     reserved = device_reserve(plan, cluster.calibration, total, experts=bool(w.num_experts))
-    mem = Footprint(
-        mem.params,
-        mem.grads,
-        mem.optimizer,
-        mem.activations,
-        reserved,
-        mem.host,
-        slack,
-        mem.host_optimizer_fraction,
-        mem.host_param_fraction,
-    )
+    params, grads, opt, act, host, _, *fractions = mem
+    mem = Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
     # offload='auto': the runtime's split of the chunks (where the planner cannot cost it, as 'cpu')
     return (
         place_auto(plan, w, cluster, mem)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
 from ..parallel.zero.placement import StaticSplit, chunk_split, explain_split
 
@@ -126,4 +128,16 @@ def zero_chunk_elements(param_sizes: tuple[int, ...], dp: int) -> int:
     lo = max(max(param_sizes, default=1), 1)
     hi = max(2 * lo, sum(param_sizes) // 32)
     cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
-    return search_chunk_size(list(param_sizes), dp, candidates=cands)[0]
+    if not param_sizes or min(param_sizes) < 0 or dp < 1:  # search_chunk_size's checks and errors
+        return search_chunk_size(list(param_sizes), dp, candidates=cands)[0]
+    # search_chunk_size's greedy packing (pack_chunks') and choice (least padding, ties to the
+    # larger size), for all candidates at once
+    sizes = np.array(cands, dtype=np.int64)
+    cap = -(-sizes // dp) * dp  # each candidate rounded up to the shard count
+    used, count = cap + 1, np.zeros_like(cap)
+    for n in param_sizes:  # next fit: a parameter that does not fit opens the next chunk
+        new = used + n > cap
+        count += new
+        used = np.where(new, n, used + n)
+    padding = count * cap - sum(param_sizes)
+    return int(sizes[np.lexsort((-sizes, padding))[0]])

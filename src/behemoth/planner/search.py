@@ -275,7 +275,11 @@ def _legal(fields: dict, verdicts: dict, res: SearchResult) -> bool:
     with pp, cp and ep read as "1 or more" (Plan's composition rules ask only whether they
     exceed 1): a representative with 2 for each is what Plan judges; the plan built from the
     actual fields then passes Plan's constructor, which checks every degree itself."""
-    key = tuple((k, min(v, 2)) if k in _AS_TWO else (k, v) for k, v in fields.items())
+    rep = dict(fields)
+    for k in _AS_TWO:
+        if k in rep:
+            rep[k] = min(rep[k], 2)
+    key = tuple(rep.items())
     why = verdicts.get(key)
     if why is None:
         try:
