@@ -195,7 +195,7 @@ def predict(
             f"global batch {w.global_batch} must equal dp * microbatches * micro-batch size; got dp={plan.dp}, "
             f"microbatches={m}."
         )
-    dt = Dtypes.of(plan)
+    dt = _memo(cache, ("dtypes", plan.precision), lambda: Dtypes.of(plan))
     per_rank = stage_layers(plan, w)
     layers = per_rank[-1]  # the last stage's blocks (it also holds the head)
     key = (
@@ -330,7 +330,20 @@ def predict(
     # the host issues every kernel and collective; the device waits where it falls behind. Each
     # pipeline rank's host issues its own blocks; the schedule runs every stage at the pace of the
     # slowest (t_f, t_b: the most any stage's device takes), so the busiest rank's host bounds it
-    ht = host_times(plan, w, cal)
+    # host_times reads these fields of the plan (host.py, host_calls.py, expert_kernels.py)
+    host_key = (plan.tp, plan.tp_mode, plan.tp_depth, plan.tp_overlap, plan.sequence_parallel, plan.cp, plan.cp_mode)
+    host_key += (
+        plan.dp,
+        plan.ep,
+        plan.ep_overlap,
+        pp,
+        plan.schedule,
+        plan.virtual_stages,
+        plan.zero,
+        ckpt,
+        plan.compile,
+    )
+    ht = _memo(cache, ("host",) + host_key, lambda: host_times(plan, w, cal))
     busiest = max(per_rank)
     host_f = busiest * ht.forward + ht.pipeline / 2
     host_b = (busiest * ht.backward) * (1.5 if zb else 1.0) + ht.pipeline / 2
@@ -346,8 +359,13 @@ def predict(
     # data parallelism / ZeRO over dp (x cp); under expert parallelism the experts' gradients
     # over ep_dp (x cp), in buckets and chunks of their own
     g = plan.dp * plan.cp
-    n = local_params(plan, w, layers=layers, stage=pp - 1)
-    groups = sync_groups(plan, w, layers, pp - 1)
+    # local_params and sync_groups read these fields of the plan (params.py, grad_buckets.py)
+    sync_key = ("sync", plan.tp, plan.tp_mode, plan.tp_depth, plan.ep, plan.dp, plan.cp, pp, plan.virtual_stages)
+    n, groups = _memo(
+        cache,
+        sync_key + (plan.zero, plan.bucket_mb),
+        lambda: (local_params(plan, w, layers=layers, stage=pp - 1), sync_groups(plan, w, layers, pp - 1)),
+    )
     # this rank's ZeRO shard: each group's parameters over its axis's ranks (the rest whole)
     shard = n - sum(c for c, _ in groups.values()) + sum(c / strides[axis][0] for axis, (c, _) in groups.items())
     e = hidden = 0.0
