@@ -196,7 +196,7 @@ def predict(
             f"microbatches={m}."
         )
     dt = _memo(cache, ("dtypes", plan.precision), lambda: Dtypes.of(plan))
-    per_rank = stage_layers(plan, w)
+    per_rank = _memo(cache, ("layers", pp, plan.virtual_stages), lambda: stage_layers(plan, w))
     layers = per_rank[-1]  # the last stage's blocks (it also holds the head)
     key = (
         plan.tp_mode,

@@ -241,6 +241,7 @@ def _costed(variants, mbs, m, w, cluster, budget, caches, res, fitting) -> bool:
     fit: dict[tuple, bool] = {}
     refused = False
     cache, memory = caches
+    why = None  # the shape's verdict, one for every variant: shape_refusal reads neither offload nor checkpointing
     for variant in variants:
         off, ac, fields, base = variant
         if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
@@ -249,7 +250,8 @@ def _costed(variants, mbs, m, w, cluster, budget, caches, res, fitting) -> bool:
             base = variant[3] = Plan(**fields)
         plan = object.__new__(Plan)  # a copy of base: the micro-batch count (>= 1) changes no rule of Plan's
         plan.__dict__.update(base.__dict__, microbatches=m)
-        why = shape_refusal(plan, w, mbs)
+        if why is None:
+            why = shape_refusal(plan, w, mbs)
         if why:
             res.refused[why] += 1
             fit[(off, ac)] = False
