@@ -11,11 +11,13 @@ import behemoth as bh
 from behemoth.models import build_model
 from behemoth.parallel.zero.chunks import pack_chunks, search_chunk_size
 from behemoth.parallel.zero.placement import chunk_split, measured_budget
-from behemoth.planner.auto_offload import auto_refusal, shard_chunks
+from behemoth.planner.auto_offload import auto_refusal, place_stages, shard_chunks, stage_chunks
+from behemoth.planner.bubble import ranks_inflight
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster
 from behemoth.planner.cost import predict
-from behemoth.planner.footprint import plan_memory
+from behemoth.planner.footprint import footprint, plan_memory
+from behemoth.planner.params import stage_layers
 from behemoth.planner.search import Limits, search
 from behemoth.planner.workload import workload_for
 
@@ -136,14 +138,174 @@ def test_search_takes_auto_before_cpu():
     assert r.best.step <= only_cpu.best.step
 
 
-def test_auto_refused_where_the_planner_cannot_cost_it():
-    moe = workload_for("olmoe-tiny", seq_len=16, global_batch=8)
-    dense = workload_for("gpt-1.3b", seq_len=2048, global_batch=8)
-    assert auto_refusal("auto", 2, 1, dense) and auto_refusal("auto", 1, 2, moe)
-    assert not auto_refusal("auto", 1, 1, moe) and not auto_refusal("cpu", 2, 1, dense)
-    r = search(dense, Cluster(num_gpus=4, calibration=CAL), Limits(max_tp=1, max_cp=1, top=1000))
-    assert r.refused["offload='auto' is costed without a pipeline"] > 0
-    assert not any(p.plan.offload == "auto" and p.plan.pp > 1 for p in r.ranked)
+def _stage_sizes(model, layers, stage, ep):
+    """The runtime's view of pipeline rank ``stage``'s parameters (blocks ``layers[stage]`` of a
+    contiguous split): the modules it keeps in the serial order (the rest are parameter-free
+    ``Skip``s), the last rank's tied head a copy of its own; experts over ``ep`` in a group of theirs."""
+    named = list(model.named_parameters())
+    blocks = [i for i, (n, _) in enumerate(named) if n.split(".")[0] in ("blocks", "layers")]
+    first = sum(layers[:stage])
+    mine = range(first, first + layers[stage])
+    sizes, groups = [], []
+    for i, (name, p) in enumerate(named):
+        pre, post = i < blocks[0], i > blocks[-1]
+        block = None if pre or post else int(name.split(".")[1])
+        if (pre and stage == 0) or (post and stage == len(layers) - 1) or block in mine:
+            expert = ep > 1 and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")
+            sizes.append(p.numel() // ep if expert else p.numel())
+            groups.append(1 if expert else 0)
+    tied = not any(n.startswith("lm_head") for n, _ in named)
+    if stage == len(layers) - 1 and tied:
+        sizes.append(named[0][1].numel())
+        groups.append(0)
+    return sizes, groups
+
+
+@pytest.mark.parametrize("name", ("gpt-tiny", "llama-tiny", "olmoe-tiny"))
+@pytest.mark.parametrize("pp,dp,ep", ((2, 1, 1), (3, 2, 1), (1, 2, 2), (2, 2, 2), (2, 4, 2)))
+def test_stage_chunks_are_the_runtimes(name, pp, dp, ep):
+    """Each pipeline rank packs its own parameters (``ZeroOptimizer`` over the rank's cut-down
+    model): the planner's chunks of every rank are the runtime's -- the chunk size its search
+    picks over the rank's parameters, and under expert parallelism the experts' chunk group over
+    ``ep_dp`` beside the dense one over dp, their chunks interleaved in the order they open."""
+    if ep > 1 and name != "olmoe-tiny":
+        return
+    model = build_model(name, vocab_size=96, seq_len=16, num_layers=5, device="meta")
+    w = workload_for(model, seq_len=16, global_batch=12)
+    plan = bh.Plan(dp=dp, pp=pp, ep=ep, zero=3, offload="auto")
+    layers = stage_layers(plan, w)
+    assert sum(layers) == 5
+    for r in range(pp):
+        sizes, groups = _stage_sizes(model, layers, r, ep)
+        dps = {0: dp, 1: dp // ep} if ep > 1 else dp
+        lo = max(sizes)
+        hi = max(2 * lo, sum(sizes) // 32)
+        cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+        chunk = search_chunk_size(sizes, dps, groups=groups, candidates=cands)[0]
+        want = [c.shard_size for c in pack_chunks(sizes, chunk, dps, groups=groups).chunks]
+        assert shard_chunks(plan, w, r) == want
+
+
+def _offloaded_stages(plan, w, c):
+    """Every pipeline rank's footprint with all its chunks on the host (what each rank's warm-up
+    measures its other data beside), as :func:`plan_memory` computes them."""
+    mbs = w.global_batch // (plan.dp * plan.microbatches)
+    inflight = ranks_inflight(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    return [footprint(plan, w, mbs=mbs, inflight=inflight[r], reserved=0.0, stage=r) for r in range(plan.pp)]
+
+
+@pytest.mark.parametrize("zero", (1, 2, 3))
+def test_each_pipeline_rank_splits_its_own_chunks(zero):
+    """GPT-13B over a 2-stage pipeline on 80 GiB GPUs: every rank's split is the runtime's
+    (``chunk_split`` over the rank's chunks at ``measured_budget`` of the rank's own other data),
+    every rank's model data inside its own budget; the plan's memory is the worst rank's, its host
+    memory and host fractions the most any rank offloads."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=80 * GIB, host_bytes=400 * GIB)
+    kw = dict(pp=2, zero=zero, precision="bf16", activation_checkpointing=True, microbatches=8)
+    plan = bh.Plan(offload="auto", **kw).resolve(2)
+    offloaded = _offloaded_stages(plan, w, c)
+    placed = place_stages(plan, w, c, range(plan.pp), offloaded)
+    fractions = []
+    for r, (off, got) in enumerate(zip(offloaded, placed)):
+        shards = shard_chunks(plan, w, r)
+        other = off.allocated - (off.params if zero < 3 else 0.0)
+        budget = measured_budget(int(c.memory_bytes), int(other))
+        keep_p, keep_o, _ = chunk_split(
+            zero,
+            shards,
+            8,
+            4,
+            budget,
+            bandwidth=CAL.h2d_bytes_per_s,
+            cpu_update_bandwidth=CAL.cpu_adam_params_per_s * 4,
+            host_budget_bytes=int(c.host_bytes),
+            resident_bytes=sum(shards) * 4 if zero < 3 else 0,  # dp = 1: the shards are the whole parameters
+        )
+        assert 0 < keep_o < len(shards)  # a real split on every rank
+        assert got.optimizer == pytest.approx(sum(shards[:keep_o]) * 8)
+        kept_p = sum(shards[:keep_p]) if zero == 3 else 0
+        assert got.params - off.params == pytest.approx(kept_p * 4)
+        assert got.activations == off.activations
+        assert 0 < got.allocated - off.allocated <= budget  # the kept model data: inside the rank's budget
+        assert got.allocated <= 0.92 * c.memory_bytes - 2 * GIB
+        total = sum(shards)
+        fractions.append((1 - sum(shards[:keep_o]) / total, (1 - kept_p / total) if zero == 3 else 0.0))
+    mem = plan_memory(plan, w, c)
+    assert mem.allocated == pytest.approx(max(f.allocated for f in placed))
+    assert (
+        mem.host == pytest.approx(max(f.host for f in placed))
+        and mem.host < plan_memory(bh.Plan(offload="cpu", **kw).resolve(2), w, c).host
+    )
+    assert mem.host_optimizer_fraction == pytest.approx(max(f for f, _ in fractions))
+    assert mem.host_param_fraction == pytest.approx(max(p for _, p in fractions))
+    assert mem.host_optimizer_fraction < 1
+
+
+def test_pipeline_auto_time_at_most_cpu_and_monotone_in_memory():
+    """Under a pipeline too: 'auto' never slower than 'cpu', equal where it keeps nothing, faster
+    as the GPU grows, no offload work where everything stays."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    kw = dict(pp=2, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8)
+    steps = []
+    for gb in (30, 40, 60, 80, 100, 140, 200):
+        c = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=gb * GIB, host_bytes=400 * GIB)
+        auto, cpu = predict(bh.Plan(offload="auto", **kw), w, c), predict(bh.Plan(offload="cpu", **kw), w, c)
+        assert auto.step <= cpu.step * (1 + 1e-12)
+        steps.append(auto.step)
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+    assert predict(bh.Plan(offload="auto", **kw), w, c).offload == 0
+    # a device whose budget holds no chunk on any rank: every rank offloads everything, as 'cpu'
+    tight = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=12 * GIB, host_bytes=400 * GIB)
+    auto = plan_memory(bh.Plan(offload="auto", **kw).resolve(2), w, tight)
+    assert auto.host_optimizer_fraction == 1.0 and auto.host_param_fraction == 1.0
+    a, b = predict(bh.Plan(offload="auto", **kw), w, tight), predict(bh.Plan(offload="cpu", **kw), w, tight)
+    assert a.step == pytest.approx(b.step, rel=1e-3)  # the chunks' padding beside n / g
+
+
+def test_experts_split_as_one_store():
+    """Under expert parallelism the experts' chunks are a chunk group of the one store: one split
+    over the dense and expert chunks in the order they open, at one budget."""
+    w = workload_for("mixtral-4b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=24 * GIB, host_bytes=400 * GIB)
+    kw = dict(dp=2, ep=2, zero=3, precision="bf16", activation_checkpointing=True, microbatches=4)
+    plan = bh.Plan(offload="auto", **kw)
+    layout = stage_chunks(plan, w)
+    assert {ch.dp for ch in layout.chunks} == {1, 2}  # experts over ep_dp = 1, the rest over dp = 2
+    cpu = plan_memory(bh.Plan(offload="cpu", **kw), w, c)
+    auto = plan_memory(plan, w, c)
+    shards = [ch.shard_size for ch in layout.chunks]
+    keep_p, keep_o, _ = chunk_split(
+        3,
+        shards,
+        8,
+        4,
+        measured_budget(int(c.memory_bytes), int(cpu.allocated)),
+        bandwidth=CAL.h2d_bytes_per_s,
+        cpu_update_bandwidth=CAL.cpu_adam_params_per_s * 4,
+        host_budget_bytes=int(c.host_bytes),
+    )
+    assert 0 < keep_o < len(shards)
+    total = sum(shards)
+    assert auto.host_optimizer_fraction == pytest.approx(1 - sum(shards[:keep_o]) / total)
+    assert auto.host_param_fraction == pytest.approx(1 - sum(shards[:keep_p]) / total)
+    assert predict(plan, w, c).step <= predict(bh.Plan(offload="cpu", **kw), w, c).step
+
+
+def test_search_lists_auto_under_a_pipeline_and_experts():
+    """'auto' is costed, not refused, under a pipeline and under expert parallelism: GPT-13B on two
+    80 GB GPUs needs the host at dp = 1, and the search lists a 2-stage pipeline that keeps part."""
+    dense = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=2, calibration=CAL, host_bytes=512 * 2**30)
+    r = search(dense, c, Limits(max_tp=1, max_cp=1, top=10000))
+    assert not any("costed" in why for why in r.refused)  # what auto_refusal gave
+    assert any(
+        p.plan.pp == 2 and p.plan.offload == "auto" and 0 < p.memory.host_optimizer_fraction < 1 for p in r.ranked
+    )
+    for p in r.ranked:  # every listed pipeline plan fits its memory, 'auto' within each rank's budget
+        if p.plan.pp == 2 and p.plan.offload == "auto" and p.memory.host_optimizer_fraction < 1:
+            assert p.memory.allocated <= 0.92 * c.memory_bytes - 2 * GIB
+    assert not auto_refusal("auto", 2, 2, workload_for("olmoe-tiny", seq_len=16, global_batch=8))
 
 
 def test_offloaded_micro_batches_cost_their_accumulate_copies():

@@ -7,16 +7,22 @@ what is left (:func:`~behemoth.parallel.zero.placement.measured_budget`) and spl
 shorter one its master and optimizer state too, the rest live on the host. The planner does the same
 with its predictions: the footprint of the plan with every chunk offloaded is the step's other data
 (at ZeRO 1-2 less the parameters, which stay on the GPU), and the chunks are those the runtime packs
-(:func:`.zero3_traffic.rank_param_sizes` at the chunk size the runtime picks: :func:`.zero3_traffic.
-chunk_elements`).
+(:func:`stage_chunks`: the rank's parameters, :func:`stage_params`, at the chunk size the runtime's
+search picks).
 The split's bandwidths are the calibration's (the runtime measures its own: a host whose copy or
 CPU-update rate differs from the calibration's may split elsewhere).
 
+Under a pipeline each rank builds its own ZeRO optimizer over its stage's parameters -- its own
+chunk store and placement, its own warm-up measurement on its own device -- so each rank splits its
+own chunks at its own budget (:func:`place_stages`); the plan's memory is the worst rank's, its host
+work the most any rank offloads. Under expert parallelism the experts are chunk groups of their own
+(sharded over ``ep_dp``, times tp under tensor parallelism, as an MoE block's other parameters are
+over the data axis times tp), but of the one store: their chunks interleave with the dense ones in
+the order they open, and one split runs over them all at one budget.
+
 The result is a :class:`~.footprint.Footprint` with the kept model data on the GPU, the offloaded
 chunks' host memory by the runtime's rule, and the fractions of the shard whose optimizer runs on the
-host and whose parameters are fetched from it, which the cost model charges
-(:func:`.cost.predict`). Costed without a pipeline and for one chunk group (a dense model, or experts
-at ``ep = 1``): :func:`auto_refusal` names the rest.
+host and whose parameters are fetched from it, which the cost model charges (:func:`.cost.predict`).
 
 Tested in tests/unit/test_planner_auto_offload.py.
 """
@@ -24,68 +30,161 @@ Tested in tests/unit/test_planner_auto_offload.py.
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
+
+import numpy as np
 
 from ..parallel.zero.auto import STATE_BYTES
+from ..parallel.zero.chunks import pack_chunks
 from ..parallel.zero.placement import chunk_split, measured_budget
 from ..plan import Plan
 from .cluster import Cluster
-from .memory import packed_layout
+from .params import stage_layers
 from .workload import Workload
-from .zero3_traffic import chunk_elements, rank_param_sizes
+from .zero3_traffic import final_norm_index, rank_param_sizes
 
-__all__ = ["auto_refusal", "place_auto", "shard_chunks"]
+__all__ = ["auto_refusal", "place_auto", "place_stages", "shard_chunks", "stage_chunks", "stage_params"]
 
 ADAM_STATE = STATE_BYTES["AdamW"]
+
+DENSE, EXPERT, MOE_TP = 0, 1, 2
+"""Chunk groups (``ZeroOptimizer``'s: one per axis a parameter is replicated over): the dense
+parameters over the data axis, the experts under expert parallelism over ``ep_dp`` (times tp under
+tensor parallelism), an MoE block's other parameters under tensor parallelism (the router, and the
+experts at ``ep = 1``) over the data axis times tp (``parallel/expert/style.py``'s ``expert_param_axes``)."""
 
 
 def auto_refusal(offload: str | None, pp: int, ep: int, w: Workload) -> str:
     """Why the planner cannot cost ``offload='auto'`` for a plan of ``pp`` and ``ep`` (empty where it
-    can, or where ``offload`` is not ``'auto'``)."""
-    if offload != "auto":
-        return ""
-    if pp > 1:
-        return "offload='auto' is costed without a pipeline"
-    if w.num_experts and ep > 1:
-        return "offload='auto' is costed for one chunk group (experts at ep 1)"
+    can, or where ``offload`` is not ``'auto'``): none is left -- every pipeline rank places its own
+    chunks (:func:`place_stages`), and experts under expert parallelism are chunk groups of the one
+    store the split runs over (:func:`stage_params`). Kept as the search's and :func:`.footprint.
+    plan_memory`'s one question."""
     return ""
 
 
-def shard_chunks(plan: Plan, w: Workload) -> list[int]:
-    """This rank's chunk shards in elements, in the order the runtime packs and places them."""
-    sizes, _ = rank_param_sizes(plan, w)
-    layout = packed_layout(sizes, chunk_elements(plan, w), plan.dp * plan.cp)
-    return [c.shard_size for c in layout.chunks]
+def stage_params(plan: Plan, w: Workload, stage: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(sizes, groups)``: pipeline rank ``stage``'s trainable parameters in registration order (the
+    order ``ZeroOptimizer`` packs them in) and per parameter its chunk group (:data:`DENSE`,
+    :data:`EXPERT`, :data:`MOE_TP`). A rank keeps the serial model's order over what it holds
+    (``parallel/pipeline/stage.py`` replaces the rest by parameter-free modules): the embeddings on
+    the first rank, its blocks (over all its virtual stages: :func:`.params.stage_layers`), the final
+    norm and the head on the last -- a head tied to the embedding there as its own copy, registered
+    where the head is. Sizes by :func:`.zero3_traffic.rank_param_sizes` (exact for behemoth's GPT and
+    Llama, dense or MoE, without tensor parallelism; an estimate under it)."""
+    sizes, kinds = rank_param_sizes(plan, w)
+    groups = list(kinds)
+    layers = w.shape.num_layers
+    tail = final_norm_index(w, len(sizes))
+    pre = 1 + (1 if w.shape.max_positions else 0)  # the token table, the position table
+    per = (tail - pre) // layers
+    if w.num_experts and plan.tp > 1:  # an MoE block (its last three: the experts, then the router) over x tp
+        for b in range(layers):
+            for i in range(pre + b * per + per - 3, pre + (b + 1) * per):
+                groups[i] = EXPERT if groups[i] == EXPERT else MOE_TP
+    if plan.pp == 1:
+        return sizes, tuple(groups)
+    head = 1 if w.tied_embeddings else 0  # the tied head's copy, after the final norm
+    mine = stage_layers(plan, w)[stage]
+    ranges = ([(0, pre)] if stage == 0 else []) + [(pre, pre + per * mine)]
+    if stage == plan.pp - 1:
+        ranges.append((tail, len(sizes)))
+    out_s = [s for a, b in ranges for s in sizes[a:b]]
+    out_g = [k for a, b in ranges for k in groups[a:b]]
+    if stage == plan.pp - 1 and head:
+        out_s.append(sizes[0])
+        out_g.append(DENSE)
+    return tuple(out_s), tuple(out_g)
 
 
-def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded) -> object:
-    """``offloaded`` (the footprint of ``plan`` with every chunk on the host) with the chunks the
-    runtime's split keeps moved back to the GPU."""
+def group_shards(plan: Plan) -> dict[int, int]:
+    """Each chunk group's shard count: the ranks its replica axis spans."""
+    g, t = plan.dp * plan.cp, plan.tp
+    return {DENSE: g, EXPERT: max(g // plan.ep, 1) * t, MOE_TP: g * t}
+
+
+@lru_cache(maxsize=4096)
+def _layout(sizes: tuple[int, ...], groups: tuple[int, ...], shards: tuple[tuple[int, int], ...], fixed: int | None):
+    """``pack_chunks`` at the size ``ZeroOptimizer._pack`` picks: ``fixed`` (``Plan.chunk_mb``'s), else
+    ``search_chunk_size``'s over its 256 candidates (the least padding summed over the groups, ties
+    to the larger), the candidates counted at once."""
+    dps = {k: d for k, d in shards if k in groups}
+    if fixed is not None:
+        return pack_chunks(list(sizes), fixed, dps, groups=list(groups))
+    lo = max(max(sizes), 1)
+    hi = max(2 * lo, sum(sizes) // 32)
+    cands = np.array(sorted({lo + (hi - lo) * i // 255 for i in range(256)}), dtype=np.int64)
+    padding = np.zeros_like(cands)
+    for kind, d in dps.items():
+        cap = -(-cands // d) * d  # the group's chunk size: the size rounded up to its shard count
+        used, count, total = cap + 1, np.zeros_like(cands), 0
+        for n, k in zip(sizes, groups):
+            if k == kind:  # next fit: a parameter that does not fit opens the next chunk
+                new = used + n > cap
+                count += new
+                used = np.where(new, n, used + n)
+                total += n
+        padding += count * cap - total
+    chunk = int(cands[np.lexsort((-cands, padding))[0]])
+    return pack_chunks(list(sizes), chunk, dps, groups=list(groups))
+
+
+def stage_chunks(plan: Plan, w: Workload, stage: int = 0):
+    """Pipeline rank ``stage``'s chunk layout, as ``ZeroOptimizer`` packs it: every chunk group's
+    chunks in the order they open (dense and expert chunks interleaved, one store)."""
+    fixed = None if plan.chunk_mb is None else max(1, int(plan.chunk_mb * 2**20 // 4))
+    # what the rank's parameters and their groups depend on (a search asks again for every plan sharing it)
+    key = (w, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.virtual_stages, plan.ep, plan.dp, plan.cp, stage)
+    got = _LAYOUTS.get(key + (fixed,))
+    if got is None:
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        sizes, groups = stage_params(plan, w, stage)
+        got = _LAYOUTS[key + (fixed,)] = _layout(sizes, groups, tuple(group_shards(plan).items()), fixed)
+    return got
+
+
+_LAYOUTS: dict = {}
+
+
+def shard_chunks(plan: Plan, w: Workload, stage: int = 0) -> list[int]:
+    """Rank ``stage``'s chunk shards in elements, in the order the runtime packs and places them."""
+    return [c.shard_size for c in stage_chunks(plan, w, stage).chunks]
+
+
+def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int = 0) -> object:
+    """``offloaded`` (the footprint of pipeline rank ``stage`` of ``plan`` with every chunk on the
+    host) with the chunks the runtime's split keeps moved back to the GPU."""
     z, cal = plan.zero, cluster.calibration
     pb = 2 if plan.param_dtype == "bf16" else 4
     masters = 4 if pb == 2 else 0
     other = offloaded.allocated - (offloaded.params if z < 3 else 0.0)
-    shards = shard_chunks(plan, w)
+    chunks = stage_chunks(plan, w, stage).chunks
+    shards = [c.shard_size for c in chunks]
     total = float(sum(shards))
+    given = plan.offload_budget_gb
+    budget = measured_budget(int(cluster.memory_bytes), int(other)) if given is None else int(given * 2**30)
     try:
         keep_p, keep_o, _ = chunk_split(
             z,
             shards,
             ADAM_STATE,
             pb,
-            measured_budget(int(cluster.memory_bytes), int(other)),
+            budget,
             bandwidth=cal.h2d_bytes_per_s,
             cpu_update_bandwidth=cal.cpu_adam_params_per_s * 4,
             host_budget_bytes=int(cluster.host_bytes),
-            resident_bytes=int(total) * plan.dp * plan.cp * pb if z < 3 else 0,  # stages 1-2: whole parameters
+            resident_bytes=sum(c.size for c in chunks) * pb if z < 3 else 0,  # stages 1-2: whole parameters
         )
     except ValueError:  # the host cannot hold what any split offloads: everything stays offloaded
         return offloaded
     kept_p = float(sum(shards[:keep_p])) if z == 3 else 0.0
     kept_o = float(sum(shards[:keep_o]))
     host_o, host_p = total - kept_o, (total - kept_p if z == 3 else 0.0)
-    # a kept chunk: its parameters (stage 3; stages 1-2 keep every chunk's), its gradient shard (stage
-    # 1 at one replica: the gradient chunk itself, already counted) and its master and optimizer state
-    grads = kept_o * 4 if (z >= 2 or plan.dp * plan.cp > 1) else 0.0
+    # a kept chunk: its parameters (stage 3; stages 1-2 keep every chunk's), its reduced gradient shard
+    # (but where the gradient chunk is that shard, already counted: a chunk of one replica at stage 1
+    # or under a pipeline, whose gradient chunks stay through the step) and its master and state
+    grads = 4.0 * sum(c.shard_size for c in chunks[:keep_o] if c.dp > 1 or (z >= 2 and plan.pp == 1))
     return dataclasses.replace(
         offloaded,
         params=offloaded.params + kept_p * pb,
@@ -95,3 +194,29 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded) -> object:
         host_optimizer_fraction=host_o / total if total else 0.0,
         host_param_fraction=host_p / total if total else 0.0,
     )
+
+
+def place_stages(plan: Plan, w: Workload, cluster: Cluster, ranks, offloaded: list) -> list:
+    """The footprints of pipeline ranks ``ranks`` (``offloaded``: each with every chunk on the host)
+    placed as each rank places its chunks: every rank builds its own ZeRO optimizer, chunk store and
+    ``ChunkPlacement`` over its stage's parameters (``parallel/zero/sync.py``'s ``build_grad_sync``
+    on the rank's cut-down model) and measures its own warm-up peak of other data on its own
+    device, so each splits its own chunks at its own budget (:func:`place_auto` with ``stage``).
+
+    ``ranks`` are :func:`.footprint.plan_memory`'s, those whose memory can be the most: they also
+    offload the largest share. Any other rank holds no more blocks than one of them with its
+    chunks, no more in-flight micro-batches, and neither the embeddings nor the head -- less model
+    data in a larger budget.
+
+    Beside each rank's tensors, every returned footprint carries the most host memory any rank
+    needs and the largest host fractions of any rank: the cost model has one offload term, over
+    one rank's shard (:func:`.cost.predict`), and the step waits for the rank with the most host
+    work -- every rank updates its own chunks once its last backward is done (with clipping, all
+    at once after the norm's all-reduce over the stages), and the balanced split gives the ranks
+    shards of about one size, so the rank that offloads the largest share is the one that ends the
+    step last. The largest shares are also never above 'cpu''s, so 'auto' is never costed slower."""
+    placed = [place_auto(plan, w, cluster, f, stage=r) for r, f in zip(ranks, offloaded)]
+    host = max(f.host for f in placed)
+    fo = max(f.host_optimizer_fraction for f in placed)
+    fp = max(f.host_param_fraction for f in placed)
+    return [dataclasses.replace(f, host=host, host_optimizer_fraction=fo, host_param_fraction=fp) for f in placed]

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .auto_offload import auto_refusal, place_auto
+from .auto_offload import auto_refusal, place_auto, place_stages
 from .bubble import ranks_inflight
 from .cluster import Cluster
 from .memory import zero_chunk_elements
@@ -287,6 +287,23 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None
         if data is None:
             data = cache[key] = _model_data(plan, w, r)
         stages.append(_stage_terms(plan, w, mbs, inflight, r, data, blocks))
+    auto = plan.offload == "auto" and not auto_refusal("auto", plan.pp, plan.ep, w)
+    if auto and plan.pp > 1:  # offload='auto' under a pipeline: each rank splits its own chunks at its own budget
+        offloaded = [Footprint(p, g, o, a, 0.0, h, sl, *fr) for p, g, o, a, h, sl, *fr in stages]
+        placed = place_stages(plan, w, cluster, [r for r, _ in ranks], offloaded)
+        stages = [
+            (
+                f.params,
+                f.grads,
+                f.optimizer,
+                f.activations,
+                f.host,
+                f.slack,
+                f.host_optimizer_fraction,
+                f.host_param_fraction,
+            )
+            for f in placed
+        ]
     # the tensors of the stage with the most; the slack up to the most any stage needs with its own
     # (Footprint.allocated and .gpu_total of each stage's terms, its reserve 0)
     if len(stages) > 1:
@@ -303,11 +320,7 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None
     params, grads, opt, act, host, _, *fractions = mem
     mem = Footprint(params, grads, opt, act, reserved, host, slack, *fractions)
     # offload='auto': the runtime's split of the chunks (where the planner cannot cost it, as 'cpu')
-    return (
-        place_auto(plan, w, cluster, mem)
-        if plan.offload == "auto" and not auto_refusal("auto", plan.pp, plan.ep, w)
-        else mem
-    )
+    return place_auto(plan, w, cluster, mem) if auto and plan.pp == 1 else mem
 
 
 def zero3_held_bytes(plan: Plan, w: Workload, shard: float, pb: int) -> tuple[float, float]:
