@@ -325,3 +325,16 @@ def test_offloaded_micro_batches_cost_their_accumulate_copies():
         assert work(zero, 1) < work(zero, 2) < work(zero, 8)
     assert work(1, 1) < work(1, 2) < work(1, 8)
     assert work(1, 8) - work(1, 1) < work(2, 8) - work(2, 1)  # ZeRO-2's copies on top
+
+
+def test_auto_reads_the_plans_budget_and_chunk_size():
+    """``Plan.offload_budget_gb`` is the budget the runtime splits at (no measurement), and
+    ``Plan.chunk_mb`` the chunk size it packs at."""
+    w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
+    c = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=140 * GIB, host_bytes=400 * GIB)
+    kw = dict(dp=1, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8, offload="auto")
+    auto = plan_memory(bh.Plan(offload_budget_gb=20, **kw), w, c)
+    cpu = plan_memory(bh.Plan(**dict(kw, offload="cpu")), w, c)
+    assert 0 < auto.allocated - cpu.allocated <= 20 * GIB
+    shards = shard_chunks(bh.Plan(chunk_mb=1024, **kw), w)
+    assert max(shards) <= 2**28 and len(shards) > len(shard_chunks(bh.Plan(**kw), w))

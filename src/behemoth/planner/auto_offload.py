@@ -2,13 +2,14 @@
 
 The runtime (:class:`~behemoth.parallel.zero.auto.ChunkPlacement`) runs a warm-up step, measures its
 peak of everything but the model data (activations, gathered chunks, the loss), gives the model data
-what is left (:func:`~behemoth.parallel.zero.placement.measured_budget`) and splits the chunks there
+what is left (:func:`~behemoth.parallel.zero.placement.measured_budget`; ``Plan.offload_budget_gb``
+where given) and splits the chunks there
 (:func:`~behemoth.parallel.zero.placement.chunk_split`): a prefix keeps its parameters on the GPU, a
 shorter one its master and optimizer state too, the rest live on the host. The planner does the same
 with its predictions: the footprint of the plan with every chunk offloaded is the step's other data
 (at ZeRO 1-2 less the parameters, which stay on the GPU), and the chunks are those the runtime packs
 (:func:`stage_chunks`: the rank's parameters, :func:`stage_params`, at the chunk size the runtime's
-search picks).
+search picks, or ``Plan.chunk_mb``'s).
 The split's bandwidths are the calibration's (the runtime measures its own: a host whose copy or
 CPU-update rate differs from the calibration's may split elsewhere).
 
