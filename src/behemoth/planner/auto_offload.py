@@ -37,7 +37,7 @@ import numpy as np
 
 from ..parallel.zero.auto import STATE_BYTES
 from ..parallel.zero.chunks import pack_chunks
-from ..parallel.zero.placement import chunk_split, measured_budget
+from ..parallel.zero.placement import chunk_split, measured_budget, split_costs
 from ..plan import Plan
 from .cluster import Cluster
 from .params import stage_layers
@@ -158,13 +158,16 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int 
     host) with the chunks the runtime's split keeps moved back to the GPU."""
     z, cal = plan.zero, cluster.calibration
     pb = 2 if plan.param_dtype == "bf16" else 4
-    masters = 4 if pb == 2 else 0
     other = offloaded.allocated - (offloaded.params if z < 3 else 0.0)
     chunks = stage_chunks(plan, w, stage).chunks
     shards = [c.shard_size for c in chunks]
-    total = float(sum(shards))
     given = plan.offload_budget_gb
     budget = measured_budget(int(cluster.memory_bytes), int(other)) if given is None else int(given * 2**30)
+    if z == 3 and len(shards) > 1 and budget <= max(shards) * pb:  # the split's one choice: nothing kept
+        # (no prefix and the fetch buffer fit where the budget is the largest chunk's), if the host holds it
+        if sum(split_costs(shards, ADAM_STATE, pb)[2]) > int(cluster.host_bytes):
+            return offloaded
+        return _kept(plan, offloaded, chunks, 0, 0)
     try:
         keep_p, keep_o, _ = chunk_split(
             z,
@@ -179,6 +182,17 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int 
         )
     except ValueError:  # the host cannot hold what any split offloads: everything stays offloaded
         return offloaded
+    return _kept(plan, offloaded, chunks, keep_p, keep_o)
+
+
+def _kept(plan: Plan, offloaded, chunks, keep_p: int, keep_o: int) -> object:
+    """``offloaded`` with chunks ``[0, keep_p)`` keeping their parameters and ``[0, keep_o)`` their
+    master and optimizer state on the GPU."""
+    z = plan.zero
+    pb = 2 if plan.param_dtype == "bf16" else 4
+    masters = 4 if pb == 2 else 0
+    shards = [c.shard_size for c in chunks]
+    total = float(sum(shards))
     kept_p = float(sum(shards[:keep_p])) if z == 3 else 0.0
     kept_o = float(sum(shards[:keep_o]))
     host_o, host_p = total - kept_o, (total - kept_p if z == 3 else 0.0)
