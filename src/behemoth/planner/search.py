@@ -242,14 +242,20 @@ def _costed(variants, mbs, m, w, cluster, budget, caches, res, fitting) -> bool:
     refused = False
     cache, memory = caches
     why = None  # the shape's verdict, one for every variant: shape_refusal reads neither offload nor checkpointing
+    ahead: dict[bool, object] = {}  # 'cpu''s memory per checkpointing choice, computed for an 'auto' before it
+
+    def at_m(variant) -> Plan:
+        if variant[3] is None:  # built once per layout: its constructor checks the actual degrees
+            variant[3] = Plan(**variant[2])
+        plan = object.__new__(Plan)  # a copy: the micro-batch count (>= 1) changes no rule of Plan's
+        plan.__dict__.update(variant[3].__dict__, microbatches=m)
+        return plan
+
     for variant in variants:
-        off, ac, fields, base = variant
+        off, ac = variant[0], variant[1]
         if any(v for (o, a), v in fit.items() if (o is None or off is not None) and (not a or ac)):
             continue
-        if base is None:  # built once per layout: its constructor checks the actual degrees
-            base = variant[3] = Plan(**fields)
-        plan = object.__new__(Plan)  # a copy of base: the micro-batch count (>= 1) changes no rule of Plan's
-        plan.__dict__.update(base.__dict__, microbatches=m)
+        plan = at_m(variant)
         if why is None:
             why = shape_refusal(plan, w, mbs)
         if why:
@@ -257,7 +263,16 @@ def _costed(variants, mbs, m, w, cluster, budget, caches, res, fitting) -> bool:
             fit[(off, ac)] = False
             refused = True
             continue
-        mem = plan_memory(plan, w, cluster, cache=memory)
+        if off == "auto":  # 'auto' holds on the GPU what 'cpu' holds and what its split keeps: where
+            # 'cpu' does not fit the GPU, neither does it (skipped uncosted; 'cpu' comes next)
+            cpu = next((v for v in variants if v[0] == "cpu" and v[1] == ac), None)
+            if cpu is not None:
+                if ac not in ahead:
+                    ahead[ac] = plan_memory(at_m(cpu), w, cluster, cache=memory)
+                if ahead[ac].gpu_total > budget:
+                    fit[(off, ac)] = False
+                    continue
+        mem = ahead.pop(ac) if off == "cpu" and ac in ahead else plan_memory(plan, w, cluster, cache=memory)
         ok = mem.gpu_total <= budget and mem.host <= cluster.host_bytes
         fit[(off, ac)] = ok
         res.evaluated += 1
