@@ -11,7 +11,9 @@ data axis is launched at once, while the backward goes on, in one fixed order on
 * stage 1: a reduce-scatter of the gradient chunk (persistent), on the last micro-batch only;
 * stages 2-3: a reduce-scatter every micro-batch, added into the ``s``-element shard accumulator
   (``grad_acc``, beside the master: on the host for an offloaded chunk, copied down on a side
-  stream), the gradient chunk freed as soon as its reduction is issued; at most 2 in flight;
+  stream), the gradient chunk freed as soon as its reduction is issued; at most 2 in flight (a
+  chunk of one replica, which reduces nothing, is summed at once: three whole fp32 gradient chunks
+  held beside the shards took a Llama-8B step on one H200 past its memory);
 * stages 2-3 with ``reduce_once`` (pipelines, whose schedules interleave one stage's micro-batch
   backwards with other work and sum tied copies after the last one): as stage 1 -- the step's
   micro-batches accumulate in the gradient chunk, reduce-scattered once, on the last micro-batch --
@@ -168,6 +170,8 @@ class GradReducer:
                         p.grad = None
                 if self.stage == 3 and st.pending is None:
                     self.store.release(st)  # its gradients are complete: backward needs it no more
+            if self.store.replica_axis(st).trivial:  # nothing to wait for: summed into its shard's
+                self._complete(*self._inflight.pop())  # gradient now, and the gradient chunk freed
             while len(self._inflight) > 2:  # bound memory: at most 2 chunk reductions in flight
                 self._complete(*self._inflight.pop(0))
 
