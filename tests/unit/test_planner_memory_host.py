@@ -39,3 +39,16 @@ def test_zero2_offload_keeps_only_the_gradient_chunks_in_flight_on_the_gpu():
     plan = bh.Plan(dp=1, zero=2, offload="cpu", precision="bf16").resolve(1)
     chunk, largest = gradient_chunk_elements(plan, w)
     assert footprint(plan, w, mbs=8, inflight=1, reserved=0.0).grads == pytest.approx(4 * (3 * chunk + largest))
+
+
+def test_zero2_gradient_chunks_of_one_replica_are_not_in_flight():
+    """A chunk of one replica reduces nothing: ZeRO-2 sums it into its shard at once and holds only
+    the chunk filling (``parallel/zero/reduce.py``); with data parallelism two more are in flight."""
+    from behemoth.planner.footprint import gradient_chunk_elements
+
+    w = workload_for("gpt-1.3b", seq_len=2048, global_batch=8)
+    for dp, chunks in ((1, 1), (2, 3)):
+        plan = bh.Plan(dp=dp, zero=2, precision="bf16").resolve(dp)
+        chunk, largest = gradient_chunk_elements(plan, w)
+        shard_bytes = footprint(plan, w, mbs=8 // dp, inflight=1, reserved=0.0).grads - 4 * (chunks * chunk + largest)
+        assert shard_bytes == pytest.approx(4 * w.num_params / dp, rel=0.02)

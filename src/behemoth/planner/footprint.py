@@ -206,8 +206,10 @@ def _model_data(plan: Plan, w: Workload, r: int) -> tuple:
         # beside the reduced shards (on the host under offload; none beside a chunk of one replica)
         grads = n * 4 + (0.0 if off else (shard - single_replica_elements(plan, w, n, layers)) * 4)
     elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
+        # (a chunk of one replica reduces nothing: summed into its shard at once, none in flight; an
+        # offloaded one lives until its copy down has read it: three kept, the count measured before)
         chunk, largest = gradient_chunk_elements(plan, w)
-        grads += 4 * (3 * chunk + largest)
+        grads += 4 * ((3 if g > 1 or off else 1) * chunk + largest)
     fractions = (1.0, 1.0 if z == 3 else 0.0) if off else (0.0, 0.0)
     cached = autocast_cache_bytes(plan, w, layers) if plan.activation_checkpointing else 0.0
     head_copy = 2 * s.vocab_size * s.hidden / weight_split(plan) if autocast_copies(plan) else 0.0
