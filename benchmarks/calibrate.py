@@ -29,7 +29,7 @@ Measures, on rank 0's GPU unless said otherwise:
 * every rank at once: the CPU AdamW update's parameters per second of one rank, the fused CPU
   kernel that offloaded chunks run, with the threads the launch gives each rank (torchrun: 1;
   ``behemoth launch``: the cores over the ranks; ``extra.cpu_adam_threads``), the slowest rank's,
-  while pinned copies run both ways (the device idle: ``extra.cpu_adam_idle_params_per_s``);
+  with the device idle (and while pinned copies run both ways: ``extra.cpu_adam_with_copies_params_per_s``);
 * every rank at once: ``sustained_ratio``, the rate of 8192**3 GEMMs run back to back for
   ``SUSTAIN_S`` seconds (the last part of it) over the GEMM table's rate at that size (short
   bursts), as a training step's seconds of work see clocks drop;
@@ -270,10 +270,11 @@ def cpu_adam_rate(world: int) -> tuple[float, float]:
     at once, each with the threads its launch gave it: the kernel the offloaded chunks run (the
     ZeRO optimizer gives host masters the fused CPU kernel; ``parallel/zero/measure.py``'s
     :func:`cpu_update_rate`, which ``offload='auto'`` also measures with), the slowest rank's
-    rate; first with the device idle, then (the rate the cost model reads) while pinned copies run
-    both ways between the host and the device, as other chunks' gradients and parameters travel
-    while a chunk updates in a step (Llama-8B on one H200: the update ran at 2.8 G parameters/s in
-    the step against 4.2 G measured with the device idle). Timed in a worker thread set up as
+    rate; with the device idle (the rate the cost model reads), then while pinned copies run both
+    ways between the host and the device (kept in ``extra``: on one H200 host 2.92 G parameters/s
+    against 3.68 idle, yet in a Llama-8B step beside such copies the update ran at the idle rate;
+    what slowed it under bf16 parameters was the host's cast of each updated chunk, which the cost
+    model charges on its own: :data:`behemoth.planner.cost.HOST_CAST_SHARE`). Timed in a worker thread set up as
     ``parallel/zero/overlap.py``'s (the thread the update runs in during the backward; the H100 host
     of benchmarks/RESULTS.md ran fused AdamW at 3.61 G parameters/s there against 4.87 in the main
     thread). The ranks share the host's memory bandwidth in a step, so one rank alone (the others
@@ -707,10 +708,12 @@ def main() -> None:
             print(f"calibrate: grouped GEMMs not measured ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         d["h2d_bytes_per_s"], d["d2h_bytes_per_s"] = host_rates()
         d["gpu_bytes"] = float(torch.cuda.get_device_properties(0).total_memory)
-    idle, adam = cpu_adam_rate(world)
+    adam, busy = cpu_adam_rate(world)
     if rank == 0:
         d["cpu_adam_params_per_s"] = adam
-        d.setdefault("extra", {}).update(cpu_adam_threads=torch.get_num_threads(), cpu_adam_idle_params_per_s=idle)
+        d.setdefault("extra", {}).update(
+            cpu_adam_threads=torch.get_num_threads(), cpu_adam_with_copies_params_per_s=busy
+        )
     if world > 1:
         links = collectives(world, local)
         for k, pts in links.items():

@@ -338,3 +338,18 @@ def test_auto_reads_the_plans_budget_and_chunk_size():
     assert 0 < auto.allocated - cpu.allocated <= 20 * GIB
     shards = shard_chunks(bh.Plan(chunk_mb=1024, **kw), w)
     assert max(shards) <= 2**28 and len(shards) > len(shard_chunks(bh.Plan(**kw), w))
+
+
+def test_bf16_parameters_add_the_hosts_cast_to_the_offloaded_update():
+    """Under bf16 parameters the host casts each updated fp32 master to the bf16 copy the device
+    reads: the update costs ``HOST_CAST_SHARE`` more (here a CPU so slow that the backward hides
+    none of it, and the same copies either way)."""
+    from behemoth.planner.cost import HOST_CAST_SHARE
+
+    w = workload_for("gpt-125m", seq_len=256, global_batch=8)
+    slow = dataclasses.replace(CAL, cpu_adam_params_per_s=1e6)
+    c = Cluster(num_gpus=1, calibration=slow, gpu_bytes=80 * GIB, host_bytes=400 * GIB)
+    kw = dict(dp=1, zero=2, offload="cpu", precision="bf16")
+    fp32, bf16 = (predict(bh.Plan(**kw, param_dtype=d), w, c) for d in (None, "bf16"))
+    update = fp32.memory.host_optimizer_fraction * w.num_params / 1e6
+    assert bf16.offload - fp32.offload == pytest.approx(update * HOST_CAST_SHARE, rel=0.02)

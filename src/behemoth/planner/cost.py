@@ -123,6 +123,15 @@ def model_flops_per_token(w: Workload) -> float:
     return 6 * n + 6 * s.num_layers * s.hidden * w.seq_len
 
 
+HOST_CAST_SHARE = 6 / 28
+"""What an offloaded chunk's update costs beside the fused CPU AdamW under bf16 parameters, as a share
+of the update: the host casts the updated fp32 master to the bf16 copy the device reads (4 bytes read
+and 2 written an element, ``parallel/zero/staging.py``) at the memory bandwidth the update itself
+streams at (16 bytes read and 12 written an element). On one H200 host the update of a Llama-8B
+step's offloaded half took 1.43 s with bf16 parameters, 1.38 s for a larger share with fp32 ones
+(the fp32 rate: 3.6 G parameters/s, the idle calibration's)."""
+
+
 def _hide(comm: float, cover: float, frac: float = 1.0, slowdown: float = 0.0) -> float:
     """Exposed part of ``comm`` when up to ``frac`` of it can run under ``cover`` seconds of compute,
     the part that does costing that compute ``slowdown`` of its time (``Calibration.overlap_slowdown``)."""
@@ -411,7 +420,8 @@ def predict(
         # nearest three one-GPU offload rows: +9%, -1%, +5% against +31%, +19%, +26% summed and
         # -8%, -18%, -13% pipelined; chosen on those rows, not yet proved blind.)
         o = shard * on_host
-        last = o / cal.cpu_adam_params_per_s + max(o * 4 / cal.d2h_bytes_per_s, o * pb / cal.h2d_bytes_per_s)
+        update = o / cal.cpu_adam_params_per_s * (1.0 + (HOST_CAST_SHARE if pb == 2 else 0.0))
+        last = update + max(o * 4 / cal.d2h_bytes_per_s, o * pb / cal.h2d_bytes_per_s)
         # before it, at stages 2-3, each micro-batch adds on the device: the host's accumulator up on
         # one side stream while the previous chunk's sum goes down on another (parallel/zero/reduce.py)
         early = (m - 1) * o * 4 / min(cal.d2h_bytes_per_s, cal.h2d_bytes_per_s) if plan.zero >= 2 and pp == 1 else 0.0
