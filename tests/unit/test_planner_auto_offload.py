@@ -102,20 +102,27 @@ def test_auto_is_cpu_where_nothing_fits_and_none_where_everything_does():
     assert auto.host_optimizer_fraction == 1.0 and auto.host == pytest.approx(cpu.host, rel=0.03)
 
 
+def _auto_at_most_cpu_and_faster_as_the_gpu_grows(w, kw: dict, gpus: int, sizes: tuple[int, ...]) -> Cluster:
+    """'auto' against 'cpu' for ``Plan(**kw)`` on ``gpus`` GPUs of each size in ``sizes`` (GiB,
+    ascending): never slower, faster as the GPU grows, no offload work on the last (where
+    everything stays: the GPU's optimizer). Returns the last cluster."""
+    steps = []
+    for gb in sizes:
+        c = Cluster(num_gpus=gpus, calibration=CAL, gpu_bytes=gb * GIB, host_bytes=400 * GIB)
+        auto, cpu = predict(bh.Plan(offload="auto", **kw), w, c), predict(bh.Plan(offload="cpu", **kw), w, c)
+        assert auto.step <= cpu.step * (1 + 1e-12)
+        steps.append(auto.step)
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+    assert predict(bh.Plan(offload="auto", **kw), w, c).offload == 0
+    return c
+
+
 def test_auto_time_between_none_and_cpu_and_monotone_in_memory():
     """Offloading less never predicts a slower step: 'auto' at most 'cpu', equal where it keeps
     nothing, and faster as the GPU grows."""
     w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
     kw = dict(dp=1, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8)
-    steps = []
-    for gb in (40, 60, 80, 100, 120, 140, 200, 300):
-        c = Cluster(num_gpus=1, calibration=CAL, gpu_bytes=gb * GIB, host_bytes=400 * GIB)
-        auto, cpu = predict(bh.Plan(offload="auto", **kw), w, c), predict(bh.Plan(offload="cpu", **kw), w, c)
-        assert auto.step <= cpu.step * (1 + 1e-12)
-        steps.append(auto.step)
-    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
-    # at 300 GiB everything stays: no offload work, the GPU's optimizer
-    assert predict(bh.Plan(offload="auto", **kw), w, c).offload == 0
+    c = _auto_at_most_cpu_and_faster_as_the_gpu_grows(w, kw, 1, (40, 60, 80, 100, 120, 140, 200, 300))
     # keeping nothing costs what 'cpu' costs
     mem = plan_memory(bh.Plan(offload="cpu", **kw), w, c)
     forced = predict(bh.Plan(offload="auto", **kw), w, c, memory=dataclasses.replace(mem))
@@ -247,14 +254,7 @@ def test_pipeline_auto_time_at_most_cpu_and_monotone_in_memory():
     as the GPU grows, no offload work where everything stays."""
     w = workload_for("gpt-13b", seq_len=2048, global_batch=8)
     kw = dict(pp=2, zero=3, precision="bf16", activation_checkpointing=True, microbatches=8)
-    steps = []
-    for gb in (30, 40, 60, 80, 100, 140, 200):
-        c = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=gb * GIB, host_bytes=400 * GIB)
-        auto, cpu = predict(bh.Plan(offload="auto", **kw), w, c), predict(bh.Plan(offload="cpu", **kw), w, c)
-        assert auto.step <= cpu.step * (1 + 1e-12)
-        steps.append(auto.step)
-    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
-    assert predict(bh.Plan(offload="auto", **kw), w, c).offload == 0
+    _auto_at_most_cpu_and_faster_as_the_gpu_grows(w, kw, 2, (30, 40, 60, 80, 100, 140, 200))
     # a device whose budget holds no chunk on any rank: every rank offloads everything, as 'cpu'
     tight = Cluster(num_gpus=2, calibration=CAL, gpu_bytes=12 * GIB, host_bytes=400 * GIB)
     auto = plan_memory(bh.Plan(offload="auto", **kw).resolve(2), w, tight)
