@@ -25,7 +25,8 @@ The result is a :class:`~.footprint.Footprint` with the kept model data on the G
 chunks' host memory by the runtime's rule, and the fractions of the shard whose optimizer runs on the
 host and whose parameters are fetched from it, which the cost model charges (:func:`.cost.predict`).
 
-Tested in tests/unit/test_planner_auto_offload.py.
+Tested in tests/unit/test_planner_auto_offload.py, and against the runtime on gloo ranks (with and without a
+pipeline) in tests/dist/test_planner_auto_split.py.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .params import stage_layers
 from .workload import Workload
 from .zero3_traffic import final_norm_index, rank_param_sizes
 
-__all__ = ["auto_refusal", "place_auto", "place_stages", "shard_chunks", "stage_chunks", "stage_params"]
+__all__ = ["auto_keep", "auto_refusal", "place_auto", "place_stages", "shard_chunks", "stage_chunks", "stage_params"]
 
 ADAM_STATE = STATE_BYTES["AdamW"]
 
@@ -153,12 +154,14 @@ def shard_chunks(plan: Plan, w: Workload, stage: int = 0) -> list[int]:
     return [c.shard_size for c in stage_chunks(plan, w, stage).chunks]
 
 
-def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int = 0) -> object:
-    """``offloaded`` (the footprint of pipeline rank ``stage`` of ``plan`` with every chunk on the
-    host) with the chunks the runtime's split keeps moved back to the GPU."""
+def auto_keep(plan: Plan, w: Workload, cluster: Cluster, other: float, stage: int = 0) -> tuple[int, int] | None:
+    """``(keep_p, keep_o)``: how many chunks of pipeline rank ``stage`` of ``plan`` the runtime's split
+    keeps with their parameters, and with their master and optimizer state, on the GPU (a prefix,
+    in the order :func:`shard_chunks` gives), at ``Plan.offload_budget_gb`` or, where not given,
+    :func:`~behemoth.parallel.zero.placement.measured_budget` of ``other`` (the step's other data in
+    bytes). None where the host cannot hold what any split offloads (everything stays offloaded)."""
     z, cal = plan.zero, cluster.calibration
     pb = 2 if plan.param_dtype == "bf16" else 4
-    other = offloaded.allocated - (offloaded.params if z < 3 else 0.0)
     chunks = stage_chunks(plan, w, stage).chunks
     shards = [c.shard_size for c in chunks]
     given = plan.offload_budget_gb
@@ -166,8 +169,8 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int 
     if z == 3 and len(shards) > 1 and budget <= max(shards) * pb:  # the split's one choice: nothing kept
         # (no prefix and the fetch buffer fit where the budget is the largest chunk's), if the host holds it
         if sum(split_costs(shards, ADAM_STATE, pb)[2]) > int(cluster.host_bytes):
-            return offloaded
-        return _kept(plan, offloaded, chunks, 0, 0)
+            return None
+        return 0, 0
     try:
         keep_p, keep_o, _ = chunk_split(
             z,
@@ -180,9 +183,19 @@ def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int 
             host_budget_bytes=int(cluster.host_bytes),
             resident_bytes=sum(c.size for c in chunks) * pb if z < 3 else 0,  # stages 1-2: whole parameters
         )
-    except ValueError:  # the host cannot hold what any split offloads: everything stays offloaded
+    except ValueError:  # the host cannot hold what any split offloads
+        return None
+    return keep_p, keep_o
+
+
+def place_auto(plan: Plan, w: Workload, cluster: Cluster, offloaded, stage: int = 0) -> object:
+    """``offloaded`` (the footprint of pipeline rank ``stage`` of ``plan`` with every chunk on the
+    host) with the chunks the runtime's split keeps (:func:`auto_keep`) moved back to the GPU."""
+    other = offloaded.allocated - (offloaded.params if plan.zero < 3 else 0.0)
+    keep = auto_keep(plan, w, cluster, other, stage)
+    if keep is None:
         return offloaded
-    return _kept(plan, offloaded, chunks, keep_p, keep_o)
+    return _kept(plan, offloaded, stage_chunks(plan, w, stage).chunks, *keep)
 
 
 def _kept(plan: Plan, offloaded, chunks, keep_p: int, keep_o: int) -> object:
