@@ -11,7 +11,7 @@ import behemoth as bh
 from behemoth.models import build_model
 from behemoth.parallel.zero.chunks import pack_chunks, search_chunk_size
 from behemoth.parallel.zero.placement import chunk_split, measured_budget
-from behemoth.planner.auto_offload import auto_refusal, place_stages, shard_chunks, stage_chunks
+from behemoth.planner.auto_offload import place_stages, shard_chunks, stage_chunks
 from behemoth.planner.bubble import ranks_inflight
 from behemoth.planner.calibration import load_calibration
 from behemoth.planner.cluster import Cluster
@@ -298,14 +298,16 @@ def test_search_lists_auto_under_a_pipeline_and_experts():
     dense = workload_for("gpt-13b", seq_len=2048, global_batch=8)
     c = Cluster(num_gpus=2, calibration=CAL, host_bytes=512 * 2**30)
     r = search(dense, c, Limits(max_tp=1, max_cp=1, top=10000))
-    assert not any("costed" in why for why in r.refused)  # what auto_refusal gave
+    assert not any("costed" in why for why in r.refused)  # no layout refused for 'auto'
     assert any(
         p.plan.pp == 2 and p.plan.offload == "auto" and 0 < p.memory.host_optimizer_fraction < 1 for p in r.ranked
     )
     for p in r.ranked:  # every listed pipeline plan fits its memory, 'auto' within each rank's budget
         if p.plan.pp == 2 and p.plan.offload == "auto" and p.memory.host_optimizer_fraction < 1:
             assert p.memory.allocated <= 0.92 * c.memory_bytes - 2 * GIB
-    assert not auto_refusal("auto", 2, 2, workload_for("olmoe-tiny", seq_len=16, global_batch=8))
+    moe = workload_for("olmoe-tiny", seq_len=16, global_batch=8)
+    r = search(moe, Cluster(num_gpus=2, calibration=CAL), Limits(offloads=("auto",), max_pp=1, top=10000))
+    assert any(p.plan.ep == 2 and p.plan.offload == "auto" for p in r.ranked)
 
 
 def test_offloaded_micro_batches_cost_their_accumulate_copies():

@@ -45,7 +45,7 @@ from .params import stage_layers
 from .workload import Workload
 from .zero3_traffic import final_norm_index, rank_param_sizes
 
-__all__ = ["auto_keep", "auto_refusal", "place_auto", "place_stages", "shard_chunks", "stage_chunks", "stage_params"]
+__all__ = ["auto_keep", "place_auto", "place_stages", "shard_chunks", "stage_chunks", "stage_params"]
 
 ADAM_STATE = STATE_BYTES["AdamW"]
 
@@ -54,15 +54,6 @@ DENSE, EXPERT, MOE_TP = 0, 1, 2
 parameters over the data axis, the experts under expert parallelism over ``ep_dp`` (times tp under
 tensor parallelism), an MoE block's other parameters under tensor parallelism (the router, and the
 experts at ``ep = 1``) over the data axis times tp (``parallel/expert/style.py``'s ``expert_param_axes``)."""
-
-
-def auto_refusal(offload: str | None, pp: int, ep: int, w: Workload) -> str:
-    """Why the planner cannot cost ``offload='auto'`` for a plan of ``pp`` and ``ep`` (empty where it
-    can, or where ``offload`` is not ``'auto'``): none is left -- every pipeline rank places its own
-    chunks (:func:`place_stages`), and experts under expert parallelism are chunk groups of the one
-    store the split runs over (:func:`stage_params`). Kept as the search's and :func:`.footprint.
-    plan_memory`'s one question."""
-    return ""
 
 
 def stage_params(plan: Plan, w: Workload, stage: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .auto_offload import auto_refusal, place_auto, place_stages
+from .auto_offload import place_auto, place_stages
 from .bubble import ranks_inflight
 from .cluster import Cluster
 from .memory import zero_chunk_elements
@@ -289,7 +289,7 @@ def plan_memory(plan: Plan, w: Workload, cluster: Cluster, *, cache: dict | None
         if data is None:
             data = cache[key] = _model_data(plan, w, r)
         stages.append(_stage_terms(plan, w, mbs, inflight, r, data, blocks))
-    auto = plan.offload == "auto" and not auto_refusal("auto", plan.pp, plan.ep, w)
+    auto = plan.offload == "auto"
     if auto and plan.pp > 1:  # offload='auto' under a pipeline: each rank splits its own chunks at its own budget
         offloaded = [Footprint(p, g, o, a, 0.0, h, sl, *fr) for p, g, o, a, h, sl, *fr in stages]
         placed = place_stages(plan, w, cluster, [r for r, _ in ranks], offloaded)

@@ -24,7 +24,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..plan import CP_MODES, SCHEDULES, TP_MODES, Plan
-from .auto_offload import auto_refusal
 from .cluster import Cluster
 from .context_traffic import tp_attention_split
 from .cost import Prediction, predict
@@ -211,10 +210,6 @@ def search(w: Workload, cluster: Cluster, limits: Limits | None = None) -> Searc
                             fields.update(pv)
                             variants = []  # [offload, checkpointing, Plan's fields, the Plan], cheapest first
                             for off in limits.offloads:
-                                why = auto_refusal(off, pp, ep, w)
-                                if why:  # a layout's, not a micro-batch size's
-                                    res.refused[why] += 1
-                                    continue
                                 for ac in limits.activation_checkpointing:
                                     f = dict(fields, offload=off, activation_checkpointing=ac)
                                     if _legal(f, verdicts, res):
