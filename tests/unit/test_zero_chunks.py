@@ -9,6 +9,7 @@ import random
 import pytest
 
 from behemoth.parallel.zero import pack_chunks, search_chunk_size, zero_memory_bytes
+from behemoth.parallel.zero.chunks import least_padding
 
 
 def check_invariants(layout, sizes):
@@ -143,6 +144,41 @@ def test_search_default_candidates():
     assert row[128].padding_elements == 8 * (4 * 128 - 400)
     assert best == 800
     assert best <= sum(sizes) // 4
+
+
+def reference_search(sizes, dp, groups, candidates):
+    """The search written plainly: every candidate's layout built by ``pack_chunks``, the least
+    padding kept, ties to the larger size."""
+    table = []
+    for size in sorted(set(candidates)):
+        lay = pack_chunks(sizes, size, dp, groups=groups)
+        table.append((size, lay.num_chunks, lay.padding_elements, lay.total_elements))
+    best = min(table, key=lambda r: (r[2], -r[0]))[0]
+    return best, table
+
+
+def test_search_counts_the_layouts_pack_chunks_builds():
+    """On thousands of random models (zero-sized parameters, one to three groups of their own dp,
+    interleaved) the vectorised search counts, per candidate, the chunks and padding of the layout
+    ``pack_chunks`` builds, and picks what the plain search picks."""
+    rng = random.Random(2)
+    for _ in range(3000):
+        n = rng.randint(1, 40)
+        sizes = [rng.choice([0, 1, rng.randint(0, 60), rng.randint(0, 3000)]) for _ in range(n)]
+        num_groups = rng.randint(1, 3)
+        groups = [rng.randrange(num_groups) for _ in sizes]
+        dp = {g: rng.choice([1, 2, 3, 4, 7, 8]) for g in range(num_groups)}
+        largest = max(max(sizes), 1)
+        cands = [largest] + [rng.randint(largest, 3 * largest + 20) for _ in range(rng.randint(0, 12))]
+        best, table = reference_search(sizes, dp, groups, cands)
+        got, rows = search_chunk_size(sizes, dp, groups=groups, candidates=cands)
+        assert got == best
+        assert [(r.size, r.num_chunks, r.padding_elements) for r in rows] == [t[:3] for t in table]
+        assert [r.padding_pct for r in rows] == [100.0 * t[2] / t[3] for t in table]
+        present = {g: d for g, d in dp.items() if g in groups}
+        got, chunks, elements = least_padding(sizes, groups, present, sorted(set(cands)))
+        assert got == best
+        assert (chunks.tolist(), elements.tolist()) == ([t[1] for t in table], [t[3] for t in table])
 
 
 def model_sizes():

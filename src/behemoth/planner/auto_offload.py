@@ -34,10 +34,8 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-import numpy as np
-
 from ..parallel.zero.auto import STATE_BYTES
-from ..parallel.zero.chunks import pack_chunks
+from ..parallel.zero.chunks import chunk_candidates, least_padding, pack_chunks
 from ..parallel.zero.placement import chunk_split, measured_budget, split_costs
 from ..plan import Plan
 from .cluster import Cluster
@@ -99,26 +97,12 @@ def group_shards(plan: Plan) -> dict[int, int]:
 @lru_cache(maxsize=4096)
 def _layout(sizes: tuple[int, ...], groups: tuple[int, ...], shards: tuple[tuple[int, int], ...], fixed: int | None):
     """``pack_chunks`` at the size ``ZeroOptimizer._pack`` picks: ``fixed`` (``Plan.chunk_mb``'s), else
-    ``search_chunk_size``'s over its 256 candidates (the least padding summed over the groups, ties
-    to the larger), the candidates counted at once."""
+    ``search_chunk_size``'s over its candidates (the least padding summed over the groups, ties to
+    the larger; :func:`~behemoth.parallel.zero.chunks.least_padding`, as the runtime's search counts
+    them), packed once per parameters, groups and shard counts (a search asks again for every plan
+    sharing them)."""
     dps = {k: d for k, d in shards if k in groups}
-    if fixed is not None:
-        return pack_chunks(list(sizes), fixed, dps, groups=list(groups))
-    lo = max(max(sizes), 1)
-    hi = max(2 * lo, sum(sizes) // 32)
-    cands = np.array(sorted({lo + (hi - lo) * i // 255 for i in range(256)}), dtype=np.int64)
-    padding = np.zeros_like(cands)
-    for kind, d in dps.items():
-        cap = -(-cands // d) * d  # the group's chunk size: the size rounded up to its shard count
-        used, count, total = cap + 1, np.zeros_like(cands), 0
-        for n, k in zip(sizes, groups):
-            if k == kind:  # next fit: a parameter that does not fit opens the next chunk
-                new = used + n > cap
-                count += new
-                used = np.where(new, n, used + n)
-                total += n
-        padding += count * cap - total
-    chunk = int(cands[np.lexsort((-cands, padding))[0]])
+    chunk = least_padding(sizes, groups, dps, chunk_candidates(sizes))[0] if fixed is None else fixed
     return pack_chunks(list(sizes), chunk, dps, groups=list(groups))
 
 
@@ -126,18 +110,8 @@ def stage_chunks(plan: Plan, w: Workload, stage: int = 0):
     """Pipeline rank ``stage``'s chunk layout, as ``ZeroOptimizer`` packs it: every chunk group's
     chunks in the order they open (dense and expert chunks interleaved, one store)."""
     fixed = None if plan.chunk_mb is None else max(1, int(plan.chunk_mb * 2**20 // 4))
-    # what the rank's parameters and their groups depend on (a search asks again for every plan sharing it)
-    key = (w, plan.tp, plan.tp_mode, plan.tp_depth, plan.pp, plan.virtual_stages, plan.ep, plan.dp, plan.cp, stage)
-    got = _LAYOUTS.get(key + (fixed,))
-    if got is None:
-        if len(_LAYOUTS) > 4096:
-            _LAYOUTS.clear()
-        sizes, groups = stage_params(plan, w, stage)
-        got = _LAYOUTS[key + (fixed,)] = _layout(sizes, groups, tuple(group_shards(plan).items()), fixed)
-    return got
-
-
-_LAYOUTS: dict = {}
+    sizes, groups = stage_params(plan, w, stage)
+    return _layout(sizes, groups, tuple(group_shards(plan).items()), fixed)
 
 
 def shard_chunks(plan: Plan, w: Workload, stage: int = 0) -> list[int]:

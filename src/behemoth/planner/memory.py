@@ -19,9 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
-
-from ..parallel.zero.chunks import pack_chunks, search_chunk_size, zero_memory_bytes
+from ..parallel.zero.chunks import chunk_candidates, least_padding, pack_chunks, search_chunk_size, zero_memory_bytes
 from ..parallel.zero.placement import StaticSplit, chunk_split, explain_split
 
 __all__ = ["MemoryPlan", "memory_plan", "packed_layout", "zero_chunk_elements"]
@@ -122,22 +120,10 @@ def packed_layout(param_sizes: tuple[int, ...], chunk: int, dp: int):
 @lru_cache(maxsize=1024)
 def zero_chunk_elements(param_sizes: tuple[int, ...], dp: int) -> int:
     """The chunk size (elements) ZeRO picks for parameters of ``param_sizes`` sharded over ``dp``
-    ranks when ``Plan.chunk_mb`` is None: the least padding among 256 sizes from the largest
-    parameter up to 1/32 of the model or twice the largest (``ZeroOptimizer._pack`` in
+    ranks when ``Plan.chunk_mb`` is None: the least padding among
+    :func:`~behemoth.parallel.zero.chunks.chunk_candidates` (``ZeroOptimizer._pack`` in
     ``parallel/zero/optimizer.py``)."""
-    lo = max(max(param_sizes, default=1), 1)
-    hi = max(2 * lo, sum(param_sizes) // 32)
-    cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+    cands = chunk_candidates(param_sizes)
     if not param_sizes or min(param_sizes) < 0 or dp < 1:  # search_chunk_size's checks and errors
         return search_chunk_size(list(param_sizes), dp, candidates=cands)[0]
-    # search_chunk_size's greedy packing (pack_chunks') and choice (least padding, ties to the
-    # larger size), for all candidates at once
-    sizes = np.array(cands, dtype=np.int64)
-    cap = -(-sizes // dp) * dp  # each candidate rounded up to the shard count
-    used, count = cap + 1, np.zeros_like(cap)
-    for n in param_sizes:  # next fit: a parameter that does not fit opens the next chunk
-        new = used + n > cap
-        count += new
-        used = np.where(new, n, used + n)
-    padding = count * cap - sum(param_sizes)
-    return int(sizes[np.lexsort((-sizes, padding))[0]])
+    return least_padding(param_sizes, (0,) * len(param_sizes), {0: dp}, cands)[0]

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
-
+from ..parallel.zero.chunks import chunk_candidates, least_padding, pack_chunks
 from ..plan import Plan
 from .params import weight_split
 from .workload import Workload
@@ -102,16 +101,7 @@ def chunk_shard_elements(plan: Plan, w: Workload) -> tuple[int, int]:
     parallelism). Without a pipeline."""
     sizes, kinds = rank_param_sizes(plan, w)
     g = plan.dp * plan.cp
-    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[1:3]
-
-
-def chunk_elements(plan: Plan, w: Workload) -> int:
-    """The chunk size (elements, before rounding to the shard count) the runtime picks for one rank
-    of ``plan`` without a pipeline: :func:`.memory.zero_chunk_elements`'s search, here for all its
-    candidates at once (one chunk group: a dense model, or experts at ``ep = 1``)."""
-    sizes, kinds = rank_param_sizes(plan, w)
-    g = plan.dp * plan.cp
-    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[3]
+    return _packed(sizes, kinds, g, max(g // plan.ep, 1), final_norm_index(w, len(sizes)))[1:]
 
 
 def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> int:
@@ -119,35 +109,16 @@ def _resident(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: 
 
 
 @lru_cache(maxsize=4096)
-def _packed(
-    sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int
-) -> tuple[int, int, int, int]:
+def _packed(sizes: tuple[int, ...], kinds: tuple[int, ...], g: int, expert_g: int, tail: int) -> tuple[int, int, int]:
     """(the dense group's parameters in its chunks from the one holding parameter ``tail`` to the
-    last, the dense shard's elements, the expert shard's, the chunk size picked):
-    ``pack_chunks`` at the size ``search_chunk_size`` picks (least padding, ties to the larger),
-    both run for all 256 candidates at once (the search costs this for every layout it ranks)."""
-    lo = max(max(sizes), 1)
-    hi = max(2 * lo, sum(sizes) // 32)
-    cands = np.array(sorted({lo + (hi - lo) * i // 255 for i in range(256)}), dtype=np.int64)
-    padding = np.zeros_like(cands)
-    last, shards = None, {}
-    for kind in dict.fromkeys(kinds):
-        d = g if kind == 0 else expert_g
-        cap = -(-cands // d) * d  # each group's chunk size: the size rounded up to its shard count
-        used, count, total = cap + 1, np.zeros_like(cands), 0
-        start = np.zeros_like(cands)  # parameters before the open chunk
-        for i, (n, k) in enumerate(zip(sizes, kinds)):
-            if k == kind:  # next fit: a parameter that does not fit opens the next chunk
-                new = used + n > cap
-                count += new
-                start = np.where(new, total, start)
-                used = np.where(new, n, used + n)
-                total += n
-            if i == tail and kind == 0:
-                last = start
-        padding += count * cap - total
-        shards[kind] = count * cap // d
-        if kind == 0:
-            last = total - last
-    best = np.lexsort((-cands, padding))[0]
-    return int(last[best]), int(shards[0][best]), int(shards[1][best]) if 1 in shards else 0, int(cands[best])
+    last, the dense shard's elements, the expert shard's): ``pack_chunks`` at the size
+    ``search_chunk_size`` picks over ``ZeroOptimizer``'s candidates (least padding, ties to the
+    larger; :func:`~behemoth.parallel.zero.chunks.least_padding`, as the runtime's search counts
+    them)."""
+    dps = {k: g if k == 0 else expert_g for k in dict.fromkeys(kinds)}
+    chunk = least_padding(sizes, kinds, dps, chunk_candidates(sizes))[0]
+    layout = pack_chunks(list(sizes), chunk, dps, groups=list(kinds))
+    dense = layout.group_chunks(0)
+    first = next(i for i, c in enumerate(dense) if tail in c.params)
+    shards = {k: sum(c.size for c in layout.group_chunks(k)) // d for k, d in dps.items()}
+    return sum(c.used for c in dense[first:]), shards[0], shards.get(1, 0)

@@ -3,13 +3,15 @@
 Implements the chunk layout of Colossal-AI's Gemini / the Elixir paper (Huang et al., 2022):
 parameters, in execution order, are packed greedily into fixed-size chunks so a chunk can be
 gathered, reduce-scattered, moved between GPU and CPU and evicted as one contiguous buffer.
-Pure functions of ints (no torch, no process group):
+Pure functions of ints (no torch, no process group; numpy counts the search's candidates at once):
 
 * :func:`pack_chunks` -- the layout: per parameter its chunk and offset, per chunk its size,
   used elements and padding, per rank its shard ``(offset, length)`` of every chunk;
 * :func:`pack_buckets` -- the layout of plain data parallelism (ZeRO stage 0): unsharded chunks
   of about a bucket size each, exactly as large as their parameters (no padding);
-* :func:`search_chunk_size` -- the pre-run search: the chunk size with the least padding;
+* :func:`search_chunk_size` -- the pre-run search: the chunk size with the least padding
+  (:func:`least_padding`: the search itself, every candidate at once; :func:`chunk_candidates`:
+  the sizes ``ZeroOptimizer`` searches);
 * :func:`zero_memory_bytes` -- per-rank bytes of parameters, gradients, master weights and
   optimizer state under ZeRO stage 0-3, padding included.
 
@@ -34,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = [
     "Chunk",
     "ParamSlot",
@@ -42,6 +46,8 @@ __all__ = [
     "pack_buckets",
     "pack_chunks",
     "search_chunk_size",
+    "least_padding",
+    "chunk_candidates",
     "ChunkSizeRow",
     "ZeroMemory",
     "zero_memory_bytes",
@@ -342,26 +348,54 @@ def search_chunk_size(
     grp = [0] * len(sizes) if groups is None else list(groups)
     pack_chunks(sizes, min(cand), dp, groups=groups)  # the arguments' checks, once
     dps = _resolve_dp(dp, grp if (grp or isinstance(dp, Mapping)) else [0])
-    table = []
-    for size in sorted(cand):
-        num_chunks, total = _packed_counts(sizes, grp, {g: round_up(size, d) for g, d in dps.items()})
-        padding = total - sum(sizes)
-        table.append(ChunkSizeRow(size, num_chunks, padding, 100.0 * padding / total if total else 0.0))
-    best = min(table, key=lambda r: (r.padding_elements, -r.size))
-    return best.size, table
+    cand = sorted(cand)
+    best, num_chunks, elements = least_padding(sizes, grp, dps, cand)
+    params = sum(sizes)
+    table = [
+        ChunkSizeRow(size, n, total - params, 100.0 * (total - params) / total if total else 0.0)
+        for size, n, total in zip(cand, num_chunks.tolist(), elements.tolist())
+    ]
+    return best, table
 
 
-def _packed_counts(sizes: Sequence[int], groups: Sequence[int], group_size: Mapping[int, int]) -> tuple[int, int]:
-    """``(chunks, elements)`` of :func:`pack_chunks`'s layout (the same greedy packing, per group,
-    in order), counted without building it: what :func:`search_chunk_size` compares."""
-    used: dict[int, int] = {}
-    chunks = total = 0
-    for n, g in zip(sizes, groups):
-        u = used.get(g)
-        if u is None or u + n > group_size[g]:
-            chunks, total, u = chunks + 1, total + group_size[g], 0
-        used[g] = u + n
-    return chunks, total
+def least_padding(
+    param_sizes: Sequence[int], groups: Sequence[int], dp: Mapping[int, int], candidates: Sequence[int]
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The search of :func:`search_chunk_size` without its checks, every candidate at once: ``(best,
+    chunks, elements)``, per candidate the number of chunks and their elements (padding included) of
+    :func:`pack_chunks`'s layout, counted without building it, and the candidate with the least
+    padding, ties to the larger. The caller guarantees what :func:`search_chunk_size` checks:
+    non-negative sizes, a size in ``dp`` for every group in ``groups`` (one per parameter), every
+    candidate at least the largest parameter.
+
+    Groups pack apart, so each group is counted alone: over its parameters' prefix sums, a chunk
+    that opens at parameter ``i`` takes every parameter up to the last ``j`` with
+    ``prefix[j] - prefix[i] <= cap`` (next fit: the first that does not fit opens the next chunk),
+    one ``searchsorted`` for all candidates per chunk opened."""
+    cands = np.asarray(candidates, dtype=np.int64)
+    chunks, elements = np.zeros_like(cands), np.zeros_like(cands)
+    for g, d in dp.items():
+        prefix = np.cumsum([0] + [n for n, k in zip(param_sizes, groups) if k == g], dtype=np.int64)
+        cap = -(-cands // d) * d  # the group's chunk size: the candidate rounded up to its shard count
+        end, start = len(prefix) - 1, np.zeros_like(cands)  # start: the parameters before the open chunk
+        count = np.zeros_like(cands)
+        while True:
+            opened = start < end
+            if not opened.any():
+                break
+            count += opened
+            start = np.searchsorted(prefix, prefix[start] + cap, side="right") - 1
+        chunks += count
+        elements += count * cap
+    return int(cands[np.lexsort((-cands, elements))[0]]), chunks, elements
+
+
+def chunk_candidates(param_sizes: Sequence[int]) -> list[int]:
+    """The sizes ``ZeroOptimizer`` searches when ``Plan.chunk_mb`` is None: 256 from the largest
+    parameter up to 1/32 of the model (or twice the largest), sorted, without repeats."""
+    lo = max(max(param_sizes, default=1), 1)
+    hi = max(2 * lo, sum(param_sizes) // 32)
+    return sorted({lo + (hi - lo) * i // 255 for i in range(256)})
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 from ... import comm
 from ...comm import Axis
 from .auto import FUSED_CPU, ChunkPlacement, raise_everywhere
-from .chunks import pack_buckets, pack_chunks, search_chunk_size
+from .chunks import chunk_candidates, pack_buckets, pack_chunks, search_chunk_size
 from .hooks import GatherHooks
 from .measure import memory_report, optimizer_state_bytes
 from .norm import GradNorm
@@ -218,9 +218,7 @@ class ZeroOptimizer:
         if chunk_mb is None:  # least padding among 256 sizes from the largest parameter up to 1/32 of the
             # model (or twice the largest): fine enough to place a model between GPU and host, to prefetch
             # and to overlap reductions (GPT-13B: 41 chunks, 0.5% padding)
-            lo = max(max(sizes, default=1), 1)
-            hi = max(2 * lo, sum(sizes) // 32)
-            cands = sorted({lo + (hi - lo) * i // 255 for i in range(256)})
+            cands = chunk_candidates(sizes)
             self.chunk_elems, self.chunk_table = search_chunk_size(sizes, dp, groups=groups, candidates=cands)
         else:
             self.chunk_elems = max(1, int(chunk_mb * 2**20 // 4))
