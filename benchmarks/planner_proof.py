@@ -195,8 +195,10 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     # offload='auto' places its chunks after a measured warm-up step and runs the next one on
     # probation: both untimed, and the memory read from the placement it keeps
     warmup = max(a.warmup, 2) if plan.offload == "auto" else a.warmup
-    times = []
+    times, retries = [], 0
     for i in range(warmup + a.steps):
+        if cuda and i == warmup:
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if cuda and plan.offload == "auto" and i == warmup:
             torch.cuda.reset_peak_memory_stats()
         injected = i == 0 and INJECT.get("rank", -1) in (-1, dist.get_rank())
@@ -212,12 +214,16 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     warm = sorted(times[warmup:])
     # the most any rank used (a pipeline's last stage holds the head and the logits); no figure on CPU
     used = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()] if cuda else [float("nan")] * 2
+    # the caching allocator's frees-and-retries in the timed steps (each synchronizes the device): a
+    # layout near the card's memory may lose time to them that no cost term holds
+    used.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0)
     peak = torch.tensor(used, device=dev, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return dict(
         measured_step_s=warm[len(warm) // 2],
         measured_alloc_gib=peak[0].item() / 2**30,
         measured_reserved_gib=peak[1].item() / 2**30,
+        alloc_retries=int(peak[2].item()),
         build_s=built,
         first_step_s=times[0],
         step_times_s=times,

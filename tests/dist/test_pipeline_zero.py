@@ -120,6 +120,9 @@ def _parity(family, zero, offload, schedule, v, opt, clip, cp=1, ac=False):
     assert_grad_norms_close(norms, want.grad_norms, what=what)
     assert_state_close(engine.full_state_dict(), want.state, what=what)
     assert_ranks_agree(losses, what)
+    if zero >= 2:  # the next step fills its whole gradient chunks beside no shard of the last step's
+        sync.start_step()
+        assert all(st.grad_acc is None and st.master.grad is None for st in sync.store.chunks), what
 
 
 def _low_precision():

@@ -175,9 +175,10 @@ def _kept(plan: Plan, offloaded, chunks, keep_p: int, keep_o: int) -> object:
     kept_o = float(sum(shards[:keep_o]))
     host_o, host_p = total - kept_o, (total - kept_p if z == 3 else 0.0)
     # a kept chunk: its parameters (stage 3; stages 1-2 keep every chunk's), its reduced gradient shard
-    # (but where the gradient chunk is that shard, already counted: a chunk of one replica at stage 1
-    # or under a pipeline, whose gradient chunks stay through the step) and its master and state
-    grads = 4.0 * sum(c.shard_size for c in chunks[:keep_o] if c.dp > 1 or (z >= 2 and plan.pp == 1))
+    # (but where the gradient chunk is that shard, already counted: a chunk of one replica at stage 1;
+    # and none under a pipeline at stages 2-3, whose step frees the last one before its gradient chunks
+    # fill) and its master and state
+    grads = 4.0 * sum(c.shard_size for c in chunks[:keep_o] if (plan.pp == 1 if z >= 2 else c.dp > 1))
     return dataclasses.replace(
         offloaded,
         params=offloaded.params + kept_p * pb,

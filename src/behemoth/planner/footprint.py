@@ -16,7 +16,8 @@ stage  GPU                                host (``offload='cpu'``)
 =====  ================================  ===================================
 
 Under pipeline parallelism ZeRO-2/3 reduce a stage's gradients once per step: the GPU holds the
-stage's full fp32 gradients (4 per parameter) during the step's backwards instead of 4/g.
+stage's full fp32 gradients (4 per parameter) during the step's backwards instead of 4/g, and no
+shard of the last step's (freed as the step starts).
 Without a pipeline, ZeRO-2 reduce-scatters each gradient chunk as the backward completes it,
 the full fp32 chunk kept until its reduction ends, at most 2 in flight (``parallel/zero/reduce.py``)
 beside the one filling, and the largest parameter's own gradient before its hook copies it in:
@@ -202,9 +203,9 @@ def _model_data(plan: Plan, w: Workload, r: int) -> tuple:
             # holds only the chunks in flight (below), not the shards (a 1x H200 proof of GPT-6.9B
             # measured 48.7 GiB where 95.4 were predicted with them)
             grads = 0.0
-    if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward,
-        # beside the reduced shards (on the host under offload; none beside a chunk of one replica)
-        grads = n * 4 + (0.0 if off else (shard - single_replica_elements(plan, w, n, layers)) * 4)
+    if z >= 2 and plan.pp > 1:  # a stage's gradients accumulate in full chunks until the step's last backward;
+        # the last step's shards are freed as the step starts, and each new one replaces a chunk as it is reduced
+        grads = n * 4
     elif z == 2 and not w.num_experts:  # the gradient chunks in flight and the one filling, a parameter's gradient
         # (a chunk of one replica reduces nothing: summed into its shard at once, none in flight; an
         # offloaded one lives until its copy down has read it: three kept, the count measured before)

@@ -18,8 +18,9 @@ data axis is launched at once, while the backward goes on, in one fixed order on
   backwards with other work and sum tied copies after the last one): as stage 1 -- the step's
   micro-batches accumulate in the gradient chunk, reduce-scattered once, on the last micro-batch --
   but the gradient chunk is freed as soon as its reduction is issued. Between steps a stage holds
-  only its gradient shards; during the step's backwards, its whole gradient (one reduction per
-  chunk per step instead of one per micro-batch).
+  only its gradient shards, freed on the device when the next step starts; during the step's
+  backwards, its whole gradient and no shard (one reduction per chunk per step instead of one per
+  micro-batch).
 
 A chunk whose replica axis has one member (one data rank; experts at ``ep`` = the world) reduces
 nothing: its gradient chunk becomes the shard's gradient the optimizer reads (``grad_acc``) as it
@@ -105,6 +106,15 @@ class GradReducer:
             st.reduced_once, st.norm_sq = False, None
             for p in st.params:
                 p.grad = None
+            if (
+                self.reduce_once
+                and self.stage >= 2
+                and st.grad_acc is not None
+                and st.grad_acc.device.type == self.device.type
+            ):
+                # a pipeline stage fills its whole gradient chunks before it reduces them: the last step's
+                # shards on the device would sit beside them (at one data rank, a second whole gradient)
+                st.grad_acc = st.master.grad = None
         self._fresh = {id(p) for st in self.store.chunks for p in st.params}
 
     def begin(self, sync: bool) -> None:
