@@ -184,6 +184,7 @@ def run_one(a, plan, dev, vocab: int) -> dict:
     model = build(a, dev, vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and plan.offload is None)
     engine = bh.boost(model, opt, plan)
+    LIVE_ENGINE[:] = [engine]  # for oom_census; run_guarded drops it
     sync()
     built = time.perf_counter() - t0
     g = torch.Generator(device=dev).manual_seed(engine.dp_rank)
@@ -304,7 +305,7 @@ def run_guarded(run, dev, key: str = "layout", agree_s: float = AGREE_S) -> tupl
     try:
         out = run()
     except torch.OutOfMemoryError as e:  # predicted to fit: a failure of the model, reported
-        err = "oom: " + str(e).splitlines()[0]
+        err = "oom: " + str(e).splitlines()[0] + oom_census()
         _drop(e)
     except (ValueError, NotImplementedError) as e:  # refused by bh.boost on every rank: a search bug
         err = "refused: " + str(e).splitlines()[0]
@@ -312,6 +313,7 @@ def run_guarded(run, dev, key: str = "layout", agree_s: float = AGREE_S) -> tupl
     except MemoryError as e:  # the host had less free memory for offloaded chunks than planned for
         err = "host memory: " + str(e).splitlines()[0]
         _drop(e)
+    LIVE_ENGINE.clear()
     said = agree(key, err, agree_s)
     free_memory()
     for pg in _process_groups():
@@ -325,6 +327,32 @@ def run_guarded(run, dev, key: str = "layout", agree_s: float = AGREE_S) -> tupl
         kind, _, msg = v.partition(": ")
         err = f"{kind}: rank {r} failed this layout: {msg}"
     return (None, err) if err else (out, "")
+
+
+LIVE_ENGINE: list = []
+"""The layout's engine while it runs (run_one sets it, run_guarded clears it): what :func:`oom_census` reads."""
+
+
+def oom_census() -> str:
+    """What the device held when a layout ran out of memory, appended to its error: the engine's
+    model data by kind (GiB) and the largest live allocations (GiB x count). An out-of-memory
+    layout predicted to fit then says which term the footprint missed."""
+    if not torch.cuda.is_available():
+        return ""
+    out = []
+    with contextlib.suppress(Exception):
+        model = LIVE_ENGINE[0].memory_report().get("cuda", {}) if LIVE_ENGINE else {}
+        out.append("model data GiB " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in model.items()))
+    with contextlib.suppress(Exception):
+        sizes: dict[float, int] = {}
+        for seg in torch.cuda.memory_snapshot():
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated":
+                    gib = round(block["size"] / 2**30, 2)
+                    sizes[gib] = sizes.get(gib, 0) + 1
+        top = sorted(sizes.items(), reverse=True)[:8]
+        out.append("largest live blocks GiB " + ", ".join(f"{g} x{n}" for g, n in top))
+    return (" | " + "; ".join(out)) if out else ""
 
 
 def _process_groups() -> list:
