@@ -262,16 +262,23 @@ class ChunkStore:
                 st.resident = True
             return
         _alloc(st.full)
+        axis = self.replica_axis(st)
         src = (
             st.low
             if st.low is not None
-            else st.low_host.to(self.device, non_blocking=True)
+            else st.low_host
             if st.low_host is not None
             else st.shard
             if st.shard is not None
-            else st.master.to(self.device, non_blocking=True)
+            else st.master
         )
-        handle = comm.all_gather_into(st.full, src, self.replica_axis(st), async_op=async_op)
+        if src.device != st.full.device:
+            if axis.trivial:  # one replica: the host's shard is the whole chunk, copied straight into it
+                st.full.copy_(src, non_blocking=True)  # (a device copy of it beside the chunk was one chunk more)
+                src = st.full
+            else:
+                src = src.to(self.device, non_blocking=True)
+        handle = comm.all_gather_into(st.full, src, axis, async_op=async_op)
         if async_op:
             st.pending = handle
         else:
