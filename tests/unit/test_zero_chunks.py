@@ -238,3 +238,14 @@ def test_pack_buckets_packs_from_the_last_parameter_like_ddp():
     assert pack_buckets([], 10).num_chunks == 0
     with pytest.raises(ValueError, match="bucket_size=0"):
         pack_buckets([1], 0)
+
+
+def test_least_padding_refuses_a_candidate_below_a_parameter_instead_of_looping():
+    import pytest
+
+    from behemoth.parallel.zero.chunks import least_padding
+
+    with pytest.raises(ValueError, match="below a parameter"):
+        least_padding([5, 10], [0, 0], {0: 1}, [6, 12])
+    best, chunks, elements = least_padding([5, 10], [0, 0], {0: 1}, [10, 15])
+    assert (best, chunks.tolist(), elements.tolist()) == (15, [2, 1], [20, 15])

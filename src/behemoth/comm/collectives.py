@@ -215,9 +215,9 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
     ``shard`` may be ``out``'s own slot (in place, as ZeRO stages 1-2 gather updated shards).
     Returns a handle with ``wait()`` when ``async_op``. Ledger: payload = ``out``, wire =
     ``(size-1)`` shards."""
-    if axis.trivial:
+    if axis.trivial:  # a copy, in stream order (from pinned host memory too: ZeRO-3's offloaded shards)
         if shard.data_ptr() != out.data_ptr():
-            out.copy_(shard)
+            out.copy_(shard, non_blocking=True)
         return AsyncCollective(None, axis, lambda: out) if async_op else out
     n = axis.size
     if out.numel() != n * shard.numel():

@@ -384,7 +384,10 @@ def least_padding(
             if not opened.any():
                 break
             count += opened
-            start = np.searchsorted(prefix, prefix[start] + cap, side="right") - 1
+            nxt = np.searchsorted(prefix, prefix[start] + cap, side="right") - 1
+            if (opened & (nxt <= start)).any():  # a parameter over a candidate: it would never advance
+                raise ValueError(f"least_padding: a candidate chunk size is below a parameter of group {g}")
+            start = nxt
         chunks += count
         elements += count * cap
     return int(cands[np.lexsort((-cands, elements))[0]]), chunks, elements

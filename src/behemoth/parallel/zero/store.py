@@ -272,12 +272,8 @@ class ChunkStore:
             if st.shard is not None
             else st.master
         )
-        if src.device != st.full.device:
-            if axis.trivial:  # one replica: the host's shard is the whole chunk, copied straight into it
-                st.full.copy_(src, non_blocking=True)  # (a device copy of it beside the chunk was one chunk more)
-                src = st.full
-            else:
-                src = src.to(self.device, non_blocking=True)
+        if src.device != st.full.device and not axis.trivial:  # one replica: the host's shard is the whole
+            src = src.to(self.device, non_blocking=True)  # chunk, copied straight into it (no device copy beside)
         handle = comm.all_gather_into(st.full, src, axis, async_op=async_op)
         if async_op:
             st.pending = handle
